@@ -1,0 +1,5 @@
+import sys
+
+from voiced.cli import main
+
+sys.exit(main())
