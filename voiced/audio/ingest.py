@@ -1,0 +1,138 @@
+"""Caller audio in any wire format -> 16 kHz int16 mono, cut into 20 ms frames.
+
+A caller may send chunks of any size; the decoder keeps the remainder between chunks so frames
+are always exactly FRAME_SAMPLES long, and counts the caller's own samples so every offset we
+report is in the caller's audio time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import soxr
+
+from voiced_client import g711
+
+RATE = 16000
+FRAME_MS = 20
+FRAME_SAMPLES = RATE * FRAME_MS // 1000  # 320
+MIN_RATE, MAX_RATE = 8000, 48000
+ENCODINGS = ("LINEAR16", "MULAW", "ALAW")
+
+
+class AudioFormatError(ValueError):
+    """Audio that does not match the declared format; the message says what to fix."""
+
+
+@dataclass(frozen=True)
+class Format:
+    encoding: str  # one of ENCODINGS
+    sample_rate: int
+
+    def validate(self, what: str = "audio format") -> None:
+        if self.encoding not in ENCODINGS:
+            raise AudioFormatError(
+                f"{what}: unknown encoding {self.encoding!r}; use one of {', '.join(ENCODINGS)}"
+            )
+        if not MIN_RATE <= self.sample_rate <= MAX_RATE:
+            raise AudioFormatError(
+                f"{what}: sample_rate_hz {self.sample_rate} is outside {MIN_RATE}..{MAX_RATE}; "
+                "set it to the rate of the audio you send (8000 for telephony, 16000 for desktop)"
+            )
+
+    @property
+    def bytes_per_sample(self) -> int:
+        return 2 if self.encoding == "LINEAR16" else 1
+
+
+def decode_pcm(data: bytes, encoding: str) -> np.ndarray:
+    """Wire bytes -> int16 samples (no resampling)."""
+    if encoding == "LINEAR16":
+        if len(data) % 2:
+            raise AudioFormatError(
+                f"LINEAR16 audio must be whole 16-bit samples, got a message of {len(data)} bytes "
+                "(an odd length); send an even number of bytes in every audio message"
+            )
+        return np.frombuffer(data, dtype="<i2").astype(np.int16, copy=False)
+    if encoding == "MULAW":
+        return g711.mulaw_decode(data)
+    if encoding == "ALAW":
+        return g711.alaw_decode(data)
+    raise AudioFormatError(f"unknown encoding {encoding!r}")
+
+
+def encode_pcm(pcm: np.ndarray, encoding: str) -> bytes:
+    """int16 samples -> wire bytes (no resampling)."""
+    if encoding == "LINEAR16":
+        return pcm.astype("<i2", copy=False).tobytes()
+    if encoding == "MULAW":
+        return g711.mulaw_encode(pcm)
+    if encoding == "ALAW":
+        return g711.alaw_encode(pcm)
+    raise AudioFormatError(f"unknown encoding {encoding!r}")
+
+
+def float_to_int16(x: np.ndarray) -> np.ndarray:
+    return (np.clip(x, -1.0, 1.0) * 32767.0).round().astype(np.int16)
+
+
+def int16_to_float(x: np.ndarray) -> np.ndarray:
+    return x.astype(np.float32) / 32768.0
+
+
+class Resampler:
+    """Streaming int16 resampler; a no-op at equal rates (the common 16 kHz desktop case)."""
+
+    def __init__(self, in_rate: int, out_rate: int):
+        self.in_rate, self.out_rate = in_rate, out_rate
+        self._stream = None if in_rate == out_rate else soxr.ResampleStream(in_rate, out_rate, 1, dtype="int16")
+
+    def __call__(self, pcm: np.ndarray, last: bool = False) -> np.ndarray:
+        if self._stream is None:
+            return pcm
+        return self._stream.resample_chunk(pcm, last=last)
+
+
+class FrameDecoder:
+    """Feeds wire chunks, returns whole 20 ms frames of 16 kHz int16 audio."""
+
+    def __init__(self, fmt: Format):
+        fmt.validate("input_format")
+        self.format = fmt
+        self._resample = Resampler(fmt.sample_rate, RATE)
+        self._pending = np.zeros(0, dtype=np.int16)
+        self.caller_samples = 0  # samples received, at the caller's rate
+
+    def feed(self, data: bytes) -> list[np.ndarray]:
+        pcm = decode_pcm(data, self.format.encoding)
+        self.caller_samples += len(pcm)
+        return self._frames(self._resample(pcm))
+
+    def flush(self) -> list[np.ndarray]:
+        """End of stream: drain the resampler and pad the last partial frame with silence."""
+        tail = self._resample(np.zeros(0, dtype=np.int16), last=True)
+        frames = self._frames(tail)
+        if len(self._pending):
+            frames.append(np.pad(self._pending, (0, FRAME_SAMPLES - len(self._pending))))
+            self._pending = self._pending[:0]
+        return frames
+
+    def _frames(self, pcm: np.ndarray) -> list[np.ndarray]:
+        if len(self._pending):
+            pcm = np.concatenate([self._pending, pcm])
+        n = len(pcm) // FRAME_SAMPLES
+        self._pending = pcm[n * FRAME_SAMPLES :]
+        return [pcm[i * FRAME_SAMPLES : (i + 1) * FRAME_SAMPLES] for i in range(n)]
+
+
+class FrameEncoder:
+    """16 kHz float32 audio from the engines -> the caller's output format, streaming."""
+
+    def __init__(self, fmt: Format):
+        fmt.validate("output_format")
+        self.format = fmt
+        self._resample = Resampler(RATE, fmt.sample_rate)
+
+    def encode(self, audio: np.ndarray, last: bool = False) -> bytes:
+        return encode_pcm(self._resample(float_to_int16(audio), last=last), self.format.encoding)

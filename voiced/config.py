@@ -1,0 +1,192 @@
+"""Daemon configuration: one TOML file, then `VOICED_*` environment variables, then flags.
+
+Every setting lives in a dataclass below; the TOML table is the section name and the environment
+variable is `VOICED_<SECTION>_<KEY>` (e.g. `VOICED_SERVER_LISTEN=0.0.0.0:50051`,
+`VOICED_ASR_MODEL=large-v3-turbo`). Unknown keys are errors, so a typo never silently does nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
+class ConfigError(ValueError):
+    """A configuration value that cannot be used; the message names the key and what to set."""
+
+
+@dataclass
+class ServerConfig:
+    listen: str = "127.0.0.1:50051"
+    max_sessions: int = 200
+    max_message_bytes: int = 4 * 1024 * 1024  # audio frames are tiny; AddVoice uploads are not
+    keepalive_time_ms: int = 20000
+    keepalive_timeout_ms: int = 10000
+    drain_seconds: float = 30.0  # how long SIGTERM waits for sessions to finish
+    auth_token: str = ""  # when set, callers send `authorization: Bearer <token>`
+    tls_cert: str = ""  # PEM files; both set: TLS
+    tls_key: str = ""
+    metrics_listen: str = ""  # e.g. 127.0.0.1:9090; empty: no metrics endpoint
+
+
+@dataclass
+class SegmentationConfig:
+    """Defaults for sessions that leave these unset (see voiced.segmenter)."""
+
+    vad_aggressiveness: int = 2
+    pre_roll_ms: int = 300
+    hangover_ms: int = 500
+    min_speech_ms: int = 100
+    max_utterance_ms: int = 30000
+
+
+@dataclass
+class ASRConfig:
+    model: str = "large-v3-turbo"  # a name (see `voiced models list`) or a path
+    backend: str = "auto"  # auto | torch | trtllm
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    dtype: str = ""  # empty: float16 on GPU, float32 on CPU
+    max_batch: int = 32
+    language: str = ""  # default for sessions; empty: detect
+    beam_size: int = 1
+    max_new_tokens: int = 0  # 0: the model's limit (half its text context)
+    no_speech_threshold: float = 0.6
+    logprob_threshold: float = -1.0
+    compression_ratio_threshold: float = 2.4
+    interim_interval_ms: int = 1000  # how often interim results are computed while speaking
+
+
+@dataclass
+class TTSConfig:
+    enabled: bool = True
+    model: str = "spark-tts-0.5b"
+    backend: str = "auto"
+    device: str = "auto"
+    dtype: str = ""
+    max_batch: int = 32
+    voice: str = ""  # default voice; empty: the engine's default preset
+    voices_dir: str = ""  # cloned voices; empty: <cache>/voices
+    first_chunk_tokens: int = 10
+    chunk_tokens: int = 25
+    max_seconds: float = 30.0
+    temperature: float = 0.8
+    top_k: int = 50
+    top_p: float = 0.95
+
+
+@dataclass
+class AgentConfig:
+    default: str = "echo"  # echo | openai | client | a plug-in's name
+    system_prompt: str = "You are a helpful voice assistant. Answer briefly, in plain spoken sentences."
+    openai_base_url: str = "http://127.0.0.1:8000/v1"
+    openai_api_key: str = ""
+    openai_model: str = "default"
+    openai_timeout_s: float = 30.0
+    max_history_turns: int = 20
+
+
+@dataclass
+class BargeInConfig:
+    enabled: bool = True
+    min_speech_ms: int = 300
+
+
+@dataclass
+class Config:
+    server: ServerConfig = field(default_factory=ServerConfig)
+    segmentation: SegmentationConfig = field(default_factory=SegmentationConfig)
+    asr: ASRConfig = field(default_factory=ASRConfig)
+    tts: TTSConfig = field(default_factory=TTSConfig)
+    agent: AgentConfig = field(default_factory=AgentConfig)
+    barge_in: BargeInConfig = field(default_factory=BargeInConfig)
+
+    def set(self, section: str, key: str, value: Any, source: str) -> None:
+        """Set one value with type coercion; `source` names where it came from for errors."""
+        table = getattr(self, section, None)
+        if table is None or not dataclasses.is_dataclass(table):
+            raise ConfigError(f"{source}: unknown section [{section}]; sections: {', '.join(SECTIONS)}")
+        types = typing.get_type_hints(type(table))
+        if key not in types:
+            known = ", ".join(f.name for f in dataclasses.fields(table))
+            raise ConfigError(f"{source}: unknown key {section}.{key}; [{section}] has: {known}")
+        setattr(table, key, _coerce(types[key], value, f"{source}: {section}.{key}"))
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return dataclasses.asdict(self)
+
+
+SECTIONS = [f.name for f in dataclasses.fields(Config)]
+
+
+def _coerce(kind: type, value: Any, where: str) -> Any:
+    try:
+        if kind is bool:
+            if isinstance(value, bool):
+                return value
+            text = str(value).strip().lower()
+            if text in ("1", "true", "yes", "on"):
+                return True
+            if text in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(value)
+        if kind is int:
+            if isinstance(value, bool):
+                raise ValueError(value)
+            return int(value)
+        if kind is float:
+            return float(value)
+        return str(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{where}: {value!r} is not a valid {kind.__name__}") from None
+
+
+def load_config(
+    path: str | os.PathLike | None = None,
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> Config:
+    """File, then environment, then `overrides` ({"section.key": value}, from flags)."""
+    config = Config()
+    env = os.environ if env is None else env
+    path = path or env.get("VOICED_CONFIG") or None
+    if path:
+        p = Path(path).expanduser()
+        if not p.is_file():
+            raise ConfigError(f"config file {p} does not exist")
+        try:
+            data = tomllib.loads(p.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{p}: not valid TOML: {e}") from None
+        for section, table in data.items():
+            if not isinstance(table, dict):
+                raise ConfigError(f"{p}: {section} must be a table ([{section}])")
+            for key, value in table.items():
+                config.set(section, key, value, str(p))
+    for name, value in env.items():
+        if not name.startswith("VOICED_") or name in _NOT_SETTINGS:
+            continue
+        rest = name[len("VOICED_") :].lower()
+        section = next((s for s in SECTIONS if rest.startswith(s + "_")), None)
+        if section is None:
+            continue  # other tools' variables (VOICED_CACHE, ...)
+        config.set(section, rest[len(section) + 1 :], value, f"environment {name}")
+    for dotted, value in (overrides or {}).items():
+        if value is None:
+            continue
+        section, key = dotted.split(".", 1)
+        config.set(section, key, value, "command line")
+    return config
+
+
+# Variables that share the prefix but are not config keys.
+_NOT_SETTINGS = {"VOICED_CONFIG", "VOICED_CACHE"}

@@ -1,0 +1,56 @@
+"""Prometheus metrics (served on `--metrics-listen`).
+
+One registry per server so tests can run several servers in a process. Latencies are histograms
+in seconds, as Prometheus expects.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0, 10.0)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.sessions_active = Gauge("voiced_sessions_active", "Streaming sessions open now", registry=r)
+        self.sessions_total = Counter(
+            "voiced_sessions_total", "Streaming sessions, by how they ended", ["outcome"], registry=r
+        )
+        self.utterances_total = Counter("voiced_utterances_total", "Utterances segmented", registry=r)
+        self.transcripts_dropped = Counter(
+            "voiced_transcripts_dropped_total", "Final transcripts dropped as hallucinations", registry=r
+        )
+        self.asr_latency = Histogram(
+            "voiced_asr_latency_seconds", "End of speech detected to final transcript sent",
+            buckets=LATENCY_BUCKETS, registry=r,
+        )
+        self.agent_latency = Histogram(
+            "voiced_agent_first_text_seconds", "End of speech to the agent's first text",
+            buckets=LATENCY_BUCKETS, registry=r,
+        )
+        self.tts_first_chunk = Histogram(
+            "voiced_tts_first_chunk_seconds", "Reply text handed to TTS to its first audio chunk",
+            buckets=LATENCY_BUCKETS, registry=r,
+        )
+        self.voice_to_voice = Histogram(
+            "voiced_voice_to_voice_seconds", "End of speech detected to the first reply audio sent",
+            buckets=LATENCY_BUCKETS, registry=r,
+        )
+        self.barge_ins = Counter("voiced_barge_ins_total", "Replies interrupted by the caller", registry=r)
+        self.engine_active = Gauge(
+            "voiced_engine_active_requests", "Requests queued or in a batch slot", ["engine"], registry=r
+        )
+        self.engine_pending = Gauge(
+            "voiced_engine_pending_requests", "Requests sessions are waiting on", ["engine"], registry=r
+        )
+        self.errors = Counter("voiced_errors_total", "Errors returned to callers", ["code"], registry=r)
+
+    def observe_engine(self, name: str, engine) -> None:
+        self.engine_active.labels(name).set(engine.active_requests())
+
+    def serve(self, listen: str):
+        host, _, port = listen.rpartition(":")
+        server, _thread = start_http_server(int(port), addr=host or "127.0.0.1", registry=self.registry)
+        return server

@@ -1,0 +1,209 @@
+"""Speech segmentation: 20 ms frames in, speech events and whole utterances out.
+
+AUTO mode runs webrtcvad on each frame. Speech starts once voiced frames add up to
+`min_speech_ms` without a gap longer than `max_gap_ms` (so a cough or a click never starts a
+turn), and the start is dated at the first of those voiced frames. Speech ends after `hangover_ms`
+of unvoiced frames. The utterance sent to recognition keeps `pre_roll_ms` before the start (first
+words are not clipped) and the hangover after the last voiced frame (last words are not dropped).
+Speech longer than `max_utterance_ms` is split into back-to-back utterances, since Whisper sees at
+most 30 s at a time.
+
+PUSH_TO_TALK mode ignores the VAD: utterances are exactly the spans between `talk_start()` and
+`talk_end()`.
+
+All offsets are in samples at 16 kHz from the first frame of the stream.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+import webrtcvad
+
+from voiced.audio.ingest import FRAME_MS, FRAME_SAMPLES, RATE
+
+MAX_WINDOW_MS = 30000  # Whisper's window
+
+
+@dataclass
+class SegmenterConfig:
+    mode: str = "auto"  # "auto" | "push_to_talk"
+    vad_aggressiveness: int = 2
+    pre_roll_ms: int = 300
+    hangover_ms: int = 500
+    min_speech_ms: int = 100
+    max_utterance_ms: int = MAX_WINDOW_MS
+    max_gap_ms: int = 60  # unvoiced frames tolerated inside the start trigger
+
+    def validate(self) -> None:
+        if self.mode not in ("auto", "push_to_talk"):
+            raise ValueError(f"segmentation mode {self.mode!r}: use auto or push_to_talk")
+        if not 0 <= self.vad_aggressiveness <= 3:
+            raise ValueError(f"vad_aggressiveness {self.vad_aggressiveness} is outside 0..3")
+        for name, lo, hi in (
+            ("pre_roll_ms", 0, 2000),
+            ("hangover_ms", FRAME_MS, 5000),
+            ("min_speech_ms", FRAME_MS, 5000),
+            ("max_utterance_ms", 1000, MAX_WINDOW_MS),
+        ):
+            value = getattr(self, name)
+            if not lo <= value <= hi:
+                raise ValueError(f"{name} {value} is outside {lo}..{hi}")
+        if self.pre_roll_ms + self.min_speech_ms >= self.max_utterance_ms:
+            raise ValueError("max_utterance_ms must be longer than pre_roll_ms + min_speech_ms")
+
+
+@dataclass
+class SpeechStarted:
+    offset: int  # sample where speech (or the push-to-talk span) starts
+
+
+@dataclass
+class SpeechEnded:
+    offset: int  # sample where the end was decided (last voiced frame + hangover in AUTO)
+
+
+@dataclass
+class Utterance:
+    audio: np.ndarray  # int16 at 16 kHz, pre-roll and trailing padding included
+    start: int  # first sample of speech (without pre-roll)
+    end: int  # sample where the utterance ends
+
+
+def frames_for(ms: int) -> int:
+    return max(1, -(-ms // FRAME_MS))
+
+
+class Segmenter:
+    def __init__(self, config: SegmenterConfig):
+        config.validate()
+        self.config = config
+        self._vad = webrtcvad.Vad(config.vad_aggressiveness)
+        self._pre_roll: deque[np.ndarray] = deque(maxlen=frames_for(config.pre_roll_ms) if config.pre_roll_ms else 1)
+        self._frames: list[np.ndarray] = []  # the utterance being collected
+        self._frame_index = 0  # frames seen so far
+        self.in_speech = False
+        self.speech_start = 0  # sample of the current speech's start
+        # AUTO start trigger
+        self._candidate: int | None = None  # frame index of the first voiced frame
+        self._candidate_frames: list[np.ndarray] = []
+        self._voiced_count = 0
+        self._last_voiced = -1
+        # AUTO end trigger
+        self._silence_run = 0
+        self._max_frames = frames_for(config.max_utterance_ms)
+
+    @property
+    def offset(self) -> int:
+        """Samples consumed so far."""
+        return self._frame_index * FRAME_SAMPLES
+
+    # ------------------------------------------------------------------ push to talk
+
+    def talk_start(self) -> list:
+        if self.in_speech:
+            return []
+        self.in_speech = True
+        self.speech_start = self.offset
+        self._frames = []
+        return [SpeechStarted(self.offset)]
+
+    def talk_end(self) -> list:
+        if not self.in_speech:
+            return []
+        return self._finish(self.offset)
+
+    # ------------------------------------------------------------------ frames
+
+    def push(self, frame: np.ndarray) -> list:
+        """One 20 ms frame (FRAME_SAMPLES int16) -> zero or more events / utterances."""
+        if self.config.mode == "push_to_talk":
+            out = []
+            if self.in_speech:
+                self._frames.append(frame)
+                if len(self._frames) >= self._max_frames:
+                    out = self._split(self.offset + FRAME_SAMPLES)
+            self._frame_index += 1
+            return out
+        voiced = self._vad.is_speech(frame.tobytes(), RATE)
+        index = self._frame_index
+        self._frame_index += 1
+        if self.in_speech:
+            return self._in_speech(frame, voiced)
+        return self._in_silence(frame, voiced, index)
+
+    def flush(self) -> list:
+        """End of stream: close an utterance in progress."""
+        if self.in_speech:
+            return self._finish(self.offset)
+        return []
+
+    def _in_silence(self, frame: np.ndarray, voiced: bool, index: int) -> list:
+        if voiced:
+            if self._candidate is None:
+                self._candidate = index
+                self._candidate_frames = []
+                self._voiced_count = 0
+            self._voiced_count += 1
+            self._last_voiced = index
+        if self._candidate is not None:
+            if not voiced and (index - self._last_voiced) * FRAME_MS > self.config.max_gap_ms:
+                # The burst was too short: return its frames to the pre-roll and forget it.
+                self._pre_roll.extend(self._candidate_frames)
+                self._pre_roll.append(frame)
+                self._candidate = None
+                return []
+            self._candidate_frames.append(frame)
+            if self._voiced_count * FRAME_MS >= self.config.min_speech_ms:
+                return self._start()
+            return []
+        self._pre_roll.append(frame)
+        return []
+
+    def _start(self) -> list:
+        self.in_speech = True
+        self.speech_start = self._candidate * FRAME_SAMPLES
+        pre_roll = list(self._pre_roll)[-frames_for(self.config.pre_roll_ms) :] if self.config.pre_roll_ms else []
+        self._frames = pre_roll + self._candidate_frames
+        self._pre_roll.clear()
+        self._candidate = None
+        self._candidate_frames = []
+        self._silence_run = 0
+        return [SpeechStarted(self.speech_start)]
+
+    def _in_speech(self, frame: np.ndarray, voiced: bool) -> list:
+        self._frames.append(frame)
+        self._silence_run = 0 if voiced else self._silence_run + 1
+        if self._silence_run * FRAME_MS >= self.config.hangover_ms:
+            return self._finish(self.offset)
+        if len(self._frames) >= self._max_frames:
+            return self._split(self.offset)
+        return []
+
+    def _finish(self, end: int) -> list:
+        audio = np.concatenate(self._frames) if self._frames else np.zeros(0, dtype=np.int16)
+        utterance = Utterance(audio=audio, start=self.speech_start, end=end)
+        self.in_speech = False
+        self._frames = []
+        self._silence_run = 0
+        self._pre_roll.clear()
+        return [SpeechEnded(end), utterance]
+
+    def _split(self, at: int) -> list:
+        # Speech goes on past the window: close this utterance and open the next one right here.
+        out = self._finish(at)
+        self.in_speech = True
+        self.speech_start = at
+        out.append(SpeechStarted(at))
+        return out
+
+    def current_audio(self) -> np.ndarray:
+        """The utterance collected so far (for interim results)."""
+        return np.concatenate(self._frames) if self._frames else np.zeros(0, dtype=np.int16)
+
+    @property
+    def speech_ms(self) -> int:
+        """How long the current speech has lasted (0 when silent); barge-in reads this."""
+        return (self.offset - self.speech_start) * 1000 // RATE if self.in_speech else 0
