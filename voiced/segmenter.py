@@ -25,6 +25,14 @@ import webrtcvad
 from voiced.audio.ingest import FRAME_MS, FRAME_SAMPLES, RATE
 
 MAX_WINDOW_MS = 30000  # Whisper's window
+# webrtcvad keeps saying "speech" for 100-200 ms after a voice stops (its own smoothing), which would
+# date every end of speech late. Frames quieter than about -55 dBFS are silence whatever it says.
+SILENCE_ENERGY = (0.0018 * 32768) ** 2 * FRAME_SAMPLES
+
+
+def _energy(frame: np.ndarray) -> float:
+    x = frame.astype(np.float32)
+    return float(np.dot(x, x))
 
 
 @dataclass
@@ -127,7 +135,7 @@ class Segmenter:
                     out = self._split(self.offset + FRAME_SAMPLES)
             self._frame_index += 1
             return out
-        voiced = self._vad.is_speech(frame.tobytes(), RATE)
+        voiced = self._vad.is_speech(frame.tobytes(), RATE) and _energy(frame) > SILENCE_ENERGY
         index = self._frame_index
         self._frame_index += 1
         if self.in_speech:

@@ -74,7 +74,7 @@ def encode_pcm(pcm: np.ndarray, encoding: str) -> bytes:
 
 
 def float_to_int16(x: np.ndarray) -> np.ndarray:
-    return (np.clip(x, -1.0, 1.0) * 32767.0).round().astype(np.int16)
+    return (np.clip(x, -1.0, 32767.0 / 32768.0) * 32768.0).round().astype(np.int16)
 
 
 def int16_to_float(x: np.ndarray) -> np.ndarray:
@@ -82,16 +82,23 @@ def int16_to_float(x: np.ndarray) -> np.ndarray:
 
 
 class Resampler:
-    """Streaming int16 resampler; a no-op at equal rates (the common 16 kHz desktop case)."""
+    """Streaming resampler; a no-op at equal rates (the common 16 kHz desktop case).
+
+    It works in float32 because soxr's float path gives the same samples whatever the chunking,
+    while its int16 path dithers: a streamed reply must equal the same reply converted whole.
+    """
 
     def __init__(self, in_rate: int, out_rate: int):
         self.in_rate, self.out_rate = in_rate, out_rate
-        self._stream = None if in_rate == out_rate else soxr.ResampleStream(in_rate, out_rate, 1, dtype="int16")
+        self._stream = None if in_rate == out_rate else soxr.ResampleStream(in_rate, out_rate, 1, dtype="float32")
 
-    def __call__(self, pcm: np.ndarray, last: bool = False) -> np.ndarray:
+    def __call__(self, audio: np.ndarray, last: bool = False) -> np.ndarray:
+        """int16 in -> int16 out; float32 in -> float32 out."""
         if self._stream is None:
-            return pcm
-        return self._stream.resample_chunk(pcm, last=last)
+            return audio
+        if audio.dtype == np.int16:
+            return float_to_int16(self._stream.resample_chunk(int16_to_float(audio), last=last))
+        return self._stream.resample_chunk(audio.astype(np.float32, copy=False), last=last)
 
 
 class FrameDecoder:
@@ -135,4 +142,4 @@ class FrameEncoder:
         self._resample = Resampler(RATE, fmt.sample_rate)
 
     def encode(self, audio: np.ndarray, last: bool = False) -> bytes:
-        return encode_pcm(self._resample(float_to_int16(audio), last=last), self.format.encoding)
+        return encode_pcm(float_to_int16(self._resample(audio, last=last)), self.format.encoding)
