@@ -104,11 +104,11 @@ def build_parser() -> argparse.ArgumentParser:
     ld.add_argument("--ramp", type=float, default=2.0, metavar="S", help="spread session starts over S seconds")
     ld.add_argument("--channels", type=int, default=0, help="HTTP/2 connections (default: one per 100 sessions)")
     ld.add_argument(
-        "--ended-lag-ms", type=float, default=None,
-        help="audio after SPEECH_ENDED's offset the server needs to decide (default: the effective hangover)",
+        "--started-lag-ms", type=float, default=None,
+        help="audio past SPEECH_STARTED's offset the server needs to decide (default: effective min_speech_ms)",
     )
-    ld.add_argument("--started-lag-ms", type=float, default=0.0,
-                    help="audio after SPEECH_STARTED's offset the server needs to decide (default 0)")
+    ld.add_argument("--ended-lag-ms", type=float, default=0.0,
+                    help="audio past SPEECH_ENDED's offset the server needs to decide (default 0)")
     ld.add_argument("--json", action="store_true", help="print the report as one JSON object")
     _add_session(ld)
     ld.set_defaults(func=cmd_load)

@@ -6,8 +6,12 @@ per session, frames serialised once and shared by every session, absolute-deadli
 What it measures, per session and event:
 - speech events: `arrival - sent(decisive frame)`, where the decisive frame is the one holding
   audio time `offset_ms + lag`, lag being how much audio past the offset the server must see before
-  it can decide (SPEECH_ENDED: the hangover, taken from the session's effective config unless given;
-  SPEECH_STARTED: 0 unless given). This is the server's processing delay, queueing included.
+  it can decide. The daemon dates SPEECH_ENDED at the decision itself (last voiced frame plus the
+  hangover), so its lag is 0, and SPEECH_STARTED at the first voiced frame, decided once
+  `min_speech_ms` of voiced frames have arrived, so its lag is the session's effective
+  min_speech_ms (a start whose voiced frames had gaps was decided a little later, so its delay
+  reads a little high: the SPEECH_ENDED figure is the exact one). Both lags can be overridden.
+  This is the server's processing delay, queueing included.
 - transcripts: the server's own `latency_ms` (end of speech -> result sent).
 - session start: config sent -> SessionStarted received.
 - client lateness: how late frames left against their schedule; when this grows, the client (not
@@ -49,8 +53,8 @@ class LoadConfig:
     gap_s: float = 1.0  # silence between repetitions, so that each repetition ends its utterances
     ramp_s: float = 2.0  # session starts are spread over this long
     channels: int = 0  # 0: one per SESSIONS_PER_CHANNEL sessions
-    started_lag_ms: float = 0.0
-    ended_lag_ms: float | None = None  # None: the effective hangover of each session
+    started_lag_ms: float | None = None  # None: the effective min_speech_ms of each session
+    ended_lag_ms: float = 0.0
     drain_timeout_s: float = 30.0  # after the last frame, how long the server may take to end
     metadata: tuple[tuple[str, str], ...] = ()
 
@@ -134,7 +138,7 @@ class _Session:
         self.frame_s = frame_s
         self.sent = array("d")  # monotonic send time of each frame
         self.config_sent = 0.0
-        self.ended_lag_ms = cfg.ended_lag_ms
+        self.started_lag_ms = cfg.started_lag_ms
 
     def decisive_frame(self, audio_ms: float) -> int:
         # The frame whose end reaches audio_ms; an offset on a boundary belongs to the frame before.
@@ -148,7 +152,7 @@ class _Session:
             started = event.speech.type == pb.SpeechActivity.SPEECH_STARTED
             name = "speech_started" if started else "speech_ended"
             report.events[name] += 1
-            lag = self.cfg.started_lag_ms if started else (self.ended_lag_ms or 0.0)
+            lag = (self.started_lag_ms or 0.0) if started else self.cfg.ended_lag_ms
             if self.sent:
                 at = self.sent[self.decisive_frame(event.speech.offset_ms + lag)]
                 report.delays_ms[name].append((now - at) * 1000.0)
@@ -160,8 +164,8 @@ class _Session:
         elif kind == "started":
             report.delays_ms["session_start"].append((now - self.config_sent) * 1000.0)
             seg = event.started.effective_config.segmentation
-            if self.ended_lag_ms is None:
-                self.ended_lag_ms = float(seg.hangover_ms) if seg.HasField("hangover_ms") else 0.0
+            if self.started_lag_ms is None:
+                self.started_lag_ms = float(seg.min_speech_ms) if seg.HasField("min_speech_ms") else 0.0
 
     async def run(self, channel: grpc.aio.Channel, method: str, cycle: list[bytes], config: bytes,
                   start_at: float, n_frames: int) -> None:
