@@ -15,6 +15,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
+from voiced.memory_plan import MemoryPlan, MemoryPlanError
+
+BACKENDS = ("auto", "torch", "trtllm")
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
@@ -102,6 +106,11 @@ class BargeInConfig:
 
 
 @dataclass
+class EnginesConfig:
+    dir: str = "engines"  # built TensorRT-LLM engines: <dir>/<model>/ with a manifest.json
+
+
+@dataclass
 class Config:
     server: ServerConfig = field(default_factory=ServerConfig)
     segmentation: SegmentationConfig = field(default_factory=SegmentationConfig)
@@ -109,6 +118,8 @@ class Config:
     tts: TTSConfig = field(default_factory=TTSConfig)
     agent: AgentConfig = field(default_factory=AgentConfig)
     barge_in: BargeInConfig = field(default_factory=BargeInConfig)
+    engines: EnginesConfig = field(default_factory=EnginesConfig)
+    memory: MemoryPlan = field(default_factory=MemoryPlan)  # GPU memory fractions (voiced.memory_plan)
 
     def set(self, section: str, key: str, value: Any, source: str) -> None:
         """Set one value with type coercion; `source` names where it came from for errors."""
@@ -119,7 +130,19 @@ class Config:
         if key not in types:
             known = ", ".join(f.name for f in dataclasses.fields(table))
             raise ConfigError(f"{source}: unknown key {section}.{key}; [{section}] has: {known}")
-        setattr(table, key, _coerce(types[key], value, f"{source}: {section}.{key}"))
+        value = _coerce(types[key], value, f"{source}: {section}.{key}")
+        if type(table).__dataclass_params__.frozen:
+            setattr(self, section, dataclasses.replace(table, **{key: value}))
+        else:
+            setattr(table, key, value)
+
+    def validate(self) -> None:
+        try:
+            self.memory.validate()
+        except MemoryPlanError as e:
+            raise ConfigError(str(e)) from None
+        if self.asr.backend not in BACKENDS or self.tts.backend not in BACKENDS:
+            raise ConfigError(f"backend must be one of {', '.join(BACKENDS)}")
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)
@@ -180,6 +203,11 @@ def load_config(
         if section is None:
             continue  # other tools' variables (VOICED_CACHE, ...)
         config.set(section, rest[len(section) + 1 :], value, f"environment {name}")
+    # The memory plan's documented short names (VOICED_WHISPER_KV_FRACTION, ...).
+    try:
+        config.memory = config.memory.apply_env(env)
+    except MemoryPlanError as e:
+        raise ConfigError(str(e)) from None
     for dotted, value in (overrides or {}).items():
         if value is None:
             continue
@@ -190,3 +218,5 @@ def load_config(
 
 # Variables that share the prefix but are not config keys.
 _NOT_SETTINGS = {"VOICED_CONFIG", "VOICED_CACHE"}
+_NOT_SETTINGS |= {"VOICED_WHISPER_KV_FRACTION", "VOICED_WHISPER_CROSS_KV_FRACTION", "VOICED_TTS_KV_FRACTION",
+                  "VOICED_GPU_HEADROOM_FRACTION"}

@@ -1,0 +1,93 @@
+"""`voiced doctor`: what this machine has, what models are found, and the memory plan."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import platform
+import shutil
+from pathlib import Path
+
+from voiced.cli import CliError
+
+
+def register(sub) -> None:
+    p = sub.add_parser("doctor", help="check devices, models and the memory plan")
+    p.add_argument("--config", help="TOML config file (default: $VOICED_CONFIG)")
+    p.set_defaults(func=run)
+
+
+def _line(ok: bool | None, what: str, detail: str = "") -> None:
+    mark = {True: "ok  ", False: "FAIL", None: "--  "}[ok]
+    print(f"[{mark}] {what}" + (f": {detail}" if detail else ""))
+
+
+def run(args: argparse.Namespace) -> int:
+    import voiced
+    from voiced.config import ConfigError, load_config
+    from voiced.hub import cache_dir
+
+    problems = 0
+    print(f"voiced {voiced.__version__}, Python {platform.python_version()} on {platform.machine()}")
+    try:
+        config = load_config(args.config)
+        config.validate()
+        _line(True, "config", args.config or "defaults + environment")
+    except ConfigError as e:
+        _line(False, "config", str(e))
+        raise CliError("fix the configuration first") from None
+
+    # devices
+    free = None
+    if importlib.util.find_spec("torch") is None:
+        _line(False, "torch", "not installed: pip install 'voiced[torch]' (needed by the PyTorch engines)")
+        problems += 1
+    else:
+        import torch
+
+        _line(True, "torch", torch.__version__)
+        if torch.cuda.is_available():
+            for i in range(torch.cuda.device_count()):
+                f, total = torch.cuda.mem_get_info(i)
+                free = free if free is not None else f
+                _line(True, f"cuda:{i}", f"{torch.cuda.get_device_name(i)}, {f / 2**30:.1f} of {total / 2**30:.1f} GiB free")
+        else:
+            _line(None, "cuda", "no GPU visible: models run on the CPU (fine for tests and small models)")
+    trt = importlib.util.find_spec("tensorrt_llm") is not None
+    _line(None if not trt else True, "tensorrt_llm", "installed" if trt else "not installed (optional: the PyTorch backend is used)")
+
+    # models
+    cache = cache_dir()
+    print(f"model cache: {cache}")
+    for label, name, pull in (("ASR model", config.asr.model, config.asr.model),
+                              ("TTS model", config.tts.model, config.tts.model)):
+        if label == "TTS model" and not config.tts.enabled:
+            _line(None, label, "speech synthesis disabled")
+            continue
+        found = _find_model(name, cache)
+        if found:
+            _line(True, f"{label} {name}", str(found))
+        else:
+            _line(False, f"{label} {name}", f"not found; get it with `voiced models pull {pull}`")
+            problems += 1
+    engines = Path(config.engines.dir)
+    built = sorted(p.name for p in engines.glob("*/manifest.json")) if engines.is_dir() else []
+    _line(None, "TensorRT-LLM engines", ", ".join(built) if built else f"none under {engines}")
+
+    # memory plan
+    print()
+    print(config.memory.table(free))
+    for tool in ("espeak-ng", "sox"):
+        if shutil.which(tool) is None:
+            _line(None, tool, "not installed (only the tests use it)")
+    return 1 if problems else 0
+
+
+def _find_model(name: str, cache: Path) -> Path | None:
+    p = Path(name).expanduser()
+    if p.exists():
+        return p
+    for candidate in (cache / name, cache / f"{name}.pt", cache / "whisper" / f"{name}.pt", cache / name.lower()):
+        if candidate.exists():
+            return candidate
+    return None

@@ -1,0 +1,110 @@
+"""`voiced serve`: run the daemon."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+
+from voiced.cli import CliError
+
+log = logging.getLogger("voiced.serve")
+
+
+def register(sub) -> None:
+    p = sub.add_parser("serve", help="run the daemon", description=(
+        "Serve voiced.v1 over gRPC. Settings come from the config file, then VOICED_<SECTION>_<KEY> "
+        "environment variables, then these flags."))
+    p.add_argument("--config", help="TOML config file (default: $VOICED_CONFIG)")
+    p.add_argument("--listen", help="address to listen on (default 127.0.0.1:50051)")
+    p.add_argument("--asr-model", help="Whisper model: a name (see `voiced models list`) or a path")
+    p.add_argument("--tts-model", help="Spark-TTS model: a name or a path")
+    p.add_argument("--device", help="auto, cpu, cuda or cuda:N for both models (default auto)")
+    p.add_argument("--backend", choices=["auto", "torch", "trtllm"], help="engine backend for both models")
+    p.add_argument("--no-tts", action="store_true", help="listening only: no speech synthesis (transcription users)")
+    p.add_argument("--agent", help="default agent for sessions that name none: echo, openai, client or a plug-in")
+    p.add_argument("--max-sessions", type=int, help="concurrent streaming sessions before RESOURCE_EXHAUSTED")
+    p.add_argument("--metrics-listen", help="serve Prometheus metrics on HOST:PORT (default: off)")
+    p.set_defaults(func=run)
+
+
+def overrides(args: argparse.Namespace) -> dict:
+    out = {
+        "server.listen": args.listen,
+        "asr.model": args.asr_model,
+        "tts.model": args.tts_model,
+        "asr.device": args.device,
+        "tts.device": args.device,
+        "asr.backend": args.backend,
+        "tts.backend": args.backend,
+        "agent.default": args.agent,
+        "server.max_sessions": args.max_sessions,
+        "server.metrics_listen": args.metrics_listen,
+    }
+    if args.no_tts:
+        out["tts.enabled"] = False
+    return out
+
+
+def load_engines(services) -> None:
+    """Runs on a thread while health says NOT_SERVING."""
+    from voiced.engines.loader import load_asr, load_tts
+    from voiced.scheduler import EngineWorker
+
+    config = services.config
+    asr = load_asr(config)
+    services.asr = EngineWorker(asr, "asr")
+    log.info("ASR: %s on %s (%s backend)", asr.model_name, asr.device, asr.backend)
+    if config.tts.enabled:
+        tts = load_tts(config)
+        services.tts = EngineWorker(tts, "tts")
+        services.voices = tts.voices
+        log.info("TTS: %s on %s (%s backend)", tts.model_name, tts.device, tts.backend)
+
+
+def run(args: argparse.Namespace) -> int:
+    from voiced.config import ConfigError, load_config
+
+    try:
+        config = load_config(args.config, overrides=overrides(args))
+        config.validate()
+    except ConfigError as e:
+        raise CliError(str(e)) from None
+    if "cuda" in (config.asr.device, config.tts.device) or config.asr.device == "auto":
+        from voiced.engines.loader import gpu_memory, resolve_device
+
+        try:
+            mem = gpu_memory(resolve_device(config.asr.device))
+        except ValueError as e:
+            raise CliError(str(e)) from None
+        if mem is not None:
+            log.info("\n%s", config.memory.table(mem.free))
+    return asyncio.run(_serve(config))
+
+
+async def _serve(config) -> int:
+    from voiced.hub import DownloadError, ModelNotFoundError
+    from voiced.server import VoicedServer
+
+    server = VoicedServer(config, load=load_engines)
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await server.start()
+    except (ModelNotFoundError, DownloadError, FileNotFoundError, ValueError, OSError) as e:
+        await server.drain_and_stop(grace=0)
+        raise CliError(str(e)) from None
+    except Exception as e:  # engine errors and the like: one clear line, then out
+        from voiced.engines.base import EngineError
+
+        await server.drain_and_stop(grace=0)
+        if isinstance(e, EngineError):
+            raise CliError(str(e)) from None
+        raise
+    await stop.wait()
+    log.info("signal received: draining (up to %.0f s)", config.server.drain_seconds)
+    await server.drain_and_stop()
+    return 0

@@ -1,0 +1,85 @@
+"""Turning the daemon's config into running engines: device, backend and memory plan.
+
+This is the one place that decides where a model runs. The daemon calls `load_asr` / `load_tts`
+and gets objects that satisfy voiced.engines.base, whichever backend is behind them.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from voiced.config import ASRConfig, Config, TTSConfig
+from voiced.engines.backend import choose_backend
+
+log = logging.getLogger(__name__)
+
+
+def resolve_device(device: str) -> str:
+    """"auto" -> "cuda" when torch sees a GPU, else "cpu"."""
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} was asked for but torch sees no CUDA GPU; use --device cpu or auto")
+    if device != "cpu" and not device.startswith("cuda"):
+        raise ValueError(f"device {device!r}: use auto, cpu, cuda or cuda:N")
+    return device
+
+
+@dataclass
+class GpuMemory:
+    free: int
+    total: int
+
+
+def gpu_memory(device: str) -> GpuMemory | None:
+    if not device.startswith("cuda"):
+        return None
+    import torch
+
+    free, total = torch.cuda.mem_get_info(torch.device(device))
+    return GpuMemory(free, total)
+
+
+def engine_dir(config: Config, kind: str, model: str):
+    from pathlib import Path
+
+    root = Path(config.engines.dir).expanduser()
+    name = Path(model).name if "/" in model else model
+    return root / (f"whisper-{name}" if kind == "whisper" and not name.startswith("whisper") else name)
+
+
+def load_asr(config: Config):
+    c: ASRConfig = config.asr
+    backend = choose_backend(c.backend, "whisper", engine_dir(config, "whisper", c.model))
+    device = resolve_device(c.device)
+    mem = gpu_memory(device)
+    budgets = config.memory.budget_bytes(mem.free) if mem else {}
+    if backend == "trtllm":
+        from voiced.engines.trtllm.whisper_runner import TrtllmWhisperEngine
+
+        return TrtllmWhisperEngine.load(engine_dir(config, "whisper", c.model), plan=config.memory,
+                                        max_batch=c.max_batch)
+    from voiced.engines.whisper.engine import WhisperEngine
+
+    return WhisperEngine.load(c.model, device=device, dtype=c.dtype or None, max_batch=c.max_batch,
+                              kv_cache_bytes=(budgets["whisper_self"] + budgets["whisper_cross"]) if budgets else None)
+
+
+def load_tts(config: Config):
+    c: TTSConfig = config.tts
+    backend = choose_backend(c.backend, "spark-tts", engine_dir(config, "spark-tts", c.model))
+    device = resolve_device(c.device)
+    mem = gpu_memory(device)
+    budgets = config.memory.budget_bytes(mem.free) if mem else {}
+    from voiced.engines.spark.engine import SparkTTSEngine
+
+    kwargs = dict(device=device, dtype=c.dtype or None, max_batch=c.max_batch, voices_dir=c.voices_dir or None,
+                  kv_cache_bytes=budgets.get("tts"))
+    if backend == "trtllm":
+        from voiced.engines.trtllm.spark_runner import TrtllmSparkEngine
+
+        return TrtllmSparkEngine.load(engine_dir(config, "spark-tts", c.model), c.model, plan=config.memory, **kwargs)
+    return SparkTTSEngine.load(c.model, **kwargs)
