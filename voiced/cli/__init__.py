@@ -12,7 +12,7 @@ import logging
 import sys
 
 # Sub-command modules, in the order `voiced --help` lists them.
-COMMANDS = ["serve", "doctor", "transcribe", "models"]
+COMMANDS = ["serve", "doctor", "transcribe", "models", "engines"]
 
 
 def build_parser() -> argparse.ArgumentParser:

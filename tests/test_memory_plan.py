@@ -1,0 +1,96 @@
+"""The GPU memory plan: validation, overrides, executor fractions, PyTorch cache sizing."""
+
+from __future__ import annotations
+
+import pytest
+
+from voiced.memory_plan import ENV_VARS, KVShape, MemoryPlan, MemoryPlanError, kv_slots
+
+
+def test_defaults_are_valid_and_leave_headroom():
+    plan = MemoryPlan().validate()
+    assert plan.whisper_kv_fraction + plan.tts_kv_fraction <= 1 - plan.headroom_fraction
+
+
+def test_from_mapping_reads_the_toml_table_and_rejects_typos():
+    plan = MemoryPlan.from_mapping({"whisper_kv_fraction": 0.3, "tts_kv_fraction": "0.4"})
+    assert plan.whisper_kv_fraction == 0.3 and plan.tts_kv_fraction == 0.4
+    assert MemoryPlan.from_mapping(None) == MemoryPlan()
+    with pytest.raises(MemoryPlanError, match="unknown key.*whisper_kv_fracton.*valid keys"):
+        MemoryPlan.from_mapping({"whisper_kv_fracton": 0.3})
+    with pytest.raises(MemoryPlanError, match="tts_kv_fraction: expected a number"):
+        MemoryPlan.from_mapping({"tts_kv_fraction": "lots"})
+    with pytest.raises(MemoryPlanError, match="expected a number"):
+        MemoryPlan.from_mapping({"tts_kv_fraction": True})
+
+
+def test_environment_overrides():
+    env = {ENV_VARS["whisper_kv_fraction"]: "0.2", ENV_VARS["tts_kv_fraction"]: "0.5",
+           ENV_VARS["whisper_cross_kv_fraction"]: "0.3", "VOICED_UNRELATED": "x"}
+    plan = MemoryPlan().apply_env(env)
+    assert (plan.whisper_kv_fraction, plan.tts_kv_fraction, plan.whisper_cross_kv_fraction) == (0.2, 0.5, 0.3)
+    assert MemoryPlan().apply_env({}) == MemoryPlan()
+    assert "VOICED_WHISPER_KV_FRACTION" in ENV_VARS.values() and "VOICED_TTS_KV_FRACTION" in ENV_VARS.values()
+    with pytest.raises(MemoryPlanError, match="VOICED_TTS_KV_FRACTION='30'.*0.3.*not a percentage"):
+        MemoryPlan().apply_env({"VOICED_TTS_KV_FRACTION": "30"})
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"whisper_kv_fraction": 0.6, "tts_kv_fraction": 0.5}, r"sum to at most 0\.90"),
+        ({"whisper_kv_fraction": 1.2}, r"whisper_kv_fraction = 1\.2 must be in"),
+        ({"tts_kv_fraction": 0.0}, r"tts_kv_fraction = 0 must be in.*VOICED_TTS_KV_FRACTION"),
+        ({"whisper_cross_kv_fraction": 1.0}, r"whisper_cross_kv_fraction = 1 must be in \(0, 1\)"),
+        ({"headroom_fraction": 0.0}, r"headroom_fraction = 0 must be in"),
+    ],
+)
+def test_validation_says_what_is_wrong(changes, message):
+    with pytest.raises(MemoryPlanError, match=message):
+        MemoryPlan(**changes).validate()
+
+
+def test_validation_lists_every_problem():
+    with pytest.raises(MemoryPlanError) as e:
+        MemoryPlan(whisper_kv_fraction=2.0, whisper_cross_kv_fraction=0.0).validate()
+    text = str(e.value)
+    assert "whisper_kv_fraction" in text and "whisper_cross_kv_fraction" in text
+
+
+def test_executor_fractions_compensate_for_what_the_first_executor_took():
+    plan = MemoryPlan(whisper_kv_fraction=0.3, tts_kv_fraction=0.4)
+    f = plan.executor_fractions(("whisper", "tts"))
+    assert f["whisper"] == pytest.approx(0.3)
+    assert f["tts"] == pytest.approx(0.4 / 0.7)  # of the 70 % still free: 40 % of the original
+    free = 100.0
+    after_whisper = free * (1 - f["whisper"])
+    assert after_whisper * f["tts"] == pytest.approx(free * 0.4)
+    g = plan.executor_fractions(("tts", "whisper"))
+    assert g["tts"] == pytest.approx(0.4) and g["whisper"] == pytest.approx(0.5)
+    assert plan.executor_fractions(("tts",)) == {"tts": pytest.approx(0.4)}
+    with pytest.raises(ValueError, match="unknown model"):
+        plan.executor_fractions(("llm",))
+
+
+def test_table_shows_every_pool_and_gib_when_free_memory_is_known():
+    plan = MemoryPlan(whisper_kv_fraction=0.2, whisper_cross_kv_fraction=0.5, tts_kv_fraction=0.3)
+    text = plan.table(free_bytes=100 * 2**30)
+    for needle in ("Whisper self-attention KV", "Whisper cross-attention KV", "Spark-TTS LM KV", "headroom",
+                   "kv_cache_free_gpu_memory_fraction=0.2", "cross_kv_cache_fraction=0.5", "10.0", "30.0"):
+        assert needle in text
+    assert "GiB" not in plan.table()
+
+
+def test_pytorch_sizing_from_the_plan():
+    plan = MemoryPlan(whisper_kv_fraction=0.2, whisper_cross_kv_fraction=0.25, tts_kv_fraction=0.3)
+    b = plan.budget_bytes(80 * 2**30)
+    assert b["whisper_self"] + b["whisper_cross"] == int(80 * 2**30 * 0.2)
+    assert b["whisper_cross"] == int(int(80 * 2**30 * 0.2) * 0.25)
+    # Spark's Qwen2.5-0.5B: 24 layers, 2 KV heads of 64, bf16 -> 12 KiB per token.
+    qwen = KVShape(n_layers=24, n_kv_heads=2, head_dim=64, dtype_bytes=2)
+    assert qwen.bytes_per_token == 12288
+    slots = kv_slots(b["tts"], qwen, tokens_per_slot=2560)
+    assert slots == b["tts"] // (12288 * 2560)
+    assert kv_slots(10, qwen, 2560) == 0
+    with pytest.raises(ValueError):
+        kv_slots(10, qwen, 0)

@@ -1,0 +1,324 @@
+"""The Spark-TTS LM on TensorRT-LLM's executor, streaming semantic tokens to the PyTorch vocoder.
+
+Two layers:
+
+- ``TRTLLMSparkLM``: a stepped engine over a decoder-only executor. ``submit(id, SparkLMRequest)``
+  enqueues a *streaming* request (``Request(streaming=True)``; each response carries the tokens new
+  since the last one, tensorrt_llm/runtime/model_runner_cpp.py ``_stream``); ``step()`` yields
+  ``SemanticDelta``s: new global tokens (controllable voices emit 32 of them first) and new semantic
+  tokens, split by id range (DESIGN §6: globals 151665+i, semantics 155761+i, EOS <|im_end|> 151645).
+- ``TRTLLMSparkTTSEngine``: the TTSEngine the daemon schedules. It gets prompts and the BiCodec
+  vocoder from the Spark-TTS engine's host code (voiced/engines/spark/, PyTorch) through
+  ``SparkFrontend`` and turns deltas into ``AudioChunk``s.
+
+``load_spark_frontend`` is the single function that binds us to voiced/engines/spark/.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+from voiced.engines.base import AudioChunk, EngineError, EngineOutput, TTSRequest
+from voiced.engines.trtllm.executor import ExecutorLike, ExecutorLoop, Flight
+from voiced.memory_plan import MemoryPlan
+
+log = logging.getLogger(__name__)
+
+TOKENS_PER_SECOND = 50  # BiCodec: 320 samples at 16 kHz per semantic token
+N_GLOBAL_TOKENS = 32
+
+
+@dataclass(frozen=True)
+class SparkTokenLayout:
+    """Where the BiCodec tokens sit in the LM's vocabulary."""
+
+    global_base: int = 151665
+    n_global: int = 4096
+    semantic_base: int = 155761
+    n_semantic: int = 8192
+    eos: int = 151645  # <|im_end|>
+    pad: int = 151643  # <|endoftext|>
+
+    @classmethod
+    def from_added_tokens(cls, path: str | Path) -> SparkTokenLayout:
+        """Check the defaults against the checkpoint's added_tokens.json (DESIGN: check when loading)."""
+        table = json.loads(Path(path).read_text())
+        layout = cls()
+        expect = {
+            "<|bicodec_global_0|>": layout.global_base,
+            f"<|bicodec_global_{layout.n_global - 1}|>": layout.global_base + layout.n_global - 1,
+            "<|bicodec_semantic_0|>": layout.semantic_base,
+            f"<|bicodec_semantic_{layout.n_semantic - 1}|>": layout.semantic_base + layout.n_semantic - 1,
+            "<|im_end|>": layout.eos,
+        }
+        wrong = {k: (v, table.get(k)) for k, v in expect.items() if table.get(k) != v}
+        if wrong:
+            detail = ", ".join(f"{k}: expected {v}, found {got}" for k, (v, got) in wrong.items())
+            raise EngineError(f"{path} does not match Spark-TTS-0.5B's token layout ({detail})")
+        return layout
+
+    def split(self, ids: Sequence[int]) -> tuple[list[int], list[int], bool]:
+        """(global indices, semantic indices, saw EOS) for a run of generated ids."""
+        globals_, semantics = [], []
+        eos = False
+        for t in ids:
+            t = int(t)
+            if t == self.eos:
+                eos = True
+                break
+            if self.semantic_base <= t < self.semantic_base + self.n_semantic:
+                semantics.append(t - self.semantic_base)
+            elif self.global_base <= t < self.global_base + self.n_global:
+                globals_.append(t - self.global_base)
+            # anything else (stray text tokens, <|end_global_token|>, ...) carries no audio
+        return globals_, semantics, eos
+
+
+@dataclass
+class SparkLMRequest:
+    prompt_ids: list[int]
+    max_new_tokens: int  # LM budget: global tokens (controllable voices) + semantic tokens + EOS
+    max_semantic_tokens: int | None = None  # audio cap (50 per second); None: only max_new_tokens
+    temperature: float = 0.8
+    top_k: int = 50
+    top_p: float = 0.95
+    seed: int | None = None
+    priority: int = 0
+
+
+@dataclass
+class SemanticDelta:
+    """New tokens of one request since the previous delta (indices, not vocabulary ids)."""
+
+    global_ids: list[int]
+    semantic_ids: list[int]
+    total_semantic: int
+    done: bool
+    finish: str = ""  # "eos" | "length" | "cap" when done
+
+
+@dataclass
+class _LMState:
+    request: SparkLMRequest
+    semantic_count: int = 0
+
+
+class TRTLLMSparkLM(ExecutorLoop):
+    """Streaming semantic-token generation over a TensorRT-LLM decoder-only executor."""
+
+    def __init__(self, executor: ExecutorLike, tle: Any, *, max_batch_size: int, max_seq_len: int,
+                 layout: SparkTokenLayout | None = None, poll_timeout_s: float = 0.005) -> None:
+        super().__init__(executor, max_in_flight=max_batch_size, poll_timeout_s=poll_timeout_s)
+        self.tle = tle
+        self.max_seq_len = max_seq_len
+        self.layout = layout or SparkTokenLayout()
+
+    def submit(self, request_id: int, request: SparkLMRequest) -> None:  # type: ignore[override]
+        if not request.prompt_ids:
+            raise EngineError("empty prompt")
+        if len(request.prompt_ids) >= self.max_seq_len:
+            raise EngineError(f"prompt of {len(request.prompt_ids)} tokens does not fit the engine's "
+                              f"max_seq_len {self.max_seq_len}; use a shorter reference clip or text")
+        super().submit(request_id, _LMState(request), priority=request.priority)
+
+    def make_request(self, flight: Flight) -> Any:
+        st: _LMState = flight.payload
+        r = st.request
+        tle = self.tle
+        max_tokens = max(1, min(r.max_new_tokens, self.max_seq_len - len(r.prompt_ids)))
+        sampling = tle.SamplingConfig(1, top_k=r.top_k, top_p=r.top_p, temperature=r.temperature, seed=r.seed)
+        return tle.Request(
+            input_token_ids=list(r.prompt_ids),
+            max_tokens=max_tokens,
+            streaming=True,
+            sampling_config=sampling,
+            output_config=tle.OutputConfig(exclude_input_from_output=True),
+            end_id=self.layout.eos,
+            pad_id=self.layout.pad,
+        )
+
+    def on_result(self, flight: Flight, result: Any) -> list[EngineOutput]:
+        st: _LMState = flight.payload
+        # Streaming responses carry only the new tokens of beam 0.
+        new = list(result.output_token_ids[0]) if result.output_token_ids else []
+        g, s, eos = self.layout.split(new)
+        cap = st.request.max_semantic_tokens
+        room = len(s) if cap is None else max(0, cap - st.semantic_count)
+        capped = len(s) > room
+        s = s[:room]
+        st.semantic_count += len(s)
+        done = bool(result.is_final) or eos or capped
+        finish = ""
+        if done:
+            finish = "eos" if eos else ("cap" if capped else "length")
+        delta = SemanticDelta(g, s, st.semantic_count, done, finish)
+        return [EngineOutput(flight.request_id, delta, final=done)]
+
+
+# ------------------------------------------------------------------------- the TTS engine
+
+
+class VocoderStream(Protocol):
+    """One request's incremental BiCodec decode (voiced/engines/spark/, PyTorch)."""
+
+    def push(self, semantic_ids: Sequence[int], global_ids: Sequence[int]) -> list[np.ndarray]: ...
+
+    def finish(self) -> list[np.ndarray]: ...
+
+
+class SparkFrontend(Protocol):
+    """What the Spark-TTS engine's host code provides to this runner."""
+
+    sample_rate: int
+
+    def lm_request(self, request: TTSRequest) -> SparkLMRequest: ...
+
+    def open_stream(self, request: TTSRequest) -> VocoderStream: ...
+
+
+def load_spark_frontend(model_dir: str | Path, device: str = "cuda") -> SparkFrontend:
+    """The one place that binds us to voiced/engines/spark/ (prompt building, BiCodec, streaming).
+
+    It expects ``voiced.engines.spark.frontend.SparkFrontend(model_dir, device)`` providing
+    ``lm_request`` and ``open_stream`` as typed above.
+    """
+    try:
+        from voiced.engines.spark.frontend import SparkFrontend as _Frontend
+    except ImportError as e:
+        raise EngineError(
+            "the TensorRT-LLM Spark-TTS runner needs the Spark-TTS host code "
+            f"(voiced.engines.spark.frontend: prompts and the BiCodec vocoder): {e}"
+        ) from e
+    return _Frontend(model_dir, device=device)
+
+
+@dataclass
+class _Speech:
+    request: TTSRequest
+    stream: VocoderStream
+    sequence: int = 0
+    offset: int = 0
+    tokens: int = 0
+    pending: list[np.ndarray] = field(default_factory=list)
+
+
+class TRTLLMSparkTTSEngine:
+    """TTSEngine: LM on TensorRT-LLM, vocoder in PyTorch, both stepped by the owner thread."""
+
+    backend = "trtllm"
+    device = "cuda"
+
+    def __init__(self, lm: TRTLLMSparkLM, frontend: SparkFrontend, *, model_name: str = "Spark-TTS-0.5B") -> None:
+        self.lm = lm
+        self.frontend = frontend
+        self.model_name = model_name
+        self._speech: dict[int, _Speech] = {}
+
+    def submit(self, request_id: int, request: TTSRequest) -> None:
+        lm_req = self.frontend.lm_request(request)
+        # Cap the LM at the request's audio budget (50 semantic tokens per second).
+        cap = int(request.options.max_seconds * TOKENS_PER_SECOND)
+        lm_req.max_semantic_tokens = cap if lm_req.max_semantic_tokens is None else min(cap, lm_req.max_semantic_tokens)
+        budget = cap + N_GLOBAL_TOKENS + 2  # globals, the semantic cap, and room for <|im_end|>
+        lm_req.max_new_tokens = min(lm_req.max_new_tokens, budget) if lm_req.max_new_tokens else budget
+        self.lm.submit(request_id, lm_req)
+        self._speech[request_id] = _Speech(request, self.frontend.open_stream(request))
+
+    def cancel(self, request_id: int) -> None:
+        self.lm.cancel(request_id)
+        self._speech.pop(request_id, None)
+
+    def has_work(self) -> bool:
+        return self.lm.has_work() or bool(self._speech)
+
+    def active_requests(self) -> int:
+        return len(self._speech)
+
+    def step(self) -> list[EngineOutput]:
+        outputs: list[EngineOutput] = []
+        for out in self.lm.step():
+            sp = self._speech.get(out.request_id)
+            if sp is None:
+                continue
+            if out.error:
+                self._speech.pop(out.request_id, None)
+                outputs.append(out)
+                continue
+            delta: SemanticDelta = out.value
+            try:
+                chunks = sp.stream.push(delta.semantic_ids, delta.global_ids)
+                if delta.done:
+                    chunks += sp.stream.finish()
+            except Exception as e:
+                log.exception("vocoder failed for request %s", out.request_id)
+                if not delta.done:
+                    self.lm.cancel(out.request_id)
+                self._speech.pop(out.request_id, None)
+                outputs.append(EngineOutput(out.request_id, None, final=True, error=f"vocoder failed: {e}"))
+                continue
+            sp.tokens = delta.total_semantic
+            outputs.extend(self._emit(out.request_id, sp, chunks, last=delta.done))
+            if delta.done:
+                self._speech.pop(out.request_id, None)
+        return outputs
+
+    def _emit(self, rid: int, sp: _Speech, chunks: list[np.ndarray], last: bool) -> list[EngineOutput]:
+        chunks = [np.asarray(c, dtype=np.float32).reshape(-1) for c in chunks if c is not None]
+        chunks = [c for c in chunks if c.size] or ([np.zeros(0, np.float32)] if last else [])
+        outs = []
+        for i, c in enumerate(chunks):
+            is_last = last and i == len(chunks) - 1
+            outs.append(EngineOutput(rid, AudioChunk(c, sp.sequence, sp.offset, is_last, sp.tokens), final=is_last))
+            sp.sequence += 1
+            sp.offset += c.shape[0]
+        return outs
+
+    def shutdown(self) -> None:
+        self.lm.shutdown()
+
+
+def load_spark_lm(engine_dir: str | Path, plan: MemoryPlan, *, load_order: tuple[str, ...] = ("whisper", "tts"),
+                  max_batch_size: int | None = None, layout: SparkTokenLayout | None = None) -> TRTLLMSparkLM:
+    """Open engines/<name>/llm on the GPU with the plan's TTS fraction.
+
+    ``ModelRunnerCpp.from_dir(engine_dir, max_batch_size=..., kv_cache_free_gpu_memory_fraction=...)``
+    (tensorrt_llm/runtime/model_runner_cpp.py, 0.17 - 1.2); only its ``executor`` is kept.
+    """
+    from voiced.engines.trtllm import versions
+
+    info = versions.detect()
+    if not info.installed:
+        raise EngineError(versions.missing_message("the TensorRT-LLM Spark-TTS engine"))
+    if not info.engine_path:
+        raise EngineError(f"TensorRT-LLM {info.version} has no TensorRT engine runtime; use a release in "
+                          f"{versions.ENGINE_PATH_RELEASES} or --backend torch")
+    import tensorrt_llm.bindings.executor as tle
+    from tensorrt_llm.runtime import ModelRunnerCpp
+
+    llm_dir = Path(engine_dir) / "llm"
+    try:
+        build_cfg = json.loads((llm_dir / "config.json").read_text())["build_config"]
+    except FileNotFoundError:
+        raise EngineError(f"{llm_dir} has no config.json; build it with `voiced engines build spark-tts`") from None
+    plan.validate()
+    fraction = plan.executor_fractions(load_order)["tts"]
+    bs = max_batch_size or int(build_cfg["max_batch_size"])
+    runner = ModelRunnerCpp.from_dir(engine_dir=str(llm_dir), max_batch_size=bs,
+                                     kv_cache_free_gpu_memory_fraction=fraction)
+    return TRTLLMSparkLM(runner.executor, tle, max_batch_size=bs, max_seq_len=int(build_cfg["max_seq_len"]),
+                         layout=layout)
+
+
+def load_spark_tts_engine(engine_dir: str | Path, model_dir: str | Path, plan: MemoryPlan, **kw) -> TRTLLMSparkTTSEngine:
+    """The daemon's entry: LM engine from engines/<name>/, vocoder and prompts from the checkpoint."""
+    added = Path(model_dir) / "LLM" / "added_tokens.json"
+    layout = SparkTokenLayout.from_added_tokens(added) if added.is_file() else SparkTokenLayout()
+    lm = load_spark_lm(engine_dir, plan, layout=layout, **kw)
+    return TRTLLMSparkTTSEngine(lm, load_spark_frontend(model_dir))
