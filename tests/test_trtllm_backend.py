@@ -74,11 +74,11 @@ def test_trtllm_without_package_says_how_to_get_it(tmp_path, trtllm_missing):
 
 def test_trtllm_without_engine_names_the_build_command(tmp_path, trtllm_installed):
     with pytest.raises(BackendError, match=r"`voiced engines build whisper --model large-v3`"):
-        choose_backend("trtllm", "whisper", tmp_path / "whisper-large-v3-fp16")
+        choose_backend("trtllm", "whisper", tmp_path / "whisper-large-v3")
     with pytest.raises(BackendError, match=r"voiced engines build spark-tts"):
         choose_backend("trtllm", "spark-tts", None)
     with pytest.raises(BackendError, match=r"build whisper --model small"):
-        choose_backend("trtllm", "whisper", tmp_path / "whisper-small-fp16")
+        choose_backend("trtllm", "whisper", tmp_path / "whisper-small")
 
 
 def test_incomplete_or_foreign_engines_are_not_used(tmp_path, trtllm_installed, monkeypatch):

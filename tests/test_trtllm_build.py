@@ -53,7 +53,7 @@ def test_weight_only_quantization_goes_to_the_converter(tmp_path):
     opts = b.default_options("whisper", "small", weight_only="int4")
     convert = b.whisper_steps(opts, tmp_path / "small.pt", tmp_path, Path("c.py"))[0]
     assert flags(convert.argv)["--weight_only_precision"] == "int4" and "--use_weight_only" in convert.argv
-    assert opts.name == "whisper-small-fp16-woint4"
+    assert opts.name == "whisper-small"  # where the daemon looks (voiced/engines/loader.py)
 
 
 def test_spark_command_lines_follow_the_recipe(tmp_path):
@@ -67,7 +67,7 @@ def test_spark_command_lines_follow_the_recipe(tmp_path):
     assert (f["--gemm_plugin"], f["--gpt_attention_plugin"]) == ("bfloat16", "bfloat16")
     assert (f["--paged_kv_cache"], f["--remove_input_padding"]) == ("enable", "enable")
     assert (f["--max_input_len"], f["--max_seq_len"]) == ("1024", "2560")
-    assert opts.name == "spark-tts-0.5b-bf16"
+    assert opts.name == "Spark-TTS-0.5B"
 
 
 @pytest.mark.parametrize(
@@ -147,7 +147,7 @@ def test_build_skips_when_the_manifest_matches(tmp_path, whisper_checkpoint):
               runner=trtllm_build_outputs)
     first = b.build(opts, **kw)
     assert not first.skipped and trtllm_build_outputs.calls == 1
-    assert first.engine_dir == tmp_path / "engines" / "whisper-tiny-fp16"
+    assert first.engine_dir == tmp_path / "engines" / "whisper-tiny"
     m = b.Manifest.read(first.engine_dir)
     assert m.checkpoint_sha256 == b.hub.sha256_file(whisper_checkpoint) and m.trtllm_version == "1.0.0"
     assert any(c.startswith("trtllm-build") for c in m.commands)
@@ -199,7 +199,9 @@ def test_checkpoint_must_be_named_for_the_converter(tmp_path):
     spark = tmp_path / "Spark-TTS-0.5B"
     (spark / "LLM").mkdir(parents=True)
     (spark / "LLM" / "config.json").write_text("{}")
-    assert b.fetch_checkpoint(b.default_options("spark-tts"), spark) == spark / "LLM"
+    assert b.fetch_checkpoint(b.default_options("spark-tts"), spark / "LLM") == spark / "LLM"
+    with pytest.raises(b.BuildError, match="not a complete Spark-TTS directory"):
+        b.fetch_checkpoint(b.default_options("spark-tts"), spark)
 
 
 def test_checkpoint_table_matches_openai_whisper():
@@ -214,8 +216,13 @@ def test_cli_dry_run_and_list(tmp_path, capsys, monkeypatch):
                                       "--max-batch-size", "4", "--dry-run", "--examples-dir", str(tmp_path)])
     assert args.func(args) == 0
     out = capsys.readouterr().out
-    assert str(tmp_path / "engines" / "whisper-small-fp16-woint8") in out
+    assert str(tmp_path / "engines" / "whisper-small") in out
     assert "--weight_only_precision int8" in out and out.count("trtllm-build") == 2
+    args = build_parser().parse_args(["engines", "build", "spark-tts", "--dry-run", "--name", "spark-int8",
+                                      "--weight-only", "int8"])
+    assert args.func(args) == 0
+    out = capsys.readouterr().out
+    assert str(tmp_path / "engines" / "spark-int8") in out and "--dtype bfloat16" in out
     args = build_parser().parse_args(["engines", "list"])
     assert args.func(args) == 0
     assert "no engines under" in capsys.readouterr().out

@@ -40,6 +40,9 @@ def register(sub: argparse._SubParsersAction) -> None:
             k.add_argument("--max-seq-len", type=int, default=None, help="prompt + output (default 2560)")
         k.add_argument("--examples-dir", default=None,
                        help="TensorRT-LLM's examples/ folder (default: $TRTLLM_EXAMPLES_DIR, /app/tensorrt_llm/examples)")
+        k.add_argument("--name", default=None,
+                       help="engine folder name under the engines dir (default: whisper-<model> / <model>, "
+                            "where the daemon looks)")
         k.add_argument("--force", action="store_true", help="rebuild even when the manifest matches")
         k.add_argument("--keep-checkpoint", action="store_true", help="keep the converted TensorRT-LLM checkpoint")
         k.add_argument("--dry-run", action="store_true", help="print the command lines and exit")
@@ -60,14 +63,14 @@ def _build(args: argparse.Namespace) -> int:
         opts = b.default_options(args.kind, args.model, dtype=args.dtype, weight_only=args.weight_only,
                                  max_batch_size=args.max_batch_size, **extra)
         if args.dry_run:
-            out = b.engines_root(args.engines_dir) / opts.name
+            out = b.engines_root(args.engines_dir) / (args.name or opts.name)
             ckpt = _dry_run_checkpoint(opts, args.checkpoint)
             script = _dry_run_script(opts, args.examples_dir)
             print(f"# engine folder: {out}")
             for step in b.plan_steps(opts, ckpt, out, script):
                 print(step.shell())
             return 0
-        result = b.build(opts, root=args.engines_dir, checkpoint=args.checkpoint, examples_dir=args.examples_dir,
+        result = b.build(opts, root=args.engines_dir, name=args.name, checkpoint=args.checkpoint, examples_dir=args.examples_dir,
                          force=args.force, keep_checkpoint=args.keep_checkpoint)
     except b.BuildError as e:
         raise CliError(str(e)) from None
@@ -85,7 +88,7 @@ def _dry_run_checkpoint(opts, checkpoint):
         return Path(checkpoint)
     if opts.kind == "whisper":
         return hub.cache_dir() / "whisper" / f"{opts.model}.pt"
-    return hub.cache_dir() / opts.model / "LLM"
+    return hub.cache_dir() / opts.model / "LLM"  # where voiced models pull puts Spark-TTS
 
 
 def _dry_run_script(opts, examples_dir):

@@ -93,16 +93,11 @@ def choose_backend(requested: str, kind: str, engine_dir: str | os.PathLike | No
 
 
 def _model_hint(engine_dir: str | os.PathLike | None) -> str | None:
-    """Guess the model name from a folder like engines/whisper-large-v3-fp16 for the build hint."""
+    """Guess the model name from a folder like engines/whisper-large-v3 for the build hint."""
     if engine_dir is None:
         return None
     m = Manifest.read(Path(engine_dir)) if Path(engine_dir).is_dir() else None
     if m is not None:
         return m.model
     name = Path(engine_dir).name
-    if name.startswith("whisper-"):
-        name = name[len("whisper-"):]
-        for suffix in ("-fp16", "-bf16", "-fp32"):
-            if suffix in name:
-                return name.split(suffix)[0]
-    return None
+    return name[len("whisper-"):] if name.startswith("whisper-") else None

@@ -67,19 +67,6 @@ WHISPER_CHECKPOINTS: dict[str, str] = {
     ),
 }
 
-# Spark-TTS-0.5B's LM lives in the LLM/ folder of the Hugging Face repository.
-SPARK_REPO = "SparkAudio/Spark-TTS-0.5B"
-SPARK_LLM_FILES = (
-    "config.json",
-    "model.safetensors",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "vocab.json",
-    "merges.txt",
-    "added_tokens.json",
-    "special_tokens_map.json",
-)
-
 # Where TensorRT-LLM's example scripts live: the repository moved them in 0.18.
 _CONVERT_SCRIPTS = {
     "whisper": ("models/core/whisper/convert_checkpoint.py", "whisper/convert_checkpoint.py"),
@@ -139,12 +126,12 @@ class BuildOptions:
 
     @property
     def name(self) -> str:
-        """The engine folder's name under engines/: model plus whatever makes the build differ."""
-        parts = [f"whisper-{self.model}" if self.kind == "whisper" else self.model.lower()]
-        parts.append({"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}[self.dtype])
-        if self.weight_only:
-            parts.append(f"wo{self.weight_only}")
-        return "-".join(parts)
+        """The engine folder's name under engines/, as the daemon's loader looks it up
+        (voiced/engines/loader.py ``engine_dir``): ``whisper-<model>`` or the TTS model's name.
+        A build with other options replaces the folder's engine (its manifest no longer matches);
+        keep variants side by side with ``--name``.
+        """
+        return f"whisper-{self.model}" if self.kind == "whisper" else self.model
 
 
 def default_options(kind: str, model: str | None = None, **overrides) -> BuildOptions:
@@ -342,19 +329,24 @@ def fetch_checkpoint(opts: BuildOptions, checkpoint: str | os.PathLike | None = 
         path = hub.download(url, dest, sha256=sha, desc=f"{opts.model}.pt")
         _fetch_tiktoken(opts.model, dest.parent)
         return path
-    # spark-tts
+    # spark-tts: the published directory as the Spark-TTS engine resolves and pulls it (the runtime
+    # needs its BiCodec and tokenizer too, not just the LM we convert).
+    from voiced.engines.spark import checkpoint as spark_ckpt
+
     if checkpoint is not None:
         path = Path(checkpoint).expanduser()
-        if (path / "LLM" / "config.json").is_file():
-            path = path / "LLM"
-        if not (path / "config.json").is_file():
-            raise BuildError(f"{path} is not Spark-TTS-0.5B (or its LLM folder): config.json is missing")
-        return path
-    llm_dir = hub.cache_dir() / opts.model / "LLM"
-    for name in SPARK_LLM_FILES:
-        url = f"https://huggingface.co/{SPARK_REPO}/resolve/main/LLM/{name}"
-        hub.download(url, llm_dir / name, desc=f"{opts.model}/LLM/{name}")
-    return llm_dir
+        if path.name == "LLM" and (path / "config.json").is_file():
+            return path
+        try:
+            return spark_ckpt.resolve(path).llm_dir
+        except (hub.ModelNotFoundError, spark_ckpt.CheckpointError) as e:
+            raise BuildError(str(e)) from None
+    try:
+        return spark_ckpt.resolve(opts.model).llm_dir
+    except hub.ModelNotFoundError:
+        log.info("Spark-TTS is not in the model cache; downloading it")
+        spark_ckpt.pull()
+        return spark_ckpt.resolve(opts.model).llm_dir
 
 
 def _fetch_tiktoken(model: str, dest_dir: Path) -> None:
@@ -433,15 +425,16 @@ class BuildResult:
     skipped: bool
 
 
-def build(opts: BuildOptions, *, root: str | os.PathLike | None = None, checkpoint: str | os.PathLike | None = None,
+def build(opts: BuildOptions, *, root: str | os.PathLike | None = None, name: str | None = None,
+          checkpoint: str | os.PathLike | None = None,
           examples_dir: str | os.PathLike | None = None, force: bool = False, keep_checkpoint: bool = False,
           trtllm_version: str | None = None,
           runner: Callable[[Sequence[BuildStep], Path], None] = run_steps) -> BuildResult:
-    """Build (or reuse) the engine for `opts` under <root>/<opts.name>/."""
+    """Build (or reuse) the engine for `opts` under <root>/<name or opts.name>/."""
     version = trtllm_version or versions.installed_version()
     if version is None:
         raise BuildError(versions.missing_message("Building TensorRT-LLM engines"))
-    engine_dir = engines_root(root) / opts.name
+    engine_dir = engines_root(root) / (name or opts.name)
     ckpt = fetch_checkpoint(opts, checkpoint)
     log.info("hashing checkpoint %s", ckpt)
     digest = checkpoint_sha256(opts.kind, ckpt)

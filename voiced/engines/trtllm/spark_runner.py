@@ -7,7 +7,7 @@ Two layers:
   since the last one, tensorrt_llm/runtime/model_runner_cpp.py ``_stream``); ``step()`` yields
   ``SemanticDelta``s: new global tokens (controllable voices emit 32 of them first) and new semantic
   tokens, split by id range (DESIGN §6: globals 151665+i, semantics 155761+i, EOS <|im_end|> 151645).
-- ``TRTLLMSparkTTSEngine``: the TTSEngine the daemon schedules. It gets prompts and the BiCodec
+- ``TrtllmSparkEngine``: the TTSEngine the daemon schedules. It gets prompts and the BiCodec
   vocoder from the Spark-TTS engine's host code (voiced/engines/spark/, PyTorch) through
   ``SparkFrontend`` and turns deltas into ``AudioChunk``s.
 
@@ -183,11 +183,12 @@ class SparkFrontend(Protocol):
     def open_stream(self, request: TTSRequest) -> VocoderStream: ...
 
 
-def load_spark_frontend(model_dir: str | Path, device: str = "cuda") -> SparkFrontend:
+def load_spark_frontend(model: str | Path, device: str = "cuda", voices_dir: str | None = None) -> SparkFrontend:
     """The one place that binds us to voiced/engines/spark/ (prompt building, BiCodec, streaming).
 
-    It expects ``voiced.engines.spark.frontend.SparkFrontend(model_dir, device)`` providing
-    ``lm_request`` and ``open_stream`` as typed above.
+    It expects ``voiced.engines.spark.frontend.SparkFrontend.load(model, device=, voices_dir=)``
+    providing ``lm_request`` and ``open_stream`` as typed above; the Spark-TTS engine owns that code
+    (voices, prompts, the BiCodec decode windows), we only feed it tokens.
     """
     try:
         from voiced.engines.spark.frontend import SparkFrontend as _Frontend
@@ -196,7 +197,7 @@ def load_spark_frontend(model_dir: str | Path, device: str = "cuda") -> SparkFro
             "the TensorRT-LLM Spark-TTS runner needs the Spark-TTS host code "
             f"(voiced.engines.spark.frontend: prompts and the BiCodec vocoder): {e}"
         ) from e
-    return _Frontend(model_dir, device=device)
+    return _Frontend.load(model, device=device, voices_dir=voices_dir)
 
 
 @dataclass
@@ -209,7 +210,7 @@ class _Speech:
     pending: list[np.ndarray] = field(default_factory=list)
 
 
-class TRTLLMSparkTTSEngine:
+class TrtllmSparkEngine:
     """TTSEngine: LM on TensorRT-LLM, vocoder in PyTorch, both stepped by the owner thread."""
 
     backend = "trtllm"
@@ -220,6 +221,17 @@ class TRTLLMSparkTTSEngine:
         self.frontend = frontend
         self.model_name = model_name
         self._speech: dict[int, _Speech] = {}
+
+    @classmethod
+    def load(cls, engine_dir: str | Path, model: str | Path, plan: MemoryPlan, device: str = "cuda",
+             dtype: str | None = None, max_batch: int | None = None, voices_dir: str | None = None,
+             kv_cache_bytes: int | None = None) -> TrtllmSparkEngine:
+        """What voiced/engines/loader.py calls. `dtype` and `kv_cache_bytes` belong to the PyTorch
+        backend: the engine's precision is fixed at build time and its KV pool comes from `plan`."""
+        if dtype:
+            log.info("dtype %s ignored: a TensorRT-LLM engine's precision is set when it is built", dtype)
+        return load_spark_tts_engine(engine_dir, model, plan, device=device, max_batch=max_batch,
+                                     voices_dir=voices_dir)
 
     def submit(self, request_id: int, request: TTSRequest) -> None:
         lm_req = self.frontend.lm_request(request)
@@ -316,9 +328,15 @@ def load_spark_lm(engine_dir: str | Path, plan: MemoryPlan, *, load_order: tuple
                          layout=layout)
 
 
-def load_spark_tts_engine(engine_dir: str | Path, model_dir: str | Path, plan: MemoryPlan, **kw) -> TRTLLMSparkTTSEngine:
-    """The daemon's entry: LM engine from engines/<name>/, vocoder and prompts from the checkpoint."""
-    added = Path(model_dir) / "LLM" / "added_tokens.json"
+def load_spark_tts_engine(engine_dir: str | Path, model: str | Path, plan: MemoryPlan, *, device: str = "cuda",
+                          max_batch: int | None = None, voices_dir: str | None = None,
+                          load_order: tuple[str, ...] = ("whisper", "tts")) -> TrtllmSparkEngine:
+    """LM engine from engines/<name>/, prompts and vocoder from the Spark-TTS checkpoint `model`."""
+    from voiced.engines.spark import checkpoint as spark_ckpt
+
+    ckpt = spark_ckpt.resolve(model)
+    added = ckpt.llm_dir / "added_tokens.json"
     layout = SparkTokenLayout.from_added_tokens(added) if added.is_file() else SparkTokenLayout()
-    lm = load_spark_lm(engine_dir, plan, layout=layout, **kw)
-    return TRTLLMSparkTTSEngine(lm, load_spark_frontend(model_dir))
+    lm = load_spark_lm(engine_dir, plan, load_order=load_order, max_batch_size=max_batch, layout=layout)
+    return TrtllmSparkEngine(lm, load_spark_frontend(model, device=device, voices_dir=voices_dir),
+                             model_name=Path(str(model)).name)

@@ -147,7 +147,7 @@ class _Utterance:
     language_probs: dict[str, float] | None = None
 
 
-class TRTLLMWhisperEngine(ExecutorLoop):
+class TrtllmWhisperEngine(ExecutorLoop):
     """ASREngine over a TensorRT-LLM encoder-decoder executor. One owner thread (see executor.py)."""
 
     backend = "trtllm"
@@ -166,6 +166,12 @@ class TRTLLMWhisperEngine(ExecutorLoop):
         tok = frontend.tokenizer
         self._lang_tokens = list(tok.language_tokens)
         self._lang_codes = list(tok.language_codes)
+
+    @classmethod
+    def load(cls, engine_dir: str | Path, plan: MemoryPlan, max_batch: int | None = None,
+             **kw: Any) -> TrtllmWhisperEngine:
+        """What voiced/engines/loader.py calls: ``TrtllmWhisperEngine.load(dir, plan=..., max_batch=...)``."""
+        return load_whisper_engine(engine_dir, plan, max_batch_size=max_batch, **kw)
 
     # ---------------------------------------------------------------- contract
 
@@ -393,7 +399,7 @@ def _fp16_cuda_tensor(a: np.ndarray) -> Any:
 
 
 def load_whisper_engine(engine_dir: str | Path, plan: MemoryPlan, *, load_order: tuple[str, ...] = ("whisper", "tts"),
-                        max_batch_size: int | None = None, model_name: str | None = None) -> TRTLLMWhisperEngine:
+                        max_batch_size: int | None = None, model_name: str | None = None) -> TrtllmWhisperEngine:
     """Open engines/<name>/ (encoder/ + decoder/) on the GPU with the memory plan's fractions.
 
     ``ModelRunnerCpp.from_dir(engine_dir, is_enc_dec=True, max_batch_size, max_input_len=3000,
@@ -409,14 +415,19 @@ def load_whisper_engine(engine_dir: str | Path, plan: MemoryPlan, *, load_order:
     if not info.engine_path:
         raise EngineError(
             f"TensorRT-LLM {info.version} has no TensorRT engine runtime (removed in the newest releases); "
-            "use the LLM-API path (voiced.engines.trtllm.llmapi) or a release in "
-            f"{versions.ENGINE_PATH_RELEASES}"
+            f"use a release in {versions.ENGINE_PATH_RELEASES} (our Dockerfile pins one) or --backend torch"
         )
     import tensorrt_llm.bindings.executor as tle
     from tensorrt_llm.runtime import ModelRunnerCpp
 
+    from voiced.engines.trtllm.build import Manifest
+
     engine_dir = Path(engine_dir)
     limits = WhisperEngineLimits.from_engine_dir(engine_dir)
+    if max_batch_size is not None and max_batch_size > limits.max_batch_size:
+        log.warning("max batch %d exceeds the engine's %d; using %d (rebuild with --max-batch-size)",
+                    max_batch_size, limits.max_batch_size, limits.max_batch_size)
+        max_batch_size = limits.max_batch_size
     if not limits.context_logits:
         log.warning("%s was built without --gather_context_logits: no_speech_prob is 0 and language "
                     "detection uses the first emitted token", engine_dir)
@@ -432,9 +443,10 @@ def load_whisper_engine(engine_dir: str | Path, plan: MemoryPlan, *, load_order:
         cross_kv_cache_fraction=plan.whisper_cross_kv_fraction,
     )
     frontend = load_frontend(limits.multilingual, limits.num_languages, [engine_dir])
-    from voiced.engines.trtllm.build import Manifest
-
     manifest = Manifest.read(engine_dir)
     name = model_name or (manifest.model if manifest else engine_dir.name)
-    return TRTLLMWhisperEngine(runner.executor, tle, limits, frontend, model_name=name,
+    log.info("TensorRT-LLM Whisper %s loaded from %s (KV fraction %.3f, cross %.2f)", name, engine_dir,
+             fraction, plan.whisper_cross_kv_fraction)
+    return TrtllmWhisperEngine(runner.executor, tle, limits, frontend, model_name=name,
                                max_in_flight=max_batch_size or limits.max_batch_size)
+
