@@ -11,11 +11,18 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "client"))  # before `pip install ./client`
 
-from voiced_client import g711  # noqa: E402
-from voiced_client.audio import (  # noqa: E402
-    AudioFormat, Encoding, decode, encode, from_wire, silence, split_frames, to_wire,
+from voiced_client import g711
+from voiced_client.audio import (
+    AudioFormat,
+    Encoding,
+    decode,
+    encode,
+    from_wire,
+    silence,
+    split_frames,
+    to_wire,
 )
-from voiced_client.wavio import WavError, read_wav, resample, write_wav  # noqa: E402
+from voiced_client.wavio import WavError, read_wav, resample, write_wav
 
 
 def tone(rate: int, seconds: float = 0.5, freq: float = 440.0, amp: float = 0.5) -> np.ndarray:
@@ -40,7 +47,9 @@ def test_wav_round_trip(tmp_path, rate, width, channels):
     assert np.max(np.abs(back - mono)) <= tolerance + 1e-7
     as_int16, _ = read_wav(path, np.int16)
     assert as_int16.dtype == np.int16
-    assert np.max(np.abs(as_int16.astype(int) - np.rint(mono * 32768).astype(int))) <= max(1, 32768 * tolerance)
+    assert np.max(np.abs(as_int16.astype(int) - np.rint(mono * 32768).astype(int))) <= max(
+        1, 32768 * tolerance
+    )
 
 
 def test_int16_round_trip_is_exact(tmp_path):

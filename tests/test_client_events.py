@@ -9,26 +9,58 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "client"))
 
-from voiced_client.events import describe_event, event_to_dict, event_to_json, format_event  # noqa: E402
-from voiced_client.proto import voiced_pb2 as pb  # noqa: E402
+from voiced_client.events import describe_event, event_to_dict, event_to_json, format_event
+from voiced_client.proto import voiced_pb2 as pb
 
 EVENTS = [
-    pb.SessionEvent(session_id="s1", started=pb.SessionStarted(session_id="s1", effective_config=pb.SessionConfig(
-        input_format=pb.AudioFormat(encoding=pb.MULAW, sample_rate_hz=8000)))),
-    pb.SessionEvent(session_id="s1", turn_id=1, speech=pb.SpeechActivity(
-        type=pb.SpeechActivity.SPEECH_STARTED, offset_ms=480)),
-    pb.SessionEvent(session_id="s1", turn_id=1, speech=pb.SpeechActivity(
-        type=pb.SpeechActivity.SPEECH_ENDED, offset_ms=2100)),
-    pb.SessionEvent(session_id="s1", turn_id=1, transcript=pb.Transcript(
-        text=" hello world", is_final=True, language="en", start_ms=480, end_ms=2100, tokens=[1, 2],
-        latency_ms=123.4)),
+    pb.SessionEvent(
+        session_id="s1",
+        started=pb.SessionStarted(
+            session_id="s1",
+            effective_config=pb.SessionConfig(
+                input_format=pb.AudioFormat(encoding=pb.MULAW, sample_rate_hz=8000)
+            ),
+        ),
+    ),
+    pb.SessionEvent(
+        session_id="s1",
+        turn_id=1,
+        speech=pb.SpeechActivity(type=pb.SpeechActivity.SPEECH_STARTED, offset_ms=480),
+    ),
+    pb.SessionEvent(
+        session_id="s1",
+        turn_id=1,
+        speech=pb.SpeechActivity(type=pb.SpeechActivity.SPEECH_ENDED, offset_ms=2100),
+    ),
+    pb.SessionEvent(
+        session_id="s1",
+        turn_id=1,
+        transcript=pb.Transcript(
+            text=" hello world",
+            is_final=True,
+            language="en",
+            start_ms=480,
+            end_ms=2100,
+            tokens=[1, 2],
+            latency_ms=123.4,
+        ),
+    ),
     pb.SessionEvent(session_id="s1", turn_id=1, agent_text=pb.AgentText(text="Hello world.", last=True)),
-    pb.SessionEvent(session_id="s1", turn_id=1, reply=pb.ReplyEvent(
-        type=pb.ReplyEvent.REPLY_STARTED, reply_id=1, text="Hello world.")),
-    pb.SessionEvent(session_id="s1", turn_id=1, audio=pb.AudioChunk(
-        reply_id=1, sequence=0, audio=b"\x01\x02\x03" * 100, latency_ms=450)),
-    pb.SessionEvent(session_id="s1", turn_id=1, reply=pb.ReplyEvent(
-        type=pb.ReplyEvent.REPLY_INTERRUPTED, reply_id=1, audio_sent_ms=640)),
+    pb.SessionEvent(
+        session_id="s1",
+        turn_id=1,
+        reply=pb.ReplyEvent(type=pb.ReplyEvent.REPLY_STARTED, reply_id=1, text="Hello world."),
+    ),
+    pb.SessionEvent(
+        session_id="s1",
+        turn_id=1,
+        audio=pb.AudioChunk(reply_id=1, sequence=0, audio=b"\x01\x02\x03" * 100, latency_ms=450),
+    ),
+    pb.SessionEvent(
+        session_id="s1",
+        turn_id=1,
+        reply=pb.ReplyEvent(type=pb.ReplyEvent.REPLY_INTERRUPTED, reply_id=1, audio_sent_ms=640),
+    ),
     pb.SessionEvent(session_id="s1", turn_id=1, notice=pb.Notice(code="AGENT_UNAVAILABLE", message="down")),
 ]
 

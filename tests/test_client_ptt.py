@@ -14,12 +14,12 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "client"))
 
-from voiced_client import ptt  # noqa: E402
-from voiced_client.audio import AudioFormat, Encoding, encode  # noqa: E402
-from voiced_client.errors import ClientError  # noqa: E402
-from voiced_client.proto import voiced_pb2 as pb  # noqa: E402
-from voiced_client.proto import voiced_pb2_grpc as pb_grpc  # noqa: E402
-from voiced_client.session import SessionOptions  # noqa: E402
+from voiced_client import ptt
+from voiced_client.audio import AudioFormat, Encoding, encode
+from voiced_client.errors import ClientError
+from voiced_client.proto import voiced_pb2 as pb
+from voiced_client.proto import voiced_pb2_grpc as pb_grpc
+from voiced_client.session import SessionOptions
 
 
 class Sink:
@@ -67,12 +67,17 @@ def drain(q: asyncio.Queue) -> list:
 
 
 def kinds(requests) -> list[str]:
-    return [r.control.WhichOneof("event") if r.HasField("control") else r.WhichOneof("request") for r in requests]
+    return [
+        r.control.WhichOneof("event") if r.HasField("control") else r.WhichOneof("request") for r in requests
+    ]
 
 
 def audio_event(reply_id: int, seq: int, n: int = 320, value: int = 1000) -> pb.SessionEvent:
-    return pb.SessionEvent(audio=pb.AudioChunk(
-        reply_id=reply_id, sequence=seq, audio=encode(np.full(n, value, np.int16), Encoding.LINEAR16)))
+    return pb.SessionEvent(
+        audio=pb.AudioChunk(
+            reply_id=reply_id, sequence=seq, audio=encode(np.full(n, value, np.int16), Encoding.LINEAR16)
+        )
+    )
 
 
 async def test_toggle_sends_marks_and_audio_only_while_talking():
@@ -109,8 +114,11 @@ async def test_reply_audio_is_played_and_interrupt_stops_it():
     c.handle_event(audio_event(1, 0))
     c.handle_event(audio_event(1, 1))
     assert len(sink.played) == 2 and sink.buffer.queued == 640
-    c.handle_event(pb.SessionEvent(reply=pb.ReplyEvent(type=pb.ReplyEvent.REPLY_INTERRUPTED, reply_id=1,
-                                                       audio_sent_ms=40)))
+    c.handle_event(
+        pb.SessionEvent(
+            reply=pb.ReplyEvent(type=pb.ReplyEvent.REPLY_INTERRUPTED, reply_id=1, audio_sent_ms=40)
+        )
+    )
     assert sink.flushes == 1 and sink.buffer.queued == 0  # silent at once
     c.handle_event(audio_event(1, 2))  # a straggler of the interrupted reply is not played
     assert len(sink.played) == 2
@@ -142,9 +150,16 @@ async def test_no_stop_speaking_when_nothing_plays():
 async def test_output_in_another_format_is_decoded_and_resampled():
     sink = Sink(sample_rate=16000)
     c = ptt.PttController(sink, show=lambda s: None)
-    c.handle_event(pb.SessionEvent(started=pb.SessionStarted(effective_config=pb.SessionConfig(
-        input_format=pb.AudioFormat(encoding=pb.LINEAR16, sample_rate_hz=16000),
-        output_format=pb.AudioFormat(encoding=pb.MULAW, sample_rate_hz=8000)))))
+    c.handle_event(
+        pb.SessionEvent(
+            started=pb.SessionStarted(
+                effective_config=pb.SessionConfig(
+                    input_format=pb.AudioFormat(encoding=pb.LINEAR16, sample_rate_hz=16000),
+                    output_format=pb.AudioFormat(encoding=pb.MULAW, sample_rate_hz=8000),
+                )
+            )
+        )
+    )
     c.handle_event(pb.SessionEvent(audio=pb.AudioChunk(reply_id=1, sequence=0, audio=b"\xff" * 160)))
     assert len(sink.played[0]) == 320 and sink.played[0].dtype == np.int16
 
@@ -171,20 +186,25 @@ class PttServer(pb_grpc.VoicedServicer):
     async def Converse(self, request_iterator, context):
         first = await request_iterator.__anext__()
         self.received.append(first)
-        yield pb.SessionEvent(session_id="p", started=pb.SessionStarted(
-            session_id="p", effective_config=first.config))
+        yield pb.SessionEvent(
+            session_id="p", started=pb.SessionStarted(session_id="p", effective_config=first.config)
+        )
         async for req in request_iterator:
             self.received.append(req)
             kind = req.control.WhichOneof("event") if req.HasField("control") else None
             if kind == "talk_end":
                 yield pb.SessionEvent(turn_id=1, transcript=pb.Transcript(text="hi", is_final=True))
-                yield pb.SessionEvent(turn_id=1, reply=pb.ReplyEvent(type=pb.ReplyEvent.REPLY_STARTED, reply_id=1))
+                yield pb.SessionEvent(
+                    turn_id=1, reply=pb.ReplyEvent(type=pb.ReplyEvent.REPLY_STARTED, reply_id=1)
+                )
                 for seq in range(3):
                     yield audio_event(1, seq)
                 self.talk_ended.set()
             elif kind == "stop_speaking":
-                yield pb.SessionEvent(turn_id=1, reply=pb.ReplyEvent(
-                    type=pb.ReplyEvent.REPLY_INTERRUPTED, reply_id=1, audio_sent_ms=60))
+                yield pb.SessionEvent(
+                    turn_id=1,
+                    reply=pb.ReplyEvent(type=pb.ReplyEvent.REPLY_INTERRUPTED, reply_id=1, audio_sent_ms=60),
+                )
                 yield audio_event(1, 3)  # a late chunk the client must not play
 
 

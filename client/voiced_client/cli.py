@@ -1,13 +1,12 @@
 """`voiced-client`: stream a file, talk from the microphone, or load a server.
 
 `main(argv) -> int` is callable in-process (the daemon's end-to-end tests run `file` through it); it
-blocks, running its own event loop, so async callers use `await asyncio.to_thread(main, argv)`.
+blocks (and `load` runs its own event loop), so async callers use `await asyncio.to_thread(main, argv)`.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import sys
 from collections.abc import Sequence
@@ -65,7 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_connection(f)
     f.add_argument("--encoding", choices=[e.value for e in Encoding], default="linear16")
     f.add_argument("--sample-rate", type=int, default=16000, help="wire sample rate (default %(default)s)")
-    f.add_argument("--out-encoding", choices=[e.value for e in Encoding], help="reply encoding (default: as sent)")
+    f.add_argument(
+        "--out-encoding", choices=[e.value for e in Encoding], help="reply encoding (default: as sent)"
+    )
     f.add_argument("--out-sample-rate", type=int, help="reply sample rate (default: as sent)")
     f.add_argument("--realtime", action="store_true", help="pace the frames at real time")
     f.add_argument("--json", action="store_true", help="one JSON object per event")
@@ -73,7 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--out", metavar="REPLY.wav", help="write the reply audio to this WAV file")
     f.add_argument("--mode", choices=["auto", "ptt"], default="auto", help="segmentation (default auto)")
     f.add_argument(
-        "--talk", type=_spans, metavar="S-E[,S-E]",
+        "--talk",
+        type=_spans,
+        metavar="S-E[,S-E]",
         help="push-to-talk spans in seconds of the file (with --mode ptt; default: the whole file)",
     )
     f.add_argument("--transcribe-only", action="store_true", help="use StreamingRecognize (no agent)")
@@ -101,14 +104,24 @@ def build_parser() -> argparse.ArgumentParser:
     ld.add_argument("--encoding", choices=[e.value for e in Encoding], default="linear16")
     ld.add_argument("--sample-rate", type=int, default=16000)
     ld.add_argument("--gap", type=float, default=1.0, metavar="S", help="silence between repeats of the file")
-    ld.add_argument("--ramp", type=float, default=2.0, metavar="S", help="spread session starts over S seconds")
-    ld.add_argument("--channels", type=int, default=0, help="HTTP/2 connections (default: one per 100 sessions)")
     ld.add_argument(
-        "--started-lag-ms", type=float, default=None,
+        "--ramp", type=float, default=2.0, metavar="S", help="spread session starts over S seconds"
+    )
+    ld.add_argument(
+        "--channels", type=int, default=0, help="HTTP/2 connections (default: one per 100 sessions)"
+    )
+    ld.add_argument(
+        "--started-lag-ms",
+        type=float,
+        default=None,
         help="audio past SPEECH_STARTED's offset the server needs to decide (default: effective min_speech_ms)",
     )
-    ld.add_argument("--ended-lag-ms", type=float, default=0.0,
-                    help="audio past SPEECH_ENDED's offset the server needs to decide (default 0)")
+    ld.add_argument(
+        "--ended-lag-ms",
+        type=float,
+        default=0.0,
+        help="audio past SPEECH_ENDED's offset the server needs to decide (default 0)",
+    )
     ld.add_argument("--json", action="store_true", help="print the report as one JSON object")
     _add_session(ld)
     ld.set_defaults(func=cmd_load)
@@ -135,7 +148,7 @@ def _format(encoding: str, rate: int) -> AudioFormat:
 
 def cmd_file(args: argparse.Namespace) -> int:
     from .events import event_to_json, format_event
-    from .session import SessionOptions, astream_file, output_format_of, reply_audio
+    from .session import SessionOptions, output_format_of, reply_audio, stream_file
     from .wavio import write_wav
 
     if not Path(args.file).is_file():
@@ -164,12 +177,14 @@ def cmd_file(args: argparse.Namespace) -> int:
         else:
             print(format_event(event, elapsed), flush=True)
 
-    events = asyncio.run(
-        astream_file(
-            _target(args), args.file, options,
-            transcribe_only=args.transcribe_only or args.vad_only,
-            realtime=args.realtime, talk_spans=args.talk, on_event=show,
-        )
+    events = stream_file(
+        _target(args),
+        args.file,
+        options,
+        transcribe_only=args.transcribe_only or args.vad_only,
+        realtime=args.realtime,
+        talk_spans=args.talk,
+        on_event=show,
     )
     if args.out:
         fmt = output_format_of(events, options.to_proto())

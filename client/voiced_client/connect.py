@@ -49,12 +49,25 @@ def _host(server: str) -> str:
     return server.rsplit(":", 1)[0].strip("[]") if ":" in server else server
 
 
+def _check_token(target: Target, creds) -> None:
+    if target.token and creds is None and _host(target.server) not in ("127.0.0.1", "localhost", "::1"):
+        log.warning("sending the bearer token to %s without TLS (use --tls)", target.server)
+
+
+def sync_channel(target: Target) -> grpc.Channel:
+    """A blocking grpc channel to `target`."""
+    creds = target.credentials()
+    _check_token(target, creds)
+    if creds is None:
+        return grpc.insecure_channel(target.server, options=_CHANNEL_OPTIONS)
+    return grpc.secure_channel(target.server, creds, options=_CHANNEL_OPTIONS)
+
+
 def aio_channel(target: Target, extra_options: list[tuple[str, object]] | None = None) -> grpc.aio.Channel:
     """A grpc.aio channel to `target` (call inside a running event loop)."""
     options = _CHANNEL_OPTIONS + list(extra_options or [])
     creds = target.credentials()
-    if target.token and creds is None and _host(target.server) not in ("127.0.0.1", "localhost", "::1"):
-        log.warning("sending the bearer token to %s without TLS (use --tls)", target.server)
+    _check_token(target, creds)
     if creds is None:
         return grpc.aio.insecure_channel(target.server, options=options)
     return grpc.aio.secure_channel(target.server, creds, options=options)

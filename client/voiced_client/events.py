@@ -34,7 +34,9 @@ def event_to_dict(event: pb.SessionEvent, include_audio: bool = False) -> dict:
     return d
 
 
-def event_to_json(event: pb.SessionEvent, received_s: float | None = None, include_audio: bool = False) -> str:
+def event_to_json(
+    event: pb.SessionEvent, received_s: float | None = None, include_audio: bool = False
+) -> str:
     d = event_to_dict(event, include_audio=include_audio)
     if received_s is not None:
         d["received_ms"] = round(received_s * 1000.0, 1)  # client clock, from the first request sent

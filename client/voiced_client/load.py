@@ -66,7 +66,9 @@ class LoadReport:
     errors: Counter = field(default_factory=Counter)  # status name -> sessions
     events: Counter = field(default_factory=Counter)  # event kind -> count
     delays_ms: dict[str, array] = field(
-        default_factory=lambda: {k: array("d") for k in ("speech_started", "speech_ended", "transcript", "session_start")}
+        default_factory=lambda: {
+            k: array("d") for k in ("speech_started", "speech_ended", "transcript", "session_start")
+        }
     )
     lateness_ms: array = field(default_factory=lambda: array("d"))
     audio_s: float = 0.0  # audio streamed, all sessions together
@@ -79,8 +81,14 @@ class LoadReport:
                 return {"count": 0}
             a = np.frombuffer(values, dtype=np.float64)
             p50, p95, p99 = np.percentile(a, [50, 95, 99])
-            return {"count": len(a), "p50": round(p50, 1), "p95": round(p95, 1), "p99": round(p99, 1),
-                    "max": round(float(a.max()), 1), "min": round(float(a.min()), 1)}
+            return {
+                "count": len(a),
+                "p50": round(p50, 1),
+                "p95": round(p95, 1),
+                "p99": round(p99, 1),
+                "max": round(float(a.max()), 1),
+                "min": round(float(a.min()), 1),
+            }
 
         return {
             "sessions": self.sessions,
@@ -97,8 +105,10 @@ class LoadReport:
     def format(self) -> str:
         s = self.summary()
         lines = [
-            f"sessions completed {s['completed']}/{s['sessions']}, "
-            f"{s['audio_s']:.0f} s of audio in {s['wall_s']:.1f} s",
+            (
+                f"sessions completed {s['completed']}/{s['sessions']}, "
+                f"{s['audio_s']:.0f} s of audio in {s['wall_s']:.1f} s"
+            ),
             "errors: " + (", ".join(f"{k} ×{v}" for k, v in s["errors"].items()) or "none"),
         ]
         lines += [f"  {k}: {v}" for k, v in s["error_examples"].items()]
@@ -114,8 +124,10 @@ class LoadReport:
                 lines.append(f"{name:<22}{0:>8}")
         late = s["client_lateness_ms"]
         if late["count"] and late["p99"] > 10:
-            lines.append("warning: the client sent frames late (p99 %.0f ms); it is the bottleneck, "
-                         "run it on another machine or with fewer sessions" % late["p99"])
+            lines.append(
+                f"warning: the client sent frames late (p99 {late['p99']:.0f} ms); it is the "
+                "bottleneck: run it on another machine or with fewer sessions"
+            )
         return "\n".join(lines)
 
 
@@ -167,14 +179,21 @@ class _Session:
             if self.started_lag_ms is None:
                 self.started_lag_ms = float(seg.min_speech_ms) if seg.HasField("min_speech_ms") else 0.0
 
-    async def run(self, channel: grpc.aio.Channel, method: str, cycle: list[bytes], config: bytes,
-                  start_at: float, n_frames: int) -> None:
+    async def run(
+        self,
+        channel: grpc.aio.Channel,
+        method: str,
+        cycle: list[bytes],
+        config: bytes,
+        start_at: float,
+        n_frames: int,
+    ) -> None:
         await asyncio.sleep(max(0.0, start_at - time.monotonic()))
         # Requests are pre-serialised bytes (no request serializer): 50 frames/s × N sessions of
         # protobuf encoding would otherwise cost the client more CPU than the server spends on them.
-        call = channel.stream_stream(method, request_serializer=None,
-                                     response_deserializer=pb.SessionEvent.FromString)(
-            metadata=self.cfg.metadata or None)
+        call = channel.stream_stream(
+            method, request_serializer=None, response_deserializer=pb.SessionEvent.FromString
+        )(metadata=self.cfg.metadata or None)
         reader = asyncio.create_task(self._read(call))
         try:
             self.config_sent = time.monotonic()
@@ -186,13 +205,16 @@ class _Session:
                 delay = deadline - time.monotonic()
                 if delay > 0:
                     await asyncio.sleep(delay)
+                # Never write to a finished call: grpc.aio would replace the server's status (say
+                # RESOURCE_EXHAUSTED from admission control) with INTERNAL (grpc/grpc#36066).
+                if call.done():
+                    break
                 now = time.monotonic()
                 lateness.append((now - deadline) * 1000.0)
                 self.sent.append(now)
                 await call.write(cycle[k % len(cycle)])
-                if reader.done():
-                    break
-            await call.done_writing()
+            if not call.done():
+                await call.done_writing()
         except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
             pass  # the stream failed; the reader has (or will get) the status
         self.report.audio_s += len(self.sent) * self.frame_s
@@ -202,7 +224,9 @@ class _Session:
             call.cancel()
             self.report.errors["DRAIN_TIMEOUT"] += 1
             self.report.error_examples.setdefault(
-                "DRAIN_TIMEOUT", f"the server did not end the stream {self.cfg.drain_timeout_s:.0f} s after the last frame")
+                "DRAIN_TIMEOUT",
+                f"the server did not end the stream {self.cfg.drain_timeout_s:.0f} s after the last frame",
+            )
 
     async def _read(self, call) -> None:
         try:
@@ -244,8 +268,14 @@ async def run_load(target: Target, clip: bytes, cfg: LoadConfig) -> LoadReport:
         # Starts spread over the ramp and a random phase within one frame, so that the N sessions do
         # not all send in the same millisecond of every 20 ms period.
         tasks = [
-            s.run(channels[i % n_channels], method, cycle, config_for(i),
-                  t_start + cfg.ramp_s * i / cfg.sessions + rng.random() * frame_s, n_frames)
+            s.run(
+                channels[i % n_channels],
+                method,
+                cycle,
+                config_for(i),
+                t_start + cfg.ramp_s * i / cfg.sessions + rng.random() * frame_s,
+                n_frames,
+            )
             for i, s in enumerate(sessions)
         ]
         await asyncio.gather(*tasks)
@@ -266,9 +296,15 @@ def run_cli(args: argparse.Namespace, target: Target, fmt: AudioFormat) -> int:
         session_id=args.session_id,
     )
     cfg = LoadConfig(
-        sessions=args.sessions, duration_s=args.duration, options=options,
-        transcribe_only=args.transcribe_only or args.vad_only, gap_s=args.gap, ramp_s=args.ramp,
-        channels=args.channels, started_lag_ms=args.started_lag_ms, ended_lag_ms=args.ended_lag_ms,
+        sessions=args.sessions,
+        duration_s=args.duration,
+        options=options,
+        transcribe_only=args.transcribe_only or args.vad_only,
+        gap_s=args.gap,
+        ramp_s=args.ramp,
+        channels=args.channels,
+        started_lag_ms=args.started_lag_ms,
+        ended_lag_ms=args.ended_lag_ms,
     )
     clip = load_clip(args.file, fmt)
     report = asyncio.run(run_load(target, clip, cfg))

@@ -25,7 +25,7 @@ from typing import Protocol
 import grpc
 import numpy as np
 
-from .audio import AudioFormat, Encoding, decode
+from .audio import MAX_SAMPLE_RATE, MIN_SAMPLE_RATE, AudioFormat, Encoding, decode
 from .connect import Target, aio_channel
 from .errors import ClientError
 from .proto import voiced_pb2 as pb
@@ -167,7 +167,9 @@ class PttController:
             cfg = event.started.effective_config
             if cfg.HasField("output_format"):
                 self.output_format = format_from_proto(cfg.output_format)
-            self.show(f"connected (session {event.started.session_id}); press Enter or space to talk, q to quit")
+            self.show(
+                f"connected (session {event.started.session_id}); press Enter or space to talk, q to quit"
+            )
         elif kind == "transcript":
             t = event.transcript
             if t.is_final:
@@ -266,7 +268,9 @@ def import_sounddevice():
     try:
         import sounddevice
     except ImportError as e:
-        raise ClientError(f"the push-to-talk client needs the sounddevice package ({e}): {INSTALL_HINT}") from e
+        raise ClientError(
+            f"the push-to-talk client needs the sounddevice package ({e}): {INSTALL_HINT}"
+        ) from e
     except OSError as e:  # sounddevice raises OSError when the PortAudio library is absent
         raise ClientError(f"PortAudio is not installed ({e}): {PORTAUDIO_HINT}") from e
     return sounddevice
@@ -285,11 +289,16 @@ class SoundDeviceSource:
         try:
             sd.check_input_settings(device=device, channels=1, dtype="int16", samplerate=sample_rate)
             self.sample_rate = sample_rate
-        except Exception:
+        except (ValueError, sd.PortAudioError):
             # Some devices only do 44.1/48 kHz; the server resamples, so send at the device's rate.
             info = sd.query_devices(device, kind="input")
             self.sample_rate = int(info["default_samplerate"])
             log.info("input device does not take %d Hz; sending %d Hz", sample_rate, self.sample_rate)
+            if not MIN_SAMPLE_RATE <= self.sample_rate <= MAX_SAMPLE_RATE:
+                raise ClientError(
+                    f"the input device records at {self.sample_rate} Hz only; voiced takes "
+                    f"{MIN_SAMPLE_RATE}..{MAX_SAMPLE_RATE} Hz: choose another with --input-device"
+                ) from None
         self._stream = None
 
     def start(self, on_frame: Callable[[np.ndarray], None]) -> None:
@@ -299,8 +308,12 @@ class SoundDeviceSource:
             on_frame(indata[:, 0].copy())
 
         self._stream = self._sd.InputStream(
-            samplerate=self.sample_rate, blocksize=self.sample_rate * FRAME_MS // 1000,
-            device=self.device, channels=1, dtype="int16", callback=callback,
+            samplerate=self.sample_rate,
+            blocksize=self.sample_rate * FRAME_MS // 1000,
+            device=self.device,
+            channels=1,
+            dtype="int16",
+            callback=callback,
         )
         self._stream.start()
 
@@ -317,7 +330,7 @@ class SoundDeviceSink:
     def __init__(self, sd, device: int | str | None = None, sample_rate: int = MIC_RATE) -> None:
         try:
             sd.check_output_settings(device=device, channels=1, dtype="int16", samplerate=sample_rate)
-        except Exception:
+        except (ValueError, sd.PortAudioError):
             sample_rate = int(sd.query_devices(device, kind="output")["default_samplerate"])
         self.sample_rate = sample_rate
         self.buffer = PlaybackBuffer()
@@ -327,8 +340,13 @@ class SoundDeviceSink:
 
         # A small block keeps the cut on barge-in short: at most one block is already in the device.
         self._stream = sd.OutputStream(
-            samplerate=sample_rate, blocksize=sample_rate * FRAME_MS // 1000, device=device,
-            channels=1, dtype="int16", callback=callback, latency="low",
+            samplerate=sample_rate,
+            blocksize=sample_rate * FRAME_MS // 1000,
+            device=device,
+            channels=1,
+            dtype="int16",
+            callback=callback,
+            latency="low",
         )
         self._stream.start()
 
@@ -343,7 +361,9 @@ class SoundDeviceSink:
         self._stream.close()
 
 
-def open_devices(sd, input_device: str | None, output_device: str | None) -> tuple[SoundDeviceSource, SoundDeviceSink]:
+def open_devices(
+    sd, input_device: str | None, output_device: str | None
+) -> tuple[SoundDeviceSource, SoundDeviceSink]:
     """Open microphone and speakers, or raise ClientError naming what is missing."""
     try:
         sd.query_devices(_device(input_device), kind="input")
@@ -372,8 +392,8 @@ def start_key_reader(loop: asyncio.AbstractEventLoop, keys: asyncio.Queue[str]) 
 
     Returns a function that restores the terminal. On a terminal, cbreak mode delivers each key
     at once (no Enter needed for space); without one (a pipe), lines are read instead."""
-    post = lambda key: loop.call_soon_threadsafe(keys.put_nowait, key)  # noqa: E731
-    restore: Callable[[], None] = lambda: None  # noqa: E731
+    post = lambda key: loop.call_soon_threadsafe(keys.put_nowait, key)
+    restore: Callable[[], None] = lambda: None
     read_char: Callable[[], str]
     if sys.stdin.isatty() and os.name == "posix":
         import termios
@@ -382,14 +402,14 @@ def start_key_reader(loop: asyncio.AbstractEventLoop, keys: asyncio.Queue[str]) 
         fd = sys.stdin.fileno()
         saved = termios.tcgetattr(fd)
         tty.setcbreak(fd)
-        restore = lambda: termios.tcsetattr(fd, termios.TCSADRAIN, saved)  # noqa: E731
-        read_char = lambda: os.read(fd, 1).decode(errors="ignore")  # noqa: E731
+        restore = lambda: termios.tcsetattr(fd, termios.TCSADRAIN, saved)
+        read_char = lambda: os.read(fd, 1).decode(errors="ignore")
     elif sys.stdin.isatty() and os.name == "nt":
         import msvcrt
 
         read_char = msvcrt.getwch
     else:
-        read_char = lambda: sys.stdin.read(1)  # noqa: E731
+        read_char = lambda: sys.stdin.read(1)
 
     def reader() -> None:
         while True:
@@ -413,7 +433,8 @@ def run_cli(args: argparse.Namespace, target: Target | None) -> int:
     source, sink = open_devices(sd, args.input_device, args.output_device)
     options = SessionOptions(
         input_format=AudioFormat(Encoding.LINEAR16, source.sample_rate),
-        output_format=AudioFormat(Encoding.LINEAR16, sink.sample_rate),
+        # A 96 kHz output device gets 48 kHz from the server, resampled here (PttController).
+        output_format=AudioFormat(Encoding.LINEAR16, min(sink.sample_rate, MAX_SAMPLE_RATE)),
         push_to_talk=True,
         language=args.language,
         voice=args.voice,

@@ -1,8 +1,8 @@
 """Building a SessionConfig and streaming a clip through `Converse` / `StreamingRecognize`.
 
-`astream_file` is the core (grpc.aio); `stream_file` is the blocking wrapper. Both send the config,
-then the clip as 20 ms frames (paced at real time if asked), then half-close, and collect every
-event until the server ends the stream. An error status is raised as `grpc.aio.AioRpcError`.
+`stream_clip` / `stream_file` send the config, then the clip as 20 ms frames (paced at real time if
+asked), then half-close, and collect every event until the server ends the stream; an error status
+is raised as `grpc.RpcError`. `astream_file` is the same for async callers.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,7 +18,7 @@ import grpc
 import numpy as np
 
 from .audio import FRAME_MS, AudioFormat, Encoding, from_wire, split_frames, to_wire
-from .connect import Target, aio_channel
+from .connect import Target, sync_channel
 from .proto import voiced_pb2 as pb
 from .proto import voiced_pb2_grpc as pb_grpc
 from .wavio import read_wav
@@ -128,7 +128,7 @@ class ClipRequests:
     marks: dict[int, list[str]] = field(default_factory=dict)
     started_at: float | None = None  # monotonic time of the first request, set when it is sent
 
-    async def __aiter__(self) -> AsyncIterator[pb.SessionRequest]:
+    def __iter__(self) -> Iterator[pb.SessionRequest]:
         self.started_at = time.monotonic()
         yield pb.SessionRequest(config=self.config)
         for i in range(len(self.frames) + 1):
@@ -140,7 +140,7 @@ class ClipRequests:
                 # Absolute deadlines: a late wake-up is caught up, never accumulated as drift.
                 delay = self.started_at + i * self.frame_s - time.monotonic()
                 if delay > 0:
-                    await asyncio.sleep(delay)
+                    time.sleep(delay)
             yield pb.SessionRequest(audio=self.frames[i])
 
 
@@ -153,8 +153,8 @@ def load_clip(path: str | Path, fmt: AudioFormat) -> bytes:
     return to_wire(pcm, rate, fmt)
 
 
-async def astream_clip(
-    target: Target | grpc.aio.Channel,
+def stream_clip(
+    target: Target | grpc.Channel,
     clip: bytes,
     options: SessionOptions,
     *,
@@ -167,9 +167,15 @@ async def astream_clip(
 ) -> list[pb.SessionEvent]:
     """Stream wire-format bytes `clip` as one session and return every event the server sent.
 
-    `target` is a Target (a channel is opened and closed here) or an open grpc.aio channel.
+    `target` is a Target (a channel is opened and closed here) or an open grpc.Channel.
     `on_event(event, seconds_since_first_request)` is called as each event arrives.
-    In push-to-talk mode without `talk_spans`, the whole clip is one span."""
+    In push-to-talk mode without `talk_spans`, the whole clip is one span.
+    An error status raises grpc.RpcError (with .code() and .details()).
+
+    This uses the blocking gRPC API on purpose: grpc.aio (1.85) reports INTERNAL "Internal error
+    from Core" instead of the server's status when the server ends the call while the client is
+    still writing (grpc/grpc#36066), and a file streamed as fast as possible always is. The sync
+    API sends requests from its own thread and reports the server's status."""
     fmt = options.input_format
     frames = split_frames(clip, fmt)
     frame_s = fmt.frame_samples(FRAME_MS) / fmt.sample_rate
@@ -182,40 +188,46 @@ async def astream_clip(
     requests = ClipRequests(options.to_proto(), frames, frame_s, realtime, marks)
 
     own_channel = isinstance(target, Target)
-    channel = aio_channel(target) if own_channel else target
+    channel = sync_channel(target) if own_channel else target
     if own_channel:
         metadata = tuple(metadata) + target.metadata()
+    call = None
     try:
         stub = pb_grpc.VoicedStub(channel)
         rpc = stub.StreamingRecognize if transcribe_only else stub.Converse
-        call = rpc(requests.__aiter__(), metadata=tuple(metadata) or None, timeout=timeout)
+        call = rpc(iter(requests), metadata=tuple(metadata) or None, timeout=timeout)
         events: list[pb.SessionEvent] = []
-        async for event in call:
+        for event in call:
             events.append(event)
             if on_event is not None:
                 on_event(event, time.monotonic() - (requests.started_at or time.monotonic()))
         return events
     finally:
+        if call is not None and call.is_active():
+            call.cancel()  # we stopped early (an exception in on_event, Ctrl-C): free the server's side
         if own_channel:
-            await channel.close()
-
-
-async def astream_file(
-    target: Target | grpc.aio.Channel, path: str | Path, options: SessionOptions, **kwargs
-) -> list[pb.SessionEvent]:
-    """`astream_clip` of a WAV file converted to `options.input_format`."""
-    return await astream_clip(target, load_clip(path, options.input_format), options, **kwargs)
+            channel.close()
 
 
 def stream_file(
-    server: str | Target,
+    server: str | Target | grpc.Channel,
     path: str | Path,
     options: SessionOptions | None = None,
     **kwargs,
 ) -> list[pb.SessionEvent]:
-    """Blocking: stream a WAV file as one session and return its events (see astream_clip).
+    """Stream a WAV file as one session and return its events (blocking; see stream_clip).
 
-    Runs its own event loop, so call it from a thread (asyncio.to_thread) inside async code."""
+    `options` defaults to 16 kHz LINEAR16 with the server's defaults for everything else."""
     target = Target(server) if isinstance(server, str) else server
     options = options or SessionOptions(AudioFormat(Encoding.LINEAR16, 16000))
-    return asyncio.run(astream_file(target, path, options, **kwargs))
+    return stream_clip(target, load_clip(path, options.input_format), options, **kwargs)
+
+
+async def astream_file(
+    server: str | Target | grpc.Channel,
+    path: str | Path,
+    options: SessionOptions | None = None,
+    **kwargs,
+) -> list[pb.SessionEvent]:
+    """`stream_file` from async code: runs in a worker thread (so `on_event` is called there)."""
+    return await asyncio.to_thread(stream_file, server, path, options, **kwargs)
