@@ -38,8 +38,8 @@ def trtllm_missing(monkeypatch):
 
 
 def test_this_machine_really_has_no_tensorrt_llm_and_voiced_does_not_import_it():
-    import voiced.engines.backend  # noqa: F401
-    import voiced.engines.trtllm.spark_runner  # noqa: F401
+    import voiced.engines.backend
+    import voiced.engines.trtllm.spark_runner
     import voiced.engines.trtllm.whisper_runner  # noqa: F401
 
     assert "tensorrt_llm" not in sys.modules

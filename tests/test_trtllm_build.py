@@ -143,8 +143,8 @@ def trtllm_build_outputs(steps, log_path):
 def test_build_skips_when_the_manifest_matches(tmp_path, whisper_checkpoint):
     trtllm_build_outputs.calls = 0
     opts = b.default_options("whisper", "tiny")
-    kw = dict(root=tmp_path / "engines", checkpoint=whisper_checkpoint, trtllm_version="1.0.0",
-              runner=trtllm_build_outputs)
+    kw = {"root": tmp_path / "engines", "checkpoint": whisper_checkpoint, "trtllm_version": "1.0.0",
+              "runner": trtllm_build_outputs}
     first = b.build(opts, **kw)
     assert not first.skipped and trtllm_build_outputs.calls == 1
     assert first.engine_dir == tmp_path / "engines" / "whisper-tiny"

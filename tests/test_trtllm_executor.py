@@ -5,8 +5,8 @@ from __future__ import annotations
 import threading
 
 import pytest
-from tests.trtllm_fakes import BINDINGS, FakeExecutor
 
+from tests.trtllm_fakes import BINDINGS, FakeExecutor
 from voiced.engines.base import EngineError, EngineOutput
 from voiced.engines.trtllm.executor import ExecutorLoop, Flight
 
@@ -144,7 +144,7 @@ def test_step_without_work_does_not_block_on_the_executor():
 
 
 def test_a_second_thread_is_refused():
-    ex, loop = make()
+    _ex, loop = make()
     loop.submit(1, [1])
     errors = []
 

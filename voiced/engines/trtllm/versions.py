@@ -6,8 +6,8 @@ Two ways to run Whisper / Spark-TTS on TensorRT-LLM exist across releases:
    produce TensorRT engines; the C++ executor (``tensorrt_llm.bindings.executor.Executor``, created by
    ``tensorrt_llm.runtime.ModelRunnerCpp.from_dir``) runs them with in-flight batching and a paged KV
    cache. Whisper runs on it since 0.13 ("Supported OpenAI Whisper in C++ runtime", 0.13.0 release
-   notes); the ``cross_kv_cache_fraction`` knob and ``encoder_output_length`` request field that we
-   rely on are there from 0.15/0.16 on. We build and run against **0.17.0 - 1.2.x** (the example
+   notes). We target **0.17.0 - 1.2.x** (seed 004 built its engine with 0.17.0.post1; our calls were
+   matched against the sources listed in docs/TRTLLM.md, and the Dockerfile pins 1.0.0) (the example
    scripts moved from ``examples/whisper`` and ``examples/qwen`` to ``examples/models/core/...`` in
    0.18; build.py looks in both places).
 
@@ -15,9 +15,11 @@ Two ways to run Whisper / Spark-TTS on TensorRT-LLM exist across releases:
    ``generate_async(...)``. The newest development line removed the TensorRT engine backend
    ("Migration Guide: TensorRT Backend Removed", docs/source/legacy/tensorrt-backend-removal.md) and
    added a PyTorch-flow Whisper (``tensorrt_llm/_torch/models/modeling_whisper.py``: audio arrives as
-   ``multi_modal_data["audio"] = (waveform, 16000)``, the decoder prompt as the text prompt). We use it
-   for Whisper when the installed release has no engine path. Spark-TTS's LM is a plain Qwen2, which
-   the LLM API has served since 0.17's PyTorch backend.
+   ``multi_modal_data["audio"] = (waveform, 16000)``, the decoder prompt as the text prompt;
+   ``generate_async`` returns a per-request result with ``abort()``). voiced does **not** run this
+   path yet: ``detect()`` reports it and the loaders refuse such a release with a clear message.
+   Adding it means an adapter that presents ``LLM.generate_async`` results through the executor
+   interface of executor.py (enqueue / await / cancel), so the routing loop stays the same.
 
 Capability, not version numbers, decides at run time (``detect()``), because release candidates
 and vendor containers carry odd version strings; the numbers above are what we say to people.
@@ -31,7 +33,7 @@ from dataclasses import dataclass
 
 # The releases whose sources we matched our calls against (docs/TRTLLM.md lists the files).
 ENGINE_PATH_RELEASES = "0.17.0 - 1.2.x"
-LLMAPI_WHISPER_RELEASES = "1.3 development line (main after the TensorRT backend removal)"
+LLMAPI_WHISPER_RELEASES = "1.3 development line (main after the TensorRT backend removal); not used yet"
 # The container our Dockerfile pins; its TensorRT-LLM has both the engine path and trtllm-build.
 CONTAINER_IMAGE = "nvcr.io/nvidia/tensorrt-llm/release:1.0.0"
 

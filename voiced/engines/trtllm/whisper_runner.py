@@ -344,10 +344,10 @@ def is_hallucination(opts: ASROptions, avg_logprob: float, no_speech_prob: float
     """The filters of openai-whisper's transcribe(), with the thresholds from ASROptions."""
     if opts.compression_ratio_threshold is not None and ratio > opts.compression_ratio_threshold:
         return True
-    if opts.no_speech_threshold is not None and no_speech_prob > opts.no_speech_threshold:
-        if opts.logprob_threshold is None or avg_logprob < opts.logprob_threshold:
-            return True
-    return False
+    # Silence: the model thinks nobody spoke *and* is unsure of its text (openai-whisper's rule).
+    silent = opts.no_speech_threshold is not None and no_speech_prob > opts.no_speech_threshold
+    unsure = opts.logprob_threshold is None or avg_logprob < opts.logprob_threshold
+    return silent and unsure
 
 
 def split_segments(tokens: list[int], tok: Any) -> list[Segment]:
