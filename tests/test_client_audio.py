@@ -153,3 +153,16 @@ def test_silence_encodings():
     assert silence(AudioFormat(Encoding.LINEAR16, 16000), 20) == b"\x00" * 640
     assert silence(AudioFormat(Encoding.MULAW, 8000), 20) == b"\xff" * 160
     assert silence(AudioFormat(Encoding.ALAW, 8000), 20) == b"\xd5" * 160
+
+
+def test_client_imports_without_the_daemon_or_torch(tmp_path):
+    # A desktop install has only the client: nothing in it may import `voiced` or torch.
+    import subprocess
+
+    code = (
+        "import sys, voiced_client.cli, voiced_client.session, voiced_client.load, voiced_client.ptt;"
+        "bad = [m for m in sys.modules if m.split('.')[0] in ('voiced', 'torch', 'sounddevice')];"
+        "assert not bad, bad"
+    )
+    client_dir = Path(__file__).resolve().parents[1] / "client"
+    subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env={"PYTHONPATH": str(client_dir)}, check=True)

@@ -41,6 +41,7 @@ from .session import SessionOptions, load_clip
 
 log = logging.getLogger(__name__)
 
+FIRST_EVENT_WAIT_S = 2.0
 SESSIONS_PER_CHANNEL = 100  # one HTTP/2 connection per this many streams spreads the transport work
 
 
@@ -150,6 +151,7 @@ class _Session:
         self.frame_s = frame_s
         self.sent = array("d")  # monotonic send time of each frame
         self.config_sent = 0.0
+        self.answered = asyncio.Event()  # the first event (or the end of the call) arrived
         self.started_lag_ms = cfg.started_lag_ms
 
     def decisive_frame(self, audio_ms: float) -> int:
@@ -198,6 +200,14 @@ class _Session:
         try:
             self.config_sent = time.monotonic()
             await call.write(config)
+            # Audio starts once the server has answered the config. A refusal (admission control's
+            # RESOURCE_EXHAUSTED) then arrives before any frame is written, so it is reported as the
+            # server sent it rather than as INTERNAL (see below). A server that says nothing before
+            # it hears audio costs a short wait, no more.
+            try:
+                await asyncio.wait_for(self.answered.wait(), FIRST_EVENT_WAIT_S)
+            except asyncio.TimeoutError:
+                pass
             t0 = time.monotonic()
             lateness = self.report.lateness_ms
             for k in range(n_frames):
@@ -231,12 +241,15 @@ class _Session:
     async def _read(self, call) -> None:
         try:
             async for event in call:
+                self.answered.set()
                 self.on_event(event, time.monotonic())
             self.report.completed += 1
         except grpc.aio.AioRpcError as e:
             name = e.code().name
             self.report.errors[name] += 1
             self.report.error_examples.setdefault(name, e.details() or "")
+        finally:
+            self.answered.set()
 
 
 async def run_load(target: Target, clip: bytes, cfg: LoadConfig) -> LoadReport:
