@@ -69,7 +69,8 @@ def layout(texts: list[str], lead_s: float = 0.6, gap_s: float = 1.2, tail_s: fl
 
 
 def write_wav(path: Path, audio: np.ndarray, rate: int = RATE) -> Path:
-    pcm = (np.clip(audio, -1, 1) * 32767).round().astype("<i2")
+    """float32 in [-1, 1] or int16 samples (written as they are)."""
+    pcm = audio.astype("<i2") if audio.dtype == np.int16 else (np.clip(audio, -1, 1) * 32767).round().astype("<i2")
     with wave.open(str(path), "wb") as w:
         w.setnchannels(1)
         w.setsampwidth(2)

@@ -25,7 +25,7 @@ from grpc_reflection.v1alpha import reflection
 
 import voiced
 from voiced.agents import AgentRegistry
-from voiced.audio.ingest import FRAME_SAMPLES, MAX_RATE, MIN_RATE, RATE, AudioFormatError, Resampler, decode_pcm
+from voiced.audio.ingest import FRAME_SAMPLES, MAX_RATE, MIN_RATE, RATE, AudioFormatError, Resampler, decode_pcm, float_to_int16
 from voiced.config import Config
 from voiced.engines.base import ASRRequest, EngineError
 from voiced.metrics import Metrics
@@ -98,6 +98,9 @@ class VoicedService(pb_grpc.VoicedServicer):
         outcome = "error"
         admitted = False
         try:
+            # Read the first message before any refusal: aborting a stream whose first write is
+            # still in flight makes some gRPC clients report INTERNAL instead of our status.
+            first = await _first(requests)
             self._check_ready()
             if s.active_sessions >= s.config.server.max_sessions:
                 raise SessionError(
@@ -108,7 +111,6 @@ class VoicedService(pb_grpc.VoicedServicer):
             s.active_sessions += 1
             admitted = True
             s.metrics.sessions_active.inc()
-            first = await _first(requests)
             if first is None:
                 outcome = "empty"
                 return
@@ -226,14 +228,14 @@ def _clip_audio(data: bytes, fmt: pb.AudioFormat | None):
     if not data:
         raise invalid("audio is empty; send the clip's bytes (base64 in JSON)")
     if data[:4] == b"RIFF":
-        from voiced_client.wavio import read_wav
+        from voiced.audio.wavfile import WavError, read_wav
 
         try:
-            samples, rate = read_wav(io.BytesIO(data), dtype="int16")
-        except Exception as e:
+            samples, rate = read_wav(io.BytesIO(data))
+        except WavError as e:
             raise invalid(f"audio starts like a WAV file but cannot be read: {e}") from None
         duration = len(samples) / rate
-        pcm = Resampler(rate, RATE)(samples, last=True)
+        pcm = float_to_int16(Resampler(rate, RATE)(samples, last=True))
     else:
         if fmt is None:
             raise invalid("format is required for raw audio (or send a WAV file)")

@@ -1,0 +1,159 @@
+"""A real voiced server on localhost for tests, with a tiny random Whisper checkpoint.
+
+The server runs on its own thread and event loop, as it would in production; tests talk to it
+over a real gRPC channel.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import numpy as np
+
+from voiced.agents import AgentRegistry
+from voiced.audio.ingest import FRAME_SAMPLES, Format, FrameDecoder, encode_pcm, float_to_int16
+from voiced.config import Config
+from voiced.metrics import Metrics
+from voiced.scheduler import EngineWorker
+from voiced.server import Services, VoicedServer
+from voiced_client.proto import voiced_pb2 as pb
+from voiced_client.proto import voiced_pb2_grpc as pb_grpc
+
+MAX_NEW_TOKENS = 10  # random models never stop on their own
+
+
+def test_config() -> Config:
+    c = Config()
+    c.server.listen = "127.0.0.1:0"
+    c.server.max_message_bytes = 1024 * 1024
+    c.asr.language = "en"
+    c.asr.max_new_tokens = MAX_NEW_TOKENS
+    # Random weights look like hallucinations to the filters; the tests want every result.
+    c.asr.no_speech_threshold = 1.0
+    c.asr.logprob_threshold = -1e9
+    c.asr.compression_ratio_threshold = 1e9
+    c.tts.enabled = False
+    return c
+
+
+@dataclass
+class Daemon:
+    address: str
+    server: VoicedServer
+    loop: asyncio.AbstractEventLoop
+    thread: threading.Thread
+    checkpoint: Path
+
+    @property
+    def services(self) -> Services:
+        return self.server.services
+
+    def call(self, coro_fn, *args, timeout: float = 60):
+        """Run `coro_fn(*args)` on the server's loop (to look inside it) and return its result."""
+        return asyncio.run_coroutine_threadsafe(coro_fn(*args), self.loop).result(timeout)
+
+    def session_tasks(self) -> list[str]:
+        async def names():
+            return [t.get_name() for t in asyncio.all_tasks() if ":" in t.get_name()]
+
+        return self.call(names)
+
+    def stop(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.server.drain_and_stop(grace=0), self.loop).result(30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+def start_daemon(checkpoint: Path, config: Config | None = None, tts_engine=None, max_batch: int = 16) -> Daemon:
+    from voiced.engines.whisper.engine import WhisperEngine
+
+    config = config or test_config()
+    engine = WhisperEngine.load(str(checkpoint), device="cpu", max_batch=max_batch)
+    services = Services(config=config, metrics=Metrics(), asr=EngineWorker(engine, "asr"),
+                        agents=AgentRegistry(config.agent))
+    if tts_engine is not None:
+        services.tts = EngineWorker(tts_engine, "tts")
+        services.voices = tts_engine.voices
+    loop = asyncio.new_event_loop()
+    server = VoicedServer(config, services=services)
+    ready = threading.Event()
+    box: dict = {}
+
+    def main():
+        asyncio.set_event_loop(loop)
+
+        async def go():
+            box["port"] = await server.start()
+            ready.set()
+
+        loop.run_until_complete(go())
+        loop.run_forever()
+
+    thread = threading.Thread(target=main, daemon=True, name="voiced-test-server")
+    thread.start()
+    if not ready.wait(60):
+        raise RuntimeError("test server did not start")
+    return Daemon(f"127.0.0.1:{box['port']}", server, loop, thread, checkpoint)
+
+
+# ------------------------------------------------------------------------------ the caller side
+
+
+def wire_audio(audio16k: np.ndarray, fmt: Format) -> bytes:
+    """16 kHz float audio -> bytes in `fmt`, as a caller would send them."""
+    import soxr
+
+    x = audio16k if fmt.sample_rate == 16000 else soxr.resample(audio16k, 16000, fmt.sample_rate)
+    return encode_pcm(float_to_int16(x), fmt.encoding)
+
+
+def heard_audio(data: bytes, fmt: Format) -> np.ndarray:
+    """What the daemon hears from `data`: decoded and resampled to 16 kHz int16 (its own pipeline)."""
+    dec = FrameDecoder(fmt)
+    frames = dec.feed(data) + dec.flush()
+    return np.concatenate(frames)
+
+
+def frames_of(data: bytes, fmt: Format, ms: int = 20) -> list[bytes]:
+    step = fmt.bytes_per_sample * fmt.sample_rate * ms // 1000
+    return [data[i : i + step] for i in range(0, len(data), step)]
+
+
+def session_config(fmt: Format, **kw) -> pb.SessionConfig:
+    enc = {"LINEAR16": pb.LINEAR16, "MULAW": pb.MULAW, "ALAW": pb.ALAW}[fmt.encoding]
+    return pb.SessionConfig(input_format=pb.AudioFormat(encoding=enc, sample_rate_hz=fmt.sample_rate), **kw)
+
+
+async def run_stream(address: str, requests: list[pb.SessionRequest], method: str = "StreamingRecognize",
+                     metadata=None) -> tuple[list[pb.SessionEvent], grpc.StatusCode, str]:
+    """Send all requests, half-close, collect every event and the final status."""
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = pb_grpc.VoicedStub(channel)
+
+        async def gen():
+            for r in requests:
+                yield r
+
+        call = getattr(stub, method)(gen(), metadata=metadata)
+        events = []
+        try:
+            async for ev in call:
+                events.append(ev)
+            return events, grpc.StatusCode.OK, ""
+        except grpc.aio.AioRpcError as e:
+            return events, e.code(), e.details()
+
+
+def audio_requests(config: pb.SessionConfig, data: bytes, fmt: Format) -> list[pb.SessionRequest]:
+    return [pb.SessionRequest(config=config)] + [pb.SessionRequest(audio=f) for f in frames_of(data, fmt)]
+
+
+def of_kind(events, kind: str):
+    return [e for e in events if e.WhichOneof("event") == kind]
+
+
+__all__ = ["FRAME_SAMPLES"]

@@ -1,0 +1,353 @@
+"""The listening daemon end to end: a real server on localhost, a tiny random Whisper checkpoint in
+OpenAI's format, espeak-ng speech streamed as 20 ms frames."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import io
+import json
+
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tests.daemon_harness import (
+    MAX_NEW_TOKENS,
+    audio_requests,
+    frames_of,
+    heard_audio,
+    of_kind,
+    run_stream,
+    session_config,
+    start_daemon,
+    wire_audio,
+)
+from tests.speech import RATE, layout, phrase, write_wav
+from tests.whisper_fixtures import make_openai_checkpoint
+from voiced.audio.ingest import Format
+from voiced.cli import main as voiced_main
+from voiced_client.proto import voiced_pb2 as pb
+from voiced_client.proto import voiced_pb2_grpc as pb_grpc
+
+PHRASES = ["The quick brown fox jumps over the lazy dog.", "Please call me back tomorrow morning.",
+           "Seven apples and three oranges."]
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory):
+    ckpt = make_openai_checkpoint(tmp_path_factory.mktemp("whisper"), seed=3)
+    d = start_daemon(ckpt)
+    yield d
+    d.stop()
+
+
+def transcribe_cli(checkpoint, audio16k_int16: np.ndarray, tmp_path, capsys) -> list[int]:
+    wav = write_wav(tmp_path / "utt.wav", audio16k_int16)
+    code = voiced_main(["transcribe", str(wav), "--model", str(checkpoint), "--language", "en",
+                        "--max-new-tokens", str(MAX_NEW_TOKENS), "--json"])
+    assert code == 0
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])["tokens"]
+
+
+def ms(samples: int) -> float:
+    return samples * 1000 / RATE
+
+
+@pytest.mark.parametrize("fmt", [Format("LINEAR16", 16000), Format("MULAW", 8000), Format("ALAW", 8000),
+                                 Format("LINEAR16", 48000)], ids=lambda f: f"{f.encoding}-{f.sample_rate}")
+def test_each_phrase_gives_one_speech_pair_and_one_transcript(daemon, fmt, tmp_path, capsys):
+    lay = layout(PHRASES, gap_s=1.0)
+    data = wire_audio(lay.audio, fmt)
+    cfg = session_config(fmt)
+    events, code, details = asyncio.run(run_stream(daemon.address, audio_requests(cfg, data, fmt)))
+    assert code == grpc.StatusCode.OK, details
+    started = of_kind(events, "started")[0].started
+    seg = started.effective_config.segmentation
+    speech = of_kind(events, "speech")
+    starts = [e for e in speech if e.speech.type == pb.SpeechActivity.SPEECH_STARTED]
+    ends = [e for e in speech if e.speech.type == pb.SpeechActivity.SPEECH_ENDED]
+    finals = [e for e in of_kind(events, "transcript") if e.transcript.is_final]
+    assert len(starts) == len(ends) == len(finals) == len(PHRASES)
+    for (a, b), s, e in zip(lay.spans, starts, ends):
+        assert abs(s.speech.offset_ms - ms(a)) <= 100
+        assert abs(e.speech.offset_ms - (ms(b) + seg.hangover_ms)) <= 100
+    assert [f.turn_id for f in finals] == [1, 2, 3]
+    assert [s.turn_id for s in starts] == [1, 2, 3]
+
+    # Each transcript's tokens equal `voiced transcribe` on the audio of that utterance.
+    heard = heard_audio(data, fmt)
+    for f in finals:
+        t = f.transcript
+        assert t.language == "en" and len(t.tokens) > 0 and t.latency_ms >= 0
+        begin = int(t.start_ms * RATE // 1000) - seg.pre_roll_ms * RATE // 1000
+        clip = heard[max(begin, 0) : int(t.end_ms * RATE // 1000)]
+        assert list(t.tokens) == transcribe_cli(daemon.checkpoint, clip, tmp_path, capsys)
+
+
+def test_push_to_talk_yields_exactly_the_marked_spans(daemon):
+    fmt = Format("LINEAR16", 16000)
+    lay = layout(PHRASES[:2])
+    frames = frames_of(wire_audio(lay.audio, fmt), fmt)
+    marks = {10: "talk_start", 70: "talk_end", 90: "talk_start", 150: "talk_end"}
+    cfg = session_config(fmt, segmentation=pb.SegmentationConfig(mode=pb.PUSH_TO_TALK))
+    requests = [pb.SessionRequest(config=cfg)]
+    for i, f in enumerate(frames):
+        if i in marks:
+            requests.append(pb.SessionRequest(control=pb.Control(**{marks[i]: getattr(pb, marks[i].title().replace("_", ""))()})))
+        requests.append(pb.SessionRequest(audio=f))
+    events, code, details = asyncio.run(run_stream(daemon.address, requests))
+    assert code == grpc.StatusCode.OK, details
+    finals = [e.transcript for e in of_kind(events, "transcript")]
+    assert [(t.start_ms, t.end_ms) for t in finals] == [(200, 1400), (1800, 3000)]
+    speech = [(e.speech.type, e.speech.offset_ms) for e in of_kind(events, "speech")]
+    S, E = pb.SpeechActivity.SPEECH_STARTED, pb.SpeechActivity.SPEECH_ENDED
+    assert speech == [(S, 200), (E, 1400), (S, 1800), (E, 3000)]
+
+
+def test_fifty_concurrent_sessions_while_one_sends_garbage(daemon):
+    fmt = Format("LINEAR16", 16000)
+    data = wire_audio(layout([PHRASES[0]], lead_s=0.3, tail_s=0.8).audio, fmt)
+    good = audio_requests(session_config(fmt), data, fmt)
+    bad = [pb.SessionRequest(config=session_config(fmt)), pb.SessionRequest(audio=b"\x01" * 641)]
+
+    async def all_at_once():
+        return await asyncio.gather(*(run_stream(daemon.address, good) for _ in range(50)),
+                                    run_stream(daemon.address, bad))
+
+    results = asyncio.run(all_at_once())
+    *goods, garbage = results
+    assert garbage[1] == grpc.StatusCode.INVALID_ARGUMENT and "odd length" in garbage[2]
+    tokens = set()
+    for events, code, details in goods:
+        assert code == grpc.StatusCode.OK, details
+        finals = [e for e in of_kind(events, "transcript") if e.transcript.is_final]
+        assert len(finals) == 1
+        tokens.add(tuple(finals[0].transcript.tokens))
+    assert len(tokens) == 1  # batched with 49 others, every caller got the same answer for the same audio
+    assert daemon.services.asr.engine.active_requests() == 0
+
+
+def _cfg(**kw):
+    return pb.SessionRequest(config=pb.SessionConfig(**kw))
+
+
+L16 = pb.AudioFormat(encoding=pb.LINEAR16, sample_rate_hz=16000)
+
+
+@pytest.mark.parametrize("requests,code,words", [
+    ([pb.SessionRequest(audio=b"\0\0" * 320)], grpc.StatusCode.INVALID_ARGUMENT, "first message must be `config`"),
+    ([_cfg(input_format=pb.AudioFormat(encoding=7, sample_rate_hz=16000))], grpc.StatusCode.INVALID_ARGUMENT,
+     "LINEAR16, MULAW or ALAW"),
+    ([_cfg(input_format=pb.AudioFormat(encoding=pb.LINEAR16, sample_rate_hz=4000))],
+     grpc.StatusCode.INVALID_ARGUMENT, "outside 8000..48000"),
+    ([_cfg(input_format=pb.AudioFormat(encoding=pb.MULAW, sample_rate_hz=96000))],
+     grpc.StatusCode.INVALID_ARGUMENT, "outside 8000..48000"),
+    ([_cfg(input_format=L16), pb.SessionRequest(audio=b"\0" * 321)], grpc.StatusCode.INVALID_ARGUMENT,
+     "odd length"),
+    ([_cfg(input_format=L16), _cfg(input_format=L16)], grpc.StatusCode.INVALID_ARGUMENT, "config was already sent"),
+    ([_cfg()], grpc.StatusCode.INVALID_ARGUMENT, "input_format is required"),
+    ([_cfg(input_format=L16, segmentation=pb.SegmentationConfig(vad_aggressiveness=5))],
+     grpc.StatusCode.INVALID_ARGUMENT, "vad_aggressiveness 5"),
+    ([_cfg(input_format=L16), pb.SessionRequest(control=pb.Control(talk_start=pb.TalkStart()))],
+     grpc.StatusCode.INVALID_ARGUMENT, "PUSH_TO_TALK"),
+    ([_cfg(input_format=L16), pb.SessionRequest(audio=b"\0" * (2 * 1024 * 1024))],
+     grpc.StatusCode.RESOURCE_EXHAUSTED, "larger than max"),
+], ids=["audio-before-config", "unknown-encoding", "rate-too-low", "rate-too-high", "odd-linear16",
+        "second-config", "no-format", "bad-vad", "ptt-mark-in-auto", "oversize"])
+def test_bad_input_gets_the_right_status_and_says_what_to_fix(daemon, requests, code, words):
+    events, got, details = asyncio.run(run_stream(daemon.address, requests))
+    assert got == code, details
+    assert words in details
+
+
+def test_a_caller_vanishing_mid_utterance_leaves_nothing_behind(daemon):
+    fmt = Format("LINEAR16", 16000)
+    data = wire_audio(layout(PHRASES, gap_s=0.8).audio, fmt)
+    frames = frames_of(data, fmt)
+
+    async def vanish(after_event: str):
+        async with grpc.aio.insecure_channel(daemon.address) as channel:
+            stub = pb_grpc.VoicedStub(channel)
+            queue: asyncio.Queue = asyncio.Queue()
+            await queue.put(pb.SessionRequest(config=session_config(fmt)))
+            for f in frames:
+                await queue.put(pb.SessionRequest(audio=f))
+
+            async def gen():
+                while True:
+                    yield await queue.get()
+
+            call = stub.StreamingRecognize(gen())
+            async for ev in call:
+                if ev.WhichOneof("event") == "speech" and ev.speech.type == getattr(pb.SpeechActivity, after_event):
+                    call.cancel()  # the caller is gone: no half-close, no goodbye
+                    break
+
+    for point in ("SPEECH_STARTED", "SPEECH_ENDED"):
+        asyncio.run(vanish(point))
+        for _ in range(100):
+            if daemon.services.active_sessions == 0 and not daemon.session_tasks():
+                break
+            asyncio.run(asyncio.sleep(0.05))
+        assert daemon.services.active_sessions == 0
+        assert daemon.session_tasks() == []
+        assert daemon.services.asr.pending == 0
+        for _ in range(100):
+            if daemon.services.asr.engine.active_requests() == 0:
+                break
+            asyncio.run(asyncio.sleep(0.05))
+        assert daemon.services.asr.engine.active_requests() == 0
+
+
+def test_speech_events_only_when_transcription_is_off(daemon):
+    fmt = Format("LINEAR16", 16000)
+    data = wire_audio(layout(PHRASES[:2]).audio, fmt)
+    cfg = session_config(fmt, recognition=pb.RecognitionConfig(disabled=True))
+    events, code, _ = asyncio.run(run_stream(daemon.address, audio_requests(cfg, data, fmt)))
+    assert code == grpc.StatusCode.OK
+    assert len(of_kind(events, "speech")) == 4 and of_kind(events, "transcript") == []
+
+
+def test_interim_results_come_before_the_final_of_their_turn(daemon):
+    fmt = Format("LINEAR16", 16000)
+    data = wire_audio(layout([PHRASES[0] + " " + PHRASES[1]]).audio, fmt)
+    cfg = session_config(fmt, recognition=pb.RecognitionConfig(interim_results=True))
+
+    async def paced():
+        # Real time, so the engine has time to answer interim requests while the caller speaks.
+        reqs = audio_requests(cfg, data, fmt)
+        async with grpc.aio.insecure_channel(daemon.address) as channel:
+            stub = pb_grpc.VoicedStub(channel)
+
+            async def gen():
+                for r in reqs:
+                    yield r
+                    await asyncio.sleep(0.02)
+
+            return [ev async for ev in stub.StreamingRecognize(gen())]
+
+    events = asyncio.run(paced())
+    transcripts = [e.transcript for e in of_kind(events, "transcript")]
+    assert transcripts[-1].is_final and sum(t.is_final for t in transcripts) == 1
+    assert any(not t.is_final for t in transcripts)
+
+
+def test_session_limit_answers_resource_exhausted(daemon):
+    fmt = Format("LINEAR16", 16000)
+    limits = daemon.services.config.server
+    old, limits.max_sessions = limits.max_sessions, 0
+    try:
+        _, code, details = asyncio.run(run_stream(daemon.address, [pb.SessionRequest(config=session_config(fmt))]))
+    finally:
+        limits.max_sessions = old
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "limit of 0 concurrent sessions" in details
+
+
+def test_recognize_a_wav_clip_and_server_info(daemon):
+    audio = phrase(PHRASES[1])
+    buf = io.BytesIO()
+    import wave
+
+    with wave.open(buf, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(22050)
+        import soxr
+
+        w.writeframes((np.clip(soxr.resample(audio, RATE, 22050), -1, 1) * 32767).astype("<i2").tobytes())
+    with grpc.insecure_channel(daemon.address) as channel:
+        stub = pb_grpc.VoicedStub(channel)
+        resp = stub.Recognize(pb.RecognizeRequest(audio=buf.getvalue()))
+        assert len(resp.results) == 1 and len(resp.results[0].tokens) > 0
+        assert abs(resp.duration_s - len(audio) / RATE) < 0.01
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Recognize(pb.RecognizeRequest(audio=b"\0\0" * 100))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "format is required" in e.value.details()
+        info = stub.GetServerInfo(pb.GetServerInfoRequest())
+        assert info.asr.backend == "torch" and info.asr.device == "cpu" and not info.HasField("tts")
+        assert "echo" in info.agents and info.min_sample_rate_hz == 8000
+
+
+def test_health_and_reflection(daemon):
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+    with grpc.insecure_channel(daemon.address) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        for service in ("", "voiced.v1.Voiced"):
+            assert health.Check(health_pb2.HealthCheckRequest(service=service)).status == \
+                health_pb2.HealthCheckResponse.SERVING
+        db = ProtoReflectionDescriptorDatabase(channel)
+        services = db.get_services()
+        assert "voiced.v1.Voiced" in services and "grpc.health.v1.Health" in services
+
+
+def test_health_is_not_serving_while_models_load_and_during_drain(tmp_path):
+    import threading
+
+    from tests.daemon_harness import test_config
+    from voiced.server import VoicedServer
+
+    release = threading.Event()
+
+    def slow_load(services):
+        release.wait(30)
+
+    async def scenario():
+        server = VoicedServer(test_config(), load=slow_load)
+        starting = asyncio.create_task(server.start())
+        for _ in range(100):
+            if server.port:
+                break
+            await asyncio.sleep(0.02)
+        address = f"127.0.0.1:{server.port}"
+        async with grpc.aio.insecure_channel(address) as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            while True:
+                with contextlib.suppress(grpc.aio.AioRpcError):
+                    r = await health.Check(health_pb2.HealthCheckRequest())
+                    break
+                await asyncio.sleep(0.02)
+            assert r.status == health_pb2.HealthCheckResponse.NOT_SERVING
+            _, code, details = await run_stream(address, [pb.SessionRequest(config=session_config(Format("LINEAR16", 16000)))])
+            assert code == grpc.StatusCode.UNAVAILABLE and "loading" in details
+            release.set()
+            await starting
+            r = await health.Check(health_pb2.HealthCheckRequest())
+            assert r.status == health_pb2.HealthCheckResponse.SERVING
+            server.services.draining = True  # what SIGTERM starts with
+            _, code, details = await run_stream(address, [pb.SessionRequest(config=session_config(Format("LINEAR16", 16000)))])
+            assert code == grpc.StatusCode.UNAVAILABLE and "shutting down" in details
+        await server.drain_and_stop(grace=0)
+
+    asyncio.run(scenario())
+
+
+def test_bearer_token_is_required_when_configured(tmp_path):
+    from tests.daemon_harness import test_config
+    from voiced.server import running
+
+    config = test_config()
+    config.server.auth_token = "s3cret"
+
+    async def scenario():
+        async with running(config) as server:
+            address = f"127.0.0.1:{server.port}"
+            async with grpc.aio.insecure_channel(address) as channel:
+                stub = pb_grpc.VoicedStub(channel)
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await stub.GetServerInfo(pb.GetServerInfoRequest())
+                assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await stub.GetServerInfo(pb.GetServerInfoRequest(), metadata=[("authorization", "Bearer nope")])
+                assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+                info = await stub.GetServerInfo(pb.GetServerInfoRequest(), metadata=[("authorization", "Bearer s3cret")])
+                assert info.version
+                _, code, _ = await run_stream(address, [pb.SessionRequest(config=session_config(Format("LINEAR16", 16000)))])
+                assert code == grpc.StatusCode.UNAUTHENTICATED
+                health = health_pb2_grpc.HealthStub(channel)  # load balancers probe without a token
+                assert (await health.Check(health_pb2.HealthCheckRequest())).status == \
+                    health_pb2.HealthCheckResponse.SERVING
+
+    asyncio.run(scenario())
