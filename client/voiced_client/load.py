@@ -126,8 +126,8 @@ class LoadReport:
         late = s["client_lateness_ms"]
         if late["count"] and late["p99"] > 10:
             lines.append(
-                f"warning: the client sent frames late (p99 {late['p99']:.0f} ms); it is the "
-                "bottleneck: run it on another machine or with fewer sessions"
+                f"warning: the client sent frames late (p99 {late['p99']:.0f} ms): its CPU is short "
+                "(shared with the server?); the delays above include that. Run it on another machine."
             )
         return "\n".join(lines)
 
