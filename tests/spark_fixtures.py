@@ -1,0 +1,266 @@
+"""Tiny random Spark-TTS-0.5B checkpoints in the published on-disk layout, for tests.
+
+`make_spark_checkpoint(dir, seed=0)` writes what `SparkAudio/Spark-TTS-0.5B` ships, file for file, with
+small hidden sizes so the suite runs on two CPU cores:
+
+- `config.yaml`, `BiCodec/config.yaml` (`audio_tokenizer:` section) and `BiCodec/model.safetensors` holding
+  every published tensor name, weight-normed convolutions as `weight_g`/`weight_v`, the training-only
+  postnet and the quantizer's `cluster_size`;
+- `LLM/`: a Qwen2 `config.json` in the published (transformers 4.43) key layout, `model.safetensors` made by
+  `transformers.Qwen2ForCausalLM` itself (tied embeddings, so no `lm_head.weight`), and a real byte-level BPE
+  `tokenizer.json` + `added_tokens.json` whose ids are the published ones: the base vocabulary has
+  151643 entries (bytes, a few merges, then never-produced fillers standing in for Qwen's BPE pieces), then
+  Qwen's 22 special tokens from 151643, then Spark-TTS's 13493 added tokens in their published order
+  (globals from 151665, semantics from 155761, ..., `<|end_semantic_token|>` = 165157). The embedding has the
+  published 166000 rows with a small hidden size;
+- `wav2vec2-large-xlsr-53/`: a tiny `Wav2Vec2Model` (16 layers, so hidden_states[16] exists; the real
+  convolutional front end strides, so 320 samples per frame) and its `preprocessor_config.json`, saved by
+  `transformers`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+BASE_VOCAB = 151643
+QWEN_SPECIALS = [
+    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>", "<|box_start|>",
+    "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>",
+    "<|image_pad|>", "<|video_pad|>", "<tool_call>", "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>",
+    "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>",
+]
+
+
+def spark_added_tokens() -> list[str]:
+    """Spark-TTS's added tokens, in the order its tokenizer was extended (so ids 151665.. match)."""
+    toks = [f"<|bicodec_global_{i}|>" for i in range(4096)]
+    toks += [f"<|bicodec_semantic_{i}|>" for i in range(8192)]
+    toks += [f"<|pitch_value_{i}|>" for i in range(1001)] + [f"<|pitch_var_value_{i}|>" for i in range(11)]
+    toks += [f"<|pitch_label_{i}|>" for i in range(5)] + [f"<|pitch_var_label_{i}|>" for i in range(5)]
+    toks += [f"<|speed_value_{i}|>" for i in range(11)] + [f"<|speed_label_{i}|>" for i in range(5)]
+    toks += [f"<|loudness_value_{i}|>" for i in range(31)] + [f"<|loudness_label_{i}|>" for i in range(5)]
+    toks += [f"<|age_{i}|>" for i in range(5)] + [f"<|gender_{i}|>" for i in range(3)]
+    toks += [f"<|emotion_{i}|>" for i in range(101)]
+    toks += [
+        "<|task_vc|>", "<|task_tts|>", "<|task_asr|>", "<|task_s2s|>", "<|task_t2s|>", "<|task_cap|>",
+        "<|task_understand|>", "<|task_controllable_tts|>", "<|task_prompt_tts|>", "<|task_edit|>",
+        "<|start_content|>", "<|start_style_label|>", "<|start_style_prompt|>", "<|start_acoustic_token|>",
+        "<|start_global_token|>", "<|start_semantic_token|>", "<|end_content|>", "<|end_style_label|>",
+        "<|end_style_prompt|>", "<|end_acoustic_token|>", "<|end_global_token|>", "<|end_semantic_token|>",
+    ]
+    return toks
+
+
+def _write_tokenizer(llm: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {c: i for i, c in enumerate(alphabet)}
+    merges = [("Ġ", "t"), ("h", "e"), ("Ġt", "he"), ("i", "n"), ("e", "r"), ("Ġ", "a"), ("o", "n")]
+    for a, b in merges:
+        vocab.setdefault(a + b, len(vocab))
+    while len(vocab) < BASE_VOCAB:
+        vocab[f"<fill_{len(vocab)}>"] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tok.normalizer = None
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    added = QWEN_SPECIALS + spark_added_tokens()
+    spec = json.loads(tok.to_str())
+    spec["added_tokens"] = [
+        {"id": BASE_VOCAB + i, "content": t, "single_word": False, "lstrip": False, "rstrip": False,
+         "normalized": False, "special": t in QWEN_SPECIALS}
+        for i, t in enumerate(added)
+    ]
+    (llm / "tokenizer.json").write_text(json.dumps(spec, ensure_ascii=False))
+    (llm / "added_tokens.json").write_text(json.dumps({t: BASE_VOCAB + i for i, t in enumerate(added)}, indent=2))
+    (llm / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False))
+    (llm / "merges.txt").write_text("#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges))
+    (llm / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "Qwen2Tokenizer", "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
+        "model_max_length": 131072, "clean_up_tokenization_spaces": False, "errors": "replace",
+    }, indent=2))
+    (llm / "special_tokens_map.json").write_text(json.dumps({
+        "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
+        "additional_special_tokens": ["<|im_start|>", "<|im_end|>"],
+    }, indent=2))
+
+
+def llm_config(hidden: int = 32, layers: int = 2) -> dict:
+    """A Qwen2 config.json in the published key layout (GQA 2:1 here; 14:2 at full size)."""
+    return {
+        "architectures": ["Qwen2ForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 151643,
+        "eos_token_id": 151645, "hidden_act": "silu", "hidden_size": hidden, "initializer_range": 0.02,
+        "intermediate_size": hidden * 2, "max_position_embeddings": 32768, "max_window_layers": 21,
+        "model_type": "qwen2", "num_attention_heads": 4, "num_hidden_layers": layers, "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "sliding_window": 32768, "tie_word_embeddings": True,
+        "torch_dtype": "bfloat16", "transformers_version": "4.43.1", "use_cache": True,
+        "use_sliding_window": False, "vocab_size": 166000,
+    }
+
+
+def _write_llm(llm: Path, seed: int) -> None:
+    from safetensors.torch import save_file
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg_json = llm_config()
+    (llm / "config.json").write_text(json.dumps(cfg_json, indent=2))
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(**{k: v for k, v in cfg_json.items() if k not in ("architectures", "transformers_version", "torch_dtype")})
+    model = Qwen2ForCausalLM(cfg)
+    with torch.no_grad():  # larger than HF's 0.02 init so the random LM has peaked, seed-sensitive output
+        for name, p in model.named_parameters():
+            if p.ndim == 2:
+                p.normal_(0, 0.3 if "embed" in name else 0.15)
+    state = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    save_file(state, llm / "model.safetensors", metadata={"format": "pt"})
+    _write_tokenizer(llm)
+
+
+BICODEC_YAML = """\
+audio_tokenizer:
+  mel_params:
+    sample_rate: 16000
+    n_fft: 1024
+    win_length: 640
+    hop_length: 320
+    mel_fmin: 10
+    mel_fmax: null
+    num_mels: 128
+  encoder:
+    input_channels: {w2v}
+    vocos_dim: 16
+    vocos_intermediate_dim: 32
+    vocos_num_layers: 2
+    out_channels: {latent}
+    sample_ratios: [1, 1]
+  decoder:
+    input_channel: {latent}
+    channels: 32
+    rates: [8, 5, 4, 2]
+    kernel_sizes: [16, 11, 8, 4]
+  quantizer:
+    input_dim: {latent}
+    codebook_size: 8192
+    codebook_dim: 8
+    commitment: 0.25
+    codebook_loss_weight: 2.0
+    use_l2_normlize: true
+    threshold_ema_dead_code: 0.2
+  speaker_encoder:
+    input_dim: 128
+    out_dim: {latent}
+    latent_dim: 16
+    token_num: 32
+    fsq_levels: [4, 4, 4, 4, 4, 4]
+    fsq_num_quantizers: 1
+  prenet:
+    input_channels: {latent}
+    vocos_dim: 16
+    vocos_intermediate_dim: 32
+    vocos_num_layers: 2
+    out_channels: {latent}
+    condition_dim: {latent}
+    sample_ratios: [1, 1]
+    use_tanh_at_final: false
+  postnet:
+    input_channels: {latent}
+    vocos_dim: 16
+    vocos_intermediate_dim: 32
+    vocos_num_layers: 1
+    out_channels: {w2v}
+    use_tanh_at_final: false
+"""
+
+ROOT_YAML = """\
+highpass_cutoff_freq: 40
+sample_rate: 16000
+segment_duration: 2.4
+max_val_duration: 12
+latent_hop_length: 320
+ref_segment_duration: 6
+volume_normalize: true
+"""
+
+
+def _write_bicodec(root: Path, seed: int, w2v_hidden: int) -> None:
+    from safetensors.torch import save_file
+
+    from voiced.engines.spark.bicodec import BiCodec, BiCodecConfig, FeatDecoder, unfold_weight_norm, weight_normed_keys
+
+    bc = root / "BiCodec"
+    bc.mkdir(parents=True, exist_ok=True)
+    (bc / "config.yaml").write_text(BICODEC_YAML.format(w2v=w2v_hidden, latent=32))
+    (root / "config.yaml").write_text(ROOT_YAML)
+    cfg = BiCodecConfig.from_yaml(bc / "config.yaml", root / "config.yaml")
+    torch.manual_seed(seed + 1)
+    model = BiCodec(cfg)
+    postnet = FeatDecoder(cfg.postnet)
+    with torch.no_grad():
+        for name, p in list(model.named_parameters()) + list(postnet.named_parameters()):
+            if name.endswith("alpha"):
+                p.uniform_(0.5, 1.5)  # Snake frequencies
+            elif name.endswith("codebook.weight"):
+                p.normal_()
+            elif p.ndim >= 2:
+                fan_in = p[0].numel()
+                p.normal_(0, 1.0 / fan_in**0.5)
+            else:
+                p.normal_(0, 0.1)
+        for m in model.modules():
+            if isinstance(m, torch.nn.BatchNorm1d):
+                m.running_mean.normal_(0, 0.1)
+                m.running_var.uniform_(0.5, 1.5)
+                m.num_batches_tracked.fill_(1000)
+        # Keep the output conv small so the final tanh is not saturated: a saturated waveform would
+        # hide differences between decodes (and could not fail an exactness test).
+        probe = torch.randint(0, 8192, (1, 60), generator=torch.Generator().manual_seed(seed))
+        spk = model.speaker_vector(torch.randint(0, 4096, (1, 32), generator=torch.Generator().manual_seed(seed)))
+        z = model.prenet(model.quantizer.detokenize(probe), spk) + spk[:, :, None]
+        pre_tanh = model.decoder.model[:-1](z)
+        model.decoder.model[-2].weight.mul_(0.3 / pre_tanh.std())
+        model.decoder.model[-2].bias.mul_(0.3 / pre_tanh.std())
+    state = model.state_dict()
+    state = unfold_weight_norm(state, weight_normed_keys(model))
+    state.update({f"postnet.{k}": v for k, v in postnet.state_dict().items()})
+    save_file({k: v.contiguous() for k, v in state.items()}, bc / "model.safetensors", metadata={"format": "pt"})
+
+
+def _write_wav2vec2(root: Path, seed: int) -> int:
+    from transformers import Wav2Vec2Config, Wav2Vec2FeatureExtractor, Wav2Vec2Model
+
+    d = root / "wav2vec2-large-xlsr-53"
+    torch.manual_seed(seed + 2)
+    cfg = Wav2Vec2Config(
+        hidden_size=16, num_hidden_layers=16, num_attention_heads=2, intermediate_size=32,
+        conv_dim=(8,) * 7, conv_stride=(5, 2, 2, 2, 2, 2, 2), conv_kernel=(10, 3, 3, 3, 3, 2, 2),
+        num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=2, do_stable_layer_norm=True,
+        feat_extract_norm="layer", conv_bias=True, mask_time_prob=0.0,
+    )
+    Wav2Vec2Model(cfg).eval().save_pretrained(d)
+    Wav2Vec2FeatureExtractor(feature_size=1, sampling_rate=16000, padding_value=0.0, do_normalize=True,
+                             return_attention_mask=True).save_pretrained(d)
+    return cfg.hidden_size
+
+
+def make_spark_checkpoint(dest: str | Path, seed: int = 0) -> Path:
+    """Write a tiny random Spark-TTS-0.5B-layout directory at `dest` and return it."""
+    root = Path(dest)
+    (root / "LLM").mkdir(parents=True, exist_ok=True)
+    w2v_hidden = _write_wav2vec2(root, seed)
+    _write_bicodec(root, seed, w2v_hidden)
+    _write_llm(root / "LLM", seed)
+    return root
+
+
+_CACHE: dict[int, Path] = {}
+
+
+def cached_spark_checkpoint(tmp_path_factory, seed: int = 0) -> Path:
+    """One checkpoint per seed per test session (building one takes a couple of seconds)."""
+    if seed not in _CACHE:
+        _CACHE[seed] = make_spark_checkpoint(tmp_path_factory.mktemp(f"spark{seed}"), seed)
+    return _CACHE[seed]

@@ -1,0 +1,550 @@
+"""SparkTTSEngine: the daemon's voice, a stepped continuous-batching TTS engine (see engines/base.py).
+
+One `step()`:
+  1. admit queued requests into free batch rows (highest priority first) and prefill their prompts;
+     requests moving on to their next sentence are re-prefilled in the row they already hold;
+  2. one batched decode step of the LM for every other active request (CUDA graph on GPU);
+  3. sample all rows at once (per-row temperature / top-k / top-p / seed), constrained to the tokens
+     the current phase allows: global tokens while a controllable voice is still inventing its
+     speaker, semantic tokens (or the end) afterwards;
+  4. hand new semantic tokens to each request's chunk planner and decode every window that became
+     ready, batched across requests, into AudioChunks.
+
+Long text is cut into sentences spoken back to back in the same row; a controllable voice keeps the
+speaker (its 32 global tokens) it chose in the first sentence. Rows stay compact (active requests in
+rows 0..n-1): when one leaves, the last row's KV cache moves into the hole, so a decode step always
+runs on a prefix of the cache.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import logging
+import os
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from voiced.engines.base import SAMPLE_RATE, AudioChunk, EngineError, EngineOutput, TTSOptions, TTSRequest
+from voiced.hub import cache_dir
+
+from .bicodec import HOP, BiCodec, load_bicodec, reference_clip, volume_normalize
+from .checkpoint import SparkCheckpoint, SpecialTokens, TextTokenizer, load_special_tokens, resolve
+from .qwen2 import Qwen2LM, load_qwen2
+from .sampling import sample
+from .streaming import ChunkPlanner, DecodeJob, decode_jobs
+from .voices import Voice, VoiceStore
+
+log = logging.getLogger(__name__)
+
+TOKENS_PER_SECOND = SAMPLE_RATE // HOP  # 50
+N_GLOBAL = 32
+MAX_SEGMENT_CHARS = 300  # longer sentences are cut at commas / spaces: the LM was trained on short utterances
+GLOBAL_PHASE_LIMIT = N_GLOBAL + 64  # a controllable prompt that has not produced its speaker by then failed
+PHASE_GLOBAL, PHASE_SEMANTIC = 0, 1
+_CJK = re.compile(r"[\u3000-\u30ff\u3400-\u9fff\uac00-\ud7af\uff00-\uffef]")
+
+
+def split_text(text: str, max_chars: int = MAX_SEGMENT_CHARS) -> list[str]:
+    """Sentences (via the daemon's splitter), each at most `max_chars` (cut at , ; or spaces)."""
+    from voiced.text import split_sentences
+
+    out: list[str] = []
+    for sent in split_sentences(text) or ([text.strip()] if text.strip() else []):
+        while len(sent) > max_chars:
+            cut = max(sent.rfind(c, 0, max_chars) for c in (",", "，", ";", "、"))
+            if cut < max_chars // 3:
+                cut = sent.rfind(" ", 0, max_chars)
+            if cut < max_chars // 3:
+                cut = max_chars - 1
+            out.append(sent[: cut + 1].strip())
+            sent = sent[cut + 1 :].strip()
+        if sent:
+            out.append(sent)
+    return out
+
+
+def join_transcript(transcript: str, text: str) -> str:
+    """Reference transcript + text as one content string. A space goes between them unless the text
+    starts with a CJK character: "...gospel." + "Actions" would otherwise merge into one BPE token the
+    model never saw, while a space before a CJK character breaks that script's tokens instead."""
+    if not transcript:
+        return text
+    if transcript[-1].isspace() or (text and _CJK.match(text[0])):
+        return transcript + text
+    return transcript + " " + text
+
+
+@dataclass
+class _Request:
+    rid: int
+    options: TTSOptions
+    voice: Voice
+    segments: list[str]
+    seed: int
+    max_semantic: int
+    t_submit: float
+    seg: int = 0
+    slot: int = -1
+    pos: int = 0  # next cache position to write
+    last: int = 0  # token to feed at the next decode step
+    steps: int = 0  # sampled tokens so far (the sampler's counter)
+    needs_prefill: bool = True
+    phase: int = PHASE_SEMANTIC
+    phase_steps: int = 0
+    global_ids: list[int] = field(default_factory=list)
+    semantic: list[int] = field(default_factory=list)  # this segment's semantic ids
+    speaker: torch.Tensor | None = None
+    planner: ChunkPlanner | None = None
+    segment_done: bool = False
+    finished: bool = False
+    sequence: int = 0
+    offset: int = 0
+    total_semantic: int = 0
+    prompt_tokens: int = 0
+    t_first_chunk: float | None = None
+
+
+@dataclass
+class SynthesisResult:
+    """What the one-shot `synthesize` returns (the CLI prints it with --json)."""
+
+    audio: np.ndarray
+    sample_rate: int
+    chunks: int
+    first_chunk_s: float | None
+    total_s: float
+    semantic_tokens: int
+    prompt_tokens: int
+    segments: int
+
+    @property
+    def audio_seconds(self) -> float:
+        return self.audio.shape[0] / self.sample_rate
+
+
+class SparkTTSEngine:
+    """Spark-TTS-0.5B in PyTorch. Build with `SparkTTSEngine.load(...)`; drive from one thread."""
+
+    backend = "torch"
+
+    def __init__(self, checkpoint: SparkCheckpoint, lm: Qwen2LM, codec: BiCodec, tokenizer: TextTokenizer,
+                 special: SpecialTokens, *, device: str, max_batch: int, max_seq_len: int,
+                 voices_dir: str | Path | None = None, use_cuda_graphs: bool = True,
+                 model_name: str = "Spark-TTS-0.5B") -> None:
+        self.checkpoint = checkpoint
+        self.lm, self.codec, self.tokenizer, self.special = lm, codec, tokenizer, special
+        self.device = device
+        self.model_name = model_name
+        self.max_batch, self.max_seq_len = max_batch, max_seq_len
+        self.use_cuda_graphs = use_cuda_graphs and str(device).startswith("cuda")
+        self.radius = codec.receptive_radius()
+        lm.setup_cache(max_batch, max_seq_len)
+        self._bias = self._phase_bias()
+        self._queue: list[_Request] = []
+        self._active: list[_Request] = []  # index == cache row
+        self._arrival = itertools.count()
+        self._order: dict[int, int] = {}
+        self._wav2vec2 = None
+        root = Path(voices_dir) if voices_dir else cache_dir() / "voices"
+        self.voices = VoiceStore(root, checkpoint_fingerprint(checkpoint), self._tokenize_reference)
+
+    # ------------------------------------------------------------------------------- loading
+
+    @classmethod
+    def load(cls, name_or_path: str | Path = "spark-tts-0.5b", device: str | None = None,
+             dtype: str | torch.dtype | None = None, max_batch: int = 16, voices_dir: str | Path | None = None,
+             kv_cache_bytes: int | None = None, max_seq_len: int = 4096, codec_dtype: str | torch.dtype | None = None,
+             use_cuda_graphs: bool = True) -> "SparkTTSEngine":
+        """Load a Spark-TTS-0.5B directory (or the cached model by name).
+
+        dtype: the LM's (default bf16 on GPU, fp32 on CPU; fp16 is refused: it overflows in this LM).
+        kv_cache_bytes: a budget from the daemon's memory plan; it caps max_batch for max_seq_len.
+        """
+        ckpt = resolve(name_or_path)
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        lm_dtype = _dtype(dtype) or (torch.bfloat16 if device.startswith("cuda") else torch.float32)
+        if lm_dtype == torch.float16:
+            raise EngineError("fp16 is unusable for the Spark-TTS LM (activations overflow); use bfloat16 or float32")
+        c_dtype = _dtype(codec_dtype) or torch.float32
+        tokenizer = TextTokenizer(ckpt.llm_dir)
+        special = load_special_tokens(ckpt.llm_dir, tokenizer)
+        lm = load_qwen2(ckpt.llm_dir, device, lm_dtype)
+        if lm.config.vocab_size < special.semantic_base + special.n_semantic:
+            raise EngineError(f"{ckpt.llm_dir}: vocab_size {lm.config.vocab_size} has no room for the BiCodec tokens")
+        if kv_cache_bytes:
+            cfg = lm.config
+            per_row = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * max_seq_len * lm_dtype.itemsize
+            fit = int(kv_cache_bytes // per_row)
+            if fit < 1:
+                raise EngineError(f"the TTS KV-cache budget ({kv_cache_bytes / 2**20:.0f} MiB) holds no request of "
+                                  f"{max_seq_len} tokens ({per_row / 2**20:.0f} MiB each); raise the TTS memory share")
+            if fit < max_batch:
+                log.info("TTS KV budget fits %d concurrent requests (asked for %d)", fit, max_batch)
+            max_batch = min(max_batch, fit)
+        codec = load_bicodec(ckpt.bicodec_dir, ckpt.root_config, device, c_dtype)
+        return cls(ckpt, lm, codec, tokenizer, special, device=device, max_batch=max_batch, max_seq_len=max_seq_len,
+                   voices_dir=voices_dir, use_cuda_graphs=use_cuda_graphs, model_name=ckpt.root.name)
+
+    def warmup(self) -> None:
+        """Capture the decode CUDA graphs for every batch / KV-length bucket now rather than on first use."""
+        if not self.use_cuda_graphs:
+            return
+        t0 = time.perf_counter()
+        b = 1
+        while True:
+            kv = 256
+            while True:
+                tokens = torch.zeros(b, dtype=torch.long, device=self.device)
+                positions = torch.full((b,), kv - 1, dtype=torch.long, device=self.device)
+                self.lm.decode(tokens, positions, use_graph=True)
+                if kv >= self.max_seq_len:
+                    break
+                kv = min(kv * 2, self.max_seq_len)
+            if b >= self.max_batch:
+                break
+            b = min(b * 2, self.max_batch)
+        log.info("captured %d decode graphs in %.1f s", len(self.lm._graphs), time.perf_counter() - t0)
+
+    # ------------------------------------------------------------------------- the contract
+
+    def submit(self, request_id: int, request: TTSRequest) -> None:
+        opts = request.options or TTSOptions()
+        text = (request.text or "").strip()
+        if not text:
+            raise EngineError("the text is empty; send something to say")
+        if opts.max_seconds <= 0:
+            raise EngineError("max_seconds must be positive")
+        if opts.first_chunk_tokens < 1 or opts.chunk_tokens < 1:
+            raise EngineError("first_chunk_tokens and chunk_tokens must be at least 1")
+        if request_id in self._order:
+            raise EngineError(f"request id {request_id} is already in use")
+        voice = self.voices.resolve(opts.voice)
+        segments = split_text(text)
+        if not segments:
+            raise EngineError("the text has nothing to say after cleanup")
+        seed = opts.seed if opts.seed is not None else int.from_bytes(os.urandom(6), "little")
+        req = _Request(request_id, opts, voice, segments, seed,
+                       max_semantic=max(1, int(opts.max_seconds * TOKENS_PER_SECOND)), t_submit=time.perf_counter())
+        longest = max(len(self._prompt(req, i)) for i in range(len(segments)))
+        if longest + N_GLOBAL + 16 >= self.max_seq_len:
+            raise EngineError(f"the prompt needs {longest} tokens but the engine holds {self.max_seq_len} per request; "
+                              "use a shorter reference recording for this voice or shorter text")
+        self._order[request_id] = next(self._arrival)
+        self._queue.append(req)
+
+    def cancel(self, request_id: int) -> None:
+        self._order.pop(request_id, None)
+        for i, r in enumerate(self._queue):
+            if r.rid == request_id:
+                del self._queue[i]
+                return
+        for r in self._active:
+            if r.rid == request_id:
+                self._release(r)
+                return
+
+    def has_work(self) -> bool:
+        return bool(self._queue or self._active)
+
+    def active_requests(self) -> int:
+        return len(self._queue) + len(self._active)
+
+    @torch.no_grad()
+    def step(self) -> list[EngineOutput]:
+        outputs: list[EngineOutput] = []
+        self._admit()
+        if not self._active:
+            return outputs
+        # 1. prefill rows that start a segment; 2. decode the rest; then sample all together.
+        rows: list[_Request] = []
+        logits: list[torch.Tensor] = []
+        for r in list(self._active):
+            if r.needs_prefill:
+                try:
+                    logits.append(self._prefill(r)[None])
+                    rows.append(r)
+                except Exception as e:  # noqa: BLE001 - one bad request must not stop the others
+                    log.exception("prefill failed for request %s", r.rid)
+                    outputs.append(self._fail(r, f"prefill failed: {e}"))
+        decoding = [r for r in self._active if r not in rows and not r.segment_done]
+        if decoding:
+            # The step runs on the whole cache prefix 0..n-1 (what the CUDA graphs are captured for).
+            # Rows prefilled this step also get a write at their next position; it is overwritten by
+            # their real token next step, and their logits here are ignored.
+            toks = torch.tensor([r.last for r in self._active], dtype=torch.long)
+            pos = torch.tensor([min(r.pos, self.max_seq_len - 1) for r in self._active], dtype=torch.long)
+            out = self.lm.decode(toks.to(self.device), pos.to(self.device), use_graph=self.use_cuda_graphs)
+            for r in decoding:
+                logits.append(out[r.slot : r.slot + 1])
+                rows.append(r)
+                r.pos += 1
+        if rows:
+            self._sample_and_advance(rows, torch.cat(logits, 0))
+        outputs += self._vocode()
+        return outputs
+
+    # ----------------------------------------------------------------------- one-shot helper
+
+    def synthesize(self, text: str, options: TTSOptions | None = None) -> SynthesisResult:
+        """Run one request to the end (CLI, tests); other requests already queued run alongside."""
+        rid = -(next(self._arrival) + 1)
+        t0 = time.perf_counter()
+        self.submit(rid, TTSRequest(text, options or TTSOptions()))
+        req = self._queue[-1]
+        chunks: list[np.ndarray] = []
+        first = None
+        while True:
+            done = False
+            for out in self.step():
+                if out.request_id != rid:
+                    continue
+                if out.error:
+                    raise EngineError(out.error)
+                if first is None:
+                    first = time.perf_counter() - t0
+                chunks.append(out.value.samples)
+                done = out.final
+            if done:
+                break
+        audio = np.concatenate(chunks) if chunks else np.zeros(0, np.float32)
+        return SynthesisResult(audio, SAMPLE_RATE, len(chunks), first, time.perf_counter() - t0,
+                               req.total_semantic, req.prompt_tokens, len(req.segments))
+
+    # ---------------------------------------------------------------------------- internals
+
+    def _phase_bias(self) -> torch.Tensor:
+        """Additive logit masks per phase: 0 where allowed, -inf elsewhere."""
+        sp, v = self.special, self.lm.config.vocab_size
+        bias = torch.full((2, v), float("-inf"))
+        g = slice(sp.global_base, sp.global_base + sp.n_global)
+        s = slice(sp.semantic_base, sp.semantic_base + sp.n_semantic)
+        bias[PHASE_GLOBAL, g] = 0
+        # a controllable continuation may spell out acoustic values and the global markers first
+        for t in [sp.start_acoustic, sp.end_acoustic, sp.start_global, sp.end_global, *sp.acoustic]:
+            bias[PHASE_GLOBAL, t] = 0
+        bias[PHASE_SEMANTIC, s] = 0
+        for t in (sp.eos, sp.end_semantic, sp.start_semantic, sp.end_global):
+            bias[PHASE_SEMANTIC, t] = 0
+        return bias.to(self.device)
+
+    def _prompt(self, r: _Request, seg: int) -> list[int]:
+        sp, enc, v = self.special, self.tokenizer.encode, r.voice
+        text = r.segments[seg]
+        if v.kind == "preset" and not r.global_ids:
+            return [sp.task_controllable_tts, sp.start_content, *enc(text), sp.end_content, sp.start_style,
+                    sp.gender[v.gender], sp.pitch_label[v.pitch], sp.speed_label[v.speed], sp.end_style]
+        globals_ = r.global_ids or v.global_ids or []
+        head = [sp.task_tts, sp.start_content]
+        g = [sp.start_global, *(sp.global_base + i for i in globals_), sp.end_global]
+        if v.kind == "cloned" and v.transcript and v.semantic_ids:
+            # prompt continuation: the model carries on speaking from the reference clip
+            return [*head, *enc(join_transcript(v.transcript, text)), sp.end_content, *g, sp.start_semantic,
+                    *(sp.semantic_base + i for i in v.semantic_ids)]
+        return [*head, *enc(text), sp.end_content, *g]
+
+    def _admit(self) -> None:
+        if not self._queue or len(self._active) >= self.max_batch:
+            return
+        self._queue.sort(key=lambda r: (-r.options.priority, self._order.get(r.rid, 0)))
+        while self._queue and len(self._active) < self.max_batch:
+            r = self._queue.pop(0)
+            r.slot = len(self._active)
+            self._active.append(r)
+            if r.voice.kind == "cloned":
+                r.global_ids = list(r.voice.global_ids or [])
+            r.needs_prefill = True
+
+    def _prefill(self, r: _Request) -> torch.Tensor:
+        ids = self._prompt(r, r.seg)
+        r.prompt_tokens += len(ids)
+        r.phase = PHASE_GLOBAL if (r.voice.kind == "preset" and not r.global_ids) else PHASE_SEMANTIC
+        r.phase_steps = 0
+        r.semantic = []
+        r.segment_done = False
+        r.planner = ChunkPlanner(self.radius, r.options.first_chunk_tokens, r.options.chunk_tokens)
+        if r.global_ids and r.speaker is None:
+            r.speaker = self._speaker(r.global_ids)
+        logits = self.lm.prefill(torch.tensor(ids, dtype=torch.long, device=self.device), r.slot, 0)
+        r.pos = len(ids)
+        r.needs_prefill = False
+        return logits
+
+    def _speaker(self, global_ids: list[int]) -> torch.Tensor:
+        g = torch.tensor([global_ids], dtype=torch.long, device=self.device)
+        return self.codec.speaker_vector(g)[0]
+
+    def _sample_and_advance(self, rows: list[_Request], logits: torch.Tensor) -> None:
+        dev = logits.device
+        phases = torch.tensor([r.phase for r in rows], device=dev)
+        logits = logits + self._bias[phases]
+        temps = torch.tensor([float(r.options.temperature) for r in rows], device=dev)
+        topk = torch.tensor([int(r.options.top_k) for r in rows], device=dev)
+        topp = torch.tensor([float(r.options.top_p) for r in rows], device=dev)
+        seeds = torch.tensor([r.seed for r in rows], dtype=torch.long, device=dev)
+        steps = torch.tensor([r.steps for r in rows], dtype=torch.long, device=dev)
+        tokens = sample(logits, temps, topk, topp, seeds, steps).tolist()
+        sp = self.special
+        for r, t in zip(rows, tokens):
+            r.steps += 1
+            r.last = t
+            r.phase_steps += 1
+            if r.phase == PHASE_GLOBAL:
+                if sp.is_global(t):
+                    r.global_ids.append(t - sp.global_base)
+                    if len(r.global_ids) == N_GLOBAL:
+                        r.phase, r.phase_steps = PHASE_SEMANTIC, 0
+                        r.speaker = self._speaker(r.global_ids)
+                elif r.phase_steps > GLOBAL_PHASE_LIMIT:
+                    r.segment_done = r.finished = True
+                    r.global_ids = []
+            elif sp.is_semantic(t):
+                r.semantic.append(t - sp.semantic_base)
+                r.total_semantic += 1
+                if r.total_semantic >= r.max_semantic:
+                    r.segment_done = r.finished = True  # duration cap: stop the whole request
+            elif t in (sp.eos, sp.end_semantic):
+                r.segment_done = True
+            if r.pos >= self.max_seq_len and not r.segment_done:
+                r.segment_done = True
+
+    def _vocode(self) -> list[EngineOutput]:
+        outputs: list[EngineOutput] = []
+        jobs: list[tuple[_Request, DecodeJob]] = []
+        for r in self._active:
+            if r.planner is None or r.speaker is None:
+                continue
+            n = len(r.semantic)
+            if n == 0:
+                continue
+            windows = r.planner.windows(n, ended=r.segment_done)
+            if windows:
+                ids = torch.tensor(r.semantic, dtype=torch.long, device=self.device)
+                jobs += [(r, DecodeJob(ids, r.speaker, w)) for w in windows]
+        audio = decode_jobs(self.codec, [j for _, j in jobs]) if jobs else []
+        ending = {id(r) for r in self._active if r.segment_done and (r.finished or r.seg + 1 >= len(r.segments))}
+        pending: dict[int, list[np.ndarray]] = {}
+        for (r, _), a in zip(jobs, audio):
+            pending.setdefault(id(r), []).append(a)
+        for r in list(self._active):
+            pieces = pending.get(id(r), [])
+            final = id(r) in ending
+            if final and r.phase == PHASE_GLOBAL and not r.global_ids:
+                outputs.append(self._fail(r, "the model did not produce a speaker for this voice (no global tokens)"))
+                continue
+            if final and not pieces:
+                pieces = [np.zeros(0, np.float32)]
+            for i, a in enumerate(pieces):
+                last = final and i == len(pieces) - 1
+                if r.t_first_chunk is None and a.size:
+                    r.t_first_chunk = time.perf_counter()
+                chunk = AudioChunk(np.ascontiguousarray(a, dtype=np.float32), r.sequence, r.offset, last, r.total_semantic)
+                outputs.append(EngineOutput(r.rid, chunk, final=last))
+                r.sequence += 1
+                r.offset += a.shape[0]
+            if final:
+                self._release(r)
+            elif r.segment_done:
+                r.seg += 1
+                r.needs_prefill = True
+        return outputs
+
+    def _fail(self, r: _Request, message: str) -> EngineOutput:
+        self._release(r)
+        return EngineOutput(r.rid, None, final=True, error=message)
+
+    def _release(self, r: _Request) -> None:
+        """Free r's row and keep rows compact: the last active row moves into the hole."""
+        self._order.pop(r.rid, None)
+        if r not in self._active:
+            return
+        i = self._active.index(r)
+        last = self._active.pop()
+        if last is not r:
+            self.lm.move_slot(last.slot, i, min(last.pos, self.max_seq_len))
+            last.slot = i
+            self._active[i] = last
+        r.slot = -1
+
+    # ------------------------------------------------------------------- voice registration
+
+    def _tokenize_reference(self, audio: np.ndarray) -> tuple[list[int], list[int]]:
+        """16 kHz reference recording -> (32 global ids, semantic ids): runs wav2vec2 (loaded on first use)."""
+        cfg = self.codec.config
+        wav = volume_normalize(audio) if cfg.volume_normalize else np.asarray(audio, np.float32)
+        ref = torch.from_numpy(reference_clip(wav, cfg)).to(self.device)[None]
+        global_ids = self.codec.global_tokens(ref)[0].tolist()
+        feats = self._features(wav)
+        semantic_ids = self.codec.semantic_tokens(feats)[0].tolist()
+        return global_ids, semantic_ids
+
+    def _features(self, wav: np.ndarray) -> torch.Tensor:
+        if self._wav2vec2 is None:
+            self._wav2vec2 = Wav2Vec2Features(self.checkpoint.wav2vec2_dir, self.device)
+        return self._wav2vec2(wav)
+
+    def add_voice(self, name: str, audio: np.ndarray, transcript: str):
+        return self.voices.add(name, audio, transcript)
+
+    def list_voices(self):
+        return self.voices.list()
+
+    def delete_voice(self, name: str) -> bool:
+        return self.voices.delete(name)
+
+
+class Wav2Vec2Features:
+    """wav2vec2-large-xlsr-53 features through `transformers`: mean of hidden states 11, 14 and 16."""
+
+    LAYERS = (11, 14, 16)
+
+    def __init__(self, path: str | Path, device: str) -> None:
+        from transformers import Wav2Vec2FeatureExtractor, Wav2Vec2Model
+
+        path = Path(path)
+        if not (path / "config.json").exists():
+            raise EngineError(f"registering a voice needs wav2vec2 ({path} is missing); run `voiced models pull spark-tts-0.5b`")
+        self.processor = Wav2Vec2FeatureExtractor.from_pretrained(path)
+        self.model = Wav2Vec2Model.from_pretrained(path).to(device).eval()
+        if self.model.config.num_hidden_layers < max(self.LAYERS):
+            raise EngineError(f"{path}: wav2vec2 has {self.model.config.num_hidden_layers} layers; need {max(self.LAYERS)}")
+        self.device = device
+
+    @torch.no_grad()
+    def __call__(self, wav: np.ndarray) -> torch.Tensor:
+        x = self.processor(wav, sampling_rate=SAMPLE_RATE, return_tensors="pt").input_values.to(self.device)
+        hs = self.model(x, output_hidden_states=True).hidden_states
+        return sum(hs[i] for i in self.LAYERS) / len(self.LAYERS)
+
+
+def checkpoint_fingerprint(ckpt: SparkCheckpoint) -> str:
+    """Identifies the BiCodec + wav2vec2 weights cheaply: config, the safetensors header (names, shapes,
+    offsets), the file sizes, and 64 KiB samples spread through the weights. Voices' cached tokens
+    live under it, so a different checkpoint re-tokenizes instead of reusing foreign tokens."""
+    h = hashlib.sha256()
+    for path in (ckpt.bicodec_dir / "config.yaml", ckpt.bicodec_dir / "model.safetensors"):
+        size = path.stat().st_size
+        h.update(f"{path.name}:{size}".encode())
+        with open(path, "rb") as f:
+            for k in range(17):
+                f.seek(size * k // 17)
+                h.update(f.read(65536))
+    for path in sorted(ckpt.wav2vec2_dir.glob("*")) if ckpt.wav2vec2_dir.is_dir() else []:
+        if path.is_file():
+            h.update(f"{path.name}:{path.stat().st_size}".encode())
+    return h.hexdigest()[:16]
+
+
+def _dtype(d: str | torch.dtype | None) -> torch.dtype | None:
+    if d is None or isinstance(d, torch.dtype):
+        return d
+    table = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32,
+             "fp16": torch.float16, "float16": torch.float16}
+    if d not in table:
+        raise EngineError(f"unknown dtype {d!r}; use bfloat16 or float32")
+    return table[d]

@@ -1,0 +1,356 @@
+"""Qwen2 decoder-only LM for Spark-TTS, in one file, gpt-fast style.
+
+The choices that make it fast, each visible below:
+
+- A static KV cache `[max_batch, kv_heads, max_seq, head_dim]` per layer, allocated once. Batch rows are
+  *slots*; requests join and leave between steps. Active requests always occupy rows `0..n-1`
+  (the engine compacts the cache when one leaves), so a decode step runs on a prefix of the cache and
+  a CUDA graph captured for a batch bucket of `n` can be replayed without gathers.
+- Grouped-query attention without `repeat_kv`: for a one-token decode step the 7 query heads that
+  share a KV head are laid out as 7 "query rows" of that KV head, so SDPA reads each KV entry once.
+- One CUDA graph per (batch bucket, KV-length bucket) for the decode step; the eager path is the same
+  code and is what runs on CPU, during prefill, and when graphs are disabled.
+
+The module tree and parameter names mirror `transformers`' Qwen2ForCausalLM (`model.layers.N...`),
+so a Hugging Face checkpoint loads with a plain `load_state_dict`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Qwen2Config:
+    vocab_size: int = 166000
+    hidden_size: int = 896
+    intermediate_size: int = 4864
+    num_hidden_layers: int = 24
+    num_attention_heads: int = 14
+    num_key_value_heads: int = 2
+    rope_theta: float = 1_000_000.0
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = True
+    max_position_embeddings: int = 32768
+    head_dim: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> "Qwen2Config":
+        raw = json.loads(Path(path).read_text())
+        # transformers 5 moved rope_theta under rope_parameters; accept both layouts.
+        theta = raw.get("rope_theta")
+        if theta is None:
+            theta = (raw.get("rope_parameters") or {}).get("rope_theta", 1_000_000.0)
+        if raw.get("rope_scaling"):
+            raise ValueError(f"{path}: rope_scaling {raw['rope_scaling']!r} is not supported")
+        return cls(
+            vocab_size=raw["vocab_size"],
+            hidden_size=raw["hidden_size"],
+            intermediate_size=raw["intermediate_size"],
+            num_hidden_layers=raw["num_hidden_layers"],
+            num_attention_heads=raw["num_attention_heads"],
+            num_key_value_heads=raw.get("num_key_value_heads", raw["num_attention_heads"]),
+            rope_theta=float(theta),
+            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+            tie_word_embeddings=raw.get("tie_word_embeddings", True),
+            max_position_embeddings=raw.get("max_position_embeddings", 32768),
+            head_dim=raw.get("head_dim"),
+        )
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 like the reference, then cast back before the gain (bf16 parity).
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rope_tables(cfg: Qwen2Config, max_seq: int, device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin `[max_seq, head_dim]` in fp32 (half-rotation layout, as Qwen2/NeoX)."""
+    d = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64, device=device).float() / d))
+    t = torch.arange(max_seq, dtype=torch.int64, device=device).float()
+    freqs = torch.outer(t, inv_freq)
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x `[B, H, T, D]`; cos/sin `[B, 1, T, D]`, computed in fp32 then cast to x's dtype."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return (x * cos.to(x.dtype)) + (rotated * sin.to(x.dtype))
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: Qwen2Config) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.group = self.n_heads // self.n_kv
+        self.q_proj = nn.Linear(cfg.hidden_size, self.n_heads * self.head_dim, bias=True)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.head_dim, bias=True)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.head_dim, bias=True)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=False)
+
+    def _qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def prefill(self, x, cos, sin, k_cache, v_cache, slot: int, start: int) -> torch.Tensor:
+        """One request's prompt `x [1, T, C]` at positions start..start+T-1 of cache row `slot`."""
+        _, t, _ = x.shape
+        q, k, v = self._qkv(x, cos, sin)
+        end = start + t
+        k_cache[slot : slot + 1, :, start:end] = k
+        v_cache[slot : slot + 1, :, start:end] = v
+        keys = k_cache[slot : slot + 1, :, :end].repeat_interleave(self.group, dim=1)
+        values = v_cache[slot : slot + 1, :, :end].repeat_interleave(self.group, dim=1)
+        # Causal over the new tokens, full view of anything already cached before `start`.
+        mask = torch.arange(end, device=x.device)[None, :] <= (start + torch.arange(t, device=x.device))[:, None]
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+        return self.o_proj(out.transpose(1, 2).reshape(1, t, -1))
+
+    def decode(self, x, cos, sin, k_cache, v_cache, rows: torch.Tensor, positions: torch.Tensor, kv_len: int) -> torch.Tensor:
+        """One token per row: `x [B, 1, C]` for cache rows `0..B-1` at `positions [B]`."""
+        b = x.shape[0]
+        q, k, v = self._qkv(x, cos, sin)
+        # index_put with tensors only: capturable in a CUDA graph.
+        k_cache[rows, :, positions] = k[:, :, 0]
+        v_cache[rows, :, positions] = v[:, :, 0]
+        keys, values = k_cache[:b, :, :kv_len], v_cache[:b, :, :kv_len]
+        # GQA without copying KV: the `group` query heads of one KV head become its query rows.
+        q = q.reshape(b, self.n_kv, self.group, self.head_dim)
+        mask = (torch.arange(kv_len, device=x.device)[None, :] <= positions[:, None])[:, None, None, :]
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+        return self.o_proj(out.reshape(b, 1, self.n_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: Qwen2Config) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: Qwen2Config) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+
+class Qwen2Body(nn.Module):
+    def __init__(self, cfg: Qwen2Config) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList([DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class Qwen2LM(nn.Module):
+    """The LM plus its KV cache. Call `setup_cache` once before `prefill`/`decode`."""
+
+    def __init__(self, cfg: Qwen2Config) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = Qwen2Body(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.max_batch = 0
+        self.max_seq = 0
+        self.k_caches: list[torch.Tensor] = []
+        self.v_caches: list[torch.Tensor] = []
+        self._graphs: dict[tuple[int, int], _DecodeGraph] = {}
+
+    # ------------------------------------------------------------------ cache
+
+    def setup_cache(self, max_batch: int, max_seq: int) -> None:
+        cfg = self.config
+        p = self.lm_head.weight
+        shape = (max_batch, cfg.num_key_value_heads, max_seq, cfg.head_dim)
+        self.k_caches = [torch.zeros(shape, dtype=p.dtype, device=p.device) for _ in range(cfg.num_hidden_layers)]
+        self.v_caches = [torch.zeros(shape, dtype=p.dtype, device=p.device) for _ in range(cfg.num_hidden_layers)]
+        cos, sin = rope_tables(cfg, max_seq, p.device)
+        self.rope_cos, self.rope_sin = cos, sin
+        self.max_batch, self.max_seq = max_batch, max_seq
+        self._graphs.clear()
+
+    def move_slot(self, src: int, dst: int, length: int) -> None:
+        """Copy one request's cached keys/values to another row (used to keep active rows compact)."""
+        if src == dst or length <= 0:
+            return
+        for k, v in zip(self.k_caches, self.v_caches):
+            k[dst, :, :length].copy_(k[src, :, :length])
+            v[dst, :, :length].copy_(v[src, :, :length])
+
+    # ---------------------------------------------------------------- forward
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.model.norm(h)).float()
+
+    @torch.no_grad()
+    def prefill(self, tokens: torch.Tensor, slot: int, start: int = 0) -> torch.Tensor:
+        """Run a prompt `tokens [T]` into cache row `slot` at positions start..; returns last logits `[V]` fp32."""
+        t = tokens.shape[0]
+        if start + t > self.max_seq:
+            raise ValueError(f"prompt of {start + t} tokens exceeds the KV cache length {self.max_seq}")
+        x = self.model.embed_tokens(tokens[None])
+        cos = self.rope_cos[start : start + t][None, None]
+        sin = self.rope_sin[start : start + t][None, None]
+        for layer, kc, vc in zip(self.model.layers, self.k_caches, self.v_caches):
+            x = x + layer.self_attn.prefill(layer.input_layernorm(x), cos, sin, kc, vc, slot, start)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self._logits(x[:, -1])[0]
+
+    def decode_eager(self, tokens: torch.Tensor, positions: torch.Tensor, kv_len: int) -> torch.Tensor:
+        """One step for rows 0..B-1: `tokens [B]`, `positions [B]` -> logits `[B, V]` fp32."""
+        b = tokens.shape[0]
+        rows = torch.arange(b, device=tokens.device)
+        x = self.model.embed_tokens(tokens[:, None])
+        cos = self.rope_cos[positions][:, None, None]
+        sin = self.rope_sin[positions][:, None, None]
+        for layer, kc, vc in zip(self.model.layers, self.k_caches, self.v_caches):
+            x = x + layer.self_attn.decode(layer.input_layernorm(x), cos, sin, kc, vc, rows, positions, kv_len)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self._logits(x[:, 0])
+
+    @torch.no_grad()
+    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, use_graph: bool | None = None) -> torch.Tensor:
+        """One decode step for the active rows 0..B-1. Uses a CUDA graph on GPU unless told not to."""
+        b = tokens.shape[0]
+        # Attend over a bucketed prefix of the cache: reading 4096 cached positions for a
+        # 300-token request would waste bandwidth, and buckets keep the number of graphs small.
+        need = int(positions.max().item()) + 1
+        kv_len = min(self.max_seq, _bucket(need, 256))
+        if use_graph is None:
+            use_graph = tokens.is_cuda
+        if not use_graph:
+            return self.decode_eager(tokens, positions, kv_len)
+        bb = min(self.max_batch, _bucket(b, 1))
+        key = (bb, kv_len)
+        graph = self._graphs.get(key)
+        if graph is None:
+            graph = self._graphs[key] = _DecodeGraph(self, bb, kv_len)
+        return graph.run(tokens, positions)[:b]
+
+    @torch.no_grad()
+    def forward_full(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Logits for every position of `tokens [B, T]` with no cache (a reference path for tests)."""
+        b, t = tokens.shape
+        x = self.model.embed_tokens(tokens)
+        cos, sin = rope_tables(self.config, t, tokens.device)
+        cos, sin = cos[None, None], sin[None, None]
+        mask = torch.ones(t, t, dtype=torch.bool, device=tokens.device).tril()
+        for layer in self.model.layers:
+            attn = layer.self_attn
+            q, k, v = attn._qkv(layer.input_layernorm(x), cos, sin)
+            k = k.repeat_interleave(attn.group, dim=1)
+            v = v.repeat_interleave(attn.group, dim=1)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            x = x + attn.o_proj(o.transpose(1, 2).reshape(b, t, -1))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self._logits(x)
+
+
+def _bucket(n: int, base: int) -> int:
+    """Smallest base * 2**k >= n."""
+    b = base
+    while b < n:
+        b *= 2
+    return b
+
+
+class _DecodeGraph:
+    """A CUDA graph of one decode step for a fixed (batch, kv_len); rows beyond the live batch are
+    padding whose writes land in free cache rows at position 0 (overwritten by the next prefill)."""
+
+    def __init__(self, lm: Qwen2LM, batch: int, kv_len: int) -> None:
+        dev = lm.lm_head.weight.device
+        self.tokens = torch.zeros(batch, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(batch, dtype=torch.long, device=dev)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # warm up kernels/allocator outside the graph
+                lm.decode_eager(self.tokens, self.positions, kv_len)
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.logits = lm.decode_eager(self.tokens, self.positions, kv_len)
+        log.debug("captured decode graph batch=%d kv_len=%d", batch, kv_len)
+
+    def run(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        b = tokens.shape[0]
+        self.tokens.zero_()
+        self.positions.zero_()
+        self.tokens[:b].copy_(tokens)
+        self.positions[:b].copy_(positions)
+        self.graph.replay()
+        return self.logits
+
+
+def load_qwen2(llm_dir: str | Path, device: str | torch.device, dtype: torch.dtype) -> Qwen2LM:
+    """Build the LM from a Hugging Face `LLM/` directory (config.json + model.safetensors, possibly sharded)."""
+    from safetensors.torch import load_file
+
+    llm_dir = Path(llm_dir)
+    cfg = Qwen2Config.from_json(llm_dir / "config.json")
+    with torch.device("meta"):
+        lm = Qwen2LM(cfg)
+    state: dict[str, torch.Tensor] = {}
+    files = sorted(llm_dir.glob("model*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{llm_dir}: no model.safetensors")
+    for f in files:
+        state.update(load_file(f))
+    # Names as saved by transformers; tied checkpoints omit lm_head.weight.
+    expected = set(lm.state_dict().keys())
+    if cfg.tie_word_embeddings:
+        expected.discard("lm_head.weight")
+        state.pop("lm_head.weight", None)
+    missing = sorted(expected - set(state))
+    unexpected = sorted(set(state) - expected)
+    if missing or unexpected:
+        raise ValueError(f"{llm_dir}: checkpoint does not match Qwen2 (missing {missing[:8]}, unexpected {unexpected[:8]})")
+    lm.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False, assign=True)
+    if cfg.tie_word_embeddings:
+        lm.lm_head.weight = lm.model.embed_tokens.weight
+    lm = lm.to(device=device, dtype=dtype)
+    lm.eval()
+    n = sum(p.numel() for p in lm.parameters())
+    log.info("loaded Qwen2 LM from %s: %.1fM parameters, %s on %s", llm_dir, n / 1e6, dtype, device)
+    return lm
+
+
+__all__ = ["Qwen2Config", "Qwen2LM", "load_qwen2", "rope_tables"]
