@@ -128,24 +128,27 @@ def session_config(fmt: Format, **kw) -> pb.SessionConfig:
     return pb.SessionConfig(input_format=pb.AudioFormat(encoding=enc, sample_rate_hz=fmt.sample_rate), **kw)
 
 
-async def run_stream(address: str, requests: list[pb.SessionRequest], method: str = "StreamingRecognize",
-                     metadata=None) -> tuple[list[pb.SessionEvent], grpc.StatusCode, str]:
-    """Send all requests, half-close, collect every event and the final status."""
-    async with grpc.aio.insecure_channel(address) as channel:
-        stub = pb_grpc.VoicedStub(channel)
+def stream_blocking(address: str, requests: list[pb.SessionRequest], method: str = "StreamingRecognize",
+                    metadata=None) -> tuple[list[pb.SessionEvent], grpc.StatusCode, str]:
+    """Send all requests, half-close, collect every event and the final status.
 
-        async def gen():
-            for r in requests:
-                yield r
-
-        call = getattr(stub, method)(gen(), metadata=metadata)
+    The blocking API on purpose: grpc.aio clients can report INTERNAL instead of the server's
+    status when the server ends a call while they are still writing (grpc/grpc#36066).
+    """
+    with grpc.insecure_channel(address) as channel:
+        call = getattr(pb_grpc.VoicedStub(channel), method)(iter(requests), metadata=metadata)
         events = []
         try:
-            async for ev in call:
+            for ev in call:
                 events.append(ev)
             return events, grpc.StatusCode.OK, ""
-        except grpc.aio.AioRpcError as e:
+        except grpc.RpcError as e:
             return events, e.code(), e.details()
+
+
+async def run_stream(address: str, requests: list[pb.SessionRequest], method: str = "StreamingRecognize",
+                     metadata=None) -> tuple[list[pb.SessionEvent], grpc.StatusCode, str]:
+    return await asyncio.to_thread(stream_blocking, address, requests, method, metadata)
 
 
 def audio_requests(config: pb.SessionConfig, data: bytes, fmt: Format) -> list[pb.SessionRequest]:

@@ -22,6 +22,7 @@ from tests.daemon_harness import (
     run_stream,
     session_config,
     start_daemon,
+    stream_blocking,
     wire_audio,
 )
 from tests.speech import RATE, layout, phrase, write_wav
@@ -112,11 +113,13 @@ def test_fifty_concurrent_sessions_while_one_sends_garbage(daemon):
     good = audio_requests(session_config(fmt), data, fmt)
     bad = [pb.SessionRequest(config=session_config(fmt)), pb.SessionRequest(audio=b"\x01" * 641)]
 
-    async def all_at_once():
-        return await asyncio.gather(*(run_stream(daemon.address, good) for _ in range(50)),
-                                    run_stream(daemon.address, bad))
+    from concurrent.futures import ThreadPoolExecutor
 
-    results = asyncio.run(all_at_once())
+    with ThreadPoolExecutor(max_workers=51) as pool:  # all 51 calls open at once
+        futures = [pool.submit(stream_blocking, daemon.address, good) for _ in range(50)]
+        futures.append(pool.submit(stream_blocking, daemon.address, bad))
+        results = [f.result() for f in futures]
+    assert daemon.services.peak_sessions >= 50
     *goods, garbage = results
     assert garbage[1] == grpc.StatusCode.INVALID_ARGUMENT and "odd length" in garbage[2]
     tokens = set()

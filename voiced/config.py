@@ -193,6 +193,8 @@ def load_config(
         for section, table in data.items():
             if not isinstance(table, dict):
                 raise ConfigError(f"{p}: {section} must be a table ([{section}])")
+            if section not in SECTIONS:
+                raise ConfigError(f"{p}: unknown section [{section}]; sections: {', '.join(SECTIONS)}")
             for key, value in table.items():
                 config.set(section, key, value, str(p))
     for name, value in env.items():

@@ -55,6 +55,7 @@ class Services:
     ready: bool = False
     draining: bool = False
     active_sessions: int = 0
+    peak_sessions: int = 0  # most sessions open at once since start
     _ids: itertools.count = field(default_factory=lambda: itertools.count(1))
 
 
@@ -109,6 +110,7 @@ class VoicedService(pb_grpc.VoicedServicer):
                     "retry later or raise server.max_sessions",
                 )
             s.active_sessions += 1
+            s.peak_sessions = max(s.peak_sessions, s.active_sessions)
             admitted = True
             s.metrics.sessions_active.inc()
             if first is None:

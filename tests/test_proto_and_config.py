@@ -1,0 +1,63 @@
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+from voiced.config import ConfigError, load_config
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_generated_stubs_match_the_proto(tmp_path):
+    spec = importlib.util.spec_from_file_location("generate", ROOT / "proto" / "generate.py")
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    gen.generate(tmp_path)
+    committed = ROOT / "client" / "voiced_client" / "proto"
+    for name in gen.FILES:
+        assert (tmp_path / name).read_text() == (committed / name).read_text(), (
+            f"{name} is stale: run `make proto` and commit the result")
+
+
+def test_config_file_then_environment_then_flags(tmp_path):
+    f = tmp_path / "voiced.toml"
+    f.write_text('[server]\nlisten = "0.0.0.0:6000"\nmax_sessions = 5\n[asr]\nmodel = "small"\n'
+                 '[memory]\ntts_kv_fraction = 0.3\n')
+    env = {"VOICED_SERVER_MAX_SESSIONS": "7", "VOICED_BARGE_IN_ENABLED": "false", "VOICED_WHISPER_KV_FRACTION": "0.2"}
+    c = load_config(f, env=env, overrides={"asr.model": "tiny", "server.listen": None})
+    assert c.server.listen == "0.0.0.0:6000"
+    assert c.server.max_sessions == 7
+    assert c.barge_in.enabled is False
+    assert c.asr.model == "tiny"
+    assert c.memory.tts_kv_fraction == 0.3 and c.memory.whisper_kv_fraction == 0.2
+    c.validate()
+
+
+@pytest.mark.parametrize("text,env,words", [
+    ("[server]\nlisen = 'x'\n", {}, "unknown key server.lisen"),
+    ("[sever]\n", {}, "unknown section [sever]"),
+    ("[server]\nmax_sessions = 'many'\n", {}, "not a valid int"),
+    ("", {"VOICED_ASR_BEAM_SIZE": "two"}, "environment VOICED_ASR_BEAM_SIZE"),
+    ("[server\n", {}, "not valid TOML"),
+])
+def test_config_mistakes_name_the_key(tmp_path, text, env, words):
+    f = tmp_path / "voiced.toml"
+    f.write_text(text)
+    with pytest.raises(ConfigError, match=words.replace("[", r"\[").replace("]", r"\]")):
+        load_config(f, env=env)
+
+
+def test_memory_plan_that_overcommits_is_refused():
+    c = load_config(env={"VOICED_WHISPER_KV_FRACTION": "0.6", "VOICED_TTS_KV_FRACTION": "0.5"})
+    with pytest.raises(ConfigError, match="headroom"):
+        c.validate()
+
+
+def test_importing_the_daemon_does_not_import_torch_or_tensorrt_llm():
+    import subprocess
+
+    code = ("import sys, voiced.server, voiced.session, voiced.cli.serve; "
+            "print('torch' in sys.modules, 'tensorrt_llm' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["False", "False"]
