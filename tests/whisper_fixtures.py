@@ -1,0 +1,143 @@
+"""Tiny, randomly initialised Whisper checkpoints in the real on-disk formats, for tests.
+
+    path = make_openai_checkpoint(tmp_path, n_mels=80, multilingual=True, seed=0)   # OpenAI .pt
+    path = make_hf_checkpoint(tmp_path, n_mels=128, seed=1)                          # HF directory
+    audio = speech("hello world", tmp_path)                                         # espeak-ng, 16 kHz
+
+Widths and depths are tiny, but the vocabulary and the 1500-position audio context are the real
+ones, so real tokenizers, real log-mel features of 30 s windows and openai-whisper's own decode
+run unchanged against them. The `.tiktoken` file the model needs is copied next to the checkpoint
+from the installed openai-whisper package (tests only; the product pulls it from GitHub).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from voiced.engines.whisper.checkpoint import hf_config_from_dims, openai_to_hf_name
+from voiced.engines.whisper.model import ModelDims, Whisper, sinusoids
+
+
+def tiny_dims(n_mels: int = 80, multilingual: bool = True, v3: bool | None = None, n_state: int = 64,
+              n_head: int = 4, n_audio_layer: int = 2, n_text_layer: int = 2) -> ModelDims:
+    """v3 (100 languages, vocab 51866) defaults to on for 128 mels, like large-v3."""
+    v3 = (n_mels == 128) if v3 is None else v3
+    if not multilingual:
+        n_vocab = 51864
+    else:
+        n_vocab = 51866 if v3 else 51865
+    return ModelDims(n_mels=n_mels, n_audio_ctx=1500, n_audio_state=n_state, n_audio_head=n_head,
+                     n_audio_layer=n_audio_layer, n_vocab=n_vocab, n_text_ctx=448, n_text_state=n_state,
+                     n_text_head=n_head, n_text_layer=n_text_layer)
+
+
+def random_state_dict(dims: ModelDims, seed: int = 0, eot_boost: float = 0.0) -> dict[str, torch.Tensor]:
+    """Weights that make a tiny random model behave like a model, not like noise.
+
+    Plain random weights give near-uniform attention (the audio averages away, every utterance
+    decodes the same) and a tied embedding that keeps repeating the last token. So: sharp
+    attention (query/key weights 6x fan-in scale), small embeddings (0.1) with a large final
+    layer-norm gain (4x), which makes outputs depend on the audio and vary from token to token.
+    `eot_boost` adds about that much to the end-of-text logit at every step (through the final
+    layer norm's bias), so tests can get sequences that end on their own.
+    """
+    g = torch.Generator().manual_seed(seed)
+    out: dict[str, torch.Tensor] = {}
+    for name, p in Whisper(dims).state_dict().items():
+        shape = p.shape
+        if name == "encoder.positional_embedding":
+            out[name] = sinusoids(*shape)
+        elif name.endswith("_ln.weight") or name == "encoder.ln_post.weight":
+            out[name] = 1.0 + 0.1 * torch.randn(shape, generator=g)
+        elif name == "decoder.ln.weight":
+            out[name] = 4.0 * (1.0 + 0.1 * torch.randn(shape, generator=g))
+        elif name.endswith(".bias"):
+            out[name] = 0.01 * torch.randn(shape, generator=g)
+        elif name == "decoder.token_embedding.weight" or name == "decoder.positional_embedding":
+            out[name] = 0.1 * torch.randn(shape, generator=g)
+        else:  # linear and conv weights: fan-in scaling, sharper for attention scores
+            fan_in = int(np.prod(shape[1:]))
+            gain = 6.0 if name.endswith(("query.weight", "key.weight")) else 1.0
+            out[name] = gain * torch.randn(shape, generator=g) / fan_in**0.5
+    if eot_boost:
+        eot = 50257 if dims.multilingual else 50256
+        e = out["decoder.token_embedding.weight"][eot]
+        out["decoder.ln.bias"] = out["decoder.ln.bias"] + eot_boost * e / e.dot(e)
+    return out
+
+
+def _whisper_assets() -> Path:
+    import whisper
+
+    return Path(whisper.__file__).parent / "assets"
+
+
+def place_tokenizer(directory: Path, multilingual: bool) -> Path:
+    name = "multilingual.tiktoken" if multilingual else "gpt2.tiktoken"
+    dest = Path(directory) / name
+    if not dest.exists():
+        shutil.copyfile(_whisper_assets() / name, dest)
+    return dest
+
+
+def make_openai_checkpoint(directory: str | Path, *, n_mels: int = 80, multilingual: bool = True, seed: int = 0,
+                           v3: bool | None = None, eot_boost: float = 0.0, name: str | None = None,
+                           with_tokenizer: bool = True, **dims_kw) -> Path:
+    """Write `{"dims", "model_state_dict"}` like OpenAI's files; returns the .pt path."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    dims = tiny_dims(n_mels, multilingual, v3, **dims_kw)
+    state = random_state_dict(dims, seed, eot_boost)
+    path = directory / (name or f"tiny-random-{n_mels}-{'ml' if multilingual else 'en'}-s{seed}.pt")
+    torch.save({"dims": asdict(dims), "model_state_dict": state}, path)
+    if with_tokenizer:
+        place_tokenizer(directory, dims.multilingual)
+    return path
+
+
+def make_hf_checkpoint(directory: str | Path, *, n_mels: int = 80, multilingual: bool = True, seed: int = 0,
+                       v3: bool | None = None, eot_boost: float = 0.0, name: str | None = None,
+                       with_tokenizer: bool = True, **dims_kw) -> Path:
+    """The same weights as `make_openai_checkpoint` with the same arguments, as a Hugging Face
+    WhisperForConditionalGeneration directory (config.json + model.safetensors)."""
+    from safetensors.torch import save_file
+
+    dims = tiny_dims(n_mels, multilingual, v3, **dims_kw)
+    state = random_state_dict(dims, seed, eot_boost)
+    path = Path(directory) / (name or f"tiny-random-hf-{n_mels}-{'ml' if multilingual else 'en'}-s{seed}")
+    path.mkdir(parents=True, exist_ok=True)
+    hf = {openai_to_hf_name(k): v.contiguous() for k, v in state.items()}
+    save_file(hf, str(path / "model.safetensors"), metadata={"format": "pt"})
+    (path / "config.json").write_text(json.dumps(hf_config_from_dims(dims), indent=2))
+    if with_tokenizer:
+        place_tokenizer(path, dims.multilingual)
+    return path
+
+
+def openai_reference_model(checkpoint: str | Path):
+    """openai-whisper's own model class loaded from one of our .pt files (fp32, CPU)."""
+    import whisper.model as wm
+
+    ckpt = torch.load(checkpoint, map_location="cpu", weights_only=True)
+    model = wm.Whisper(wm.ModelDimensions(**ckpt["dims"]))
+    model.load_state_dict(ckpt["model_state_dict"])
+    return model.eval()
+
+
+def speech(text: str, directory: str | Path, voice: str = "en", speed: int = 175) -> np.ndarray:
+    """`text` spoken by espeak-ng, as 16 kHz mono float32 (written through a real WAV file)."""
+    from voiced.audio.wavfile import load_16k
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    wav = directory / f"espeak-{abs(hash((text, voice, speed)))}.wav"
+    subprocess.run(["espeak-ng", "-v", voice, "-s", str(speed), "-w", str(wav), text], check=True,
+                   capture_output=True)
+    return load_16k(wav)

@@ -1,0 +1,102 @@
+"""`voiced transcribe FILE...`: speech to text with the PyTorch Whisper engine, no daemon needed.
+
+WAV files at any sample rate and channel count are downmixed and resampled to 16 kHz (soxr).
+Audio longer than Whisper's 30 s window is cut into consecutive 30 s windows, each decoded alone,
+and their texts are joined (segment times are shifted to the file's clock).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from voiced.cli import CliError
+
+WINDOW = 30 * 16000
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("transcribe", help="transcribe WAV files with Whisper (PyTorch engine)")
+    p.add_argument("files", nargs="+", metavar="FILE", help="WAV files (any rate, any channel count)")
+    p.add_argument("--model", required=True, help="official name (see `voiced models list`) or a checkpoint "
+                   "path (.pt file or Hugging Face directory)")
+    p.add_argument("--language", default=None, help="language code or name (default: detect)")
+    p.add_argument("--task", choices=["transcribe", "translate"], default="transcribe")
+    p.add_argument("--beam-size", type=int, default=1, help="1 = greedy (default)")
+    p.add_argument("--timestamps", action="store_true", help="decode with timestamps and print segments")
+    p.add_argument("--initial-prompt", default=None, help="text to condition on (names, spelling, style)")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="cap on decoded tokens per 30 s window")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
+                   help="default: float16 on cuda, float32 on cpu")
+    p.add_argument("--json", action="store_true", help="one JSON object per file")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from voiced.audio.wavfile import WavError, load_16k
+    from voiced.engines.base import ASROptions, ASRRequest, EngineError
+    from voiced.engines.whisper.checkpoint import CheckpointError
+    from voiced.engines.whisper.engine import WhisperEngine
+    from voiced.engines.whisper.tokenizer import TokenizerFileNotFound
+    from voiced.hub import ModelNotFoundError
+
+    try:
+        engine = WhisperEngine.load(args.model, device=args.device, dtype=args.dtype,
+                                    max_batch=max(1, args.beam_size))
+    except (ModelNotFoundError, CheckpointError, TokenizerFileNotFound, EngineError) as e:
+        raise CliError(str(e)) from None
+    opts = ASROptions(language=args.language, task=args.task, beam_size=args.beam_size,
+                      timestamps=args.timestamps, initial_prompt=args.initial_prompt,
+                      max_new_tokens=args.max_new_tokens)
+    status = 0
+    for path in args.files:
+        try:
+            audio = load_16k(path)
+        except (OSError, WavError) as e:
+            print(f"voiced transcribe: {path}: {e}", file=sys.stderr)
+            status = 1
+            continue
+        try:
+            windows = [audio[i:i + WINDOW] for i in range(0, max(len(audio), 1), WINDOW)]
+            results = [engine.transcribe(ASRRequest(w, opts)) for w in windows]
+        except EngineError as e:
+            raise CliError(f"{path}: {e}") from None
+        print(json.dumps(_merge(path, results, args.timestamps)) if args.json else _plain(path, results, args), flush=True)
+    return status
+
+
+def _merge(path: str, results: list, timestamps: bool) -> dict:
+    """One record per file from its 30 s windows (a single window is reported as is)."""
+    first = results[0]
+    n_tokens = sum(len(r.tokens) for r in results)
+    rec = {
+        "file": path,
+        "text": " ".join(r.text for r in results if r.text),
+        "language": first.language,
+        "tokens": [t for r in results for t in r.tokens],
+        # Weighted so that a multi-window file still reports sum(logprob) / (tokens + 1) per window.
+        "avg_logprob": sum(r.avg_logprob * (len(r.tokens) + 1) for r in results) / (n_tokens + len(results)),
+        "no_speech_prob": max(r.no_speech_prob for r in results),
+        "compression_ratio": max(r.compression_ratio for r in results),
+        "is_hallucination": any(r.is_hallucination for r in results),
+    }
+    if first.language_probs:
+        rec["language_prob"] = first.language_probs.get(first.language)
+    if timestamps:
+        rec["segments"] = [{"start": round(s.start + 30 * i, 2), "end": round(s.end + 30 * i, 2),
+                            "text": s.text, "tokens": s.tokens}
+                           for i, r in enumerate(results) for s in r.segments]
+    return rec
+
+
+def _plain(path: str, results: list, args: argparse.Namespace) -> str:
+    if not args.timestamps:
+        text = " ".join(r.text for r in results if r.text)
+        return f"{path}: {text}" if len(args.files) > 1 else text
+    lines = [f"# {path}"] if len(args.files) > 1 else []
+    for i, r in enumerate(results):
+        for s in r.segments:
+            lines.append(f"[{s.start + 30 * i:7.2f} --> {s.end + 30 * i:7.2f}] {s.text}")
+    return "\n".join(lines)

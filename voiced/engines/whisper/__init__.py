@@ -1,0 +1,1 @@
+"""Whisper speech recognition in PyTorch (see engine.WhisperEngine)."""
