@@ -58,6 +58,7 @@ class ASROptions:
     timestamps: bool = False
     initial_prompt: str | None = None
     max_new_tokens: int | None = None  # None: half the text context, as openai-whisper
+    min_new_tokens: int = 0  # end-of-text is suppressed until this many tokens (forced lengths, benchmarks)
     # Hallucination filters (openai-whisper's transcribe() defaults). A result is flagged
     # `is_hallucination` when no_speech_prob > no_speech_threshold and avg_logprob < logprob_threshold,
     # or when compression_ratio > compression_ratio_threshold. None switches a filter off.
