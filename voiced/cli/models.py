@@ -18,7 +18,7 @@ from types import ModuleType
 
 from voiced.cli import CliError
 
-PROVIDERS: list[str] = ["voiced.cli.models:whisper"]
+PROVIDERS: list[str] = ["voiced.cli.models:whisper", "voiced.engines.spark.registry"]
 
 
 class _WhisperProvider:

@@ -45,6 +45,9 @@ log = logging.getLogger(__name__)
 TOKENS_PER_SECOND = SAMPLE_RATE // HOP  # 50
 N_GLOBAL = 32
 MAX_SEGMENT_CHARS = 300  # longer sentences are cut at commas / spaces: the LM was trained on short utterances
+# A sentence whose speech runs far past any plausible length is a runaway (a sampled loop that never
+# reaches <|im_end|>); end it and move on rather than spend the request's whole budget on it.
+SEGMENT_BASE_S, SEGMENT_S_PER_CHAR = 3.0, 0.3
 GLOBAL_PHASE_LIMIT = N_GLOBAL + 64  # a controllable prompt that has not produced its speaker by then failed
 PHASE_GLOBAL, PHASE_SEMANTIC = 0, 1
 _CJK = re.compile(r"[\u3000-\u30ff\u3400-\u9fff\uac00-\ud7af\uff00-\uffef]")
@@ -100,6 +103,7 @@ class _Request:
     global_ids: list[int] = field(default_factory=list)
     semantic: list[int] = field(default_factory=list)  # this segment's semantic ids
     speaker: torch.Tensor | None = None
+    segment_cap: int = 0  # semantic tokens this sentence may take
     planner: ChunkPlanner | None = None
     segment_done: bool = False
     finished: bool = False
@@ -144,6 +148,7 @@ class SparkTTSEngine:
         self.max_batch, self.max_seq_len = max_batch, max_seq_len
         self.use_cuda_graphs = use_cuda_graphs and str(device).startswith("cuda")
         self.radius = codec.receptive_radius()
+        self.segment_base_s, self.segment_s_per_char = SEGMENT_BASE_S, SEGMENT_S_PER_CHAR
         lm.setup_cache(max_batch, max_seq_len)
         self._bias = self._phase_bias()
         self._queue: list[_Request] = []
@@ -367,6 +372,8 @@ class SparkTTSEngine:
         r.phase_steps = 0
         r.semantic = []
         r.segment_done = False
+        chars = len(r.segments[r.seg])
+        r.segment_cap = max(1, int((self.segment_base_s + self.segment_s_per_char * chars) * TOKENS_PER_SECOND))
         r.planner = ChunkPlanner(self.radius, r.options.first_chunk_tokens, r.options.chunk_tokens)
         if r.global_ids and r.speaker is None:
             r.speaker = self._speaker(r.global_ids)
@@ -408,6 +415,10 @@ class SparkTTSEngine:
                 r.total_semantic += 1
                 if r.total_semantic >= r.max_semantic:
                     r.segment_done = r.finished = True  # duration cap: stop the whole request
+                elif len(r.semantic) >= r.segment_cap:
+                    log.warning("request %s: sentence %d ran past %d tokens without ending; moving on",
+                                r.rid, r.seg, r.segment_cap)
+                    r.segment_done = True
             elif t in (sp.eos, sp.end_semantic):
                 r.segment_done = True
             if r.pos >= self.max_seq_len and not r.segment_done:

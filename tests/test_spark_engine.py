@@ -1,0 +1,180 @@
+"""SparkTTSEngine: the stepped contract, continuous batching, voices, CLI."""
+
+from __future__ import annotations
+
+import json
+import wave
+
+import numpy as np
+import pytest
+
+from tests.spark_fixtures import cached_spark_checkpoint
+from tests.speech import phrase
+from voiced.engines.base import AudioChunk, EngineError, TTSEngine, TTSOptions, TTSRequest
+from voiced.engines.spark.engine import SparkTTSEngine, join_transcript, split_text
+
+REF_TEXT = "Hello, my name is Spark and I am testing voice cloning today."
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return cached_spark_checkpoint(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def engine(ckpt, tmp_path_factory):
+    return SparkTTSEngine.load(ckpt, device="cpu", max_batch=3, max_seq_len=1024,
+                               voices_dir=tmp_path_factory.mktemp("voices"))
+
+
+def run(engine, requests: dict[int, TTSRequest], cancel_at: dict[int, int] | None = None):
+    """Submit all, step until done; return {id: [AudioChunk]} (a cancelled id keeps what it got)."""
+    for rid, req in requests.items():
+        engine.submit(rid, req)
+    got: dict[int, list[AudioChunk]] = {rid: [] for rid in requests}
+    finals = set()
+    steps = 0
+    while engine.has_work():
+        for out in engine.step():
+            assert out.error is None, out.error
+            got[out.request_id].append(out.value)
+            if out.final:
+                assert out.request_id not in finals
+                finals.add(out.request_id)
+        steps += 1
+        for rid, at in (cancel_at or {}).items():
+            if steps == at:
+                engine.cancel(rid)
+    return got
+
+
+def audio(chunks: list[AudioChunk]) -> np.ndarray:
+    return np.concatenate([c.samples for c in chunks])
+
+
+def test_satisfies_the_tts_engine_protocol(engine):
+    assert isinstance(engine, TTSEngine)
+    assert engine.backend == "torch" and engine.device == "cpu"
+
+
+def test_chunks_are_ordered_and_capped(engine):
+    opts = TTSOptions(seed=5, max_seconds=1.5, first_chunk_tokens=8, chunk_tokens=20)
+    chunks = run(engine, {1: TTSRequest("Good morning, everyone.", opts)})[1]
+    assert [c.sequence for c in chunks] == list(range(len(chunks)))
+    offsets = np.cumsum([0] + [len(c.samples) for c in chunks[:-1]])
+    assert [c.offset for c in chunks] == offsets.tolist()
+    assert [c.last for c in chunks] == [False] * (len(chunks) - 1) + [True]
+    assert len(chunks[0].samples) == 8 * 320  # first chunk after first_chunk_tokens
+    total = audio(chunks)
+    assert len(total) <= 1.5 * 16000 and len(total) == chunks[-1].tokens * 320
+    assert np.isfinite(total).all() and total.std() > 1e-3
+
+
+def test_batched_requests_give_the_same_audio_as_alone(engine):
+    """Seeded requests are independent of their batch mates (joining and leaving between steps)."""
+    a = TTSRequest("The weather is nice today.", TTSOptions(seed=11, max_seconds=1.2))
+    b = TTSRequest("Let us go for a walk.", TTSOptions(seed=12, max_seconds=0.8, voice="male"))
+    c = TTSRequest("See you later!", TTSOptions(seed=13, max_seconds=1.0, voice="female:high:low"))
+    alone = {rid: audio(run(engine, {rid: r})[rid]) for rid, r in ((1, a), (2, b), (3, c))}
+    d = TTSRequest("One more for the queue.", TTSOptions(seed=14, max_seconds=0.6))
+    together = run(engine, {1: a, 2: b, 3: c, 4: d})  # max_batch 3: request 4 joins when one leaves
+    for rid in (1, 2, 3):
+        assert np.allclose(audio(together[rid]), alone[rid], atol=1e-4), rid
+    assert not np.allclose(alone[1][:8000], alone[3][:8000])
+    assert engine.active_requests() == 0
+
+
+def test_cancel_drops_a_request_and_frees_its_row(engine):
+    reqs = {i: TTSRequest(f"Request number {i}.", TTSOptions(seed=i, max_seconds=1.0)) for i in (1, 2, 3)}
+    got = run(engine, reqs, cancel_at={2: 5})
+    assert not any(c.last for c in got[2])
+    assert got[1][-1].last and got[3][-1].last
+    assert engine.active_requests() == 0 and not engine.has_work()
+
+
+def test_empty_text_and_unknown_voice_are_rejected(engine):
+    with pytest.raises(EngineError, match="empty"):
+        engine.submit(1, TTSRequest("   "))
+    with pytest.raises(EngineError, match="unknown voice 'nobody'"):
+        engine.submit(1, TTSRequest("hi", TTSOptions(voice="nobody")))
+    assert not engine.has_work()
+
+
+def test_long_text_is_split_into_sentences_spoken_back_to_back():
+    parts = split_text("First sentence is here. Second one follows! And a third? " + "word " * 120)
+    assert parts[:3] == ["First sentence is here.", "Second one follows!", "And a third?"]
+    assert all(len(p) <= 300 for p in parts) and len(parts) >= 5
+    assert join_transcript("...gospel.", "Actions speak.") == "...gospel. Actions speak."
+    assert join_transcript("今天天气真不错。", "行动胜于雄辩。") == "今天天气真不错。行动胜于雄辩。"
+
+
+def test_multi_sentence_request_keeps_one_speaker(engine, monkeypatch):
+    # The random LM never says <|im_end|>; a tight per-sentence cap ends each sentence instead.
+    monkeypatch.setattr(engine, "segment_base_s", 0.2)
+    monkeypatch.setattr(engine, "segment_s_per_char", 0.01)
+    prompts = []
+    real = engine._prompt
+    monkeypatch.setattr(engine, "_prompt", lambda r, seg: prompts.append(real(r, seg)) or prompts[-1])
+    text = "Hello there, my friend. How are you doing today? I am doing fine, thanks."
+    engine.submit(9, TTSRequest(text, TTSOptions(seed=2, max_seconds=10.0)))
+    req = engine._queue[-1]
+    chunks = []
+    while engine.has_work():
+        for out in engine.step():
+            chunks.append(out.value)
+    assert len(req.segments) == 3 and chunks[-1].last and sum(c.last for c in chunks) == 1
+    caps = [int((0.2 + 0.01 * len(s)) * 50) for s in req.segments]
+    assert chunks[-1].tokens == sum(caps) and len(audio(chunks)) == sum(caps) * 320  # back to back
+    sp = engine.special
+    sent = [p for p in prompts if p[0] in (sp.task_tts, sp.task_controllable_tts)][-3:]
+    assert sent[0][0] == sp.task_controllable_tts  # the first sentence invents the speaker...
+    g = [sp.global_base + i for i in req.global_ids]
+    for p in sent[1:]:  # ...the next ones are spoken with its 32 global tokens
+        assert p[0] == sp.task_tts and p[-33:-1] == g
+
+
+def test_register_voice_once_and_survive_restart(ckpt, engine, tmp_path):
+    ref = phrase(REF_TEXT)
+    e1 = SparkTTSEngine.load(ckpt, device="cpu", max_batch=1, max_seq_len=1024, voices_dir=tmp_path)
+    v = e1.voices.add("alice", ref, REF_TEXT)
+    assert v.kind == "cloned" and e1.voices.tokenize_calls == 1
+    e1.voices.add("alice-again", ref, "Hello.")  # same recording, another name: no recomputation
+    assert e1.voices.tokenize_calls == 1
+    out1 = e1.synthesize("Nice to meet you.", TTSOptions(voice="alice", seed=3, max_seconds=1.0))
+    # a new engine (a restart) finds the voice and its cached tokens
+    e2 = SparkTTSEngine.load(ckpt, device="cpu", max_batch=1, max_seq_len=1024, voices_dir=tmp_path)
+    assert {"alice", "alice-again"} <= {x.name for x in e2.voices.list()}
+    out2 = e2.synthesize("Nice to meet you.", TTSOptions(voice="alice", seed=3, max_seconds=1.0))
+    assert e2.voices.tokenize_calls == 0
+    assert np.allclose(out1.audio, out2.audio, atol=1e-5)
+    # the cloned prompt carries the reference transcript and its semantic tokens
+    voice = e2.voices.resolve("alice")
+    assert len(voice.global_ids) == 32 and abs(len(voice.semantic_ids) - len(ref) / 320) <= 2
+    assert out2.prompt_tokens > len(voice.semantic_ids) + 32
+    assert e2.voices.delete("alice-again") and not e2.voices.delete("alice-again")
+    with pytest.raises(EngineError, match="preset"):
+        e2.voices.add("female", ref, "x")
+
+
+def test_cli_speak_and_voices(ckpt, tmp_path, capsys):
+    from voiced.cli import main
+
+    ref = tmp_path / "ref.wav"
+    pcm = (phrase(REF_TEXT) * 32767).astype("<i2")
+    with wave.open(str(ref), "wb") as w:
+        w.setnchannels(1), w.setsampwidth(2), w.setframerate(16000), w.writeframes(pcm.tobytes())
+    vd = str(tmp_path / "voices")
+    assert main(["voices", "add", "bob", "--audio", str(ref), "--text", REF_TEXT, "--model", str(ckpt),
+                 "--device", "cpu", "--voices-dir", vd]) == 0
+    assert main(["voices", "list", "--json", "--voices-dir", vd]) == 0
+    listed = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    assert {"name": "bob", "kind": "cloned"}.items() <= next(v for v in listed if v["name"] == "bob").items()
+    out = tmp_path / "o.wav"
+    assert main(["speak", "Testing the command line.", "--model", str(ckpt), "--voice", "bob", "--device", "cpu",
+                 "--seed", "1", "--out", str(out), "--json", "--max-seconds", "1", "--voices-dir", vd]) == 0
+    stats = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert stats["semantic_tokens"] > 0 and stats["first_chunk_ms"] > 0 and stats["audio_seconds"] <= 1.0
+    with wave.open(str(out)) as w:
+        assert w.getframerate() == 16000 and w.getnframes() == stats["semantic_tokens"] * 320
+    assert main(["speak", " ", "--model", str(ckpt), "--device", "cpu", "--out", str(out)]) == 2
+    assert main(["voices", "delete", "bob", "--voices-dir", vd]) == 0
