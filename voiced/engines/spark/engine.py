@@ -157,7 +157,7 @@ class SparkTTSEngine:
         self._order: dict[int, int] = {}
         self._wav2vec2 = None
         root = Path(voices_dir) if voices_dir else cache_dir() / "voices"
-        self.voices = VoiceStore(root, checkpoint_fingerprint(checkpoint), self._tokenize_reference)
+        self.voices = VoiceStore(root, lambda: checkpoint_fingerprint(checkpoint), self._tokenize_reference)
 
     # ------------------------------------------------------------------------------- loading
 

@@ -255,7 +255,7 @@ class Qwen2LM(nn.Module):
         kv_len = min(self.max_seq, _bucket(need, 256))
         if use_graph is None:
             use_graph = tokens.is_cuda
-        if not use_graph:
+        if not use_graph or not tokens.is_cuda:  # graphs are a CUDA feature; CPU runs eager
             return self.decode_eager(tokens, positions, kv_len)
         bb = min(self.max_batch, _bucket(b, 1))
         key = (bb, kv_len)

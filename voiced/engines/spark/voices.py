@@ -114,11 +114,17 @@ Tokenizer = Callable[[np.ndarray], tuple[list[int], list[int]]]
 class VoiceStore:
     """Presets plus the cloned voices in `root`; `tokenize` maps 16 kHz audio to (global, semantic) ids."""
 
-    def __init__(self, root: str | Path, fingerprint: str, tokenize: Tokenizer) -> None:
+    def __init__(self, root: str | Path, fingerprint: str | Callable[[], str], tokenize: Tokenizer) -> None:
         self.root = Path(root)
-        self.fingerprint = fingerprint
+        self._fingerprint = fingerprint  # or a function computing it, called on first need
         self._tokenize = tokenize
         self.tokenize_calls = 0  # how many times registration actually ran the audio tokenizer
+
+    @property
+    def fingerprint(self) -> str:
+        if callable(self._fingerprint):
+            self._fingerprint = self._fingerprint()
+        return self._fingerprint
 
     # ----------------------------------------------------------------------------- public API
 

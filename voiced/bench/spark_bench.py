@@ -1,0 +1,260 @@
+"""Spark-TTS engine benchmark on a GPU: random weights at full Spark-TTS-0.5B size, forced lengths.
+
+    python -m voiced.bench.spark_bench [--concurrency 1 4 16 64] [--seconds 10] [--json-out FILE]
+
+Measures, in one run and on the same weights:
+  - CUDA-graph vs eager decode: identical tokens with top-k 1 (and how many match transformers);
+  - per-step decode latency at batch 1 after a 300-token prompt: ours (graph, eager) and
+    transformers' Qwen2ForCausalLM.generate;
+  - the whole engine (LM + BiCodec streaming vocoder) at several concurrencies: audio seconds
+    produced per wall second, first-chunk latency (P50/P90);
+  - transformers' generate at the same batch sizes (LM only, no vocoder) for scale.
+Lengths are forced: <|im_end|> is masked so every request speaks exactly --seconds of audio.
+Prints one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import platform
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+log = logging.getLogger("spark_bench")
+
+
+def build(device: str, dtype: torch.dtype, codec_dtype: torch.dtype, max_batch: int, max_seq: int, workdir: Path,
+          tiny: bool = False):
+    """Random full-size LM + BiCodec and a real tokenizer with the published ids, wrapped in the engine."""
+    from tests.spark_fixtures import _write_tokenizer
+    from voiced.engines.spark.bicodec import BiCodec, BiCodecConfig
+    from voiced.engines.spark.checkpoint import SparkCheckpoint, TextTokenizer, load_special_tokens
+    from voiced.engines.spark.engine import SparkTTSEngine
+    from voiced.engines.spark.qwen2 import Qwen2Config, Qwen2LM
+
+    llm = workdir / "LLM"
+    llm.mkdir(parents=True, exist_ok=True)
+    _write_tokenizer(llm)
+    torch.manual_seed(0)
+    cfg = Qwen2Config()
+    ccfg = BiCodecConfig()
+    if tiny:  # a CPU dry run of this script
+        from voiced.engines.spark.bicodec import VocosParams
+
+        cfg = Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
+        v = dict(vocos_dim=16, vocos_intermediate_dim=32, vocos_num_layers=2, input_channels=32, out_channels=32)
+        ccfg = BiCodecConfig(encoder=VocosParams(**v), prenet=VocosParams(**v, condition_dim=32),
+                             postnet=VocosParams(**v), latent_dim=32, speaker_out_dim=32, speaker_latent_dim=16,
+                             wave_channels=32)
+    with torch.device(device):
+        lm = Qwen2LM(cfg)
+        for name, p in lm.named_parameters():
+            if p.ndim == 2:
+                torch.nn.init.normal_(p, 0, 0.02 if "embed" not in name else 0.05)
+        lm = lm.to(dtype).eval()
+        codec = BiCodec(ccfg).to(codec_dtype).eval()
+    tok = TextTokenizer(llm)
+    special = load_special_tokens(llm, tok)
+    engine = SparkTTSEngine(SparkCheckpoint(workdir), lm, codec, tok, special, device=device, max_batch=max_batch,
+                            max_seq_len=max_seq, voices_dir=workdir / "voices", model_name="Spark-TTS-0.5B (random)")
+    return engine
+
+
+def hf_model(lm, dtype, device):
+    from transformers import Qwen2Config as HFConfig
+    from transformers import Qwen2ForCausalLM
+
+    c = lm.config
+    hf_cfg = HFConfig(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+                      num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
+                      num_key_value_heads=c.num_key_value_heads, rope_theta=c.rope_theta, rms_norm_eps=c.rms_norm_eps,
+                      tie_word_embeddings=True, max_position_embeddings=c.max_position_embeddings)
+    with torch.device(device):
+        hf = Qwen2ForCausalLM(hf_cfg).to(dtype)
+    state = {k: v for k, v in lm.state_dict().items()}
+    missing, unexpected = hf.load_state_dict(state, strict=False)
+    assert not unexpected and all(k == "lm_head.weight" for k in missing), (missing, unexpected)
+    hf.tie_weights()
+    return hf.eval()
+
+
+def sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+@torch.no_grad()
+def greedy(lm, prompt: torch.Tensor, n: int, use_graph: bool) -> tuple[list[int], float]:
+    """Batch-1 greedy decode; returns tokens and mean seconds per decode step."""
+    lm.setup_cache(lm.max_batch, lm.max_seq)
+    logits = lm.prefill(prompt, 0)
+    tok = int(logits.argmax())
+    out = [tok]
+    pos = len(prompt)
+    t_tok = torch.tensor([tok], device=prompt.device)
+    t_pos = torch.tensor([pos], device=prompt.device)
+    for i in range(3):  # warm (captures the graph for this bucket); rewrites the same KV entry
+        lm.decode(t_tok, t_pos, use_graph=use_graph)
+    sync()
+    t0 = time.perf_counter()
+    for i in range(n - 1):
+        t_tok.fill_(tok)
+        t_pos.fill_(pos)
+        tok = int(lm.decode(t_tok, t_pos, use_graph=use_graph)[0].argmax())
+        out.append(tok)
+        pos += 1
+    sync()
+    return out, (time.perf_counter() - t0) / (n - 1)
+
+
+@torch.no_grad()
+def hf_generate(hf, prompts: torch.Tensor, n: int) -> tuple[torch.Tensor, float]:
+    mask = torch.ones_like(prompts)
+    kw = dict(attention_mask=mask, do_sample=False, pad_token_id=0, eos_token_id=None)
+    hf.generate(prompts, max_new_tokens=4, min_new_tokens=4, **kw)
+    sync()
+    t0 = time.perf_counter()
+    out = hf.generate(prompts, max_new_tokens=n, min_new_tokens=n, **kw)
+    sync()
+    total = time.perf_counter() - t0
+    return out[:, prompts.shape[1]:], total
+
+
+def engine_run(engine, concurrency: int, seconds: float, first: int, chunk: int) -> dict:
+    from voiced.engines.base import TTSOptions, TTSRequest
+
+    texts = ["The quick brown fox jumps over the lazy dog, and the dog does not seem to mind at all."] * concurrency
+    t_submit = time.perf_counter()
+    first_at: dict[int, float] = {}
+    samples = 0
+    for i, text in enumerate(texts):
+        engine.submit(i, TTSRequest(text, TTSOptions(voice="bench", seed=i, max_seconds=seconds,
+                                                     first_chunk_tokens=first, chunk_tokens=chunk)))
+    steps = 0
+    while engine.has_work():
+        for out in engine.step():
+            assert out.error is None, out.error
+            if out.request_id not in first_at and out.value.samples.size:
+                first_at[out.request_id] = time.perf_counter() - t_submit
+            samples += out.value.samples.size
+        steps += 1
+    sync()
+    wall = time.perf_counter() - t_submit
+    lat = sorted(first_at.values())
+    return {
+        "concurrency": concurrency, "audio_seconds": samples / 16000, "wall_s": round(wall, 3),
+        "audio_s_per_s": round(samples / 16000 / wall, 1), "steps": steps,
+        "first_chunk_ms_p50": round(1000 * statistics.median(lat), 1),
+        "first_chunk_ms_p90": round(1000 * lat[min(len(lat) - 1, int(0.9 * len(lat)))], 1),
+        "first_chunk_tokens": first, "chunk_tokens": chunk,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
+    ap.add_argument("--seconds", type=float, default=10.0, help="audio per request (forced)")
+    ap.add_argument("--chunks", default="10,25", help="first_chunk_tokens,chunk_tokens; several separated by ';'")
+    ap.add_argument("--codec-dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--hf-batches", type=int, nargs="*", default=[1, 16, 64])
+    ap.add_argument("--json-out", default=None)
+    ap.add_argument("--tiny-cpu", action="store_true", help="dry run on the CPU with tiny random models")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    if not args.tiny_cpu:
+        assert torch.cuda.is_available(), "this benchmark needs a CUDA GPU"
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
+    dev, dtype = ("cpu", torch.float32) if args.tiny_cpu else ("cuda", torch.bfloat16)
+    codec_dtype = getattr(torch, args.codec_dtype)
+    max_batch = max(args.concurrency)
+    res: dict = {"device": "cpu (dry run)" if args.tiny_cpu else torch.cuda.get_device_name(), "torch": torch.__version__, "python": platform.python_version(),
+                 "dtype": "bfloat16", "codec_dtype": args.codec_dtype}
+    import transformers
+
+    res["transformers"] = transformers.__version__
+    if args.tiny_cpu:
+        codec_dtype = torch.float32
+    with tempfile.TemporaryDirectory() as tmp:
+        t0 = time.perf_counter()
+        engine = build(dev, dtype, codec_dtype, max_batch, 1024, Path(tmp), tiny=args.tiny_cpu)
+        res["build_s"] = round(time.perf_counter() - t0, 1)
+        lm = engine.lm
+        res["radius_tokens"] = engine.radius
+        # --- graph vs eager vs transformers, batch 1, 300-token prompt, top-k 1
+        g = torch.Generator().manual_seed(0)
+        prompt = torch.randint(0, 151643, (300,), generator=g).to(dev)
+        n = 200
+        t_graph, s_graph = greedy(lm, prompt, n, use_graph=True)
+        t_eager, s_eager = greedy(lm, prompt, n, use_graph=False)
+        hf = hf_model(lm, dtype, dev)
+        hf_toks, hf_total = hf_generate(hf, prompt[None], n)
+        hf_toks = hf_toks[0].tolist()
+        agree = next((i for i, (a, b) in enumerate(zip(t_graph, hf_toks)) if a != b), n)
+        res["decode_batch1"] = {
+            "prompt_tokens": 300, "new_tokens": n,
+            "graph_ms_per_step": round(s_graph * 1000, 3), "eager_ms_per_step": round(s_eager * 1000, 3),
+            "transformers_ms_per_token": round(hf_total / n * 1000, 3),
+            "graph_equals_eager": t_graph == t_eager,
+            "first_divergence_vs_transformers": agree,
+        }
+        log.info("decode batch 1: %s", res["decode_batch1"])
+        # --- transformers generate at larger batches (LM only)
+        res["transformers_generate"] = []
+        for b in args.hf_batches:
+            prompts = torch.randint(0, 151643, (b, 60), generator=g).to(dev)
+            toks = int(args.seconds * 50) + 32
+            _, total = hf_generate(hf, prompts, toks)
+            res["transformers_generate"].append({"batch": b, "new_tokens": toks, "wall_s": round(total, 3),
+                                                 "ms_per_step": round(total / toks * 1000, 2),
+                                                 "lm_only_audio_s_per_s": round(b * (toks - 32) / 50 / total, 1)})
+            log.info("transformers: %s", res["transformers_generate"][-1])
+        del hf
+        torch.cuda.empty_cache()
+        # --- the engine: forced lengths (no <|im_end|>), a cloned-style voice with fixed global tokens
+        from voiced.engines.spark.engine import PHASE_SEMANTIC
+        from voiced.engines.spark.voices import Voice
+
+        sp = engine.special
+        engine._bias[PHASE_SEMANTIC, sp.eos] = float("-inf")
+        engine._bias[PHASE_SEMANTIC, sp.end_semantic] = float("-inf")
+        engine.segment_base_s = 1e6
+        gl = torch.randint(0, 4096, (32,), generator=g).tolist()
+        engine.voices.resolve = lambda name: Voice("bench", "cloned", global_ids=gl)
+        t0 = time.perf_counter()
+        engine.warmup()
+        res["graph_capture_s"] = round(time.perf_counter() - t0, 2)
+        res["engine"] = []
+        for spec in args.chunks.split(";"):
+            first, chunk = (int(x) for x in spec.split(","))
+            engine_run(engine, 1, 1.0, first, chunk)  # warm the vocoder shapes
+            for c in args.concurrency:
+                r = engine_run(engine, c, args.seconds, first, chunk)
+                res["engine"].append(r)
+                log.info("engine: %s", r)
+        # --- streaming exactness on the GPU codec (informative: bf16 / TF32 rounding)
+        from voiced.engines.spark.streaming import stream_decode
+
+        ids = torch.randint(0, 8192, (300,), generator=g).to(dev)
+        gids = torch.tensor(gl, device=dev)
+        with torch.no_grad():
+            off = engine.codec.detokenize(ids[None], gids[None])[0].float().cpu().numpy()
+        joined = np.concatenate(stream_decode(engine.codec, ids, gids, 10, 25))
+        res["stream_vs_offline_max_abs"] = float(np.abs(joined - off).max())
+        if dev == "cuda":
+            res["max_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+    print(json.dumps(res, indent=1))
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(res, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
