@@ -93,7 +93,7 @@ class DecodePlan:
         sample_len = opts.max_new_tokens if opts.max_new_tokens is not None else n_text_ctx // 2
         if sample_len < 1:
             raise EngineError(f"max_new_tokens must be at least 1, not {sample_len}")
-        min_new = int(getattr(opts, "min_new_tokens", 0) or 0)
+        min_new = max(0, int(opts.min_new_tokens or 0))
         return cls(language, opts.task, opts.beam_size, opts.timestamps, prompt, sample_len, min_new, opts)
 
     def initial_tokens(self, tok: WhisperTokenizer) -> list[int]:
@@ -146,19 +146,20 @@ class RequestDecoder:
     def filter(self, logits: Tensor, suppress: Suppression) -> None:
         """Request-specific masking of this request's rows [rows, vocab], in place.
 
-        The always-suppressed ids are masked by the engine for the whole batch beforehand.
+        The engine applies the always-suppressed ids, and these same rules batched over requests;
+        this is the one-request form of them (kept for readability and direct use).
         """
-        tok = self.tok
-        first = self.n_sampled == 0
-        if first:
+        if self.n_sampled == 0:
             logits[:, suppress.blank] = NEG_INF
-        if self.plan.min_new_tokens and self.n_sampled < self.plan.min_new_tokens:
-            logits[:, tok.eot] = NEG_INF
+        if self.n_sampled < self.plan.min_new_tokens:
+            logits[:, self.tok.eot] = NEG_INF
         if self.plan.timestamps:
-            self._timestamp_rules(logits, first)
+            self.timestamp_rules(logits)
 
-    def _timestamp_rules(self, logits: Tensor, first: bool) -> None:
+    def timestamp_rules(self, logits: Tensor) -> None:
+        """openai-whisper's timestamp rules for this request's rows [rows, vocab], in place."""
         tok, tb = self.tok, self.tok.timestamp_begin
+        first = self.n_sampled == 0
         logits[:, tok.no_timestamps] = NEG_INF
         for r, seq in enumerate(self.beams):
             last_ts = len(seq) >= 1 and seq[-1] >= tb

@@ -104,6 +104,7 @@ class WhisperEngine:
         if self.is_cuda:
             self._tok_buf = torch.zeros(max_batch, dtype=torch.long, device=model.device)
             self._pos_buf = torch.zeros(max_batch, dtype=torch.long, device=model.device)
+            self._host_buf = torch.zeros(2, max_batch, dtype=torch.long).pin_memory()
             self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
             self._pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
         log.info("whisper engine %s on %s (%s): %d slots, %.1f MiB of KV cache, cuda graphs %s", model_name,
@@ -256,12 +257,14 @@ class WhisperEngine:
         # GPU: pad to a bucket and always attend over the whole context with a mask, so the eager
         # path and the graph run the very same kernels (and padded rows only touch free slots).
         b = next(x for x in self.buckets if x >= n)
-        host = torch.zeros(2, b, dtype=torch.long)
+        # Through a pinned staging buffer: reusing it is safe, the previous step's copy finished
+        # before that step read its tokens back.
+        host = self._host_buf
+        host.zero_()
         host[0, :n] = torch.tensor(toks)
         host[1, :n] = torch.tensor(pos)
-        host = host.pin_memory()
-        self._tok_buf[:b].copy_(host[0], non_blocking=True)
-        self._pos_buf[:b].copy_(host[1], non_blocking=True)
+        self._tok_buf[:b].copy_(host[0, :b], non_blocking=True)
+        self._pos_buf[:b].copy_(host[1, :b], non_blocking=True)
         if not self.cuda_graphs:
             return step(self._tok_buf[:b], self._pos_buf[:b], self.cache, self.dims.n_text_ctx)[:n]
         if b not in self._graphs:
@@ -367,14 +370,22 @@ class WhisperEngine:
 
     def _select(self, logits: torch.Tensor) -> list[EngineOutput]:
         """Filter, pick tokens for all rows, advance every request; returns finished ones."""
+        dev = logits.device
         logits.masked_fill_(self.suppress.always, NEG_INF)
         reqs = list(self._active.values())
+        # The per-request rules, batched: one indexing op for all first steps (no blank / end-of-text
+        # first) and one for all rows still under their minimum length; timestamp rules per request.
+        first = [r for q in reqs if q.dec.n_sampled == 0 for r in q.rows]
+        if first:
+            logits[torch.tensor(first, device=dev)[:, None], torch.tensor(self.suppress.blank, device=dev)] = NEG_INF
+        short = [r for q in reqs if q.dec.n_sampled < q.dec.plan.min_new_tokens for r in q.rows]
+        if short:
+            logits[torch.tensor(short, device=dev), self.tok.eot] = NEG_INF
         for req in reqs:
-            d = req.dec
-            if d.n_sampled == 0 or d.plan.timestamps or (d.plan.min_new_tokens and d.n_sampled < d.plan.min_new_tokens):
-                idx = torch.tensor(req.rows, device=logits.device)
+            if req.dec.plan.timestamps:
+                idx = torch.tensor(req.rows, device=dev)
                 sub = logits[idx]
-                d.filter(sub, self.suppress)
+                req.dec.timestamp_rules(sub)
                 logits[idx] = sub
         greedy = logits.argmax(dim=-1)
         logprobs = torch.log_softmax(logits, dim=-1)
@@ -382,7 +393,7 @@ class WhisperEngine:
         beam_tops: dict[int, tuple[list, list]] = {}
         for k in sorted({r.dec.plan.beam_size for r in reqs if r.dec.plan.beam_size > 1}):
             rows = [x for r in reqs if r.dec.plan.beam_size == k for x in r.rows]
-            vals, ids = logprobs[torch.tensor(rows, device=logits.device)].topk(k + 1, dim=-1)
+            vals, ids = logprobs[torch.tensor(rows, device=dev)].topk(k + 1, dim=-1)
             vals, ids = vals.tolist(), ids.tolist()
             for i, row in enumerate(rows):
                 beam_tops[row] = (vals[i], ids[i])
@@ -396,8 +407,8 @@ class WhisperEngine:
             else:
                 src = d.update_beam([beam_tops[r][0] for r in req.rows], [beam_tops[r][1] for r in req.rows])
                 if not d.done and src != list(range(len(src))):
-                    dst = torch.tensor(req.rows, device=logits.device)
-                    self.cache.move(dst, dst[torch.tensor(src, device=logits.device)], self_only=True)
+                    dst = torch.tensor(req.rows, device=dev)
+                    self.cache.move(dst, dst[torch.tensor(src, device=dev)], self_only=True)
             if d.done:
                 finished.append(req)
         outputs = []

@@ -1,0 +1,300 @@
+"""Whisper engine benchmark: our engine (eager and CUDA graphs) next to transformers, same weights.
+
+    python3 -m voiced.bench.whisper_bench --tiktoken-dir DIR [--dims large-v3-turbo] [--device cuda]
+
+Random weights at the given dimensions (no download), fp16 on GPU. Every utterance is decoded for
+exactly `--tokens` tokens (end-of-text suppressed before that, in both engines) so runs are
+comparable. Measures, in one process:
+
+* equality: CUDA-graph decoding gives the same greedy tokens as eager decoding (a batch of
+  different utterances with staggered lengths, and a single one);
+* latency: one utterance, 30 s window, wall time from submit to transcript (median of runs);
+* throughput: many utterances submitted at once, continuous batching, utterances per second;
+* the same latency and a batched throughput with transformers' WhisperForConditionalGeneration
+  .generate (SDPA attention, fp16) on the same weights.
+
+Prints one JSON object (and writes it to --out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from voiced.engines.base import ASROptions, ASRRequest
+from voiced.engines.whisper.checkpoint import hf_config_from_dims, openai_to_hf_name
+from voiced.engines.whisper.engine import WhisperEngine
+from voiced.engines.whisper.model import ModelDims, Whisper, sinusoids
+from voiced.engines.whisper.tokenizer import WhisperTokenizer
+
+log = logging.getLogger("whisper_bench")
+
+DIMS = {
+    "large-v3-turbo": ModelDims(n_mels=128, n_audio_ctx=1500, n_audio_state=1280, n_audio_head=20, n_audio_layer=32,
+                                n_vocab=51866, n_text_ctx=448, n_text_state=1280, n_text_head=20, n_text_layer=4),
+    "large-v3": ModelDims(n_mels=128, n_audio_ctx=1500, n_audio_state=1280, n_audio_head=20, n_audio_layer=32,
+                          n_vocab=51866, n_text_ctx=448, n_text_state=1280, n_text_head=20, n_text_layer=32),
+    "small": ModelDims(n_mels=80, n_audio_ctx=1500, n_audio_state=768, n_audio_head=12, n_audio_layer=12,
+                       n_vocab=51865, n_text_ctx=448, n_text_state=768, n_text_head=12, n_text_layer=12),
+    # For a CPU smoke run of this script (tests): real vocabulary and audio context, tiny widths.
+    "tiny-random": ModelDims(n_mels=128, n_audio_ctx=1500, n_audio_state=64, n_audio_head=4, n_audio_layer=2,
+                             n_vocab=51866, n_text_ctx=448, n_text_state=64, n_text_head=4, n_text_layer=2),
+}
+
+
+def random_model(dims: ModelDims, device: str, dtype: torch.dtype, seed: int = 0) -> Whisper:
+    """Random weights made on the device (fast at 800M parameters).
+
+    Scaled like the test fixtures (sharper attention, small embeddings, a large final layer-norm
+    gain) so that outputs depend on the audio and differ between utterances (an equality check
+    between two paths means little if every utterance decodes to the same tokens), while fp16
+    activations stay far from overflow.
+    """
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = Whisper(dims)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name == "decoder.ln.weight":
+                p.fill_(4.0)
+            elif name.endswith("ln.weight") or name.endswith("ln_post.weight"):
+                p.fill_(1.0)
+            elif name.endswith(".bias"):
+                p.normal_(0.0, 0.01)
+            elif name.endswith("token_embedding.weight"):
+                p.normal_(0.0, 0.1)
+            elif name.endswith("positional_embedding"):
+                p.normal_(0.0, 0.1)
+            else:
+                gain = 3.0 if name.endswith(("query.weight", "key.weight")) else 1.0
+                p.normal_(0.0, gain / math.sqrt(p[0].numel()))
+        model.encoder.positional_embedding.copy_(sinusoids(dims.n_audio_ctx, dims.n_audio_state))
+    return model.to(dtype).eval().requires_grad_(False)
+
+
+def test_audio(n: int, seconds: float = 10.0, seed: int = 0) -> list[np.ndarray]:
+    """Different deterministic 'utterances': chirps plus noise, so every request's features differ."""
+    rng = np.random.default_rng(seed)
+    t = np.arange(int(seconds * 16000)) / 16000
+    out = []
+    for _ in range(n):
+        f0, f1 = rng.uniform(100, 400), rng.uniform(500, 3000)
+        x = 0.3 * np.sin(2 * np.pi * (f0 + (f1 - f0) * t / seconds / 2) * t) + 0.05 * rng.standard_normal(t.size)
+        out.append((x * np.hanning(t.size) ** 0.1).astype(np.float32))
+    return out
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def run_until_done(engine: WhisperEngine, reqs: list[ASRRequest]) -> tuple[list[list[int]], float]:
+    t0 = time.perf_counter()
+    for i, r in enumerate(reqs):
+        engine.submit(i, r)
+    results: dict[int, list[int]] = {}
+    while engine.has_work():
+        for out in engine.step():
+            if out.error:
+                raise RuntimeError(out.error)
+            results[out.request_id] = out.value.tokens
+    return [results[i] for i in range(len(reqs))], time.perf_counter() - t0
+
+
+def staggered(engine: WhisperEngine, reqs: list[ASRRequest], every: int = 3) -> list[list[int]]:
+    """Requests join one by one every few steps (continuous batching with joins and leaves)."""
+    pending = list(enumerate(reqs))
+    results: dict[int, list[int]] = {}
+    step = 0
+    while pending or engine.has_work():
+        if pending and step % every == 0:
+            engine.submit(*pending.pop(0))
+        for out in engine.step():
+            results[out.request_id] = out.value.tokens
+        step += 1
+    return [results[i] for i in range(len(reqs))]
+
+
+def median_latency(fn, runs: int, device: str) -> dict:
+    times = []
+    for _ in range(runs):
+        sync(device)
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        times.append((time.perf_counter() - t0) * 1000)
+    return {"median_ms": round(statistics.median(times), 2), "min_ms": round(min(times), 2),
+            "max_ms": round(max(times), 2), "runs": runs}
+
+
+def hf_model(ours: Whisper, dims: ModelDims, device: str, dtype: torch.dtype):
+    import transformers
+
+    cfg = transformers.WhisperConfig(**{k: v for k, v in hf_config_from_dims(dims).items()
+                                        if k not in ("architectures", "model_type", "torch_dtype")})
+    cfg._attn_implementation = "sdpa"
+    with torch.device(device):
+        hf = transformers.WhisperForConditionalGeneration(cfg)
+    state = {openai_to_hf_name(k): v for k, v in ours.state_dict().items()}
+    missing, unexpected = hf.load_state_dict(state, strict=False)
+    missing = [m for m in missing if m != "proj_out.weight"]
+    if missing or unexpected:
+        raise RuntimeError(f"transformers model did not take our weights: missing {missing[:4]}, "
+                           f"unexpected {unexpected[:4]}")
+    hf.tie_weights()
+    return hf.to(dtype).eval(), transformers.__version__
+
+
+def hf_generate(hf, mel: torch.Tensor, prompt: list[int], tokens: int, eot: int) -> torch.Tensor:
+    """Plain encoder-decoder greedy generation (KV cache, SDPA) forced to `tokens` new tokens.
+
+    GenerationMixin.generate is what WhisperForConditionalGeneration.generate hands short-form
+    audio to after its prompt handling; calling it directly keeps Whisper's long-form and
+    timestamp machinery (not needed here) out of the measurement.
+    """
+    from transformers.generation.utils import GenerationMixin
+
+    ids = torch.tensor([prompt] * mel.shape[0], device=mel.device)
+    return GenerationMixin.generate(hf, input_features=mel, decoder_input_ids=ids, max_new_tokens=tokens,
+                                    min_new_tokens=tokens, do_sample=False, num_beams=1, eos_token_id=eot,
+                                    pad_token_id=eot)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dims", default="large-v3-turbo", choices=sorted(DIMS))
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default=None, choices=["float16", "bfloat16", "float32"])
+    ap.add_argument("--tiktoken-dir", type=Path, required=True, help="folder holding multilingual.tiktoken")
+    ap.add_argument("--tokens", type=int, default=32, help="forced decode length per utterance")
+    ap.add_argument("--max-batch", type=int, default=128, help="decoder rows of our engine")
+    ap.add_argument("--encoder-batch", type=int, default=32, help="utterances admitted (encoded) per step")
+    ap.add_argument("--throughput-utts", type=int, default=512)
+    ap.add_argument("--hf-batch", type=int, default=64, help="batch size of transformers' throughput run")
+    ap.add_argument("--hf-throughput-utts", type=int, default=256)
+    ap.add_argument("--latency-runs", type=int, default=20)
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+
+    dev = args.device
+    dtype = getattr(torch, args.dtype) if args.dtype else (torch.float16 if dev.startswith("cuda") else torch.float32)
+    dims = DIMS[args.dims]
+    tok = WhisperTokenizer.load(dims.multilingual, dims.num_languages, [args.tiktoken_dir])
+    report: dict = {"dims": args.dims, "device": dev, "dtype": str(dtype).replace("torch.", ""),
+                    "tokens_per_utt": args.tokens, "torch": torch.__version__, "python": platform.python_version()}
+    if dev.startswith("cuda"):
+        report["gpu"] = torch.cuda.get_device_name()
+    t0 = time.perf_counter()
+    model = random_model(dims, dev, dtype)
+    sync(dev)
+    report["params_m"] = round(sum(p.numel() for p in model.parameters()) / 1e6, 1)
+    log.info("random %s weights (%.0fM params) in %.1f s", args.dims, report["params_m"], time.perf_counter() - t0)
+
+    opts = ASROptions(language="en", max_new_tokens=args.tokens, min_new_tokens=args.tokens)
+    audio = test_audio(max(args.throughput_utts, args.hf_throughput_utts, 16))
+    graphs = WhisperEngine(model, tok, model_name=args.dims, max_batch=args.max_batch,
+                           max_encoder_batch=args.encoder_batch, cuda_graphs=True)
+    eager = WhisperEngine(model, tok, model_name=args.dims, max_batch=args.max_batch,
+                          max_encoder_batch=args.encoder_batch, cuda_graphs=False)
+    t0 = time.perf_counter()
+    graphs.warmup()
+    report["graph_capture_s"] = round(time.perf_counter() - t0, 2)
+
+    # ---- equality: graphs vs eager (batched with staggered joins and different lengths; and single)
+    varied = [ASRRequest(a, ASROptions(language="en", max_new_tokens=8 + 3 * i, min_new_tokens=8 + 3 * i))
+              for i, a in enumerate(audio[:12])]
+    eq_batch_g = staggered(graphs, varied)
+    eq_batch_e = staggered(eager, varied)
+    single_g = graphs.transcribe(ASRRequest(audio[0], opts)).tokens
+    single_e = eager.transcribe(ASRRequest(audio[0], opts)).tokens
+    same_batch, _ = run_until_done(graphs, [ASRRequest(a, opts) for a in audio[:16]])
+    same_batch_e, _ = run_until_done(eager, [ASRRequest(a, opts) for a in audio[:16]])
+    report["graphs_equal_eager"] = {
+        "staggered_12": eq_batch_g == eq_batch_e, "single": single_g == single_e,
+        "batch_16": same_batch == same_batch_e,
+        "distinct_outputs_in_batch_16": len({tuple(t) for t in same_batch}),
+    }
+    assert all(len(t) == args.tokens for t in same_batch), "forced length not honoured"
+    log.info("graphs == eager: %s", report["graphs_equal_eager"])
+
+    # ---- single-utterance latency
+    for name, eng in (("ours_cuda_graphs", graphs), ("ours_eager", eager)):
+        for _ in range(3):
+            eng.transcribe(ASRRequest(audio[1], opts))
+        report[f"latency_{name}"] = median_latency(lambda e=eng: e.transcribe(ASRRequest(audio[1], opts)),
+                                                   args.latency_runs, dev)
+        log.info("latency %s: %s", name, report[f"latency_{name}"])
+
+    # ---- saturated throughput (continuous batching, all submitted at once)
+    reqs = [ASRRequest(a, opts) for a in audio[: args.throughput_utts]]
+    run_until_done(graphs, reqs[: min(64, len(reqs))])  # warm every path at these batch sizes
+    sync(dev)
+    _, secs = run_until_done(graphs, reqs)
+    sync(dev)
+    report["throughput_ours_cuda_graphs"] = {"utts": len(reqs), "seconds": round(secs, 3),
+                                             "utt_per_s": round(len(reqs) / secs, 1), "max_batch": args.max_batch,
+                                             "encoder_batch": args.encoder_batch}
+    log.info("throughput ours: %s", report["throughput_ours_cuda_graphs"])
+    del eager
+
+    # ---- transformers on the same weights
+    if not args.skip_hf:
+        hf, version = hf_model(model, dims, dev, dtype)
+        report["transformers"] = version
+        prompt = tok.sot_sequence("en", "transcribe") + [tok.no_timestamps]
+        from voiced.engines.whisper.audio import log_mel_spectrogram, pad_or_trim
+
+        def mels(batch: list[np.ndarray]) -> torch.Tensor:
+            x = torch.stack([pad_or_trim(torch.from_numpy(a)) for a in batch]).to(dev)
+            return log_mel_spectrogram(x, dims.n_mels).to(dtype)
+
+        with torch.inference_mode():
+            out = hf_generate(hf, mels([audio[0]]), prompt, args.tokens, tok.eot)
+            hf_tokens = out[0, len(prompt):].tolist()
+            report["hf_tokens_equal_ours_single"] = hf_tokens == single_g
+            report["hf_tokens_prefix_agreement"] = next(
+                (i for i, (a, b) in enumerate(zip(hf_tokens, single_g)) if a != b), len(single_g))
+
+            def hf_once() -> None:
+                hf_generate(hf, mels([audio[1]]), prompt, args.tokens, tok.eot)
+
+            for _ in range(3):
+                hf_once()
+            report["latency_transformers"] = median_latency(hf_once, max(5, args.latency_runs // 2), dev)
+            log.info("latency transformers: %s", report["latency_transformers"])
+            hf_generate(hf, mels(audio[: args.hf_batch]), prompt, args.tokens, tok.eot)  # warm-up at batch size
+            sync(dev)
+            t0 = time.perf_counter()
+            n = 0
+            for i in range(0, args.hf_throughput_utts, args.hf_batch):
+                batch = audio[i: i + args.hf_batch]
+                hf_generate(hf, mels(batch), prompt, args.tokens, tok.eot)
+                n += len(batch)
+            sync(dev)
+            secs = time.perf_counter() - t0
+            report["throughput_transformers"] = {"utts": n, "seconds": round(secs, 3), "utt_per_s": round(n / secs, 1),
+                                                 "batch": args.hf_batch}
+            log.info("throughput transformers: %s", report["throughput_transformers"])
+    if dev.startswith("cuda"):
+        report["max_memory_allocated_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.out:
+        args.out.write_text(text + "\n")
+    return report
+
+
+if __name__ == "__main__":
+    main()
