@@ -46,9 +46,9 @@ class Conversation:
         self._worker: asyncio.Task | None = None
         self._current: asyncio.Task | None = None  # the reply being spoken
         self._current_reply: Reply | None = None
-        self._sent_samples = 0  # of the current reply, at 16 kHz
+        self._sent_samples = 0  # of the current reply, in the caller's output format and rate
         self._reply_ids = 0
-        self._interrupted: set[int] = set()
+        self._interrupted: dict[int, int] = {}  # reply id -> caller audio time (ms) of the cut
 
     def tasks(self) -> list[asyncio.Task]:
         return [t for t in (self._worker, self._current) if t is not None and not t.done()]
@@ -101,7 +101,7 @@ class Conversation:
         # Cancelling the task stops it at its current await, so not one more chunk of this reply
         # reaches the outbox; REPLY_INTERRUPTED follows once the task has unwound.
         if self._current is not None and not self._current.done() and self._current_reply is not None:
-            self._interrupted.add(self._current_reply.reply_id)
+            self._interrupted[self._current_reply.reply_id] = self.session.segmenter.offset * 1000 // RATE
             self._current.cancel()
 
     async def _speak_replies(self) -> None:
@@ -111,25 +111,36 @@ class Conversation:
                 self._current_reply = reply
                 self._sent_samples = 0
                 self._current = asyncio.create_task(self._speak(reply), name=f"reply-{reply.reply_id}")
-                with contextlib.suppress(asyncio.CancelledError):
+                try:
                     await self._current
+                except asyncio.CancelledError:
+                    if reply.reply_id not in self._interrupted:
+                        raise  # the session is closing, not a barge-in
+                except Exception as e:  # a bug in one reply must not silence the session
+                    log.exception("session %s: reply %d failed", self.spec.session_id, reply.reply_id)
+                    await self.session.send(self._event(reply, notice=pb.Notice(
+                        code="REPLY_FAILED", message=f"internal error while speaking: {e}")))
                 if reply.reply_id in self._interrupted:
-                    self._interrupted.discard(reply.reply_id)
+                    cut_at = self._interrupted.pop(reply.reply_id)
                     await self.session.send(self._event(reply, reply=pb.ReplyEvent(
                         type=pb.ReplyEvent.REPLY_INTERRUPTED, reply_id=reply.reply_id,
-                        audio_sent_ms=self._sent_samples * 1000 // RATE)))
+                        audio_sent_ms=self._sent_ms(), caller_offset_ms=cut_at)))
             finally:
                 self._current = None
                 self._current_reply = None
                 self._queue.task_done()
 
-    def _event(self, reply: Reply, **kwargs) -> pb.SessionEvent:
-        return pb.SessionEvent(session_id=self.spec.session_id, turn_id=reply.turn_id, **kwargs)
+    def _sent_ms(self) -> int:
+        return self._sent_samples * 1000 // self.spec.output.sample_rate
+
+    def _event(self, of: Reply, **kwargs) -> pb.SessionEvent:
+        return pb.SessionEvent(session_id=self.spec.session_id, turn_id=of.turn_id, **kwargs)
 
     async def _speak(self, reply: Reply) -> None:
         send = self.session.send
         started = False
         sequence = 0
+        first_sent: float | None = None  # when the first chunk left
         encoder = FrameEncoder(self.spec.output)
         metrics = self.services.metrics
         try:
@@ -160,14 +171,21 @@ class Conversation:
                                 metrics.voice_to_voice.observe(latency / 1000)
                         await send(self._event(reply, audio=pb.AudioChunk(
                             reply_id=reply.reply_id, sequence=sequence,
-                            offset_ms=self._sent_samples * 1000 // RATE, last=last, audio=data,
+                            offset_ms=self._sent_ms(), last=last, audio=data,
                             latency_ms=latency)))
+                        if first_sent is None:
+                            first_sent = time.monotonic()
                         sequence += 1
-                        self._sent_samples += len(chunk.samples)
+                        self._sent_samples += len(data) // self.spec.output.bytes_per_sample
             if started:
+                # Audio leaves faster than real time; the caller is still hearing the reply until
+                # it has played, so the reply (and barge-in on it) lasts until then.
+                if first_sent is not None:
+                    await asyncio.sleep(max(0.0, first_sent + self._sent_ms() / 1000 - time.monotonic()))
                 await send(self._event(reply, reply=pb.ReplyEvent(
                     type=pb.ReplyEvent.REPLY_FINISHED, reply_id=reply.reply_id,
-                    audio_sent_ms=self._sent_samples * 1000 // RATE)))
+                    audio_sent_ms=self._sent_ms(),
+                    caller_offset_ms=self.session.segmenter.offset * 1000 // RATE)))
         except AgentError as e:
             await send(self._event(reply, notice=pb.Notice(code=e.code, message=str(e))))
         except EngineError as e:

@@ -104,12 +104,14 @@ def tts_options(speech: pb.SpeechConfig, config: Config) -> TTSOptions:
         temperature=_opt(speech, "temperature", t.temperature),
         top_k=_opt(speech, "top_k", t.top_k),
         top_p=_opt(speech, "top_p", t.top_p),
-        max_seconds=t.max_seconds,
+        max_seconds=min(_opt(speech, "max_seconds", t.max_seconds), t.max_seconds),
         first_chunk_tokens=t.first_chunk_tokens,
         chunk_tokens=t.chunk_tokens,
     )
     if not 0.0 <= opts.temperature <= 2.0:
         raise invalid(f"speech.temperature {opts.temperature} is outside 0..2")
+    if opts.max_seconds <= 0:
+        raise invalid(f"speech.max_seconds {opts.max_seconds} must be positive")
     if opts.top_k < 0:
         raise invalid(f"speech.top_k {opts.top_k} must be 0 (off) or positive")
     if not 0.0 < opts.top_p <= 1.0:

@@ -85,18 +85,20 @@ class RecognitionConfig(_message.Message):
     def __init__(self, disabled: _Optional[bool] = ..., language: _Optional[str] = ..., task: _Optional[_Union[Task, str]] = ..., interim_results: _Optional[bool] = ..., beam_size: _Optional[int] = ..., initial_prompt: _Optional[str] = ..., no_speech_threshold: _Optional[float] = ..., logprob_threshold: _Optional[float] = ..., compression_ratio_threshold: _Optional[float] = ..., keep_hallucinations: _Optional[bool] = ...) -> None: ...
 
 class SpeechConfig(_message.Message):
-    __slots__ = ("voice", "seed", "temperature", "top_k", "top_p")
+    __slots__ = ("voice", "seed", "temperature", "top_k", "top_p", "max_seconds")
     VOICE_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
+    MAX_SECONDS_FIELD_NUMBER: _ClassVar[int]
     voice: str
     seed: int
     temperature: float
     top_k: int
     top_p: float
-    def __init__(self, voice: _Optional[str] = ..., seed: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ...) -> None: ...
+    max_seconds: float
+    def __init__(self, voice: _Optional[str] = ..., seed: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., max_seconds: _Optional[float] = ...) -> None: ...
 
 class AgentConfig(_message.Message):
     __slots__ = ("name", "system_prompt")
@@ -235,7 +237,7 @@ class AgentText(_message.Message):
     def __init__(self, text: _Optional[str] = ..., last: _Optional[bool] = ..., latency_ms: _Optional[float] = ...) -> None: ...
 
 class ReplyEvent(_message.Message):
-    __slots__ = ("type", "reply_id", "text", "audio_sent_ms")
+    __slots__ = ("type", "reply_id", "text", "audio_sent_ms", "caller_offset_ms")
     class Type(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         TYPE_UNSPECIFIED: _ClassVar[ReplyEvent.Type]
@@ -250,11 +252,13 @@ class ReplyEvent(_message.Message):
     REPLY_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     AUDIO_SENT_MS_FIELD_NUMBER: _ClassVar[int]
+    CALLER_OFFSET_MS_FIELD_NUMBER: _ClassVar[int]
     type: ReplyEvent.Type
     reply_id: int
     text: str
     audio_sent_ms: int
-    def __init__(self, type: _Optional[_Union[ReplyEvent.Type, str]] = ..., reply_id: _Optional[int] = ..., text: _Optional[str] = ..., audio_sent_ms: _Optional[int] = ...) -> None: ...
+    caller_offset_ms: int
+    def __init__(self, type: _Optional[_Union[ReplyEvent.Type, str]] = ..., reply_id: _Optional[int] = ..., text: _Optional[str] = ..., audio_sent_ms: _Optional[int] = ..., caller_offset_ms: _Optional[int] = ...) -> None: ...
 
 class AudioChunk(_message.Message):
     __slots__ = ("reply_id", "sequence", "offset_ms", "last", "audio", "latency_ms")
