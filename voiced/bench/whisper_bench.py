@@ -66,13 +66,11 @@ def random_model(dims: ModelDims, device: str, dtype: torch.dtype, seed: int = 0
         for name, p in model.named_parameters():
             if name == "decoder.ln.weight":
                 p.fill_(4.0)
-            elif name.endswith("ln.weight") or name.endswith("ln_post.weight"):
+            elif name.endswith(("ln.weight", "ln_post.weight")):
                 p.fill_(1.0)
             elif name.endswith(".bias"):
                 p.normal_(0.0, 0.01)
-            elif name.endswith("token_embedding.weight"):
-                p.normal_(0.0, 0.1)
-            elif name.endswith("positional_embedding"):
+            elif name.endswith(("token_embedding.weight", "positional_embedding")):
                 p.normal_(0.0, 0.1)
             else:
                 gain = 3.0 if name.endswith(("query.weight", "key.weight")) else 1.0
@@ -212,7 +210,35 @@ def main(argv: list[str] | None = None) -> dict:
     graphs.warmup()
     report["graph_capture_s"] = round(time.perf_counter() - t0, 2)
 
-    # ---- equality: graphs vs eager (batched with staggered joins and different lengths; and single)
+    try:
+        equality(report, graphs, eager, audio, opts, args)
+    except Exception as e:  # record and go on: one broken section should not cost the whole run
+        log.exception("equality section failed")
+        report["equality_error"] = repr(e)
+    single_g = graphs.transcribe(ASRRequest(audio[0], opts)).tokens
+    try:
+        speed(report, graphs, eager, audio, opts, args, dev)
+    except Exception as e:
+        log.exception("speed section failed")
+        report["speed_error"] = repr(e)
+    del eager
+    if not args.skip_hf:
+        try:
+            transformers_section(report, model, dims, tok, audio, single_g, args, dev, dtype)
+        except Exception as e:
+            log.exception("transformers section failed")
+            report["transformers_error"] = repr(e)
+    if dev.startswith("cuda"):
+        report["max_memory_allocated_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.out:
+        args.out.write_text(text + "\n")
+    return report
+
+
+def equality(report, graphs, eager, audio, opts, args) -> None:
+    """CUDA graphs vs eager: staggered joins with varied lengths, a single request, a full batch."""
     varied = [ASRRequest(a, ASROptions(language="en", max_new_tokens=8 + 3 * i, min_new_tokens=8 + 3 * i))
               for i, a in enumerate(audio[:12])]
     eq_batch_g = staggered(graphs, varied)
@@ -229,7 +255,9 @@ def main(argv: list[str] | None = None) -> dict:
     assert all(len(t) == args.tokens for t in same_batch), "forced length not honoured"
     log.info("graphs == eager: %s", report["graphs_equal_eager"])
 
-    # ---- single-utterance latency
+
+def speed(report, graphs, eager, audio, opts, args, dev) -> None:
+    """Single-utterance latency (graphs and eager), then saturated throughput with graphs."""
     for name, eng in (("ours_cuda_graphs", graphs), ("ours_eager", eager)):
         for _ in range(3):
             eng.transcribe(ASRRequest(audio[1], opts))
@@ -247,53 +275,46 @@ def main(argv: list[str] | None = None) -> dict:
                                              "utt_per_s": round(len(reqs) / secs, 1), "max_batch": args.max_batch,
                                              "encoder_batch": args.encoder_batch}
     log.info("throughput ours: %s", report["throughput_ours_cuda_graphs"])
-    del eager
 
-    # ---- transformers on the same weights
-    if not args.skip_hf:
-        hf, version = hf_model(model, dims, dev, dtype)
-        report["transformers"] = version
-        prompt = tok.sot_sequence("en", "transcribe") + [tok.no_timestamps]
-        from voiced.engines.whisper.audio import log_mel_spectrogram, pad_or_trim
 
-        def mels(batch: list[np.ndarray]) -> torch.Tensor:
-            x = torch.stack([pad_or_trim(torch.from_numpy(a)) for a in batch]).to(dev)
-            return log_mel_spectrogram(x, dims.n_mels).to(dtype)
+def transformers_section(report, model, dims, tok, audio, single_g, args, dev, dtype) -> None:
+    """transformers' latency and batched throughput on the same weights, and token agreement."""
+    hf, version = hf_model(model, dims, dev, dtype)
+    report["transformers"] = version
+    prompt = tok.sot_sequence("en", "transcribe") + [tok.no_timestamps]
+    from voiced.engines.whisper.audio import log_mel_spectrogram, pad_or_trim
 
-        with torch.inference_mode():
-            out = hf_generate(hf, mels([audio[0]]), prompt, args.tokens, tok.eot)
-            hf_tokens = out[0, len(prompt):].tolist()
-            report["hf_tokens_equal_ours_single"] = hf_tokens == single_g
-            report["hf_tokens_prefix_agreement"] = next(
-                (i for i, (a, b) in enumerate(zip(hf_tokens, single_g)) if a != b), len(single_g))
+    def mels(batch: list[np.ndarray]) -> torch.Tensor:
+        x = torch.stack([pad_or_trim(torch.from_numpy(a)) for a in batch]).to(dev)
+        return log_mel_spectrogram(x, dims.n_mels).to(dtype)
 
-            def hf_once() -> None:
-                hf_generate(hf, mels([audio[1]]), prompt, args.tokens, tok.eot)
+    with torch.inference_mode():
+        out = hf_generate(hf, mels([audio[0]]), prompt, args.tokens, tok.eot)
+        hf_tokens = out[0, len(prompt):].tolist()
+        report["hf_tokens_equal_ours_single"] = hf_tokens == single_g
+        report["hf_tokens_prefix_agreement"] = next(
+            (i for i, (a, b) in enumerate(zip(hf_tokens, single_g)) if a != b), len(single_g))
 
-            for _ in range(3):
-                hf_once()
-            report["latency_transformers"] = median_latency(hf_once, max(5, args.latency_runs // 2), dev)
-            log.info("latency transformers: %s", report["latency_transformers"])
-            hf_generate(hf, mels(audio[: args.hf_batch]), prompt, args.tokens, tok.eot)  # warm-up at batch size
-            sync(dev)
-            t0 = time.perf_counter()
-            n = 0
-            for i in range(0, args.hf_throughput_utts, args.hf_batch):
-                batch = audio[i: i + args.hf_batch]
-                hf_generate(hf, mels(batch), prompt, args.tokens, tok.eot)
-                n += len(batch)
-            sync(dev)
-            secs = time.perf_counter() - t0
-            report["throughput_transformers"] = {"utts": n, "seconds": round(secs, 3), "utt_per_s": round(n / secs, 1),
-                                                 "batch": args.hf_batch}
-            log.info("throughput transformers: %s", report["throughput_transformers"])
-    if dev.startswith("cuda"):
-        report["max_memory_allocated_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
-    return report
+        def hf_once() -> None:
+            hf_generate(hf, mels([audio[1]]), prompt, args.tokens, tok.eot)
+
+        for _ in range(3):
+            hf_once()
+        report["latency_transformers"] = median_latency(hf_once, max(5, args.latency_runs // 2), dev)
+        log.info("latency transformers: %s", report["latency_transformers"])
+        hf_generate(hf, mels(audio[: args.hf_batch]), prompt, args.tokens, tok.eot)  # warm-up at batch size
+        sync(dev)
+        t0 = time.perf_counter()
+        n = 0
+        for i in range(0, args.hf_throughput_utts, args.hf_batch):
+            batch = audio[i: i + args.hf_batch]
+            hf_generate(hf, mels(batch), prompt, args.tokens, tok.eot)
+            n += len(batch)
+        sync(dev)
+        secs = time.perf_counter() - t0
+        report["throughput_transformers"] = {"utts": n, "seconds": round(secs, 3), "utt_per_s": round(n / secs, 1),
+                                             "batch": args.hf_batch}
+        log.info("throughput transformers: %s", report["throughput_transformers"])
 
 
 if __name__ == "__main__":
