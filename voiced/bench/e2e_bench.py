@@ -1,0 +1,241 @@
+"""End to end over gRPC: N concurrent Converse sessions against one daemon on one GPU.
+
+The daemon runs in this process exactly as `voiced serve` runs it (server, sessions, schedulers,
+engines), with random full-size weights (Whisper large-v3-turbo dimensions, Spark-TTS-0.5B), the
+echo agent, forced decode lengths. The callers run in a separate process (so they do not share
+the server's interpreter) and stream a WAV in real time as 20 ms frames, looping it, each caller
+starting at a different point of the loop. Reported per concurrency level, p50/p95/p99 of:
+
+- asr_ms: end of speech detected -> final transcript sent (server-measured `latency_ms`)
+- agent_ms: end of speech -> the agent's first text
+- first_audio_ms (voice-to-voice): end of speech detected -> first reply audio chunk sent
+- tts_first_chunk_ms: the agent's text -> first audio chunk (first_audio_ms - agent_ms)
+- rtf: reply generation time / reply audio duration (first text to last chunk, per reply)
+
+    python -m voiced.bench.e2e_bench --wav speech.wav --tiktoken-dir DIR --sessions 1 4 16 --out e2e.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+log = logging.getLogger("voiced.bench.e2e")
+
+
+def pct(values: list[float]) -> dict:
+    if not values:
+        return {"n": 0}
+    v = sorted(values)
+
+    def q(p: float) -> float:
+        return round(v[min(len(v) - 1, int(round(p / 100 * (len(v) - 1))))], 1)
+
+    return {"n": len(v), "p50": q(50), "p95": q(95), "p99": q(99), "mean": round(statistics.fmean(v), 1)}
+
+
+# ----------------------------------------------------------------------------------- server side
+
+
+def start_server(args):
+    import torch
+
+    from voiced.agents import AgentRegistry
+    from voiced.bench import spark_bench, whisper_bench
+    from voiced.config import Config
+    from voiced.engines.whisper.engine import WhisperEngine
+    from voiced.engines.whisper.tokenizer import WhisperTokenizer
+    from voiced.metrics import Metrics
+    from voiced.scheduler import EngineWorker
+    from voiced.server import Services, VoicedServer
+
+    config = Config()
+    config.server.listen = "127.0.0.1:0"
+    config.server.max_sessions = 1000
+    config.asr.language = "en"
+    config.asr.max_new_tokens = args.asr_tokens
+    config.asr.no_speech_threshold, config.asr.logprob_threshold = 1.0, -1e9  # random weights: keep all
+    config.asr.compression_ratio_threshold = 1e9
+    config.tts.first_chunk_tokens = args.first_chunk_tokens
+    config.tts.chunk_tokens = args.chunk_tokens
+    config.tts.max_seconds = args.reply_seconds
+
+    dims = whisper_bench.DIMS[args.asr_dims]
+    tok = WhisperTokenizer.load(dims.multilingual, dims.num_languages, [args.tiktoken_dir])
+    dev = "cpu" if args.tiny_cpu else "cuda"
+    model = whisper_bench.random_model(dims, dev, torch.float32 if args.tiny_cpu else torch.float16)
+    asr = WhisperEngine(model, tok, model_name=f"{args.asr_dims} (random)", max_batch=args.asr_batch,
+                        cuda_graphs=True)
+    asr.warmup()
+    work = Path(tempfile.mkdtemp())
+    if args.tiny_cpu:
+        tts = spark_bench.build("cpu", torch.float32, torch.float32, args.tts_batch, 2048, work, tiny=True)
+    else:
+        tts = spark_bench.build("cuda", torch.bfloat16, torch.bfloat16, args.tts_batch, 2048, work)
+    tts.warmup()
+    services = Services(config=config, metrics=Metrics(), asr=EngineWorker(asr, "asr"),
+                        tts=EngineWorker(tts, "tts"), voices=tts.voices, agents=AgentRegistry(config.agent))
+    loop = asyncio.new_event_loop()
+    server = VoicedServer(config, services=services)
+    ready = threading.Event()
+    port: dict = {}
+
+    def run():
+        asyncio.set_event_loop(loop)
+
+        async def go():
+            port["n"] = await server.start()
+            ready.set()
+
+        loop.run_until_complete(go())
+        loop.run_forever()
+
+    threading.Thread(target=run, daemon=True, name="server").start()
+    ready.wait(600)
+    return f"127.0.0.1:{port['n']}", server, loop
+
+
+# ----------------------------------------------------------------------------------- caller side
+
+
+async def one_caller(address: str, pcm: bytes, start_frame: int, duration_s: float, reply_s: float, seed: int,
+                     out: dict) -> None:
+    import grpc
+
+    from voiced_client.proto import voiced_pb2 as pb
+    from voiced_client.proto import voiced_pb2_grpc as pb_grpc
+
+    frame = 640  # 20 ms of 16 kHz LINEAR16
+    frames = [pcm[i : i + frame] for i in range(0, len(pcm) - frame + 1, frame)]
+    fmt = pb.AudioFormat(encoding=pb.LINEAR16, sample_rate_hz=16000)
+    cfg = pb.SessionConfig(input_format=fmt, output_format=fmt, barge_in=pb.BargeInConfig(enabled=False),
+                           speech=pb.SpeechConfig(seed=seed, max_seconds=reply_s),
+                           recognition=pb.RecognitionConfig(language="en"))
+    async with grpc.aio.insecure_channel(address) as channel:
+        call = pb_grpc.VoicedStub(channel).Converse()
+        await call.write(pb.SessionRequest(config=cfg))
+        replies: dict[int, dict] = {}
+
+        async def read():
+            async for ev in call:
+                kind = ev.WhichOneof("event")
+                now = time.monotonic()
+                if kind == "transcript" and ev.transcript.is_final:
+                    out["asr_ms"].append(ev.transcript.latency_ms)
+                elif kind == "agent_text" and ev.agent_text.latency_ms > 0:
+                    out["agent_ms"].append(ev.agent_text.latency_ms)
+                    replies[ev.turn_id] = {"agent_ms": ev.agent_text.latency_ms, "t_text": now, "bytes": 0}
+                elif kind == "audio":
+                    r = replies.setdefault(ev.turn_id, {"t_text": now, "bytes": 0})
+                    r["bytes"] += len(ev.audio.audio)
+                    r["t_last"] = now
+                    if ev.audio.sequence == 0:
+                        out["first_audio_ms"].append(ev.audio.latency_ms)
+                        if "agent_ms" in r:
+                            out["tts_first_chunk_ms"].append(ev.audio.latency_ms - r["agent_ms"])
+                    if ev.audio.last and r["bytes"]:
+                        out["rtf"].append((r["t_last"] - r["t_text"]) / (r["bytes"] / 32000))
+                elif kind == "notice":
+                    out["notices"].append(ev.notice.code)
+
+        reader = asyncio.create_task(read())
+        t0 = time.monotonic()
+        i = start_frame
+        n = 0
+        while time.monotonic() - t0 < duration_s:
+            await call.write(pb.SessionRequest(audio=frames[i % len(frames)]))
+            i += 1
+            n += 1
+            # Pace against the clock, not by sleeping 20 ms each time (sleeps add up late).
+            await asyncio.sleep(max(0.0, t0 + n * 0.02 - time.monotonic()))
+            out["late_ms"].append(max(0.0, (time.monotonic() - (t0 + n * 0.02)) * 1000))
+        await call.done_writing()
+        await reader
+
+
+async def callers(address: str, wav: Path, sessions: int, duration_s: float, reply_s: float) -> dict:
+    from voiced_client.wavio import read_wav
+
+    samples, rate = read_wav(wav)
+    assert rate == 16000, "the bench WAV must be 16 kHz"
+    pcm = samples.astype("<i2").tobytes()
+    n_frames = len(pcm) // 640
+    out = {k: [] for k in ("asr_ms", "agent_ms", "first_audio_ms", "tts_first_chunk_ms", "rtf", "late_ms", "notices")}
+    t0 = time.monotonic()
+    await asyncio.gather(*(one_caller(address, pcm, (n_frames * k) // sessions, duration_s, reply_s, k, out)
+                           for k in range(sessions)))
+    report = {k: pct(v) for k, v in out.items() if k != "notices"}
+    report["notices"] = len(out["notices"])
+    report["wall_s"] = round(time.monotonic() - t0, 1)
+    return report
+
+
+# ----------------------------------------------------------------------------------- driver
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--wav", type=Path, required=True, help="16 kHz speech with pauses (looped by every caller)")
+    ap.add_argument("--tiktoken-dir", type=Path, required=True, help="folder holding multilingual.tiktoken")
+    ap.add_argument("--sessions", type=int, nargs="+", default=[1, 4, 16])
+    ap.add_argument("--duration", type=float, default=30.0, help="seconds each level runs")
+    ap.add_argument("--asr-dims", default="large-v3-turbo")
+    ap.add_argument("--asr-tokens", type=int, default=24, help="forced transcript length (random weights)")
+    ap.add_argument("--asr-batch", type=int, default=64)
+    ap.add_argument("--tts-batch", type=int, default=64)
+    ap.add_argument("--reply-seconds", type=float, default=2.0, help="forced reply length (random weights)")
+    ap.add_argument("--first-chunk-tokens", type=int, default=10)
+    ap.add_argument("--chunk-tokens", type=int, default=25)
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--tiny-cpu", action="store_true", help="dry run on the CPU with tiny random models")
+    ap.add_argument("--caller", default=None, help=argparse.SUPPRESS)  # internal: run the callers only
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    if args.caller:
+        address, sessions = args.caller.rsplit("@", 1)
+        report = asyncio.run(callers(address, args.wav, int(sessions), args.duration, args.reply_seconds))
+        print(json.dumps(report))
+        return report
+
+    import torch
+
+    address, server, loop = start_server(args)
+    result = {"bench": "e2e", "gpu": "cpu (dry run)" if args.tiny_cpu else torch.cuda.get_device_name(), "torch": torch.__version__,
+              "python": platform.python_version(), "asr_dims": args.asr_dims, "asr_tokens": args.asr_tokens,
+              "reply_seconds": args.reply_seconds, "first_chunk_tokens": args.first_chunk_tokens,
+              "date": time.strftime("%Y-%m-%d"), "levels": {}}
+    for n in args.sessions:
+        cmd = [sys.executable, "-m", "voiced.bench.e2e_bench", "--wav", str(args.wav), "--tiktoken-dir",
+               str(args.tiktoken_dir), "--duration", str(args.duration), "--reply-seconds", str(args.reply_seconds),
+               "--caller", f"{address}@{n}"]
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ)
+        if proc.returncode != 0:
+            result["levels"][n] = {"error": proc.stderr[-2000:]}
+            continue
+        level = json.loads(proc.stdout.strip().splitlines()[-1])
+        level["asr_steps"] = server.services.asr.stats.steps
+        result["levels"][n] = level
+        log.info("%d sessions: %s", n, json.dumps(level))
+    asyncio.run_coroutine_threadsafe(server.drain_and_stop(grace=0), loop).result(60)
+    if not args.tiny_cpu:
+        result["max_memory_allocated_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.out:
+        args.out.write_text(text + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main()
