@@ -275,3 +275,29 @@ def test_pull_offline_says_what_to_do(tmp_path):
     finally:
         registry.official_model = orig
     assert not (tmp_path / "whisper" / "tiny.pt").exists()
+
+
+def test_min_new_tokens_forces_length(tmp_path, clips):
+    engine = WhisperEngine.load(make_openai_checkpoint(tmp_path, seed=1, eot_boost=10.0))
+    frees = [engine.transcribe(ASRRequest(c, ASROptions(language="en", max_new_tokens=60))) for c in clips]
+    i = next(i for i, f in enumerate(frees) if len(f.tokens) < 20)  # this model can end early (eot_boost)...
+    free = frees[i]
+    forced = engine.transcribe(ASRRequest(clips[i], ASROptions(language="en", max_new_tokens=20, min_new_tokens=20)))
+    assert len(forced.tokens) == 20  # ...unless end-of-text is held back
+    assert forced.tokens[: len(free.tokens)] == free.tokens
+
+
+def test_benchmark_script_runs_on_cpu(tmp_path):
+    import whisper
+
+    from voiced.bench import whisper_bench
+
+    assets = Path(whisper.__file__).parent / "assets"
+    report = whisper_bench.main(["--dims", "tiny-random", "--device", "cpu", "--tiktoken-dir", str(assets),
+                                 "--tokens", "4", "--max-batch", "4", "--encoder-batch", "2",
+                                 "--throughput-utts", "4", "--latency-runs", "1", "--skip-hf",
+                                 "--out", str(tmp_path / "r.json")])
+    assert "equality_error" not in report and "speed_error" not in report
+    assert all(report["graphs_equal_eager"][k] for k in ("staggered_12", "single", "batch_16"))
+    assert report["throughput_ours_cuda_graphs"]["utts"] == 4
+    assert json.loads((tmp_path / "r.json").read_text())["dims"] == "tiny-random"
