@@ -283,8 +283,10 @@ class SparkTTSEngine:
             # Rows prefilled this step also get a write at their next position; it is overwritten by
             # their real token next step, and their logits here are ignored.
             toks = torch.tensor([r.last for r in self._active], dtype=torch.long)
-            pos = torch.tensor([min(r.pos, self.max_seq_len - 1) for r in self._active], dtype=torch.long)
-            out = self.lm.decode(toks.to(self.device), pos.to(self.device), use_graph=self.use_cuda_graphs)
+            host_pos = [min(r.pos, self.max_seq_len - 1) for r in self._active]
+            pos = torch.tensor(host_pos, dtype=torch.long)
+            out = self.lm.decode(toks.to(self.device, non_blocking=True), pos.to(self.device, non_blocking=True),
+                                 use_graph=self.use_cuda_graphs, max_pos=max(host_pos))
             for r in decoding:
                 logits.append(out[r.slot : r.slot + 1])
                 rows.append(r)

@@ -246,12 +246,14 @@ class Qwen2LM(nn.Module):
         return self._logits(x[:, 0])
 
     @torch.no_grad()
-    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, use_graph: bool | None = None) -> torch.Tensor:
-        """One decode step for the active rows 0..B-1. Uses a CUDA graph on GPU unless told not to."""
+    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, use_graph: bool | None = None,
+               max_pos: int | None = None) -> torch.Tensor:
+        """One decode step for the active rows 0..B-1. Uses a CUDA graph on GPU unless told not to.
+        `max_pos` (the largest position, known to the caller) saves a device->host sync per step."""
         b = tokens.shape[0]
         # Attend over a bucketed prefix of the cache: reading 4096 cached positions for a
         # 300-token request would waste bandwidth, and buckets keep the number of graphs small.
-        need = int(positions.max().item()) + 1
+        need = (int(positions.max().item()) if max_pos is None else max_pos) + 1
         kv_len = min(self.max_seq, _bucket(need, 256))
         if use_graph is None:
             use_graph = tokens.is_cuda
@@ -299,6 +301,9 @@ class _DecodeGraph:
         dev = lm.lm_head.weight.device
         self.tokens = torch.zeros(batch, dtype=torch.long, device=dev)
         self.positions = torch.zeros(batch, dtype=torch.long, device=dev)
+        # The warm-up runs really execute and write K/V at position 0 of rows 0..batch-1, which may
+        # belong to live requests (graphs are captured lazily): save those entries and put them back.
+        saved = [(k[:batch, :, 0].clone(), v[:batch, :, 0].clone()) for k, v in zip(lm.k_caches, lm.v_caches)]
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
@@ -308,6 +313,9 @@ class _DecodeGraph:
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
             self.logits = lm.decode_eager(self.tokens, self.positions, kv_len)
+        for (k, v), (ks, vs) in zip(zip(lm.k_caches, lm.v_caches), saved):
+            k[:batch, :, 0].copy_(ks)
+            v[:batch, :, 0].copy_(vs)
         log.debug("captured decode graph batch=%d kv_len=%d", batch, kv_len)
 
     def run(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
