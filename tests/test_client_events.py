@@ -84,7 +84,7 @@ def test_json_uses_proto_names_and_the_standard_mapping():
     d = event_to_dict(EVENTS[3])
     t = d["transcript"]
     assert t["text"] == " hello world" and t["is_final"] is True and t["tokens"] == [1, 2]
-    assert t["start_ms"] == "480"  # int64 travels as a string in the proto3 JSON mapping
+    assert t["start_ms"] == 480  # int32: a plain JSON number (int64 would travel as a string)
     assert event_to_dict(EVENTS[1])["speech"]["type"] == "SPEECH_STARTED"
     # Fields without presence are printed even at their default, so consumers need no defaults.
     assert event_to_dict(EVENTS[4])["turn_id"] == 1
