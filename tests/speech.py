@@ -69,11 +69,8 @@ def layout(texts: list[str], lead_s: float = 0.6, gap_s: float = 1.2, tail_s: fl
 
 
 def write_wav(path: Path, audio: np.ndarray, rate: int = RATE) -> Path:
-    """float32 in [-1, 1] or int16 samples (written as they are)."""
-    pcm = audio.astype("<i2") if audio.dtype == np.int16 else (np.clip(audio, -1, 1) * 32767).round().astype("<i2")
-    with wave.open(str(path), "wb") as w:
-        w.setnchannels(1)
-        w.setsampwidth(2)
-        w.setframerate(rate)
-        w.writeframes(pcm.tobytes())
+    """float32 in [-1, 1] or int16 samples, as 16-bit PCM."""
+    from voiced_client.wavio import write_wav as write
+
+    write(path, audio, rate)
     return path

@@ -166,3 +166,21 @@ def test_client_imports_without_the_daemon_or_torch(tmp_path):
     )
     client_dir = Path(__file__).resolve().parents[1] / "client"
     subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env={"PYTHONPATH": str(client_dir)}, check=True)
+
+
+def test_g711_wav_round_trip_and_float_wav(tmp_path):
+    from voiced_client import g711
+    from voiced_client.wavio import write_g711_wav
+
+    pcm = (np.sin(np.arange(800) / 5) * 12000).astype(np.int16)
+    for enc, codec in (("MULAW", g711.mulaw_encode), ("ALAW", g711.alaw_encode)):
+        path = tmp_path / f"{enc}.wav"
+        write_g711_wav(path, codec(pcm), 8000, enc)
+        back, rate = read_wav(path)
+        assert rate == 8000 and np.abs(back.astype(int) - pcm).max() < 400  # G.711 step size at this level
+        import shutil
+        import subprocess
+
+        if shutil.which("sox"):  # a real tool reads what we wrote
+            info = subprocess.run(["sox", "--i", "-e", str(path)], capture_output=True, text=True).stdout
+            assert ("u-law" if enc == "MULAW" else "A-law") in info

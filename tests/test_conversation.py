@@ -87,10 +87,9 @@ def test_echo_loopback_on_a_phone_line_equals_voiced_speak(daemon, models, tmp_p
     assert voiced_main(["speak", final.text.strip(), "--model", str(models[1]), "--seed", str(SEED),
                         "--max-seconds", str(REPLY_S), "--device", "cpu", "--out", str(out),
                         "--encoding", "mulaw", "--sample-rate", "8000"]) == 0
-    import wave
-
-    with wave.open(str(out)) as w:
-        offline = w.readframes(w.getnframes())
+    raw = out.read_bytes()
+    assert raw[20:22] == b"\x07\x00"  # a mu-law WAV (format tag 7), as telephony tools expect
+    offline = raw[raw.index(b"data") + 8 :][: int.from_bytes(raw[raw.index(b"data") + 4 : raw.index(b"data") + 8], "little")]
     assert len(streamed) > 0 and streamed == offline
 
 

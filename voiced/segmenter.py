@@ -26,13 +26,13 @@ from voiced.audio.ingest import FRAME_MS, FRAME_SAMPLES, RATE
 
 MAX_WINDOW_MS = 30000  # Whisper's window
 # webrtcvad keeps saying "speech" for 100-200 ms after a voice stops (its own smoothing), which would
-# date every end of speech late. Frames quieter than about -55 dBFS are silence whatever it says.
-SILENCE_ENERGY = (0.0018 * 32768) ** 2 * FRAME_SAMPLES
+# date every end of speech late. Frames whose peak-to-peak swing is under about -45 dBFS are silence
+# whatever it says. (Peak-to-peak: two reductions with no temporary array, on every voiced frame.)
+SILENCE_SWING = 0.006 * 32768
 
 
-def _energy(frame: np.ndarray) -> float:
-    x = frame.astype(np.float32)
-    return float(np.dot(x, x))
+def _loud(frame: np.ndarray) -> bool:
+    return int(frame.max()) - int(frame.min()) > SILENCE_SWING
 
 
 @dataclass
@@ -44,6 +44,7 @@ class SegmenterConfig:
     min_speech_ms: int = 100
     max_utterance_ms: int = MAX_WINDOW_MS
     max_gap_ms: int = 60  # unvoiced frames tolerated inside the start trigger
+    keep_audio: bool = True  # False: events only (no transcription), nothing is buffered
 
     def validate(self) -> None:
         if self.mode not in ("auto", "push_to_talk"):
@@ -91,6 +92,7 @@ class Segmenter:
         self._vad = webrtcvad.Vad(config.vad_aggressiveness)
         self._pre_roll: deque[np.ndarray] = deque(maxlen=frames_for(config.pre_roll_ms) if config.pre_roll_ms else 1)
         self._frames: list[np.ndarray] = []  # the utterance being collected
+        self._count = 0  # its length in frames (also when the audio is not kept)
         self._frame_index = 0  # frames seen so far
         self.in_speech = False
         self.speech_start = 0  # sample of the current speech's start
@@ -116,6 +118,7 @@ class Segmenter:
         self.in_speech = True
         self.speech_start = self.offset
         self._frames = []
+        self._count = 0
         return [SpeechStarted(self.offset)]
 
     def talk_end(self) -> list:
@@ -130,12 +133,12 @@ class Segmenter:
         if self.config.mode == "push_to_talk":
             out = []
             if self.in_speech:
-                self._frames.append(frame)
-                if len(self._frames) >= self._max_frames:
+                self._collect(frame)
+                if self._count >= self._max_frames:
                     out = self._split(self.offset + FRAME_SAMPLES)
             self._frame_index += 1
             return out
-        voiced = self._vad.is_speech(frame.tobytes(), RATE) and _energy(frame) > SILENCE_ENERGY
+        voiced = self._vad.is_speech(frame.tobytes(), RATE) and _loud(frame)
         index = self._frame_index
         self._frame_index += 1
         if self.in_speech:
@@ -174,7 +177,8 @@ class Segmenter:
         self.in_speech = True
         self.speech_start = self._candidate * FRAME_SAMPLES
         pre_roll = list(self._pre_roll)[-frames_for(self.config.pre_roll_ms) :] if self.config.pre_roll_ms else []
-        self._frames = pre_roll + self._candidate_frames
+        self._frames = pre_roll + self._candidate_frames if self.config.keep_audio else []
+        self._count = len(pre_roll) + len(self._candidate_frames)
         self._pre_roll.clear()
         self._candidate = None
         self._candidate_frames = []
@@ -182,11 +186,11 @@ class Segmenter:
         return [SpeechStarted(self.speech_start)]
 
     def _in_speech(self, frame: np.ndarray, voiced: bool) -> list:
-        self._frames.append(frame)
+        self._collect(frame)
         self._silence_run = 0 if voiced else self._silence_run + 1
         if self._silence_run * FRAME_MS >= self.config.hangover_ms:
             return self._finish(self.offset)
-        if len(self._frames) >= self._max_frames:
+        if self._count >= self._max_frames:
             return self._split(self.offset)
         return []
 
@@ -195,6 +199,7 @@ class Segmenter:
         utterance = Utterance(audio=audio, start=self.speech_start, end=end)
         self.in_speech = False
         self._frames = []
+        self._count = 0
         self._silence_run = 0
         self._pre_roll.clear()
         return [SpeechEnded(end), utterance]
@@ -206,6 +211,11 @@ class Segmenter:
         self.speech_start = at
         out.append(SpeechStarted(at))
         return out
+
+    def _collect(self, frame: np.ndarray) -> None:
+        if self.config.keep_audio:
+            self._frames.append(frame)
+        self._count += 1
 
     def current_audio(self) -> np.ndarray:
         """The utterance collected so far (for interim results)."""

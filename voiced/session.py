@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import AsyncIterator
 
 import grpc
@@ -53,7 +53,8 @@ class Session:
         self.conversational = conversational
         self.turn_id = 0
         self.decoder = FrameDecoder(spec.input)
-        self.segmenter = Segmenter(spec.segmentation)
+        # Speech events only: the segmenter need not keep the audio.
+        self.segmenter = Segmenter(replace(spec.segmentation, keep_audio=spec.recognize))
         self.outbox: asyncio.Queue = asyncio.Queue(OUTBOX_SIZE)
         self._turns: asyncio.Queue[Turn | None] = asyncio.Queue()
         self._tasks: set[asyncio.Task] = set()
@@ -150,7 +151,13 @@ class Session:
                 except AudioFormatError as e:
                     raise invalid(str(e)) from None
                 for frame in frames:
-                    await self._frame(frame)
+                    # Inline and synchronous for the common frame that changes nothing: this loop
+                    # runs 50 times a second for every caller.
+                    events = self.segmenter.push(frame)
+                    if events:
+                        await self._segment_events(events)
+                    if self.segmenter.in_speech:
+                        self._speaking()
             elif kind == "control":
                 await self._control(request.control)
             elif kind == "config":
@@ -158,7 +165,7 @@ class Session:
             else:
                 raise invalid("empty request: set one of config, audio or control")
         for frame in self.decoder.flush():
-            await self._frame(frame)
+            await self._segment_events(self.segmenter.push(frame))
         await self._segment_events(self.segmenter.flush())
         await self._turns.put(None)
 
@@ -176,13 +183,12 @@ class Session:
         else:
             raise invalid("empty control: set talk_start, talk_end, speak or stop_speaking")
 
-    async def _frame(self, frame: np.ndarray) -> None:
-        await self._segment_events(self.segmenter.push(frame))
-        if self.segmenter.in_speech:
-            if self.conversation is not None:
-                self.conversation.caller_speaking(self.segmenter.speech_ms)
-            if self.spec.interim_results and self.spec.recognize:
-                self._maybe_interim()
+    def _speaking(self) -> None:
+        """The caller is speaking (called on every such frame)."""
+        if self.conversation is not None:
+            self.conversation.caller_speaking(self.segmenter.speech_ms)
+        if self.spec.interim_results and self.spec.recognize:
+            self._maybe_interim()
 
     async def _segment_events(self, events: list) -> None:
         for ev in events:
@@ -207,8 +213,6 @@ class Session:
     async def _recognize(self, audio: np.ndarray, priority: int) -> Transcript:
         opts = self.spec.asr
         if opts.priority != priority:
-            from dataclasses import replace
-
             opts = replace(opts, priority=priority)
         return await self.services.asr.run(ASRRequest(int16_to_float(audio), opts))
 

@@ -1,17 +1,26 @@
-"""WAV files in and out (stdlib `wave`) and resampling (soxr).
+"""WAV files in and out, and resampling (soxr): the one WAV module of the project.
 
-Reading accepts 8/16/24/32-bit integer PCM with any number of channels and returns mono, because a
-voice session is mono: channels are averaged. Floating-point and WAVE_FORMAT_EXTENSIBLE files are
-refused with a `sox` command that converts them (Python's `wave` before 3.12 cannot read them).
+Reading parses the RIFF chunks itself, so it takes what users actually have: integer PCM
+(8/16/24/32-bit), IEEE float (32/64-bit), G.711 mu-law and A-law (telephony recordings), plain or
+WAVE_FORMAT_EXTENSIBLE headers, any rate, any channel count (averaged to mono: a voice session is
+mono), from a path or an open binary file. Writing makes integer PCM, or G.711 for phones.
 """
 
 from __future__ import annotations
 
+import os
+import struct
 import wave
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 import soxr
+
+from . import g711
+
+_PCM, _FLOAT, _ALAW, _MULAW, _EXTENSIBLE = 1, 3, 6, 7, 0xFFFE
+G711_TAGS = {"MULAW": _MULAW, "ALAW": _ALAW}
 
 
 class WavError(ValueError):
@@ -39,30 +48,68 @@ def float_to_int16(x: np.ndarray) -> np.ndarray:
     return np.clip(np.rint(np.asarray(x, dtype=np.float64) * 32768.0), -32768, 32767).astype(np.int16)
 
 
-def read_wav(path: str | Path, dtype: type = np.int16) -> tuple[np.ndarray, int]:
-    """Read a WAV file as mono samples: (samples, sample_rate). dtype: np.int16 or np.float32."""
-    try:
-        with wave.open(str(path), "rb") as w:
-            channels, width, rate = w.getnchannels(), w.getsampwidth(), w.getframerate()
-            raw = w.readframes(w.getnframes())
-    except wave.Error as e:
-        raise WavError(
-            f"{path}: not a WAV file of integer PCM ({e}); convert it with "
-            f"`sox {path} -b 16 -e signed-integer out.wav`"
-        ) from e
-    except EOFError as e:
-        raise WavError(f"{path}: truncated WAV header") from e
-    # A truncated data chunk can end mid-frame; keep whole frames only.
-    raw = raw[: len(raw) - len(raw) % (channels * width)]
-    if width == 2 and channels == 1 and np.dtype(dtype) == np.int16:
-        return np.frombuffer(raw, dtype="<i2").astype(np.int16), rate  # the common case, exact
-    x = _pcm_to_float(raw, width).reshape(-1, channels)
+def read_wav(source: str | os.PathLike | BinaryIO, dtype: type = np.int16) -> tuple[np.ndarray, int]:
+    """Read a WAV as mono samples: (samples, sample_rate). dtype: np.int16 or np.float32."""
+    name = getattr(source, "name", None) or (str(source) if not hasattr(source, "read") else "<audio>")
+    if hasattr(source, "read"):
+        data = source.read()
+    else:
+        with open(source, "rb") as f:
+            data = f.read()
+    if len(data) < 12 or data[:4] != b"RIFF" or data[8:12] != b"WAVE":
+        raise WavError(f"{name}: not a WAV file (no RIFF/WAVE header); convert it first, e.g. "
+                       "`sox input.mp3 -r 16000 -b 16 output.wav`")
+    fmt = body = None
+    pos = 12
+    while pos + 8 <= len(data):
+        cid, size = data[pos : pos + 4], struct.unpack("<I", data[pos + 4 : pos + 8])[0]
+        if cid == b"fmt ":
+            fmt = data[pos + 8 : pos + 8 + size]
+        elif cid == b"data":
+            body = data[pos + 8 : pos + 8 + size]  # a streamed WAV may claim more than it holds
+            break
+        pos += 8 + size + (size & 1)  # chunks are word aligned
+    if fmt is None or body is None or len(fmt) < 16:
+        raise WavError(f"{name}: truncated or damaged WAV (no {'fmt' if fmt is None else 'data'} chunk); "
+                       f"re-export it, e.g. `sox {name} -b 16 -e signed-integer out.wav`")
+    tag, channels, rate, _, block_align, bits = struct.unpack("<HHIIHH", fmt[:16])
+    if tag == _EXTENSIBLE and len(fmt) >= 26:
+        tag = struct.unpack("<H", fmt[24:26])[0]  # the sub-format GUID starts with the real tag
+    if channels < 1 or block_align < 1:
+        raise WavError(f"{name}: bad WAV header ({channels} channels, block align {block_align})")
+    body = body[: len(body) // block_align * block_align]  # whole frames only
+    width = bits // 8
+    if tag == _PCM and width == 2 and channels == 1 and np.dtype(dtype) == np.int16:
+        return np.frombuffer(body, dtype="<i2").astype(np.int16), int(rate)  # the common case, exact
+    if tag == _PCM and 1 <= width <= 4:
+        x = _pcm_to_float(body, width)
+    elif tag == _FLOAT and width in (4, 8):
+        x = np.frombuffer(body, "<f4" if width == 4 else "<f8").astype(np.float32)
+    elif tag in (_MULAW, _ALAW) and width == 1:
+        x = (g711.mulaw_decode(body) if tag == _MULAW else g711.alaw_decode(body)).astype(np.float32) / 32768.0
+    else:
+        raise WavError(f"{name}: unsupported WAV encoding (format tag {tag}, {bits} bits); convert it to 16-bit "
+                       f"PCM, e.g. `sox {name} -b 16 -e signed-integer out.wav`")
+    x = x.reshape(-1, channels)
     mono = x[:, 0] if channels == 1 else x.mean(axis=1, dtype=np.float32)
     if np.dtype(dtype) == np.float32:
-        return mono.astype(np.float32), rate
+        return np.ascontiguousarray(mono, dtype=np.float32), int(rate)
     if np.dtype(dtype) == np.int16:
-        return float_to_int16(mono), rate
+        return float_to_int16(mono), int(rate)
     raise ValueError(f"dtype must be np.int16 or np.float32, not {dtype}")
+
+
+def write_g711_wav(path: str | Path, data: bytes, sample_rate: int, encoding: str) -> None:
+    """Write already-encoded G.711 bytes ("MULAW" or "ALAW") as a mono WAV that telephony tools play."""
+    tag = G711_TAGS[encoding]
+    # A non-PCM format chunk carries cbSize (0) and is followed by a fact chunk with the frame count.
+    fmt = struct.pack("<HHIIHHH", tag, 1, sample_rate, sample_rate, 1, 8, 0)
+    fact = struct.pack("<I", len(data))
+    pad = b"\0" if len(data) & 1 else b""
+    body = (b"WAVE" + b"fmt " + struct.pack("<I", len(fmt)) + fmt + b"fact" + struct.pack("<I", 4) + fact
+            + b"data" + struct.pack("<I", len(data)) + data + pad)
+    with open(path, "wb") as f:
+        f.write(b"RIFF" + struct.pack("<I", len(body)) + body)
 
 
 def write_wav(path: str | Path, samples: np.ndarray, sample_rate: int, sample_width: int = 2) -> None:

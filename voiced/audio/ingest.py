@@ -13,6 +13,7 @@ import numpy as np
 import soxr
 
 from voiced_client import g711
+from voiced_client.wavio import float_to_int16
 
 RATE = 16000
 FRAME_MS = 20
@@ -73,10 +74,6 @@ def encode_pcm(pcm: np.ndarray, encoding: str) -> bytes:
     raise AudioFormatError(f"unknown encoding {encoding!r}")
 
 
-def float_to_int16(x: np.ndarray) -> np.ndarray:
-    return (np.clip(x, -1.0, 32767.0 / 32768.0) * 32768.0).round().astype(np.int16)
-
-
 def int16_to_float(x: np.ndarray) -> np.ndarray:
     return x.astype(np.float32) / 32768.0
 
@@ -126,6 +123,8 @@ class FrameDecoder:
         return frames
 
     def _frames(self, pcm: np.ndarray) -> list[np.ndarray]:
+        if len(pcm) == FRAME_SAMPLES and not len(self._pending):
+            return [pcm]  # the usual 20 ms message at 16 kHz: no copy
         if len(self._pending):
             pcm = np.concatenate([self._pending, pcm])
         n = len(pcm) // FRAME_SAMPLES

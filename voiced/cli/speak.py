@@ -16,7 +16,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    "of a Spark-TTS-0.5B directory")
     p.add_argument("--voice", default=None, help="a preset (female, male, female-high, ..., or gender:pitch:speed "
                    "like male:low:moderate) or a voice added with `voiced voices add` (default: female)")
-    p.add_argument("--out", default="speech.wav", help="output WAV, 16 kHz mono 16-bit (default: speech.wav)")
+    p.add_argument("--out", default="speech.wav", help="output WAV (default: speech.wav)")
+    p.add_argument("--encoding", default="linear16", choices=["linear16", "mulaw", "alaw"],
+                   help="WAV encoding: 16-bit PCM (default) or G.711 for telephony")
+    p.add_argument("--sample-rate", type=int, default=16000, help="WAV sample rate (default 16000; 8000 for phones)")
     p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda when available)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"], help="LM precision "
                    "(default: bfloat16 on cuda, float32 on cpu)")
@@ -47,8 +50,8 @@ def run(args: argparse.Namespace) -> int:
     except (ModelNotFoundError, CheckpointError, EngineError) as e:
         raise CliError(str(e)) from None
     try:
-        write_wav(args.out, result.audio, result.sample_rate)
-    except OSError as e:
+        write_speech(args.out, result.audio, args.encoding.upper(), args.sample_rate)
+    except (OSError, ValueError) as e:
         raise CliError(f"cannot write {args.out}: {e}") from None
     stats = {
         "out": args.out,
@@ -71,15 +74,19 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def write_wav(path: str, audio, sample_rate: int) -> None:
-    """16-bit PCM mono WAV (stdlib `wave`)."""
-    import wave
+def write_speech(path: str, audio, encoding: str, sample_rate: int) -> None:
+    """The engine's 16 kHz float audio as a WAV in `encoding` at `sample_rate`.
 
+    Converted by the daemon's own output path (FrameEncoder), so this file holds exactly the bytes a
+    caller with that output format receives for the same text, voice and seed.
+    """
     import numpy as np
 
-    pcm = (np.clip(np.asarray(audio, dtype=np.float32), -1.0, 1.0) * 32767.0).round().astype("<i2")
-    with wave.open(path, "wb") as w:
-        w.setnchannels(1)
-        w.setsampwidth(2)
-        w.setframerate(sample_rate)
-        w.writeframes(pcm.tobytes())
+    from voiced.audio.ingest import Format, FrameEncoder
+    from voiced_client.wavio import write_g711_wav, write_wav
+
+    data = FrameEncoder(Format(encoding, sample_rate)).encode(audio, last=True)
+    if encoding == "LINEAR16":
+        write_wav(path, np.frombuffer(data, dtype="<i2"), sample_rate)
+    else:
+        write_g711_wav(path, data, sample_rate, encoding)
