@@ -14,13 +14,17 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 
-# Installed once per change of pyproject.toml.
-$(VENV)/.installed: $(BIN)/python pyproject.toml client/pyproject.toml
+# Installed once per change of pyproject.toml: the daemon for `run`, plus the references for `test`.
+$(VENV)/.run-installed: $(BIN)/python pyproject.toml
 	$(BIN)/pip install --quiet "$(TORCH)"
+	$(BIN)/pip install --quiet -e ".[torch]"
+	touch $@
+
+$(VENV)/.test-installed: $(VENV)/.run-installed client/pyproject.toml
 	$(BIN)/pip install --quiet -e ".[torch,dev]"
 	touch $@
 
-venv: $(VENV)/.installed
+venv: $(VENV)/.run-installed
 
 # espeak-ng and sox make real speech for the tests.
 system-deps:
@@ -29,20 +33,20 @@ system-deps:
 		$$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq espeak-ng sox >/dev/null; \
 	fi
 
-run: venv
+run: $(VENV)/.run-installed
 	$(BIN)/voiced serve $(ARGS)
 
-test: system-deps venv
+test: system-deps $(VENV)/.test-installed
 	$(BIN)/python -m pytest -q $(ARGS)
 
 # On a machine with a CUDA GPU: the GPU tests (skipped elsewhere).
-test-gpu: venv
+test-gpu: $(VENV)/.test-installed
 	$(BIN)/python -m pytest -q -m gpu $(ARGS)
 
-proto: venv
+proto: $(VENV)/.test-installed
 	$(BIN)/python proto/generate.py
 
-lint: venv
+lint: $(VENV)/.test-installed
 	$(BIN)/ruff check voiced client tests
 
 clean:
