@@ -1,14 +1,18 @@
 """SparkTTSEngine: the daemon's voice, a stepped continuous-batching TTS engine (see engines/base.py).
 
 One `step()`:
-  1. admit queued requests into free batch rows (highest priority first) and prefill their prompts;
-     requests moving on to their next sentence are re-prefilled in the row they already hold;
-  2. one batched decode step of the LM for every other active request (CUDA graph on GPU);
-  3. sample all rows at once (per-row temperature / top-k / top-p / seed), constrained to the tokens
-     the current phase allows: global tokens while a controllable voice is still inventing its
-     speaker, semantic tokens (or the end) afterwards;
-  4. hand new semantic tokens to each request's chunk planner and decode every window that became
-     ready, batched across requests, into AudioChunks.
+  1. admit queued requests into free batch rows (highest priority first) and prefill their prompts,
+     all of them in one packed pass; requests moving on to their next sentence are re-prefilled in the
+     row they already hold; each prefilled row samples its first token on the device;
+  2. `decode_steps` batched decode steps of the LM for every active row, each step's sampling
+     (per-row temperature / top-k / top-p / seed, constrained to the tokens the current phase allows:
+     global tokens while a controllable voice is still inventing its speaker, semantic tokens or the
+     end afterwards) inside the same CUDA graph, so the steps run back to back on the GPU;
+  3. one read-back of all new tokens: the host walks each row's tokens, stops a row at its end (the
+     tokens a row sampled past its end are dropped: its cache past that point is never attended);
+  4. hand new semantic tokens to each request's chunk planner and decode the windows that became
+     ready, batched across requests, into AudioChunks; a request still waiting for its first chunk
+     goes first, and later chunks of requests with audio to spare wait (see `_vocode`).
 
 Long text is cut into sentences spoken back to back in the same row; a controllable voice keeps the
 speaker (its 32 global tokens) it chose in the first sentence. Rows stay compact (active requests in
@@ -36,7 +40,7 @@ from voiced.hub import cache_dir
 from .bicodec import HOP, BiCodec, load_bicodec, reference_clip, volume_normalize
 from .checkpoint import SparkCheckpoint, SpecialTokens, TextTokenizer, load_special_tokens, resolve
 from .qwen2 import Qwen2LM, load_qwen2
-from .sampling import sample
+from .sampling import PhaseSampler, candidate_bucket
 from .streaming import ChunkPlanner, DecodeJob, decode_jobs
 from .voices import Voice, VoiceStore
 
@@ -50,6 +54,16 @@ MAX_SEGMENT_CHARS = 300  # longer sentences are cut at commas / spaces: the LM w
 SEGMENT_BASE_S, SEGMENT_S_PER_CHAR = 3.0, 0.3
 GLOBAL_PHASE_LIMIT = N_GLOBAL + 64  # a controllable prompt that has not produced its speaker by then failed
 PHASE_GLOBAL, PHASE_SEMANTIC = 0, 1
+# Decode steps per host round trip. Each round trip costs a graph launch, two small copies and one
+# sync (about 1-3 ms on a host that intercepts driver calls); 8 steps amortise that to a fraction of a
+# step while adding at most 7 steps (a few ms) to when a request's first chunk can leave.
+DECODE_STEPS = 8
+# Packed prefill: prompts of one step go through the LM together up to this many tokens per pass
+# (the block-diagonal mask is N x N; larger groups would only grow attention's scratch memory).
+PREFILL_PACK_TOKENS = 2048
+# A request whose streamed audio is this far ahead of real time can have its next chunk decoded a
+# step later, so that requests still waiting for their first chunk are decoded first.
+VOCODER_SLACK_S = 1.0
 _CJK = re.compile(r"[\u3000-\u30ff\u3400-\u9fff\uac00-\ud7af\uff00-\uffef]")
 
 
@@ -140,7 +154,7 @@ class SparkTTSEngine:
     def __init__(self, checkpoint: SparkCheckpoint, lm: Qwen2LM, codec: BiCodec, tokenizer: TextTokenizer,
                  special: SpecialTokens, *, device: str, max_batch: int, max_seq_len: int,
                  voices_dir: str | Path | None = None, use_cuda_graphs: bool = True,
-                 model_name: str = "Spark-TTS-0.5B") -> None:
+                 model_name: str = "Spark-TTS-0.5B", decode_steps: int = DECODE_STEPS) -> None:
         self.checkpoint = checkpoint
         self.lm, self.codec, self.tokenizer, self.special = lm, codec, tokenizer, special
         self.device = device
@@ -149,8 +163,20 @@ class SparkTTSEngine:
         self.use_cuda_graphs = use_cuda_graphs and str(device).startswith("cuda")
         self.radius = codec.receptive_radius()
         self.segment_base_s, self.segment_s_per_char = SEGMENT_BASE_S, SEGMENT_S_PER_CHAR
+        if decode_steps < 1:
+            raise EngineError("decode_steps must be at least 1")
+        self.decode_steps = decode_steps
         lm.setup_cache(max_batch, max_seq_len)
         self._bias = self._phase_bias()
+        # Every id any phase allows lies in [lo, hi): the head only computes that slice. The slice of
+        # `_bias` is a view, so later edits to `_bias` (forced lengths in the benchmark) still apply.
+        allowed = torch.isfinite(self._bias).any(0).nonzero()[:, 0]
+        self._vocab_lo, self._vocab_hi = int(allowed.min()), int(allowed.max()) + 1
+        self._samplers: dict[int, PhaseSampler] = {}
+        self._first_tok = torch.zeros(max_batch, dtype=torch.long, device=device)
+        pin = str(device).startswith("cuda")
+        self._host_ints = torch.zeros(7, max_batch, dtype=torch.long, pin_memory=pin)
+        self._host_floats = torch.zeros(2, max_batch, dtype=torch.float32, pin_memory=pin)
         self._queue: list[_Request] = []
         self._active: list[_Request] = []  # index == cache row
         self._arrival = itertools.count()
@@ -165,7 +191,7 @@ class SparkTTSEngine:
     def load(cls, name_or_path: str | Path = "spark-tts-0.5b", device: str | None = None,
              dtype: str | torch.dtype | None = None, max_batch: int = 16, voices_dir: str | Path | None = None,
              kv_cache_bytes: int | None = None, max_seq_len: int = 4096, codec_dtype: str | torch.dtype | None = None,
-             use_cuda_graphs: bool = True) -> "SparkTTSEngine":
+             use_cuda_graphs: bool = True, decode_steps: int = DECODE_STEPS) -> "SparkTTSEngine":
         """Load a Spark-TTS-0.5B directory (or the cached model by name).
 
         dtype: the LM's (default bf16 on GPU, fp32 on CPU; fp16 is refused: it overflows in this LM).
@@ -176,7 +202,9 @@ class SparkTTSEngine:
         lm_dtype = _dtype(dtype) or (torch.bfloat16 if device.startswith("cuda") else torch.float32)
         if lm_dtype == torch.float16:
             raise EngineError("fp16 is unusable for the Spark-TTS LM (activations overflow); use bfloat16 or float32")
-        c_dtype = _dtype(codec_dtype) or torch.float32
+        # BiCodec in bf16 on the GPU: its convolutions at 1536 channels are most of a chunk's cost and
+        # run on the tensor cores in bf16; fp32 on the CPU, where streamed == offline is checked exactly.
+        c_dtype = _dtype(codec_dtype) or (torch.bfloat16 if device.startswith("cuda") else torch.float32)
         tokenizer = TextTokenizer(ckpt.llm_dir)
         special = load_special_tokens(ckpt.llm_dir, tokenizer)
         lm = load_qwen2(ckpt.llm_dir, device, lm_dtype)
@@ -194,27 +222,31 @@ class SparkTTSEngine:
             max_batch = min(max_batch, fit)
         codec = load_bicodec(ckpt.bicodec_dir, ckpt.root_config, device, c_dtype)
         return cls(ckpt, lm, codec, tokenizer, special, device=device, max_batch=max_batch, max_seq_len=max_seq_len,
-                   voices_dir=voices_dir, use_cuda_graphs=use_cuda_graphs, model_name=ckpt.root.name)
+                   voices_dir=voices_dir, use_cuda_graphs=use_cuda_graphs, model_name=ckpt.root.name,
+                   decode_steps=decode_steps)
 
     def warmup(self) -> None:
-        """Capture the decode CUDA graphs for every batch / KV-length bucket now rather than on first use."""
-        if not self.use_cuda_graphs:
+        """Capture the decode+sample CUDA graphs for every batch / KV-length bucket (default sampling
+        candidates) now rather than on a request's first step."""
+        if not self.use_cuda_graphs or self._active:
             return
         t0 = time.perf_counter()
+        pick = self._sampler([TTSOptions().top_k])
+        n = self.decode_steps
         b = 1
         while True:
             kv = 256
             while True:
-                tokens = torch.zeros(b, dtype=torch.long, device=self.device)
-                positions = torch.full((b,), kv - 1, dtype=torch.long, device=self.device)
-                self.lm.decode(tokens, positions, use_graph=True)
+                self.lm.run_steps(pick, b, n, max_pos=max(0, min(kv, self.max_seq_len) - n), use_graph=True)
                 if kv >= self.max_seq_len:
                     break
                 kv = min(kv * 2, self.max_seq_len)
             if b >= self.max_batch:
                 break
             b = min(b * 2, self.max_batch)
-        log.info("captured %d decode graphs in %.1f s", len(self.lm._graphs), time.perf_counter() - t0)
+        torch.cuda.synchronize()
+        log.info("captured %d decode graphs (%d steps each) in %.1f s", len(self.lm._step_graphs), n,
+                 time.perf_counter() - t0)
 
     # ------------------------------------------------------------------------- the contract
 
@@ -266,35 +298,84 @@ class SparkTTSEngine:
         self._admit()
         if not self._active:
             return outputs
-        # 1. prefill rows that start a segment; 2. decode the rest; then sample all together.
-        rows: list[_Request] = []
-        logits: list[torch.Tensor] = []
+        fresh = self._prefill_fresh(outputs)
+        if self._active:
+            pick = self._sampler([r.options.top_k for r in self._active])
+            self._load_state()
+            for r, h in fresh:  # first token of each new segment, from its prompt's last hidden state
+                self._first_tok[r.slot : r.slot + 1] = pick(self.lm, h[None], self.lm.state, slice(r.slot, r.slot + 1))
+            n = len(self._active)
+            out = self.lm.run_steps(pick, n, self.decode_steps, max_pos=max(r.pos for r in self._active),
+                                    use_graph=self.use_cuda_graphs)
+            # The one host sync of the step: every row's new tokens.
+            tokens = torch.cat([self._first_tok[:n, None], out], 1).tolist()
+            starts = {id(r) for r, _ in fresh}
+            for r, row in zip(self._active, tokens):
+                if id(r) in starts:
+                    self._advance(r, row[0])
+                for t in row[1:]:
+                    if r.segment_done:
+                        break  # sampled past its end: dropped
+                    r.pos += 1
+                    self._advance(r, t)
+        outputs += self._vocode()
+        return outputs
+
+    def _prefill_fresh(self, outputs: list[EngineOutput]) -> list[tuple[_Request, torch.Tensor]]:
+        """Prefill every row that starts a segment, packed; returns (request, last hidden state)."""
+        ready: list[tuple[_Request, list[int]]] = []
         for r in list(self._active):
             if r.needs_prefill:
                 try:
-                    logits.append(self._prefill(r)[None])
-                    rows.append(r)
+                    ready.append((r, self._begin_segment(r)))
                 except Exception as e:  # noqa: BLE001 - one bad request must not stop the others
                     log.exception("prefill failed for request %s", r.rid)
                     outputs.append(self._fail(r, f"prefill failed: {e}"))
-        decoding = [r for r in self._active if r not in rows and not r.segment_done]
-        if decoding:
-            # The step runs on the whole cache prefix 0..n-1 (what the CUDA graphs are captured for).
-            # Rows prefilled this step also get a write at their next position; it is overwritten by
-            # their real token next step, and their logits here are ignored.
-            toks = torch.tensor([r.last for r in self._active], dtype=torch.long)
-            host_pos = [min(r.pos, self.max_seq_len - 1) for r in self._active]
-            pos = torch.tensor(host_pos, dtype=torch.long)
-            out = self.lm.decode(toks.to(self.device, non_blocking=True), pos.to(self.device, non_blocking=True),
-                                 use_graph=self.use_cuda_graphs, max_pos=max(host_pos))
-            for r in decoding:
-                logits.append(out[r.slot : r.slot + 1])
-                rows.append(r)
-                r.pos += 1
-        if rows:
-            self._sample_and_advance(rows, torch.cat(logits, 0))
-        outputs += self._vocode()
-        return outputs
+        fresh: list[tuple[_Request, torch.Tensor]] = []
+        group: list[tuple[_Request, list[int]]] = []
+        for i, item in enumerate(ready):
+            group.append(item)
+            size = sum(len(ids) for _, ids in group)
+            nxt = len(ready[i + 1][1]) if i + 1 < len(ready) else None
+            if nxt is None or size + nxt > PREFILL_PACK_TOKENS:
+                try:
+                    prompts = [torch.tensor(ids, dtype=torch.long).to(self.device, non_blocking=True) for _, ids in group]
+                    hidden = self.lm.prefill_many(prompts, [r.slot for r, _ in group])
+                    fresh += [(r, hidden[j]) for j, (r, _) in enumerate(group)]
+                except Exception as e:  # noqa: BLE001
+                    log.exception("prefill failed for requests %s", [r.rid for r, _ in group])
+                    # release from the back so the earlier rows' slots stay valid for `fresh`
+                    for r, _ in group:
+                        outputs.append(self._fail(r, f"prefill failed: {e}"))
+                group = []
+        return [(r, h) for r, h in fresh if r.slot >= 0]
+
+    def _sampler(self, top_ks: list[int]) -> PhaseSampler:
+        """The in-graph sampler for a batch with these top_k values (one per candidate bucket)."""
+        k = candidate_bucket(top_ks, self._vocab_hi - self._vocab_lo)
+        pick = self._samplers.get(k)
+        if pick is None:
+            sp = self.special
+            pick = self._samplers[k] = PhaseSampler(
+                self._vocab_lo, self._vocab_hi, self._bias[:, self._vocab_lo : self._vocab_hi], k,
+                from_phase=PHASE_GLOBAL, to_phase=PHASE_SEMANTIC, g_lo=sp.global_base,
+                g_hi=sp.global_base + sp.n_global, n_needed=N_GLOBAL)
+        return pick
+
+    def _load_state(self) -> None:
+        """Write every active row's decode inputs and sampler state to the device (two copies).
+        Rows past the active ones are padding for the graph's batch bucket: greedy, position 0."""
+        ints, floats = self._host_ints, self._host_floats
+        ints.zero_()
+        ints[6].fill_(1)
+        floats.fill_(1.0)
+        top = self.max_seq_len - 1
+        for r in self._active:
+            o, i = r.options, r.slot
+            ints[0, i], ints[1, i], ints[2, i] = r.last, min(r.pos, top), r.steps
+            ints[3, i], ints[4, i], ints[5, i], ints[6, i] = r.phase, len(r.global_ids), r.seed, int(o.top_k)
+            floats[0, i], floats[1, i] = float(o.temperature), float(o.top_p)
+        self.lm.state.load(ints, floats)
 
     # ----------------------------------------------------------------------- one-shot helper
 
@@ -367,8 +448,11 @@ class SparkTTSEngine:
                 r.global_ids = list(r.voice.global_ids or [])
             r.needs_prefill = True
 
-    def _prefill(self, r: _Request) -> torch.Tensor:
+    def _begin_segment(self, r: _Request) -> list[int]:
+        """Reset r for its next sentence and return that sentence's prompt ids (prefilled by the caller)."""
         ids = self._prompt(r, r.seg)
+        if len(ids) >= self.max_seq_len:
+            raise EngineError(f"the prompt needs {len(ids)} tokens but the engine holds {self.max_seq_len} per request")
         r.prompt_tokens += len(ids)
         r.phase = PHASE_GLOBAL if (r.voice.kind == "preset" and not r.global_ids) else PHASE_SEMANTIC
         r.phase_steps = 0
@@ -379,62 +463,58 @@ class SparkTTSEngine:
         r.planner = ChunkPlanner(self.radius, r.options.first_chunk_tokens, r.options.chunk_tokens)
         if r.global_ids and r.speaker is None:
             r.speaker = self._speaker(r.global_ids)
-        logits = self.lm.prefill(torch.tensor(ids, dtype=torch.long, device=self.device), r.slot, 0)
         r.pos = len(ids)
         r.needs_prefill = False
-        return logits
+        return ids
 
     def _speaker(self, global_ids: list[int]) -> torch.Tensor:
         g = torch.tensor([global_ids], dtype=torch.long, device=self.device)
         return self.codec.speaker_vector(g)[0]
 
-    def _sample_and_advance(self, rows: list[_Request], logits: torch.Tensor) -> None:
-        dev = logits.device
-        phases = torch.tensor([r.phase for r in rows], device=dev)
-        logits = logits + self._bias[phases]
-        temps = torch.tensor([float(r.options.temperature) for r in rows], device=dev)
-        topk = torch.tensor([int(r.options.top_k) for r in rows], device=dev)
-        topp = torch.tensor([float(r.options.top_p) for r in rows], device=dev)
-        seeds = torch.tensor([r.seed for r in rows], dtype=torch.long, device=dev)
-        steps = torch.tensor([r.steps for r in rows], dtype=torch.long, device=dev)
-        tokens = sample(logits, temps, topk, topp, seeds, steps).tolist()
+    def _advance(self, r: _Request, t: int) -> None:
+        """Take one sampled token `t` for r (the host side of the in-graph phase rule, plus the ends)."""
         sp = self.special
-        for r, t in zip(rows, tokens):
-            r.steps += 1
-            r.last = t
-            r.phase_steps += 1
-            if r.phase == PHASE_GLOBAL:
-                if sp.is_global(t):
-                    r.global_ids.append(t - sp.global_base)
-                    if len(r.global_ids) == N_GLOBAL:
-                        r.phase, r.phase_steps = PHASE_SEMANTIC, 0
-                        r.speaker = self._speaker(r.global_ids)
-                elif r.phase_steps > GLOBAL_PHASE_LIMIT:
-                    r.segment_done = r.finished = True
-                    r.global_ids = []
-            elif sp.is_semantic(t):
-                r.semantic.append(t - sp.semantic_base)
-                r.total_semantic += 1
-                if r.total_semantic >= r.max_semantic:
-                    r.segment_done = r.finished = True  # duration cap: stop the whole request
-                elif len(r.semantic) >= r.segment_cap:
-                    log.warning("request %s: sentence %d ran past %d tokens without ending; moving on",
-                                r.rid, r.seg, r.segment_cap)
-                    r.segment_done = True
-            elif t in (sp.eos, sp.end_semantic):
+        r.steps += 1
+        r.last = t
+        r.phase_steps += 1
+        if r.phase == PHASE_GLOBAL:
+            if sp.is_global(t):
+                r.global_ids.append(t - sp.global_base)
+                if len(r.global_ids) == N_GLOBAL:
+                    r.phase, r.phase_steps = PHASE_SEMANTIC, 0
+                    r.speaker = self._speaker(r.global_ids)
+            elif r.phase_steps > GLOBAL_PHASE_LIMIT:
+                r.segment_done = r.finished = True
+                r.global_ids = []
+        elif sp.is_semantic(t):
+            r.semantic.append(t - sp.semantic_base)
+            r.total_semantic += 1
+            if r.total_semantic >= r.max_semantic:
+                r.segment_done = r.finished = True  # duration cap: stop the whole request
+            elif len(r.semantic) >= r.segment_cap:
+                log.warning("request %s: sentence %d ran past %d tokens without ending; moving on",
+                            r.rid, r.seg, r.segment_cap)
                 r.segment_done = True
-            if r.pos >= self.max_seq_len and not r.segment_done:
-                r.segment_done = True
+        elif t in (sp.eos, sp.end_semantic):
+            r.segment_done = True
+        if r.pos >= self.max_seq_len and not r.segment_done:
+            r.segment_done = True
 
     def _vocode(self) -> list[EngineOutput]:
         outputs: list[EngineOutput] = []
         jobs: list[tuple[_Request, DecodeJob]] = []
-        for r in self._active:
-            if r.planner is None or r.speaker is None:
+        ready = [r for r in self._active if r.planner is not None and r.speaker is not None and r.semantic]
+        # Priority: when a request's first chunk is ready, it must not wait behind (or be padded up to)
+        # the bulk chunks of long replies. Later chunks of requests whose audio is already well ahead of
+        # real time wait a step; they are released at once otherwise, and always at a sentence's end.
+        now = time.perf_counter()
+        firsts = any(r.t_first_chunk is None and r.planner.next_window(len(r.semantic), r.segment_done)
+                     for r in ready)
+        for r in ready:
+            if (firsts and r.t_first_chunk is not None and not r.segment_done
+                    and r.offset / SAMPLE_RATE - (now - r.t_first_chunk) > VOCODER_SLACK_S):
                 continue
             n = len(r.semantic)
-            if n == 0:
-                continue
             windows = r.planner.windows(n, ended=r.segment_done)
             if windows:
                 ids = torch.tensor(r.semantic, dtype=torch.long, device=self.device)

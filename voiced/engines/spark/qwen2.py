@@ -10,6 +10,12 @@ The choices that make it fast, each visible below:
   share a KV head are laid out as 7 "query rows" of that KV head, so SDPA reads each KV entry once.
 - One CUDA graph per (batch bucket, KV-length bucket) for the decode step; the eager path is the same
   code and is what runs on CPU, during prefill, and when graphs are disabled.
+- `run_steps`: several decode steps *and their sampling* in one graph. The sampled token of step i is
+  the input of step i+1 on the device, so a replay runs n steps with no host round trip; the host reads
+  the n tokens per row back once (tokens after an end are discarded there). Host overhead per step,
+  not GPU math, is what bounds a 0.5B model at small batch, so this is where the time is.
+- `prefill_many`: every prompt admitted in one step runs as one packed sequence (a block-diagonal
+  causal mask), one pass of ~400 kernels instead of one pass per request.
 
 The module tree and parameter names mirror `transformers`' Qwen2ForCausalLM (`model.layers.N...`),
 so a Hugging Face checkpoint loads with a plain `load_state_dict`.
@@ -134,6 +140,20 @@ class Attention(nn.Module):
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
         return self.o_proj(out.transpose(1, 2).reshape(1, t, -1))
 
+    def prefill_packed(self, x, cos, sin, k_cache, v_cache, slots: torch.Tensor, positions: torch.Tensor,
+                       mask: torch.Tensor) -> torch.Tensor:
+        """Several prompts packed into `x [1, N, C]`, each starting at position 0 of its own cache row:
+        token i goes to (slots[i], positions[i]); `mask [N, N]` allows same-prompt causal pairs only."""
+        _, n, _ = x.shape
+        q, k, v = self._qkv(x, cos, sin)
+        k_cache[slots, :, positions] = k[0].transpose(0, 1)
+        v_cache[slots, :, positions] = v[0].transpose(0, 1)
+        # Every prompt starts at 0, so its keys are exactly the packed keys: no cache read needed.
+        keys = k.repeat_interleave(self.group, dim=1)
+        values = v.repeat_interleave(self.group, dim=1)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+        return self.o_proj(out.transpose(1, 2).reshape(1, n, -1))
+
     def decode(self, x, cos, sin, k_cache, v_cache, rows: torch.Tensor, positions: torch.Tensor, kv_len: int) -> torch.Tensor:
         """One token per row: `x [B, 1, C]` for cache rows `0..B-1` at `positions [B]`."""
         b = x.shape[0]
@@ -192,6 +212,8 @@ class Qwen2LM(nn.Module):
         self.k_caches: list[torch.Tensor] = []
         self.v_caches: list[torch.Tensor] = []
         self._graphs: dict[tuple[int, int], _DecodeGraph] = {}
+        self._step_graphs: dict[tuple, _StepsGraph] = {}
+        self.state: StepState | None = None
 
     # ------------------------------------------------------------------ cache
 
@@ -205,6 +227,8 @@ class Qwen2LM(nn.Module):
         self.rope_cos, self.rope_sin = cos, sin
         self.max_batch, self.max_seq = max_batch, max_seq
         self._graphs.clear()
+        self._step_graphs.clear()
+        self.state = StepState.empty(max_batch, p.device)
 
     def move_slot(self, src: int, dst: int, length: int) -> None:
         """Copy one request's cached keys/values to another row (used to keep active rows compact)."""
@@ -233,8 +257,29 @@ class Qwen2LM(nn.Module):
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self._logits(x[:, -1])[0]
 
-    def decode_eager(self, tokens: torch.Tensor, positions: torch.Tensor, kv_len: int) -> torch.Tensor:
-        """One step for rows 0..B-1: `tokens [B]`, `positions [B]` -> logits `[B, V]` fp32."""
+    @torch.no_grad()
+    def prefill_many(self, prompts: list[torch.Tensor], slots: list[int]) -> torch.Tensor:
+        """Prompts (each `[T_i]`, on the LM's device) into cache rows `slots` at positions 0..T_i-1, as one
+        packed pass. Returns each prompt's final-normed last hidden state `[n, C]` (feed to a head)."""
+        lengths = [int(p.shape[0]) for p in prompts]
+        if max(lengths) > self.max_seq:
+            raise ValueError(f"prompt of {max(lengths)} tokens exceeds the KV cache length {self.max_seq}")
+        dev = self.lm_head.weight.device
+        seg = torch.repeat_interleave(torch.arange(len(prompts)), torch.tensor(lengths))
+        pos = torch.cat([torch.arange(n) for n in lengths])
+        slot_t = torch.tensor(slots)[seg]
+        mask = (seg[:, None] == seg[None, :]) & (pos[None, :] <= pos[:, None])
+        seg, pos, slot_t, mask = (t.to(dev, non_blocking=True) for t in (seg, pos, slot_t, mask))
+        x = self.model.embed_tokens(torch.cat(prompts)[None])
+        cos, sin = self.rope_cos[pos][None, None], self.rope_sin[pos][None, None]
+        for layer, kc, vc in zip(self.model.layers, self.k_caches, self.v_caches):
+            x = x + layer.self_attn.prefill_packed(layer.input_layernorm(x), cos, sin, kc, vc, slot_t, pos, mask)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        last = torch.tensor(lengths).cumsum(0) - 1
+        return self.model.norm(x[0, last.to(dev)])
+
+    def decode_hidden(self, tokens: torch.Tensor, positions: torch.Tensor, kv_len: int) -> torch.Tensor:
+        """One step for rows 0..B-1: `tokens [B]`, `positions [B]` -> final-normed hidden `[B, C]`."""
         b = tokens.shape[0]
         rows = torch.arange(b, device=tokens.device)
         x = self.model.embed_tokens(tokens[:, None])
@@ -243,7 +288,48 @@ class Qwen2LM(nn.Module):
         for layer, kc, vc in zip(self.model.layers, self.k_caches, self.v_caches):
             x = x + layer.self_attn.decode(layer.input_layernorm(x), cos, sin, kc, vc, rows, positions, kv_len)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
-        return self._logits(x[:, 0])
+        return self.model.norm(x[:, 0])
+
+    def decode_eager(self, tokens: torch.Tensor, positions: torch.Tensor, kv_len: int) -> torch.Tensor:
+        """One step for rows 0..B-1: `tokens [B]`, `positions [B]` -> logits `[B, V]` fp32."""
+        return self.lm_head(self.decode_hidden(tokens, positions, kv_len)).float()
+
+    def kv_bucket(self, max_pos: int) -> int:
+        """KV prefix length attended for a step whose largest position is `max_pos`."""
+        return min(self.max_seq, _bucket(max_pos + 1, 256))
+
+    def _steps_body(self, pick, batch: int, n_steps: int, kv_len: int, out: torch.Tensor) -> None:
+        """`n_steps` decode+sample steps on rows 0..batch-1 of `self.state`, tokens into `out[:batch, i]`.
+        The same code runs eagerly and under graph capture, so both give the same tokens."""
+        st = self.state
+        tokens, positions = st.tokens[:batch], st.positions[:batch]
+        top = self.max_seq - 1
+        for i in range(n_steps):
+            h = self.decode_hidden(tokens, positions, kv_len)
+            out[:batch, i] = pick(self, h, st, slice(0, batch))  # also advances tokens/steps/phase
+            # clamp: a row at the cache's end keeps rewriting its last entry; the host ends it there
+            positions.add_(1).clamp_(max=top)
+
+    @torch.no_grad()
+    def run_steps(self, pick, batch: int, n_steps: int, max_pos: int, use_graph: bool | None = None) -> torch.Tensor:
+        """Run `n_steps` decode steps with in-graph sampling `pick` (see sampling.PhaseSampler) for the
+        active rows 0..batch-1, whose inputs the caller put in `self.state`. Returns the sampled tokens
+        `[batch, n_steps]` on the device (no sync); `max_pos` is the largest position at the start."""
+        kv_len = self.kv_bucket(max_pos + n_steps - 1)
+        dev = self.lm_head.weight.device
+        if use_graph is None:
+            use_graph = dev.type == "cuda"
+        if not use_graph or dev.type != "cuda":
+            out = torch.empty(batch, n_steps, dtype=torch.long, device=dev)
+            self._steps_body(pick, batch, n_steps, kv_len, out)
+            return out
+        bb = min(self.max_batch, _bucket(batch, 1))
+        key = (bb, kv_len, n_steps, pick.graph_key)
+        graph = self._step_graphs.get(key)
+        if graph is None:
+            graph = self._step_graphs[key] = _StepsGraph(self, pick, bb, n_steps, kv_len)
+        graph.graph.replay()
+        return graph.out[:batch]
 
     @torch.no_grad()
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, use_graph: bool | None = None,
@@ -326,6 +412,73 @@ class _DecodeGraph:
         self.positions[:b].copy_(positions)
         self.graph.replay()
         return self.logits
+
+
+@dataclass
+class StepState:
+    """Per-row decode inputs and sampler state on the device, `[max_batch]` each. The host is the
+    source of truth: it writes these before each `run_steps` (one copy) and the steps advance them."""
+
+    tokens: torch.Tensor  # long: the token each row feeds next
+    positions: torch.Tensor  # long: the cache position it is written at
+    steps: torch.Tensor  # long: tokens sampled so far (the sampler's counter)
+    phase: torch.Tensor  # long: which logit mask applies (sampling.PhaseSampler)
+    n_global: torch.Tensor  # long: global tokens produced so far (controllable voices)
+    seeds: torch.Tensor  # long
+    top_k: torch.Tensor  # long
+    temperature: torch.Tensor  # float32
+    top_p: torch.Tensor  # float32
+
+    INT_FIELDS = ("tokens", "positions", "steps", "phase", "n_global", "seeds", "top_k")
+    FLOAT_FIELDS = ("temperature", "top_p")
+
+    @classmethod
+    def empty(cls, n: int, device) -> "StepState":
+        # Two backing blocks, so the host fills the whole state with two copies.
+        ints = torch.zeros(len(cls.INT_FIELDS), n, dtype=torch.long, device=device)
+        floats = torch.zeros(len(cls.FLOAT_FIELDS), n, dtype=torch.float32, device=device)
+        st = cls(*ints.unbind(0), *floats.unbind(0))
+        st._ints, st._floats = ints, floats
+        return st
+
+    def load(self, ints: torch.Tensor, floats: torch.Tensor) -> None:
+        """Copy host-built `[7, n]` long and `[2, n]` float blocks (field order as above) in."""
+        self._ints.copy_(ints, non_blocking=True)
+        self._floats.copy_(floats, non_blocking=True)
+
+
+class _StepsGraph:
+    """A CUDA graph of `n_steps` decode+sample steps for a fixed (batch bucket, kv_len, sampler)."""
+
+    def __init__(self, lm: Qwen2LM, pick, batch: int, n_steps: int, kv_len: int) -> None:
+        dev = lm.lm_head.weight.device
+        st = lm.state
+        self.out = torch.zeros(lm.max_batch, n_steps, dtype=torch.long, device=dev)
+        # Capture runs the body for real (warm-up and capture): keep the state and the cache entries
+        # it touches (positions 0..n_steps-1 of rows 0..batch-1, from a zeroed state) and restore them.
+        state_saved = (st._ints.clone(), st._floats.clone())
+        kv_saved = [(k[:batch, :, :n_steps].clone(), v[:batch, :, :n_steps].clone()) for k, v in zip(lm.k_caches, lm.v_caches)]
+        st._ints.zero_()
+        st.top_k.fill_(1)
+        st.temperature.fill_(1.0)
+        st.top_p.fill_(1.0)
+        blank = (st._ints.clone(), st._floats.clone())
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                st.load(*blank)
+                lm._steps_body(pick, batch, n_steps, kv_len, self.out)
+        torch.cuda.current_stream().wait_stream(stream)
+        st.load(*blank)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            lm._steps_body(pick, batch, n_steps, kv_len, self.out)
+        st.load(*state_saved)
+        for (k, v), (ks, vs) in zip(zip(lm.k_caches, lm.v_caches), kv_saved):
+            k[:batch, :, :n_steps].copy_(ks)
+            v[:batch, :, :n_steps].copy_(vs)
+        log.debug("captured %d-step decode graph batch=%d kv_len=%d", n_steps, batch, kv_len)
 
 
 def load_qwen2(llm_dir: str | Path, device: str | torch.device, dtype: torch.dtype) -> Qwen2LM:

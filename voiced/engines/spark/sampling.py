@@ -52,15 +52,24 @@ def sample(
     top_p: torch.Tensor,
     seeds: torch.Tensor,
     steps: torch.Tensor,
+    candidates: int | None = None,
+    id_offset: int = 0,
 ) -> torch.Tensor:
     """logits `[B, V]` (fp32, disallowed tokens already -inf) and per-row params -> token ids `[B]`.
 
     temperature <= 0 or top_k == 1 is greedy. top_k == 0 means no top-k limit (up to MAX_CANDIDATES).
+    `candidates`: a fixed number of candidates to consider (at least every row's top_k); given, the
+    function never reads a value back to the host, so it can run inside a CUDA graph. The draw does
+    not depend on it: candidates past a row's own limit are masked out.
+    `id_offset`: `logits` covers vocabulary ids id_offset.. (a slice of the head); returned ids and the
+    noise are those of the full vocabulary, so a slice draws exactly what the full logits would.
     """
     b, v = logits.shape
     limit = torch.where(top_k > 0, top_k, torch.full_like(top_k, MAX_CANDIDATES)).clamp(max=min(v, MAX_CANDIDATES))
-    k = int(limit.max().item())
+    k = int(limit.max().item()) if candidates is None else min(candidates, v)
     vals, idx = torch.topk(logits, k, dim=-1)  # sorted, largest first
+    if id_offset:
+        idx = idx + id_offset
     greedy = (temperature <= 0) | (top_k == 1)
     temp = torch.where(greedy, torch.ones_like(temperature), temperature).clamp(min=1e-5)
     scaled = vals / temp[:, None]
@@ -74,3 +83,54 @@ def sample(
     choice = torch.argmax(scaled + gumbel, dim=-1)
     choice = torch.where(greedy, torch.zeros_like(choice), choice)
     return idx.gather(1, choice[:, None])[:, 0]
+
+
+def candidate_bucket(top_k: list[int], vocab: int) -> int:
+    """The fixed candidate count a batch with these top_k values samples with: a power of two >= 64
+    (few distinct CUDA graphs), at least every limit, at most MAX_CANDIDATES and the vocabulary."""
+    need = max((k if k > 0 else MAX_CANDIDATES) for k in top_k) if top_k else 1
+    need = min(need, MAX_CANDIDATES)
+    k = 64
+    while k < need:
+        k *= 2
+    return min(k, MAX_CANDIDATES, vocab)
+
+
+class PhaseSampler:
+    """The sampling that runs inside the decode graph: head over a vocabulary slice, phase mask,
+    temperature/top-k/top-p with the counter-based noise, then the phase update.
+
+    - Only ids [lo, hi) are ever allowed (Spark-TTS's global/semantic tokens and a few markers, ~13.5k
+      of 166k), so the head multiplies by that slice of the tied embedding: ~8 % of the head's bytes,
+      and the head is ~30 % of all weight bytes read per step.
+    - `bias [n_phases, hi-lo]` is 0 where a phase allows a token, -inf elsewhere.
+    - Phase `from_phase` becomes `to_phase` once a row has `n_needed` tokens of [g_lo, g_hi) (a
+      controllable voice switches from writing its 32 global tokens to semantic tokens); the host
+      applies the same rule when it reads the tokens back.
+    """
+
+    def __init__(self, lo: int, hi: int, bias: torch.Tensor, candidates: int, *, from_phase: int, to_phase: int,
+                 g_lo: int, g_hi: int, n_needed: int) -> None:
+        self.lo, self.hi, self.bias, self.candidates = lo, hi, bias, candidates
+        self.from_phase, self.to_phase = from_phase, to_phase
+        self.g_lo, self.g_hi, self.n_needed = g_lo, g_hi, n_needed
+        self.graph_key = ("phase", lo, hi, candidates, id(bias))
+
+    def logits(self, lm, h: torch.Tensor) -> torch.Tensor:
+        w = lm.lm_head.weight[self.lo : self.hi]
+        return torch.nn.functional.linear(h, w).float()
+
+    def __call__(self, lm, h: torch.Tensor, st, rows: slice) -> torch.Tensor:
+        """Sample for `h [n, C]` (final-normed hidden of `st`'s rows `rows`); advances those rows'
+        tokens, steps, phase and global count in place; returns the ids `[n]`."""
+        phase = st.phase[rows]
+        logits = self.logits(lm, h) + self.bias[phase]
+        tok = sample(logits, st.temperature[rows], st.top_k[rows], st.top_p[rows], st.seeds[rows], st.steps[rows],
+                     candidates=self.candidates, id_offset=self.lo)
+        in_from = phase == self.from_phase
+        n_global = st.n_global[rows]
+        n_global.add_((in_from & (tok >= self.g_lo) & (tok < self.g_hi)).long())
+        phase.copy_(torch.where(in_from & (n_global >= self.n_needed), torch.full_like(phase, self.to_phase), phase))
+        st.steps[rows].add_(1)
+        st.tokens[rows].copy_(tok)
+        return tok
