@@ -5,7 +5,8 @@
 Measures, in one run and on the same weights:
   - CUDA-graph vs eager decode: identical tokens with top-k 1 (and how many match transformers);
   - per-step decode latency at batch 1 after a 300-token prompt: ours (graph, eager) and
-    transformers' Qwen2ForCausalLM.generate;
+    transformers' Qwen2ForCausalLM.generate; ours also as the engine runs it (decode_steps steps with
+    in-graph sampling per host sync), greedy and sampled, and at batch 64 (LM only);
   - the whole engine (LM + BiCodec streaming vocoder) at several concurrencies: audio seconds
     produced per wall second, first-chunk latency (P50/P90);
   - transformers' generate at the same batch sizes (LM only, no vocoder) for scale.
@@ -129,6 +130,60 @@ def hf_generate(hf, prompts: torch.Tensor, n: int) -> tuple[torch.Tensor, float]
     return out[:, prompts.shape[1]:], total
 
 
+@torch.no_grad()
+def steps_decode(engine, prompt: torch.Tensor, n: int, top_k: int, use_graph: bool, batch: int = 1) -> tuple[list[int], float]:
+    """The engine's decode path (run_steps: `decode_steps` decode+sample steps per host sync, sliced head,
+    semantic-phase mask) for `batch` copies of `prompt`; returns row 0's tokens and seconds per step.
+    Runs twice and times the second (the first captures the graphs of the KV buckets it crosses)."""
+    from voiced.engines.spark.engine import PHASE_SEMANTIC
+
+    lm, k, dev = engine.lm, engine.decode_steps, prompt.device
+    pick = engine._sampler([top_k])
+
+    def once():
+        for i in range(0, batch, 4):
+            lm.prefill_many([prompt] * min(4, batch - i), list(range(i, min(i + 4, batch))))
+        h = lm.prefill_many([prompt], [0])
+        ints = torch.zeros(7, lm.max_batch, dtype=torch.long)
+        ints[6] = 1
+        ints[1, :batch], ints[3], ints[5, :batch], ints[6, :batch] = len(prompt), PHASE_SEMANTIC, 1234, top_k
+        floats = torch.ones(2, lm.max_batch)
+        floats[0, :batch], floats[1, :batch] = 0.8, 0.95
+        lm.state.load(ints.to(dev), floats.to(dev))
+        out = [int(pick(lm, h[:1], lm.state, slice(0, 1))[0])]
+        sync()
+        t0 = time.perf_counter()
+        pos, steps = len(prompt), 0
+        while len(out) < n:
+            out += lm.run_steps(pick, batch, k, max_pos=pos, use_graph=use_graph)[0].tolist()
+            pos += k
+            steps += k
+        sync()
+        return out[:n], (time.perf_counter() - t0) / steps
+
+    once()
+    return once()
+
+
+def profile_engine(engine, concurrency: int, seconds: float, path: str | None) -> dict:
+    """torch.profiler over one engine run: where a step's wall time goes (the spark.* ranges: prefill,
+    decode launch, read-back sync, vocoder) and the top GPU kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=acts) as prof:
+        r = engine_run(engine, concurrency, seconds, 10, 25)
+    ka = prof.key_averages()
+    ranges = {e.key: round(e.cpu_time_total / 1000, 1) for e in ka if e.key.startswith("spark.")}
+    sort = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
+    table = ka.table(sort_by=sort, row_limit=25, max_name_column_width=60)
+    cpu_table = ka.table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=60)
+    if path:
+        Path(path).write_text(table + "\n\n" + cpu_table)
+    print(table)
+    return {"run": r, "range_ms_total": ranges}
+
+
 def engine_run(engine, concurrency: int, seconds: float, first: int, chunk: int) -> dict:
     from voiced.engines.base import TTSOptions, TTSRequest
 
@@ -168,6 +223,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hf-batches", type=int, nargs="*", default=[1, 16, 64])
     ap.add_argument("--json-out", default=None)
     ap.add_argument("--tiny-cpu", action="store_true", help="dry run on the CPU with tiny random models")
+    ap.add_argument("--profile", default=None, help="write a torch.profiler table of one concurrency-16 run here")
+    ap.add_argument("--decode-steps", type=int, default=None, help="decode steps per host sync (engine default)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     if not args.tiny_cpu:
@@ -187,6 +244,9 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
         engine = build(dev, dtype, codec_dtype, max_batch, 1024, Path(tmp), tiny=args.tiny_cpu)
+        if args.decode_steps:
+            engine.decode_steps = args.decode_steps
+        res["decode_steps"] = engine.decode_steps
         res["build_s"] = round(time.perf_counter() - t0, 1)
         lm = engine.lm
         res["radius_tokens"] = engine.radius
@@ -207,7 +267,25 @@ def main(argv: list[str] | None = None) -> int:
             "graph_equals_eager": t_graph == t_eager,
             "first_divergence_vs_transformers": agree,
         }
+        # the engine's path: k steps per sync with in-graph sampling; greedy graph == eager, then sampled
+        s_tok_g, s_steps_g = steps_decode(engine, prompt, n, 1, use_graph=True)
+        s_tok_e, s_steps_e = steps_decode(engine, prompt, n, 1, use_graph=False)
+        s_tok_s, s_steps_s = steps_decode(engine, prompt, n, 50, use_graph=True)
+        s_tok_s2, _ = steps_decode(engine, prompt, n, 50, use_graph=False)
+        res["decode_batch1"].update({
+            "engine_steps_graph_ms_per_step_greedy": round(s_steps_g * 1000, 3),
+            "engine_steps_eager_ms_per_step_greedy": round(s_steps_e * 1000, 3),
+            "engine_steps_graph_ms_per_step_sampled": round(s_steps_s * 1000, 3),
+            "engine_steps_graph_equals_eager_greedy": s_tok_g == s_tok_e,
+            "engine_steps_graph_equals_eager_sampled": s_tok_s == s_tok_s2,
+        })
         log.info("decode batch 1: %s", res["decode_batch1"])
+        res["decode_lm_only"] = []
+        for b in sorted({b for b in (1, 16, max_batch) if b <= max_batch}):
+            _, sb = steps_decode(engine, prompt, 96, 50, use_graph=not args.tiny_cpu, batch=b)
+            res["decode_lm_only"].append({"batch": b, "ms_per_step": round(sb * 1000, 3),
+                                          "lm_only_audio_s_per_s": round(b / 50 / sb, 1)})
+            log.info("engine LM only: %s", res["decode_lm_only"][-1])
         # --- transformers generate at larger batches (LM only)
         res["transformers_generate"] = []
         for b in args.hf_batches:
@@ -225,8 +303,10 @@ def main(argv: list[str] | None = None) -> int:
         from voiced.engines.spark.voices import Voice
 
         sp = engine.special
-        engine._bias[PHASE_SEMANTIC, sp.eos] = float("-inf")
-        engine._bias[PHASE_SEMANTIC, sp.end_semantic] = float("-inf")
+        # forced lengths: in the semantic phase only semantic tokens (random weights would otherwise loop
+        # on a marker token such as <|end_global_token|>, which carries no audio)
+        for t in (sp.eos, sp.end_semantic, sp.start_semantic, sp.end_global):
+            engine._bias[PHASE_SEMANTIC, t] = float("-inf")
         engine.segment_base_s = 1e6
         gl = torch.randint(0, 4096, (32,), generator=g).tolist()
         engine.voices.resolve = lambda name: Voice("bench", "cloned", global_ids=gl)
@@ -241,6 +321,9 @@ def main(argv: list[str] | None = None) -> int:
                 r = engine_run(engine, c, args.seconds, first, chunk)
                 res["engine"].append(r)
                 log.info("engine: %s", r)
+        if args.profile:
+            res["profile_c16"] = profile_engine(engine, min(16, max_batch), min(args.seconds, 4.0), args.profile)
+            log.info("profile: %s", res["profile_c16"])
         # --- streaming exactness on the GPU codec (informative: bf16 / TF32 rounding)
         from voiced.engines.spark.streaming import stream_decode
 

@@ -33,6 +33,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from torch.profiler import record_function
 
 from voiced.engines.base import SAMPLE_RATE, AudioChunk, EngineError, EngineOutput, TTSOptions, TTSRequest
 from voiced.hub import cache_dir
@@ -298,17 +299,20 @@ class SparkTTSEngine:
         self._admit()
         if not self._active:
             return outputs
-        fresh = self._prefill_fresh(outputs)
+        with record_function("spark.prefill"):
+            fresh = self._prefill_fresh(outputs)
         if self._active:
             pick = self._sampler([r.options.top_k for r in self._active])
             self._load_state()
             for r, h in fresh:  # first token of each new segment, from its prompt's last hidden state
                 self._first_tok[r.slot : r.slot + 1] = pick(self.lm, h[None], self.lm.state, slice(r.slot, r.slot + 1))
             n = len(self._active)
-            out = self.lm.run_steps(pick, n, self.decode_steps, max_pos=max(r.pos for r in self._active),
-                                    use_graph=self.use_cuda_graphs)
-            # The one host sync of the step: every row's new tokens.
-            tokens = torch.cat([self._first_tok[:n, None], out], 1).tolist()
+            with record_function("spark.decode"):
+                out = self.lm.run_steps(pick, n, self.decode_steps, max_pos=max(r.pos for r in self._active),
+                                        use_graph=self.use_cuda_graphs)
+            with record_function("spark.readback"):
+                # The one host sync of the step: every row's new tokens.
+                tokens = torch.cat([self._first_tok[:n, None], out], 1).tolist()
             starts = {id(r) for r, _ in fresh}
             for r, row in zip(self._active, tokens):
                 if id(r) in starts:
@@ -318,7 +322,8 @@ class SparkTTSEngine:
                         break  # sampled past its end: dropped
                     r.pos += 1
                     self._advance(r, t)
-        outputs += self._vocode()
+        with record_function("spark.vocode"):
+            outputs += self._vocode()
         return outputs
 
     def _prefill_fresh(self, outputs: list[EngineOutput]) -> list[tuple[_Request, torch.Tensor]]:
