@@ -91,6 +91,15 @@ def test_audio(n: int, seconds: float = 10.0, seed: int = 0) -> list[np.ndarray]
     return out
 
 
+_OUT: Path | None = None
+
+
+def save(report: dict) -> None:
+    """Write what is known so far (a run cut short still leaves its finished sections)."""
+    if _OUT is not None:
+        _OUT.write_text(json.dumps(report, indent=2) + "\n")
+
+
 def sync(device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.synchronize()
@@ -178,19 +187,30 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--max-batch", type=int, default=128, help="decoder rows of our engine")
     ap.add_argument("--encoder-batch", type=int, default=32, help="utterances admitted (encoded) per step")
     ap.add_argument("--throughput-utts", type=int, default=512)
+    ap.add_argument("--encoder-batches", type=lambda v: [int(x) for x in v.split(",")], default=None,
+                    help="comma-separated encoder batch sizes for throughput runs (default: --encoder-batch)")
     ap.add_argument("--hf-batch", type=int, default=64, help="batch size of transformers' throughput run")
     ap.add_argument("--hf-throughput-utts", type=int, default=256)
     ap.add_argument("--latency-runs", type=int, default=20)
+    ap.add_argument("--decode-chunk", type=int, default=8, help="greedy steps per host sync")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
+    global _OUT
+    _OUT = args.out
+    args.encoder_batches = args.encoder_batches or [args.encoder_batch]
+    if args.encoder_batch not in args.encoder_batches:
+        args.encoder_batches.insert(0, args.encoder_batch)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
 
     dev = args.device
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.float16 if dev.startswith("cuda") else torch.float32)
     dims = DIMS[args.dims]
     tok = WhisperTokenizer.load(dims.multilingual, dims.num_languages, [args.tiktoken_dir])
-    report: dict = {"dims": args.dims, "device": dev, "dtype": str(dtype).replace("torch.", ""),
+    import os
+
+    report: dict = {"cublas_workspace_config": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
+                    "decode_chunk": args.decode_chunk, "dims": args.dims, "device": dev, "dtype": str(dtype).replace("torch.", ""),
                     "tokens_per_utt": args.tokens, "torch": torch.__version__, "python": platform.python_version()}
     if dev.startswith("cuda"):
         report["gpu"] = torch.cuda.get_device_name()
@@ -203,9 +223,9 @@ def main(argv: list[str] | None = None) -> dict:
     opts = ASROptions(language="en", max_new_tokens=args.tokens, min_new_tokens=args.tokens)
     audio = test_audio(max(args.throughput_utts, args.hf_throughput_utts, 16))
     graphs = WhisperEngine(model, tok, model_name=args.dims, max_batch=args.max_batch,
-                           max_encoder_batch=args.encoder_batch, cuda_graphs=True)
+                           max_encoder_batch=args.encoder_batch, cuda_graphs=True, decode_chunk=args.decode_chunk)
     eager = WhisperEngine(model, tok, model_name=args.dims, max_batch=args.max_batch,
-                          max_encoder_batch=args.encoder_batch, cuda_graphs=False)
+                          max_encoder_batch=args.encoder_batch, cuda_graphs=False, decode_chunk=args.decode_chunk)
     t0 = time.perf_counter()
     graphs.warmup()
     report["graph_capture_s"] = round(time.perf_counter() - t0, 2)
@@ -215,12 +235,14 @@ def main(argv: list[str] | None = None) -> dict:
     except Exception as e:  # record and go on: one broken section should not cost the whole run
         log.exception("equality section failed")
         report["equality_error"] = repr(e)
+    save(report)
     single_g = graphs.transcribe(ASRRequest(audio[0], opts)).tokens
     try:
         speed(report, graphs, eager, audio, opts, args, dev)
     except Exception as e:
         log.exception("speed section failed")
         report["speed_error"] = repr(e)
+    save(report)
     del eager
     if not args.skip_hf:
         try:
@@ -252,7 +274,23 @@ def equality(report, graphs, eager, audio, opts, args) -> None:
         "batch_16": same_batch == same_batch_e,
         "distinct_outputs_in_batch_16": len({tuple(t) for t in same_batch}),
     }
+    for name, (g, e) in {"staggered_12": (eq_batch_g, eq_batch_e), "batch_16": (same_batch, same_batch_e)}.items():
+        # Where paths part, first differing token per request (-1: identical), to tell a rare
+        # near-tie flip from a systematic difference.
+        report["graphs_equal_eager"][f"{name}_first_diff"] = [
+            next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), -1) for x, y in zip(g, e)]
     assert all(len(t) == args.tokens for t in same_batch), "forced length not honoured"
+    if graphs.cuda_graphs:
+        # Same inputs, same cache: logits of one step eagerly and by graph replay, bit for bit?
+        # (Re-running a step rewrites the same keys/values, so the cache is unchanged.)
+        with torch.inference_mode(), graphs.on_stream():
+            for b in (1, 16):
+                graphs._tok_buf[:b] = torch.arange(b, device=graphs._tok_buf.device) + 1000
+                graphs._pos_buf[:b] = 5
+                eager_logits = graphs._plain_step(b).clone()
+                graph_logits = graphs._run("plain", b).clone()
+                report["graphs_equal_eager"][f"step_logits_max_abs_diff_b{b}"] = \
+                    (eager_logits - graph_logits).abs().max().item()
     log.info("graphs == eager: %s", report["graphs_equal_eager"])
 
 
@@ -264,17 +302,48 @@ def speed(report, graphs, eager, audio, opts, args, dev) -> None:
         report[f"latency_{name}"] = median_latency(lambda e=eng: e.transcribe(ASRRequest(audio[1], opts)),
                                                    args.latency_runs, dev)
         log.info("latency %s: %s", name, report[f"latency_{name}"])
+    # The same with a host round trip after every token (no on-device chunking): what chunking buys.
+    chunk, graphs.decode_chunk = graphs.decode_chunk, 1
+    report["latency_ours_cuda_graphs_chunk1"] = median_latency(
+        lambda: graphs.transcribe(ASRRequest(audio[1], opts)), args.latency_runs, dev)
+    graphs.decode_chunk = chunk
+    log.info("latency chunk 1: %s", report["latency_ours_cuda_graphs_chunk1"])
 
-    # ---- saturated throughput (continuous batching, all submitted at once)
+    # ---- saturated throughput (continuous batching, all submitted at once), per encoder batch
     reqs = [ASRRequest(a, opts) for a in audio[: args.throughput_utts]]
-    run_until_done(graphs, reqs[: min(64, len(reqs))])  # warm every path at these batch sizes
-    sync(dev)
-    _, secs = run_until_done(graphs, reqs)
-    sync(dev)
-    report["throughput_ours_cuda_graphs"] = {"utts": len(reqs), "seconds": round(secs, 3),
-                                             "utt_per_s": round(len(reqs) / secs, 1), "max_batch": args.max_batch,
-                                             "encoder_batch": args.encoder_batch}
-    log.info("throughput ours: %s", report["throughput_ours_cuda_graphs"])
+    for enc in args.encoder_batches:
+        graphs.max_encoder_batch = enc
+        run_until_done(graphs, reqs[: min(64, len(reqs))])  # warm every path at these batch sizes
+        sync(dev)
+        _, secs = run_until_done(graphs, reqs)
+        sync(dev)
+        key = "throughput_ours_cuda_graphs" if enc == args.encoder_batch else f"throughput_ours_cuda_graphs_enc{enc}"
+        report[key] = {"utts": len(reqs), "seconds": round(secs, 3), "utt_per_s": round(len(reqs) / secs, 1),
+                       "max_batch": args.max_batch, "encoder_batch": enc}
+        log.info("throughput ours: %s", report[key])
+        save(report)
+    graphs.max_encoder_batch = args.encoder_batch
+    # ---- the encoder alone (log-mel + encoder), the ceiling for any decoder
+    from voiced.engines.whisper.audio import log_mel_spectrogram, pad_or_trim
+
+    with torch.inference_mode(), graphs.on_stream():
+        x = torch.stack([pad_or_trim(torch.from_numpy(a)) for a in audio[: args.encoder_batch]]).to(dev)
+        for _ in range(2):
+            graphs.model.encoder(log_mel_spectrogram(x, graphs.dims.n_mels).to(graphs.dtype))
+        sync(dev)
+        t0 = time.perf_counter()
+        reps = 4
+        for _ in range(reps):
+            graphs.model.encoder(log_mel_spectrogram(x, graphs.dims.n_mels).to(graphs.dtype))
+        sync(dev)
+        secs = time.perf_counter() - t0
+    n = reps * args.encoder_batch
+    flops = 2 * n * graphs.dims.n_audio_ctx * graphs.dims.n_audio_layer * (
+        12 * graphs.dims.n_audio_state**2 + 2 * graphs.dims.n_audio_ctx * graphs.dims.n_audio_state)
+    report["encoder_only"] = {"batch": args.encoder_batch, "utt_per_s": round(n / secs, 1),
+                              "tflops": round(flops / secs / 1e12, 1)}
+    log.info("encoder only: %s", report["encoder_only"])
+    save(report)
 
 
 def transformers_section(report, model, dims, tok, audio, single_g, args, dev, dtype) -> None:

@@ -17,6 +17,7 @@ So requests join and leave between steps, and a cancelled request's rows are fre
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 from dataclasses import dataclass
@@ -76,7 +77,7 @@ class WhisperEngine:
 
     def __init__(self, model: Whisper, tokenizer: WhisperTokenizer, *, model_name: str = "whisper",
                  max_batch: int = 8, max_encoder_batch: int | None = None, cuda_graphs: bool = True,
-                 max_queue: int | None = None):
+                 max_queue: int | None = None, decode_chunk: int | None = None):
         if tokenizer.n_vocab != model.dims.n_vocab:
             raise CheckpointError(f"tokenizer has {tokenizer.n_vocab} tokens but the model {model.dims.n_vocab}")
         self.model = model.eval().requires_grad_(False)
@@ -98,15 +99,28 @@ class WhisperEngine:
         self._stash: list[EngineOutput] = []
         self._order = itertools.count()
         self._private_ids = itertools.count(-1, -1)
-        # CUDA graphs: one per batch-size bucket, fed through static input buffers.
+        # Static per-row inputs of a decoder step (and of the fused greedy step: the minimum-length
+        # countdown and the chosen token's log-probability), on the model's device.
+        dev = model.device
+        self._tok_buf = torch.zeros(max_batch, dtype=torch.long, device=dev)
+        self._pos_buf = torch.zeros(max_batch, dtype=torch.long, device=dev)
+        self._minleft = torch.zeros(max_batch, dtype=torch.long, device=dev)
+        self._lp_buf = torch.zeros(max_batch, dtype=torch.float32, device=dev)
+        self.decode_chunk = max(1, decode_chunk if decode_chunk is not None else 8)
+        self._hist_tok = torch.zeros(max_batch, self.decode_chunk, dtype=torch.long, device=dev)
+        self._hist_lp = torch.zeros(max_batch, self.decode_chunk, dtype=torch.float32, device=dev)
+        # CUDA graphs: per batch-size bucket, one plain decoder step and one fused greedy step.
         self.cuda_graphs = cuda_graphs and self.is_cuda
         self.buckets = self._buckets(max_batch) if self.is_cuda else []
+        self._graphs: dict[tuple[str, int], tuple[torch.cuda.CUDAGraph, torch.Tensor | None]] = {}
+        self._stream: torch.cuda.Stream | None = None
         if self.is_cuda:
-            self._tok_buf = torch.zeros(max_batch, dtype=torch.long, device=model.device)
-            self._pos_buf = torch.zeros(max_batch, dtype=torch.long, device=model.device)
-            self._host_buf = torch.zeros(2, max_batch, dtype=torch.long).pin_memory()
-            self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+            self._host_buf = torch.zeros(3, max_batch, dtype=torch.long).pin_memory()
             self._pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
+            # All of the engine's GPU work runs on one stream of its own, graph captures included:
+            # cuBLAS keeps a workspace per stream and picks kernels by it, so eager steps and
+            # captured ones only run the same kernels (and give the same bits) on the same stream.
+            self._stream = torch.cuda.Stream(device=dev)
         log.info("whisper engine %s on %s (%s): %d slots, %.1f MiB of KV cache, cuda graphs %s", model_name,
                  self.device, str(self.dtype).replace("torch.", ""), max_batch,
                  max_batch * KVCache.bytes_per_slot(self.dims, self.dtype) / 2**20, self.cuda_graphs)
@@ -116,7 +130,7 @@ class WhisperEngine:
     def load(cls, name_or_path: str | Path, device: str = "cpu", dtype: torch.dtype | str | None = None, *,
              max_batch: int | None = None, kv_cache_bytes: int | None = None, cuda_graphs: bool = True,
              max_encoder_batch: int | None = None, max_queue: int | None = None,
-             cache_root: Path | None = None) -> WhisperEngine:
+             decode_chunk: int | None = None, cache_root: Path | None = None) -> WhisperEngine:
         """Load an official name (from the model cache), an OpenAI `.pt` or a Hugging Face directory.
 
         device: "cpu", "cuda" or "cuda:N". dtype: default float16 on CUDA, float32 on CPU.
@@ -144,7 +158,7 @@ class WhisperEngine:
             rows = min(rows, int(fit))
         name = path.stem if path.is_file() else path.name
         return cls(model, tok, model_name=name, max_batch=rows, max_encoder_batch=max_encoder_batch,
-                   cuda_graphs=cuda_graphs, max_queue=max_queue)
+                   cuda_graphs=cuda_graphs, max_queue=max_queue, decode_chunk=decode_chunk)
 
     @staticmethod
     def _buckets(max_batch: int) -> list[int]:
@@ -211,7 +225,7 @@ class WhisperEngine:
         if not self._queue and not self._active:
             return outputs
         try:
-            with torch.inference_mode():
+            with torch.inference_mode(), self.on_stream():
                 outputs += self._step()
         except (EngineError, torch.cuda.OutOfMemoryError, RuntimeError) as e:
             # A failure inside a batched step cannot be pinned on one request: fail them all, free
@@ -224,18 +238,29 @@ class WhisperEngine:
         return outputs
 
     # ------------------------------------------------------------------------------- internals
+    def on_stream(self) -> contextlib.AbstractContextManager:
+        """Run on the engine's CUDA stream (a no-op on CPU)."""
+        return torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
+
     def _step(self) -> list[EngineOutput]:
-        n_old = self._n
-        parts = []
-        if n_old:
-            parts.append(self._decode(n_old))
+        if self._n:
+            reqs = [self._owner[r][0] for r in range(self._n) if self._owner[r][1] == 0]
+            if all(self._fast(q) for q in reqs):
+                self._greedy_chunk(self._n, reqs)
+            else:
+                self._select(self._decode(self._n), reqs, 0)
+        outputs = self._finish()
         admitted = self._admit()
         if admitted is not None:
-            parts.append(admitted)
-        if not parts:
-            return []
-        logits = torch.cat(parts) if len(parts) > 1 else parts[0]
-        return self._select(logits)
+            reqs, logits = admitted
+            self._select(logits, reqs, reqs[0].rows[0])
+            outputs += self._finish()
+        return outputs
+
+    @staticmethod
+    def _fast(req: _Active) -> bool:
+        """Greedy without timestamps: token choice can run on the device, several steps at a time."""
+        return req.dec.plan.beam_size == 1 and not req.dec.plan.timestamps
 
     def _row_inputs(self, n: int) -> tuple[list[int], list[int]]:
         toks, pos = [0] * n, [0] * n
@@ -245,68 +270,139 @@ class WhisperEngine:
             pos[r] = req.dec.position()
         return toks, pos
 
+    def _load_inputs(self, n: int, rows: list[list[int]]) -> int:
+        """Copy per-row inputs (token, position[, min-length countdown]) into the static buffers.
+
+        Returns the batch size to run: n on CPU; on GPU, n padded to a bucket (padded rows get
+        position 0 of free slots, which nobody reads).
+        """
+        bufs = (self._tok_buf, self._pos_buf, self._minleft)[: len(rows)]
+        if not self.is_cuda:
+            for buf, vals in zip(bufs, rows):
+                buf[:n] = torch.tensor(vals)
+            return n
+        b = next(x for x in self.buckets if x >= n)
+        # Through a pinned staging buffer: reusing it is safe, the previous step's copy finished
+        # before that step read its results back.
+        host = self._host_buf
+        host.zero_()
+        for i, (buf, vals) in enumerate(zip(bufs, rows)):
+            host[i, :n] = torch.tensor(vals)
+            buf[:b].copy_(host[i, :b], non_blocking=True)
+        return b
+
     def _decode(self, n: int) -> torch.Tensor:
+        """One plain decoder step for rows 0..n-1; logits [n, vocab] (token choice on the host)."""
         toks, pos = self._row_inputs(n)
-        step = self.model.decoder.step
+        b = self._load_inputs(n, [toks, pos])
         if not self.is_cuda:
             # CPU: attend only as far as the longest row; no mask when every row is at one position.
             kv_len = max(pos) + 1
-            t = torch.tensor(toks, device=self.device)
-            p = torch.tensor(pos, device=self.device)
-            return step(t, p, self.cache, kv_len, masked=min(pos) != kv_len - 1)
-        # GPU: pad to a bucket and always attend over the whole context with a mask, so the eager
-        # path and the graph run the very same kernels (and padded rows only touch free slots).
-        b = next(x for x in self.buckets if x >= n)
-        # Through a pinned staging buffer: reusing it is safe, the previous step's copy finished
-        # before that step read its tokens back.
-        host = self._host_buf
-        host.zero_()
-        host[0, :n] = torch.tensor(toks)
-        host[1, :n] = torch.tensor(pos)
-        self._tok_buf[:b].copy_(host[0, :b], non_blocking=True)
-        self._pos_buf[:b].copy_(host[1, :b], non_blocking=True)
-        if not self.cuda_graphs:
-            return step(self._tok_buf[:b], self._pos_buf[:b], self.cache, self.dims.n_text_ctx)[:n]
-        if b not in self._graphs:
-            self._capture(b)
-        graph, out = self._graphs[b]
-        graph.replay()
-        return out[:n]
+            return self.model.decoder.step(self._tok_buf[:n], self._pos_buf[:n], self.cache, kv_len,
+                                           masked=min(pos) != kv_len - 1)
+        # GPU: always attend over the whole context with a mask, so the eager path and the graph run
+        # the very same kernels.
+        return self._run("plain", b)[:n]
 
-    def _capture(self, b: int) -> None:
-        """Record the decoder step for batch bucket `b` from the static input buffers.
+    def _plain_step(self, b: int) -> torch.Tensor:
+        return self.model.decoder.step(self._tok_buf[:b], self._pos_buf[:b], self.cache, self.dims.n_text_ctx)
 
-        Warm-up runs write the same keys/values the real step will (the buffers already hold this
-        step's inputs), and padded rows write only into free slots, so capturing mid-stream is safe.
+    def _greedy_step(self, b: int, kv_len: int | None = None, masked: bool = True) -> None:
+        """Decoder step + greedy choice, all on the device: the chosen tokens become the next
+        step's inputs, positions advance, so steps can follow each other with no host round trip.
+
+        The same filters as the host path: the always-suppressed ids, and no end-of-text while a
+        row's minimum-length countdown is positive; then arg-max and its log-probability.
         """
-        step = self.model.decoder.step
-        args = (self._tok_buf[:b], self._pos_buf[:b], self.cache, self.dims.n_text_ctx)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                step(*args)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            out = step(*args)
-        self._graphs[b] = (graph, out)
-        log.debug("captured decoder step graph for batch %d", b)
+        logits = self.model.decoder.step(self._tok_buf[:b], self._pos_buf[:b], self.cache,
+                                         kv_len or self.dims.n_text_ctx, masked)
+        logits.masked_fill_(self.suppress.always, NEG_INF)
+        eot = self.tok.eot
+        logits[:, eot] = torch.where(self._minleft[:b] > 0, NEG_INF, logits[:, eot])
+        nxt = logits.argmax(dim=-1)
+        self._lp_buf[:b] = torch.log_softmax(logits, dim=-1).gather(1, nxt[:, None])[:, 0]
+        self._tok_buf[:b] = nxt
+        self._pos_buf[:b] += 1
+        self._minleft[:b] -= 1
+
+    def _greedy_chunk(self, n: int, reqs: list[_Active]) -> None:
+        """Up to `decode_chunk` greedy steps for rows 0..n-1 with one host sync at the end.
+
+        The chunk never runs a row past its length limit (max_new_tokens / the text context), so
+        every position stays inside the cache; a row that emits end-of-text mid-chunk computes a
+        few tokens nobody reads, and they are dropped here.
+        """
+        k_max = self.decode_chunk
+        for q in reqs:
+            d = q.dec
+            k_max = min(k_max, d.plan.sample_len - d.n_sampled, self.dims.n_text_ctx + 1 - len(d.initial) - d.n_sampled)
+        toks, pos = self._row_inputs(n)
+        minleft = [max(0, self._owner[r][0].dec.plan.min_new_tokens - self._owner[r][0].dec.n_sampled)
+                   for r in range(n)]
+        b = self._load_inputs(n, [toks, pos, minleft])
+        lo, hi = min(pos), max(pos)
+        for k in range(k_max):
+            if self.is_cuda:
+                self._run("greedy", b)
+            else:  # as in _decode: exact context length, no mask when rows are aligned
+                self._greedy_step(b, kv_len=hi + k + 1, masked=lo != hi)
+            self._hist_tok[:b, k] = self._tok_buf[:b]
+            self._hist_lp[:b, k] = self._lp_buf[:b]
+        tok_rows = self._hist_tok[:n, :k_max].tolist()
+        lp_rows = self._hist_lp[:n, :k_max].tolist()
+        for q in reqs:
+            r = q.rows[0]
+            for t, lp in zip(tok_rows[r], lp_rows[r]):
+                q.dec.update_greedy(t, lp)
+                if q.dec.done:
+                    break
+
+    def _run(self, kind: str, b: int) -> torch.Tensor | None:
+        """Run the plain or fused-greedy step for bucket `b`: replay its graph, or eagerly."""
+        fn = self._plain_step if kind == "plain" else self._greedy_step
+        if not self.cuda_graphs:
+            return fn(b)
+        if (kind, b) not in self._graphs:
+            self._capture(kind, b)
+        graph, out = self._graphs[(kind, b)]
+        graph.replay()
+        return out
+
+    def _capture(self, kind: str, b: int) -> None:
+        """Record one step for bucket `b` from the static buffers (also safe mid-stream).
+
+        Warm-up runs write the keys/values the real step will write anyway (same inputs), padded
+        rows touch only free slots, and the buffers a fused step advances are restored before the
+        capture, which itself executes nothing.
+        """
+        fn = self._plain_step if kind == "plain" else self._greedy_step
+        with self.on_stream():
+            saved = [t.clone() for t in (self._tok_buf, self._pos_buf, self._minleft)]
+            for _ in range(2):  # warm-up on the capture stream (lazy inits happen outside capture)
+                fn(b)
+            for t, v in zip((self._tok_buf, self._pos_buf, self._minleft), saved):
+                t.copy_(v)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool, stream=self._stream):
+                out = fn(b)
+        self._graphs[(kind, b)] = (graph, out)
+        log.debug("captured %s decoder step graph for batch %d", kind, b)
 
     def warmup(self) -> None:
-        """Capture every bucket's CUDA graph now (only while idle), so no request pays for it."""
+        """Capture every bucket's CUDA graphs now (only while idle), so no request pays for it."""
         if not self.cuda_graphs or self._n:
             return
-        with torch.inference_mode():
-            self._tok_buf.zero_()
-            self._pos_buf.zero_()
+        with torch.inference_mode(), self.on_stream():
+            for t in (self._tok_buf, self._pos_buf, self._minleft):
+                t.zero_()
             for b in self.buckets:
-                if b not in self._graphs:
-                    self._capture(b)
+                for kind in ("plain", "greedy"):
+                    if (kind, b) not in self._graphs:
+                        self._capture(kind, b)
             torch.cuda.synchronize()
 
-    def _admit(self) -> torch.Tensor | None:
-        """Move queued requests into free rows; returns their first-step logits (row order)."""
+    def _admit(self) -> tuple[list[_Active], torch.Tensor] | None:
+        """Move queued requests into free rows; returns them and their first-step logits (row order)."""
         if not self._queue:
             return None
         free = self.max_batch - self._n
@@ -366,24 +462,23 @@ class WhisperEngine:
                 r.dec.no_speech_prob = no_speech[k]
                 k += len(r.rows)
             out[torch.tensor(grows, device=dev) - base] = logits[:, -1]
-        return out
+        return chosen, out
 
-    def _select(self, logits: torch.Tensor) -> list[EngineOutput]:
-        """Filter, pick tokens for all rows, advance every request; returns finished ones."""
+    def _select(self, logits: torch.Tensor, reqs: list[_Active], base: int) -> None:
+        """Filter the logits of `reqs` (row r at logits[r - base]), pick tokens, advance them."""
         dev = logits.device
         logits.masked_fill_(self.suppress.always, NEG_INF)
-        reqs = list(self._active.values())
         # The per-request rules, batched: one indexing op for all first steps (no blank / end-of-text
         # first) and one for all rows still under their minimum length; timestamp rules per request.
-        first = [r for q in reqs if q.dec.n_sampled == 0 for r in q.rows]
+        first = [r - base for q in reqs if q.dec.n_sampled == 0 for r in q.rows]
         if first:
             logits[torch.tensor(first, device=dev)[:, None], torch.tensor(self.suppress.blank, device=dev)] = NEG_INF
-        short = [r for q in reqs if q.dec.n_sampled < q.dec.plan.min_new_tokens for r in q.rows]
+        short = [r - base for q in reqs if q.dec.n_sampled < q.dec.plan.min_new_tokens for r in q.rows]
         if short:
             logits[torch.tensor(short, device=dev), self.tok.eot] = NEG_INF
         for req in reqs:
             if req.dec.plan.timestamps:
-                idx = torch.tensor(req.rows, device=dev)
+                idx = torch.tensor(req.rows, device=dev) - base
                 sub = logits[idx]
                 req.dec.timestamp_rules(sub)
                 logits[idx] = sub
@@ -393,24 +488,25 @@ class WhisperEngine:
         beam_tops: dict[int, tuple[list, list]] = {}
         for k in sorted({r.dec.plan.beam_size for r in reqs if r.dec.plan.beam_size > 1}):
             rows = [x for r in reqs if r.dec.plan.beam_size == k for x in r.rows]
-            vals, ids = logprobs[torch.tensor(rows, device=dev)].topk(k + 1, dim=-1)
+            vals, ids = logprobs[torch.tensor(rows, device=dev) - base].topk(k + 1, dim=-1)
             vals, ids = vals.tolist(), ids.tolist()
             for i, row in enumerate(rows):
                 beam_tops[row] = (vals[i], ids[i])
         greedy_l, lp_l = greedy.tolist(), chosen_lp.tolist()
-        finished: list[_Active] = []
         for req in reqs:
             d = req.dec
             if d.plan.beam_size == 1:
-                r = req.rows[0]
+                r = req.rows[0] - base
                 d.update_greedy(greedy_l[r], lp_l[r])
             else:
                 src = d.update_beam([beam_tops[r][0] for r in req.rows], [beam_tops[r][1] for r in req.rows])
                 if not d.done and src != list(range(len(src))):
                     dst = torch.tensor(req.rows, device=dev)
                     self.cache.move(dst, dst[torch.tensor(src, device=dev)], self_only=True)
-            if d.done:
-                finished.append(req)
+
+    def _finish(self) -> list[EngineOutput]:
+        """Report finished requests and free their rows."""
+        finished = [q for q in self._active.values() if q.dec.done]
         outputs = []
         for req in finished:
             del self._active[req.rid]
