@@ -98,6 +98,34 @@ def join_transcript(transcript: str, text: str) -> str:
     return transcript + " " + text
 
 
+def build_prompt(sp: SpecialTokens, encode, voice: Voice, text: str, global_ids: list[int] | None = None) -> list[int]:
+    """The LM prompt for one sentence (DESIGN §6). `global_ids`: a speaker already chosen (a
+    controllable voice's first sentence produced them); without them a preset voice gets the
+    controllable prompt and the LM writes its own 32 global tokens first."""
+    v = voice
+    if v.kind == "preset" and not global_ids:
+        return [sp.task_controllable_tts, sp.start_content, *encode(text), sp.end_content, sp.start_style,
+                sp.gender[v.gender], sp.pitch_label[v.pitch], sp.speed_label[v.speed], sp.end_style]
+    globals_ = global_ids or v.global_ids or []
+    head = [sp.task_tts, sp.start_content]
+    g = [sp.start_global, *(sp.global_base + i for i in globals_), sp.end_global]
+    if v.kind == "cloned" and v.transcript and v.semantic_ids:
+        # prompt continuation: the model carries on speaking from the reference clip
+        return [*head, *encode(join_transcript(v.transcript, text)), sp.end_content, *g, sp.start_semantic,
+                *(sp.semantic_base + i for i in v.semantic_ids)]
+    return [*head, *encode(text), sp.end_content, *g]
+
+
+def tokenize_reference(codec: BiCodec, features, audio: np.ndarray, device: str) -> tuple[list[int], list[int]]:
+    """16 kHz reference recording -> (32 global ids, semantic ids); `features(wav)` gives wav2vec2 features."""
+    cfg = codec.config
+    wav = volume_normalize(audio) if cfg.volume_normalize else np.asarray(audio, np.float32)
+    ref = torch.from_numpy(reference_clip(wav, cfg)).to(device)[None]
+    global_ids = codec.global_tokens(ref)[0].tolist()
+    semantic_ids = codec.semantic_tokens(features(wav))[0].tolist()
+    return global_ids, semantic_ids
+
+
 @dataclass
 class _Request:
     rid: int
@@ -427,19 +455,7 @@ class SparkTTSEngine:
         return bias.to(self.device)
 
     def _prompt(self, r: _Request, seg: int) -> list[int]:
-        sp, enc, v = self.special, self.tokenizer.encode, r.voice
-        text = r.segments[seg]
-        if v.kind == "preset" and not r.global_ids:
-            return [sp.task_controllable_tts, sp.start_content, *enc(text), sp.end_content, sp.start_style,
-                    sp.gender[v.gender], sp.pitch_label[v.pitch], sp.speed_label[v.speed], sp.end_style]
-        globals_ = r.global_ids or v.global_ids or []
-        head = [sp.task_tts, sp.start_content]
-        g = [sp.start_global, *(sp.global_base + i for i in globals_), sp.end_global]
-        if v.kind == "cloned" and v.transcript and v.semantic_ids:
-            # prompt continuation: the model carries on speaking from the reference clip
-            return [*head, *enc(join_transcript(v.transcript, text)), sp.end_content, *g, sp.start_semantic,
-                    *(sp.semantic_base + i for i in v.semantic_ids)]
-        return [*head, *enc(text), sp.end_content, *g]
+        return build_prompt(self.special, self.tokenizer.encode, r.voice, r.segments[seg], r.global_ids)
 
     def _admit(self) -> None:
         if not self._queue or len(self._active) >= self.max_batch:
@@ -573,13 +589,7 @@ class SparkTTSEngine:
 
     def _tokenize_reference(self, audio: np.ndarray) -> tuple[list[int], list[int]]:
         """16 kHz reference recording -> (32 global ids, semantic ids): runs wav2vec2 (loaded on first use)."""
-        cfg = self.codec.config
-        wav = volume_normalize(audio) if cfg.volume_normalize else np.asarray(audio, np.float32)
-        ref = torch.from_numpy(reference_clip(wav, cfg)).to(self.device)[None]
-        global_ids = self.codec.global_tokens(ref)[0].tolist()
-        feats = self._features(wav)
-        semantic_ids = self.codec.semantic_tokens(feats)[0].tolist()
-        return global_ids, semantic_ids
+        return tokenize_reference(self.codec, self._features, audio, self.device)
 
     def _features(self, wav: np.ndarray) -> torch.Tensor:
         if self._wav2vec2 is None:
