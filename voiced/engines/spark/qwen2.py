@@ -154,8 +154,10 @@ class Attention(nn.Module):
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
         return self.o_proj(out.transpose(1, 2).reshape(1, n, -1))
 
-    def decode(self, x, cos, sin, k_cache, v_cache, rows: torch.Tensor, positions: torch.Tensor, kv_len: int) -> torch.Tensor:
-        """One token per row: `x [B, 1, C]` for cache rows `0..B-1` at `positions [B]`."""
+    def decode(self, x, cos, sin, k_cache, v_cache, rows: torch.Tensor, positions: torch.Tensor, kv_len: int,
+               mask: torch.Tensor | None = None) -> torch.Tensor:
+        """One token per row: `x [B, 1, C]` for cache rows `0..B-1` at `positions [B]`; `mask` (the same
+        for every layer) may be passed in so a step builds it once instead of once per layer."""
         b = x.shape[0]
         q, k, v = self._qkv(x, cos, sin)
         # index_put with tensors only: capturable in a CUDA graph.
@@ -164,9 +166,15 @@ class Attention(nn.Module):
         keys, values = k_cache[:b, :, :kv_len], v_cache[:b, :, :kv_len]
         # GQA without copying KV: the `group` query heads of one KV head become its query rows.
         q = q.reshape(b, self.n_kv, self.group, self.head_dim)
-        mask = (torch.arange(kv_len, device=x.device)[None, :] <= positions[:, None])[:, None, None, :]
+        if mask is None:
+            mask = decode_mask(positions, kv_len)
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
         return self.o_proj(out.reshape(b, 1, self.n_heads * self.head_dim))
+
+
+def decode_mask(positions: torch.Tensor, kv_len: int) -> torch.Tensor:
+    """`[B, 1, 1, kv_len]`: row b attends to cache positions 0..positions[b]."""
+    return (torch.arange(kv_len, device=positions.device)[None, :] <= positions[:, None])[:, None, None, :]
 
 
 class MLP(nn.Module):
@@ -283,10 +291,13 @@ class Qwen2LM(nn.Module):
         b = tokens.shape[0]
         rows = torch.arange(b, device=tokens.device)
         x = self.model.embed_tokens(tokens[:, None])
-        cos = self.rope_cos[positions][:, None, None]
-        sin = self.rope_sin[positions][:, None, None]
+        # Per step, not per layer: the mask and the rope factors in the activations' dtype (apply_rope's
+        # casts become no-ops). A decode step is ~1000 small kernels, and their count sets its time.
+        cos = self.rope_cos[positions][:, None, None].to(x.dtype)
+        sin = self.rope_sin[positions][:, None, None].to(x.dtype)
+        mask = decode_mask(positions, kv_len)
         for layer, kc, vc in zip(self.model.layers, self.k_caches, self.v_caches):
-            x = x + layer.self_attn.decode(layer.input_layernorm(x), cos, sin, kc, vc, rows, positions, kv_len)
+            x = x + layer.self_attn.decode(layer.input_layernorm(x), cos, sin, kc, vc, rows, positions, kv_len, mask)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self.model.norm(x[:, 0])
 
