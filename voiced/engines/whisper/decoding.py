@@ -143,19 +143,9 @@ class RequestDecoder:
         return len(self.initial) + self.n_sampled - 1
 
     # ---------------------------------------------------------------------------------- logit filters
-    def filter(self, logits: Tensor, suppress: Suppression) -> None:
-        """Request-specific masking of this request's rows [rows, vocab], in place.
-
-        The engine applies the always-suppressed ids, and these same rules batched over requests;
-        this is the one-request form of them (kept for readability and direct use).
-        """
-        if self.n_sampled == 0:
-            logits[:, suppress.blank] = NEG_INF
-        if self.n_sampled < self.plan.min_new_tokens:
-            logits[:, self.tok.eot] = NEG_INF
-        if self.plan.timestamps:
-            self.timestamp_rules(logits)
-
+    # The engine applies the suppression set, the first-token blank rule and the minimum-length rule
+    # batched over all rows (Suppression, min_new_tokens); the timestamp rules depend on each row's
+    # history and run here, per request.
     def timestamp_rules(self, logits: Tensor) -> None:
         """openai-whisper's timestamp rules for this request's rows [rows, vocab], in place."""
         tok, tb = self.tok, self.tok.timestamp_begin
