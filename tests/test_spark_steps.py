@@ -127,3 +127,20 @@ def test_first_chunks_are_decoded_before_bulk_chunks_of_requests_ahead_of_real_t
     # the step that released request 2's first chunk released nothing of request 1 (it was ahead)
     assert decoded[step2] == {2}
     assert any(1 in d for d in decoded[step2 + 1 :])
+
+
+def test_pure_layer_function_equals_the_modules(lm):
+    """`layer_decode` (what compile_decode compiles) computes exactly what the modules compute."""
+    from voiced.engines.spark.qwen2 import layer_decode
+
+    torch.manual_seed(2)
+    p = torch.randint(0, 166000, (12,))
+    outs = []
+    for fn in (None, layer_decode):
+        lm.setup_cache(max_batch=2, max_seq=64)
+        lm.prefill(p, 1)
+        lm.compile_decode() if fn else None
+        lm._layer_fn = fn  # the uncompiled function: CPU CI compiles nothing
+        outs.append(lm.decode(torch.tensor([3, 7]), torch.tensor([0, 12])))
+    lm._layer_fn = None
+    assert torch.equal(outs[0], outs[1])

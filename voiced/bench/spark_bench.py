@@ -225,6 +225,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tiny-cpu", action="store_true", help="dry run on the CPU with tiny random models")
     ap.add_argument("--profile", default=None, help="write a torch.profiler table of one concurrency-16 run here")
     ap.add_argument("--decode-steps", type=int, default=None, help="decode steps per host sync (engine default)")
+    ap.add_argument("--compile", action="store_true",
+                    help="after the batch-1 numbers, torch.compile the decode layers and measure again (and use "
+                         "them for everything after)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     if not args.tiny_cpu:
@@ -280,6 +283,20 @@ def main(argv: list[str] | None = None) -> int:
             "engine_steps_graph_equals_eager_sampled": s_tok_s == s_tok_s2,
         })
         log.info("decode batch 1: %s", res["decode_batch1"])
+        if args.compile:
+            t0 = time.perf_counter()
+            lm.compile_decode()
+            c_tok_g, c_steps_g = steps_decode(engine, prompt, n, 1, use_graph=not args.tiny_cpu)
+            c_tok_e, _ = steps_decode(engine, prompt, n, 1, use_graph=False)
+            _, c_steps_s = steps_decode(engine, prompt, n, 50, use_graph=not args.tiny_cpu)
+            res["decode_batch1_compiled"] = {
+                "compile_and_measure_s": round(time.perf_counter() - t0, 1),
+                "engine_steps_graph_ms_per_step_greedy": round(c_steps_g * 1000, 3),
+                "engine_steps_graph_ms_per_step_sampled": round(c_steps_s * 1000, 3),
+                "graph_equals_eager_greedy": c_tok_g == c_tok_e,
+                "greedy_tokens_equal_uncompiled": next((i for i, (a, b) in enumerate(zip(c_tok_g, s_tok_g)) if a != b), n),
+            }
+            log.info("decode batch 1, compiled: %s", res["decode_batch1_compiled"])
         res["decode_lm_only"] = []
         for b in sorted({b for b in (1, 16, max_batch) if b <= max_batch}):
             _, sb = steps_decode(engine, prompt, 96, 50, use_graph=not args.tiny_cpu, batch=b)

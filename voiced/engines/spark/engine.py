@@ -220,11 +220,14 @@ class SparkTTSEngine:
     def load(cls, name_or_path: str | Path = "spark-tts-0.5b", device: str | None = None,
              dtype: str | torch.dtype | None = None, max_batch: int = 16, voices_dir: str | Path | None = None,
              kv_cache_bytes: int | None = None, max_seq_len: int = 4096, codec_dtype: str | torch.dtype | None = None,
-             use_cuda_graphs: bool = True, decode_steps: int = DECODE_STEPS) -> "SparkTTSEngine":
+             use_cuda_graphs: bool = True, decode_steps: int = DECODE_STEPS,
+             compile_lm: bool = False) -> "SparkTTSEngine":
         """Load a Spark-TTS-0.5B directory (or the cached model by name).
 
         dtype: the LM's (default bf16 on GPU, fp32 on CPU; fp16 is refused: it overflows in this LM).
         kv_cache_bytes: a budget from the daemon's memory plan; it caps max_batch for max_seq_len.
+        compile_lm: torch.compile the decode layers (GPU; fused kernels, a few seconds of compile per
+            shape class at warm-up). Tokens match the uncompiled path up to bf16 rounding, not bit for bit.
         """
         ckpt = resolve(name_or_path)
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -250,6 +253,8 @@ class SparkTTSEngine:
                 log.info("TTS KV budget fits %d concurrent requests (asked for %d)", fit, max_batch)
             max_batch = min(max_batch, fit)
         codec = load_bicodec(ckpt.bicodec_dir, ckpt.root_config, device, c_dtype)
+        if compile_lm:
+            lm.compile_decode()
         return cls(ckpt, lm, codec, tokenizer, special, device=device, max_batch=max_batch, max_seq_len=max_seq_len,
                    voices_dir=voices_dir, use_cuda_graphs=use_cuda_graphs, model_name=ckpt.root.name,
                    decode_steps=decode_steps)
