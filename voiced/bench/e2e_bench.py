@@ -83,6 +83,17 @@ def start_server(args):
         tts = spark_bench.build("cpu", torch.float32, torch.float32, args.tts_batch, 2048, work, tiny=True)
     else:
         tts = spark_bench.build("cuda", torch.bfloat16, torch.bfloat16, args.tts_batch, 2048, work)
+    # Random weights: force what a trained model does (speak until the length cap, in a fixed voice),
+    # as the engine benchmark does: only semantic tokens in the semantic phase, 32 given global tokens.
+    from voiced.engines.spark.engine import PHASE_SEMANTIC
+    from voiced.engines.spark.voices import Voice
+
+    sp = tts.special
+    for t in (sp.eos, sp.end_semantic, sp.start_semantic, sp.end_global):
+        tts._bias[PHASE_SEMANTIC, t] = float("-inf")
+    tts.segment_base_s = 1e6
+    speaker = torch.randint(0, 4096, (32,), generator=torch.Generator().manual_seed(0)).tolist()
+    tts.voices.resolve = lambda name: Voice("bench", "cloned", global_ids=speaker)
     tts.warmup()
     services = Services(config=config, metrics=Metrics(), asr=EngineWorker(asr, "asr"),
                         tts=EngineWorker(tts, "tts"), voices=tts.voices, agents=AgentRegistry(config.agent))
@@ -147,7 +158,7 @@ async def one_caller(address: str, pcm: bytes, start_frame: int, duration_s: flo
                     if ev.audio.last and r["bytes"]:
                         out["rtf"].append((r["t_last"] - r["t_text"]) / (r["bytes"] / 32000))
                 elif kind == "notice":
-                    out["notices"].append(ev.notice.code)
+                    out["notices"].append(f"{ev.notice.code}: {ev.notice.message[:120]}")
 
         reader = asyncio.create_task(read())
         t0 = time.monotonic()
@@ -176,7 +187,9 @@ async def callers(address: str, wav: Path, sessions: int, duration_s: float, rep
     await asyncio.gather(*(one_caller(address, pcm, (n_frames * k) // sessions, duration_s, reply_s, k, out)
                            for k in range(sessions)))
     report = {k: pct(v) for k, v in out.items() if k != "notices"}
-    report["notices"] = len(out["notices"])
+    from collections import Counter
+
+    report["notices"] = dict(Counter(out["notices"]))
     report["wall_s"] = round(time.monotonic() - t0, 1)
     return report
 

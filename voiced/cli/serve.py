@@ -54,13 +54,26 @@ def load_engines(services) -> None:
 
     config = services.config
     asr = load_asr(config)
+    _warm(asr)
     services.asr = EngineWorker(asr, "asr")
     log.info("ASR: %s on %s (%s backend)", asr.model_name, asr.device, asr.backend)
     if config.tts.enabled:
         tts = load_tts(config)
+        _warm(tts)
         services.tts = EngineWorker(tts, "tts")
         services.voices = tts.voices
         log.info("TTS: %s on %s (%s backend)", tts.model_name, tts.device, tts.backend)
+
+
+def _warm(engine) -> None:
+    """Capture CUDA graphs and first-use kernels before health says SERVING, not on a caller's time."""
+    warmup = getattr(engine, "warmup", None)
+    if warmup is not None:
+        import time
+
+        t0 = time.perf_counter()
+        warmup()
+        log.info("%s warmed up in %.1f s", engine.model_name, time.perf_counter() - t0)
 
 
 def run(args: argparse.Namespace) -> int:
