@@ -13,15 +13,15 @@ from pathlib import Path
 
 import grpc
 import numpy as np
+from voiced_client.proto import voiced_pb2 as pb
+from voiced_client.proto import voiced_pb2_grpc as pb_grpc
 
 from voiced.agents import AgentRegistry
 from voiced.audio.ingest import FRAME_SAMPLES, Format, FrameDecoder, encode_pcm, float_to_int16
 from voiced.config import Config
 from voiced.metrics import Metrics
 from voiced.scheduler import EngineWorker
-from voiced.server import Services, VoicedServer
-from voiced_client.proto import voiced_pb2 as pb
-from voiced_client.proto import voiced_pb2_grpc as pb_grpc
+from voiced.server import Services, VoicedServer, start_in_thread
 
 MAX_NEW_TOKENS = 10  # random models never stop on their own
 
@@ -78,26 +78,9 @@ def start_daemon(checkpoint: Path, config: Config | None = None, tts_engine=None
     if tts_engine is not None:
         services.tts = EngineWorker(tts_engine, "tts")
         services.voices = tts_engine.voices
-    loop = asyncio.new_event_loop()
     server = VoicedServer(config, services=services)
-    ready = threading.Event()
-    box: dict = {}
-
-    def main():
-        asyncio.set_event_loop(loop)
-
-        async def go():
-            box["port"] = await server.start()
-            ready.set()
-
-        loop.run_until_complete(go())
-        loop.run_forever()
-
-    thread = threading.Thread(target=main, daemon=True, name="voiced-test-server")
-    thread.start()
-    if not ready.wait(60):
-        raise RuntimeError("test server did not start")
-    return Daemon(f"127.0.0.1:{box['port']}", server, loop, thread, checkpoint)
+    port, loop, thread = start_in_thread(server, timeout=60)
+    return Daemon(f"127.0.0.1:{port}", server, loop, thread, checkpoint)
 
 
 # ------------------------------------------------------------------------------ the caller side

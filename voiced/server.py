@@ -13,6 +13,7 @@ import hmac
 import io
 import itertools
 import logging
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -22,10 +23,21 @@ import grpc
 import numpy as np
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from voiced_client.proto import voiced_pb2 as pb
+from voiced_client.proto import voiced_pb2_grpc as pb_grpc
 
 import voiced
 from voiced.agents import AgentRegistry
-from voiced.audio.ingest import FRAME_SAMPLES, MAX_RATE, MIN_RATE, RATE, AudioFormatError, Resampler, decode_pcm, float_to_int16
+from voiced.audio.ingest import (
+    FRAME_SAMPLES,
+    MAX_RATE,
+    MIN_RATE,
+    RATE,
+    AudioFormatError,
+    Resampler,
+    decode_pcm,
+    float_to_int16,
+)
 from voiced.config import Config
 from voiced.engines.base import ASRRequest, EngineError
 from voiced.metrics import Metrics
@@ -33,8 +45,6 @@ from voiced.scheduler import EngineWorker
 from voiced.segmenter import Segmenter, SegmenterConfig, Utterance
 from voiced.session import Session, ms
 from voiced.wire import SessionError, asr_options, audio_format, invalid, session_spec, transcript_to_proto
-from voiced_client.proto import voiced_pb2 as pb
-from voiced_client.proto import voiced_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
@@ -414,3 +424,36 @@ async def running(config: Config, load=None, services: Services | None = None):
         yield server
     finally:
         await server.drain_and_stop(grace=0)
+
+
+def start_in_thread(server: VoicedServer, timeout: float = 600) -> tuple[int, asyncio.AbstractEventLoop, threading.Thread]:
+    """Run `server` on its own event loop in a daemon thread (tests, benchmarks, embedding in an app).
+
+    Returns once it is serving: (port, loop, thread). Stop it with
+    `asyncio.run_coroutine_threadsafe(server.drain_and_stop(), loop)`, then `loop.call_soon_threadsafe(loop.stop)`.
+    """
+    loop = asyncio.new_event_loop()
+    ready = threading.Event()
+    started: dict = {}
+
+    def main():
+        asyncio.set_event_loop(loop)
+
+        async def start():
+            try:
+                started["port"] = await server.start()
+            except BaseException as e:  # report to the caller instead of dying silently
+                started["error"] = e
+            ready.set()
+
+        loop.run_until_complete(start())
+        if "error" not in started:
+            loop.run_forever()
+
+    thread = threading.Thread(target=main, daemon=True, name="voiced-server")
+    thread.start()
+    if not ready.wait(timeout):
+        raise TimeoutError(f"the server did not start within {timeout:.0f} s")
+    if "error" in started:
+        raise started["error"]
+    return started["port"], loop, thread

@@ -27,7 +27,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -58,7 +57,7 @@ def start_server(args):
     from voiced.engines.whisper.tokenizer import WhisperTokenizer
     from voiced.metrics import Metrics
     from voiced.scheduler import EngineWorker
-    from voiced.server import Services, VoicedServer
+    from voiced.server import Services, VoicedServer, start_in_thread
 
     config = Config()
     config.server.listen = "127.0.0.1:0"
@@ -97,24 +96,9 @@ def start_server(args):
     tts.warmup()
     services = Services(config=config, metrics=Metrics(), asr=EngineWorker(asr, "asr"),
                         tts=EngineWorker(tts, "tts"), voices=tts.voices, agents=AgentRegistry(config.agent))
-    loop = asyncio.new_event_loop()
     server = VoicedServer(config, services=services)
-    ready = threading.Event()
-    port: dict = {}
-
-    def run():
-        asyncio.set_event_loop(loop)
-
-        async def go():
-            port["n"] = await server.start()
-            ready.set()
-
-        loop.run_until_complete(go())
-        loop.run_forever()
-
-    threading.Thread(target=run, daemon=True, name="server").start()
-    ready.wait(600)
-    return f"127.0.0.1:{port['n']}", server, loop
+    port, loop, _ = start_in_thread(server)
+    return f"127.0.0.1:{port}", server, loop
 
 
 # ----------------------------------------------------------------------------------- caller side
@@ -123,7 +107,6 @@ def start_server(args):
 async def one_caller(address: str, pcm: bytes, start_frame: int, duration_s: float, reply_s: float, seed: int,
                      out: dict) -> None:
     import grpc
-
     from voiced_client.proto import voiced_pb2 as pb
     from voiced_client.proto import voiced_pb2_grpc as pb_grpc
 
