@@ -354,3 +354,72 @@ def test_bearer_token_is_required_when_configured(tmp_path):
                     health_pb2.HealthCheckResponse.SERVING
 
     asyncio.run(scenario())
+
+
+def test_sigterm_drains_then_exits_and_metrics_are_served(daemon, tmp_path):
+    """The real `voiced serve` process: SIGTERM stops new sessions, lets the open one finish, exits 0."""
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import threading
+    import time
+    import urllib.request
+
+    def free_port():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+    port, mport = free_port(), free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "voiced", "serve", "--asr-model", str(daemon.checkpoint),
+                             "--no-tts", "--device", "cpu", "--listen", f"127.0.0.1:{port}",
+                             "--metrics-listen", f"127.0.0.1:{mport}"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    address = f"127.0.0.1:{port}"
+    try:
+        with grpc.insecure_channel(address) as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            deadline = time.monotonic() + 60
+            while True:
+                try:
+                    if health.Check(health_pb2.HealthCheckRequest()).status == health_pb2.HealthCheckResponse.SERVING:
+                        break
+                except grpc.RpcError:
+                    pass
+                assert time.monotonic() < deadline and proc.poll() is None, proc.stdout.read()
+                time.sleep(0.1)
+            fmt = Format("LINEAR16", 16000)
+            frames = frames_of(wire_audio(layout([PHRASES[0]], lead_s=0.3, tail_s=0.8).audio, fmt), fmt)
+            half = len(frames) // 2
+            sent_half = threading.Event()
+            finish = threading.Event()
+
+            def requests():
+                yield pb.SessionRequest(config=session_config(fmt))
+                for i, f in enumerate(frames):
+                    if i == half:
+                        sent_half.set()
+                        finish.wait(30)
+                    yield pb.SessionRequest(audio=f)
+
+            result = {}
+            caller = threading.Thread(target=lambda: result.update(
+                events=list(pb_grpc.VoicedStub(channel).StreamingRecognize(requests()))))
+            caller.start()
+            assert sent_half.wait(30)
+            time.sleep(0.3)
+            metrics = urllib.request.urlopen(f"http://127.0.0.1:{mport}/metrics", timeout=5).read().decode()
+            assert "voiced_sessions_active 1.0" in metrics and "voiced_asr_latency_seconds_bucket" in metrics
+            proc.send_signal(signal.SIGTERM)
+            while health.Check(health_pb2.HealthCheckRequest()).status != health_pb2.HealthCheckResponse.NOT_SERVING:
+                time.sleep(0.05)
+            _, code, details = stream_blocking(address, [pb.SessionRequest(config=session_config(fmt))])
+            assert code == grpc.StatusCode.UNAVAILABLE and "shutting down" in details
+            finish.set()  # the open session finishes its utterance and gets its transcript
+            caller.join(30)
+            assert [e.transcript.is_final for e in result["events"] if e.WhichOneof("event") == "transcript"] == [True]
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
