@@ -194,6 +194,12 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--latency-runs", type=int, default=20)
     ap.add_argument("--decode-chunk", type=int, default=8, help="greedy steps per host sync")
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--compile-encoder", action="store_true", help="torch.compile the GPU encoder's layers")
+    ap.add_argument("--attn-backend", default=None, choices=["flash", "cudnn", "efficient"],
+                    help="pin the encoder's attention kernel")
+    ap.add_argument("--diagnose", action="store_true",
+                    help="GPU: latency split + profile, encoder variants, graph-vs-eager kernel probes")
+    ap.add_argument("--probe-only", action="store_true", help="only the graph-vs-eager probes (subprocess use)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     global _OUT
@@ -222,13 +228,32 @@ def main(argv: list[str] | None = None) -> dict:
 
     opts = ASROptions(language="en", max_new_tokens=args.tokens, min_new_tokens=args.tokens)
     audio = test_audio(max(args.throughput_utts, args.hf_throughput_utts, 16))
+    fast = dict(compile_encoder=args.compile_encoder, attn_backend=args.attn_backend)
+    report.update(fast)
+    if args.probe_only:
+        eng = WhisperEngine(model, tok, model_name=args.dims, max_batch=16, max_encoder_batch=1, **fast)
+        report["probe"] = probe(eng)
+        print("PROBE " + json.dumps(report["probe"]))
+        return report
     graphs = WhisperEngine(model, tok, model_name=args.dims, max_batch=args.max_batch,
-                           max_encoder_batch=args.encoder_batch, cuda_graphs=True, decode_chunk=args.decode_chunk)
+                           max_encoder_batch=args.encoder_batch, cuda_graphs=True, decode_chunk=args.decode_chunk,
+                           **fast)
     eager = WhisperEngine(model, tok, model_name=args.dims, max_batch=args.max_batch,
-                          max_encoder_batch=args.encoder_batch, cuda_graphs=False, decode_chunk=args.decode_chunk)
+                          max_encoder_batch=args.encoder_batch, cuda_graphs=False, decode_chunk=args.decode_chunk,
+                          **fast)
     t0 = time.perf_counter()
     graphs.warmup()
-    report["graph_capture_s"] = round(time.perf_counter() - t0, 2)
+    report["warmup_graphs_s"] = round(time.perf_counter() - t0, 2)
+    t0 = time.perf_counter()
+    eager.warmup()
+    report["warmup_eager_s"] = round(time.perf_counter() - t0, 2)
+    # First request after warm-up: nothing left to pay for the first time?
+    for name, eng in (("graphs", graphs), ("eager", eager)):
+        sync(dev)
+        t0 = time.perf_counter()
+        eng.transcribe(ASRRequest(audio[2], opts))
+        sync(dev)
+        report[f"first_request_after_warmup_ms_{name}"] = round((time.perf_counter() - t0) * 1000, 1)
 
     try:
         equality(report, graphs, eager, audio, opts, args)
@@ -244,6 +269,13 @@ def main(argv: list[str] | None = None) -> dict:
         report["speed_error"] = repr(e)
     save(report)
     del eager
+    if args.diagnose and dev.startswith("cuda"):
+        try:
+            diagnose(report, graphs, model, audio, opts, args)
+        except Exception as e:
+            log.exception("diagnose section failed")
+            report["diagnose_error"] = repr(e)
+        save(report)
     if not args.skip_hf:
         try:
             transformers_section(report, model, dims, tok, audio, single_g, args, dev, dtype)
@@ -292,6 +324,215 @@ def equality(report, graphs, eager, audio, opts, args) -> None:
                 report["graphs_equal_eager"][f"step_logits_max_abs_diff_b{b}"] = \
                     (eager_logits - graph_logits).abs().max().item()
     log.info("graphs == eager: %s", report["graphs_equal_eager"])
+
+
+def probe(eng: WhisperEngine) -> dict:
+    """Graph replay vs eager for the decoder step under several cuBLAS settings (max |diff| of the
+    logits per bucket), and standalone GEMMs of the step's shapes (which ones differ)."""
+    import torch.nn.functional as F
+
+    dev = eng.model.device
+    out: dict = {}
+    settings = {
+        "default": {},
+        "no_fp16_reduced_precision_reduction": {"reduced": False},
+        "blas_cublas": {"blas": "cublas"},
+        "blas_cublaslt": {"blas": "cublaslt"},
+    }
+    m = torch.backends.cuda.matmul
+    base_red, base_blas = m.allow_fp16_reduced_precision_reduction, torch.backends.cuda.preferred_blas_library()
+    D = eng.dims.n_text_state
+    shapes = [(D, D, True), (D, D, False), (D, 4 * D, True), (4 * D, D, True), (D, eng.dims.n_vocab, False)]
+    for name, st in settings.items():
+        try:
+            m.allow_fp16_reduced_precision_reduction = st.get("reduced", base_red)
+            torch.backends.cuda.preferred_blas_library(st.get("blas", base_blas))
+            res = {}
+            with torch.inference_mode(), eng.on_stream():
+                eng._graphs.clear()
+                for b in (1, 2, 4, 8, 16):
+                    eng._tok_buf[:b] = torch.arange(b, device=dev) + 1000
+                    eng._pos_buf[:b] = 5
+                    e = eng._plain_step(b).clone()
+                    g = eng._run("plain", b).clone()
+                    res[f"step_b{b}"] = (e - g).abs().max().item()
+                gem = []
+                for M in (1, 2, 4, 8, 16, 32, 64, 128, 256):
+                    for k, n, bias in shapes:
+                        x = torch.randn(M, k, device=dev, dtype=eng.dtype)
+                        w = torch.randn(n, k, device=dev, dtype=eng.dtype) / k ** 0.5
+                        bb = torch.randn(n, device=dev, dtype=eng.dtype) if bias else None
+                        e = F.linear(x, w, bb)
+                        gr = torch.cuda.CUDAGraph()
+                        with torch.cuda.graph(gr, stream=eng._stream):
+                            o = F.linear(x, w, bb)
+                        gr.replay()
+                        torch.cuda.synchronize()
+                        if not torch.equal(e, o):
+                            gem.append(f"M{M}xK{k}xN{n}{'+b' if bias else ''}:{(e - o).abs().max().item():.3g}")
+                res["gemm_mismatches"] = gem
+            out[name] = res
+        except Exception as e:  # a setting this build lacks
+            out[name] = repr(e)
+        finally:
+            m.allow_fp16_reduced_precision_reduction = base_red
+            torch.backends.cuda.preferred_blas_library(base_blas)
+            eng._graphs.clear()
+    return out
+
+
+def diagnose(report, graphs, model, audio, opts, args) -> None:
+    """Where one utterance's time goes (CUDA events per phase, and a profiler table), encoder
+    variants (reference forward, fused GPU path eager / graph, attention backends, compiled), and
+    graph-vs-eager probes under cuBLAS settings (in-process, and in subprocesses for env settings)."""
+    import os
+    import subprocess
+    import sys
+
+    from voiced.engines.whisper.audio import log_mel_spectrogram, pad_or_trim
+    from voiced.engines.whisper.fast import FastEncoder
+
+    dev, dt = "cuda", graphs.dtype
+    diag: dict = {}
+    report["diagnose"] = diag
+
+    def ev_time(fn, reps=10) -> float:
+        with torch.inference_mode(), graphs.on_stream():
+            fn()
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize()
+            s.record()
+            for _ in range(reps):
+                fn()
+            e.record()
+            torch.cuda.synchronize()
+        return round(s.elapsed_time(e) / reps, 3)
+
+    # graph vs eager under cuBLAS settings
+    small = WhisperEngine(model, graphs.tok, max_batch=16, max_encoder_batch=1, cuda_graphs=True)
+    diag["probe_in_process"] = probe(small)
+    del small
+    log.info("probe: %s", diag["probe_in_process"])
+    save(report)
+    envs = {"workspace_4096_8": {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"},
+            "workspace_0": {"CUBLAS_WORKSPACE_CONFIG": ":0:0"},
+            "disable_addmm_lt": {"DISABLE_ADDMM_CUDA_LT": "1"},
+            "lt_unified_workspace": {"TORCH_CUBLASLT_UNIFIED_WORKSPACE": "1"}}
+    tdir = str(args.tiktoken_dir)
+    for name, env in envs.items():
+        try:
+            r = subprocess.run([sys.executable, "-m", "voiced.bench.whisper_bench", "--probe-only", "--tiktoken-dir",
+                                tdir, "--dims", args.dims], env={**os.environ, **env}, capture_output=True,
+                               text=True, timeout=120)
+            line = next((x for x in r.stdout.splitlines() if x.startswith("PROBE ")), None)
+            diag[f"probe_{name}"] = json.loads(line[6:]) if line else r.stderr[-500:]
+        except Exception as e:
+            diag[f"probe_{name}"] = repr(e)
+        log.info("probe %s: %s", name, diag[f"probe_{name}"])
+        save(report)
+    x1 = torch.stack([pad_or_trim(torch.from_numpy(audio[1]))]).to(dev)
+    split = {"log_mel_b1": ev_time(lambda: log_mel_spectrogram(x1, graphs.dims.n_mels))}
+    # Phases of one utterance through the engine's own paths (graphs), CUDA events.
+    eng = graphs
+    with torch.inference_mode(), eng.on_stream():
+        split["encoder_b1_engine"] = ev_time(lambda: eng._encode_bucket(x1, 1))
+        eng._tok_buf[:1] = 1000
+        eng._pos_buf[:1] = 4
+        eng._minleft[:1] = 100
+        split["greedy_step_b1"] = ev_time(lambda: eng._run("greedy", 1), 31)
+        for b in (16, 64, 256):
+            if b in eng.buckets:
+                split[f"greedy_step_b{b}"] = ev_time(lambda b=b: eng._run("greedy", b), 8)
+    # Host wall time of the phases inside engine.step() for one request.
+    import cProfile
+    import pstats
+    req = ASRRequest(audio[1], opts)
+    pr = cProfile.Profile()
+    sync(dev)
+    pr.enable()
+    eng.transcribe(req)
+    sync(dev)
+    pr.disable()
+    st = pstats.Stats(pr)
+    wanted = ("_admit", "_encode_into_cache", "_greedy_chunk", "_select", "prefill", "write_cross", "_finish",
+              "_load_inputs", "_row_inputs")
+    host = {}
+    for (fname, line, func), (cc, nc, tt, ct, callers) in st.stats.items():
+        if func in wanted:
+            host[func] = round(host.get(func, 0) + ct * 1000, 2)
+    split["host_cumulative_ms"] = host
+    # torch.profiler over one utterance: top GPU kernels and the GPU-busy total.
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        eng.transcribe(ASRRequest(audio[1], opts))
+        sync(dev)
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60)
+    gpu_us = sum(e.self_device_time_total for e in prof.key_averages())
+    split["profiler_gpu_busy_ms"] = round(gpu_us / 1000, 2)
+    diag["latency_split_ms"] = split
+    print(table)
+    if _OUT is not None:
+        (_OUT.parent / "profile_b1.txt").write_text(table)
+    log.info("latency split: %s", split)
+    # saturated: 96 utterances at once (encoder batches of --encoder-batch), kernel table
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run_until_done(eng, [ASRRequest(a, opts) for a in audio[:96]])
+        sync(dev)
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=70)
+    diag["saturated_96_gpu_busy_ms"] = round(sum(e.self_device_time_total for e in prof.key_averages()) / 1000, 1)
+    print(table)
+    if _OUT is not None:
+        (_OUT.parent / "profile_sat.txt").write_text(table)
+    save(report)
+    # Encoder variants at batch 1 and at the encoder batch; diff against the reference forward.
+    variants = {}
+    for B in sorted({1, args.encoder_batch}):
+        xb = torch.stack([pad_or_trim(torch.from_numpy(a)) for a in audio[:B]]).to(dev)
+        with torch.inference_mode(), graphs.on_stream():
+            ref = model.encoder(log_mel_spectrogram(xb, graphs.dims.n_mels).to(dt)).float()
+        reps = 10 if B == 1 else 3
+        variants[f"b{B}_reference_eager_ms"] = ev_time(
+            lambda: model.encoder(log_mel_spectrogram(xb, graphs.dims.n_mels).to(dt)), reps)
+        for backend in (None, "flash", "cudnn", "efficient"):
+            name = f"b{B}_fused_{backend or 'auto'}"
+            try:
+                fe = FastEncoder(model.encoder, graphs.dims.n_mels, backend)
+                with torch.inference_mode(), graphs.on_stream():
+                    got = fe(xb, dt).float()
+                variants[name + "_eager_ms"] = ev_time(lambda: fe(xb, dt), reps)
+                variants[name + "_max_abs_diff"] = round((got - ref).abs().max().item(), 4)
+                with torch.inference_mode(), graphs.on_stream():
+                    g = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(g, stream=graphs._stream):
+                        o = fe(xb, dt)
+                variants[name + "_graph_ms"] = ev_time(g.replay, reps)
+                variants[name + "_graph_equals_eager"] = bool(torch.equal(o.float(), got))
+                del g, o
+            except Exception as e:
+                variants[name] = repr(e)[:200]
+        log.info("encoder variants: %s", variants)
+        save(report)
+    diag["encoder_variants"] = variants
+    if not args.compile_encoder:
+        try:
+            t0 = time.perf_counter()
+            fe = FastEncoder(model.encoder, graphs.dims.n_mels, args.attn_backend, compile_layers=True)
+            for B in sorted({1, args.encoder_batch}):
+                xb = torch.stack([pad_or_trim(torch.from_numpy(a)) for a in audio[:B]]).to(dev)
+                with torch.inference_mode(), graphs.on_stream():
+                    ref = model.encoder(log_mel_spectrogram(xb, graphs.dims.n_mels).to(dt)).float()
+                    got = fe(xb, dt).float()
+                    g = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(g, stream=graphs._stream):
+                        fe(xb, dt)
+                variants[f"b{B}_compiled_max_abs_diff"] = round((got - ref).abs().max().item(), 4)
+                variants[f"b{B}_compiled_graph_ms"] = ev_time(g.replay, 10 if B == 1 else 3)
+                del g
+            variants["compile_s"] = round(time.perf_counter() - t0, 1)
+        except Exception as e:
+            variants["compiled"] = repr(e)[:300]
+        log.info("encoder variants: %s", variants)
+        save(report)
 
 
 def speed(report, graphs, eager, audio, opts, args, dev) -> None:

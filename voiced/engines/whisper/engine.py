@@ -26,11 +26,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from voiced.engines.base import SAMPLE_RATE, ASRRequest, CapacityError, EngineError, EngineOutput, Transcript
+from voiced.engines.base import SAMPLE_RATE, ASROptions, ASRRequest, CapacityError, EngineError, EngineOutput, Transcript
 
 from .audio import N_SAMPLES, log_mel_spectrogram, pad_or_trim
 from .checkpoint import CheckpointError, load_checkpoint, tokenizer_search_dirs
 from .decoding import DecodePlan, RequestDecoder, Suppression
+from .fast import FastEncoder
 from .model import KVCache, ModelDims, Whisper
 from .registry import resolve
 from .tokenizer import WhisperTokenizer
@@ -77,7 +78,8 @@ class WhisperEngine:
 
     def __init__(self, model: Whisper, tokenizer: WhisperTokenizer, *, model_name: str = "whisper",
                  max_batch: int = 8, max_encoder_batch: int | None = None, cuda_graphs: bool = True,
-                 max_queue: int | None = None, decode_chunk: int | None = None):
+                 max_queue: int | None = None, decode_chunk: int | None = None,
+                 compile_encoder: bool = False, attn_backend: str | None = None):
         if tokenizer.n_vocab != model.dims.n_vocab:
             raise CheckpointError(f"tokenizer has {tokenizer.n_vocab} tokens but the model {model.dims.n_vocab}")
         self.model = model.eval().requires_grad_(False)
@@ -121,6 +123,12 @@ class WhisperEngine:
             # cuBLAS keeps a workspace per stream and picks kernels by it, so eager steps and
             # captured ones only run the same kernels (and give the same bits) on the same stream.
             self._stream = torch.cuda.Stream(device=dev)
+        # GPU encoder: fused QKV, optional compiled layers; run per batch-size bucket (padded or
+        # split into buckets) so the graph path and the eager path see the same shapes.
+        self.fast_encoder = (FastEncoder(model.encoder, self.dims.n_mels, attn_backend, compile_encoder)
+                             if self.is_cuda else None)
+        self._enc_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
+        self._warming = False
         log.info("whisper engine %s on %s (%s): %d slots, %.1f MiB of KV cache, cuda graphs %s", model_name,
                  self.device, str(self.dtype).replace("torch.", ""), max_batch,
                  max_batch * KVCache.bytes_per_slot(self.dims, self.dtype) / 2**20, self.cuda_graphs)
@@ -130,7 +138,8 @@ class WhisperEngine:
     def load(cls, name_or_path: str | Path, device: str = "cpu", dtype: torch.dtype | str | None = None, *,
              max_batch: int | None = None, kv_cache_bytes: int | None = None, cuda_graphs: bool = True,
              max_encoder_batch: int | None = None, max_queue: int | None = None,
-             decode_chunk: int | None = None, cache_root: Path | None = None) -> WhisperEngine:
+             decode_chunk: int | None = None, cache_root: Path | None = None,
+             compile_encoder: bool = False, attn_backend: str | None = None) -> WhisperEngine:
         """Load an official name (from the model cache), an OpenAI `.pt` or a Hugging Face directory.
 
         device: "cpu", "cuda" or "cuda:N". dtype: default float16 on CUDA, float32 on CPU.
@@ -158,7 +167,8 @@ class WhisperEngine:
             rows = min(rows, int(fit))
         name = path.stem if path.is_file() else path.name
         return cls(model, tok, model_name=name, max_batch=rows, max_encoder_batch=max_encoder_batch,
-                   cuda_graphs=cuda_graphs, max_queue=max_queue, decode_chunk=decode_chunk)
+                   cuda_graphs=cuda_graphs, max_queue=max_queue, decode_chunk=decode_chunk,
+                   compile_encoder=compile_encoder, attn_backend=attn_backend)
 
     @staticmethod
     def _buckets(max_batch: int) -> list[int]:
@@ -389,17 +399,109 @@ class WhisperEngine:
         log.debug("captured %s decoder step graph for batch %d", kind, b)
 
     def warmup(self) -> None:
-        """Capture every bucket's CUDA graphs now (only while idle), so no request pays for it."""
-        if not self.cuda_graphs or self._n:
+        """Make every shape the engine will run now (only while idle), so no request pays a
+        first-time cost: the decoder-step graphs of every bucket, the encoder (compiled layers and
+        graphs) of every encoder batch bucket, and the admission work (cross keys/values, language
+        detection and prefill, token choice) for every admission size 1..max_encoder_batch."""
+        if self._n or self._queue or not self.is_cuda:
             return
         with torch.inference_mode(), self.on_stream():
             for t in (self._tok_buf, self._pos_buf, self._minleft):
                 t.zero_()
-            for b in self.buckets:
-                for kind in ("plain", "greedy"):
-                    if (kind, b) not in self._graphs:
-                        self._capture(kind, b)
+            if self.cuda_graphs:
+                for b in self.buckets:
+                    for kind in ("plain", "greedy"):
+                        if (kind, b) not in self._graphs:
+                            self._capture(kind, b)
+            for b in self.encoder_buckets():
+                if self.cuda_graphs:
+                    if b not in self._enc_graphs:
+                        self._capture_encoder(b)
+                else:
+                    self._encode_bucket(torch.zeros(b, N_SAMPLES, device=self.model.device), b)
+            # Admission at every size: with a language (prefill only) and without (detection first).
+            # (The encoder itself is skipped there: its bucket shapes are warm already.)
+            silence = np.zeros(SAMPLE_RATE // 10, dtype=np.float32)
+            ids = itertools.count(-10_000_000, -1)
+            self._warming = True
+            try:
+                for n in range(1, min(self.max_encoder_batch, self.max_batch) + 1):
+                    for lang, ts in (("en", False), (None, False), ("en", True)):
+                        for _ in range(n):
+                            self.submit(next(ids), ASRRequest(silence, ASROptions(language=lang, timestamps=ts,
+                                                                                  max_new_tokens=1)))
+                        while self._queue or self._active:
+                            self._step()
+            finally:
+                self._warming = False
             torch.cuda.synchronize()
+
+    # ------------------------------------------------------------------------- the GPU encoder
+    def encoder_buckets(self) -> list[int]:
+        return self._buckets(self.max_encoder_batch)
+
+    def _enc_pieces(self, n: int) -> list[int]:
+        """Split an admission of n utterances into bucket-sized encoder runs: round up to the next
+        bucket when that pads by at most a quarter, else take the largest bucket that fits."""
+        buckets, out = self.encoder_buckets(), []
+        while n > 0:
+            up = next((b for b in buckets if b >= n), buckets[-1])
+            if up <= n * 1.25 or up == buckets[0]:
+                out.append(up)
+                n -= min(up, n)
+            else:
+                down = max(b for b in buckets if b <= n)
+                out.append(down)
+                n -= down
+        return out
+
+    def _encode_bucket(self, audio: torch.Tensor, b: int) -> torch.Tensor:
+        """Features [b, A, D] of audio [b, N_SAMPLES] (padded windows), by graph or eagerly."""
+        if self.cuda_graphs:
+            if b not in self._enc_graphs:
+                self._capture_encoder(b)
+            graph, inp, out = self._enc_graphs[b]
+            inp.copy_(audio)
+            graph.replay()
+            return out
+        return self.fast_encoder(audio, self.dtype)
+
+    def _capture_encoder(self, b: int) -> None:
+        with self.on_stream():
+            inp = torch.zeros(b, N_SAMPLES, device=self.model.device)
+            for _ in range(2):  # compiles (if asked) and makes lazy inits happen outside capture
+                self.fast_encoder(inp, self.dtype)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool, stream=self._stream):
+                out = self.fast_encoder(inp, self.dtype)
+        self._enc_graphs[b] = (graph, inp, out)
+        log.debug("captured encoder graph for batch %d", b)
+
+    def _encode_into_cache(self, audio: torch.Tensor, chosen: list[_Active]) -> None:
+        """Encoder over audio [n, N_SAMPLES] of `chosen`, then every layer's cross keys/values into
+        each request's rows (one copy per beam)."""
+        model, dev = self.model, self.model.device
+        if not self.is_cuda:
+            mel = log_mel_spectrogram(audio, self.dims.n_mels).to(self.dtype)
+            features = model.encoder(mel)
+            source = torch.tensor([i for i, r in enumerate(chosen) for _ in r.rows], device=dev)
+            rows = torch.tensor([x for r in chosen for x in r.rows], device=dev)
+            model.decoder.write_cross(self.cache, rows, features[source])
+            return
+        start = 0
+        for b in self._enc_pieces(len(chosen)):
+            part = chosen[start:start + b]
+            x = audio[start:start + len(part)]
+            if len(part) < b:
+                x = torch.cat([x, x.new_zeros(b - len(part), x.shape[1])])
+            if self._warming:  # shapes only: zeros stand in for the features
+                features = torch.zeros(b, self.dims.n_audio_ctx, self.dims.n_audio_state, dtype=self.dtype, device=dev)
+            else:
+                features = self._encode_bucket(x, b)
+            source = torch.tensor([i for i, r in enumerate(part) for _ in r.rows], device=dev)
+            rows = torch.tensor([x for r in part for x in r.rows], device=dev)
+            model.decoder.write_cross(self.cache, rows, features[source])
+            start += len(part)
 
     def _admit(self) -> tuple[list[_Active], torch.Tensor] | None:
         """Move queued requests into free rows; returns them and their first-step logits (row order)."""
@@ -424,12 +526,10 @@ class WhisperEngine:
             self._active[req.rid] = req
         model, tok, dev = self.model, self.tok, self.model.device
         # Encoder over the new audio, then every layer's cross keys/values into each request's rows.
-        audio = torch.stack([pad_or_trim(torch.from_numpy(r.request.audio)) for r in chosen]).to(dev)
-        mel = log_mel_spectrogram(audio, self.dims.n_mels).to(self.dtype)
-        features = model.encoder(mel)
-        source = torch.tensor([i for i, r in enumerate(chosen) for _ in r.rows], device=dev)
-        rows = torch.tensor([x for r in chosen for x in r.rows], device=dev)
-        model.decoder.write_cross(self.cache, rows, features[source])
+        audio = torch.stack([pad_or_trim(torch.from_numpy(r.request.audio)) for r in chosen])
+        if self.is_cuda:
+            audio = audio.pin_memory().to(dev, non_blocking=True)
+        self._encode_into_cache(audio, chosen)
         # Language detection: the distribution after <|startoftranscript|> alone, over language tokens.
         detect = [r for r in chosen if r.dec.plan.language is None]
         if detect:
