@@ -423,3 +423,24 @@ def test_sigterm_drains_then_exits_and_metrics_are_served(daemon, tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_a_full_recognition_queue_is_a_clear_retryable_error_not_a_crash(daemon):
+    engine = daemon.services.asr.engine
+    fmt = Format("LINEAR16", 16000)
+    data = wire_audio(layout(PHRASES[:2], gap_s=1.0).audio, fmt)
+    engine.max_queue = 0  # no room for anything: every submission is refused
+    try:
+        with grpc.insecure_channel(daemon.address) as channel:
+            with pytest.raises(grpc.RpcError) as e:
+                pb_grpc.VoicedStub(channel).Recognize(pb.RecognizeRequest(
+                    audio=data, format=pb.AudioFormat(encoding=pb.LINEAR16, sample_rate_hz=16000)))
+            assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "retry" in e.value.details()
+        events, code, details = stream_blocking(daemon.address, audio_requests(session_config(fmt), data, fmt))
+        assert code == grpc.StatusCode.OK, details
+        assert [e.notice.code for e in of_kind(events, "notice")] == ["ASR_BUSY", "ASR_BUSY"]
+        assert len(of_kind(events, "speech")) == 4  # the session went on hearing the caller
+    finally:
+        engine.max_queue = None
+    events, code, _ = stream_blocking(daemon.address, audio_requests(session_config(fmt), data, fmt))
+    assert code == grpc.StatusCode.OK and len(of_kind(events, "transcript")) == 2  # and recovers

@@ -17,7 +17,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
-from voiced.engines.base import EngineError, EngineOutput, SteppedEngine
+from voiced.engines.base import CapacityError, EngineError, EngineOutput, SteppedEngine
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ class EngineWorker:
                 out = await sink.get()
                 if out.error is not None:
                     done = True
-                    raise EngineError(out.error)
+                    raise (CapacityError if out.busy else EngineError)(out.error)
                 if out.final:
                     done = True
                 yield out.value
@@ -127,6 +127,8 @@ class EngineWorker:
             self.stats.submitted += 1
             try:
                 self.engine.submit(request_id, request)
+            except CapacityError as e:
+                self._deliver(EngineOutput(request_id, error=str(e), busy=True))
             except EngineError as e:
                 self._deliver(EngineOutput(request_id, error=str(e)))
             except Exception as e:  # a bug must not take the worker (and every caller) down

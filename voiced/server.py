@@ -39,7 +39,7 @@ from voiced.audio.ingest import (
     float_to_int16,
 )
 from voiced.config import Config
-from voiced.engines.base import ASRRequest, EngineError
+from voiced.engines.base import ASRRequest, CapacityError, EngineError
 from voiced.metrics import Metrics
 from voiced.scheduler import EngineWorker
 from voiced.segmenter import Segmenter, SegmenterConfig, Utterance
@@ -167,6 +167,8 @@ class VoicedService(pb_grpc.VoicedServicer):
             )
         except SessionError as e:
             await self._abort(context, e)
+        except CapacityError as e:  # the queue is full: the caller may retry; the daemon goes on
+            await self._abort(context, SessionError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)))
         except EngineError as e:
             await self._abort(context, SessionError(grpc.StatusCode.INVALID_ARGUMENT, str(e)))
         keep = request.recognition.keep_hallucinations

@@ -23,7 +23,7 @@ import grpc
 import numpy as np
 
 from voiced.audio.ingest import RATE, AudioFormatError, FrameDecoder, int16_to_float
-from voiced.engines.base import ASRRequest, EngineError, Transcript
+from voiced.engines.base import ASRRequest, CapacityError, EngineError, Transcript
 from voiced.segmenter import Segmenter, SpeechEnded, SpeechStarted, Utterance
 from voiced.wire import SessionError, SessionSpec, invalid, transcript_to_proto
 from voiced_client.proto import voiced_pb2 as pb
@@ -224,8 +224,10 @@ class Session:
             try:
                 result = await turn.task
             except EngineError as e:
+                # The turn is lost, the session is not: say so and go on with the next one.
+                code = "ASR_BUSY" if isinstance(e, CapacityError) else "ASR_FAILED"
                 await self.send(pb.SessionEvent(session_id=self.spec.session_id, turn_id=turn.turn_id,
-                                                notice=pb.Notice(code="ASR_FAILED", message=str(e))))
+                                                notice=pb.Notice(code=code, message=str(e))))
                 continue
             if result.is_hallucination and not self.spec.keep_hallucinations:
                 self.services.metrics.transcripts_dropped.inc()

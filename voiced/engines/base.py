@@ -45,6 +45,7 @@ class EngineOutput:
     value: Any = None
     final: bool = True
     error: str | None = None
+    busy: bool = False  # the error is a CapacityError: out of cache or queue space, retry later
 
 
 # ----------------------------------------------------------------------------------------- ASR
