@@ -20,7 +20,7 @@ import grpc
 
 from voiced.agents import AgentError
 from voiced.audio.ingest import RATE, Format, FrameEncoder, int16_to_float
-from voiced.engines.base import EngineError, TTSRequest
+from voiced.engines.base import CapacityError, EngineError, TTSRequest
 from voiced.wire import SessionError, audio_format, invalid, tts_options
 from voiced_client.proto import voiced_pb2 as pb
 
@@ -189,7 +189,8 @@ class Conversation:
         except AgentError as e:
             await send(self._event(reply, notice=pb.Notice(code=e.code, message=str(e))))
         except EngineError as e:
-            await send(self._event(reply, notice=pb.Notice(code="TTS_FAILED", message=str(e))))
+            code = "TTS_BUSY" if isinstance(e, CapacityError) else "TTS_FAILED"
+            await send(self._event(reply, notice=pb.Notice(code=code, message=str(e))))
 
     async def _texts(self, reply: Reply):
         if reply.text is not None:
@@ -233,6 +234,8 @@ async def synthesize_events(services, request: pb.SynthesizeRequest):
                 yield pb.AudioChunk(sequence=chunk.sequence, offset_ms=sent * 1000 // RATE, last=chunk.last,
                                     audio=encoder.encode(chunk.samples, last=chunk.last))
                 sent += len(chunk.samples)
+    except CapacityError as e:
+        raise SessionError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from None
     except EngineError as e:
         raise SessionError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
 
