@@ -194,7 +194,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--latency-runs", type=int, default=20)
     ap.add_argument("--decode-chunk", type=int, default=8, help="greedy steps per host sync")
     ap.add_argument("--skip-hf", action="store_true")
-    ap.add_argument("--compile-encoder", action="store_true", help="torch.compile the GPU encoder's layers")
+    ap.add_argument("--no-compile-encoder", dest="compile_encoder", action="store_false",
+                    help="don't torch.compile the GPU encoder's layers (the engine's default on CUDA)")
     ap.add_argument("--attn-backend", default=None, choices=["flash", "cudnn", "efficient"],
                     help="pin the encoder's attention kernel")
     ap.add_argument("--diagnose", action="store_true",
@@ -513,7 +514,7 @@ def diagnose(report, graphs, model, audio, opts, args) -> None:
         log.info("encoder variants: %s", variants)
         save(report)
     diag["encoder_variants"] = variants
-    if not args.compile_encoder:
+    if True:
         try:
             t0 = time.perf_counter()
             fe = FastEncoder(model.encoder, graphs.dims.n_mels, args.attn_backend, compile_layers=True)

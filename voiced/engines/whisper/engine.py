@@ -79,7 +79,7 @@ class WhisperEngine:
     def __init__(self, model: Whisper, tokenizer: WhisperTokenizer, *, model_name: str = "whisper",
                  max_batch: int = 8, max_encoder_batch: int | None = None, cuda_graphs: bool = True,
                  max_queue: int | None = None, decode_chunk: int | None = None,
-                 compile_encoder: bool = False, attn_backend: str | None = None):
+                 compile_encoder: bool | None = None, attn_backend: str | None = None):
         if tokenizer.n_vocab != model.dims.n_vocab:
             raise CheckpointError(f"tokenizer has {tokenizer.n_vocab} tokens but the model {model.dims.n_vocab}")
         self.model = model.eval().requires_grad_(False)
@@ -125,6 +125,9 @@ class WhisperEngine:
             self._stream = torch.cuda.Stream(device=dev)
         # GPU encoder: fused QKV, optional compiled layers; run per batch-size bucket (padded or
         # split into buckets) so the graph path and the eager path see the same shapes.
+        # compile_encoder None: on for CUDA (fused layer norm / residual / GELU / head layouts:
+        # 165 ms instead of 204 ms per 32 utterances on an H200), compiled per bucket in warmup().
+        compile_encoder = self.is_cuda if compile_encoder is None else compile_encoder
         self.fast_encoder = (FastEncoder(model.encoder, self.dims.n_mels, attn_backend, compile_encoder)
                              if self.is_cuda else None)
         self._enc_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
@@ -139,7 +142,7 @@ class WhisperEngine:
              max_batch: int | None = None, kv_cache_bytes: int | None = None, cuda_graphs: bool = True,
              max_encoder_batch: int | None = None, max_queue: int | None = None,
              decode_chunk: int | None = None, cache_root: Path | None = None,
-             compile_encoder: bool = False, attn_backend: str | None = None) -> WhisperEngine:
+             compile_encoder: bool | None = None, attn_backend: str | None = None) -> WhisperEngine:
         """Load an official name (from the model cache), an OpenAI `.pt` or a Hugging Face directory.
 
         device: "cpu", "cuda" or "cuda:N". dtype: default float16 on CUDA, float32 on CPU.

@@ -214,6 +214,18 @@ class TextDecoder(nn.Module):
         every row sits at position kv_len - 1. Shapes depend only on (B, kv_len) and no value is
         read back to the host, so the call can be captured in a CUDA graph.
         """
+        if tokens.is_cuda:
+            # Flash (unmasked cross-attention) / memory-efficient (masked self-attention) kernels,
+            # never cuDNN's: cuDNN's SDPA picked different kernels for a captured step than for an
+            # eager one at batch 16 (logits apart by fp16 ulps, tokens parting on near-ties), and
+            # builds a plan per new shape on first use.
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+
+            with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]):
+                return self._step(tokens, positions, cache, kv_len, masked)
+        return self._step(tokens, positions, cache, kv_len, masked)
+
+    def _step(self, tokens: Tensor, positions: Tensor, cache: KVCache, kv_len: int, masked: bool) -> Tensor:
         b = tokens.shape[0]
         rows = torch.arange(b, device=tokens.device)
         mask = None
