@@ -93,6 +93,8 @@ def start_server(args):
     tts.segment_base_s = 1e6
     speaker = torch.randint(0, 4096, (32,), generator=torch.Generator().manual_seed(0)).tolist()
     tts.voices.resolve = lambda name: Voice("bench", "cloned", global_ids=speaker)
+    if not args.tiny_cpu:
+        tts.lm.compile_decode()  # what SparkTTSEngine.load does on CUDA by default
     tts.warmup()
     services = Services(config=config, metrics=Metrics(), asr=EngineWorker(asr, "asr"),
                         tts=EngineWorker(tts, "tts"), voices=tts.voices, agents=AgentRegistry(config.agent))
