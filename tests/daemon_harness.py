@@ -76,7 +76,7 @@ def start_daemon(checkpoint: Path, config: Config | None = None, tts_engine=None
     services = Services(config=config, metrics=Metrics(), asr=EngineWorker(engine, "asr"),
                         agents=AgentRegistry(config.agent))
     if tts_engine is not None:
-        services.tts = EngineWorker(tts_engine, "tts")
+        services.tts = EngineWorker(tts_engine, "tts", thread=services.asr.thread)  # as `voiced serve` does
         services.voices = tts_engine.voices
     server = VoicedServer(config, services=services)
     port, loop, thread = start_in_thread(server, timeout=60)

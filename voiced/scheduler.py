@@ -1,10 +1,15 @@
-"""Runs a stepped engine on its own thread and serves it to asyncio sessions.
+"""Runs stepped engines on a worker thread and serves them to asyncio sessions.
 
-All sessions share one worker per engine. The worker thread is the engine's only caller (see
+All sessions share one worker per engine. The worker's thread is the engine's only caller (see
 voiced.engines.base): it takes submissions and cancellations from a queue between steps, runs one
 batched step, and hands each output to the session that asked for it on the event loop. So the
 batch fills from every caller at once, and a caller that is slow to read its results only grows
 its own queue; it never holds up the engine or the other callers.
+
+Engines on one GPU share one thread (`EngineThread`), stepped in a fixed order (recognition first,
+its steps are short and a caller is waiting on each transcript). Two threads would fight over the
+GIL: a busy TTS thread holds it for most of every 5 ms switch interval, and each of the ASR
+thread's few hundred Python-level operations per step would wait for it.
 """
 
 from __future__ import annotations
@@ -31,29 +36,79 @@ class WorkerStats:
     failed: int = 0
 
 
+class EngineThread:
+    """One thread stepping one or more engines, in the order they were attached."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.commands: queue.SimpleQueue = queue.SimpleQueue()
+        self.workers: list[EngineWorker] = []
+        self._thread: threading.Thread | None = None
+
+    def attach(self, worker: EngineWorker) -> None:
+        self.workers.append(worker)
+
+    @property
+    def started(self) -> bool:
+        return self._thread is not None
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name=f"{self.name}-worker", daemon=True)
+            self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        for w in self.workers:
+            w._stopping = True
+        self.commands.put((None, "stop", None, None))
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while True:
+            busy = any(w.engine.has_work() for w in self.workers)
+            try:
+                # Block only when idle; while busy, take whatever arrived during the last steps.
+                command = self.commands.get(block=not busy)
+            except queue.Empty:
+                command = None
+            while command is not None:
+                worker, kind, request_id, request = command
+                if kind == "stop":
+                    return
+                worker._apply(kind, request_id, request)
+                try:
+                    command = self.commands.get_nowait()
+                except queue.Empty:
+                    command = None
+            for w in self.workers:
+                if w.engine.has_work():
+                    w._step()
+
+
 class EngineWorker:
-    def __init__(self, engine: SteppedEngine, name: str, on_step=None):
+    def __init__(self, engine: SteppedEngine, name: str, on_step=None, thread: EngineThread | None = None):
         self.engine = engine
         self.name = name
         self.stats = WorkerStats()
-        self._on_step = on_step  # callback(active_requests) for metrics; called on the worker thread
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._on_step = on_step  # callback(engine) for metrics; called on the worker thread
+        self.thread = thread or EngineThread(name)
+        self.thread.attach(self)
         self._ids = itertools.count(1)
         self._sinks: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._thread: threading.Thread | None = None
         self._stopping = False
 
     # ------------------------------------------------------------------ lifecycle
 
+    @property
+    def _thread(self) -> threading.Thread | None:
+        return self.thread._thread
+
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name=f"{self.name}-worker", daemon=True)
-        self._thread.start()
+        self.thread.start()
 
     def stop(self, timeout: float = 10.0) -> None:
-        self._stopping = True
-        self._commands.put(("stop", None, None))
-        if self._thread is not None:
-            self._thread.join(timeout)
+        self.thread.stop(timeout)
 
     @property
     def pending(self) -> int:
@@ -73,7 +128,7 @@ class EngineWorker:
         request_id = next(self._ids)
         sink: asyncio.Queue[EngineOutput] = asyncio.Queue()
         self._sinks[request_id] = (asyncio.get_running_loop(), sink)
-        self._commands.put(("submit", request_id, request))
+        self.thread.commands.put((self, "submit", request_id, request))
         done = False
         try:
             while True:
@@ -89,7 +144,7 @@ class EngineWorker:
         finally:
             self._sinks.pop(request_id, None)
             if not done:
-                self._commands.put(("cancel", request_id, None))
+                self.thread.commands.put((self, "cancel", request_id, None))
 
     async def run(self, request: Any) -> Any:
         """Submit and wait for the single final value (ASR)."""
@@ -100,27 +155,7 @@ class EngineWorker:
 
     # ------------------------------------------------------------------ worker thread
 
-    def _run(self) -> None:
-        while True:
-            busy = self.engine.has_work()
-            try:
-                # Block only when idle; while busy, take whatever arrived during the last step.
-                command = self._commands.get(block=not busy)
-            except queue.Empty:
-                command = None
-            while command is not None:
-                if command[0] == "stop":
-                    return
-                self._apply(command)
-                try:
-                    command = self._commands.get_nowait()
-                except queue.Empty:
-                    command = None
-            if self.engine.has_work():
-                self._step()
-
-    def _apply(self, command: tuple) -> None:
-        kind, request_id, request = command
+    def _apply(self, kind: str, request_id: int, request: Any) -> None:
         if kind == "submit":
             if request_id not in self._sinks:
                 return  # cancelled before it was ever submitted

@@ -383,9 +383,9 @@ class VoicedServer:
         m = self.services.metrics
         for name in ("asr", "tts"):
             worker = getattr(self.services, name)
-            if worker is not None and worker._thread is None:
+            if worker is not None:
                 worker._on_step = lambda engine, n=name: m.observe_engine(n, engine)
-                worker.start()
+                worker.start()  # a no-op for a thread already running (engines sharing one)
 
     async def _set_health(self, serving: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING

@@ -56,7 +56,7 @@ def start_server(args):
     from voiced.engines.whisper.engine import WhisperEngine
     from voiced.engines.whisper.tokenizer import WhisperTokenizer
     from voiced.metrics import Metrics
-    from voiced.scheduler import EngineWorker
+    from voiced.scheduler import EngineThread, EngineWorker
     from voiced.server import Services, VoicedServer, start_in_thread
 
     config = Config()
@@ -96,8 +96,10 @@ def start_server(args):
     if not args.tiny_cpu:
         tts.lm.compile_decode()  # what SparkTTSEngine.load does on CUDA by default
     tts.warmup()
-    services = Services(config=config, metrics=Metrics(), asr=EngineWorker(asr, "asr"),
-                        tts=EngineWorker(tts, "tts"), voices=tts.voices, agents=AgentRegistry(config.agent))
+    thread = None if args.separate_threads else EngineThread("engines")  # as `voiced serve` does
+    services = Services(config=config, metrics=Metrics(), asr=EngineWorker(asr, "asr", thread=thread),
+                        tts=EngineWorker(tts, "tts", thread=thread), voices=tts.voices,
+                        agents=AgentRegistry(config.agent))
     server = VoicedServer(config, services=services)
     port, loop, _ = start_in_thread(server)
     return f"127.0.0.1:{port}", server, loop
@@ -196,6 +198,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--first-chunk-tokens", type=int, default=10)
     ap.add_argument("--chunk-tokens", type=int, default=25)
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--separate-threads", action="store_true",
+                    help="one thread per engine instead of the daemon's shared one (to compare)")
     ap.add_argument("--tiny-cpu", action="store_true", help="dry run on the CPU with tiny random models")
     ap.add_argument("--caller", default=None, help=argparse.SUPPRESS)  # internal: run the callers only
     args = ap.parse_args(argv)
@@ -212,6 +216,7 @@ def main(argv: list[str] | None = None) -> dict:
     result = {"bench": "e2e", "gpu": "cpu (dry run)" if args.tiny_cpu else torch.cuda.get_device_name(), "torch": torch.__version__,
               "python": platform.python_version(), "asr_dims": args.asr_dims, "asr_tokens": args.asr_tokens,
               "reply_seconds": args.reply_seconds, "first_chunk_tokens": args.first_chunk_tokens,
+              "engine_threads": "separate" if args.separate_threads else "shared",
               "date": time.strftime("%Y-%m-%d"), "levels": {}}
     for n in args.sessions:
         cmd = [sys.executable, "-m", "voiced.bench.e2e_bench", "--wav", str(args.wav), "--tiktoken-dir",

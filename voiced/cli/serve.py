@@ -50,17 +50,19 @@ def overrides(args: argparse.Namespace) -> dict:
 def load_engines(services) -> None:
     """Runs on a thread while health says NOT_SERVING."""
     from voiced.engines.loader import load_asr, load_tts
-    from voiced.scheduler import EngineWorker
+    from voiced.scheduler import EngineThread, EngineWorker
 
     config = services.config
+    # Both engines step on one thread, recognition first (see voiced.scheduler for why).
+    thread = EngineThread("engines")
     asr = load_asr(config)
     _warm(asr)
-    services.asr = EngineWorker(asr, "asr")
+    services.asr = EngineWorker(asr, "asr", thread=thread)
     log.info("ASR: %s on %s (%s backend)", asr.model_name, asr.device, asr.backend)
     if config.tts.enabled:
         tts = load_tts(config)
         _warm(tts)
-        services.tts = EngineWorker(tts, "tts")
+        services.tts = EngineWorker(tts, "tts", thread=thread)
         services.voices = tts.voices
         log.info("TTS: %s on %s (%s backend)", tts.model_name, tts.device, tts.backend)
 
