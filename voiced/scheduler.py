@@ -19,6 +19,7 @@ import itertools
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
@@ -65,25 +66,50 @@ class EngineThread:
             self._thread.join(timeout)
 
     def _run(self) -> None:
-        while True:
-            busy = any(w.engine.has_work() for w in self.workers)
+        self._stopped = False
+        while not self._stopped:
+            if not any(w.engine.has_work() for w in self.workers):
+                self._apply(self.commands.get())  # idle: sleep until a command arrives
+            self._drain()
+            if not self._stopped:
+                self._step_all()
+
+    def _apply(self, command) -> None:
+        worker, kind, request_id, request = command
+        if kind == "stop":
+            self._stopped = True
+        else:
+            worker._apply(kind, request_id, request)
+
+    def _drain(self) -> None:
+        """Apply whatever arrived since the last step: submissions and cancellations."""
+        while not self._stopped:
             try:
-                # Block only when idle; while busy, take whatever arrived during the last steps.
-                command = self.commands.get(block=not busy)
+                self._apply(self.commands.get_nowait())
             except queue.Empty:
-                command = None
-            while command is not None:
-                worker, kind, request_id, request = command
-                if kind == "stop":
-                    return
-                worker._apply(kind, request_id, request)
-                try:
-                    command = self.commands.get_nowait()
-                except queue.Empty:
-                    command = None
-            for w in self.workers:
-                if w.engine.has_work():
-                    w._step()
+                return
+
+    def _step_all(self) -> None:
+        """The first engine runs until it is idle (or has had `FIRST_BUDGET_S`), then the others step once.
+
+        Recognition requests are short (a transcript is a few steps) and a caller waits on each one;
+        a TTS request is long and streams. So a transcript finishes in a burst instead of one step
+        per TTS step, and the budget keeps a queue of transcripts from starving the replies.
+        """
+        first, *others = self.workers
+        deadline = time.monotonic() + FIRST_BUDGET_S
+        while first.engine.has_work() and not self._stopped:
+            first._step()
+            if others and time.monotonic() > deadline:
+                break
+            self._drain()  # new utterances join the burst; cancellations land at once
+        for w in others:
+            if w.engine.has_work() and not self._stopped:
+                w._step()
+
+
+# How long the first engine (recognition) may step back to back before the others get a step.
+FIRST_BUDGET_S = 0.05
 
 
 class EngineWorker:
@@ -180,7 +206,8 @@ class EngineWorker:
             log.exception("%s: engine step failed; failing the requests in flight", self.name)
             for request_id in list(self._sinks):
                 self.engine.cancel(request_id)
-                self._deliver(EngineOutput(request_id, error=f"internal error in the {self.name} engine: {e}"))
+                self._deliver(EngineOutput(request_id,
+                                           error=f"internal error in the {self.name} engine: {e}"))
             return
         self.stats.steps += 1
         if self._on_step is not None:
