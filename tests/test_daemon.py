@@ -444,3 +444,18 @@ def test_a_full_recognition_queue_is_a_clear_retryable_error_not_a_crash(daemon)
         engine.max_queue = None
     events, code, _ = stream_blocking(daemon.address, audio_requests(session_config(fmt), data, fmt))
     assert code == grpc.StatusCode.OK and len(of_kind(events, "transcript")) == 2  # and recovers
+
+
+def test_hallucinations_are_dropped_unless_asked_for(daemon):
+    """Thresholds that judge every result a hallucination: dropped, counted, or sent flagged on request."""
+    fmt = Format("LINEAR16", 16000)
+    data = wire_audio(layout(PHRASES[:2], gap_s=1.0).audio, fmt)
+    strict = pb.RecognitionConfig(no_speech_threshold=-1.0, logprob_threshold=0.0)
+    dropped = daemon.services.metrics.transcripts_dropped._value.get()
+    events, code, _ = stream_blocking(daemon.address, audio_requests(session_config(fmt, recognition=strict), data, fmt))
+    assert code == grpc.StatusCode.OK
+    assert of_kind(events, "transcript") == [] and len(of_kind(events, "speech")) == 4
+    assert daemon.services.metrics.transcripts_dropped._value.get() == dropped + 2
+    strict.keep_hallucinations = True
+    events, code, _ = stream_blocking(daemon.address, audio_requests(session_config(fmt, recognition=strict), data, fmt))
+    assert [e.transcript.is_hallucination for e in of_kind(events, "transcript")] == [True, True]
