@@ -40,7 +40,7 @@ test: system-deps $(VENV)/.test-installed
 	$(BIN)/python -m pytest -q $(ARGS)
 
 # On a machine with a CUDA GPU: the GPU tests (skipped elsewhere).
-test-gpu: $(VENV)/.test-installed
+test-gpu: system-deps $(VENV)/.test-installed
 	$(BIN)/python -m pytest -q -m gpu $(ARGS)
 
 proto: $(VENV)/.test-installed
