@@ -1,18 +1,20 @@
 """SparkTTSEngine: the daemon's voice, a stepped continuous-batching TTS engine (see engines/base.py).
 
-One `step()`:
-  1. admit queued requests into free batch rows (highest priority first) and prefill their prompts,
-     all of them in one packed pass; requests moving on to their next sentence are re-prefilled in the
-     row they already hold; each prefilled row samples its first token on the device;
-  2. `decode_steps` batched decode steps of the LM for every active row, each step's sampling
+One `step()` does ONE bounded piece of work, so that the other engines on the stepping thread
+(recognition) get the GPU between pieces instead of waiting behind all of them:
+  - prefill: admit queued requests into free batch rows (highest priority first) and prefill the
+     prompts of rows starting a segment, packed into one pass of at most PREFILL_STEP_TOKENS (padded
+     to a multiple of PREFILL_BUCKET); requests moving on to their next sentence are re-prefilled in the
+     row they already hold; each prefilled row samples its first token;
+  - decode: `decode_steps` batched decode steps of the LM for every decoding row, each step's sampling
      (per-row temperature / top-k / top-p / seed, constrained to the tokens the current phase allows:
      global tokens while a controllable voice is still inventing its speaker, semantic tokens or the
-     end afterwards) inside the same CUDA graph, so the steps run back to back on the GPU;
-  3. one read-back of all new tokens: the host walks each row's tokens, stops a row at its end (the
-     tokens a row sampled past its end are dropped: its cache past that point is never attended);
-  4. hand new semantic tokens to each request's chunk planner and decode the windows that became
-     ready, batched across requests, into AudioChunks; a request still waiting for its first chunk
-     goes first, and later chunks of requests with audio to spare wait (see `_vocode`).
+     end afterwards) inside the same CUDA graph, then one read-back of all new tokens; the host walks
+     each row's tokens and stops a row at its end (tokens sampled past it are dropped);
+  - vocode: decode ready windows into AudioChunks, batched across requests, at most
+     VOCODER_STEP_WINDOWS windows and VOCODER_STEP_TOKENS padded tokens: first chunks first, then the
+     requests closest to running dry (least audio buffered ahead of real time).
+The kinds take turns (prefill -> decode -> vocode -> prefill ...), skipping a kind with nothing to do.
 
 Long text is cut into sentences spoken back to back in the same row; a controllable voice keeps the
 speaker (its 32 global tokens) it chose in the first sentence. Rows stay compact (active requests in
@@ -42,7 +44,7 @@ from .bicodec import HOP, BiCodec, load_bicodec, reference_clip, volume_normaliz
 from .checkpoint import SparkCheckpoint, SpecialTokens, TextTokenizer, load_special_tokens, resolve
 from .qwen2 import Qwen2LM, load_qwen2
 from .sampling import PhaseSampler, candidate_bucket
-from .streaming import ChunkPlanner, DecodeJob, decode_jobs
+from .streaming import BATCH_BUCKETS, ChunkPlanner, DecodeJob, Window, batch_bucket, decode_jobs, padded_length
 from .voices import Voice, VoiceStore
 
 log = logging.getLogger(__name__)
@@ -59,13 +61,25 @@ PHASE_GLOBAL, PHASE_SEMANTIC = 0, 1
 # sync (about 1-3 ms on a host that intercepts driver calls); 8 steps amortise that to a fraction of a
 # step while adding at most 7 steps (a few ms) to when a request's first chunk can leave.
 DECODE_STEPS = 8
-# Packed prefill: prompts of one step go through the LM together up to this many tokens per pass
-# (the block-diagonal mask is N x N; larger groups would only grow attention's scratch memory).
-PREFILL_PACK_TOKENS = 2048
+# Packed prefill: the prompts one step prefills go through the LM together, up to this many tokens (a
+# longer prompt goes alone); the rest wait for the next prefill turn. The pass is padded to a multiple
+# of PREFILL_BUCKET tokens, so a GPU meets only the lengths `warmup` ran.
+PREFILL_STEP_TOKENS = 1024
+PREFILL_BUCKET = 64
+PREFILL_PACK_TOKENS = PREFILL_STEP_TOKENS  # the old name
 # A request whose streamed audio is this far ahead of real time can have its next chunk decoded a
-# step later, so that requests still waiting for their first chunk are decoded first.
+# vocoder turn later, so that requests still waiting for their first chunk are decoded first.
 VOCODER_SLACK_S = 1.0
+# One vocoder step's work: at most this many windows, and batch bucket x padded window length at most
+# this many tokens (one window always goes, whatever its length).
+VOCODER_STEP_WINDOWS = 16
+VOCODER_STEP_TOKENS = 1024
+PHASES = ("prefill", "decode", "vocode")
 _CJK = re.compile(r"[\u3000-\u30ff\u3400-\u9fff\uac00-\ud7af\uff00-\uffef]")
+
+
+def padded_to(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
 
 
 def split_text(text: str, max_chars: int = MAX_SEGMENT_CHARS) -> list[str]:
@@ -211,6 +225,9 @@ class SparkTTSEngine:
         self._arrival = itertools.count()
         self._order: dict[int, int] = {}
         self._wav2vec2 = None
+        self._last_kind = PHASES[-1]
+        # What the last step did (tests, profiling): its kind and how much work.
+        self.last_step: dict = {}
         root = Path(voices_dir) if voices_dir else cache_dir() / "voices"
         self.voices = VoiceStore(root, lambda: checkpoint_fingerprint(checkpoint), self._tokenize_reference)
 
@@ -263,19 +280,32 @@ class SparkTTSEngine:
                    voices_dir=voices_dir, use_cuda_graphs=use_cuda_graphs, model_name=ckpt.root.name,
                    decode_steps=decode_steps)
 
-    def warmup(self) -> None:
-        """Capture the decode+sample CUDA graphs for every batch / KV-length bucket (default sampling
-        candidates) now rather than on a request's first step."""
-        if not self.use_cuda_graphs or self._active:
+    def warmup(self, first_chunk_tokens: int | None = None, chunk_tokens: int | None = None) -> None:
+        """Run now, on the GPU, every shape serving will meet, so that no request pays a first-time cost
+        (torch.compile, CUDA-graph capture, cuDNN / cuBLAS plans):
+
+        - the decode+sample CUDA graphs (and the compiled layer) for every batch / KV-length bucket
+          (default sampling candidates; a request with top_k > 64 captures its bucket's graphs on first use);
+        - packed prefill at every padded length (multiples of PREFILL_BUCKET up to the longest prompt
+          the engine accepts), the first-token sampler and the speaker vector;
+        - the vocoder at every window length (multiples of 16 up to the longest window of a request
+          with these chunk sizes, default TTSOptions') and every batch bucket a vocoder step can use,
+          plus the end-masked variant.
+        Nothing to do on the CPU. Skipped while requests are in flight (it uses their cache rows)."""
+        if self._active or self._queue or not str(self.device).startswith("cuda"):
             return
+        opts = TTSOptions()
+        first = first_chunk_tokens or opts.first_chunk_tokens
+        chunk = chunk_tokens or opts.chunk_tokens
         t0 = time.perf_counter()
-        pick = self._sampler([TTSOptions().top_k])
+        pick = self._sampler([opts.top_k])
         n = self.decode_steps
         b = 1
         while True:
             kv = 256
             while True:
-                self.lm.run_steps(pick, b, n, max_pos=max(0, min(kv, self.max_seq_len) - n), use_graph=True)
+                self.lm.run_steps(pick, b, n, max_pos=max(0, min(kv, self.max_seq_len) - n),
+                                  use_graph=self.use_cuda_graphs)
                 if kv >= self.max_seq_len:
                     break
                 kv = min(kv * 2, self.max_seq_len)
@@ -283,8 +313,55 @@ class SparkTTSEngine:
                 break
             b = min(b * 2, self.max_batch)
         torch.cuda.synchronize()
-        log.info("captured %d decode graphs (%d steps each) in %.1f s", len(self.lm._step_graphs), n,
-                 time.perf_counter() - t0)
+        t1 = time.perf_counter()
+        lengths = self._warm_prefill(pick)
+        t2 = time.perf_counter()
+        shapes = self._warm_vocoder(first, chunk)
+        t3 = time.perf_counter()
+        self.warmup_stats = {"decode_graphs": len(self.lm._step_graphs), "decode_s": round(t1 - t0, 2),
+                             "prefill_lengths": lengths, "prefill_s": round(t2 - t1, 2),
+                             "vocoder_shapes": shapes, "vocoder_s": round(t3 - t2, 2)}
+        log.info("TTS warm-up: %d decode graphs (%d steps each) in %.1f s, %d prefill lengths in %.1f s, "
+                 "%d vocoder shapes in %.1f s", len(self.lm._step_graphs), n, t1 - t0, lengths, t2 - t1,
+                 shapes, t3 - t2)
+
+    def _warm_prefill(self, pick) -> int:
+        """Every packed length a prefill step can run (the longest prompt `submit` accepts is
+        max_seq_len - N_GLOBAL - 17 tokens), the first-token sampler and the speaker vector."""
+        longest = self.max_seq_len - N_GLOBAL - 17
+        count = 0
+        for n in range(PREFILL_BUCKET, min(self.max_seq_len, padded_to(longest, PREFILL_BUCKET)) + 1, PREFILL_BUCKET):
+            prompt = torch.zeros(n, dtype=torch.long, device=self.device)
+            h = self.lm.prefill_many([prompt], [0], pad_to=PREFILL_BUCKET)
+            count += 1
+        self._load_state()
+        self._first_tok[:1] = pick(self.lm, h[:1], self.lm.state, slice(0, 1))
+        self._first_tok.tolist()
+        self._speaker([0] * N_GLOBAL)
+        if str(self.device).startswith("cuda"):
+            torch.cuda.synchronize()
+        return count
+
+    def _warm_vocoder(self, first: int, chunk: int) -> int:
+        """Every (batch bucket, padded window length) a vocoder step can decode: windows are at most
+        first + R (the first) or chunk + 2R tokens long, padded to multiples of 16; batches as
+        `_vocode` fills them (at most VOCODER_STEP_WINDOWS, bucket x length within VOCODER_STEP_TOKENS)."""
+        from .streaming import decode_windows
+
+        spk = self._speaker([0] * N_GLOBAL)
+        longest = padded_length(max(first + self.radius, chunk + 2 * self.radius))
+        count = 0
+        for length in range(16, longest + 1, 16):
+            for b in BATCH_BUCKETS:
+                if b > VOCODER_STEP_WINDOWS or (b > 1 and b * length > VOCODER_STEP_TOKENS):
+                    break
+                ids = torch.zeros(b, length, dtype=torch.long, device=self.device)
+                decode_windows(self.codec, ids, spk[None].repeat(b, 1), [length] * b).float().cpu()
+                count += 1
+            decode_windows(self.codec, ids[:1], spk[None], [length - 1]).float().cpu()  # the end-masked path
+        if str(self.device).startswith("cuda"):
+            torch.cuda.synchronize()
+        return count
 
     # ------------------------------------------------------------------------- the contract
 
@@ -335,62 +412,99 @@ class SparkTTSEngine:
         outputs: list[EngineOutput] = []
         self._admit()
         if not self._active:
+            self.last_step = {"kind": None}
             return outputs
-        with record_function("spark.prefill"):
-            fresh = self._prefill_fresh(outputs)
-        if self._active:
-            pick = self._sampler([r.options.top_k for r in self._active])
-            self._load_state()
-            for r, h in fresh:  # first token of each new segment, from its prompt's last hidden state
-                self._first_tok[r.slot : r.slot + 1] = pick(self.lm, h[None], self.lm.state, slice(r.slot, r.slot + 1))
-            n = len(self._active)
+        now = time.perf_counter()
+        # Which kind runs depends only on what is pending, never on the clock: a request alone is stepped
+        # the same way (and its windows batched the same way) in the daemon and in `synthesize`.
+        work = {"prefill": any(r.needs_prefill for r in self._active),
+                "decode": any(self._decoding(r) for r in self._active),
+                "vocode": self._vocode_pending()}
+        start = PHASES.index(self._last_kind) + 1
+        kind = next((k for k in PHASES[start:] + PHASES[:start] if work[k]), None)
+        self.last_step = {"kind": kind}
+        if kind is None:
+            return outputs
+        self._last_kind = kind
+        if kind == "prefill":
+            with record_function("spark.prefill"):
+                self._prefill_step(outputs)
+        elif kind == "decode":
             with record_function("spark.decode"):
-                out = self.lm.run_steps(pick, n, self.decode_steps, max_pos=max(r.pos for r in self._active),
-                                        use_graph=self.use_cuda_graphs)
-            with record_function("spark.readback"):
-                # The one host sync of the step: every row's new tokens.
-                tokens = torch.cat([self._first_tok[:n, None], out], 1).tolist()
-            starts = {id(r) for r, _ in fresh}
-            for r, row in zip(self._active, tokens):
-                if id(r) in starts:
-                    self._advance(r, row[0])
-                for t in row[1:]:
-                    if r.segment_done:
-                        break  # sampled past its end: dropped
-                    r.pos += 1
-                    self._advance(r, t)
-        with record_function("spark.vocode"):
-            outputs += self._vocode()
+                self._decode_step()
+        else:
+            with record_function("spark.vocode"):
+                outputs += self._vocode(now)
         return outputs
 
+    @staticmethod
+    def _decoding(r: _Request) -> bool:
+        return not r.needs_prefill and not r.segment_done
+
+    def _prefill_step(self, outputs: list[EngineOutput]) -> None:
+        """Prefill the rows starting a segment (one packed pass), then sample each one's first token."""
+        fresh = self._prefill_fresh(outputs)
+        if not fresh or not self._active:
+            return
+        pick = self._sampler([r.options.top_k for r in self._active])
+        self._load_state()
+        for r, h in fresh:  # first token of each new segment, from its prompt's last hidden state
+            self._first_tok[r.slot : r.slot + 1] = pick(self.lm, h[None], self.lm.state, slice(r.slot, r.slot + 1))
+        first = self._first_tok.tolist()  # the step's one sync
+        for r, _ in fresh:
+            self._advance(r, first[r.slot])
+        self.last_step["prefilled"] = len(fresh)
+
+    def _decode_step(self) -> None:
+        """`decode_steps` decode steps for rows 0..n-1; only the decoding rows take their tokens (a row
+        waiting for its prefill or for its last windows runs along as padding: what it writes lies past
+        its position, and what it samples is dropped)."""
+        pick = self._sampler([r.options.top_k for r in self._active])
+        self._load_state()
+        n = len(self._active)
+        rows = [r for r in self._active if self._decoding(r)]
+        out = self.lm.run_steps(pick, n, self.decode_steps, max_pos=max(r.pos for r in rows),
+                                use_graph=self.use_cuda_graphs)
+        with record_function("spark.readback"):
+            tokens = out.tolist()  # the step's one sync: every row's new tokens
+        for r in rows:
+            for t in tokens[r.slot]:
+                if r.segment_done:
+                    break  # sampled past its end: dropped
+                r.pos += 1
+                self._advance(r, t)
+        self.last_step["decoded_rows"] = len(rows)
+
     def _prefill_fresh(self, outputs: list[EngineOutput]) -> list[tuple[_Request, torch.Tensor]]:
-        """Prefill every row that starts a segment, packed; returns (request, last hidden state)."""
-        ready: list[tuple[_Request, list[int]]] = []
-        for r in list(self._active):
-            if r.needs_prefill:
-                try:
-                    ready.append((r, self._begin_segment(r)))
-                except Exception as e:  # noqa: BLE001 - one bad request must not stop the others
-                    log.exception("prefill failed for request %s", r.rid)
-                    outputs.append(self._fail(r, f"prefill failed: {e}"))
-        fresh: list[tuple[_Request, torch.Tensor]] = []
+        """Prefill rows that start a segment, highest priority first, packed into one pass of at most
+        PREFILL_STEP_TOKENS (at least one prompt); returns (request, last hidden state)."""
+        waiting = sorted((r for r in self._active if r.needs_prefill),
+                         key=lambda r: (-r.options.priority, self._order.get(r.rid, 0)))
         group: list[tuple[_Request, list[int]]] = []
-        for i, item in enumerate(ready):
-            group.append(item)
-            size = sum(len(ids) for _, ids in group)
-            nxt = len(ready[i + 1][1]) if i + 1 < len(ready) else None
-            if nxt is None or size + nxt > PREFILL_PACK_TOKENS:
-                try:
-                    prompts = [torch.tensor(ids, dtype=torch.long).to(self.device, non_blocking=True) for _, ids in group]
-                    hidden = self.lm.prefill_many(prompts, [r.slot for r, _ in group])
-                    fresh += [(r, hidden[j]) for j, (r, _) in enumerate(group)]
-                except Exception as e:  # noqa: BLE001
-                    log.exception("prefill failed for requests %s", [r.rid for r, _ in group])
-                    # release from the back so the earlier rows' slots stay valid for `fresh`
-                    for r, _ in group:
-                        outputs.append(self._fail(r, f"prefill failed: {e}"))
-                group = []
-        return [(r, h) for r, h in fresh if r.slot >= 0]
+        size = 0
+        for r in waiting:
+            ids = self._prompt(r, r.seg)
+            if group and size + len(ids) > PREFILL_STEP_TOKENS:
+                break
+            try:
+                group.append((r, self._begin_segment(r, ids)))
+                size += len(ids)
+            except Exception as e:  # noqa: BLE001 - one bad request must not stop the others
+                log.exception("prefill failed for request %s", r.rid)
+                outputs.append(self._fail(r, f"prefill failed: {e}"))
+        if not group:
+            return []
+        try:
+            prompts = [torch.tensor(ids, dtype=torch.long).to(self.device, non_blocking=True) for _, ids in group]
+            hidden = self.lm.prefill_many(prompts, [r.slot for r, _ in group], pad_to=PREFILL_BUCKET)
+        except Exception as e:  # noqa: BLE001
+            log.exception("prefill failed for requests %s", [r.rid for r, _ in group])
+            # release from the back so the earlier rows' slots stay valid
+            for r, _ in reversed(group):
+                outputs.append(self._fail(r, f"prefill failed: {e}"))
+            return []
+        self.last_step["prefill_tokens"] = size
+        return [(r, hidden[j]) for j, (r, _) in enumerate(group)]
 
     def _sampler(self, top_ks: list[int]) -> PhaseSampler:
         """The in-graph sampler for a batch with these top_k values (one per candidate bucket)."""
@@ -478,9 +592,9 @@ class SparkTTSEngine:
                 r.global_ids = list(r.voice.global_ids or [])
             r.needs_prefill = True
 
-    def _begin_segment(self, r: _Request) -> list[int]:
+    def _begin_segment(self, r: _Request, ids: list[int] | None = None) -> list[int]:
         """Reset r for its next sentence and return that sentence's prompt ids (prefilled by the caller)."""
-        ids = self._prompt(r, r.seg)
+        ids = self._prompt(r, r.seg) if ids is None else ids
         if len(ids) >= self.max_seq_len:
             raise EngineError(f"the prompt needs {len(ids)} tokens but the engine holds {self.max_seq_len} per request")
         r.prompt_tokens += len(ids)
@@ -530,33 +644,71 @@ class SparkTTSEngine:
         if r.pos >= self.max_seq_len and not r.segment_done:
             r.segment_done = True
 
-    def _vocode(self) -> list[EngineOutput]:
+    def _ahead_s(self, r: _Request, now: float) -> float:
+        """Seconds of r's audio already sent beyond real time (since its first chunk); -inf before it."""
+        if r.t_first_chunk is None:
+            return float("-inf")
+        return r.offset / SAMPLE_RATE - (now - r.t_first_chunk)
+
+    def _has_window(self, r: _Request) -> bool:
+        return (r.planner is not None and r.speaker is not None and bool(r.semantic)
+                and r.planner.next_window(len(r.semantic), r.segment_done) is not None)
+
+    def _vocode_pending(self) -> bool:
+        """A window is ready, or a sentence ended (its row must move on or be released)."""
+        return any(not r.needs_prefill and (r.segment_done or self._has_window(r)) for r in self._active)
+
+    def _vocode(self, now: float) -> list[EngineOutput]:
         outputs: list[EngineOutput] = []
-        jobs: list[tuple[_Request, DecodeJob]] = []
-        ready = [r for r in self._active if r.planner is not None and r.speaker is not None and r.semantic]
+        rows = [r for r in self._active if not r.needs_prefill and (r.segment_done or self._has_window(r))]
         # Priority: when a request's first chunk is ready, it must not wait behind (or be padded up to)
-        # the bulk chunks of long replies. Later chunks of requests whose audio is already well ahead of
-        # real time wait a step; they are released at once otherwise, and always at a sentence's end.
-        now = time.perf_counter()
-        firsts = any(r.t_first_chunk is None and r.planner.next_window(len(r.semantic), r.segment_done)
-                     for r in ready)
-        for r in ready:
-            if (firsts and r.t_first_chunk is not None and not r.segment_done
-                    and r.offset / SAMPLE_RATE - (now - r.t_first_chunk) > VOCODER_SLACK_S):
-                continue
-            n = len(r.semantic)
-            windows = r.planner.windows(n, ended=r.segment_done)
-            if windows:
-                ids = torch.tensor(r.semantic, dtype=torch.long, device=self.device)
-                jobs += [(r, DecodeJob(ids, r.speaker, w)) for w in windows]
+        # the bulk chunks of long replies: later chunks of requests well ahead of real time wait a step.
+        if any(r.t_first_chunk is None and self._has_window(r) for r in rows):
+            rows = [r for r in rows if r.t_first_chunk is None or r.segment_done
+                    or self._ahead_s(r, now) <= VOCODER_SLACK_S]
+        # First chunks first (higher priority, then arrival), then the requests closest to running dry.
+        rows.sort(key=lambda r: (0, -r.options.priority, self._order.get(r.rid, 0)) if r.t_first_chunk is None
+                  else (1, self._ahead_s(r, now), 0))
+        # Take windows one per request per round, in that order, while the step's budget lasts.
+        taken: dict[int, list[Window]] = {}
+        jobs: list[tuple[_Request, DecodeJob]] = []
+        ids: dict[int, torch.Tensor] = {}
+        longest, full = 0, False
+        while not full:
+            progress = False
+            for r in rows:
+                if r.speaker is None or not r.semantic:
+                    continue
+                w = r.planner.next_window(len(r.semantic), r.segment_done)
+                if w is None:
+                    continue
+                length = max(longest, padded_length(w.end - w.start))
+                if jobs and (len(jobs) >= VOCODER_STEP_WINDOWS
+                             or batch_bucket(len(jobs) + 1) * length > VOCODER_STEP_TOKENS):
+                    full = True
+                    break
+                r.planner.emitted = w.keep_to
+                longest = length
+                if id(r) not in ids:
+                    ids[id(r)] = torch.tensor(r.semantic, dtype=torch.long).to(self.device, non_blocking=True)
+                jobs.append((r, DecodeJob(ids[id(r)], r.speaker, w)))
+                taken.setdefault(id(r), []).append(w)
+                progress = True
+            if not progress:
+                break
         audio = decode_jobs(self.codec, [j for _, j in jobs]) if jobs else []
-        ending = {id(r) for r in self._active if r.segment_done and (r.finished or r.seg + 1 >= len(r.segments))}
+        self.last_step["windows"] = len(jobs)
+        self.last_step["window_rows"] = len(taken)
         pending: dict[int, list[np.ndarray]] = {}
         for (r, _), a in zip(jobs, audio):
             pending.setdefault(id(r), []).append(a)
-        for r in list(self._active):
+        for r in rows:
+            if r.slot < 0:
+                continue
             pieces = pending.get(id(r), [])
-            final = id(r) in ending
+            # The sentence is over once its last window has gone out.
+            done = r.segment_done and (r.planner is None or r.planner.emitted >= len(r.semantic))
+            final = done and (r.finished or r.seg + 1 >= len(r.segments))
             if final and r.phase == PHASE_GLOBAL and not r.global_ids:
                 outputs.append(self._fail(r, "the model did not produce a speaker for this voice (no global tokens)"))
                 continue
@@ -572,7 +724,7 @@ class SparkTTSEngine:
                 r.offset += a.shape[0]
             if final:
                 self._release(r)
-            elif r.segment_done:
+            elif done:
                 r.seg += 1
                 r.needs_prefill = True
         return outputs

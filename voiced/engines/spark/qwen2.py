@@ -297,19 +297,34 @@ class Qwen2LM(nn.Module):
         return self._logits(x[:, -1])[0]
 
     @torch.no_grad()
-    def prefill_many(self, prompts: list[torch.Tensor], slots: list[int]) -> torch.Tensor:
+    def prefill_many(self, prompts: list[torch.Tensor], slots: list[int], pad_to: int = 1) -> torch.Tensor:
         """Prompts (each `[T_i]`, on the LM's device) into cache rows `slots` at positions 0..T_i-1, as one
-        packed pass. Returns each prompt's final-normed last hidden state `[n, C]` (feed to a head)."""
+        packed pass. Returns each prompt's final-normed last hidden state `[n, C]` (feed to a head).
+
+        pad_to: pack to a multiple of this many tokens (fewer distinct shapes: a GPU meets only lengths
+        its warm-up ran). The padding is one more "prompt" that attends only to itself; it is written
+        into the last prompt's row just past that prompt, where the first decode steps overwrite it
+        before anything reads it (a step writes its position before attending to it)."""
         lengths = [int(p.shape[0]) for p in prompts]
         if max(lengths) > self.max_seq:
             raise ValueError(f"prompt of {max(lengths)} tokens exceeds the KV cache length {self.max_seq}")
         dev = self.lm_head.weight.device
+        total = sum(lengths)
+        extra = -total % max(1, pad_to)
         seg = torch.repeat_interleave(torch.arange(len(prompts)), torch.tensor(lengths))
         pos = torch.cat([torch.arange(n) for n in lengths])
         slot_t = torch.tensor(slots)[seg]
+        tokens = torch.cat(prompts)
+        if extra:
+            seg = torch.cat([seg, torch.full((extra,), len(prompts))])
+            pos = torch.cat([pos, (lengths[-1] + torch.arange(extra)).clamp_(max=self.max_seq - 1)])
+            slot_t = torch.cat([slot_t, torch.full((extra,), slots[-1])])
+            tokens = torch.cat([tokens, tokens.new_zeros(extra)])
         mask = (seg[:, None] == seg[None, :]) & (pos[None, :] <= pos[:, None])
+        if extra:  # clamped padding positions repeat: each padding token still sees itself
+            mask |= torch.eye(len(seg), dtype=torch.bool)
         seg, pos, slot_t, mask = (t.to(dev, non_blocking=True) for t in (seg, pos, slot_t, mask))
-        x = self.model.embed_tokens(torch.cat(prompts)[None])
+        x = self.model.embed_tokens(tokens[None])
         cos, sin = self.rope_cos[pos][None, None], self.rope_sin[pos][None, None]
         for layer, kc, vc in zip(self.model.layers, self.k_caches, self.v_caches):
             x = x + layer.self_attn.prefill_packed(layer.input_layernorm(x), cos, sin, kc, vc, slot_t, pos, mask)

@@ -11,9 +11,13 @@ The price is lookahead: the audio for [a, b) can leave once token b+R exists (or
 so the first chunk waits for `first_chunk_tokens + R` tokens. The LM writes tokens far faster than real
 time, so on a GPU that is a fraction of a second.
 
-Non-final windows of different requests batch together: padding a window on the right with arbitrary
-tokens changes only frames within R of the padding, i.e. at or after b+R-R = b, outside what is kept.
-Windows that end at the utterance's true end cannot be padded and are grouped by exact length.
+Windows of different requests batch together: padding a window on the right with arbitrary tokens
+changes only frames within R of the padding, i.e. at or after b+R-R = b, outside what is kept. A window
+that ends at the utterance's true end is padded too, but every time-mixing convolution of the decoder
+then sees zeros past that end (its input is masked there), which is exactly the zero padding the
+unpadded decode applies at that edge. So every call has a bucketed shape: the window length rounded up
+to `PAD_MULTIPLE` and the batch rounded up to one of `BATCH_BUCKETS` (repeating a row), and a GPU meets
+no shape that `SparkTTSEngine.warmup` did not run.
 """
 
 from __future__ import annotations
@@ -26,6 +30,17 @@ import torch
 from .bicodec import HOP, BiCodec
 
 PAD_MULTIPLE = 16  # pad batched windows to a multiple of this many tokens: fewer distinct conv shapes
+# Batch sizes a decode call runs at (a batch is padded up to the next one by repeating its first row);
+# larger batches are split into calls of the largest.
+BATCH_BUCKETS = (1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+
+
+def batch_bucket(n: int) -> int:
+    return next((b for b in BATCH_BUCKETS if b >= n), BATCH_BUCKETS[-1])
+
+
+def padded_length(n_tokens: int) -> int:
+    return -(-n_tokens // PAD_MULTIPLE) * PAD_MULTIPLE
 
 
 @dataclass
@@ -53,11 +68,14 @@ class ChunkPlanner:
         if a >= n_tokens:
             return None
         start = max(0, a - self.radius)
-        if ended:
-            return Window(start, a, n_tokens, n_tokens, True)
+        # Regular chunks first, also once the utterance ended: the last window then spans less than
+        # one chunk plus its context, so window lengths stay bounded (and warmed up) however far the
+        # LM ran ahead of the vocoder.
         b = a + (self.first if a == 0 else self.chunk)
         if n_tokens >= b + self.radius:
             return Window(start, a, b, b + self.radius, False)
+        if ended:
+            return Window(start, a, n_tokens, n_tokens, True)
         return None
 
     def windows(self, n_tokens: int, ended: bool) -> list[Window]:
@@ -79,33 +97,87 @@ class DecodeJob:
 @torch.no_grad()
 def decode_jobs(codec: BiCodec, jobs: list[DecodeJob]) -> list[np.ndarray]:
     """Decode windows of (possibly) many requests in as few batched calls as possible; returns the
-    kept audio of each job (float32, 320 samples per kept token)."""
+    kept audio of each job (float32, 320 samples per kept token). Two groups, the windows that end an
+    utterance and the others; in each, every window is padded on the right to one length (the longest,
+    rounded up to PAD_MULTIPLE), a window that ends at its utterance's true end is masked past that end
+    (see the module docstring), and the batch is padded to a bucket."""
     results: list[np.ndarray | None] = [None] * len(jobs)
-    padded = [i for i, j in enumerate(jobs) if not j.window.final]
-    exact: dict[int, list[int]] = {}
-    for i, j in enumerate(jobs):
-        if j.window.final:
-            exact.setdefault(j.window.end - j.window.start, []).append(i)
-    groups: list[tuple[list[int], int]] = []
-    if padded:
-        longest = max(jobs[i].window.end - jobs[i].window.start for i in padded)
-        groups.append((padded, -(-longest // PAD_MULTIPLE) * PAD_MULTIPLE))
-    groups += [(idxs, length) for length, idxs in exact.items()]
-    for idxs, length in groups:
-        rows = []
-        for i in idxs:
-            w = jobs[i].window
-            seg = jobs[i].tokens[w.start : w.end]
-            if seg.shape[0] < length:
-                seg = torch.cat([seg, seg.new_zeros(length - seg.shape[0])])
-            rows.append(seg)
-        spk = torch.stack([jobs[i].speaker for i in idxs])
-        wav = codec.decode(torch.stack(rows), spk).float().cpu().numpy()
-        for row, i in enumerate(idxs):
-            w = jobs[i].window
-            lo, hi = (w.keep_from - w.start) * HOP, (w.keep_to - w.start) * HOP
-            results[i] = wav[row, lo:hi]
+    top = BATCH_BUCKETS[-1]
+    # Utterance ends apart from the rest: the last window of a request alone is then decoded the same
+    # way whatever chunks of it (or of others) are ready at the same time, so its audio does not
+    # depend on how the steps fell (CPU and GPU kernels are not batch-invariant to the last bit).
+    groups = [[i for i, j in enumerate(jobs) if j.window.final == final] for final in (False, True)]
+    for group in groups:
+        if not group:
+            continue
+        length = padded_length(max(jobs[i].window.end - jobs[i].window.start for i in group))
+        for lo in range(0, len(group), top):
+            _decode_group(codec, jobs, group[lo : lo + top], length, results)
     return results  # type: ignore[return-value]
+
+
+def _decode_group(codec: BiCodec, jobs: list[DecodeJob], idxs: list[int], length: int, results: list) -> None:
+    """Decode jobs `idxs` as one call of bucketed batch, every window padded to `length`."""
+    rows, valid = [], []
+    for i in idxs:
+        w = jobs[i].window
+        seg = jobs[i].tokens[w.start : w.end]
+        if seg.shape[0] < length:
+            seg = torch.cat([seg, seg.new_zeros(length - seg.shape[0])])
+        rows.append(seg)
+        valid.append(w.end - w.start if w.final else length)
+    spk = [jobs[i].speaker for i in idxs]
+    pad = batch_bucket(len(idxs)) - len(idxs)
+    rows, spk, valid = rows + rows[:1] * pad, spk + spk[:1] * pad, valid + valid[:1] * pad
+    wav = decode_windows(codec, torch.stack(rows), torch.stack(spk), valid).float().cpu().numpy()
+    for row, i in enumerate(idxs):
+        w = jobs[i].window
+        a, b = (w.keep_from - w.start) * HOP, (w.keep_to - w.start) * HOP
+        results[i] = wav[row, a:b]
+
+
+def decode_windows(codec: BiCodec, ids: torch.Tensor, spk: torch.Tensor, valid: list[int]) -> torch.Tensor:
+    """`codec.decode(ids [B, L], spk)`, where row b's utterance ends after `valid[b]` tokens: past that
+    the input of every time-mixing convolution is zeroed, as the decode of the unpadded row pads it."""
+    length = ids.shape[1]
+    if min(valid) >= length:
+        return codec.decode(ids, spk)
+    _install_end_masks(codec)
+    codec._window_valid = (torch.tensor(valid, dtype=torch.long).to(ids.device, non_blocking=True), length)
+    try:
+        return codec.decode(ids, spk)
+    finally:
+        codec._window_valid = None
+
+
+def _end_mask_hook(codec: BiCodec):
+    def hook(module, args):
+        state = codec._window_valid
+        if state is None:
+            return None
+        valid, length = state
+        x = args[0]
+        t = x.shape[-1]  # t = length * (the layer's samples per token), exactly: every layer keeps that ratio
+        keep = torch.arange(t, device=x.device)[None, None, :] < (valid * t // length)[:, None, None]
+        return (torch.where(keep, x, x.new_zeros(())), *args[1:])
+
+    return hook
+
+
+def _install_end_masks(codec: BiCodec) -> None:
+    """Pre-hooks on the decode path's time-mixing convolutions (kernel > 1, transposed); no-ops unless
+    `codec._window_valid` is set (by `decode_windows`)."""
+    if getattr(codec, "_end_masks_installed", False):
+        return
+    hook = _end_mask_hook(codec)
+    for part in (codec.prenet, codec.decoder):
+        for m in part.modules():
+            if isinstance(m, torch.nn.ConvTranspose1d) or (isinstance(m, torch.nn.Conv1d) and m.kernel_size[0] > 1):
+                if isinstance(m, torch.nn.Conv1d) and m.stride[0] > 1:
+                    raise NotImplementedError("a strided convolution on the decode path cannot be end-masked")
+                m.register_forward_pre_hook(hook)
+    codec._window_valid = None
+    codec._end_masks_installed = True
 
 
 @torch.no_grad()

@@ -1,0 +1,171 @@
+"""How SparkTTSEngine splits its work into steps (each one bounded, so recognition on the same thread gets
+the GPU between them), and that warm-up runs every shape serving meets."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tests.spark_fixtures import cached_spark_checkpoint
+from voiced.engines.base import TTSOptions, TTSRequest
+from voiced.engines.spark import engine as eng_mod
+from voiced.engines.spark import streaming
+from voiced.engines.spark.bicodec import HOP
+from voiced.engines.spark.engine import SparkTTSEngine
+from voiced.engines.spark.streaming import ChunkPlanner, DecodeJob, decode_jobs, decode_windows
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return cached_spark_checkpoint(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def engine(ckpt, tmp_path_factory):
+    return SparkTTSEngine.load(ckpt, device="cpu", max_batch=8, max_seq_len=512,
+                               voices_dir=tmp_path_factory.mktemp("voices"))
+
+
+def _request(i: int, seconds: float = 1.6) -> TTSRequest:
+    return TTSRequest(f"Reply number {i} is streaming now.", TTSOptions(seed=100 + i, max_seconds=seconds,
+                                                                       first_chunk_tokens=4, chunk_tokens=6))
+
+
+def _run(engine, requests: dict[int, TTSRequest], submit_at: dict[int, int] | None = None):
+    """Step until done; returns ({id: audio}, [engine.last_step per step])."""
+    got = {rid: [] for rid in requests}
+    steps = []
+    pending = dict(submit_at or {})
+    for rid, r in requests.items():
+        if rid not in pending:
+            engine.submit(rid, r)
+    while engine.has_work() or pending:
+        for rid, at in list(pending.items()):
+            if len(steps) >= at:
+                engine.submit(rid, requests[rid])
+                del pending[rid]
+        for out in engine.step():
+            assert out.error is None, out.error
+            got[out.request_id].append(out.value.samples)
+        steps.append(dict(engine.last_step))
+    return {rid: np.concatenate(a) for rid, a in got.items()}, steps
+
+
+def test_a_step_does_one_bounded_kind_of_work(engine, monkeypatch):
+    """8 requests streaming, 2 more arriving mid-stream: no step prefills and vocodes, or decodes and
+    vocodes; a vocoder step decodes at most VOCODER_STEP_WINDOWS windows; a prefill step packs at most
+    PREFILL_STEP_TOKENS (or one prompt); and the audio is what each request gives alone."""
+    monkeypatch.setattr(eng_mod, "VOCODER_STEP_WINDOWS", 3)
+    monkeypatch.setattr(eng_mod, "PREFILL_STEP_TOKENS", 100)
+    reqs = {i: _request(i) for i in range(1, 11)}
+    alone = {rid: _run(engine, {rid: reqs[rid]})[0][rid] for rid in (1, 9)}
+    audio, steps = _run(engine, reqs, submit_at={9: 30, 10: 31})
+    kinds = [s["kind"] for s in steps]
+    assert set(kinds) == {"prefill", "decode", "vocode"}
+    for s in steps:
+        assert sum(k in s for k in ("prefilled", "decoded_rows", "windows")) <= 1, s
+        assert s.get("windows", 0) <= 3
+        if s.get("prefilled", 0) > 1:
+            assert s["prefill_tokens"] <= 100
+    # 8 prompts of ~50 tokens at most 100 per step: the first admissions took several prefill steps
+    assert sum(1 for s in steps[:20] if s["kind"] == "prefill") >= 3
+    # with many requests streaming, no step did windows for all of them
+    assert max(s.get("window_rows", 0) for s in steps) <= 3
+    for rid in (1, 9):
+        assert np.allclose(audio[rid], alone[rid], atol=1e-4), rid
+    assert all(len(a) == 80 * HOP for a in audio.values())
+    assert not engine.has_work()
+
+
+def test_vocoder_serves_first_chunks_then_the_requests_closest_to_running_dry(engine, monkeypatch):
+    monkeypatch.setattr(eng_mod, "VOCODER_STEP_WINDOWS", 1)
+    engine.submit(1, _request(1, 3.0))
+    engine.submit(2, _request(2, 3.0))
+    order = []
+    while engine.has_work():
+        outs = engine.step()
+        if len(order) < 4:
+            order += [o.request_id for o in outs if o.value.samples.size]
+        if engine.last_step["kind"] == "vocode":
+            assert engine.last_step["windows"] == 1
+    assert sorted(order[:2]) == [1, 2]  # both first chunks before any second chunk
+
+
+def test_prefill_padding_changes_nothing(ckpt):
+    from voiced.engines.spark.qwen2 import load_qwen2
+
+    lm = load_qwen2(ckpt / "LLM", "cpu", torch.float32)
+    torch.manual_seed(0)
+    prompts = [torch.randint(0, 166000, (n,)) for n in (17, 5, 30)]
+    lm.setup_cache(max_batch=4, max_seq=64)
+    h = lm.prefill_many(prompts, [2, 0, 3])
+    caches = [k.clone() for k in lm.k_caches]
+    lm.setup_cache(max_batch=4, max_seq=64)
+    hp = lm.prefill_many(prompts, [2, 0, 3], pad_to=64)  # 52 -> 64 tokens, past the end clamped
+    assert torch.allclose(h, hp, atol=1e-5)
+    for slot, p in zip((2, 0, 3), prompts):
+        for a, b in zip(caches, lm.k_caches):
+            assert torch.allclose(a[slot, :, : len(p)], b[slot, :, : len(p)], atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def codec(engine):
+    return engine.codec
+
+
+@torch.no_grad()
+def test_end_masked_padded_window_equals_the_unpadded_decode(codec):
+    torch.manual_seed(4)
+    spk = codec.speaker_vector(torch.randint(0, 4096, (2, 32)))
+    ids = torch.randint(0, 8192, (2, 48))
+    exact = [codec.decode(ids[i : i + 1, :n], spk[i : i + 1])[0] for i, n in enumerate((37, 48))]
+    padded = decode_windows(codec, ids, spk, [37, 48])
+    assert torch.allclose(padded[0, : 37 * HOP], exact[0], atol=1e-4)
+    assert torch.allclose(padded[1], exact[1], atol=1e-4)
+    # without the mask the padding leaks into the end
+    assert not torch.allclose(codec.decode(ids[:1], spk[:1])[0, : 37 * HOP], exact[0], atol=1e-3)
+
+
+@torch.no_grad()
+def test_last_window_stays_short_however_far_the_lm_ran_ahead(codec):
+    r = codec.receptive_radius()
+    planner = ChunkPlanner(r, 10, 25)
+    windows = planner.windows(400, ended=True)
+    assert max(w.end - w.start for w in windows) <= 25 + 2 * r
+    assert windows[-1].final and windows[-1].keep_to == 400
+    assert [w.keep_from for w in windows[1:]] == [w.keep_to for w in windows[:-1]]
+    torch.manual_seed(5)
+    ids = torch.randint(0, 8192, (400,))
+    spk = codec.speaker_vector(torch.randint(0, 4096, (1, 32)))[0]
+    joined = np.concatenate(decode_jobs(codec, [DecodeJob(ids, spk, w) for w in windows]))
+    offline = codec.decode(ids[None], spk[None])[0].numpy()
+    assert np.abs(joined - offline).max() < 1e-4
+
+
+def test_serving_meets_only_shapes_the_warmup_ran(engine, monkeypatch):
+    """The CPU has no first-time costs, so warm-up skips it there; run its pieces here and check that a
+    mixed workload (joins, ends, cancels, several chunk positions) decodes and prefills nothing else."""
+    vocoder, prefill = set(), set()
+    real_decode, real_prefill = streaming.decode_windows, engine.lm.prefill_many
+
+    def rec_decode(codec, ids, spk, valid):
+        vocoder.add(tuple(ids.shape))
+        return real_decode(codec, ids, spk, valid)
+
+    def rec_prefill(prompts, slots, pad_to=1):
+        prefill.add(-(-sum(len(p) for p in prompts) // pad_to) * pad_to)
+        return real_prefill(prompts, slots, pad_to)
+
+    monkeypatch.setattr(streaming, "decode_windows", rec_decode)
+    monkeypatch.setattr(engine.lm, "prefill_many", rec_prefill)
+    pick = engine._sampler([TTSOptions().top_k])
+    assert engine._warm_prefill(pick) == len(prefill) == 512 // 64
+    assert engine._warm_vocoder(4, 6) == len(vocoder)
+    warm_v, warm_p = set(vocoder), set(prefill)
+    vocoder.clear(), prefill.clear()
+    reqs = {i: _request(i, 0.5 + 0.3 * i) for i in range(1, 11)}
+    _run(engine, reqs, submit_at={7: 5, 8: 20, 9: 21, 10: 40})
+    assert vocoder and prefill
+    assert vocoder <= warm_v, vocoder - warm_v
+    assert prefill <= warm_p, prefill - warm_p
