@@ -94,13 +94,19 @@ def test_echo_loopback_on_a_phone_line_equals_voiced_speak(daemon, models, tmp_p
 
 
 def _barge_in(daemon, min_speech_ms: int, enabled: bool = True):
-    """Speak, wait for the reply to start streaming, then talk over it in real time."""
+    """Speak, wait for the reply to start streaming, then talk over it.
+
+    Returns the events up to the final transcript of the interruption (then the caller hangs up) and
+    how many TTS requests the engine had cancelled shortly after REPLY_INTERRUPTED arrived.
+    """
     question = wire_audio(layout(["What time does the shop open tomorrow?"], tail_s=0.7).audio, PHONE)
     interruption = frames_of(wire_audio(layout(["No wait, stop, I meant on Sunday."], lead_s=0.0,
                                                 tail_s=1.0).audio, PHONE), PHONE)
     silence = frames_of(wire_audio(np.zeros(RATE // 50, np.float32), PHONE), PHONE)[0]
     cfg = converse_config(barge_in=pb.BargeInConfig(enabled=enabled, min_speech_ms=min_speech_ms))
-    cfg.speech.max_seconds = 8.0  # long enough to still be speaking when the caller cuts in
+    cfg.speech.max_seconds = 30.0  # a long reply: still being written when the caller cuts in
+    worker = daemon.services.tts
+    seen: dict = {}
 
     async def run():
         events = []
@@ -109,33 +115,47 @@ def _barge_in(daemon, min_speech_ms: int, enabled: bool = True):
             await call.write(pb.SessionRequest(config=cfg))
             for f in frames_of(question, PHONE):
                 await call.write(pb.SessionRequest(audio=f))
-            got_audio = asyncio.Event()
+            got_audio, heard_twice = asyncio.Event(), asyncio.Event()
 
             async def read():
                 async for ev in call:
                     events.append(ev)
-                    if ev.WhichOneof("event") == "audio":
+                    kind = ev.WhichOneof("event")
+                    if kind == "audio":
                         got_audio.set()
+                    elif kind == "reply" and ev.reply.type == pb.ReplyEvent.REPLY_INTERRUPTED:
+                        for _ in range(100):  # the engine applies the cancellation on its own thread
+                            if worker.stats.cancelled > seen["cancelled_before"]:
+                                break
+                            await asyncio.sleep(0.01)
+                        seen["cancelled_at_cut"] = worker.stats.cancelled
+                    elif kind == "transcript" and ev.transcript.is_final and ev.turn_id == 2:
+                        heard_twice.set()
+                        return
 
+            seen["cancelled_before"] = worker.stats.cancelled
             reader = asyncio.create_task(read())
             while not got_audio.is_set():  # real-time silence until the reply streams
                 await call.write(pb.SessionRequest(audio=silence))
                 await asyncio.sleep(0.02)
+            # The interruption goes out as fast as the caller can send it: the reply is cut in the
+            # caller's audio time either way, and this way it is still being written (a tiny random
+            # model writes its whole reply in under a second on the CPU).
             for f in interruption:
                 await call.write(pb.SessionRequest(audio=f))
+            while not heard_twice.is_set():
+                await call.write(pb.SessionRequest(audio=silence))
                 await asyncio.sleep(0.02)
-            await call.done_writing()
-            await asyncio.wait_for(reader, 120)
+            await asyncio.wait_for(reader, 60)
+            call.cancel()  # hang up
         return events
 
-    return asyncio.run(run())
+    return asyncio.run(run()), seen
 
 
 def test_barge_in_cuts_the_reply_at_once_and_frees_its_slot(daemon):
     worker = daemon.services.tts
-    cancelled_before = worker.stats.cancelled
-    events = _barge_in(daemon, min_speech_ms=300)
-    kinds = [e.WhichOneof("event") for e in events]
+    events, seen = _barge_in(daemon, min_speech_ms=300)
     cut = next(i for i, e in enumerate(events) if e.WhichOneof("event") == "reply"
                and e.reply.type == pb.ReplyEvent.REPLY_INTERRUPTED)
     interrupted = events[cut].reply
@@ -147,19 +167,21 @@ def test_barge_in_cuts_the_reply_at_once_and_frees_its_slot(daemon):
     barge_start = [e.speech.offset_ms for e in events[:cut] if e.WhichOneof("event") == "speech"
                    and e.speech.type == pb.SpeechActivity.SPEECH_STARTED][-1]
     assert 0 <= interrupted.caller_offset_ms - (barge_start + 300) <= 100
-    # The LM request was cancelled in the engine and its batch slot given back.
-    assert worker.stats.cancelled > cancelled_before
-    for _ in range(100):
-        if worker.engine.active_requests() == 0:
+    # The reply's LM request was still being written, and the barge-in cancelled it in the engine.
+    assert seen["cancelled_at_cut"] == seen["cancelled_before"] + 1
+    assert daemon.services.metrics.barge_ins._value.get() >= 1
+    # The interruption itself is heard; then the caller hangs up and every slot is given back.
+    assert any(e.WhichOneof("event") == "transcript" and e.turn_id == 2 for e in events[cut:])
+    for _ in range(200):
+        if worker.engine.active_requests() == 0 and worker.pending == 0:
             break
         time.sleep(0.05)
-    assert worker.engine.active_requests() == 0
-    assert daemon.services.metrics.barge_ins._value.get() >= 1
-    assert "transcript" in kinds[cut:]  # the interruption itself is heard and answered
+    assert worker.engine.active_requests() == 0 and worker.pending == 0
 
 
 def test_barge_in_can_be_switched_off(daemon):
-    events = _barge_in(daemon, min_speech_ms=300, enabled=False)
+    events, _ = _barge_in(daemon, min_speech_ms=300, enabled=False)
+    assert any(e.WhichOneof("event") == "transcript" and e.turn_id == 2 for e in events)
     assert not any(e.WhichOneof("event") == "reply" and e.reply.type == pb.ReplyEvent.REPLY_INTERRUPTED
                    for e in events)
 
