@@ -1,8 +1,8 @@
 import numpy as np
 import pytest
+from voiced_client import g711
 
 from voiced.audio.ingest import FRAME_SAMPLES, AudioFormatError, Format, FrameDecoder, FrameEncoder, encode_pcm
-from voiced_client import g711
 
 
 def test_g711_matches_the_reference_codec_on_every_sample():

@@ -13,6 +13,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import grpc
 import numpy as np
 import pytest
+from voiced_client.proto import voiced_pb2 as pb
+from voiced_client.proto import voiced_pb2_grpc as pb_grpc
 
 from tests.daemon_harness import (
     audio_requests,
@@ -29,8 +31,6 @@ from tests.speech import RATE, layout, write_wav
 from tests.whisper_fixtures import make_openai_checkpoint
 from voiced.audio.ingest import Format
 from voiced.cli import main as voiced_main
-from voiced_client.proto import voiced_pb2 as pb
-from voiced_client.proto import voiced_pb2_grpc as pb_grpc
 
 SEED = 11
 REPLY_S = 1.0  # cap on each reply: random LMs never stop on their own

@@ -12,6 +12,8 @@ import grpc
 import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from voiced_client.proto import voiced_pb2 as pb
+from voiced_client.proto import voiced_pb2_grpc as pb_grpc
 
 from tests.daemon_harness import (
     MAX_NEW_TOKENS,
@@ -29,8 +31,6 @@ from tests.speech import RATE, layout, phrase, write_wav
 from tests.whisper_fixtures import make_openai_checkpoint
 from voiced.audio.ingest import Format
 from voiced.cli import main as voiced_main
-from voiced_client.proto import voiced_pb2 as pb
-from voiced_client.proto import voiced_pb2_grpc as pb_grpc
 
 PHRASES = ["The quick brown fox jumps over the lazy dog.", "Please call me back tomorrow morning.",
            "Seven apples and three oranges."]

@@ -11,8 +11,7 @@ from safetensors.torch import load_file, save_file
 
 from tests.spark_fixtures import cached_spark_checkpoint
 from tests.speech import phrase
-from voiced.engines.spark.bicodec import (HOP, BiCodec, BiCodecConfig, fold_weight_norm, load_bicodec,
-                                          mel_filterbank)
+from voiced.engines.spark.bicodec import HOP, BiCodec, BiCodecConfig, fold_weight_norm, load_bicodec, mel_filterbank
 from voiced.engines.spark.checkpoint import CheckpointError, TextTokenizer, load_special_tokens
 from voiced.engines.spark.streaming import ChunkPlanner, DecodeJob, decode_jobs, stream_decode
 

@@ -12,8 +12,7 @@ from tests.trtllm_fakes import BINDINGS, FakeExecutor
 from voiced.engines.base import TTSOptions, TTSRequest
 from voiced.engines.spark.engine import SparkTTSEngine
 from voiced.engines.spark.frontend import SparkFrontend
-from voiced.engines.trtllm.spark_runner import (SparkTokenLayout, TRTLLMSparkLM, TrtllmSparkEngine,
-                                                load_spark_frontend)
+from voiced.engines.trtllm.spark_runner import SparkTokenLayout, TrtllmSparkEngine, TRTLLMSparkLM, load_spark_frontend
 
 L = SparkTokenLayout()
 

@@ -3,7 +3,6 @@ one-step-at-a-time path: same tokens, same logits, and the engine's vocoder prio
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import AsyncIterator, Callable
 from importlib.metadata import entry_points
-from typing import AsyncIterator, Callable, Protocol
+from typing import Protocol
 
 import httpx
 

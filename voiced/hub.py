@@ -12,7 +12,6 @@ import hashlib
 import logging
 import os
 import shutil
-import socket
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -65,7 +64,7 @@ def download(url: str, dest: str | os.PathLike, sha256: str | None = None, desc:
                     out.write(block)
                     h.update(block)
                     bar.update(len(block))
-    except (urllib.error.URLError, socket.timeout, ConnectionError, OSError) as e:
+    except (TimeoutError, urllib.error.URLError, ConnectionError, OSError) as e:
         part.unlink(missing_ok=True)
         reason = getattr(e, "reason", e)
         raise DownloadError(

@@ -20,8 +20,9 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from typing import Any
 
 from voiced.engines.base import CapacityError, EngineError, EngineOutput, SteppedEngine
 

@@ -16,17 +16,17 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
-from typing import AsyncIterator
 
 import grpc
 import numpy as np
+from voiced_client.proto import voiced_pb2 as pb
 
 from voiced.audio.ingest import RATE, AudioFormatError, FrameDecoder, int16_to_float
 from voiced.engines.base import ASRRequest, CapacityError, EngineError, Transcript
 from voiced.segmenter import Segmenter, SpeechEnded, SpeechStarted, Utterance
 from voiced.wire import SessionError, SessionSpec, invalid, transcript_to_proto
-from voiced_client.proto import voiced_pb2 as pb
 
 log = logging.getLogger(__name__)
 

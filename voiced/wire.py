@@ -9,12 +9,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import grpc
+from voiced_client.proto import voiced_pb2 as pb
 
 from voiced.audio.ingest import MAX_RATE, MIN_RATE, AudioFormatError, Format
 from voiced.config import Config
-from voiced.engines.base import ASROptions, TTSOptions, Transcript
+from voiced.engines.base import ASROptions, Transcript, TTSOptions
 from voiced.segmenter import SegmenterConfig
-from voiced_client.proto import voiced_pb2 as pb
 
 MAX_BEAM = 4
 

@@ -35,7 +35,7 @@ def _spans(text: str) -> list[tuple[float, float]]:
             spans.append((float(a), float(b)))
         return spans
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected START-END[,START-END...] in seconds, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected START-END[,START-END...] in seconds, got {text!r}") from None
 
 
 def _add_connection(p: argparse.ArgumentParser) -> None:

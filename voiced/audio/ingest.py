@@ -11,7 +11,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import soxr
-
 from voiced_client import g711
 from voiced_client.wavio import float_to_int16
 

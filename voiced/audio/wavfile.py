@@ -8,8 +8,8 @@ from __future__ import annotations
 import os
 
 import numpy as np
-
-from voiced_client.wavio import WavError, read_wav as _read_wav, resample
+from voiced_client.wavio import WavError, resample
+from voiced_client.wavio import read_wav as _read_wav
 
 TARGET_RATE = 16000
 

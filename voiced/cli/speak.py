@@ -81,9 +81,9 @@ def write_speech(path: str, audio, encoding: str, sample_rate: int) -> None:
     caller with that output format receives for the same text, voice and seed.
     """
     import numpy as np
+    from voiced_client.wavio import write_g711_wav, write_wav
 
     from voiced.audio.ingest import Format, FrameEncoder
-    from voiced_client.wavio import write_g711_wav, write_wav
 
     data = FrameEncoder(Format(encoding, sample_rate)).encode(audio, last=True)
     if encoding == "LINEAR16":

@@ -92,7 +92,7 @@ class BiCodecConfig:
     volume_normalize: bool = True
 
     @classmethod
-    def from_yaml(cls, bicodec_yaml: str | Path, root_yaml: str | Path | None = None) -> "BiCodecConfig":
+    def from_yaml(cls, bicodec_yaml: str | Path, root_yaml: str | Path | None = None) -> BiCodecConfig:
         """Read `BiCodec/config.yaml` (its `audio_tokenizer` section) and the repository's `config.yaml`."""
         import yaml
 

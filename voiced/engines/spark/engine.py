@@ -238,7 +238,7 @@ class SparkTTSEngine:
              dtype: str | torch.dtype | None = None, max_batch: int = 16, voices_dir: str | Path | None = None,
              kv_cache_bytes: int | None = None, max_seq_len: int = 4096, codec_dtype: str | torch.dtype | None = None,
              use_cuda_graphs: bool = True, decode_steps: int = DECODE_STEPS,
-             compile_lm: bool | None = None) -> "SparkTTSEngine":
+             compile_lm: bool | None = None) -> SparkTTSEngine:
         """Load a Spark-TTS-0.5B directory (or the cached model by name).
 
         dtype: the LM's (default bf16 on GPU, fp32 on CPU; fp16 is refused: it overflows in this LM).

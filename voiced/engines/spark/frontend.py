@@ -28,8 +28,14 @@ from voiced.hub import cache_dir
 
 from .bicodec import BiCodec, load_bicodec
 from .checkpoint import SpecialTokens, TextTokenizer, load_special_tokens, resolve
-from .engine import (N_GLOBAL, TOKENS_PER_SECOND, Wav2Vec2Features, build_prompt, checkpoint_fingerprint,
-                     tokenize_reference)
+from .engine import (
+    N_GLOBAL,
+    TOKENS_PER_SECOND,
+    Wav2Vec2Features,
+    build_prompt,
+    checkpoint_fingerprint,
+    tokenize_reference,
+)
 from .streaming import ChunkPlanner, DecodeJob, decode_jobs
 from .voices import Voice, VoiceStore
 
@@ -100,7 +106,7 @@ class SparkFrontend:
         self.voices = VoiceStore(root, lambda: checkpoint_fingerprint(ckpt), self._tokenize_reference)
 
     @classmethod
-    def load(cls, model: str | Path, device: str = "cuda", voices_dir: str | Path | None = None) -> "SparkFrontend":
+    def load(cls, model: str | Path, device: str = "cuda", voices_dir: str | Path | None = None) -> SparkFrontend:
         return cls(model, device=device, voices_dir=voices_dir)
 
     def _voice(self, request: TTSRequest) -> Voice:

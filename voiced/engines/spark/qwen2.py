@@ -56,7 +56,7 @@ class Qwen2Config:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
 
     @classmethod
-    def from_json(cls, path: str | Path) -> "Qwen2Config":
+    def from_json(cls, path: str | Path) -> Qwen2Config:
         raw = json.loads(Path(path).read_text())
         # transformers 5 moved rope_theta under rope_parameters; accept both layouts.
         theta = raw.get("rope_theta")
@@ -510,7 +510,7 @@ class StepState:
     FLOAT_FIELDS = ("temperature", "top_p")
 
     @classmethod
-    def empty(cls, n: int, device) -> "StepState":
+    def empty(cls, n: int, device) -> StepState:
         # Two backing blocks, so the host fills the whole state with two copies.
         ints = torch.zeros(len(cls.INT_FIELDS), n, dtype=torch.long, device=device)
         floats = torch.zeros(len(cls.FLOAT_FIELDS), n, dtype=torch.float32, device=device)

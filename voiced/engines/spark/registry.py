@@ -6,7 +6,8 @@ from pathlib import Path
 
 from voiced import hub
 
-from .checkpoint import MODEL_NAME, PUBLISHED_FILES, pull as _pull
+from .checkpoint import MODEL_NAME, PUBLISHED_FILES
+from .checkpoint import pull as _pull
 
 
 def names() -> list[str]:

@@ -26,7 +26,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from voiced.engines.base import SAMPLE_RATE, ASROptions, ASRRequest, CapacityError, EngineError, EngineOutput, Transcript
+from voiced.engines.base import (
+    SAMPLE_RATE,
+    ASROptions,
+    ASRRequest,
+    CapacityError,
+    EngineError,
+    EngineOutput,
+    Transcript,
+)
 
 from .audio import N_SAMPLES, log_mel_spectrogram, pad_or_trim
 from .checkpoint import CheckpointError, load_checkpoint, tokenizer_search_dirs
