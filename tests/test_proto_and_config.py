@@ -61,3 +61,17 @@ def test_importing_the_daemon_does_not_import_torch_or_tensorrt_llm():
             "print('torch' in sys.modules, 'tensorrt_llm' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False", "False"]
+
+
+def test_the_readme_config_block_lists_every_key_with_its_default(tmp_path):
+    import dataclasses
+    import re
+    import tomllib
+
+    from voiced.config import Config
+
+    text = (ROOT / "README.md").read_text()
+    block = re.search(r"### Configuration.*?```toml\n(.*?)```", text, re.S).group(1)
+    documented = tomllib.loads(block)
+    actual = {f.name: dataclasses.asdict(getattr(Config(), f.name)) for f in dataclasses.fields(Config)}
+    assert documented == actual, "README's config block is out of date with voiced/config.py"
