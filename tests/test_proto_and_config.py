@@ -66,6 +66,7 @@ def test_importing_the_daemon_does_not_import_torch_or_tensorrt_llm():
 def test_the_readme_config_block_lists_every_key_with_its_default(tmp_path):
     import dataclasses
     import re
+
     import tomllib
 
     from voiced.config import Config

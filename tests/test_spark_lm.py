@@ -149,3 +149,27 @@ def test_config_reads_published_and_transformers5_layouts(tmp_path):
         m = Qwen2LM(full)
     n = sum(p.numel() for p in m.parameters())
     assert 490e6 < n < 510e6  # Qwen2.5-0.5B with the vocabulary padded to 166000
+
+
+def test_two_round_top_k_picks_what_one_topk_picks():
+    """The sampler's candidates over a long row (two rounds of topk) are torch.topk's, in its order,
+    including rows where a phase mask leaves only a few ids allowed."""
+    from voiced.engines.spark.sampling import top_k_candidates
+
+    torch.manual_seed(3)
+    logits = torch.randn(4, 13_531)
+    logits[1, 5000:] = float("-inf")  # a phase that allows a slice only
+    logits[2, 17:] = float("-inf")  # fewer allowed ids than candidates
+    for k in (64, 128):
+        vals, idx = top_k_candidates(logits, k)
+        want_vals, want_idx = torch.topk(logits, k)
+        assert torch.equal(vals, want_vals)
+        finite = want_vals.isfinite()
+        assert torch.equal(idx[finite], want_idx[finite])
+        assert (idx < logits.shape[1]).all()
+    # a sampled draw over the long row is the same as over plain topk candidates
+    args = (torch.tensor([0.8] * 4), torch.tensor([50] * 4), torch.tensor([0.95] * 4), torch.tensor([7] * 4))
+    for step in range(20):
+        a = sample(logits, *args, torch.tensor([step] * 4), candidates=64)
+        b = sample(logits[:, :1000].contiguous(), *args, torch.tensor([step] * 4), candidates=64)
+        assert torch.equal(a[2:3], b[2:3])  # row 2's allowed ids all lie in the first 1000

@@ -186,14 +186,16 @@ def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 def layer_decode(x, cos, sin, mask, k_cache, v_cache, rows, positions, w: tuple, eps: float, dims: tuple):
     """One decoder layer of a decode step as a pure function of its weights `w` (the same arithmetic as
     the modules' forward). Being a free function, one `torch.compile` of it serves all 24 layers: a
-    small graph that compiles in seconds, and fuses each layer's ~40 small kernels into ~15."""
-    ln1, qw, qb, kw, kb, vw, vb, ow, ln2, gw, uw, dw = w
+    small graph that compiles in seconds. `w` holds q/k/v as one matrix and gate/up as one (see
+    `Qwen2LM.fuse_projections`): at one token per row every GEMM is a few-µs launch, so fewer is faster."""
+    ln1, w_qkv, b_qkv, ow, ln2, w_gate_up, dw = w
     n_heads, n_kv, head_dim = dims
     b = x.shape[0]
     h = _rms(x, ln1, eps)
-    q = F.linear(h, qw, qb).view(b, 1, n_heads, head_dim).transpose(1, 2)
-    k = F.linear(h, kw, kb).view(b, 1, n_kv, head_dim).transpose(1, 2)
-    v = F.linear(h, vw, vb).view(b, 1, n_kv, head_dim).transpose(1, 2)
+    q, k, v = F.linear(h, w_qkv, b_qkv).split([n_heads * head_dim, n_kv * head_dim, n_kv * head_dim], -1)
+    q = q.view(b, 1, n_heads, head_dim).transpose(1, 2)
+    k = k.view(b, 1, n_kv, head_dim).transpose(1, 2)
+    v = v.view(b, 1, n_kv, head_dim).transpose(1, 2)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     k_cache[rows, :, positions] = k[:, :, 0]
     v_cache[rows, :, positions] = v[:, :, 0]
@@ -203,7 +205,8 @@ def layer_decode(x, cos, sin, mask, k_cache, v_cache, rows, positions, w: tuple,
     out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
     x = x + F.linear(out.reshape(b, 1, n_heads * head_dim), ow)
     h = _rms(x, ln2, eps)
-    return x + F.linear(F.silu(F.linear(h, gw)) * F.linear(h, uw), dw)
+    gate, up = F.linear(h, w_gate_up).chunk(2, -1)
+    return x + F.linear(F.silu(gate) * up, dw)
 
 
 class MLP(nn.Module):
@@ -251,7 +254,7 @@ class Qwen2LM(nn.Module):
         self._graphs: dict[tuple[int, int], _DecodeGraph] = {}
         self._step_graphs: dict[tuple, _StepsGraph] = {}
         self.state: StepState | None = None
-        self._layer_fn = None  # compile_decode() sets a compiled layer_decode
+        self._layer_fn = None  # compile_decode() sets layer_decode, compiled
         self._layer_weights: list[tuple] = []
 
     # ------------------------------------------------------------------ cache
@@ -353,17 +356,39 @@ class Qwen2LM(nn.Module):
                 x = self._layer_fn(x, cos, sin, mask, kc, vc, rows, positions, w, cfg.rms_norm_eps, dims)
         return self.model.norm(x[:, 0])
 
-    def compile_decode(self, **kwargs) -> None:
-        """Run decode steps through `torch.compile`d `layer_decode` (fewer, fused kernels; the CUDA graphs
-        captured afterwards hold the compiled kernels). Compiles on first use of each shape class."""
-        self._layer_weights = [
-            (l.input_layernorm.weight, l.self_attn.q_proj.weight, l.self_attn.q_proj.bias, l.self_attn.k_proj.weight,
-             l.self_attn.k_proj.bias, l.self_attn.v_proj.weight, l.self_attn.v_proj.bias, l.self_attn.o_proj.weight,
-             l.post_attention_layernorm.weight, l.mlp.gate_proj.weight, l.mlp.up_proj.weight, l.mlp.down_proj.weight)
-            for l in self.model.layers]
+    def fuse_projections(self) -> None:
+        """Store each layer's q/k/v weights (and biases) as one tensor and gate/up as one, for
+        `layer_decode`. The modules' parameters become views into them: no second copy of the weights,
+        and a checkpoint loaded afterwards still lands in the fused tensors."""
+
+        def fuse(*params: nn.Parameter) -> tuple[torch.Tensor, list[nn.Parameter]]:
+            whole = torch.cat([p.detach() for p in params])
+            parts = whole.split([p.shape[0] for p in params])
+            return whole, [nn.Parameter(t, requires_grad=False) for t in parts]
+
+        self._layer_weights = []
+        for layer in self.model.layers:
+            a, m = layer.self_attn, layer.mlp
+            w_qkv, (a.q_proj.weight, a.k_proj.weight, a.v_proj.weight) = fuse(a.q_proj.weight, a.k_proj.weight,
+                                                                             a.v_proj.weight)
+            b_qkv, (a.q_proj.bias, a.k_proj.bias, a.v_proj.bias) = fuse(a.q_proj.bias, a.k_proj.bias, a.v_proj.bias)
+            w_gate_up, (m.gate_proj.weight, m.up_proj.weight) = fuse(m.gate_proj.weight, m.up_proj.weight)
+            self._layer_weights.append((layer.input_layernorm.weight, w_qkv, b_qkv, a.o_proj.weight,
+                                        layer.post_attention_layernorm.weight, w_gate_up, m.down_proj.weight))
+
+    @property
+    def compiled(self) -> bool:
+        return self._layer_fn is not None and self._layer_fn is not layer_decode
+
+    def compile_decode(self, compile: bool = True, **kwargs) -> None:
+        """Run decode steps through `layer_decode` over fused projections, `torch.compile`d unless
+        `compile=False` (fewer, fused kernels; the CUDA graphs captured afterwards hold the compiled
+        kernels; the samplers compile too, see sampling.PhaseSampler). Compiles on first use of each
+        shape class, which the engine's warm-up makes happen before serving."""
+        self.fuse_projections()
         # every (batch bucket, kv bucket) is a shape; mark them dynamic rather than recompile per pair
         kwargs.setdefault("dynamic", True)
-        self._layer_fn = torch.compile(layer_decode, **kwargs)
+        self._layer_fn = torch.compile(layer_decode, **kwargs) if compile else layer_decode
         self._graphs.clear()
         self._step_graphs.clear()
 
