@@ -100,9 +100,55 @@ def start_server(args):
     services = Services(config=config, metrics=Metrics(), asr=EngineWorker(asr, "asr", thread=thread),
                         tts=EngineWorker(tts, "tts", thread=thread), voices=tts.voices,
                         agents=AgentRegistry(config.agent))
+    if not args.no_gc_freeze:
+        from voiced.cli.serve import freeze_heap
+
+        freeze_heap()  # as `voiced serve` does after warm-up
+    for worker in (services.asr, services.tts):
+        worker.engine.step = StepTimer(worker.engine.step)
     server = VoicedServer(config, services=services)
     port, loop, _ = start_in_thread(server)
     return f"127.0.0.1:{port}", server, loop
+
+
+class StepTimer:
+    """Wraps an engine's `step` to record how long each one takes (a slow step delays every caller)."""
+
+    def __init__(self, step):
+        self.step, self.durations = step, []
+
+    def __call__(self):
+        t0 = time.perf_counter()
+        try:
+            return self.step()
+        finally:
+            self.durations.append((time.perf_counter() - t0) * 1e3)
+
+    def take(self) -> dict:
+        d, self.durations = self.durations, []
+        return {**pct(d), "max": round(max(d), 1) if d else 0.0, "over_50ms": sum(x > 50 for x in d)}
+
+
+class GcPauses:
+    """Records every garbage collection of the server process: generation and pause in ms."""
+
+    def __init__(self):
+        self._t0, self.pauses = 0.0, []
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self.pauses.append((info["generation"], (time.perf_counter() - self._t0) * 1e3))
+
+    def take(self) -> dict:
+        p, self.pauses = self.pauses, []
+        out = {}
+        for gen in (0, 1, 2):
+            ms = [m for g, m in p if g == gen]
+            out[f"gen{gen}"] = {"n": len(ms), "max_ms": round(max(ms), 1) if ms else 0.0,
+                                "total_ms": round(sum(ms), 1)}
+        return out
 
 
 # ----------------------------------------------------------------------------------- caller side
@@ -200,6 +246,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--separate-threads", action="store_true",
                     help="one thread per engine instead of the daemon's shared one (to compare)")
+    ap.add_argument("--no-gc-freeze", action="store_true",
+                    help="leave start-up objects in the garbage collector's scans (to compare)")
     ap.add_argument("--tiny-cpu", action="store_true", help="dry run on the CPU with tiny random models")
     ap.add_argument("--caller", default=None, help=argparse.SUPPRESS)  # internal: run the callers only
     args = ap.parse_args(argv)
@@ -210,15 +258,23 @@ def main(argv: list[str] | None = None) -> dict:
         print(json.dumps(report))
         return report
 
+    import gc
+
     import torch
 
     address, server, loop = start_server(args)
+    gc_pauses = GcPauses()
+    gc.callbacks.append(gc_pauses)
     result = {"bench": "e2e", "gpu": "cpu (dry run)" if args.tiny_cpu else torch.cuda.get_device_name(), "torch": torch.__version__,
               "python": platform.python_version(), "asr_dims": args.asr_dims, "asr_tokens": args.asr_tokens,
               "reply_seconds": args.reply_seconds, "first_chunk_tokens": args.first_chunk_tokens,
               "engine_threads": "separate" if args.separate_threads else "shared",
+              "gc_freeze": not args.no_gc_freeze,
               "date": time.strftime("%Y-%m-%d"), "levels": {}}
     for n in args.sessions:
+        gc_pauses.take()
+        for worker in (server.services.asr, server.services.tts):
+            worker.engine.step.take()
         cmd = [sys.executable, "-m", "voiced.bench.e2e_bench", "--wav", str(args.wav), "--tiktoken-dir",
                str(args.tiktoken_dir), "--duration", str(args.duration), "--reply-seconds", str(args.reply_seconds),
                "--caller", f"{address}@{n}"]
@@ -228,6 +284,8 @@ def main(argv: list[str] | None = None) -> dict:
             continue
         level = json.loads(proc.stdout.strip().splitlines()[-1])
         level["asr_steps"] = server.services.asr.stats.steps
+        level["gc"] = gc_pauses.take()
+        level["step_ms"] = {w.name: w.engine.step.take() for w in (server.services.asr, server.services.tts)}
         result["levels"][n] = level
         log.info("%d sessions: %s", n, json.dumps(level))
     asyncio.run_coroutine_threadsafe(server.drain_and_stop(grace=0), loop).result(60)
