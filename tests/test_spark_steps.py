@@ -129,7 +129,7 @@ def test_first_chunks_are_decoded_before_bulk_chunks_of_requests_ahead_of_real_t
 
 
 def test_pure_layer_function_equals_the_modules(lm):
-    """`layer_decode` (what compile_decode compiles) computes exactly what the modules compute."""
+    """`layer_decode` (what compile_decode compiles) computes what the modules compute."""
     from voiced.engines.spark.qwen2 import layer_decode
 
     torch.manual_seed(2)
@@ -143,8 +143,8 @@ def test_pure_layer_function_equals_the_modules(lm):
             assert lm._layer_fn is layer_decode and not lm.compiled
         outs.append(lm.decode(torch.tensor([3, 7]), torch.tensor([0, 12])))
     lm._layer_fn = None
-    # one GEMM over concatenated weights sums each output in the same order as three would
-    assert torch.equal(outs[0], outs[1])
+    # same arithmetic up to float rounding (fused GEMMs, attention written out instead of SDPA)
+    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=2e-5)
     # the modules' weights are views into the fused tensors (no second copy), so both paths keep
     # using the same numbers
     a = lm.model.layers[0].self_attn

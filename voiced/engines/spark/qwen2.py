@@ -202,7 +202,12 @@ def layer_decode(x, cos, sin, mask, k_cache, v_cache, rows, positions, w: tuple,
     kv_len = mask.shape[-1]
     keys, values = k_cache[:b, :, :kv_len], v_cache[:b, :, :kv_len]
     q = q.reshape(b, n_kv, n_heads // n_kv, head_dim)
-    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+    # Attention written out rather than SDPA: for 7 query rows per KV head the fused kernels run one
+    # block per (row, KV head) over the whole cache (~10 µs a layer on an H200 at batch 1); two small
+    # batched GEMMs and a softmax that the compiler fuses with the mask take ~7 µs.
+    scores = torch.matmul(q, keys.transpose(-1, -2)).float() * head_dim**-0.5
+    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1).to(q.dtype)
+    out = torch.matmul(probs, values)
     x = x + F.linear(out.reshape(b, 1, n_heads * head_dim), ow)
     h = _rms(x, ln2, eps)
     gate, up = F.linear(h, w_gate_up).chunk(2, -1)
