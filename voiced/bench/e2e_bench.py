@@ -105,28 +105,56 @@ def start_server(args):
 
         freeze_heap()  # as `voiced serve` does after warm-up
     for worker in (services.asr, services.tts):
-        worker.engine.step = StepTimer(worker.engine.step)
+        worker.engine.step = StepTimer(worker.engine, STEP_PARTS[worker.name])
+    if not args.tiny_cpu:
+        log.info("GPU memory after warm-up: %.2f GiB allocated, peak %.2f GiB", torch.cuda.memory_allocated() / 2**30,
+                 torch.cuda.max_memory_allocated() / 2**30)
     server = VoicedServer(config, services=services)
     port, loop, _ = start_in_thread(server)
     return f"127.0.0.1:{port}", server, loop
 
 
 class StepTimer:
-    """Wraps an engine's `step` to record how long each one takes (a slow step delays every caller)."""
+    """Wraps an engine's `step` to record how long each one takes (a slow step delays every caller),
+    and, for a step over 50 ms, where its time went: the engine methods named in `parts`, timed too."""
 
-    def __init__(self, step):
-        self.step, self.durations = step, []
+    def __init__(self, engine, parts: tuple[str, ...]):
+        self.step, self.durations, self.slow = engine.step, [], []
+        self._parts: dict[str, float] = {}
+        for name in parts:
+            if hasattr(engine, name):
+                setattr(engine, name, self._timed(name, getattr(engine, name)))
+
+    def _timed(self, name: str, fn):
+        def run(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                self._parts[name] = self._parts.get(name, 0.0) + (time.perf_counter() - t0) * 1e3
+        return run
 
     def __call__(self):
+        self._parts = {}
         t0 = time.perf_counter()
         try:
             return self.step()
         finally:
-            self.durations.append((time.perf_counter() - t0) * 1e3)
+            ms = (time.perf_counter() - t0) * 1e3
+            self.durations.append(ms)
+            if ms > 50:
+                self.slow.append({"ms": round(ms, 1), **{k: round(v, 1) for k, v in self._parts.items()}})
 
     def take(self) -> dict:
-        d, self.durations = self.durations, []
-        return {**pct(d), "max": round(max(d), 1) if d else 0.0, "over_50ms": sum(x > 50 for x in d)}
+        d, slow, self.durations, self.slow = self.durations, self.slow, [], []
+        return {**pct(d), "max": round(max(d), 1) if d else 0.0, "over_50ms": slow}
+
+
+# What the timers break a slow step into (methods of WhisperEngine / SparkTTSEngine; a capture or a
+# compile while serving shows up as its own entry).
+STEP_PARTS = {"asr": ("_admit", "_encode_into_cache", "_capture", "_capture_encoder", "_run", "_select",
+                      "_greedy_chunk", "_finish"),
+              "tts": ("_admit", "_prefill_step", "_decode_step", "_vocode")}
 
 
 class GcPauses:
