@@ -68,3 +68,21 @@ def test_cuda_graphs_match_eager_full_batch(tmp_path):
         a = graphs._encode_bucket(x, 4).clone()
         b = eager._encode_bucket(x, 4).clone()
     assert torch.equal(a, b)
+
+
+def test_fast_decoder_step_is_the_default_and_close_to_the_reference(tmp_path):
+    """On CUDA the engine's decoder step is the fused, compiled one; in fp16 its logits match the
+    modules' step up to rounding (tests/test_whisper_fast.py pins the arithmetic exactly in fp32)."""
+    ckpt = make_openai_checkpoint(tmp_path, n_mels=128, seed=6)
+    fast = WhisperEngine.load(ckpt, device="cuda", max_batch=8)
+    ref = WhisperEngine.load(ckpt, device="cuda", max_batch=8, fast_decoder=False)
+    assert fast.decoder_path == "fused, compiled" and ref.decoder_path == "reference"
+    with torch.inference_mode(), fast.on_stream():
+        feats = torch.randn(8, 1500, fast.dims.n_audio_state, device="cuda", dtype=fast.dtype)
+        for eng in (fast, ref):
+            eng.model.decoder.write_cross(eng.cache, torch.arange(8, device="cuda"), feats)
+            eng._tok_buf[:8] = torch.arange(8, device="cuda") + 1000
+            eng._pos_buf[:8] = 0
+        a = fast._plain_step(8).float()
+        b = ref._plain_step(8).float()
+    assert (a - b).abs().max().item() <= 2e-2 * b.abs().max().item()

@@ -39,8 +39,8 @@ from voiced.engines.base import (
 from .audio import N_SAMPLES, log_mel_spectrogram, pad_or_trim
 from .checkpoint import CheckpointError, load_checkpoint, tokenizer_search_dirs
 from .decoding import DecodePlan, RequestDecoder, Suppression
-from .fast import FastEncoder
-from .model import KVCache, ModelDims, Whisper
+from .fast import FastDecoder, FastEncoder
+from .model import KVCache, ModelDims, TextDecoder, Whisper
 from .registry import resolve
 from .tokenizer import WhisperTokenizer
 
@@ -87,7 +87,8 @@ class WhisperEngine:
     def __init__(self, model: Whisper, tokenizer: WhisperTokenizer, *, model_name: str = "whisper",
                  max_batch: int = 8, max_encoder_batch: int | None = None, cuda_graphs: bool = True,
                  max_queue: int | None = None, decode_chunk: int | None = None,
-                 compile_encoder: bool | None = None, attn_backend: str | None = None):
+                 compile_encoder: bool | None = None, attn_backend: str | None = None,
+                 fast_decoder: bool | None = None, compile_decoder: bool | None = None):
         if tokenizer.n_vocab != model.dims.n_vocab:
             raise CheckpointError(f"tokenizer has {tokenizer.n_vocab} tokens but the model {model.dims.n_vocab}")
         self.model = model.eval().requires_grad_(False)
@@ -139,10 +140,21 @@ class WhisperEngine:
         self.fast_encoder = (FastEncoder(model.encoder, self.dims.n_mels, attn_backend, compile_encoder)
                              if self.is_cuda else None)
         self._enc_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
+        # GPU decoder step: fused self-attention QKV, one function per layer, and (compile_decoder,
+        # on by default with it) that function compiled per batch bucket in warmup(): a step at
+        # batch 1 is ~100 kernels of a few microseconds, and their count, not bandwidth, sets its
+        # time. fast_decoder=False keeps the modules' step (the reference; for comparisons); the
+        # CPU uses the reference unless asked, and never compiles: its steps attend over exactly
+        # as many positions as needed, a new shape (a recompile) at every step.
+        fast_decoder = self.is_cuda if fast_decoder is None else fast_decoder
+        compile_decoder = fast_decoder and self.is_cuda and compile_decoder is not False
+        self.fast_decoder = FastDecoder(model.decoder, compile_decoder) if fast_decoder else None
+        self._decoder: FastDecoder | TextDecoder = self.fast_decoder or model.decoder
         self._warming = False
-        log.info("whisper engine %s on %s (%s): %d slots, %.1f MiB of KV cache, cuda graphs %s", model_name,
-                 self.device, str(self.dtype).replace("torch.", ""), max_batch,
-                 max_batch * KVCache.bytes_per_slot(self.dims, self.dtype) / 2**20, self.cuda_graphs)
+        log.info("whisper engine %s on %s (%s): %d slots, %.1f MiB of KV cache, cuda graphs %s, decoder step %s",
+                 model_name, self.device, str(self.dtype).replace("torch.", ""), max_batch,
+                 max_batch * KVCache.bytes_per_slot(self.dims, self.dtype) / 2**20, self.cuda_graphs,
+                 self.decoder_path)
 
     # ----------------------------------------------------------------------------------- loading
     @classmethod
@@ -150,13 +162,15 @@ class WhisperEngine:
              max_batch: int | None = None, kv_cache_bytes: int | None = None, cuda_graphs: bool = True,
              max_encoder_batch: int | None = None, max_queue: int | None = None,
              decode_chunk: int | None = None, cache_root: Path | None = None,
-             compile_encoder: bool | None = None, attn_backend: str | None = None) -> WhisperEngine:
+             compile_encoder: bool | None = None, attn_backend: str | None = None,
+             fast_decoder: bool | None = None, compile_decoder: bool | None = None) -> WhisperEngine:
         """Load an official name (from the model cache), an OpenAI `.pt` or a Hugging Face directory.
 
         device: "cpu", "cuda" or "cuda:N". dtype: default float16 on CUDA, float32 on CPU.
         max_batch: decoder rows (a beam-search request takes `beam_size` rows); default 8 on CPU,
         64 on CUDA. kv_cache_bytes: a memory budget for the self+cross KV caches; the row count is
-        the smaller of what it allows and max_batch.
+        the smaller of what it allows and max_batch. compile_encoder, fast_decoder, compile_decoder:
+        the GPU paths (see __init__), None meaning on for CUDA.
         """
         path = resolve(name_or_path, cache_root)
         dims, state = load_checkpoint(path)
@@ -179,7 +193,15 @@ class WhisperEngine:
         name = path.stem if path.is_file() else path.name
         return cls(model, tok, model_name=name, max_batch=rows, max_encoder_batch=max_encoder_batch,
                    cuda_graphs=cuda_graphs, max_queue=max_queue, decode_chunk=decode_chunk,
-                   compile_encoder=compile_encoder, attn_backend=attn_backend)
+                   compile_encoder=compile_encoder, attn_backend=attn_backend, fast_decoder=fast_decoder,
+                   compile_decoder=compile_decoder)
+
+    @property
+    def decoder_path(self) -> str:
+        """Which decoder step runs: "reference" (the modules), "fused" or "fused, compiled"."""
+        if self.fast_decoder is None:
+            return "reference"
+        return "fused, compiled" if self.fast_decoder.compiled else "fused"
 
     @staticmethod
     def _buckets(max_batch: int) -> list[int]:
@@ -319,14 +341,14 @@ class WhisperEngine:
         if not self.is_cuda:
             # CPU: attend only as far as the longest row; no mask when every row is at one position.
             kv_len = max(pos) + 1
-            return self.model.decoder.step(self._tok_buf[:n], self._pos_buf[:n], self.cache, kv_len,
-                                           masked=min(pos) != kv_len - 1)
+            return self._decoder.step(self._tok_buf[:n], self._pos_buf[:n], self.cache, kv_len,
+                                      masked=min(pos) != kv_len - 1)
         # GPU: always attend over the whole context with a mask, so the eager path and the graph run
         # the very same kernels.
         return self._run("plain", b)[:n]
 
     def _plain_step(self, b: int) -> torch.Tensor:
-        return self.model.decoder.step(self._tok_buf[:b], self._pos_buf[:b], self.cache, self.dims.n_text_ctx)
+        return self._decoder.step(self._tok_buf[:b], self._pos_buf[:b], self.cache, self.dims.n_text_ctx)
 
     def _greedy_step(self, b: int, kv_len: int | None = None, masked: bool = True) -> None:
         """Decoder step + greedy choice, all on the device: the chosen tokens become the next
@@ -335,8 +357,8 @@ class WhisperEngine:
         The same filters as the host path: the always-suppressed ids, and no end-of-text while a
         row's minimum-length countdown is positive; then arg-max and its log-probability.
         """
-        logits = self.model.decoder.step(self._tok_buf[:b], self._pos_buf[:b], self.cache,
-                                         kv_len or self.dims.n_text_ctx, masked)
+        logits = self._decoder.step(self._tok_buf[:b], self._pos_buf[:b], self.cache,
+                                    kv_len or self.dims.n_text_ctx, masked)
         logits.masked_fill_(self.suppress.always, NEG_INF)
         eot = self.tok.eot
         logits[:, eot] = torch.where(self._minleft[:b] > 0, NEG_INF, logits[:, eot])
@@ -411,9 +433,10 @@ class WhisperEngine:
 
     def warmup(self) -> None:
         """Make every shape the engine will run now (only while idle), so no request pays a
-        first-time cost: the decoder-step graphs of every bucket, the encoder (compiled layers and
-        graphs) of every encoder batch bucket, and the admission work (cross keys/values, language
-        detection and prefill, token choice) for every admission size 1..max_encoder_batch."""
+        first-time cost: the decoder step (compiled layers and graphs) of every bucket, the encoder
+        (compiled layers and graphs) of every encoder batch bucket, and the admission work (cross
+        keys/values, language detection and prefill, token choice) for every admission size
+        1..max_encoder_batch."""
         if self._n or self._queue or not self.is_cuda:
             return
         with torch.inference_mode(), self.on_stream():
@@ -424,6 +447,9 @@ class WhisperEngine:
                     for kind in ("plain", "greedy"):
                         if (kind, b) not in self._graphs:
                             self._capture(kind, b)
+            elif self.fast_decoder is not None and self.fast_decoder.compiled:
+                for b in self.buckets:  # compile every bucket's step (the plain and greedy steps share it)
+                    self._plain_step(b)
             for b in self.encoder_buckets():
                 if self.cuda_graphs:
                     if b not in self._enc_graphs:

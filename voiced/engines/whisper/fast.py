@@ -1,19 +1,23 @@
-"""The audio encoder's GPU path: the same network as `AudioEncoder.forward`, arranged for speed.
+"""The GPU paths of the audio encoder and of the decoder step: the same networks as
+`AudioEncoder.forward` and `TextDecoder.step`, arranged for speed.
 
-Used only on CUDA (the CPU keeps the reference forward, which the exactness tests pin down):
+Used only on CUDA (the CPU keeps the reference forwards, which the exactness tests pin down):
 
 * the self-attention's query/key/value projections are one GEMM against concatenated weights
   (N = 3 * width: one launch instead of three, better tile occupancy at batch 1), whose output
   splits into heads as views, so attention reads them in place and writes a layout that merges
-  back without a copy;
-* one encoder layer is a free function of (activations, that layer's tensors), so an optional
-  `torch.compile` of it serves all 32 layers (fused bias + GELU, residual + layer norm) and is
-  compiled once per batch-size bucket at warm-up, never while serving;
-* the attention backend can be pinned (flash, cuDNN, memory-efficient) with `attn_backend`.
+  back without a copy. The modules' own query/key/value parameters become views into the fused
+  tensors, so the fused layout costs no extra memory and both layouts always hold the same numbers;
+* one layer is a free function of (activations, that layer's tensors[, its caches]), so an
+  optional `torch.compile` of it serves every layer (fused bias + GELU, residual + layer norm) and
+  is compiled once per batch-size bucket at warm-up, never while serving;
+* the encoder's attention backend can be pinned (flash, cuDNN, memory-efficient) with
+  `attn_backend`; the decoder step keeps `decode_attention_kernels`, as the reference step does.
 
-Results equal the reference forward up to fp16 rounding (a different GEMM shape sums in a
-different order), not bit for bit; the engine runs the graph path and its eager path through this
-same code, with the same shapes, so the two agree with each other.
+Results equal the reference forwards up to fp16 rounding (a different GEMM shape sums in a
+different order, compiled kernels fuse differently), not bit for bit; the engine runs the graph
+path and its eager path through this same code, with the same shapes, so the two agree with each
+other. In float32 on the CPU the uncompiled functions match the reference to ~1e-6 (tested).
 """
 
 from __future__ import annotations
@@ -26,9 +30,50 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .audio import log_mel_spectrogram
-from .model import AudioEncoder
+from .model import Attention, AudioEncoder, KVCache, TextDecoder, decode_attention_kernels
 
 log = logging.getLogger(__name__)
+
+
+def fuse_qkv(attn: Attention) -> tuple[Tensor, Tensor]:
+    """An attention's query/key/value weights as one [3D, D] tensor and their biases as one [3D]
+    (zeros for the key, which has no bias in Whisper), for one GEMM that makes q, k and v.
+
+    The module's own query/key/value parameters are then made views into these (same values, so
+    its reference forward is unchanged), which keeps one copy of the weights in memory, and a later
+    `load_state_dict` writes through to the fused tensors. Calling it again on the same module
+    returns the same tensors; after the module has been moved (`.to`), it fuses anew.
+    """
+    q, k, v = attn.query, attn.key, attn.value
+    d = q.weight.shape[0]
+    fused = getattr(attn, "_fused_qkv", None)
+    if fused is not None:
+        w, b = fused
+        views = (q.weight, k.weight, v.weight, q.bias, v.bias)
+        starts = (w.data_ptr(), w[d].data_ptr(), w[2 * d].data_ptr(), b.data_ptr(), b[2 * d].data_ptr())
+        if all(p.data_ptr() == s for p, s in zip(views, starts)):
+            return w, b
+    # Normal tensors even when called under inference mode: parameters that became inference
+    # tensors could no longer be written outside it (load_state_dict).
+    with torch.inference_mode(False), torch.no_grad():
+        w = torch.cat([q.weight, k.weight, v.weight])
+        b = torch.cat([q.bias, torch.zeros_like(q.bias), v.bias])
+        q.weight.data, k.weight.data, v.weight.data = w[:d], w[d:2 * d], w[2 * d:]
+        q.bias.data, v.bias.data = b[:d], b[2 * d:]
+    attn._fused_qkv = (w, b)
+    return w, b
+
+
+def compile_static(fn):
+    """`torch.compile` with static shapes: one specialisation per shape (batch-size bucket), all
+    made at warm-up. Dynamo's default recompile limit (8) is below the number of buckets."""
+    from torch import _dynamo
+
+    cfg = _dynamo.config
+    for knob in ("recompile_limit", "cache_size_limit"):
+        if hasattr(cfg, knob):
+            setattr(cfg, knob, max(getattr(cfg, knob), 64))
+    return torch.compile(fn, dynamic=False, fullgraph=True)
 
 
 def encoder_layer(x: Tensor, n_head: int, ln1_w: Tensor, ln1_b: Tensor, w_qkv: Tensor, b_qkv: Tensor,
@@ -61,23 +106,12 @@ class FastEncoder:
         self.layers: list[tuple[Tensor, ...]] = []
         for blk in encoder.blocks:
             a = blk.attn
-            w_qkv = torch.cat([a.query.weight, a.key.weight, a.value.weight]).contiguous()
-            b_qkv = torch.cat([a.query.bias, torch.zeros_like(a.query.bias), a.value.bias]).contiguous()
+            w_qkv, b_qkv = fuse_qkv(a)
             self.layers.append((blk.attn_ln.weight, blk.attn_ln.bias, w_qkv, b_qkv, a.out.weight, a.out.bias,
                                 blk.mlp_ln.weight, blk.mlp_ln.bias, blk.mlp[0].weight, blk.mlp[0].bias,
                                 blk.mlp[2].weight, blk.mlp[2].bias))
-        self._layer = encoder_layer
-        self.compiled = False
-        if compile_layers:
-            # Static shapes: one specialisation per batch-size bucket, all made at warm-up.
-            from torch import _dynamo
-
-            cfg = _dynamo.config
-            for knob in ("recompile_limit", "cache_size_limit"):
-                if hasattr(cfg, knob):
-                    setattr(cfg, knob, max(getattr(cfg, knob), 64))
-            self._layer = torch.compile(encoder_layer, dynamic=False, fullgraph=True)
-            self.compiled = True
+        self.compiled = compile_layers
+        self._layer = compile_static(encoder_layer) if compile_layers else encoder_layer
 
     def _sdpa_ctx(self) -> contextlib.AbstractContextManager:
         if self.attn_backend is None:
@@ -98,3 +132,91 @@ class FastEncoder:
             for p in self.layers:
                 x = self._layer(x, self.n_head, *p)
         return F.layer_norm(x, x.shape[-1:], enc.ln_post.weight, enc.ln_post.bias, enc.ln_post.eps)
+
+
+def decoder_layer_step(x: Tensor, mask: Tensor | None, rows: Tensor, positions: Tensor, self_k: Tensor,
+                       self_v: Tensor, cross_k: Tensor, cross_v: Tensor, kv_len: int, n_head: int,
+                       ln1_w: Tensor, ln1_b: Tensor, w_qkv: Tensor, b_qkv: Tensor, w_o: Tensor, b_o: Tensor,
+                       ln2_w: Tensor, ln2_b: Tensor, w_cq: Tensor, b_cq: Tensor, w_co: Tensor, b_co: Tensor,
+                       ln3_w: Tensor, ln3_b: Tensor, w_1: Tensor, b_1: Tensor, w_2: Tensor, b_2: Tensor) -> Tensor:
+    """One decoder block for one new token per row: x [B, 1, D] -> [B, 1, D] (as `TextDecoder._step`).
+
+    self_k/self_v [slots, ctx, D] and cross_k/cross_v [slots, A, D] are this layer's caches. Row b's
+    new key/value are written at (rows[b], positions[b]); row b then attends over the first kv_len
+    self positions of slot b (mask: additive [B, 1, 1, kv_len], or None when every row may see all
+    of them) and over all of slot b's audio positions. The cross-attention query stays its own GEMM:
+    its keys/values were projected once at admission.
+    """
+    b, _, d = x.shape
+    hd = d // n_head
+    h = F.layer_norm(x, (d,), ln1_w, ln1_b, 1e-5)
+    q, k, v = F.linear(h, w_qkv, b_qkv).view(b, 3, n_head, hd).unbind(1)  # [B, H, hd] views
+    self_k[rows, positions] = k.reshape(b, d)
+    self_v[rows, positions] = v.reshape(b, d)
+    keys = self_k[:b, :kv_len].view(b, kv_len, n_head, hd).transpose(1, 2)
+    values = self_v[:b, :kv_len].view(b, kv_len, n_head, hd).transpose(1, 2)
+    o = F.scaled_dot_product_attention(q[:, :, None], keys, values, attn_mask=mask)  # [B, H, 1, hd]
+    x = x + F.linear(o.reshape(b, 1, d), w_o, b_o)
+    h = F.layer_norm(x, (d,), ln2_w, ln2_b, 1e-5)
+    q = F.linear(h, w_cq, b_cq).view(b, 1, n_head, hd).transpose(1, 2)
+    a = cross_k.shape[1]
+    keys = cross_k[:b].view(b, a, n_head, hd).transpose(1, 2)
+    values = cross_v[:b].view(b, a, n_head, hd).transpose(1, 2)
+    o = F.scaled_dot_product_attention(q, keys, values)
+    x = x + F.linear(o.reshape(b, 1, d), w_co, b_co)
+    h = F.layer_norm(x, (d,), ln3_w, ln3_b, 1e-5)
+    return x + F.linear(F.gelu(F.linear(h, w_1, b_1)), w_2, b_2)
+
+
+def additive_mask(positions: Tensor, kv_len: int, dtype: torch.dtype) -> Tensor:
+    """[B, 1, 1, kv_len]: 0 where row b may attend (cache positions 0..positions[b]), -inf elsewhere.
+
+    The very mask SDPA makes of a boolean one, made once per step instead of once per layer and
+    attention call (a few kernels each, at a few microseconds apiece).
+    """
+    allowed = torch.arange(kv_len, device=positions.device)[None, :] <= positions[:, None]
+    mask = torch.full(allowed.shape, float("-inf"), dtype=dtype, device=positions.device)
+    return mask.masked_fill_(allowed, 0.0)[:, None, None, :]
+
+
+def step_inputs(tokens: Tensor, positions: Tensor, emb_w: Tensor, pos_emb: Tensor, kv_len: int, masked: bool,
+                dtype: torch.dtype) -> tuple[Tensor, Tensor | None, Tensor]:
+    """What every layer of a step takes: activations [B, 1, D] (token + position embeddings), the
+    additive mask (None when unmasked) and the row indices 0..B-1. A function of its own so that
+    it compiles too (seven small kernels -> two)."""
+    x = (F.embedding(tokens, emb_w) + pos_emb[positions]).to(dtype)[:, None, :]
+    mask = additive_mask(positions, kv_len, dtype) if masked else None
+    return x, mask, torch.arange(tokens.shape[0], device=tokens.device)
+
+
+class FastDecoder:
+    """The text decoder's one-token step, GPU layout (see module doc); called like `TextDecoder.step`.
+
+    Prefill (a few calls per request) keeps the modules' path; the step runs once per token.
+    """
+
+    def __init__(self, decoder: TextDecoder, compile_layers: bool = False):
+        self.dec = decoder
+        self.n_head = decoder.blocks[0].attn.n_head
+        self.layers: list[tuple[Tensor, ...]] = []
+        for blk in decoder.blocks:
+            a, c = blk.attn, blk.cross_attn
+            w_qkv, b_qkv = fuse_qkv(a)
+            self.layers.append((blk.attn_ln.weight, blk.attn_ln.bias, w_qkv, b_qkv, a.out.weight, a.out.bias,
+                                blk.cross_attn_ln.weight, blk.cross_attn_ln.bias, c.query.weight, c.query.bias,
+                                c.out.weight, c.out.bias, blk.mlp_ln.weight, blk.mlp_ln.bias,
+                                blk.mlp[0].weight, blk.mlp[0].bias, blk.mlp[2].weight, blk.mlp[2].bias))
+        self.compiled = compile_layers
+        self._inputs = compile_static(step_inputs) if compile_layers else step_inputs
+        self._layer = compile_static(decoder_layer_step) if compile_layers else decoder_layer_step
+
+    def step(self, tokens: Tensor, positions: Tensor, cache: KVCache, kv_len: int, masked: bool = True) -> Tensor:
+        """tokens [B] at positions [B] for slots 0..B-1 -> logits [B, vocab] (see `TextDecoder.step`)."""
+        with decode_attention_kernels(tokens.is_cuda):
+            dec = self.dec
+            x, mask, rows = self._inputs(tokens, positions, dec.token_embedding.weight, dec.positional_embedding,
+                                         kv_len, masked, cache.self_k.dtype)
+            for i, p in enumerate(self.layers):
+                x = self._layer(x, mask, rows, positions, cache.self_k[i], cache.self_v[i], cache.cross_k[i],
+                                cache.cross_v[i], kv_len, self.n_head, *p)
+            return dec._logits(x[:, 0])

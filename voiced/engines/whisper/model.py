@@ -11,10 +11,15 @@ from the reference implementation is how the decoder keeps state, gpt-fast style
   different lengths share one batch, and `step` has static shapes: it can be captured in a CUDA
   graph once per batch size;
 * attention is `scaled_dot_product_attention` everywhere (flash / memory-efficient kernels on GPU).
+
+This is the reference arrangement, which the CPU runs and the exactness tests pin down. On CUDA the
+engine runs the encoder and the decoder step through `fast.py` (fused QKV, per-layer functions,
+optionally compiled): the same arithmetic up to rounding, checked against this file in tests.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import asdict, dataclass
 
@@ -78,6 +83,21 @@ def _heads(x: Tensor, n_head: int) -> Tensor:
 def _merge(x: Tensor) -> Tensor:
     b, h, t, hd = x.shape
     return x.transpose(1, 2).reshape(b, t, h * hd)
+
+
+def decode_attention_kernels(on_cuda: bool) -> contextlib.AbstractContextManager:
+    """The attention kernels of a decoder step (every implementation of it runs under this).
+
+    On CUDA: flash (unmasked cross-attention) / memory-efficient (masked self-attention) kernels,
+    never cuDNN's: cuDNN's SDPA picked different kernels for a captured step than for an eager one
+    at batch 16 (logits apart by fp16 ulps, tokens parting on near-ties), and builds a plan per new
+    shape on first use. A no-op on the CPU.
+    """
+    if not on_cuda:
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION])
 
 
 class Attention(nn.Module):
@@ -214,16 +234,8 @@ class TextDecoder(nn.Module):
         every row sits at position kv_len - 1. Shapes depend only on (B, kv_len) and no value is
         read back to the host, so the call can be captured in a CUDA graph.
         """
-        if tokens.is_cuda:
-            # Flash (unmasked cross-attention) / memory-efficient (masked self-attention) kernels,
-            # never cuDNN's: cuDNN's SDPA picked different kernels for a captured step than for an
-            # eager one at batch 16 (logits apart by fp16 ulps, tokens parting on near-ties), and
-            # builds a plan per new shape on first use.
-            from torch.nn.attention import SDPBackend, sdpa_kernel
-
-            with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]):
-                return self._step(tokens, positions, cache, kv_len, masked)
-        return self._step(tokens, positions, cache, kv_len, masked)
+        with decode_attention_kernels(tokens.is_cuda):
+            return self._step(tokens, positions, cache, kv_len, masked)
 
     def _step(self, tokens: Tensor, positions: Tensor, cache: KVCache, kv_len: int, masked: bool) -> Tensor:
         b = tokens.shape[0]
