@@ -8,6 +8,10 @@ comparable. Measures, in one process:
 
 * equality: CUDA-graph decoding gives the same greedy tokens as eager decoding (a batch of
   different utterances with staggered lengths, and a single one);
+* decoder step: GPU time of one on-device greedy step (decoder step + token choice, graph replay)
+  at batch 1 and at the largest batch bucket, with the decoder path the engines use (default on
+  CUDA: fused QKV, compiled layers; `--reference-decoder` for the modules' step,
+  `--no-compile-decoder` for the fused step uncompiled: run twice to compare);
 * latency: one utterance, 30 s window, wall time from submit to transcript (median of runs);
 * throughput: many utterances submitted at once, continuous batching, utterances per second;
 * the same latency and a batched throughput with transformers' WhisperForConditionalGeneration
@@ -196,6 +200,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--no-compile-encoder", dest="compile_encoder", action="store_false",
                     help="don't torch.compile the GPU encoder's layers (the engine's default on CUDA)")
+    ap.add_argument("--reference-decoder", dest="fast_decoder", action="store_const", const=False, default=None,
+                    help="decoder steps through the modules (TextDecoder.step), not the fused GPU step")
+    ap.add_argument("--no-compile-decoder", dest="compile_decoder", action="store_const", const=False, default=None,
+                    help="don't torch.compile the fused decoder step's layers (the engine's default on CUDA)")
     ap.add_argument("--attn-backend", default=None, choices=["flash", "cudnn", "efficient"],
                     help="pin the encoder's attention kernel")
     ap.add_argument("--diagnose", action="store_true",
@@ -229,7 +237,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     opts = ASROptions(language="en", max_new_tokens=args.tokens, min_new_tokens=args.tokens)
     audio = test_audio(max(args.throughput_utts, args.hf_throughput_utts, 16))
-    fast = dict(compile_encoder=args.compile_encoder, attn_backend=args.attn_backend)
+    fast = dict(compile_encoder=args.compile_encoder, attn_backend=args.attn_backend, fast_decoder=args.fast_decoder,
+                compile_decoder=args.compile_decoder)
     report.update(fast)
     if args.probe_only:
         eng = WhisperEngine(model, tok, model_name=args.dims, max_batch=16, max_encoder_batch=1, **fast)
@@ -242,6 +251,7 @@ def main(argv: list[str] | None = None) -> dict:
     eager = WhisperEngine(model, tok, model_name=args.dims, max_batch=args.max_batch,
                           max_encoder_batch=args.encoder_batch, cuda_graphs=False, decode_chunk=args.decode_chunk,
                           **fast)
+    report["decoder_step_path"] = graphs.decoder_path
     t0 = time.perf_counter()
     graphs.warmup()
     report["warmup_graphs_s"] = round(time.perf_counter() - t0, 2)
@@ -262,6 +272,14 @@ def main(argv: list[str] | None = None) -> dict:
         log.exception("equality section failed")
         report["equality_error"] = repr(e)
     save(report)
+    if graphs.cuda_graphs:
+        try:
+            report["decode_step_ms"] = decode_step_ms(graphs)
+            log.info("decoder step: %s", report["decode_step_ms"])
+        except Exception as e:
+            log.exception("decoder step section failed")
+            report["decode_step_error"] = repr(e)
+        save(report)
     single_g = graphs.transcribe(ASRRequest(audio[0], opts)).tokens
     try:
         speed(report, graphs, eager, audio, opts, args, dev)
@@ -325,6 +343,29 @@ def equality(report, graphs, eager, audio, opts, args) -> None:
                 report["graphs_equal_eager"][f"step_logits_max_abs_diff_b{b}"] = \
                     (eager_logits - graph_logits).abs().max().item()
     log.info("graphs == eager: %s", report["graphs_equal_eager"])
+
+
+def decode_step_ms(eng: WhisperEngine, reps: int = 20) -> dict:
+    """GPU time (CUDA events) of one on-device greedy step (decoder step + token choice) by graph
+    replay, at batch 1 and at the largest bucket, on an idle engine (the steps write keys/values
+    into free slots only)."""
+    out = {"path": eng.decoder_path}
+    with torch.inference_mode(), eng.on_stream():
+        for b in sorted({1, eng.buckets[-1]}):
+            eng._tok_buf[:b] = 1000
+            eng._pos_buf[:b] = 4  # positions advance by one per step: 4 + reps + 1 stays in the context
+            eng._minleft[:b] = reps + 1
+            eng._run("greedy", b)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(reps):
+                eng._run("greedy", b)
+            end.record()
+            torch.cuda.synchronize()
+            out[f"b{b}"] = round(start.elapsed_time(end) / reps, 4)
+        for t in (eng._tok_buf, eng._pos_buf, eng._minleft):
+            t.zero_()
+    return out
 
 
 def probe(eng: WhisperEngine) -> dict:
@@ -410,7 +451,8 @@ def diagnose(report, graphs, model, audio, opts, args) -> None:
         return round(s.elapsed_time(e) / reps, 3)
 
     # graph vs eager under cuBLAS settings
-    small = WhisperEngine(model, graphs.tok, max_batch=16, max_encoder_batch=1, cuda_graphs=True)
+    small = WhisperEngine(model, graphs.tok, max_batch=16, max_encoder_batch=1, cuda_graphs=True,
+                          fast_decoder=args.fast_decoder, compile_decoder=args.compile_decoder)
     diag["probe_in_process"] = probe(small)
     del small
     log.info("probe: %s", diag["probe_in_process"])
@@ -420,11 +462,13 @@ def diagnose(report, graphs, model, audio, opts, args) -> None:
             "disable_addmm_lt": {"DISABLE_ADDMM_CUDA_LT": "1"},
             "lt_unified_workspace": {"TORCH_CUBLASLT_UNIFIED_WORKSPACE": "1"}}
     tdir = str(args.tiktoken_dir)
+    decoder_flags = (["--reference-decoder"] if args.fast_decoder is False else []) + (
+        ["--no-compile-decoder"] if args.compile_decoder is False else [])
     for name, env in envs.items():
         try:
             r = subprocess.run([sys.executable, "-m", "voiced.bench.whisper_bench", "--probe-only", "--tiktoken-dir",
-                                tdir, "--dims", args.dims], env={**os.environ, **env}, capture_output=True,
-                               text=True, timeout=120)
+                                tdir, "--dims", args.dims, *decoder_flags], env={**os.environ, **env},
+                               capture_output=True, text=True, timeout=120)
             line = next((x for x in r.stdout.splitlines() if x.startswith("PROBE ")), None)
             diag[f"probe_{name}"] = json.loads(line[6:]) if line else r.stderr[-500:]
         except Exception as e:
