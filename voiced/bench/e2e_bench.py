@@ -23,25 +23,15 @@ import json
 import logging
 import os
 import platform
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from voiced.bench.steps import STEP_PARTS, StepTimer, pct
+
 log = logging.getLogger("voiced.bench.e2e")
-
-
-def pct(values: list[float]) -> dict:
-    if not values:
-        return {"n": 0}
-    v = sorted(values)
-
-    def q(p: float) -> float:
-        return round(v[min(len(v) - 1, int(round(p / 100 * (len(v) - 1))))], 1)
-
-    return {"n": len(v), "p50": q(50), "p95": q(95), "p99": q(99), "mean": round(statistics.fmean(v), 1)}
 
 
 # ----------------------------------------------------------------------------------- server side
@@ -112,49 +102,6 @@ def start_server(args):
     server = VoicedServer(config, services=services)
     port, loop, _ = start_in_thread(server)
     return f"127.0.0.1:{port}", server, loop
-
-
-class StepTimer:
-    """Wraps an engine's `step` to record how long each one takes (a slow step delays every caller),
-    and, for a step over 50 ms, where its time went: the engine methods named in `parts`, timed too."""
-
-    def __init__(self, engine, parts: tuple[str, ...]):
-        self.step, self.durations, self.slow = engine.step, [], []
-        self._parts: dict[str, float] = {}
-        for name in parts:
-            if hasattr(engine, name):
-                setattr(engine, name, self._timed(name, getattr(engine, name)))
-
-    def _timed(self, name: str, fn):
-        def run(*a, **kw):
-            t0 = time.perf_counter()
-            try:
-                return fn(*a, **kw)
-            finally:
-                self._parts[name] = self._parts.get(name, 0.0) + (time.perf_counter() - t0) * 1e3
-        return run
-
-    def __call__(self):
-        self._parts = {}
-        t0 = time.perf_counter()
-        try:
-            return self.step()
-        finally:
-            ms = (time.perf_counter() - t0) * 1e3
-            self.durations.append(ms)
-            if ms > 50:
-                self.slow.append({"ms": round(ms, 1), **{k: round(v, 1) for k, v in self._parts.items()}})
-
-    def take(self) -> dict:
-        d, slow, self.durations, self.slow = self.durations, self.slow, [], []
-        return {**pct(d), "max": round(max(d), 1) if d else 0.0, "over_50ms": slow}
-
-
-# What the timers break a slow step into (methods of WhisperEngine / SparkTTSEngine; a capture or a
-# compile while serving shows up as its own entry).
-STEP_PARTS = {"asr": ("_admit", "_encode_into_cache", "_capture", "_capture_encoder", "_run", "_select",
-                      "_greedy_chunk", "_finish"),
-              "tts": ("_admit", "_prefill_step", "_decode_step", "_vocode")}
 
 
 class GcPauses:

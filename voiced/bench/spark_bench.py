@@ -28,6 +28,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from voiced.bench.steps import STEP_PARTS, StepTimer
+
 log = logging.getLogger("spark_bench")
 
 
@@ -195,13 +197,20 @@ def engine_run(engine, concurrency: int, seconds: float, first: int, chunk: int)
         engine.submit(i, TTSRequest(text, TTSOptions(voice="bench", seed=i, max_seconds=seconds,
                                                      first_chunk_tokens=first, chunk_tokens=chunk)))
     steps = 0
+    # alone, where the first chunk's time goes: every step until it, and what the step did
+    timer = StepTimer(engine, STEP_PARTS["tts"], slow_ms=0.0) if concurrency == 1 else None
+    timeline = None
     while engine.has_work():
-        for out in engine.step():
+        for out in (timer or engine.step)():
             assert out.error is None, out.error
             if out.request_id not in first_at and out.value.samples.size:
                 first_at[out.request_id] = time.perf_counter() - t_submit
+                if timer is not None:
+                    timeline = timer.take()["slow"]
             samples += out.value.samples.size
         steps += 1
+    if timer is not None:
+        timer.remove()
     sync()
     wall = time.perf_counter() - t_submit
     lat = sorted(first_at.values())
@@ -211,6 +220,7 @@ def engine_run(engine, concurrency: int, seconds: float, first: int, chunk: int)
         "first_chunk_ms_p50": round(1000 * statistics.median(lat), 1),
         "first_chunk_ms_p90": round(1000 * lat[min(len(lat) - 1, int(0.9 * len(lat)))], 1),
         "first_chunk_tokens": first, "chunk_tokens": chunk,
+        **({"first_chunk_steps_ms": timeline} if timeline else {}),
     }
 
 

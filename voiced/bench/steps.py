@@ -1,0 +1,67 @@
+"""Timing of engine steps for the benchmarks: how long each step took and, for slow ones, which of
+the engine's methods the time went to."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+
+def pct(values: list[float]) -> dict:
+    if not values:
+        return {"n": 0}
+    v = sorted(values)
+
+    def q(p: float) -> float:
+        return round(v[min(len(v) - 1, int(round(p / 100 * (len(v) - 1))))], 1)
+
+    return {"n": len(v), "p50": q(50), "p95": q(95), "p99": q(99), "mean": round(statistics.fmean(v), 1)}
+
+
+class StepTimer:
+    """Wraps an engine's `step` to record how long each one takes (a slow step delays every caller),
+    and, for a step over `slow_ms`, where its time went: the engine methods named in `parts`, timed too."""
+
+    def __init__(self, engine, parts: tuple[str, ...], slow_ms: float = 50.0):
+        self.step, self.durations, self.slow, self.slow_ms = engine.step, [], [], slow_ms
+        self._parts: dict[str, float] = {}
+        self._engine, self._wrapped = engine, [n for n in parts if hasattr(engine, n)]
+        for name in parts:
+            if hasattr(engine, name):
+                setattr(engine, name, self._timed(name, getattr(engine, name)))
+
+    def _timed(self, name: str, fn):
+        def run(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                self._parts[name] = self._parts.get(name, 0.0) + (time.perf_counter() - t0) * 1e3
+        return run
+
+    def __call__(self):
+        self._parts = {}
+        t0 = time.perf_counter()
+        try:
+            return self.step()
+        finally:
+            ms = (time.perf_counter() - t0) * 1e3
+            self.durations.append(ms)
+            if ms > self.slow_ms:
+                self.slow.append({"ms": round(ms, 1), **{k: round(v, 1) for k, v in self._parts.items()}})
+
+    def remove(self) -> None:
+        """Put the engine's own methods back."""
+        for name in self._wrapped:
+            self._engine.__dict__.pop(name, None)
+
+    def take(self) -> dict:
+        d, slow, self.durations, self.slow = self.durations, self.slow, [], []
+        return {**pct(d), "max": round(max(d), 1) if d else 0.0, "slow": slow}
+
+
+# What the timers break a slow step into (methods of WhisperEngine / SparkTTSEngine; a capture or a
+# compile while serving shows up as its own entry).
+STEP_PARTS = {"asr": ("_admit", "_encode_into_cache", "_capture", "_capture_encoder", "_run", "_select",
+                      "_greedy_chunk", "_finish"),
+              "tts": ("_admit", "_prefill_step", "_decode_step", "_vocode")}
