@@ -19,7 +19,7 @@ from whisper_fixtures import make_openai_checkpoint, random_state_dict, tiny_dim
 from voiced.engines.base import ASROptions, ASRRequest
 from voiced.engines.whisper.audio import N_SAMPLES, log_mel_spectrogram
 from voiced.engines.whisper.engine import WhisperEngine, build_model
-from voiced.engines.whisper.fast import FastDecoder, FastEncoder
+from voiced.engines.whisper.fast import SMALL_BATCH, FastDecoder, FastEncoder
 from voiced.engines.whisper.model import KVCache
 
 
@@ -60,7 +60,9 @@ def _clone(cache: KVCache) -> KVCache:
 # paths are up to ~1e-3 from a float64 evaluation (values up to ~20); a wrong mask or row is O(1) off.
 ROUNDING = 2e-3
 
-STEP_CASES = [([3, 0, 7, 5], 8, True), ([3, 0, 7, 5, 1], 448, True), ([6, 6, 6], 7, False), ([0], 1, False)]
+STEP_CASES = [([3, 0, 7, 5], 8, True), ([3, 0, 7, 5, 1], 448, True), ([6, 6, 6], 7, False), ([0], 1, False),
+              # more rows than SMALL_BATCH: the step attends through SDPA instead of written out
+              ([i % 9 for i in range(SMALL_BATCH + 1)], 448, True)]
 
 
 @pytest.mark.parametrize("positions,kv_len,masked", STEP_CASES)
@@ -68,7 +70,7 @@ def test_fast_decoder_step_equals_reference_step(positions, kv_len, masked):
     """The GPU step's per-layer function (fused QKV, precomputed additive mask), uncompiled, against
     `TextDecoder.step` in float32: the same logits and the same keys/values written, over three
     consecutive steps (each reads what the previous ones wrote)."""
-    dims, model, cache = _decoder_fixture()
+    dims, model, cache = _decoder_fixture(slots=max(6, len(positions)))
     fast = FastDecoder(model.decoder)
     ref_cache, fast_cache = _clone(cache), _clone(cache)
     g = torch.Generator().manual_seed(7)

@@ -25,10 +25,15 @@ class StepTimer:
     def __init__(self, engine, parts: tuple[str, ...], slow_ms: float = 50.0):
         self.step, self.durations, self.slow, self.slow_ms = engine.step, [], [], slow_ms
         self._parts: dict[str, float] = {}
-        self._engine, self._wrapped = engine, [n for n in parts if hasattr(engine, n)]
-        for name in parts:
-            if hasattr(engine, name):
-                setattr(engine, name, self._timed(name, getattr(engine, name)))
+        self._wrapped: list[tuple[object, str]] = []
+        for name in parts:  # "method" of the engine, or "attr.method" of something it holds
+            *path, attr = name.split(".")
+            owner = engine
+            for p in path:
+                owner = getattr(owner, p, None)
+            if owner is not None and hasattr(owner, attr):
+                setattr(owner, attr, self._timed(name, getattr(owner, attr)))
+                self._wrapped.append((owner, attr))
 
     def _timed(self, name: str, fn):
         def run(*a, **kw):
@@ -52,8 +57,8 @@ class StepTimer:
 
     def remove(self) -> None:
         """Put the engine's own methods back."""
-        for name in self._wrapped:
-            self._engine.__dict__.pop(name, None)
+        for owner, attr in self._wrapped:
+            owner.__dict__.pop(attr, None)
 
     def take(self) -> dict:
         d, slow, self.durations, self.slow = self.durations, self.slow, [], []
@@ -62,6 +67,7 @@ class StepTimer:
 
 # What the timers break a slow step into (methods of WhisperEngine / SparkTTSEngine; a capture or a
 # compile while serving shows up as its own entry).
-STEP_PARTS = {"asr": ("_admit", "_encode_into_cache", "_capture", "_capture_encoder", "_run", "_select",
-                      "_greedy_chunk", "_finish"),
-              "tts": ("_admit", "_prefill_step", "_decode_step", "_vocode")}
+STEP_PARTS = {"asr": ("_admit", "_encode_into_cache", "_encode_bucket", "model.decoder.prefill", "_capture",
+                      "_capture_encoder", "_run", "_select", "_greedy_chunk", "_finish"),
+              "tts": ("_admit", "_prefill_step", "_prefill_fresh", "lm.prefill_many", "_load_state", "_advance",
+                      "_decode_step", "_vocode")}
