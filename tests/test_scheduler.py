@@ -52,3 +52,41 @@ def test_a_transcript_finishes_in_a_burst_while_a_long_reply_streams(engines):
     assert tts_steps_meanwhile <= 1
     assert tts.stats.cancelled == 1 and tts_engine.active_requests() == 0
     assert np.isfinite(result.avg_logprob)
+
+
+def test_warm_up_runs_on_the_thread_that_steps_the_engines(engines):
+    """cuDNN keeps plans per thread, so `voiced serve` warms the engines up through EngineThread.call:
+    the warm-up, and then every step, run on the one engine thread; an error in it reaches the caller."""
+    import threading
+
+    from voiced.cli.serve import _warm
+
+    asr_engine, _ = engines
+    thread = EngineThread("engines")
+    seen: dict[str, set[int]] = {"warmup": set(), "step": set()}
+    real_step = asr_engine.step
+    asr_engine.warmup = lambda: seen["warmup"].add(threading.get_ident())
+
+    def step():
+        seen["step"].add(threading.get_ident())
+        return real_step()
+
+    asr_engine.step = step
+    try:
+        _warm(asr_engine, thread)  # the thread starts here, before any engine is attached to it
+        asr = EngineWorker(asr_engine, "asr", thread=thread)
+        asr.start()
+        audio = layout(["Good morning."], lead_s=0.2, tail_s=0.3).audio
+        asyncio.run(asr.run(ASRRequest(audio, ASROptions(language="en", max_new_tokens=4))))
+
+        def broken():
+            raise RuntimeError("no GPU memory left for the graphs")
+
+        with pytest.raises(RuntimeError, match="no GPU memory"):
+            thread.call(broken)
+        assert thread.call(lambda: threading.get_ident()) in seen["warmup"]  # still serving after it
+    finally:
+        thread.stop()
+        del asr_engine.warmup, asr_engine.step
+    assert len(seen["warmup"]) == 1 and seen["step"] == seen["warmup"]
+    assert threading.get_ident() not in seen["warmup"]

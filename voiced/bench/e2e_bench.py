@@ -66,7 +66,12 @@ def start_server(args):
     model = whisper_bench.random_model(dims, dev, torch.float32 if args.tiny_cpu else torch.float16)
     asr = WhisperEngine(model, tok, model_name=f"{args.asr_dims} (random)", max_batch=args.asr_batch,
                         cuda_graphs=True)
-    asr.warmup()
+    # as `voiced serve` does: warm up on the thread that will step the engine (EngineThread.call)
+    if args.separate_threads:
+        asr_thread, tts_thread = EngineThread("asr"), EngineThread("tts")
+    else:
+        asr_thread = tts_thread = EngineThread("engines")
+    asr_thread.call(asr.warmup)
     work = Path(tempfile.mkdtemp())
     if args.tiny_cpu:
         tts = spark_bench.build("cpu", torch.float32, torch.float32, args.tts_batch, 2048, work, tiny=True)
@@ -85,10 +90,9 @@ def start_server(args):
     tts.voices.resolve = lambda name: Voice("bench", "cloned", global_ids=speaker)
     if not args.tiny_cpu:
         tts.lm.compile_decode()  # what SparkTTSEngine.load does on CUDA by default
-    tts.warmup()
-    thread = None if args.separate_threads else EngineThread("engines")  # as `voiced serve` does
-    services = Services(config=config, metrics=Metrics(), asr=EngineWorker(asr, "asr", thread=thread),
-                        tts=EngineWorker(tts, "tts", thread=thread), voices=tts.voices,
+    tts_thread.call(tts.warmup)
+    services = Services(config=config, metrics=Metrics(), asr=EngineWorker(asr, "asr", thread=asr_thread),
+                        tts=EngineWorker(tts, "tts", thread=tts_thread), voices=tts.voices,
                         agents=AgentRegistry(config.agent))
     if not args.no_gc_freeze:
         from voiced.cli.serve import freeze_heap

@@ -24,7 +24,8 @@ class StepTimer:
 
     def __init__(self, engine, parts: tuple[str, ...], slow_ms: float = 50.0):
         self.step, self.durations, self.slow, self.slow_ms = engine.step, [], [], slow_ms
-        self._parts: dict[str, float] = {}
+        self._parts: dict[str, tuple[float, float]] = {}
+        self._last_end = 0.0
         self._wrapped: list[tuple[object, str]] = []
         for name in parts:  # "method" of the engine, or "attr.method" of something it holds
             *path, attr = name.split(".")
@@ -37,23 +38,34 @@ class StepTimer:
 
     def _timed(self, name: str, fn):
         def run(*a, **kw):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             try:
                 return fn(*a, **kw)
             finally:
-                self._parts[name] = self._parts.get(name, 0.0) + (time.perf_counter() - t0) * 1e3
+                wall, cpu = self._parts.get(name, (0.0, 0.0))
+                self._parts[name] = (wall + (time.perf_counter() - t0) * 1e3, cpu + (time.thread_time() - c0) * 1e3)
         return run
 
     def __call__(self):
+        # Wall and this thread's CPU time, per part: CPU ~ wall is work (or CUDA's spin-wait on the
+        # GPU); CPU << wall is the thread not running, e.g. waiting for the GIL. `gap_ms`: how long
+        # the engine was idle before the step.
         self._parts = {}
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
+        gap = (t0 - self._last_end) * 1e3 if self._last_end else 0.0
         try:
             return self.step()
         finally:
-            ms = (time.perf_counter() - t0) * 1e3
+            end = time.perf_counter()
+            ms = (end - t0) * 1e3
+            self._last_end = end
             self.durations.append(ms)
             if ms > self.slow_ms:
-                self.slow.append({"ms": round(ms, 1), **{k: round(v, 1) for k, v in self._parts.items()}})
+                entry = {"ms": round(ms, 1), "cpu_ms": round((time.thread_time() - c0) * 1e3, 1),
+                         "gap_ms": round(gap, 1)}
+                for k, (wall, cpu) in self._parts.items():
+                    entry[k] = [round(wall, 1), round(cpu, 1)]
+                self.slow.append(entry)
 
     def remove(self) -> None:
         """Put the engine's own methods back."""

@@ -56,26 +56,27 @@ def load_engines(services) -> None:
     # Both engines step on one thread, recognition first (see voiced.scheduler for why).
     thread = EngineThread("engines")
     asr = load_asr(config)
-    _warm(asr)
+    _warm(asr, thread)
     services.asr = EngineWorker(asr, "asr", thread=thread)
     log.info("ASR: %s on %s (%s backend)", asr.model_name, asr.device, asr.backend)
     if config.tts.enabled:
         tts = load_tts(config)
-        _warm(tts)
+        _warm(tts, thread)
         services.tts = EngineWorker(tts, "tts", thread=thread)
         services.voices = tts.voices
         log.info("TTS: %s on %s (%s backend)", tts.model_name, tts.device, tts.backend)
     freeze_heap()
 
 
-def _warm(engine) -> None:
-    """Capture CUDA graphs and first-use kernels before health says SERVING, not on a caller's time."""
+def _warm(engine, thread) -> None:
+    """Capture CUDA graphs and first-use kernels before health says SERVING, not on a caller's time,
+    on the thread that will step the engine (see EngineThread.call)."""
     warmup = getattr(engine, "warmup", None)
     if warmup is not None:
         import time
 
         t0 = time.perf_counter()
-        warmup()
+        thread.call(warmup)
         log.info("%s warmed up in %.1f s", engine.model_name, time.perf_counter() - t0)
 
 
