@@ -26,7 +26,7 @@ from voiced.server import Services, VoicedServer, start_in_thread
 MAX_NEW_TOKENS = 10  # random models never stop on their own
 
 
-def test_config() -> Config:
+def daemon_config() -> Config:
     c = Config()
     c.server.listen = "127.0.0.1:0"
     c.server.max_message_bytes = 1024 * 1024
@@ -71,7 +71,7 @@ class Daemon:
 def start_daemon(checkpoint: Path, config: Config | None = None, tts_engine=None, max_batch: int = 16) -> Daemon:
     from voiced.engines.whisper.engine import WhisperEngine
 
-    config = config or test_config()
+    config = config or daemon_config()
     engine = WhisperEngine.load(str(checkpoint), device="cpu", max_batch=max_batch)
     services = Services(config=config, metrics=Metrics(), asr=EngineWorker(engine, "asr"),
                         agents=AgentRegistry(config.agent))

@@ -18,12 +18,12 @@ from voiced_client.proto import voiced_pb2_grpc as pb_grpc
 
 from tests.daemon_harness import (
     audio_requests,
+    daemon_config,
     frames_of,
     of_kind,
     session_config,
     start_daemon,
     stream_blocking,
-    test_config,
     wire_audio,
 )
 from tests.spark_fixtures import make_spark_checkpoint
@@ -52,7 +52,7 @@ def _tts(spark, voices_dir):
 @pytest.fixture(scope="module")
 def daemon(models, tmp_path_factory):
     whisper, spark = models
-    config = test_config()
+    config = daemon_config()
     config.tts.enabled = True
     config.tts.first_chunk_tokens = 5
     config.tts.chunk_tokens = 10
@@ -240,7 +240,7 @@ def llm():
 @pytest.fixture(scope="module")
 def listening(models):
     """A --no-tts daemon whose default agent is `openai`: agent text without speech."""
-    config = test_config()
+    config = daemon_config()
     config.agent.default = "openai"
     config.agent.openai_timeout_s = 1.0
     d = start_daemon(models[0], config)

@@ -289,7 +289,7 @@ def test_health_and_reflection(daemon):
 def test_health_is_not_serving_while_models_load_and_during_drain(tmp_path):
     import threading
 
-    from tests.daemon_harness import test_config
+    from tests.daemon_harness import daemon_config
     from voiced.server import VoicedServer
 
     release = threading.Event()
@@ -298,7 +298,7 @@ def test_health_is_not_serving_while_models_load_and_during_drain(tmp_path):
         release.wait(30)
 
     async def scenario():
-        server = VoicedServer(test_config(), load=slow_load)
+        server = VoicedServer(daemon_config(), load=slow_load)
         starting = asyncio.create_task(server.start())
         for _ in range(100):
             if server.port:
@@ -328,10 +328,10 @@ def test_health_is_not_serving_while_models_load_and_during_drain(tmp_path):
 
 
 def test_bearer_token_is_required_when_configured(tmp_path):
-    from tests.daemon_harness import test_config
+    from tests.daemon_harness import daemon_config
     from voiced.server import running
 
-    config = test_config()
+    config = daemon_config()
     config.server.auth_token = "s3cret"
 
     async def scenario():
