@@ -142,10 +142,29 @@ def test_pure_layer_function_equals_the_modules(lm):
             lm.compile_decode(compile=False)  # the uncompiled function: CPU CI compiles nothing
             assert lm._layer_fn is layer_decode and not lm.compiled
         outs.append(lm.decode(torch.tensor([3, 7]), torch.tensor([0, 12])))
-    lm._layer_fn = None
+    lm._layer_fn = lm._prefill_fn = None
     # same arithmetic up to float rounding (fused GEMMs, attention written out instead of SDPA)
     torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=2e-5)
     # the modules' weights are views into the fused tensors (no second copy), so both paths keep
     # using the same numbers
     a = lm.model.layers[0].self_attn
     assert a.k_proj.weight.untyped_storage().data_ptr() == a.q_proj.weight.untyped_storage().data_ptr()
+
+
+def test_pure_prefill_function_equals_the_modules(lm):
+    """`layer_prefill` (what compile_decode compiles for packed prompts) fills the cache and gives the
+    last hidden states the modules give, for prompts of different lengths packed with padding."""
+    torch.manual_seed(4)
+    prompts = [torch.randint(0, 166000, (n,)) for n in (5, 11, 3)]
+    results = []
+    for fused in (False, True):
+        lm._layer_fn = lm._prefill_fn = None
+        lm.setup_cache(max_batch=4, max_seq=64)
+        if fused:
+            lm.compile_decode(compile=False)
+        h = lm.prefill_many(prompts, [2, 0, 1], pad_to=8)
+        results.append((h, [k[:3, :, :11].clone() for k in lm.k_caches]))
+    lm._layer_fn = lm._prefill_fn = None
+    torch.testing.assert_close(results[0][0], results[1][0], rtol=0, atol=2e-5)
+    for a, b in zip(results[0][1], results[1][1]):
+        torch.testing.assert_close(a, b, rtol=0, atol=2e-5)
