@@ -112,11 +112,13 @@ def test_first_chunks_are_decoded_before_bulk_chunks_of_requests_ahead_of_real_t
     first_at = {}
     steps = 0
     decoded: list[set[int]] = []
+    kinds: list[str | None] = []
     monkeypatch.setattr(eng_mod, "VOCODER_SLACK_S", -1e9)  # request 1 counts as far ahead of real time
     while engine.has_work():
         if steps == 12:
             engine.submit(2, TTSRequest("Hi.", TTSOptions(seed=2, max_seconds=2.0, first_chunk_tokens=4)))
         outs = engine.step()
+        kinds.append(engine.last_step["kind"])
         decoded.append({o.request_id for o in outs if o.value.samples.size})
         for o in outs:
             if o.value.samples.size:
@@ -126,6 +128,10 @@ def test_first_chunks_are_decoded_before_bulk_chunks_of_requests_ahead_of_real_t
     # the step that released request 2's first chunk released nothing of request 1 (it was ahead)
     assert decoded[step2] == {2}
     assert any(1 in d for d in decoded[step2 + 1 :])
+    # and while request 2 was decoding toward that chunk, request 1's chunks waited (no vocoder step
+    # came between request 2's decode steps)
+    assert not any(1 in d for d in decoded[12:step2])
+    assert kinds[12:step2].count("vocode") == 0 and kinds[12:step2].count("decode") >= 1
 
 
 def test_pure_layer_function_equals_the_modules(lm):

@@ -243,7 +243,7 @@ class SparkTTSEngine:
 
         dtype: the LM's (default bf16 on GPU, fp32 on CPU; fp16 is refused: it overflows in this LM).
         kv_cache_bytes: a budget from the daemon's memory plan; it caps max_batch for max_seq_len.
-        compile_lm: torch.compile the decode layers (fused kernels: 1.8 instead of 3.0 ms per step on an
+        compile_lm: torch.compile the decode and prefill layers (fused kernels: 1.2 instead of 3.0 ms per step on an
             H200; ~20 s more warm-up). Default: on for CUDA when Triton is installed, unless the
             environment sets VOICED_SPARK_COMPILE=0. Tokens match the uncompiled path up to bf16 rounding.
         """
@@ -420,6 +420,10 @@ class SparkTTSEngine:
         work = {"prefill": any(r.needs_prefill for r in self._active),
                 "decode": any(self._decoding(r) for r in self._active),
                 "vocode": self._vocode_pending()}
+        if work["vocode"] and work["decode"] and self._first_chunk_decoding():
+            # A caller is waiting for the first sound of a reply: its decode steps go back to back,
+            # and the others' chunks wait while their audio stays VOCODER_SLACK_S ahead of playback.
+            work["vocode"] = self._vocode_urgent(now)
         start = PHASES.index(self._last_kind) + 1
         kind = next((k for k in PHASES[start:] + PHASES[:start] if work[k]), None)
         self.last_step = {"kind": kind}
@@ -653,6 +657,22 @@ class SparkTTSEngine:
     def _has_window(self, r: _Request) -> bool:
         return (r.planner is not None and r.speaker is not None and bool(r.semantic)
                 and r.planner.next_window(len(r.semantic), r.segment_done) is not None)
+
+    def _first_chunk_decoding(self) -> bool:
+        """Some request is still decoding toward its first chunk (no window of it is ready yet)."""
+        return any(r.t_first_chunk is None and self._decoding(r) and not self._has_window(r) for r in self._active)
+
+    def _vocode_urgent(self, now: float) -> bool:
+        """Vocoder work that cannot wait: a first chunk is ready, a sentence ended (its row must move
+        on), or a request's audio is within VOCODER_SLACK_S of running dry at the caller."""
+        for r in self._active:
+            if r.needs_prefill:
+                continue
+            if r.segment_done:
+                return True
+            if self._has_window(r) and (r.t_first_chunk is None or self._ahead_s(r, now) <= VOCODER_SLACK_S):
+                return True
+        return False
 
     def _vocode_pending(self) -> bool:
         """A window is ready, or a sentence ended (its row must move on or be released)."""
