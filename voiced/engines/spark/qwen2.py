@@ -364,10 +364,7 @@ class Qwen2LM(nn.Module):
                 x = x + layer.self_attn.prefill_packed(layer.input_layernorm(x), cos, sin, kc, vc, slot_t, pos, mask)
                 x = x + layer.mlp(layer.post_attention_layernorm(x))
         else:
-            cfg = self.config
-            dims = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
-            for w, kc, vc in zip(self._layer_weights, self.k_caches, self.v_caches):
-                x = self._prefill_fn(x, cos, sin, mask, kc, vc, slot_t, pos, w, cfg.rms_norm_eps, dims)
+            x = self._fused_layers(self._prefill_fn, x, cos, sin, mask, slot_t, pos)
         last = torch.tensor(lengths).cumsum(0) - 1
         return self.model.norm(x[0, last.to(dev)])
 
@@ -386,11 +383,16 @@ class Qwen2LM(nn.Module):
                 x = x + layer.self_attn.decode(layer.input_layernorm(x), cos, sin, kc, vc, rows, positions, kv_len, mask)
                 x = x + layer.mlp(layer.post_attention_layernorm(x))
         else:
-            cfg = self.config
-            dims = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
-            for w, kc, vc in zip(self._layer_weights, self.k_caches, self.v_caches):
-                x = self._layer_fn(x, cos, sin, mask, kc, vc, rows, positions, w, cfg.rms_norm_eps, dims)
+            x = self._fused_layers(self._layer_fn, x, cos, sin, mask, rows, positions)
         return self.model.norm(x[:, 0])
+
+    def _fused_layers(self, fn, x, cos, sin, mask, rows, positions) -> torch.Tensor:
+        """Every layer through `fn` (layer_decode or layer_prefill, maybe compiled) over the fused weights."""
+        cfg = self.config
+        dims = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
+        for w, kc, vc in zip(self._layer_weights, self.k_caches, self.v_caches):
+            x = fn(x, cos, sin, mask, kc, vc, rows, positions, w, cfg.rms_norm_eps, dims)
+        return x
 
     def fuse_projections(self) -> None:
         """Store each layer's q/k/v weights (and biases) as one tensor and gate/up as one, for
