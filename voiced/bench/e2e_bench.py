@@ -37,6 +37,21 @@ log = logging.getLogger("voiced.bench.e2e")
 # ----------------------------------------------------------------------------------- server side
 
 
+def gpu_memory(after: str, args) -> None:
+    """Log what is allocated now and the peak since the last call (where a transient peak comes from)."""
+    if args.tiny_cpu:
+        return
+    import torch
+
+    now, peak = torch.cuda.memory_allocated() / 2**30, torch.cuda.max_memory_allocated() / 2**30
+    log.info("GPU memory after %s: %.2f GiB allocated, peak %.2f GiB", after, now, peak)
+    MEMORY[after] = {"allocated_gib": round(now, 2), "peak_gib": round(peak, 2)}
+    torch.cuda.reset_peak_memory_stats()
+
+
+MEMORY: dict[str, dict] = {}
+
+
 def start_server(args):
     import torch
 
@@ -72,6 +87,7 @@ def start_server(args):
     else:
         asr_thread = tts_thread = EngineThread("engines")
     asr_thread.call(asr.warmup)
+    gpu_memory("ASR warm-up", args)
     work = Path(tempfile.mkdtemp())
     if args.tiny_cpu:
         tts = spark_bench.build("cpu", torch.float32, torch.float32, args.tts_batch, 2048, work, tiny=True)
@@ -91,6 +107,7 @@ def start_server(args):
     if not args.tiny_cpu:
         tts.lm.compile_decode()  # what SparkTTSEngine.load does on CUDA by default
     tts_thread.call(tts.warmup)
+    gpu_memory("TTS load and warm-up", args)
     services = Services(config=config, metrics=Metrics(), asr=EngineWorker(asr, "asr", thread=asr_thread),
                         tts=EngineWorker(tts, "tts", thread=tts_thread), voices=tts.voices,
                         agents=AgentRegistry(config.agent))
@@ -100,9 +117,6 @@ def start_server(args):
         freeze_heap()  # as `voiced serve` does after warm-up
     for worker in (services.asr, services.tts):
         worker.engine.step = StepTimer(worker.engine, STEP_PARTS[worker.name])
-    if not args.tiny_cpu:
-        log.info("GPU memory after warm-up: %.2f GiB allocated, peak %.2f GiB", torch.cuda.memory_allocated() / 2**30,
-                 torch.cuda.max_memory_allocated() / 2**30)
     server = VoicedServer(config, services=services)
     port, loop, _ = start_in_thread(server)
     return f"127.0.0.1:{port}", server, loop
@@ -269,7 +283,8 @@ def main(argv: list[str] | None = None) -> dict:
         log.info("%d sessions: %s", n, json.dumps(level))
     asyncio.run_coroutine_threadsafe(server.drain_and_stop(grace=0), loop).result(60)
     if not args.tiny_cpu:
-        result["max_memory_allocated_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+        gpu_memory("serving", args)
+        result["gpu_memory"] = MEMORY
     text = json.dumps(result, indent=2)
     print(text)
     if args.out:
