@@ -144,6 +144,20 @@ class GcPauses:
         return out
 
 
+def e2e_targets(levels: dict) -> dict:
+    """Issue 6's end-to-end targets against the levels this run measured (first audio chunk = reply
+    text -> first chunk; voice-to-voice = end of speech -> first reply audio sent)."""
+    from voiced.bench.targets import judge
+
+    def get(n: int, key: str, q: str):
+        return levels.get(n, {}).get(key, {}).get(q)
+
+    return judge({"first_chunk_p50_ms_1": get(1, "tts_first_chunk_ms", "p50"),
+                  "first_chunk_p50_ms_16": get(16, "tts_first_chunk_ms", "p50"),
+                  "voice_to_voice_p50_ms_16": get(16, "first_audio_ms", "p50"),
+                  "voice_to_voice_p99_ms_16": get(16, "first_audio_ms", "p99")})
+
+
 # ----------------------------------------------------------------------------------- caller side
 
 
@@ -285,6 +299,7 @@ def main(argv: list[str] | None = None) -> dict:
     if not args.tiny_cpu:
         gpu_memory("serving", args)
         result["gpu_memory"] = MEMORY
+        result["targets"] = e2e_targets(result["levels"])
     text = json.dumps(result, indent=2)
     print(text)
     if args.out:

@@ -301,6 +301,13 @@ def main(argv: list[str] | None = None) -> dict:
         except Exception as e:
             log.exception("transformers section failed")
             report["transformers_error"] = repr(e)
+    if dev.startswith("cuda") and args.dims == "large-v3-turbo" and args.tokens == 32:  # issue 6's setting
+        from voiced.bench.targets import judge
+
+        best = max((v["utt_per_s"] for k, v in report.items() if k.startswith("throughput_ours_cuda_graphs")),
+                   default=None)
+        report["targets"] = judge({"whisper_latency_ms": report.get("latency_ours_cuda_graphs", {}).get("median_ms"),
+                                   "whisper_utt_per_s": best})
     if dev.startswith("cuda"):
         report["max_memory_allocated_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
     text = json.dumps(report, indent=2)

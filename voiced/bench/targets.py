@@ -1,0 +1,46 @@
+"""Issue 6's targets for one H200, and where a benchmark's numbers stand against them: met, or
+missed by how much. Each GPU benchmark judges the numbers it measured and puts the verdicts in its
+JSON (`targets`) and its log."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+log = logging.getLogger("voiced.bench.targets")
+
+
+@dataclass(frozen=True)
+class Target:
+    text: str
+    limit: float
+    unit: str
+    higher_is_better: bool = False
+
+
+TARGETS = {
+    "whisper_latency_ms": Target("Whisper large-v3-turbo dims, one utterance (30 s window, 32 tokens)", 25, "ms"),
+    "whisper_utt_per_s": Target("Whisper large-v3-turbo dims, saturated", 200, "utt/s", higher_is_better=True),
+    "spark_decode_step_ms": Target("Spark LM decode step, batch 1, sampled", 2, "ms"),
+    "spark_audio_s_per_s_64": Target("Spark engine, 64 requests", 300, "audio-s/s", higher_is_better=True),
+    "first_chunk_p50_ms_1": Target("first audio chunk p50, 1 request in flight", 100, "ms"),
+    "first_chunk_p50_ms_16": Target("first audio chunk p50, 16 requests in flight", 150, "ms"),
+    "voice_to_voice_p50_ms_16": Target("voice-to-voice p50, 16 conversations", 150, "ms"),
+    "voice_to_voice_p99_ms_16": Target("voice-to-voice p99, 16 conversations", 300, "ms"),
+}
+
+
+def judge(measured: dict[str, float | None]) -> dict[str, dict]:
+    """`{target key: measured value}` (None: not measured in this run) -> a verdict per target."""
+    out = {}
+    for key, value in measured.items():
+        if value is None:
+            continue
+        t = TARGETS[key]
+        gap = t.limit - value if t.higher_is_better else value - t.limit
+        met = gap <= 0
+        out[key] = {"target": f"{'>=' if t.higher_is_better else '<='} {t.limit:g} {t.unit}",
+                    "value": round(value, 2), "met": met, "missed_by": 0.0 if met else round(gap, 2)}
+        verdict = "met" if met else f"missed by {gap:.1f} {t.unit} ({gap / t.limit:.0%})"
+        log.info("target: %s %s: %.1f %s, %s", t.text, out[key]["target"], value, t.unit, verdict)
+    return out
