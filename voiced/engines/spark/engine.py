@@ -336,9 +336,6 @@ class SparkTTSEngine:
         log.info("TTS warm-up: %d decode graphs (%d steps each) in %.1f s, %d prefill lengths in %.1f s, "
                  "%d vocoder shapes in %.1f s; GPU memory peaks %.2f / %.2f / %.2f GiB", len(self.lm._step_graphs),
                  n, t1 - t0, lengths, t2 - t1, shapes, t3 - t2, *peaks)
-        # The vocoder phase peaks ~5.8 GiB above what serving holds (H200, 16-window batches of the
-        # longest windows); hand that back to the driver instead of keeping it cached.
-        torch.cuda.empty_cache()
 
     def _warm_prefill(self, pick) -> int:
         """Every packed length a prefill step can run (the longest prompt `submit` accepts is
