@@ -201,6 +201,30 @@ def test_client_driven_speak_and_stop(daemon):
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "speak.text is empty" in details
 
 
+def test_a_refused_session_leaves_nothing_behind(daemon):
+    """A caller refused mid-stream (INVALID_ARGUMENT) must not leave its session, audio buffers and
+    codecs alive in the server: gRPC keeps the abort exception, which used to hold them all."""
+    import gc
+
+    from voiced.audio.ingest import FrameDecoder
+    from voiced.session import Session
+
+    silence = wire_audio(np.zeros(RATE, np.float32), PHONE)
+    bad = audio_requests(converse_config(), silence, PHONE)
+    bad.insert(1, pb.SessionRequest(control=pb.Control(speak=pb.Speak(text="  "))))
+    for _ in range(3):
+        _, code, _ = stream_blocking(daemon.address, bad, "Converse")
+        assert code == grpc.StatusCode.INVALID_ARGUMENT
+    deadline = time.monotonic() + 5
+    while True:
+        gc.collect()
+        alive = [o for o in gc.get_objects() if type(o) in (Session, FrameDecoder)]
+        if not alive or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert alive == []
+
+
 # ----------------------------------------------------------------------------- the openai agent
 
 

@@ -77,6 +77,9 @@ class VoicedService(pb_grpc.VoicedServicer):
 
     async def _abort(self, context, error: SessionError):
         self.s.metrics.errors.labels(error.code.name).inc()
+        # gRPC keeps the abort exception after the call; it chains `error`, whose traceback holds the
+        # frames (and so the session, its audio and codecs) it was raised through. Drop them.
+        error.__traceback__ = None
         await context.abort(error.code, error.message)
 
     def _check_ready(self, need_tts: bool = False) -> None:
@@ -147,6 +150,7 @@ class VoicedService(pb_grpc.VoicedServicer):
         finally:
             if session is not None:
                 await session.close()
+                session = None  # this frame outlives the call in gRPC's abort traceback
             if admitted:
                 s.active_sessions -= 1
                 s.metrics.sessions_active.dec()
