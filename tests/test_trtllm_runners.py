@@ -12,7 +12,8 @@ import pytest
 
 from tests.trtllm_fakes import BINDINGS, FakeExecutor
 from voiced.engines.base import ASROptions, ASRRequest, EngineError
-from voiced.engines.trtllm.spark_runner import SparkLMRequest, SparkTokenLayout, TRTLLMSparkLM
+from voiced.engines.spark.frontend import SparkLMRequest
+from voiced.engines.trtllm.spark_runner import SparkTokenLayout, TRTLLMSparkLM
 from voiced.engines.trtllm.whisper_runner import (
     TrtllmWhisperEngine,
     WhisperEngineLimits,

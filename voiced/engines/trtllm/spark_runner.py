@@ -26,12 +26,12 @@ from typing import Any, Protocol
 import numpy as np
 
 from voiced.engines.base import AudioChunk, EngineError, EngineOutput, TTSRequest
+from voiced.engines.spark.frontend import TOKENS_PER_SECOND, SparkLMRequest
 from voiced.engines.trtllm.executor import ExecutorLike, ExecutorLoop, Flight
 from voiced.memory_plan import MemoryPlan
 
 log = logging.getLogger(__name__)
 
-TOKENS_PER_SECOND = 50  # BiCodec: 320 samples at 16 kHz per semantic token
 N_GLOBAL_TOKENS = 32
 
 
@@ -79,18 +79,6 @@ class SparkTokenLayout:
                 globals_.append(t - self.global_base)
             # anything else (stray text tokens, <|end_global_token|>, ...) carries no audio
         return globals_, semantics, eos
-
-
-@dataclass
-class SparkLMRequest:
-    prompt_ids: list[int]
-    max_new_tokens: int  # LM budget: global tokens (controllable voices) + semantic tokens + EOS
-    max_semantic_tokens: int | None = None  # audio cap (50 per second); None: only max_new_tokens
-    temperature: float = 0.8
-    top_k: int = 50
-    top_p: float = 0.95
-    seed: int | None = None
-    priority: int = 0
 
 
 @dataclass
@@ -190,13 +178,8 @@ def load_spark_frontend(model: str | Path, device: str = "cuda", voices_dir: str
     providing ``lm_request`` and ``open_stream`` as typed above; the Spark-TTS engine owns that code
     (voices, prompts, the BiCodec decode windows), we only feed it tokens.
     """
-    try:
-        from voiced.engines.spark.frontend import SparkFrontend as _Frontend
-    except ImportError as e:
-        raise EngineError(
-            "the TensorRT-LLM Spark-TTS runner needs the Spark-TTS host code "
-            f"(voiced.engines.spark.frontend: prompts and the BiCodec vocoder): {e}"
-        ) from e
+    from voiced.engines.spark.frontend import SparkFrontend as _Frontend
+
     return _Frontend.load(model, device=device, voices_dir=voices_dir)
 
 
