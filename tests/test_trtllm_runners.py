@@ -277,6 +277,10 @@ def test_a_voice_too_long_for_the_engine_is_refused_when_registered(tmp_path, tm
     with pytest.raises(EngineError, match=r"(?s)12\.0 s.*max_input_len 512.*--max-input-len"):
         engine.voices.add("long", clip, "A reference recording that runs on for twelve seconds.")
     assert "long" not in [v.name for v in engine.voices.list()]
+    # A short clip whose transcript is long: caught once the clip is tokenized, and not kept.
+    with pytest.raises(EngineError, match=r"(?s)3\.0 s\) and its transcript make a prompt of \d+ tokens.*512"):
+        engine.voices.add("wordy", clip[: 3 * 16000], "So many words. " * 30)
+    assert "wordy" not in [v.name for v in engine.voices.list()]
     engine.voices.add("short", clip[: 3 * 16000], "Three seconds.")
     engine.submit(1, TTSRequest("Hello there.", TTSOptions(voice="short")))
     engine.step()
