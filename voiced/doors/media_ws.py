@@ -146,11 +146,18 @@ class MediaStreamDoor:
         app.router.add_get("/{path:.*}", self._handle)
         self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
         await self._runner.setup()
-        self._site = web.TCPSite(self._runner, host, port)
+        c = self.services.config.server
+        tls = None
+        if c.tls_cert and c.tls_key:  # Twilio connects to wss:// only
+            import ssl
+
+            tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+            tls.load_cert_chain(c.tls_cert, c.tls_key)
+        self._site = web.TCPSite(self._runner, host, port, ssl_context=tls)
         await self._site.start()
         bound = self._runner.addresses[0]
         self.address = f"{host}:{bound[1]}"
-        log.info("media stream WebSocket door listening on ws://%s/", self.address)
+        log.info("media stream WebSocket door listening on %s://%s/", "wss" if tls else "ws", self.address)
         return self.address
 
     async def stop_accepting(self) -> None:
