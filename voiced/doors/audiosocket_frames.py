@@ -140,4 +140,6 @@ def describe_error(payload: bytes) -> str:
         bits = [name for bit, name in ASTERISK_ERRORS.items() if payload[0] & bit]
         if bits and sum(ASTERISK_ERRORS) & payload[0] == payload[0]:
             return ", ".join(bits)
-    return f"code {payload.hex()}"
+    if payload.isascii() and payload.decode().isprintable():
+        return f"code {payload.decode()!r}"
+    return f"code 0x{payload.hex()}"
