@@ -21,7 +21,14 @@ import pytest
 import websockets
 from websockets.asyncio.client import connect as ws_connect
 
-from tests.daemon_harness import audio_requests, daemon_config, session_config, start_daemon, stream_blocking, wire_audio
+from tests.daemon_harness import (
+    audio_requests,
+    daemon_config,
+    session_config,
+    start_daemon,
+    stream_blocking,
+    wire_audio,
+)
 from tests.spark_fixtures import make_spark_checkpoint
 from tests.speech import RATE, layout
 from tests.whisper_fixtures import make_openai_checkpoint
@@ -102,8 +109,8 @@ def phone_config(tts: bool = True):
     config.tts.max_seconds = REPLY_S
     config.doors.audiosocket = "127.0.0.1:0"
     config.doors.media_ws = "127.0.0.1:0"
-    config.doors.audiosocket_agent = "ivr"
-    config.doors.media_ws_agent = "ivr"
+    config.audiosocket.agent = "ivr"
+    config.media_ws.agent = "ivr"
     return config
 
 
@@ -114,9 +121,8 @@ def start_phone_daemon(models, voices_dir, tts: bool = True):
         from voiced.engines.spark.engine import SparkTTSEngine
 
         engine = SparkTTSEngine.load(str(spark), device="cpu", max_batch=4, voices_dir=voices_dir)
-    d = start_daemon(whisper, phone_config(tts), tts_engine=engine)
-    d.services.agents.register("ivr", lambda config, prompt: IvrAgent(BOOK))
-    return d
+    return start_daemon(whisper, phone_config(tts), tts_engine=engine,
+                        agents={"ivr": lambda config, prompt: IvrAgent(BOOK)})
 
 
 @pytest.fixture(scope="module")
@@ -254,8 +260,8 @@ async def test_audiosocket_speech_reaches_the_agent_and_the_reply_comes_back_pac
 
 
 async def test_audiosocket_greeting_is_spoken_when_the_call_starts(daemon, book):
-    doors = daemon.services.config.doors
-    doors.audiosocket_greeting = "Welcome to the shop."
+    settings = daemon.services.config.audiosocket
+    settings.greeting = "Welcome to the shop."
     try:
         call = await AsteriskCall.dial(daemon.services.doors["audiosocket"])
         await call.talk_until(lambda: call.audio_s() >= REPLY_S)
@@ -263,7 +269,7 @@ async def test_audiosocket_greeting_is_spoken_when_the_call_starts(daemon, book)
         await call.closed.wait()
         await call.close()
     finally:
-        doors.audiosocket_greeting = ""
+        settings.greeting = ""
     assert book.heard == []  # the caller said nothing: the greeting came first, unasked
     assert call.audio_s() == REPLY_S
 
@@ -605,7 +611,7 @@ async def test_drain_stops_accepting_on_both_doors_and_lets_live_calls_finish(mo
         phone = await AsteriskCall.dial(d.services.doors["audiosocket"])
         stream = await TwilioStream.open(ws_url(d))
         await phone.talk_until(lambda: d.services.active_sessions == 2)
-        drained = asyncio.wrap_future(asyncio.run_coroutine_threadsafe(d.server.drain_and_stop(grace=60), d.loop))
+        drained = asyncio.wrap_future(asyncio.run_coroutine_threadsafe(d.server.drain_and_stop(grace=20), d.loop))
         await phone.talk_until(lambda: d.services.draining)
         host, port = d.services.doors["audiosocket"].rsplit(":", 1)
 
@@ -630,7 +636,7 @@ async def test_drain_stops_accepting_on_both_doors_and_lets_live_calls_finish(mo
         # Refused either way: the listener is closed, or (a connection that raced it) it is told to go.
         assert await refused_audiosocket() and await refused_media_ws()
         # Both live calls are still heard.
-        speech = layout(QUESTION, tail_s=0.0).audio
+        speech = layout(QUESTION, tail_s=1.0).audio  # with the silence that ends the utterance
         await phone.say(slin(speech))
         await stream.say(mulaw(speech))
         await phone.talk_until(lambda: len(book.heard) == 2)

@@ -40,8 +40,9 @@ from voiced.core.events import (
     Speak,
     TranscriptOut,
 )
+from voiced.doors import DoorError
 from voiced.doors import audiosocket_frames as wire
-from voiced.doors.calls import CallInputs, CallSettings, run_call, split_listen, unique_id
+from voiced.doors.calls import CallInputs, check_agent, run_call, split_listen, unique_id
 from voiced.doors.pacing import FRAME_S, Pacer
 
 log = logging.getLogger(__name__)
@@ -54,16 +55,24 @@ FIRST_AUDIO_TIMEOUT_S = 5.0  # and audio 20 ms later; a call without either is n
 class AudioSocketDoor:
     name = FRONT
 
-    def __init__(self, services, listen: str, settings: CallSettings | None = None):
+    def __init__(self, services, listen: str):
         self.services = services
         self.listen = listen
-        self.settings = settings or CallSettings()
         self._server: asyncio.base_events.Server | None = None
         self._calls: dict[asyncio.Task, str] = {}  # live call tasks -> session id
         self.address = ""
 
+    @property
+    def settings(self):
+        """[audiosocket] agent, voice, greeting: read at each call's start."""
+        return self.services.config.audiosocket
+
     async def start(self) -> str:
-        host, port = split_listen(self.listen)
+        check_agent(self.services, self.settings.agent, FRONT)
+        try:
+            host, port = split_listen(self.listen)
+        except ValueError as e:
+            raise DoorError(f"doors.audiosocket: {e}") from None
         self._server = await asyncio.start_server(self._connection, host, port)
         bound = self._server.sockets[0].getsockname()
         self.address = f"{host}:{bound[1]}"
@@ -91,6 +100,8 @@ class AudioSocketDoor:
         self._calls[task] = ""
         try:
             await _Call(self, reader, writer, task).run()
+        except asyncio.CancelledError:
+            pass  # close(): the call has said goodbye; this task is asyncio's own, with no one to tell
         finally:
             self._calls.pop(task, None)
             writer.close()
@@ -128,11 +139,14 @@ class _Call:
                 raise wire.Malformed(f"{wire.kind_name(first.kind)} before the call's UUID "
                                      "(the first message must be the UUID, type 0x01)")
             self.uuid = str(wire.parse_uuid(first))
-            async with self.services.admit(FRONT):
-                await self._converse()
+            async with self.services.admit(FRONT) as admission:
+                try:
+                    await self._converse()
+                except wire.Malformed as e:
+                    admission.outcome = ErrorKind.BAD_INPUT.value
+                    await self._malformed(e)
         except wire.Malformed as e:
-            log.warning("%s: malformed message, ending the call: %s", self._who(), e)
-            await self._send_error(ErrorKind.BAD_INPUT.value)
+            await self._malformed(e)
         except SessionError as e:
             level = logging.INFO if e.kind in (ErrorKind.OVER_CAPACITY, ErrorKind.UNAVAILABLE) else logging.WARNING
             log.log(level, "%s: ended with %s: %s", self._who(), e.kind.value, e.message)
@@ -147,6 +161,10 @@ class _Call:
         except Exception:
             log.exception("%s: internal error, ending the call", self._who())
             await self._send_error(ErrorKind.INTERNAL.value)
+
+    async def _malformed(self, e: wire.Malformed) -> None:
+        log.warning("%s: malformed message, ending the call: %s", self._who(), e)
+        await self._send_error(ErrorKind.BAD_INPUT.value)
 
     async def _converse(self) -> None:
         inputs = CallInputs()
@@ -271,5 +289,7 @@ class _Call:
         await self.writer.drain()
 
     async def _send_error(self, code: str) -> None:
+        self.services.count_error(FRONT, code)
         with contextlib.suppress(Exception):
             await self._write(wire.encode(wire.ERROR, code.encode()))
+

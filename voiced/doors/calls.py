@@ -14,22 +14,13 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
 
 from voiced.core.events import InputEvent, OutputEvent
+from voiced.doors import DoorError
 
 log = logging.getLogger(__name__)
 
 INPUT_QUEUE = 250  # 5 s of 20 ms frames: a session that falls further behind slows the socket, not memory
-
-
-@dataclass
-class CallSettings:
-    """A telephony door's own defaults: every call through it gets these."""
-
-    agent: str = ""  # empty: [agent] default
-    voice: str = ""  # empty: [tts] voice
-    greeting: str = ""  # spoken as soon as the call starts; empty: none
 
 
 class CallInputs:
@@ -100,3 +91,10 @@ def split_listen(listen: str) -> tuple[str, int]:
     if not sep or not port.isdigit():
         raise ValueError(f"{listen!r} is not HOST:PORT (e.g. 127.0.0.1:9092)")
     return host.strip("[]") or "127.0.0.1", int(port)
+
+
+def check_agent(services, agent: str, front: str) -> None:
+    """A door's configured agent must exist, or every call through it would be refused."""
+    if agent and agent not in services.agents.names():
+        raise DoorError(f"{front}.agent {agent!r} is not an agent of this server; agents: "
+                        f"{', '.join(services.agents.names())}")

@@ -53,7 +53,8 @@ from voiced.core.events import (
     Speak,
     TranscriptOut,
 )
-from voiced.doors.calls import CallInputs, CallSettings, run_call, split_listen, unique_id
+from voiced.doors import DoorError
+from voiced.doors.calls import CallInputs, check_agent, run_call, split_listen, unique_id
 
 log = logging.getLogger(__name__)
 
@@ -131,17 +132,25 @@ def stream_format(start: dict) -> Format:
 class MediaStreamDoor:
     name = FRONT
 
-    def __init__(self, services, listen: str, settings: CallSettings | None = None):
+    def __init__(self, services, listen: str):
         self.services = services
         self.listen = listen
-        self.settings = settings or CallSettings()
         self._runner: web.AppRunner | None = None
         self._site: web.TCPSite | None = None
         self._calls: dict[asyncio.Task, str] = {}
         self.address = ""
 
+    @property
+    def settings(self):
+        """[media_ws] agent, voice, greeting: read at each call's start."""
+        return self.services.config.media_ws
+
     async def start(self) -> str:
-        host, port = split_listen(self.listen)
+        check_agent(self.services, self.settings.agent, FRONT)
+        try:
+            host, port = split_listen(self.listen)
+        except ValueError as e:
+            raise DoorError(f"doors.media_ws: {e}") from None
         app = web.Application()
         app.router.add_get("/{path:.*}", self._handle)
         self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
@@ -186,7 +195,7 @@ class MediaStreamDoor:
         authenticated = not token
         if token and header is not None:
             if not bearer_ok(header, token):
-                self.services.metrics.errors.labels("UNAUTHENTICATED").inc()
+                self.services.count_error(FRONT, "unauthenticated")
                 return web.Response(status=401, text="missing or wrong bearer token: send `Authorization: Bearer "
                                     "<token>`, or the stream's `token` custom parameter\n")
             authenticated = True
@@ -234,16 +243,20 @@ class _Stream:
             if not self.authenticated:
                 given = str((_field(start, "start", "customParameters") or {}).get("token", ""))
                 if not bearer_ok(f"Bearer {given}", self.services.config.server.auth_token):
-                    self.services.metrics.errors.labels("UNAUTHENTICATED").inc()
+                    self.services.count_error(FRONT, "unauthenticated")
                     raise Fault(POLICY, "missing or wrong token: send `Authorization: Bearer <token>` on the "
                                         "upgrade, or <Parameter name=\"token\"> in <Stream>")
             fmt = stream_format(start)
-            async with self.services.admit(FRONT):
-                await self._converse(fmt)
+            async with self.services.admit(FRONT) as admission:
+                try:
+                    await self._converse(fmt)
+                except Fault as e:
+                    admission.outcome = ErrorKind.BAD_INPUT.value
+                    await self._fault(e)
         except Fault as e:
-            log.warning("%s: %s; closing (%d)", self._who(), e.reason, e.code)
-            await self._close(e.code, e.reason)
+            await self._fault(e)
         except SessionError as e:
+            self.services.count_error(FRONT, e.kind.value)
             code = close_code(e, self.services.draining)
             level = logging.INFO if code in (TRY_AGAIN_LATER, GOING_AWAY) else logging.WARNING
             log.log(level, "%s: ended with %s: %s", self._who(), e.kind.value, e.message)
@@ -257,6 +270,12 @@ class _Stream:
         except Exception:
             log.exception("%s: internal error, ending the call", self._who())
             await self._close(INTERNAL, "internal error")
+
+    async def _fault(self, e: Fault) -> None:
+        log.warning("%s: %s; closing (%d)", self._who(), e.reason, e.code)
+        if e.code != POLICY or "token" not in e.reason:
+            self.services.count_error(FRONT, ErrorKind.BAD_INPUT.value)
+        await self._close(e.code, e.reason)
 
     async def _close(self, code: int, reason: str) -> None:
         with contextlib.suppress(Exception):
