@@ -167,17 +167,20 @@ class AsteriskCall:
     (type, big-endian payload length), then the payload. 0x01 UUID (16 bytes), 0x10 slin 8 kHz
     little-endian, 0x03 DTMF (one ASCII digit), 0x00 hangup, 0xff error."""
 
-    def __init__(self, reader, writer):
+    def __init__(self, reader, writer, kind: int = 0x10, rate: int = 8000):
         self.reader, self.writer = reader, writer
+        self.kind, self.rate = kind, rate  # 0x10 slin 8 kHz; the channel driver's 0x11..0x18 up to 192 kHz
+        self.frame_bytes = rate // 50 * 2
         self.messages: list[tuple[float, int, bytes]] = []  # (arrival time, type, payload)
         self.closed = asyncio.Event()
         self._task = asyncio.create_task(self._read())
 
     @classmethod
-    async def dial(cls, address: str, call_uuid: uuid.UUID | None = None, send_uuid: bool = True):
+    async def dial(cls, address: str, call_uuid: uuid.UUID | None = None, send_uuid: bool = True,
+                   kind: int = 0x10, rate: int = 8000):
         host, port = address.rsplit(":", 1)
         reader, writer = await asyncio.open_connection(host, int(port))
-        call = cls(reader, writer)
+        call = cls(reader, writer, kind, rate)
         if send_uuid:
             call.send(0x01, (call_uuid or uuid.uuid4()).bytes)
         return call
@@ -187,8 +190,8 @@ class AsteriskCall:
 
     async def say(self, pcm: bytes, realtime: bool = False) -> None:
         t0 = time.monotonic()
-        for i, k in enumerate(range(0, len(pcm), 320)):
-            self.send(0x10, pcm[k : k + 320])
+        for i, k in enumerate(range(0, len(pcm), self.frame_bytes)):
+            self.send(self.kind, pcm[k : k + self.frame_bytes])
             await self.writer.drain()
             if realtime:
                 await asyncio.sleep(max(0.0, t0 + (i + 1) * FRAME_S - time.monotonic()))
@@ -196,7 +199,7 @@ class AsteriskCall:
     async def silence(self) -> None:
         """One 20 ms frame of silence (Asterisk sends audio all through a call)."""
         if not self.writer.is_closing():
-            self.send(0x10, bytes(320))
+            self.send(self.kind, bytes(self.frame_bytes))
             await self.writer.drain()
 
     async def talk_until(self, predicate, timeout: float = 120.0) -> None:
@@ -215,10 +218,10 @@ class AsteriskCall:
             self.closed.set()
 
     def audio(self) -> list[tuple[float, bytes]]:
-        return [(t, p) for t, k, p in self.messages if k == 0x10]
+        return [(t, p) for t, k, p in self.messages if k == self.kind]
 
     def audio_s(self) -> float:
-        return sum(len(p) for _, p in self.audio()) / 2 / 8000
+        return sum(len(p) for _, p in self.audio()) / 2 / self.rate
 
     async def close(self) -> None:
         self.writer.close()
@@ -256,6 +259,20 @@ async def test_audiosocket_speech_reaches_the_agent_and_the_reply_comes_back_pac
     gaps = np.diff([t for t, _ in frames]) * 1000
     logging.getLogger(__name__).info("AudioSocket reply pacing: gaps p50 %.1f ms, p99 %.1f ms, span %.2f s",
                                      np.percentile(gaps, 50), np.percentile(gaps, 99), frames[-1][0] - frames[0][0])
+    await until(lambda: idle(daemon))
+
+
+@pytest.mark.parametrize("kind, rate", [(0x12, 16000), (0x17, 96000)])
+async def test_audiosocket_channel_driver_rates_are_answered_in_the_call_s_own_type(daemon, book, kind, rate):
+    call = await AsteriskCall.dial(daemon.services.doors["audiosocket"], kind=kind, rate=rate)
+    await call.say(wire_audio(layout(QUESTION, tail_s=0.0).audio, Format("LINEAR16", rate)))
+    await call.talk_until(lambda: call.audio_s() >= REPLY_S)
+    call.hang_up()
+    await call.closed.wait()
+    await call.close()
+    assert len(book.heard) == 1 and book.heard[0].strip()
+    assert {k for _, k, _ in call.messages} == {kind}
+    assert [len(p) for _, p in call.audio()] == [rate // 50 * 2] * int(REPLY_S / FRAME_S)  # 20 ms frames
     await until(lambda: idle(daemon))
 
 
@@ -649,3 +666,30 @@ async def test_drain_stops_accepting_on_both_doors_and_lets_live_calls_finish(mo
     finally:
         d.loop.call_soon_threadsafe(d.loop.stop)
         d.thread.join(10)
+
+
+# ----------------------------------------------------------------------------- settings
+
+
+def test_phone_door_settings_from_file_and_environment(tmp_path):
+    from voiced.config import load_config
+
+    cfg = tmp_path / "v.toml"
+    cfg.write_text('[doors]\naudiosocket = "127.0.0.1:9092"\n\n[audiosocket]\nagent = "ivr"\ngreeting = "Hello."\n')
+    config = load_config(cfg, env={"VOICED_MEDIA_WS_VOICE": "female", "VOICED_MEDIA_WS_GREETING": "Hi there."})
+    assert (config.audiosocket.agent, config.audiosocket.voice, config.audiosocket.greeting) == ("ivr", "", "Hello.")
+    assert (config.media_ws.agent, config.media_ws.voice, config.media_ws.greeting) == ("", "female", "Hi there.")
+
+
+@pytest.mark.parametrize("door", ["audiosocket", "media_ws"])
+async def test_a_door_with_an_unknown_agent_does_not_open(door):
+    from voiced.config import Config
+    from voiced.core.services import Services
+    from voiced.doors import DoorError, build
+
+    config = Config()
+    getattr(config, door).agent = "nobody"
+    with pytest.raises(DoorError, match=rf"{door}.agent 'nobody' is not an agent of this server; agents: client, echo"):
+        await build(door, Services(config=config), "127.0.0.1:0").start()
+    with pytest.raises(DoorError, match=f"doors.{door}: 'nowhere' is not HOST:PORT"):
+        await build(door, Services(config=Config()), "nowhere").start()
