@@ -40,6 +40,7 @@ from voiced.core.events import (
     Speak,
     TranscriptOut,
 )
+from voiced.core.session import Session
 from voiced.doors import DoorError
 from voiced.doors import audiosocket_frames as wire
 from voiced.doors.calls import CallInputs, check_agent, run_call, split_listen, unique_id
@@ -193,8 +194,6 @@ class _Call:
         self.door._calls[self.task] = session_id
         spec = self.services.spec(front=FRONT, session_id=session_id, input=fmt, output=fmt,
                                   agent=settings.agent or None, voice=settings.voice or None)
-        from voiced.core.session import Session
-
         session = Session(self.services, spec, conversational=True)
         log.info("%s: session %s, slin %g kHz, agent %s", self._who(), session_id, rate / 1000, spec.agent)
         if settings.greeting:
@@ -212,8 +211,8 @@ class _Call:
                                       lambda ev: self._on_event(ev, pacer))
         finally:
             pacing.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await pacing
+            with contextlib.suppress(asyncio.CancelledError, ConnectionError):
+                await pacing  # a send that failed: the caller's side has seen the socket go too
         log.info("%s: ended by the %s after %.1f s (%d frames of reply audio sent, %d dropped by barge-in)",
                  self._who(), "caller" if ended_by == "caller" else "agent", time.monotonic() - started,
                  pacer.frames_sent, pacer.frames_cleared)

@@ -53,6 +53,7 @@ from voiced.core.events import (
     Speak,
     TranscriptOut,
 )
+from voiced.core.session import Session
 from voiced.doors import DoorError
 from voiced.doors.calls import CallInputs, check_agent, run_call, split_listen, unique_id
 
@@ -72,10 +73,11 @@ NORMAL, GOING_AWAY, UNSUPPORTED_DATA, INVALID_DATA, POLICY, INTERNAL, TRY_AGAIN_
 class Fault(Exception):
     """The far end broke the protocol (or failed auth): the call ends with this close code and reason."""
 
-    def __init__(self, code: int, reason: str):
+    def __init__(self, code: int, reason: str, counted_as: str = "bad_input"):
         super().__init__(reason)
         self.code = code
         self.reason = reason
+        self.counted_as = counted_as  # voiced_errors_total{front="media_ws", code=...}
 
 
 def bearer_ok(header: str, token: str) -> bool:
@@ -226,7 +228,7 @@ class _Stream:
         self.task = task
         self.stream_sid = ""
         self.call_sid = ""
-        self._marks: dict[str, float] = {}  # marks sent and not yet answered -> audio (s) before them
+        self._marks: set[str] = set()  # marks sent and not yet answered
         self._marks_answered = asyncio.Event()
         self._unplayed_s = 0.0  # audio sent since the last answered mark
 
@@ -243,9 +245,8 @@ class _Stream:
             if not self.authenticated:
                 given = str((_field(start, "start", "customParameters") or {}).get("token", ""))
                 if not bearer_ok(f"Bearer {given}", self.services.config.server.auth_token):
-                    self.services.count_error(FRONT, "unauthenticated")
                     raise Fault(POLICY, "missing or wrong token: send `Authorization: Bearer <token>` on the "
-                                        "upgrade, or <Parameter name=\"token\"> in <Stream>")
+                                        "upgrade, or <Parameter name=\"token\"> in <Stream>", "unauthenticated")
             fmt = stream_format(start)
             async with self.services.admit(FRONT) as admission:
                 try:
@@ -273,8 +274,7 @@ class _Stream:
 
     async def _fault(self, e: Fault) -> None:
         log.warning("%s: %s; closing (%d)", self._who(), e.reason, e.code)
-        if e.code != POLICY or "token" not in e.reason:
-            self.services.count_error(FRONT, ErrorKind.BAD_INPUT.value)
+        self.services.count_error(FRONT, e.counted_as)
         await self._close(e.code, e.reason)
 
     async def _close(self, code: int, reason: str) -> None:
@@ -318,8 +318,6 @@ class _Stream:
         self.door._calls[self.task] = session_id
         spec = self.services.spec(front=FRONT, session_id=session_id, input=fmt, output=fmt,
                                   agent=settings.agent or None, voice=settings.voice or None)
-        from voiced.core.session import Session
-
         session = Session(self.services, spec, conversational=True)
         log.info("%s: session %s, %s 8 kHz, agent %s", self._who(), session_id, fmt.encoding, spec.agent)
         inputs = CallInputs()
@@ -368,9 +366,10 @@ class _Stream:
                 log.debug("%s: ignored %r message", self._who(), event)
 
     def _mark_answered(self, name: str) -> None:
-        if self._marks.pop(name, None) is None:
+        if name not in self._marks:
             log.debug("%s: mark %r answered but never sent", self._who(), name)
             return
+        self._marks.discard(name)
         log.debug("%s: the caller has heard %s", self._who(), name)
         if not self._marks:
             self._unplayed_s = 0.0
@@ -388,7 +387,7 @@ class _Stream:
             self._unplayed_s += len(ev.audio) / 8000
             if ev.last:
                 name = f"reply-{ev.reply_id}"
-                self._marks[name] = self._unplayed_s
+                self._marks.add(name)
                 self._marks_answered.clear()
                 await self._send({"event": "mark", "streamSid": self.stream_sid, "mark": {"name": name}})
         elif isinstance(ev, ReplyInterrupted):
