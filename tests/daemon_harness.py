@@ -70,13 +70,17 @@ class Daemon:
         self.thread.join(10)
 
 
-def start_daemon(checkpoint: Path, config: Config | None = None, tts_engine=None, max_batch: int = 16) -> Daemon:
+def start_daemon(checkpoint: Path, config: Config | None = None, tts_engine=None, max_batch: int = 16,
+                 agents: dict | None = None) -> Daemon:
+    """`agents`: name -> factory(config, system_prompt), registered before the doors open (plug-ins)."""
     from voiced.engines.whisper.engine import WhisperEngine
 
     config = config or daemon_config()
     engine = WhisperEngine.load(str(checkpoint), device="cpu", max_batch=max_batch)
     services = Services(config=config, metrics=Metrics(), asr=EngineWorker(engine, "asr"),
                         agents=AgentRegistry(config.agent))
+    for name, factory in (agents or {}).items():
+        services.agents.register(name, factory)
     if tts_engine is not None:
         services.tts = EngineWorker(tts_engine, "tts", thread=services.asr.thread)  # as `voiced serve` does
         services.voices = tts_engine.voices

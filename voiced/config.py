@@ -123,6 +123,15 @@ class DoorsConfig:
 
 
 @dataclass
+class PhoneDoorConfig:
+    """What every call through one telephony door (AudioSocket, media WebSocket) gets."""
+
+    agent: str = ""  # empty: [agent] default
+    voice: str = ""  # empty: [tts] voice
+    greeting: str = ""  # spoken as soon as a call starts; empty: none
+
+
+@dataclass
 class Config:
     server: ServerConfig = field(default_factory=ServerConfig)
     segmentation: SegmentationConfig = field(default_factory=SegmentationConfig)
@@ -132,6 +141,8 @@ class Config:
     barge_in: BargeInConfig = field(default_factory=BargeInConfig)
     engines: EnginesConfig = field(default_factory=EnginesConfig)
     doors: DoorsConfig = field(default_factory=DoorsConfig)
+    audiosocket: PhoneDoorConfig = field(default_factory=PhoneDoorConfig)  # calls through [doors] audiosocket
+    media_ws: PhoneDoorConfig = field(default_factory=PhoneDoorConfig)  # calls through [doors] media_ws
     memory: MemoryPlan = field(default_factory=MemoryPlan)  # GPU memory fractions (voiced.memory_plan)
 
     def set(self, section: str, key: str, value: Any, source: str) -> None:

@@ -2,7 +2,8 @@
 
     voiced bench whisper --tiktoken-dir DIR [...]   engine sweep next to transformers (JSON)
     voiced bench spark [...]                        Spark-TTS LM + vocoder next to transformers (JSON)
-    voiced bench e2e --wav W --tiktoken-dir DIR     N concurrent Converse sessions over gRPC (JSON)
+    voiced bench e2e --wav W --tiktoken-dir DIR     N concurrent calls through gRPC (JSON); --front grpc
+                                                    audiosocket media_ws: the same through each door
     voiced bench plot RESULT.json... --out bench.png
 Each sub-command's own options: `voiced bench whisper --help`, and so on.
 """

@@ -19,6 +19,8 @@ import importlib
 # `[doors]` config key is set.
 DOORS: dict[str, str] = {
     "grpc": "voiced.doors.grpc_server:GrpcDoor",
+    "audiosocket": "voiced.doors.audiosocket:AudioSocketDoor",
+    "media_ws": "voiced.doors.media_ws:MediaStreamDoor",
 }
 
 
