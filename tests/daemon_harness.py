@@ -16,11 +16,11 @@ import numpy as np
 from voiced_client.proto import voiced_pb2 as pb
 from voiced_client.proto import voiced_pb2_grpc as pb_grpc
 
-from voiced.agents import AgentRegistry
+from voiced.core.agents import AgentRegistry
 from voiced.audio.ingest import FRAME_SAMPLES, Format, FrameDecoder, encode_pcm, float_to_int16
 from voiced.config import Config
 from voiced.metrics import Metrics
-from voiced.scheduler import EngineWorker
+from voiced.core.scheduler import EngineWorker
 from voiced.server import Services, VoicedServer, start_in_thread
 
 MAX_NEW_TOKENS = 10  # random models never stop on their own

@@ -6,7 +6,7 @@ import asyncio
 import sys
 import textwrap
 
-from voiced.agents import AgentRegistry
+from voiced.core.agents import AgentRegistry
 from voiced.text import SentenceBuffer, split_sentences
 
 

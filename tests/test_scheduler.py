@@ -9,7 +9,7 @@ import pytest
 
 from tests.speech import layout
 from voiced.engines.base import ASROptions, ASRRequest, TTSOptions, TTSRequest
-from voiced.scheduler import EngineThread, EngineWorker
+from voiced.core.scheduler import EngineThread, EngineWorker
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,7 @@ import pytest
 
 from tests.speech import RATE, layout
 from voiced.audio.ingest import FRAME_SAMPLES, float_to_int16
-from voiced.segmenter import Segmenter, SegmenterConfig, SpeechEnded, SpeechStarted, Utterance
+from voiced.core.segmenter import Segmenter, SegmenterConfig, SpeechEnded, SpeechStarted, Utterance
 
 PHRASES = ["The quick brown fox jumps over the lazy dog.", "Please call me back tomorrow morning.",
            "Seven apples and three oranges."]

@@ -46,7 +46,7 @@ class ServerConfig:
 
 @dataclass
 class SegmentationConfig:
-    """Defaults for sessions that leave these unset (see voiced.segmenter)."""
+    """Defaults for sessions that leave these unset (see voiced.core.segmenter)."""
 
     vad_aggressiveness: int = 2
     pre_roll_ms: int = 300

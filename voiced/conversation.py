@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 import grpc
 from voiced_client.proto import voiced_pb2 as pb
 
-from voiced.agents import AgentError
+from voiced.core.agents import AgentError
 from voiced.audio.ingest import RATE, Format, FrameEncoder, int16_to_float
 from voiced.engines.base import CapacityError, EngineError, TTSRequest
 from voiced.wire import SessionError, audio_format, invalid, tts_options

@@ -27,7 +27,7 @@ from voiced_client.proto import voiced_pb2 as pb
 from voiced_client.proto import voiced_pb2_grpc as pb_grpc
 
 import voiced
-from voiced.agents import AgentRegistry
+from voiced.core.agents import AgentRegistry
 from voiced.audio.ingest import (
     FRAME_SAMPLES,
     MAX_RATE,
@@ -41,8 +41,8 @@ from voiced.audio.ingest import (
 from voiced.config import Config
 from voiced.engines.base import ASRRequest, CapacityError, EngineError
 from voiced.metrics import Metrics
-from voiced.scheduler import EngineWorker
-from voiced.segmenter import Segmenter, SegmenterConfig, Utterance
+from voiced.core.scheduler import EngineWorker
+from voiced.core.segmenter import Segmenter, SegmenterConfig, Utterance
 from voiced.session import Session, ms
 from voiced.wire import SessionError, asr_options, audio_format, invalid, session_spec, transcript_to_proto
 

@@ -25,7 +25,7 @@ from voiced_client.proto import voiced_pb2 as pb
 
 from voiced.audio.ingest import RATE, AudioFormatError, FrameDecoder, int16_to_float
 from voiced.engines.base import ASRRequest, CapacityError, EngineError, Transcript
-from voiced.segmenter import Segmenter, SpeechEnded, SpeechStarted, Utterance
+from voiced.core.segmenter import Segmenter, SpeechEnded, SpeechStarted, Utterance
 from voiced.wire import SessionError, SessionSpec, invalid, transcript_to_proto
 
 log = logging.getLogger(__name__)

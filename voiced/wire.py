@@ -14,7 +14,7 @@ from voiced_client.proto import voiced_pb2 as pb
 from voiced.audio.ingest import MAX_RATE, MIN_RATE, AudioFormatError, Format
 from voiced.config import Config
 from voiced.engines.base import ASROptions, Transcript, TTSOptions
-from voiced.segmenter import SegmenterConfig
+from voiced.core.segmenter import SegmenterConfig
 
 MAX_BEAM = 4
 

@@ -55,13 +55,13 @@ MEMORY: dict[str, dict] = {}
 def start_server(args):
     import torch
 
-    from voiced.agents import AgentRegistry
+    from voiced.core.agents import AgentRegistry
     from voiced.bench import spark_bench, whisper_bench
     from voiced.config import Config
     from voiced.engines.whisper.engine import WhisperEngine
     from voiced.engines.whisper.tokenizer import WhisperTokenizer
     from voiced.metrics import Metrics
-    from voiced.scheduler import EngineThread, EngineWorker
+    from voiced.core.scheduler import EngineThread, EngineWorker
     from voiced.server import Services, VoicedServer, start_in_thread
 
     config = Config()

@@ -50,10 +50,10 @@ def overrides(args: argparse.Namespace) -> dict:
 def load_engines(services) -> None:
     """Runs on a thread while health says NOT_SERVING."""
     from voiced.engines.loader import load_asr, load_tts
-    from voiced.scheduler import EngineThread, EngineWorker
+    from voiced.core.scheduler import EngineThread, EngineWorker
 
     config = services.config
-    # Both engines step on one thread, recognition first (see voiced.scheduler for why).
+    # Both engines step on one thread, recognition first (see voiced.core.scheduler for why).
     thread = EngineThread("engines")
     asr = load_asr(config)
     _warm(asr, thread)

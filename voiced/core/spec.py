@@ -1,0 +1,188 @@
+"""A session's settings: the config's defaults plus what the caller asked for, validated.
+
+Every door builds a `SessionSpec` through `spec_for` (and the option helpers below), so every way a
+caller's settings can be wrong gets the same `SessionError` (BAD_INPUT) with a message that names
+the setting and what to set, whichever protocol it came through. Doors only map their fields here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+from voiced.audio.ingest import AudioFormatError, Format
+from voiced.config import Config
+from voiced.core.events import invalid
+from voiced.core.segmenter import SegmenterConfig
+from voiced.engines.base import ASROptions, TTSOptions
+
+MAX_BEAM = 4
+TASKS = ("transcribe", "translate")
+BARGE_IN_MIN_MS, BARGE_IN_MAX_MS = 20, 5000
+
+
+@dataclass
+class SessionSpec:
+    session_id: str
+    front: str  # the door it came through (metrics and logs): grpc, audiosocket, media_ws, wyoming, ...
+    input: Format
+    output: Format
+    segmentation: SegmenterConfig
+    recognize: bool  # False: speech events only
+    asr: ASROptions
+    interim_results: bool
+    keep_hallucinations: bool
+    agent: str
+    system_prompt: str
+    tts: TTSOptions
+    barge_in: bool
+    barge_in_min_speech_ms: int
+
+
+def check_format(fmt: Format, what: str) -> Format:
+    try:
+        fmt.validate(what)
+    except AudioFormatError as e:
+        raise invalid(str(e)) from None
+    return fmt
+
+
+def _pick(value, default):
+    return default if value is None else value
+
+
+def segmentation_for(config: Config, *, mode: str = "auto", vad_aggressiveness: int | None = None,
+                     pre_roll_ms: int | None = None, hangover_ms: int | None = None,
+                     min_speech_ms: int | None = None, max_utterance_ms: int | None = None) -> SegmenterConfig:
+    """The config's segmentation defaults with the given overrides (None: the default), validated."""
+    d = config.segmentation
+    seg = SegmenterConfig(
+        mode=mode,
+        vad_aggressiveness=_pick(vad_aggressiveness, d.vad_aggressiveness),
+        pre_roll_ms=_pick(pre_roll_ms, d.pre_roll_ms),
+        hangover_ms=_pick(hangover_ms, d.hangover_ms),
+        min_speech_ms=_pick(min_speech_ms, d.min_speech_ms),
+        max_utterance_ms=_pick(max_utterance_ms, d.max_utterance_ms),
+    )
+    return _check_segmentation(seg)
+
+
+def _check_segmentation(seg: SegmenterConfig) -> SegmenterConfig:
+    try:
+        seg.validate()
+    except ValueError as e:
+        raise invalid(f"segmentation: {e}") from None
+    return seg
+
+
+def asr_options_for(config: Config, *, language: str | None = None, task: str | None = None,
+                    beam_size: int | None = None, initial_prompt: str | None = None,
+                    no_speech_threshold: float | None = None, logprob_threshold: float | None = None,
+                    compression_ratio_threshold: float | None = None, what: str = "recognition") -> ASROptions:
+    """Recognition options: the config's `[asr]` defaults with the given overrides, validated."""
+    a = config.asr
+    beam = _pick(beam_size, a.beam_size)
+    if not 1 <= beam <= MAX_BEAM:
+        raise invalid(f"{what}.beam_size {beam} is outside 1..{MAX_BEAM}")
+    task = task or "transcribe"
+    if task not in TASKS:
+        raise invalid(f"{what}.task {task!r} is unknown; use transcribe or translate")
+    return ASROptions(
+        language=(language or a.language or None),
+        task=task,
+        beam_size=beam,
+        initial_prompt=initial_prompt or None,
+        max_new_tokens=a.max_new_tokens or None,
+        no_speech_threshold=_pick(no_speech_threshold, a.no_speech_threshold),
+        logprob_threshold=_pick(logprob_threshold, a.logprob_threshold),
+        compression_ratio_threshold=_pick(compression_ratio_threshold, a.compression_ratio_threshold),
+    )
+
+
+def tts_options_for(config: Config, *, voice: str | None = None, seed: int | None = None,
+                    temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
+                    max_seconds: float | None = None) -> TTSOptions:
+    """Synthesis options: the config's `[tts]` defaults with the given overrides, validated.
+    `max_seconds` can only lower the server's cap."""
+    t = config.tts
+    opts = TTSOptions(
+        voice=voice or t.voice or None,
+        seed=seed,
+        temperature=_pick(temperature, t.temperature),
+        top_k=_pick(top_k, t.top_k),
+        top_p=_pick(top_p, t.top_p),
+        max_seconds=min(_pick(max_seconds, t.max_seconds), t.max_seconds),
+        first_chunk_tokens=t.first_chunk_tokens,
+        chunk_tokens=t.chunk_tokens,
+    )
+    if not 0.0 <= opts.temperature <= 2.0:
+        raise invalid(f"speech.temperature {opts.temperature} is outside 0..2")
+    if opts.max_seconds <= 0:
+        raise invalid(f"speech.max_seconds {opts.max_seconds} must be positive")
+    if opts.top_k < 0:
+        raise invalid(f"speech.top_k {opts.top_k} must be 0 (off) or positive")
+    if not 0.0 < opts.top_p <= 1.0:
+        raise invalid(f"speech.top_p {opts.top_p} is outside (0, 1]")
+    return opts
+
+
+def spec_for(
+    config: Config,
+    *,
+    session_id: str,
+    input: Format,
+    output: Format | None = None,
+    front: str,
+    agent: str | None = None,
+    agents: Sequence[str] | None = None,
+    voice: str | None = None,
+    system_prompt: str | None = None,
+    segmentation: SegmenterConfig | None = None,
+    language: str | None = None,
+    asr: ASROptions | None = None,
+    tts: TTSOptions | None = None,
+    recognize: bool = True,
+    interim_results: bool = False,
+    keep_hallucinations: bool = False,
+    barge_in: bool | None = None,
+    barge_in_min_speech_ms: int | None = None,
+) -> SessionSpec:
+    """A session's spec: the config's defaults plus these overrides (None: the default), validated.
+
+    `agents` lists the agents the server has (`services.agents.names()`; `Services.spec` passes it);
+    `asr`/`tts` come from `asr_options_for`/`tts_options_for` when a door has more to set than
+    `language`/`voice`, which override them.
+    """
+    inp = check_format(input, "input_format")
+    out = check_format(output, "output_format") if output is not None else inp
+    seg = _check_segmentation(segmentation) if segmentation is not None else segmentation_for(config)
+
+    agent = agent or config.agent.default
+    if agents is not None and agent not in agents:
+        raise invalid(f"agent.name {agent!r} is not available; this server has: {', '.join(agents)}")
+    barge_min = _pick(barge_in_min_speech_ms, config.barge_in.min_speech_ms)
+    if not BARGE_IN_MIN_MS <= barge_min <= BARGE_IN_MAX_MS:
+        raise invalid(f"barge_in.min_speech_ms {barge_min} is outside {BARGE_IN_MIN_MS}..{BARGE_IN_MAX_MS}")
+
+    asr = asr if asr is not None else asr_options_for(config)
+    if language:
+        asr = replace(asr, language=language)
+    tts = tts if tts is not None else tts_options_for(config)
+    if voice:
+        tts = replace(tts, voice=voice)
+    return SessionSpec(
+        session_id=session_id,
+        front=front,
+        input=inp,
+        output=out,
+        segmentation=seg,
+        recognize=recognize,
+        asr=asr,
+        interim_results=interim_results,
+        keep_hallucinations=keep_hallucinations,
+        agent=agent,
+        system_prompt=system_prompt or config.agent.system_prompt,
+        tts=tts,
+        barge_in=_pick(barge_in, config.barge_in.enabled),
+        barge_in_min_speech_ms=barge_min,
+    )
