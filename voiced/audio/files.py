@@ -11,11 +11,14 @@ untrusted input, and FFmpeg can parse far more than a caller needs.
 from __future__ import annotations
 
 import io
+import logging
 from dataclasses import dataclass
 
 import numpy as np
 
 from voiced.audio.ingest import float_to_int16
+
+log = logging.getLogger(__name__)
 
 # FFmpeg demuxer names (as `container.format.name` reports them) -> what users call them.
 ACCEPTED = {
@@ -74,7 +77,11 @@ def decode_file(data: bytes, rate: int = 16000, max_seconds: float | None = None
         except (av.FFmpegError, ValueError) as e:
             if isinstance(e, AudioFileError):
                 raise
-            raise AudioFileError(f"the {ACCEPTED[kind]} file is damaged and cannot be decoded ({e})") from None
+            if not total:
+                raise AudioFileError(f"the {ACCEPTED[kind]} file is damaged and cannot be decoded ({e})") from None
+            # A cut-off upload (a recording stopped mid-write): keep what decoded, as FFmpeg's own tools do.
+            log.info("upload: %s file damaged after %.1f s of audio; using that much (%s)", ACCEPTED[kind],
+                     total / rate, e)
     finally:
         container.close()
     if not total:
