@@ -263,7 +263,8 @@ class HttpDoor(HttpListener):
 
     def __init__(self, services, address: str):
         super().__init__(services, address, name="http")
-        from voiced.doors import openai_http, realtime, web as page
+        from voiced.doors import openai_http, realtime
+        from voiced.doors import web as page
 
         self.add_routes(openai_http.routes(services))
         self.add_routes(realtime.routes(self))
