@@ -241,7 +241,7 @@ function talk(down) {
   state.capture.port.postMessage({ active: down });
   if (down) {
     stopPlayback();
-    send({ type: "response.cancel" });
+    if (state.responses.size) send({ type: "response.cancel" });
   } else {
     // The capture node flushes what it holds when paused; commit after that audio has gone out.
     setTimeout(() => send({ type: "input_audio_buffer.commit" }), 60);
