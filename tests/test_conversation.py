@@ -207,7 +207,7 @@ def test_a_refused_session_leaves_nothing_behind(daemon):
     import gc
 
     from voiced.audio.ingest import FrameDecoder
-    from voiced.session import Session
+    from voiced.core.session import Session
 
     silence = wire_audio(np.zeros(RATE, np.float32), PHONE)
     bad = audio_requests(converse_config(), silence, PHONE)
