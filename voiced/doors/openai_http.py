@@ -199,6 +199,7 @@ class OpenAIAudio:
 
     async def _recognize(self, request: web.Request, task: str) -> web.StreamResponse:
         form, data = await self._form(request)
+        self.s.check_ready()
 
         def one(name: str, default: str | None = None) -> str | None:
             values = form.get(name)
@@ -247,7 +248,6 @@ class OpenAIAudio:
             raise from_session_error(e) from None
         opts = replace(opts, timestamps=response_format in ("srt", "vtt", "verbose_json"),
                        **({"word_timestamps": True} if "word" in granularities else {}))
-        self.s.check_ready()
         try:
             pcm, duration = await asyncio.to_thread(decode_file, data, 16000, speech.MAX_CLIP_S)
         except AudioFileError as e:
@@ -272,7 +272,7 @@ class OpenAIAudio:
             raise from_session_error(_engine_error(e)) from None
         texts: list[str] = []
         try:
-            async with sse_response(request) as sse:
+            async with sse_response(request, allow_all_methods=True, sep="\n") as sse:
                 for i, job in enumerate(jobs):
                     try:
                         result = first if i == 0 else await job
@@ -301,6 +301,7 @@ class OpenAIAudio:
         if request.content_length is not None and request.content_length > 1024 * 1024:
             raise HttpError(413, "the request body is over 1 MiB", code="request_too_large")
         body = json_body(await request.text())
+        self.s.check_ready(need_tts=True)
         self._check_model("tts", body.get("model"))
         text = body.get("input")
         if not isinstance(text, str) or not text.strip():
@@ -319,7 +320,6 @@ class OpenAIAudio:
         speed = body.get("speed", 1.0)
         if isinstance(speed, bool) or not isinstance(speed, (int, float)) or not 0.25 <= speed <= 4.0:
             raise _bad("speed must be a number from 0.25 to 4.0", "speed")
-        self.s.check_ready(need_tts=True)
         voice = await resolve_voice(self.s, body.get("voice"), float(speed))
         try:
             opts = tts_options_for(self.s.config, voice=voice)
@@ -361,7 +361,7 @@ class OpenAIAudio:
         return resp
 
     async def _speech_sse(self, request, first, chunks, encoder: SpeechEncoder) -> web.StreamResponse:
-        async with sse_response(request) as sse:
+        async with sse_response(request, allow_all_methods=True, sep="\n") as sse:
             async def send(data: bytes):
                 if data:
                     await sse.send(json.dumps({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode()}))
