@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from tests.daemon_harness import Daemon, daemon_config, start_daemon
-from tests.spark_fixtures import make_spark_checkpoint
+from tests.spark_fixtures import cached_spark_checkpoint
 from tests.whisper_fixtures import make_openai_checkpoint
 from voiced.config import Config
 
@@ -15,8 +15,14 @@ UPLOAD_LIMIT = 2 * 1024 * 1024
 INPUT_CHARS = 300
 
 
-def make_models(root: Path) -> tuple[Path, Path]:
-    return make_openai_checkpoint(root / "whisper", seed=3), make_spark_checkpoint(root / "Spark-TTS-0.5B", seed=0)
+_WHISPER: dict[int, Path] = {}
+
+
+def make_models(tmp_path_factory) -> tuple[Path, Path]:
+    """Tiny random Whisper and Spark-TTS checkpoints, built once per test session."""
+    if 3 not in _WHISPER:
+        _WHISPER[3] = make_openai_checkpoint(tmp_path_factory.mktemp("whisper"), seed=3)
+    return _WHISPER[3], cached_spark_checkpoint(tmp_path_factory, seed=0)
 
 
 def http_config(**server) -> Config:

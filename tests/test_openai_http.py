@@ -28,7 +28,7 @@ PHRASES = ["The quick brown fox jumps over the lazy dog.", "Please call me back 
 
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory):
-    d = start_http_daemon(make_models(tmp_path_factory.mktemp("models")), tmp_path_factory.mktemp("voices"))
+    d = start_http_daemon(make_models(tmp_path_factory), tmp_path_factory.mktemp("voices"))
     yield d
     d.stop()
 
