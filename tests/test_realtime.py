@@ -360,3 +360,24 @@ def test_drain_closes_open_connections_as_going_away(models, tmp_path):
             return closed.value.rcvd.code
 
     assert asyncio.run(go()) == 1001
+
+
+def test_partial_transcripts_from_a_streaming_transcription_model(daemon):
+    lay = layout(["The quick brown fox jumps over the lazy dog, and then it runs away."], lead_s=0.3, tail_s=0.0)
+    data = wire_audio(lay.audio, PCM24)
+    silence = bytes(2 * 24000)  # one second: the end of the turn
+
+    async def go(c: Conn):
+        s = session()
+        s["audio"]["input"]["transcription"] = {"model": "gpt-4o-transcribe", "language": "en"}
+        await c.conn.session.update(session=s)
+        updated = await c.until("session.updated")
+        assert updated.session.audio.input.transcription.model == "gpt-4o-transcribe"
+        await c.send_audio(data, PCM24)  # still speaking: partials come meanwhile
+        partial = await c.until("conversation.item.input_audio_transcription.delta")
+        await c.send_audio(silence, PCM24)
+        final = await c.until("conversation.item.input_audio_transcription.completed")
+        return partial, final
+
+    partial, final = asyncio.run(connect(daemon, go))
+    assert partial.item_id == final.item_id and partial.delta

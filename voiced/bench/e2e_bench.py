@@ -1,4 +1,4 @@
-"""End to end over gRPC: N concurrent Converse sessions against one daemon on one GPU.
+"""End to end: N concurrent conversations against one daemon on one GPU, through a front door.
 
 The daemon runs in this process exactly as `voiced serve` runs it (server, sessions, schedulers,
 engines), with random full-size weights (Whisper large-v3-turbo dimensions, Spark-TTS-0.5B), the
@@ -12,7 +12,17 @@ starting at a different point of the loop. Reported per concurrency level, p50/p
 - tts_first_chunk_ms: the agent's text -> first audio chunk (first_audio_ms - agent_ms)
 - rtf: reply generation time / reply audio duration (first text to last chunk, per reply)
 
+Those come from the gRPC door's own latency fields. Measured by the caller for every door alike,
+so the doors compare on the same workload (`--front grpc realtime`):
+
+- v2v_client_ms: the door's speech-ended event received -> the reply's first audio received
+- asr_client_ms: the door's speech-ended event received -> the final transcript received
+
+`--front realtime` talks OpenAI's Realtime events over /v1/realtime (audio/pcm at 24 kHz, server_vad
+with the daemon's segmentation defaults), `--front grpc` voiced.v1 Converse (16 kHz LINEAR16).
+
     python -m voiced.bench.e2e_bench --wav speech.wav --tiktoken-dir DIR --sessions 1 4 16 --out e2e.json
+    voiced bench e2e --wav speech.wav --tiktoken-dir DIR --sessions 16 --front grpc realtime
 """
 
 from __future__ import annotations
@@ -68,6 +78,7 @@ def start_server(args):
     config = Config()
     config.server.listen = "127.0.0.1:0"
     config.server.max_sessions = 1000
+    config.doors.http = "127.0.0.1:0"  # /v1/realtime and /v1/audio/speech, beside gRPC
     config.asr.language = "en"
     config.asr.max_new_tokens = args.asr_tokens
     config.asr.no_speech_threshold, config.asr.logprob_threshold = 1.0, -1e9  # random weights: keep all
@@ -123,6 +134,10 @@ def start_server(args):
     return f"127.0.0.1:{port}", server, loop
 
 
+def front_address(server, front: str, grpc_address: str) -> str:
+    return grpc_address if front == "grpc" else server.services.doors["http"]
+
+
 class GcPauses:
     """Records every garbage collection of the server process: generation and pause in ms."""
 
@@ -159,6 +174,19 @@ def e2e_targets(levels: dict) -> dict:
                   "voice_to_voice_p99_ms_16": get(16, "first_audio_ms", "p99")})
 
 
+def front_overhead(fronts: dict, names: list[str]) -> dict:
+    """Each door's voice-to-voice p50 minus the first door's (gRPC first: issue 12 and 19's 5 ms bar)."""
+    base = names[0]
+    out: dict = {}
+    for name in names[1:]:
+        for n, level in fronts.get(name, {}).items():
+            ref = fronts.get(base, {}).get(n, {})
+            a, b = level.get("v2v_client_ms", {}).get("p50"), ref.get("v2v_client_ms", {}).get("p50")
+            if a is not None and b is not None:
+                out.setdefault(name, {})[n] = {"v2v_p50_ms": round(a - b, 1), "within_5_ms": abs(a - b) <= 5.0}
+    return out
+
+
 # ----------------------------------------------------------------------------------- caller side
 
 
@@ -178,13 +206,18 @@ async def one_caller(address: str, pcm: bytes, start_frame: int, duration_s: flo
         call = pb_grpc.VoicedStub(channel).Converse()
         await call.write(pb.SessionRequest(config=cfg))
         replies: dict[int, dict] = {}
+        ended: dict[int, float] = {}  # turn id -> when its SPEECH_ENDED arrived
 
         async def read():
             async for ev in call:
                 kind = ev.WhichOneof("event")
                 now = time.monotonic()
-                if kind == "transcript" and ev.transcript.is_final:
+                if kind == "speech" and ev.speech.type == pb.SpeechActivity.SPEECH_ENDED:
+                    ended[ev.turn_id] = now
+                elif kind == "transcript" and ev.transcript.is_final:
                     out["asr_ms"].append(ev.transcript.latency_ms)
+                    if ev.turn_id in ended:
+                        out["asr_client_ms"].append((now - ended[ev.turn_id]) * 1000)
                 elif kind == "agent_text" and ev.agent_text.latency_ms > 0:
                     out["agent_ms"].append(ev.agent_text.latency_ms)
                     replies[ev.turn_id] = {"agent_ms": ev.agent_text.latency_ms, "t_text": now, "bytes": 0}
@@ -194,6 +227,8 @@ async def one_caller(address: str, pcm: bytes, start_frame: int, duration_s: flo
                     r["t_last"] = now
                     if ev.audio.sequence == 0:
                         out["first_audio_ms"].append(ev.audio.latency_ms)
+                        if ev.turn_id in ended:
+                            out["v2v_client_ms"].append((now - ended.pop(ev.turn_id)) * 1000)
                         if "agent_ms" in r:
                             out["tts_first_chunk_ms"].append(ev.audio.latency_ms - r["agent_ms"])
                     if ev.audio.last and r["bytes"]:
@@ -216,18 +251,108 @@ async def one_caller(address: str, pcm: bytes, start_frame: int, duration_s: flo
         await reader
 
 
-async def callers(address: str, wav: Path, sessions: int, duration_s: float, reply_s: float) -> dict:
+async def realtime_caller(address: str, pcm: bytes, start_frame: int, duration_s: float, reply_s: float, seed: int,
+                          out: dict) -> None:
+    """One caller speaking OpenAI's Realtime events over /v1/realtime (aiohttp's WebSocket client)."""
+    import base64
+    from collections import deque
+
+    import aiohttp
+    import numpy as np
+    import soxr
+
+    x = soxr.resample(np.frombuffer(pcm, dtype="<i2").astype(np.float32) / 32768, 16000, 24000)
+    pcm24 = (np.clip(x, -1, 1) * 32767).astype("<i2").tobytes()
+    frame = 960  # 20 ms of 24 kHz audio/pcm
+    frames = [pcm24[i : i + frame] for i in range(0, len(pcm24) - frame + 1, frame)]
+    url = f"ws://{address}/v1/realtime?model=voiced"
+    session = {"type": "realtime", "audio": {
+        "input": {"format": {"type": "audio/pcm", "rate": 24000},
+                  "turn_detection": {"type": "server_vad", "interrupt_response": False}},
+        "output": {"format": {"type": "audio/pcm", "rate": 24000}}}}
+    async with aiohttp.ClientSession() as http, http.ws_connect(url, protocols=("realtime",), max_msg_size=0) as ws:
+        await ws.send_json({"type": "session.update", "session": session})
+        async for msg in ws:
+            if json.loads(msg.data)["type"] == "session.updated":
+                break
+        ended: dict[str, float] = {}  # user item -> when its speech_stopped arrived
+        answered: deque[float] = deque()  # speech-ended times of heard turns, in the order replies come
+        replies: dict[str, dict] = {}
+
+        async def read():
+            async for msg in ws:
+                if msg.type != aiohttp.WSMsgType.TEXT:
+                    break
+                ev = json.loads(msg.data)
+                kind, now = ev["type"], time.monotonic()
+                if kind == "input_audio_buffer.speech_stopped":
+                    ended[ev["item_id"]] = now
+                elif kind == "conversation.item.input_audio_transcription.completed":
+                    t_end = ended.pop(ev["item_id"], None)
+                    if t_end is not None:
+                        out["asr_client_ms"].append((now - t_end) * 1000)
+                        if ev["transcript"].strip():
+                            answered.append(t_end)
+                elif kind == "response.created":
+                    replies[ev["response"]["id"]] = {"t_end": answered.popleft() if answered else None, "bytes": 0}
+                elif kind == "response.output_audio_transcript.delta":
+                    r = replies.get(ev["response_id"])
+                    if r is not None and "t_text" not in r:
+                        r["t_text"] = now
+                elif kind == "response.output_audio.delta":
+                    r = replies.get(ev["response_id"])
+                    if r is None:
+                        continue
+                    if not r["bytes"] and r["t_end"] is not None:
+                        out["v2v_client_ms"].append((now - r["t_end"]) * 1000)
+                    r["bytes"] += len(ev["delta"]) * 3 // 4
+                    r["t_last"] = now
+                elif kind == "response.done":
+                    r = replies.pop(ev["response"]["id"], None)
+                    if r and r["bytes"] and "t_text" in r:
+                        out["rtf"].append((r["t_last"] - r["t_text"]) / (r["bytes"] / 48000))
+                elif kind == "error":
+                    out["notices"].append(f"{ev['error']['code']}: {ev['error']['message'][:120]}")
+
+        reader = asyncio.create_task(read())
+        t0 = time.monotonic()
+        i = start_frame  # the same 20 ms grid as the 16 kHz WAV
+        n = 0
+        while time.monotonic() - t0 < duration_s:
+            await ws.send_str(json.dumps({"type": "input_audio_buffer.append",
+                                          "audio": base64.b64encode(frames[i % len(frames)]).decode()}))
+            i += 1
+            n += 1
+            await asyncio.sleep(max(0.0, t0 + n * 0.02 - time.monotonic()))
+            out["late_ms"].append(max(0.0, (time.monotonic() - (t0 + n * 0.02)) * 1000))
+        # Let the last reply finish, as the gRPC caller's half-close does, then hang up.
+        while replies or answered:
+            await asyncio.sleep(0.05)
+            if time.monotonic() - t0 > duration_s + 30:
+                break
+        await ws.close()
+        await reader
+
+
+CALLERS = {"grpc": one_caller, "realtime": realtime_caller}
+MEASURES = ("asr_ms", "agent_ms", "first_audio_ms", "tts_first_chunk_ms", "v2v_client_ms", "asr_client_ms", "rtf",
+            "late_ms", "notices")
+
+
+async def callers(address: str, wav: Path, sessions: int, duration_s: float, reply_s: float,
+                  front: str = "grpc") -> dict:
     from voiced_client.wavio import read_wav
 
     samples, rate = read_wav(wav)
     assert rate == 16000, "the bench WAV must be 16 kHz"
     pcm = samples.astype("<i2").tobytes()
     n_frames = len(pcm) // 640
-    out = {k: [] for k in ("asr_ms", "agent_ms", "first_audio_ms", "tts_first_chunk_ms", "rtf", "late_ms", "notices")}
+    out = {k: [] for k in MEASURES}
     t0 = time.monotonic()
-    await asyncio.gather(*(one_caller(address, pcm, (n_frames * k) // sessions, duration_s, reply_s, k, out)
+    caller = CALLERS[front]
+    await asyncio.gather(*(caller(address, pcm, (n_frames * k) // sessions, duration_s, reply_s, k, out)
                            for k in range(sessions)))
-    report = {k: pct(v) for k, v in out.items() if k != "notices"}
+    report = {k: pct(v) for k, v in out.items() if k != "notices" and v}
     from collections import Counter
 
     report["notices"] = dict(Counter(out["notices"]))
@@ -257,12 +382,15 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--no-gc-freeze", action="store_true",
                     help="leave start-up objects in the garbage collector's scans (to compare)")
     ap.add_argument("--tiny-cpu", action="store_true", help="dry run on the CPU with tiny random models")
+    ap.add_argument("--front", nargs="+", default=["grpc"], choices=list(CALLERS),
+                    help="the door(s) the callers come through, each level run once per door (default grpc)")
     ap.add_argument("--caller", default=None, help=argparse.SUPPRESS)  # internal: run the callers only
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     if args.caller:
         address, sessions = args.caller.rsplit("@", 1)
-        report = asyncio.run(callers(address, args.wav, int(sessions), args.duration, args.reply_seconds))
+        report = asyncio.run(callers(address, args.wav, int(sessions), args.duration, args.reply_seconds,
+                                     args.front[0]))
         print(json.dumps(report))
         return report
 
@@ -278,24 +406,30 @@ def main(argv: list[str] | None = None) -> dict:
               "reply_seconds": args.reply_seconds, "first_chunk_tokens": args.first_chunk_tokens,
               "engine_threads": "separate" if args.separate_threads else "shared",
               "gc_freeze": not args.no_gc_freeze,
-              "date": time.strftime("%Y-%m-%d"), "levels": {}}
+              "date": time.strftime("%Y-%m-%d"), "front": args.front[0], "levels": {}}
+    fronts: dict[str, dict] = {}
     for n in args.sessions:
-        gc_pauses.take()
-        for worker in (server.services.asr, server.services.tts):
-            worker.engine.step.take()
-        cmd = [sys.executable, "-m", "voiced.bench.e2e_bench", "--wav", str(args.wav), "--tiktoken-dir",
-               str(args.tiktoken_dir), "--duration", str(args.duration), "--reply-seconds", str(args.reply_seconds),
-               "--caller", f"{address}@{n}"]
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ)
-        if proc.returncode != 0:
-            result["levels"][n] = {"error": proc.stderr[-2000:]}
-            continue
-        level = json.loads(proc.stdout.strip().splitlines()[-1])
-        level["asr_steps"] = server.services.asr.stats.steps
-        level["gc"] = gc_pauses.take()
-        level["step_ms"] = {w.name: w.engine.step.take() for w in (server.services.asr, server.services.tts)}
-        result["levels"][n] = level
-        log.info("%d sessions: %s", n, json.dumps(level))
+        for front in args.front:  # one level through each door in turn: the same workload, the same server
+            gc_pauses.take()
+            for worker in (server.services.asr, server.services.tts):
+                worker.engine.step.take()
+            cmd = [sys.executable, "-m", "voiced.bench.e2e_bench", "--wav", str(args.wav), "--tiktoken-dir",
+                   str(args.tiktoken_dir), "--duration", str(args.duration), "--reply-seconds",
+                   str(args.reply_seconds), "--front", front, "--caller", f"{front_address(server, front, address)}@{n}"]
+            proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ)
+            if proc.returncode != 0:
+                fronts.setdefault(front, {})[n] = {"error": proc.stderr[-2000:]}
+                continue
+            level = json.loads(proc.stdout.strip().splitlines()[-1])
+            level["asr_steps"] = server.services.asr.stats.steps
+            level["gc"] = gc_pauses.take()
+            level["step_ms"] = {w.name: w.engine.step.take() for w in (server.services.asr, server.services.tts)}
+            fronts.setdefault(front, {})[n] = level
+            log.info("%s, %d sessions: %s", front, n, json.dumps(level))
+    result["levels"] = fronts.get(args.front[0], {})
+    if len(args.front) > 1:
+        result["fronts"] = fronts
+        result["front_overhead_ms"] = front_overhead(fronts, args.front)
     asyncio.run_coroutine_threadsafe(server.drain_and_stop(grace=0), loop).result(60)
     if not args.tiny_cpu:
         gpu_memory("serving", args)

@@ -9,6 +9,8 @@ How the interface maps onto the daemon:
 - `turn_detection` server_vad: the session's segmenter finds the turns (threshold -> webrtcvad's
   aggressiveness, prefix_padding_ms -> pre-roll, silence_duration_ms -> hangover); null: the client's
   `input_audio_buffer.commit` ends a turn (push-to-talk) and `clear` drops what was appended since.
+- Partial transcripts (`conversation.item.input_audio_transcription.delta`) come when
+  `audio.input.transcription.model` names a streaming model (anything but whisper-1).
 - Every user turn is answered by the agent (create_response true); `response.create` answers text
   typed with `conversation.item.create`; `response.cancel` stops the reply; speech over a reply
   cancels it (barge-in), unless interrupt_response is false.
@@ -309,7 +311,7 @@ class RealtimeConnection:
             asr = asr_options_for(self.s.config, language=cfg.language, initial_prompt=cfg.prompt)
             return self.s.spec(front=FRONT, input=Format(enc_in, rate_in), output=Format(enc_out, rate_out),
                                voice=cfg.voice, system_prompt=cfg.instructions, segmentation=seg, asr=asr,
-                               interim_results=True, barge_in=td.interrupt_response if td else True)
+                               interim_results=cfg.interim, barge_in=td.interrupt_response if td else True)
         except SessionError as e:
             raise EventError(e.kind.value, e.message, None, event_id) from None
 

@@ -149,6 +149,14 @@ class RealtimeConfig:
     instructions: str | None = None
     language: str | None = None
     prompt: str | None = None  # transcription prompt
+    # audio.input.transcription.model as the client named it. Partial transcripts (transcription .delta
+    # events) come for any model but whisper-1, as OpenAI streams them only from its newer models: each
+    # costs a recognition of the speech so far every asr.interim_interval_ms.
+    transcription_model: str | None = None
+
+    @property
+    def interim(self) -> bool:
+        return self.transcription_model not in (None, "whisper-1")
 
 
 def _format(obj, where: str, event_id) -> str | None:
@@ -191,7 +199,11 @@ def apply_session_update(current: RealtimeConfig, session: dict, event_id: str |
     if "turn_detection" in inp:
         cfg.turn_detection = _turn_detection(inp["turn_detection"], vad_defaults, event_id)
     transcription = inp.get("transcription")
+    if "transcription" in inp and transcription is None:
+        cfg.transcription_model = None
     if isinstance(transcription, dict):
+        cfg.transcription_model = _need(transcription, "model", str, "session.audio.input.transcription", event_id,
+                                        required=False) or cfg.transcription_model or "whisper-1"
         cfg.language = _need(transcription, "language", str, "session.audio.input.transcription", event_id,
                              required=False) or cfg.language
         cfg.prompt = _need(transcription, "prompt", str, "session.audio.input.transcription", event_id,
@@ -254,7 +266,7 @@ def session_object(cfg: RealtimeConfig, *, model: str, asr_model: str) -> dict:
         "type": "server_vad", "threshold": td.threshold, "prefix_padding_ms": td.prefix_padding_ms,
         "silence_duration_ms": td.silence_duration_ms, "create_response": True,
         "interrupt_response": td.interrupt_response}
-    transcription = {"model": asr_model}
+    transcription = {"model": cfg.transcription_model or asr_model}
     if cfg.language:
         transcription["language"] = cfg.language
     if cfg.prompt:

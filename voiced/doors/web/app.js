@@ -17,6 +17,7 @@ const state = {
   lastTurn: null,
   awaitingSound: null, // the turn whose reply has not sounded yet
   played: 0,
+  asrModel: null,
 };
 
 function setStatus(text, kind = "idle") {
@@ -118,6 +119,8 @@ function sessionUpdate() {
       input: {
         format: { type: "audio/pcm", rate: RATE },
         turn_detection: handsFree() ? { type: "server_vad" } : null,
+        // A streaming transcription model: partial transcripts while you speak.
+        transcription: { model: state.asrModel || "gpt-4o-transcribe" },
       },
       output: { format: { type: "audio/pcm", rate: RATE } },
     },
@@ -251,6 +254,11 @@ function talk(down) {
 async function loadVoices() {
   try {
     const headers = token() ? { Authorization: `Bearer ${token()}` } : {};
+    const models = await fetch("v1/models", { headers });
+    if (models.ok) {
+      const asr = (await models.json()).data.find((m) => m.kind === "transcription");
+      if (asr) state.asrModel = asr.id;
+    }
     const r = await fetch("v1/audio/voices", { headers });
     if (!r.ok) return;
     const select = $("voice");
