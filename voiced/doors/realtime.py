@@ -316,8 +316,9 @@ class RealtimeConnection:
             raise EventError(e.kind.value, e.message, None, event_id) from None
 
     async def _pipeline(self, event_id) -> _Pipeline:
-        if self.pipeline is not None:
+        if self.pipeline is not None and not self.pipeline.task.done():
             return self.pipeline
+        await self._stop_pipeline()  # one that ended by itself: the next input starts a fresh one
         from voiced.core.session import Session
 
         spec = self._spec(self.cfg, event_id)
