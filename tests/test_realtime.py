@@ -381,3 +381,20 @@ def test_partial_transcripts_from_a_streaming_transcription_model(daemon):
 
     partial, final = asyncio.run(connect(daemon, go))
     assert partial.item_id == final.item_id and partial.delta
+
+
+def test_a_message_over_the_size_limit_closes_the_connection(daemon):
+    import websockets
+
+    async def go():
+        url = base_url(daemon).replace("http", "ws") + "/v1/realtime"
+        async with websockets.connect(url, max_size=None) as ws:
+            await ws.recv()
+            too_big = daemon.services.config.server.max_message_bytes + 1
+            await ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": "A" * too_big}))
+            with pytest.raises(websockets.ConnectionClosed) as closed:
+                while True:
+                    await ws.recv()
+            return closed.value.rcvd.code
+
+    assert asyncio.run(go()) == 1009

@@ -269,3 +269,10 @@ class HttpDoor(HttpListener):
         self.add_routes(openai_http.routes(services))
         self.add_routes(realtime.routes(self))
         self.add_routes(page.routes(), public=True)
+
+    async def start(self) -> str:
+        bound = await super().start()
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        log.info("web page: %s://%s:%d/  OpenAI-compatible API: %s://%s:%d/v1", self.scheme, host, self.port,
+                 self.scheme, host, self.port)
+        return bound
