@@ -110,8 +110,8 @@ def decode_clip(data: bytes, fmt: Format | None, max_s: float = MAX_CLIP_S) -> t
         duration = len(raw) / f.sample_rate
         pcm = Resampler(f.sample_rate, RATE)(raw, last=True)
     if duration > max_s:
-        raise invalid(f"the clip is {duration:.0f} s long; Recognize takes up to {max_s:.0f} s, "
-                      "use StreamingRecognize for longer audio")
+        raise invalid(f"the clip is {duration:.0f} s long; one-shot recognition takes up to {max_s:.0f} s, "
+                      "stream longer audio in a session (StreamingRecognize over gRPC)")
     return pcm, duration
 
 
