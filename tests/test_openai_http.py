@@ -460,3 +460,26 @@ def _post_url(url, data, headers):
     except urllib.error.HTTPError as e:
         return e.code, json.loads(e.read())
 
+
+
+def test_a_listener_leaving_mid_speech_leaves_nothing_behind(daemon):
+    import aiohttp
+
+    async def go():
+        async with aiohttp.ClientSession() as http:
+            async with http.post(base_url(daemon) + "/v1/audio/speech", json={
+                    "model": "tts-1", "voice": "alloy", "input": "A long story. " * 20, "response_format": "pcm"}) as r:
+                assert r.status == 200
+                assert await r.content.readany()  # the first chunk, then hang up
+                r.close()  # drops the connection with the body unread
+
+    asyncio.run(go())
+
+    async def settled():
+        for _ in range(1000):
+            if daemon.services.tts.pending == 0:
+                return 0
+            await asyncio.sleep(0.01)
+        return daemon.services.tts.pending
+
+    assert daemon.call(settled) == 0

@@ -398,3 +398,40 @@ def test_a_message_over_the_size_limit_closes_the_connection(daemon):
             return closed.value.rcvd.code
 
     assert asyncio.run(go()) == 1009
+
+
+def _typed(c: Conn, text: str):
+    return c.conn.conversation.item.create(item={"type": "message", "role": "user",
+                                                 "content": [{"type": "input_text", "text": text}]})
+
+
+@pytest.mark.skipif(not hasattr(__import__("voiced.core.events").core.events, "UserText"),
+                    reason="the session core does not take typed text yet (core.events.UserText)")
+def test_typed_text_gets_a_spoken_answer(daemon):
+    async def go(c: Conn):
+        await c.conn.session.update(session=session())
+        await c.until("session.updated")
+        await _typed(c, "What time is it?")
+        added = await c.until("conversation.item.added")
+        await c.conn.response.create()
+        done = await c.until("response.done")
+        return added, done, c
+
+    added, done, c = asyncio.run(connect(daemon, go))
+    assert added.item.content[0].text == "What time is it?"
+    said = "".join(d.delta for d in c.of("response.output_audio_transcript.delta"))
+    assert said == "What time is it?" and done.response.status == "completed"  # the echo agent
+    assert c.of("response.output_audio.delta")
+
+
+@pytest.mark.skipif(hasattr(__import__("voiced.core.events").core.events, "UserText"),
+                    reason="the session core takes typed text: test_typed_text_gets_a_spoken_answer")
+def test_typed_text_is_refused_while_the_core_cannot_answer_it(daemon):
+    async def go(c: Conn):
+        await c.conn.session.update(session=session())
+        await c.until("session.updated")
+        await _typed(c, "What time is it?")
+        return await c.until("error")
+
+    refused = asyncio.run(connect(daemon, go))
+    assert refused.error.code == "unsupported_item" and refused.error.param == "item"

@@ -35,7 +35,7 @@ from voiced.core.events import ErrorKind, SessionError
 from voiced.core.spec import asr_options_for, tts_options_for
 from voiced.doors.http import HttpError, from_session_error, json_body
 from voiced.doors.transcripts import RESPONSE_FORMATS, Recognized, render
-from voiced.engines.base import ASRRequest, CapacityError, EngineError, Transcript
+from voiced.engines.base import ASROptions, ASRRequest, CapacityError, EngineError, Transcript
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +52,8 @@ VOICE_ALIASES = {
 }
 SPEED_LEVELS = ((0.6, "very_low"), (0.85, "low"), (1.15, "moderate"), (1.6, "high"), (4.0, "very_high"))
 WORD_TIMINGS = "words" in {f.name for f in fields(Transcript)}  # the engine reports word times
+# The recognition option that asks for them (named by the word-timing work when it lands).
+WORD_OPTION = next((n for n in ("word_timestamps", "words") if n in {f.name for f in fields(ASROptions)}), None)
 
 
 def routes(services) -> list[web.RouteDef]:
@@ -247,7 +249,7 @@ class OpenAIAudio:
         except SessionError as e:
             raise from_session_error(e) from None
         opts = replace(opts, timestamps=response_format in ("srt", "vtt", "verbose_json"),
-                       **({"word_timestamps": True} if "word" in granularities else {}))
+                       **({WORD_OPTION: True} if "word" in granularities and WORD_OPTION else {}))
         try:
             pcm, duration = await asyncio.to_thread(decode_file, data, 16000, speech.MAX_CLIP_S)
         except AudioFileError as e:
