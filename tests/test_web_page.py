@@ -75,3 +75,31 @@ def test_the_page_shows_the_transcript_and_plays_the_reply(daemon, tmp_path):
     assert shown and shown in heard.texts, (shown, heard.texts, console)
     assert agent == shown  # the echo agent says what it heard
     assert v2v > 0
+
+
+def test_push_to_talk_in_the_page(daemon, tmp_path):
+    lay = layout(["Please call me back tomorrow morning."], lead_s=0.3, tail_s=0.3)
+    wav = write_wav(tmp_path / "loop.wav", lay.audio)
+    heard = HeardTranscripts(daemon.services.asr.engine)
+    args = [a for a in chromium_args(wav) if not a.startswith("--use-file")]
+    args.append(f"--use-file-for-fake-audio-capture={wav}")  # looped: whenever the button goes down, it talks
+    loop_samples = len(lay.audio) * 24000 // 16000
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=args)
+        try:
+            page = browser.new_page()
+            page.goto(base_url(daemon) + "/")
+            page.uncheck("#handsfree")
+            page.click("#connect")
+            page.wait_for_selector("#talk:not([disabled])", timeout=60_000)
+            page.hover("#talk")
+            page.mouse.down()
+            page.wait_for_function(f"Number(document.body.dataset.sent || 0) >= {loop_samples}", timeout=60_000)
+            page.mouse.up()
+            final = page.wait_for_selector(".turn.heard .final", timeout=120_000)
+            page.wait_for_function("Number(document.body.dataset.played || 0) > 2400", timeout=120_000)
+            shown = final.text_content()
+            agent = page.text_content(".turn.heard .agent .text")
+        finally:
+            browser.close()
+    assert shown and shown in heard.texts and agent == shown

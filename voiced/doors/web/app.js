@@ -17,6 +17,7 @@ const state = {
   lastTurn: null,
   awaitingSound: null, // the turn whose reply has not sounded yet
   played: 0,
+  sent: 0,
   asrModel: null,
 };
 
@@ -108,6 +109,8 @@ function sendAudio(buffer) {
   if (!ws || ws.readyState !== WebSocket.OPEN || !state.configured) return;
   if (!handsFree() && !state.talking) return;
   ws.send(JSON.stringify({ type: "input_audio_buffer.append", audio: toBase64(buffer) }));
+  state.sent += buffer.byteLength / 2;
+  document.body.dataset.sent = String(state.sent); // samples sent: what a test can wait on
 }
 
 // ------------------------------------------------------------------ the Realtime connection
