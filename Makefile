@@ -7,6 +7,8 @@ BIN := $(VENV)/bin
 # The PyTorch build to install. On a GPU machine the default PyPI wheel is the CUDA build.
 TORCH ?= torch==2.13.0
 ARGS ?=
+# Where `make run` opens the HTTP door: the web page, OpenAI's audio API and Realtime (empty: off).
+HTTP ?= 127.0.0.1:8080
 
 .PHONY: run test test-gpu proto lint system-deps venv clean
 
@@ -26,15 +28,22 @@ $(VENV)/.test-installed: $(VENV)/.run-installed client/pyproject.toml
 
 venv: $(VENV)/.run-installed
 
-# espeak-ng and sox make real speech for the tests.
+# espeak-ng and sox make real speech for the tests; Debian's chromium runs the web page's test.
 system-deps:
 	@if ! command -v espeak-ng >/dev/null || ! command -v sox >/dev/null; then \
 		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 		$$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq espeak-ng sox >/dev/null; \
 	fi
+	@if ! command -v chromium >/dev/null; then \
+		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+		$$SUDO apt-get install -y -qq chromium >/dev/null 2>&1 || ($$SUDO apt-get update -qq && \
+		$$SUDO apt-get install -y -qq chromium >/dev/null) || \
+		echo "chromium could not be installed: the web page's browser test will be skipped"; \
+	fi
 
 run: $(VENV)/.run-installed
-	$(BIN)/voiced serve $(ARGS)
+	@$(if $(HTTP),echo "voiced: open http://$(HTTP)/ in a browser (OpenAI-compatible API: http://$(HTTP)/v1)",true)
+	$(BIN)/voiced serve $(if $(HTTP),--http $(HTTP)) $(ARGS)
 
 test: system-deps $(VENV)/.test-installed
 	$(BIN)/python -m pytest -q $(ARGS)

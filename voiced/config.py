@@ -132,6 +132,14 @@ class PhoneDoorConfig:
 
 
 @dataclass
+class HttpConfig:
+    """Limits of the HTTP door (`[doors] http`): OpenAI's audio API and the Realtime WebSocket."""
+
+    max_upload_bytes: int = 25 * 1024 * 1024  # one transcription upload (OpenAI's own limit); larger: 413
+    max_input_chars: int = 4096  # the text of one /v1/audio/speech request (OpenAI's limit)
+
+
+@dataclass
 class Config:
     server: ServerConfig = field(default_factory=ServerConfig)
     segmentation: SegmentationConfig = field(default_factory=SegmentationConfig)
@@ -143,6 +151,7 @@ class Config:
     doors: DoorsConfig = field(default_factory=DoorsConfig)
     audiosocket: PhoneDoorConfig = field(default_factory=PhoneDoorConfig)  # calls through [doors] audiosocket
     media_ws: PhoneDoorConfig = field(default_factory=PhoneDoorConfig)  # calls through [doors] media_ws
+    http: HttpConfig = field(default_factory=HttpConfig)
     memory: MemoryPlan = field(default_factory=MemoryPlan)  # GPU memory fractions (voiced.memory_plan)
 
     def set(self, section: str, key: str, value: Any, source: str) -> None:

@@ -18,7 +18,9 @@ gRPC) and reports, for every door, v2v_client_ms: voice-to-voice as the caller h
 daemon detecting the end of speech to the first reply audio arriving (voiced.bench.phone_callers
 says how the caller knows that moment), and door_overhead_ms: each door's v2v_client_ms p50/p95 minus
 gRPC's. AudioSocket callers send slin16 (type 0x12, the very samples gRPC callers send); media
-WebSocket callers send mu-law 8 kHz as Twilio does.
+WebSocket callers send mu-law 8 kHz as Twilio does. Realtime callers (OpenAI's events over
+/v1/realtime, audio/pcm at 24 kHz) time voice-to-voice from the door's `speech_stopped` event to the
+first `response.output_audio.delta`, and asr_client_ms from `speech_stopped` to the transcript.
 
     python -m voiced.bench.e2e_bench --wav speech.wav --tiktoken-dir DIR --sessions 1 4 16 --out e2e.json
     voiced bench e2e --wav speech.wav --tiktoken-dir DIR --front grpc audiosocket media_ws --out doors.json
@@ -87,7 +89,9 @@ def start_server(args):
     config.tts.max_seconds = args.reply_seconds
     config.barge_in.enabled = False  # as the gRPC callers ask: every utterance gets its reply
     for front in args.front:
-        if front != "grpc":
+        if front == "realtime":
+            config.doors.http = "127.0.0.1:0"  # /v1/realtime, beside gRPC
+        elif front != "grpc":
             setattr(config.doors, front, "127.0.0.1:0")
 
     dims = whisper_bench.DIMS[args.asr_dims]
@@ -134,7 +138,10 @@ def start_server(args):
         worker.engine.step = StepTimer(worker.engine, STEP_PARTS[worker.name])
     server = Daemon(config, services=services)
     port, loop, _ = start_in_thread(server)
-    return dict(services.doors), server, loop
+    addresses = dict(services.doors)
+    if "http" in addresses:
+        addresses["realtime"] = addresses["http"]
+    return addresses, server, loop
 
 
 class GcPauses:
@@ -173,7 +180,7 @@ def e2e_targets(levels: dict) -> dict:
                   "voice_to_voice_p99_ms_16": get(16, "first_audio_ms", "p99")})
 
 
-FRONTS = ("grpc", "audiosocket", "media_ws")
+FRONTS = ("grpc", "audiosocket", "media_ws", "realtime")
 
 
 def door_overhead(fronts: dict) -> dict:
@@ -263,6 +270,89 @@ async def one_caller(address: str, pcm: bytes, start_frame: int, duration_s: flo
         await reader
 
 
+async def realtime_caller(address: str, pcm: bytes, start_frame: int, duration_s: float, reply_s: float, seed: int,
+                          out: dict) -> None:
+    """One caller speaking OpenAI's Realtime events over /v1/realtime (aiohttp's WebSocket client)."""
+    import base64
+    from collections import deque
+
+    import aiohttp
+    import numpy as np
+    import soxr
+
+    x = soxr.resample(np.frombuffer(pcm, dtype="<i2").astype(np.float32) / 32768, 16000, 24000)
+    pcm24 = (np.clip(x, -1, 1) * 32767).astype("<i2").tobytes()
+    frame = 960  # 20 ms of 24 kHz audio/pcm
+    frames = [pcm24[i : i + frame] for i in range(0, len(pcm24) - frame + 1, frame)]
+    url = f"ws://{address}/v1/realtime?model=voiced"
+    session = {"type": "realtime", "audio": {
+        "input": {"format": {"type": "audio/pcm", "rate": 24000},
+                  "turn_detection": {"type": "server_vad", "interrupt_response": False}},
+        "output": {"format": {"type": "audio/pcm", "rate": 24000}}}}
+    async with aiohttp.ClientSession() as http, http.ws_connect(url, protocols=("realtime",), max_msg_size=0) as ws:
+        await ws.send_json({"type": "session.update", "session": session})
+        async for msg in ws:
+            if json.loads(msg.data)["type"] == "session.updated":
+                break
+        ended: dict[str, float] = {}  # user item -> when its speech_stopped arrived
+        answered: deque[float] = deque()  # speech-ended times of heard turns, in the order replies come
+        replies: dict[str, dict] = {}
+
+        async def read():
+            async for msg in ws:
+                if msg.type != aiohttp.WSMsgType.TEXT:
+                    break
+                ev = json.loads(msg.data)
+                kind, now = ev["type"], time.monotonic()
+                if kind == "input_audio_buffer.speech_stopped":
+                    ended[ev["item_id"]] = now
+                elif kind == "conversation.item.input_audio_transcription.completed":
+                    t_end = ended.pop(ev["item_id"], None)
+                    if t_end is not None:
+                        out["asr_client_ms"].append((now - t_end) * 1000)
+                        if ev["transcript"].strip():
+                            answered.append(t_end)
+                elif kind == "response.created":
+                    replies[ev["response"]["id"]] = {"t_end": answered.popleft() if answered else None, "bytes": 0}
+                elif kind == "response.output_audio_transcript.delta":
+                    r = replies.get(ev["response_id"])
+                    if r is not None and "t_text" not in r:
+                        r["t_text"] = now
+                elif kind == "response.output_audio.delta":
+                    r = replies.get(ev["response_id"])
+                    if r is None:
+                        continue
+                    if not r["bytes"] and r["t_end"] is not None:
+                        out["v2v_client_ms"].append((now - r["t_end"]) * 1000)
+                    r["bytes"] += len(ev["delta"]) * 3 // 4
+                    r["t_last"] = now
+                elif kind == "response.done":
+                    r = replies.pop(ev["response"]["id"], None)
+                    if r and r["bytes"] and "t_text" in r:
+                        out["rtf"].append((r["t_last"] - r["t_text"]) / (r["bytes"] / 48000))
+                elif kind == "error":
+                    out["notices"].append(f"{ev['error']['code']}: {ev['error']['message'][:120]}")
+
+        reader = asyncio.create_task(read())
+        t0 = time.monotonic()
+        i = start_frame  # the same 20 ms grid as the 16 kHz WAV
+        n = 0
+        while time.monotonic() - t0 < duration_s:
+            await ws.send_str(json.dumps({"type": "input_audio_buffer.append",
+                                          "audio": base64.b64encode(frames[i % len(frames)]).decode()}))
+            i += 1
+            n += 1
+            await asyncio.sleep(max(0.0, t0 + n * 0.02 - time.monotonic()))
+            out["late_ms"].append(max(0.0, (time.monotonic() - (t0 + n * 0.02)) * 1000))
+        # Let the last reply finish, as the gRPC caller's half-close does, then hang up.
+        while replies or answered:
+            await asyncio.sleep(0.05)
+            if time.monotonic() - t0 > duration_s + 30:
+                break
+        await ws.close()
+        await reader
+
+
 async def callers(address: str, wav: Path, sessions: int, duration_s: float, reply_s: float,
                   front: str = "grpc") -> dict:
     from voiced_client.wavio import read_wav
@@ -274,7 +364,7 @@ async def callers(address: str, wav: Path, sessions: int, duration_s: float, rep
     pcm = samples.astype("<i2").tobytes()
     n_frames = len(pcm) // 640
     out = {k: [] for k in ("asr_ms", "agent_ms", "first_audio_ms", "tts_first_chunk_ms", "rtf", "late_ms", "notices",
-                           "v2v_client_ms", "unmatched_replies")}
+                           "v2v_client_ms", "asr_client_ms", "unmatched_replies")}
 
     def caller(k: int):
         start = (n_frames * k) // sessions
@@ -282,12 +372,14 @@ async def callers(address: str, wav: Path, sessions: int, duration_s: float, rep
             return audiosocket_caller(address, pcm, start, duration_s, reply_s, out)
         if front == "media_ws":
             return media_ws_caller(address, pcm, start, duration_s, out)
+        if front == "realtime":
+            return realtime_caller(address, pcm, start, duration_s, reply_s, k, out)
         return one_caller(address, pcm, start, duration_s, reply_s, k, out)
 
     t0 = time.monotonic()
     await asyncio.gather(*(caller(k) for k in range(sessions)))
     out["unmatched_replies"] = [len(out["unmatched_replies"])]
-    report = {k: pct(v) for k, v in out.items() if k not in ("notices", "unmatched_replies")}
+    report = {k: pct(v) for k, v in out.items() if k not in ("notices", "unmatched_replies") and v}
     report["unmatched_replies"] = out["unmatched_replies"][0]
     from collections import Counter
 

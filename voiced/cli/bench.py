@@ -3,7 +3,8 @@
     voiced bench whisper --tiktoken-dir DIR [...]   engine sweep next to transformers (JSON)
     voiced bench spark [...]                        Spark-TTS LM + vocoder next to transformers (JSON)
     voiced bench e2e --wav W --tiktoken-dir DIR     N concurrent calls through gRPC (JSON); --front grpc
-                                                    audiosocket media_ws: the same through each door
+                                                    audiosocket media_ws realtime: the same through each door
+    voiced bench speech --tiktoken-dir DIR          /v1/audio/speech's first byte next to gRPC Synthesize's (JSON)
     voiced bench plot RESULT.json... --out bench.png
 Each sub-command's own options: `voiced bench whisper --help`, and so on.
 """
@@ -17,7 +18,7 @@ from pathlib import Path
 from voiced.cli import CliError
 
 SUITES = {"whisper": "voiced.bench.whisper_bench", "spark": "voiced.bench.spark_bench",
-          "e2e": "voiced.bench.e2e_bench"}
+          "e2e": "voiced.bench.e2e_bench", "speech": "voiced.bench.speech_bench"}
 
 
 def register(sub) -> None:

@@ -21,6 +21,7 @@ DOORS: dict[str, str] = {
     "grpc": "voiced.doors.grpc_server:GrpcDoor",
     "audiosocket": "voiced.doors.audiosocket:AudioSocketDoor",
     "media_ws": "voiced.doors.media_ws:MediaStreamDoor",
+    "http": "voiced.doors.http:HttpDoor",
 }
 
 
