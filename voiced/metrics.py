@@ -6,6 +6,9 @@ in seconds, as Prometheus expects.
 
 from __future__ import annotations
 
+import asyncio
+import threading
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0, 10.0)
@@ -51,6 +54,15 @@ class Metrics:
         self.errors = Counter(
             "voiced_errors_total", "Errors returned to callers, by front door and code", ["front", "code"], registry=r
         )
+        # What a leak would grow: watched by operators and by the soak (voiced.bench.soak).
+        self.asyncio_tasks = Gauge("voiced_asyncio_tasks", "asyncio tasks alive in the daemon's event loop",
+                                   registry=r)
+        self.threads = Gauge("voiced_threads", "Python threads alive in the daemon", registry=r)
+        self.threads.set_function(threading.active_count)
+
+    def watch_loop(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Count the tasks of the daemon's event loop at each scrape."""
+        self.asyncio_tasks.set_function(lambda: len(asyncio.all_tasks(loop)))
 
     def observe_engine(self, name: str, engine) -> None:
         self.engine_active.labels(name).set(engine.active_requests())
