@@ -28,11 +28,12 @@ $(VENV)/.test-installed: $(VENV)/.run-installed client/pyproject.toml
 
 venv: $(VENV)/.run-installed
 
-# espeak-ng and sox make real speech for the tests; Debian's chromium runs the web page's test.
+# espeak-ng and sox make real speech for the tests; haproxy fronts two daemons in the scale-out test;
+# Debian's chromium runs the web page's test.
 system-deps:
-	@if ! command -v espeak-ng >/dev/null || ! command -v sox >/dev/null; then \
+	@if ! command -v espeak-ng >/dev/null || ! command -v sox >/dev/null || ! command -v haproxy >/dev/null; then \
 		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
-		$$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq espeak-ng sox >/dev/null; \
+		$$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq espeak-ng sox haproxy >/dev/null; \
 	fi
 	@if ! command -v chromium >/dev/null; then \
 		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \

@@ -131,8 +131,14 @@ class Balancer:
 
     def wait_status(self, server: str, want: str, timeout: float = 30) -> None:
         deadline = time.monotonic() + timeout
-        while not os.path.exists(self.sock) or self.status(server) != want:
-            assert time.monotonic() < deadline, f"HAProxy never saw {server} {want} (now {self.status(server)})"
+        now = "not started"
+        while True:
+            assert self.proc.poll() is None, f"haproxy exited with {self.proc.returncode}; see haproxy.log"
+            if os.path.exists(self.sock):
+                now = self.status(server)
+                if now == want:
+                    return
+            assert time.monotonic() < deadline, f"HAProxy never saw {server} {want} (now {now})"
             time.sleep(0.1)
 
     def stop(self) -> None:
