@@ -26,6 +26,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from voiced.engines.base import AudioChunk, EngineError, EngineOutput, TTSRequest
+from voiced.engines.spark.voices import LANGUAGES
 from voiced.engines.trtllm.executor import ExecutorLike, ExecutorLoop, Flight
 from voiced.memory_plan import MemoryPlan
 
@@ -215,6 +216,7 @@ class TrtllmSparkEngine:
 
     backend = "trtllm"
     device = "cuda"
+    languages = LANGUAGES
 
     def __init__(self, lm: TRTLLMSparkLM, frontend: SparkFrontend, *, model_name: str = "Spark-TTS-0.5B") -> None:
         self.lm = lm
