@@ -421,10 +421,11 @@ class _Recognition:
                             raise SessionError(kind, ev.message)
                 finally:
                     await session.close()
-                text = " ".join(texts)
-                await write(Transcript(text=text, language=language).event())  # what every client reads
-                await write(TranscriptStop().event())
-                log.debug("wyoming %s: transcript %r", self.handler.peer, text)
+            # Outside the admission: the work is done even if the caller hangs up after reading this.
+            text = " ".join(texts)
+            await write(Transcript(text=text, language=language).event())  # what every client reads
+            await write(TranscriptStop().event())
+            log.debug("wyoming %s: transcript %r", self.handler.peer, text)
         except Exception as e:
             await self.handler.fail(e)
 
@@ -493,11 +494,11 @@ class _Speech:
                         if chunk.audio:
                             await write(AudioChunk(**fmt, audio=chunk.audio, timestamp=sent * 1000 // RATE).event())
                             sent += len(chunk.audio) // OUT_WIDTH
-                if not started:
-                    await write(AudioStart(**fmt, timestamp=0).event())  # a stream that carried no text
-                await write(AudioStop(timestamp=sent * 1000 // RATE).event())
-                if self.streaming:
-                    await write(SynthesizeStopped().event())
-                log.debug("wyoming %s: spoke %.2f s", self.handler.peer, sent / RATE)
+            if not started:
+                await write(AudioStart(**fmt, timestamp=0).event())  # a stream that carried no text
+            await write(AudioStop(timestamp=sent * 1000 // RATE).event())
+            if self.streaming:
+                await write(SynthesizeStopped().event())
+            log.debug("wyoming %s: spoke %.2f s", self.handler.peer, sent / RATE)
         except Exception as e:
             await self.handler.fail(e)
