@@ -16,12 +16,14 @@ import numpy as np
 from voiced_client.proto import voiced_pb2 as pb
 from voiced_client.proto import voiced_pb2_grpc as pb_grpc
 
-from voiced.core.agents import AgentRegistry
 from voiced.audio.ingest import FRAME_SAMPLES, Format, FrameDecoder, encode_pcm, float_to_int16
 from voiced.config import Config
-from voiced.metrics import Metrics
+from voiced.core.agents import AgentRegistry
 from voiced.core.scheduler import EngineWorker
-from voiced.server import Services, VoicedServer, start_in_thread
+from voiced.core.services import Services
+from voiced.daemon import Daemon as VoicedDaemon
+from voiced.daemon import start_in_thread
+from voiced.metrics import Metrics
 
 MAX_NEW_TOKENS = 10  # random models never stop on their own
 
@@ -43,7 +45,7 @@ def daemon_config() -> Config:
 @dataclass
 class Daemon:
     address: str
-    server: VoicedServer
+    server: VoicedDaemon
     loop: asyncio.AbstractEventLoop
     thread: threading.Thread
     checkpoint: Path
@@ -78,7 +80,7 @@ def start_daemon(checkpoint: Path, config: Config | None = None, tts_engine=None
     if tts_engine is not None:
         services.tts = EngineWorker(tts_engine, "tts", thread=services.asr.thread)  # as `voiced serve` does
         services.voices = tts_engine.voices
-    server = VoicedServer(config, services=services)
+    server = VoicedDaemon(config, services=services)
     port, loop, thread = start_in_thread(server, timeout=60)
     return Daemon(f"127.0.0.1:{port}", server, loop, thread, checkpoint)
 

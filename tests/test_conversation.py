@@ -201,13 +201,43 @@ def test_client_driven_speak_and_stop(daemon):
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "speak.text is empty" in details
 
 
+def test_an_agent_ends_the_call_after_its_last_words(daemon):
+    """The caller stays on the line; the agent says goodbye and hangs up: the reply plays out, a
+    HANGUP notice says why, and the stream ends with OK."""
+    from voiced.core.agents import EndCall
+
+    class Goodbye:
+        async def reply(self, text):
+            yield "Thank you for calling."
+            yield EndCall("the caller was helped")
+
+    daemon.services.agents.register("goodbye", lambda config, prompt: Goodbye())
+    lay = layout(["I would like to cancel my order."], tail_s=0.8)
+    requests = audio_requests(converse_config(agent=pb.AgentConfig(name="goodbye")), wire_audio(lay.audio, PHONE), PHONE)
+    hung_up = threading.Event()
+
+    def caller():
+        yield from requests
+        hung_up.wait(120)  # never hangs up by itself
+
+    with grpc.insecure_channel(daemon.address) as channel:
+        call = pb_grpc.VoicedStub(channel).Converse(caller())
+        events = list(call)
+        hung_up.set()
+        assert call.code() == grpc.StatusCode.OK
+    assert [e.agent_text.text for e in of_kind(events, "agent_text")] == ["Thank you for calling."]
+    assert of_kind(events, "audio")[-1].audio.last
+    assert events[-2].reply.type == pb.ReplyEvent.REPLY_FINISHED
+    assert events[-1].notice.code == "HANGUP" and events[-1].notice.message == "the caller was helped"
+
+
 def test_a_refused_session_leaves_nothing_behind(daemon):
     """A caller refused mid-stream (INVALID_ARGUMENT) must not leave its session, audio buffers and
     codecs alive in the server: gRPC keeps the abort exception, which used to hold them all."""
     import gc
 
     from voiced.audio.ingest import FrameDecoder
-    from voiced.session import Session
+    from voiced.core.session import Session
 
     silence = wire_audio(np.zeros(RATE, np.float32), PHONE)
     bad = audio_requests(converse_config(), silence, PHONE)

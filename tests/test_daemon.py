@@ -271,6 +271,7 @@ def test_recognize_a_wav_clip_and_server_info(daemon):
         info = stub.GetServerInfo(pb.GetServerInfoRequest())
         assert info.asr.backend == "torch" and info.asr.device == "cpu" and not info.HasField("tts")
         assert "echo" in info.agents and info.min_sample_rate_hz == 8000
+        assert [(d.name, d.address) for d in info.doors] == [("grpc", daemon.address)]
 
 
 def test_health_and_reflection(daemon):
@@ -290,7 +291,7 @@ def test_health_is_not_serving_while_models_load_and_during_drain(tmp_path):
     import threading
 
     from tests.daemon_harness import daemon_config
-    from voiced.server import VoicedServer
+    from voiced.daemon import Daemon
 
     release = threading.Event()
 
@@ -298,7 +299,7 @@ def test_health_is_not_serving_while_models_load_and_during_drain(tmp_path):
         release.wait(30)
 
     async def scenario():
-        server = VoicedServer(daemon_config(), load=slow_load)
+        server = Daemon(daemon_config(), load=slow_load)
         starting = asyncio.create_task(server.start())
         for _ in range(100):
             if server.port:
@@ -329,7 +330,7 @@ def test_health_is_not_serving_while_models_load_and_during_drain(tmp_path):
 
 def test_bearer_token_is_required_when_configured(tmp_path):
     from tests.daemon_harness import daemon_config
-    from voiced.server import running
+    from voiced.daemon import running
 
     config = daemon_config()
     config.server.auth_token = "s3cret"
@@ -410,7 +411,7 @@ def test_sigterm_drains_then_exits_and_metrics_are_served(daemon, tmp_path):
             assert sent_half.wait(30)
             time.sleep(0.3)
             metrics = urllib.request.urlopen(f"http://127.0.0.1:{mport}/metrics", timeout=5).read().decode()
-            assert "voiced_sessions_active 1.0" in metrics and "voiced_asr_latency_seconds_bucket" in metrics
+            assert 'voiced_sessions_active{front="grpc"} 1.0' in metrics and "voiced_asr_latency_seconds_bucket" in metrics
             proc.send_signal(signal.SIGTERM)
             while health.Check(health_pb2.HealthCheckRequest()).status != health_pb2.HealthCheckResponse.NOT_SERVING:
                 time.sleep(0.05)

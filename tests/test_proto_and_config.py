@@ -57,7 +57,7 @@ def test_memory_plan_that_overcommits_is_refused():
 def test_importing_the_daemon_does_not_import_torch_or_tensorrt_llm():
     import subprocess
 
-    code = ("import sys, voiced.server, voiced.session, voiced.cli.serve; "
+    code = ("import sys, voiced.daemon, voiced.doors.grpc_server, voiced.core.session, voiced.cli.serve; "
             "print('torch' in sys.modules, 'tensorrt_llm' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False", "False"]

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from tests.speech import layout
-from voiced.engines.base import ASROptions, ASRRequest, TTSOptions, TTSRequest
 from voiced.core.scheduler import EngineThread, EngineWorker
+from voiced.engines.base import ASROptions, ASRRequest, TTSOptions, TTSRequest
 
 
 @pytest.fixture(scope="module")

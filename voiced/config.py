@@ -112,6 +112,17 @@ class EnginesConfig:
 
 
 @dataclass
+class DoorsConfig:
+    """Front doors besides gRPC (`server.listen`, always open): an address opens one, empty leaves it
+    off (the default). Bind 127.0.0.1 to stay local, as gRPC's default does."""
+
+    audiosocket: str = ""  # Asterisk AudioSocket, HOST:PORT
+    media_ws: str = ""  # telephony media-stream WebSocket (Twilio's format), HOST:PORT
+    wyoming: str = ""  # Wyoming (Home Assistant), tcp://HOST:PORT
+    http: str = ""  # the HTTP listener (OpenAI-style audio API, health, web page), HOST:PORT
+
+
+@dataclass
 class Config:
     server: ServerConfig = field(default_factory=ServerConfig)
     segmentation: SegmentationConfig = field(default_factory=SegmentationConfig)
@@ -120,6 +131,7 @@ class Config:
     agent: AgentConfig = field(default_factory=AgentConfig)
     barge_in: BargeInConfig = field(default_factory=BargeInConfig)
     engines: EnginesConfig = field(default_factory=EnginesConfig)
+    doors: DoorsConfig = field(default_factory=DoorsConfig)
     memory: MemoryPlan = field(default_factory=MemoryPlan)  # GPU memory fractions (voiced.memory_plan)
 
     def set(self, section: str, key: str, value: Any, source: str) -> None:

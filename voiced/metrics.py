@@ -14,9 +14,12 @@ LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0
 class Metrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
-        self.sessions_active = Gauge("voiced_sessions_active", "Streaming sessions open now", registry=r)
+        self.sessions_active = Gauge(
+            "voiced_sessions_active", "Streaming sessions open now, by front door", ["front"], registry=r
+        )
         self.sessions_total = Counter(
-            "voiced_sessions_total", "Streaming sessions, by how they ended", ["outcome"], registry=r
+            "voiced_sessions_total", "Streaming sessions, by front door and how they ended", ["front", "outcome"],
+            registry=r,
         )
         self.utterances_total = Counter("voiced_utterances_total", "Utterances segmented", registry=r)
         self.transcripts_dropped = Counter(
@@ -45,7 +48,9 @@ class Metrics:
         self.engine_pending = Gauge(
             "voiced_engine_pending_requests", "Requests sessions are waiting on", ["engine"], registry=r
         )
-        self.errors = Counter("voiced_errors_total", "Errors returned to callers", ["code"], registry=r)
+        self.errors = Counter(
+            "voiced_errors_total", "Errors returned to callers, by front door and code", ["front", "code"], registry=r
+        )
 
     def observe_engine(self, name: str, engine) -> None:
         self.engine_active.labels(name).set(engine.active_requests())

@@ -141,3 +141,8 @@ class FrameEncoder:
 
     def encode(self, audio: np.ndarray, last: bool = False) -> bytes:
         return encode_pcm(float_to_int16(self._resample(audio, last=last)), self.format.encoding)
+
+
+def ms(samples: int, rate: int = RATE) -> int:
+    """Samples -> whole milliseconds (offsets in events)."""
+    return samples * 1000 // rate

@@ -55,14 +55,15 @@ MEMORY: dict[str, dict] = {}
 def start_server(args):
     import torch
 
-    from voiced.core.agents import AgentRegistry
     from voiced.bench import spark_bench, whisper_bench
     from voiced.config import Config
+    from voiced.core.agents import AgentRegistry
+    from voiced.core.scheduler import EngineThread, EngineWorker
+    from voiced.core.services import Services
+    from voiced.daemon import Daemon, start_in_thread
     from voiced.engines.whisper.engine import WhisperEngine
     from voiced.engines.whisper.tokenizer import WhisperTokenizer
     from voiced.metrics import Metrics
-    from voiced.core.scheduler import EngineThread, EngineWorker
-    from voiced.server import Services, VoicedServer, start_in_thread
 
     config = Config()
     config.server.listen = "127.0.0.1:0"
@@ -117,7 +118,7 @@ def start_server(args):
         freeze_heap()  # as `voiced serve` does after warm-up
     for worker in (services.asr, services.tts):
         worker.engine.step = StepTimer(worker.engine, STEP_PARTS[worker.name])
-    server = VoicedServer(config, services=services)
+    server = Daemon(config, services=services)
     port, loop, _ = start_in_thread(server)
     return f"127.0.0.1:{port}", server, loop
 

@@ -37,6 +37,9 @@ def run(args: argparse.Namespace) -> int:
         _line(False, "config", str(e))
         raise CliError("fix the configuration first") from None
 
+    # front doors: what `voiced serve` would open with this config, and whether each can be built
+    problems += _doors(config)
+
     # devices
     free = None
     if importlib.util.find_spec("torch") is None:
@@ -81,6 +84,21 @@ def run(args: argparse.Namespace) -> int:
         if shutil.which(tool) is None:
             _line(None, tool, "not installed (only the tests use it)")
     return 1 if problems else 0
+
+
+def _doors(config) -> int:
+    from voiced.daemon import door_addresses
+    from voiced.doors import DoorError, door_class
+
+    problems = 0
+    for name, address in door_addresses(config):
+        try:
+            door_class(name)
+            _line(True, f"door {name}", address)
+        except DoorError as e:
+            _line(False, f"door {name}", str(e))
+            problems += 1
+    return problems
 
 
 def _find_model(name: str, cache: Path) -> Path | None:

@@ -14,7 +14,7 @@ log = logging.getLogger("voiced.serve")
 
 def register(sub) -> None:
     p = sub.add_parser("serve", help="run the daemon", description=(
-        "Serve voiced.v1 over gRPC. Settings come from the config file, then VOICED_<SECTION>_<KEY> "
+        "Serve voiced.v1 over gRPC, and the front doors configured under [doors]. Settings come from the config file, then VOICED_<SECTION>_<KEY> "
         "environment variables, then these flags."))
     p.add_argument("--config", help="TOML config file (default: $VOICED_CONFIG)")
     p.add_argument("--listen", help="address to listen on (default 127.0.0.1:50051)")
@@ -26,6 +26,10 @@ def register(sub) -> None:
     p.add_argument("--agent", help="default agent for sessions that name none: echo, openai, client or a plug-in")
     p.add_argument("--max-sessions", type=int, help="concurrent streaming sessions before RESOURCE_EXHAUSTED")
     p.add_argument("--metrics-listen", help="serve Prometheus metrics on HOST:PORT (default: off)")
+    p.add_argument("--audiosocket", metavar="HOST:PORT", help="open the Asterisk AudioSocket door there")
+    p.add_argument("--media-ws", metavar="HOST:PORT", help="open the telephony media-stream WebSocket door there")
+    p.add_argument("--wyoming", metavar="tcp://HOST:PORT", help="open the Wyoming (Home Assistant) door there")
+    p.add_argument("--http", metavar="HOST:PORT", help="open the HTTP listener there")
     p.set_defaults(func=run)
 
 
@@ -41,6 +45,10 @@ def overrides(args: argparse.Namespace) -> dict:
         "agent.default": args.agent,
         "server.max_sessions": args.max_sessions,
         "server.metrics_listen": args.metrics_listen,
+        "doors.audiosocket": args.audiosocket,
+        "doors.media_ws": args.media_ws,
+        "doors.wyoming": args.wyoming,
+        "doors.http": args.http,
     }
     if args.no_tts:
         out["tts.enabled"] = False
@@ -49,8 +57,8 @@ def overrides(args: argparse.Namespace) -> dict:
 
 def load_engines(services) -> None:
     """Runs on a thread while health says NOT_SERVING."""
-    from voiced.engines.loader import load_asr, load_tts
     from voiced.core.scheduler import EngineThread, EngineWorker
+    from voiced.engines.loader import load_asr, load_tts
 
     config = services.config
     # Both engines step on one thread, recognition first (see voiced.core.scheduler for why).
@@ -116,27 +124,28 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _serve(config) -> int:
+    from voiced.daemon import Daemon
+    from voiced.doors import DoorError
     from voiced.hub import DownloadError, ModelNotFoundError
-    from voiced.server import VoicedServer
 
-    server = VoicedServer(config, load=load_engines)
+    daemon = Daemon(config, load=load_engines)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     try:
-        await server.start()
-    except (ModelNotFoundError, DownloadError, FileNotFoundError, ValueError, OSError) as e:
-        await server.drain_and_stop(grace=0)
+        await daemon.start()
+    except (ModelNotFoundError, DownloadError, DoorError, FileNotFoundError, ValueError, OSError) as e:
+        await daemon.drain_and_stop(grace=0)
         raise CliError(str(e)) from None
     except Exception as e:  # engine errors and the like: one clear line, then out
         from voiced.engines.base import EngineError
 
-        await server.drain_and_stop(grace=0)
+        await daemon.drain_and_stop(grace=0)
         if isinstance(e, EngineError):
             raise CliError(str(e)) from None
         raise
     await stop.wait()
     log.info("signal received: draining (up to %.0f s)", config.server.drain_seconds)
-    await server.drain_and_stop()
+    await daemon.drain_and_stop()
     return 0

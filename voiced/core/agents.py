@@ -4,6 +4,10 @@ An agent is made per session (so it can keep that caller's history) and answers 
 at a time with an async stream of text pieces, each a sentence or more, which the conversation
 speaks as soon as it arrives.
 
+Telephone callers also press keys: an agent with `on_dtmf(digit)` gets each DTMF digit and answers
+it the same way (an IVR menu is an agent plug-in). Either method can end the call by yielding (or
+raising) `EndCall`: what it said before is spoken, then the session hangs up.
+
 - `echo`: says back what it heard (needs nothing; the default).
 - `openai`: any OpenAI-compatible `/v1/chat/completions` streaming endpoint (vLLM, llama.cpp,
   TensorRT-LLM's server, OpenAI itself), with per-session history and a system prompt.
@@ -38,8 +42,19 @@ class AgentError(Exception):
         self.code = code
 
 
+class EndCall(Exception):
+    """Yielded (or raised) by an agent to end the call once what it has said is spoken."""
+
+    def __init__(self, reason: str = ""):
+        super().__init__(reason)
+        self.reason = reason
+
+
 class Agent(Protocol):
-    def reply(self, text: str) -> AsyncIterator[str]: ...
+    def reply(self, text: str) -> AsyncIterator[str | EndCall]: ...
+
+    # Optional: `async def on_dtmf(self, digit: str) -> AsyncIterator[str | EndCall]`, a key the
+    # caller pressed ("0"-"9", "*", "#", "A"-"D"). Agents without it never hear keys.
 
 
 class EchoAgent:

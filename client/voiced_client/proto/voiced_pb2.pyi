@@ -387,7 +387,7 @@ class ModelInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., backend: _Optional[str] = ..., device: _Optional[str] = ...) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("version", "asr", "tts", "max_sessions", "active_sessions", "max_message_bytes", "agents", "min_sample_rate_hz", "max_sample_rate_hz")
+    __slots__ = ("version", "asr", "tts", "max_sessions", "active_sessions", "max_message_bytes", "agents", "min_sample_rate_hz", "max_sample_rate_hz", "doors")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     ASR_FIELD_NUMBER: _ClassVar[int]
     TTS_FIELD_NUMBER: _ClassVar[int]
@@ -397,6 +397,7 @@ class ServerInfo(_message.Message):
     AGENTS_FIELD_NUMBER: _ClassVar[int]
     MIN_SAMPLE_RATE_HZ_FIELD_NUMBER: _ClassVar[int]
     MAX_SAMPLE_RATE_HZ_FIELD_NUMBER: _ClassVar[int]
+    DOORS_FIELD_NUMBER: _ClassVar[int]
     version: str
     asr: ModelInfo
     tts: ModelInfo
@@ -406,4 +407,13 @@ class ServerInfo(_message.Message):
     agents: _containers.RepeatedScalarFieldContainer[str]
     min_sample_rate_hz: int
     max_sample_rate_hz: int
-    def __init__(self, version: _Optional[str] = ..., asr: _Optional[_Union[ModelInfo, _Mapping]] = ..., tts: _Optional[_Union[ModelInfo, _Mapping]] = ..., max_sessions: _Optional[int] = ..., active_sessions: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., agents: _Optional[_Iterable[str]] = ..., min_sample_rate_hz: _Optional[int] = ..., max_sample_rate_hz: _Optional[int] = ...) -> None: ...
+    doors: _containers.RepeatedCompositeFieldContainer[Door]
+    def __init__(self, version: _Optional[str] = ..., asr: _Optional[_Union[ModelInfo, _Mapping]] = ..., tts: _Optional[_Union[ModelInfo, _Mapping]] = ..., max_sessions: _Optional[int] = ..., active_sessions: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., agents: _Optional[_Iterable[str]] = ..., min_sample_rate_hz: _Optional[int] = ..., max_sample_rate_hz: _Optional[int] = ..., doors: _Optional[_Iterable[_Union[Door, _Mapping]]] = ...) -> None: ...
+
+class Door(_message.Message):
+    __slots__ = ("name", "address")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    address: str
+    def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ...) -> None: ...

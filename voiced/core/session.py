@@ -1,5 +1,8 @@
 """One caller's stream: audio in, speech events and transcripts out (and, in Converse, replies).
 
+The door that took the call feeds `Session.run` the plain input events of voiced.core.events and
+turns what it yields into its own protocol; an error that ends the call is raised as SessionError.
+
 A session is a few asyncio tasks joined by queues:
 
     reader ──frames──▶ segmenter ──utterances──▶ ASR worker (shared, batched)
@@ -19,23 +22,39 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 
-import grpc
 import numpy as np
-from voiced_client.proto import voiced_pb2 as pb
 
-from voiced.audio.ingest import RATE, AudioFormatError, FrameDecoder, int16_to_float
+from voiced.audio.ingest import AudioFormatError, FrameDecoder, int16_to_float, ms
+from voiced.core import segmenter
+from voiced.core.conversation import Conversation
+from voiced.core.events import (
+    DTMF_DIGITS,
+    AudioIn,
+    Dtmf,
+    ErrorKind,
+    HangupOut,
+    InputEvent,
+    NoticeOut,
+    OutputEvent,
+    SessionError,
+    Speak,
+    SpeechEnded,
+    SpeechStarted,
+    Started,
+    StopSpeaking,
+    TalkEnd,
+    TalkStart,
+    TranscriptOut,
+    invalid,
+)
+from voiced.core.segmenter import Segmenter, Utterance
+from voiced.core.spec import SessionSpec
 from voiced.engines.base import ASRRequest, CapacityError, EngineError, Transcript
-from voiced.core.segmenter import Segmenter, SpeechEnded, SpeechStarted, Utterance
-from voiced.wire import SessionError, SessionSpec, invalid, transcript_to_proto
 
 log = logging.getLogger(__name__)
 
 OUTBOX_SIZE = 256
 _DONE = object()
-
-
-def ms(samples: int) -> int:
-    return samples * 1000 // RATE
 
 
 @dataclass
@@ -60,19 +79,18 @@ class Session:
         self._tasks: set[asyncio.Task] = set()
         self._interim: asyncio.Task | None = None
         self._next_interim = 0
-        self.conversation = None
-        if conversational:
-            from voiced.conversation import Conversation
-
-            self.conversation = Conversation(self)
+        self.conversation = Conversation(self) if conversational else None
 
     # ------------------------------------------------------------------ plumbing
 
-    def event(self, **kwargs) -> pb.SessionEvent:
-        return pb.SessionEvent(session_id=self.spec.session_id, turn_id=self.turn_id, **kwargs)
-
-    async def send(self, event: pb.SessionEvent) -> None:
+    async def send(self, event: OutputEvent) -> None:
         await self.outbox.put(event)
+
+    async def hangup(self, turn_id: int, reason: str) -> None:
+        """The agent ended the call: HangupOut, then the end of `run` (which closes everything)."""
+        log.info("session %s: the agent ended the call%s", self.spec.session_id, f" ({reason})" if reason else "")
+        await self.send(HangupOut(self.spec.session_id, turn_id, reason))
+        await self.outbox.put(_DONE)
 
     def spawn(self, coro, name: str) -> asyncio.Task:
         task = asyncio.create_task(coro, name=f"{self.spec.session_id}:{name}")
@@ -82,11 +100,11 @@ class Session:
 
     # ------------------------------------------------------------------ the call
 
-    async def run(self, requests: AsyncIterator[pb.SessionRequest]) -> AsyncIterator[pb.SessionEvent]:
-        """Yields the events to send; raises SessionError to end the call with a status."""
-        await self.send(self.event(started=pb.SessionStarted(session_id=self.spec.session_id,
-                                                             effective_config=self.spec.effective)))
-        reader = self.spawn(self._read(requests), "reader")
+    async def run(self, inputs: AsyncIterator[InputEvent]) -> AsyncIterator[OutputEvent]:
+        """Yields the events to send; raises SessionError to end the call with an error. The end of
+        `inputs` is the caller hanging up: what is in flight (transcripts, replies) finishes first."""
+        await self.send(Started(self.spec.session_id, 0, self.spec))
+        reader = self.spawn(self._read(inputs), "reader")
         emitter = self.spawn(self._emit_transcripts(), "emitter")
         reader.add_done_callback(lambda t: self._reader_done(t, emitter))
         try:
@@ -108,7 +126,7 @@ class Session:
             # Bad input ends the call at once: nothing more is sent.
             if not isinstance(error, SessionError):
                 log.error("session %s: reader failed", self.spec.session_id, exc_info=error)
-                error = SessionError(grpc.StatusCode.INTERNAL, f"internal error: {error}")
+                error = SessionError(ErrorKind.INTERNAL, f"internal error: {error}")
             self._put_error(error)
             return
 
@@ -142,12 +160,11 @@ class Session:
 
     # ------------------------------------------------------------------ input
 
-    async def _read(self, requests: AsyncIterator[pb.SessionRequest]) -> None:
-        async for request in requests:
-            kind = request.WhichOneof("request")
-            if kind == "audio":
+    async def _read(self, inputs: AsyncIterator[InputEvent]) -> None:
+        async for item in inputs:
+            if type(item) is AudioIn:
                 try:
-                    frames = self.decoder.feed(request.audio)
+                    frames = self.decoder.feed(item.data)
                 except AudioFormatError as e:
                     raise invalid(str(e)) from None
                 for frame in frames:
@@ -158,30 +175,35 @@ class Session:
                         await self._segment_events(events)
                     if self.segmenter.in_speech:
                         self._speaking()
-            elif kind == "control":
-                await self._control(request.control)
-            elif kind == "config":
-                raise invalid("config was already sent; send it once, as the first message of the stream")
             else:
-                raise invalid("empty request: set one of config, audio or control")
+                await self._control(item)
         for frame in self.decoder.flush():
             await self._segment_events(self.segmenter.push(frame))
         await self._segment_events(self.segmenter.flush())
         await self._turns.put(None)
 
-    async def _control(self, control: pb.Control) -> None:
-        kind = control.WhichOneof("event")
-        if kind in ("talk_start", "talk_end"):
+    async def _control(self, item: InputEvent) -> None:
+        if isinstance(item, (TalkStart, TalkEnd)):
+            name = "talk_start" if isinstance(item, TalkStart) else "talk_end"
             if self.spec.segmentation.mode != "push_to_talk":
-                raise invalid(f"control.{kind} needs segmentation.mode PUSH_TO_TALK in the config")
-            events = self.segmenter.talk_start() if kind == "talk_start" else self.segmenter.talk_end()
+                raise invalid(f"control.{name} needs segmentation.mode PUSH_TO_TALK in the config")
+            events = self.segmenter.talk_start() if isinstance(item, TalkStart) else self.segmenter.talk_end()
             await self._segment_events(events)
-        elif kind in ("speak", "stop_speaking"):
+        elif isinstance(item, (Speak, StopSpeaking)):
             if self.conversation is None:
-                raise invalid(f"control.{kind} is only available in Converse")
-            await self.conversation.control(control)
+                name = "speak" if isinstance(item, Speak) else "stop_speaking"
+                raise invalid(f"control.{name} is only available in Converse")
+            if isinstance(item, Speak):
+                await self.conversation.speak(item.text)
+            else:
+                await self.conversation.interrupt()
+        elif isinstance(item, Dtmf):
+            if item.digit not in DTMF_DIGITS:
+                raise invalid(f"DTMF digit {item.digit!r} is not one of 0-9, *, #, A-D")
+            if self.conversation is not None:
+                await self.conversation.on_dtmf(item.digit)
         else:
-            raise invalid("empty control: set talk_start, talk_end, speak or stop_speaking")
+            raise TypeError(f"a session takes voiced.core.events input events, not {type(item).__name__}")
 
     def _speaking(self) -> None:
         """The caller is speaking (called on every such frame)."""
@@ -192,14 +214,12 @@ class Session:
 
     async def _segment_events(self, events: list) -> None:
         for ev in events:
-            if isinstance(ev, SpeechStarted):
+            if isinstance(ev, segmenter.SpeechStarted):
                 self.turn_id += 1
                 self._next_interim = self.services.config.asr.interim_interval_ms
-                await self.send(self.event(speech=pb.SpeechActivity(
-                    type=pb.SpeechActivity.SPEECH_STARTED, offset_ms=ms(ev.offset))))
-            elif isinstance(ev, SpeechEnded):
-                await self.send(self.event(speech=pb.SpeechActivity(
-                    type=pb.SpeechActivity.SPEECH_ENDED, offset_ms=ms(ev.offset))))
+                await self.send(SpeechStarted(self.spec.session_id, self.turn_id, ms(ev.offset)))
+            elif isinstance(ev, segmenter.SpeechEnded):
+                await self.send(SpeechEnded(self.spec.session_id, self.turn_id, ms(ev.offset)))
             elif isinstance(ev, Utterance):
                 self._cancel_interim()
                 self.services.metrics.utterances_total.inc()
@@ -226,8 +246,7 @@ class Session:
             except EngineError as e:
                 # The turn is lost, the session is not: say so and go on with the next one.
                 code = "ASR_BUSY" if isinstance(e, CapacityError) else "ASR_FAILED"
-                await self.send(pb.SessionEvent(session_id=self.spec.session_id, turn_id=turn.turn_id,
-                                                notice=pb.Notice(code=code, message=str(e))))
+                await self.send(NoticeOut(self.spec.session_id, turn.turn_id, code, str(e)))
                 continue
             if result.is_hallucination and not self.spec.keep_hallucinations:
                 self.services.metrics.transcripts_dropped.inc()
@@ -237,10 +256,8 @@ class Session:
             latency = time.monotonic() - turn.ended_at
             self.services.metrics.asr_latency.observe(latency)
             u = turn.utterance
-            await self.send(pb.SessionEvent(
-                session_id=self.spec.session_id, turn_id=turn.turn_id,
-                transcript=transcript_to_proto(result, is_final=True, start_ms=ms(u.start), end_ms=ms(u.end),
-                                               latency_ms=latency * 1000.0)))
+            await self.send(TranscriptOut(self.spec.session_id, turn.turn_id, result, is_final=True,
+                                          start_ms=ms(u.start), end_ms=ms(u.end), latency_ms=latency * 1000.0))
             if self.conversation is not None and result.text.strip() and not result.is_hallucination:
                 await self.conversation.on_transcript(turn, result)
 
@@ -256,10 +273,8 @@ class Session:
             except EngineError:
                 return  # an interim result is best effort; the final one reports errors
             if self.turn_id == turn_id and self.segmenter.in_speech and not result.is_hallucination:
-                await self.send(pb.SessionEvent(
-                    session_id=self.spec.session_id, turn_id=turn_id,
-                    transcript=transcript_to_proto(result, is_final=False, start_ms=ms(start),
-                                                   end_ms=ms(self.segmenter.offset))))
+                await self.send(TranscriptOut(self.spec.session_id, turn_id, result, is_final=False,
+                                              start_ms=ms(start), end_ms=ms(self.segmenter.offset)))
 
         self._interim = self.spawn(interim(), f"interim-{turn_id}")
 

@@ -1,11 +1,12 @@
 """The speaking half of a Converse session: agent replies spoken back, and barge-in.
 
-Each final transcript goes to the session's agent; each piece of its answer is spoken with the
-session's voice, and the audio leaves in the caller's output format chunk by chunk while the TTS
-engine is still writing it. Replies are spoken one after another. Caller speech that lasts at
-least the barge-in minimum cancels the reply in flight at once: its TTS request is cancelled
-(freeing its batch slot), no further chunk of it is sent, and REPLY_INTERRUPTED says how much
-audio went out.
+Each final transcript (and each DTMF key, for agents that take them) goes to the session's agent;
+each piece of its answer is spoken with the session's voice, and the audio leaves in the caller's
+output format chunk by chunk while the TTS engine is still writing it. Replies are spoken one
+after another. Caller speech that lasts at least the barge-in minimum cancels the reply in flight
+at once: its TTS request is cancelled (freeing its batch slot), no further chunk of it is sent, and
+ReplyInterrupted says how much audio went out. An agent that ends the call gets its last words
+spoken; then the session emits HangupOut and ends.
 """
 
 from __future__ import annotations
@@ -16,13 +17,18 @@ import logging
 import time
 from dataclasses import dataclass, replace
 
-import grpc
-from voiced_client.proto import voiced_pb2 as pb
-
-from voiced.core.agents import AgentError
-from voiced.audio.ingest import RATE, Format, FrameEncoder, int16_to_float
+from voiced.audio.ingest import FrameEncoder, ms
+from voiced.core.agents import AgentError, EndCall
+from voiced.core.events import (
+    AgentTextOut,
+    AudioOut,
+    NoticeOut,
+    ReplyFinished,
+    ReplyInterrupted,
+    ReplyStarted,
+    invalid,
+)
 from voiced.engines.base import CapacityError, EngineError, TTSRequest
-from voiced.wire import SessionError, audio_format, invalid, tts_options
 
 log = logging.getLogger(__name__)
 
@@ -31,9 +37,11 @@ log = logging.getLogger(__name__)
 class Reply:
     reply_id: int
     turn_id: int
-    ended_at: float | None  # end of the caller's speech this answers (None: a Speak control)
+    ended_at: float | None  # end of the caller's speech this answers (None: a Speak or a key)
     text: str | None = None  # fixed text (Speak); None: ask the agent
     question: str = ""
+    digit: str | None = None  # a DTMF key for the agent's on_dtmf
+    end_call: str | None = None  # set when the agent ended the call in this reply: the reason
 
 
 class Conversation:
@@ -60,15 +68,19 @@ class Conversation:
             return  # client-driven: the caller decides what to say
         self._enqueue(Reply(self._next_id(), turn.turn_id, turn.ended_at, question=transcript.text))
 
-    async def control(self, control: pb.Control) -> None:
-        kind = control.WhichOneof("event")
-        if kind == "speak":
-            text = control.speak.text.strip()
-            if not text:
-                raise invalid("control.speak.text is empty; send the text to say")
-            self._enqueue(Reply(self._next_id(), self.session.turn_id, None, text=text))
-        elif kind == "stop_speaking":
-            await self.interrupt()
+    async def speak(self, text: str) -> None:
+        text = text.strip()
+        if not text:
+            raise invalid("speak.text is empty; send the text to say")
+        self._enqueue(Reply(self._next_id(), self.session.turn_id, None, text=text))
+
+    async def on_dtmf(self, digit: str) -> None:
+        if self.agent is None or not hasattr(self.agent, "on_dtmf"):
+            log.debug("session %s: key %s ignored (the agent takes no keys)", self.spec.session_id, digit)
+            return
+        if self.spec.barge_in:
+            self._cancel_current()  # a key press interrupts the prompt, as on any phone menu
+        self._enqueue(Reply(self._next_id(), self.session.turn_id, None, digit=digit))
 
     def caller_speaking(self, speech_ms: int) -> None:
         """Called for every frame of caller speech; barge-in once it lasts long enough."""
@@ -99,12 +111,13 @@ class Conversation:
 
     def _cancel_current(self) -> None:
         # Cancelling the task stops it at its current await, so not one more chunk of this reply
-        # reaches the outbox; REPLY_INTERRUPTED follows once the task has unwound.
+        # reaches the outbox; ReplyInterrupted follows once the task has unwound.
         if self._current is not None and not self._current.done() and self._current_reply is not None:
-            self._interrupted[self._current_reply.reply_id] = self.session.segmenter.offset * 1000 // RATE
+            self._interrupted[self._current_reply.reply_id] = ms(self.session.segmenter.offset)
             self._current.cancel()
 
     async def _speak_replies(self) -> None:
+        sid = self.spec.session_id
         while True:
             reply = await self._queue.get()
             try:
@@ -117,27 +130,27 @@ class Conversation:
                     if reply.reply_id not in self._interrupted:
                         raise  # the session is closing, not a barge-in
                 except Exception as e:  # a bug in one reply must not silence the session
-                    log.exception("session %s: reply %d failed", self.spec.session_id, reply.reply_id)
-                    await self.session.send(self._event(reply, notice=pb.Notice(
-                        code="REPLY_FAILED", message=f"internal error while speaking: {e}")))
+                    log.exception("session %s: reply %d failed", sid, reply.reply_id)
+                    await self.session.send(NoticeOut(sid, reply.turn_id, "REPLY_FAILED",
+                                                      f"internal error while speaking: {e}"))
                 if reply.reply_id in self._interrupted:
                     cut_at = self._interrupted.pop(reply.reply_id)
-                    await self.session.send(self._event(reply, reply=pb.ReplyEvent(
-                        type=pb.ReplyEvent.REPLY_INTERRUPTED, reply_id=reply.reply_id,
-                        audio_sent_ms=self._sent_ms(), caller_offset_ms=cut_at)))
+                    await self.session.send(ReplyInterrupted(sid, reply.turn_id, reply.reply_id,
+                                                             self._sent_ms(), cut_at))
             finally:
                 self._current = None
                 self._current_reply = None
                 self._queue.task_done()
+            if reply.end_call is not None:
+                await self.session.hangup(reply.turn_id, reply.end_call)
+                return
 
     def _sent_ms(self) -> int:
-        return self._sent_samples * 1000 // self.spec.output.sample_rate
-
-    def _event(self, of: Reply, **kwargs) -> pb.SessionEvent:
-        return pb.SessionEvent(session_id=self.spec.session_id, turn_id=of.turn_id, **kwargs)
+        return ms(self._sent_samples, self.spec.output.sample_rate)
 
     async def _speak(self, reply: Reply) -> None:
         send = self.session.send
+        sid, turn_id, reply_id = self.spec.session_id, reply.turn_id, reply.reply_id
         started = False
         sequence = 0
         first_sent: float | None = None  # when the first chunk left
@@ -146,14 +159,13 @@ class Conversation:
         try:
             async for piece, last_piece in _pieces(self._texts(reply)):
                 if reply.text is None:
-                    await send(self._event(reply, agent_text=pb.AgentText(
-                        text=piece, last=last_piece,
-                        latency_ms=_since(reply.ended_at) if sequence == 0 and not started else 0.0)))
+                    await send(AgentTextOut(
+                        sid, turn_id, piece, last_piece,
+                        latency_ms=_since(reply.ended_at) if sequence == 0 and not started else 0.0))
                     if not started and reply.ended_at is not None:
                         metrics.agent_latency.observe(_since(reply.ended_at) / 1000)
                 if not started:
-                    await send(self._event(reply, reply=pb.ReplyEvent(
-                        type=pb.ReplyEvent.REPLY_STARTED, reply_id=reply.reply_id, text=piece)))
+                    await send(ReplyStarted(sid, turn_id, reply_id, piece))
                     started = True
                 if self.services.tts is None:
                     continue  # listening-only server: the agent's text is the reply
@@ -169,10 +181,8 @@ class Conversation:
                             if reply.ended_at is not None:
                                 latency = _since(reply.ended_at)
                                 metrics.voice_to_voice.observe(latency / 1000)
-                        await send(self._event(reply, audio=pb.AudioChunk(
-                            reply_id=reply.reply_id, sequence=sequence,
-                            offset_ms=self._sent_ms(), last=last, audio=data,
-                            latency_ms=latency)))
+                        await send(AudioOut(sid, turn_id, reply_id, sequence, self._sent_ms(), last, data,
+                                            latency_ms=latency))
                         if first_sent is None:
                             first_sent = time.monotonic()
                         sequence += 1
@@ -182,23 +192,33 @@ class Conversation:
                 # it has played, so the reply (and barge-in on it) lasts until then.
                 if first_sent is not None:
                     await asyncio.sleep(max(0.0, first_sent + self._sent_ms() / 1000 - time.monotonic()))
-                await send(self._event(reply, reply=pb.ReplyEvent(
-                    type=pb.ReplyEvent.REPLY_FINISHED, reply_id=reply.reply_id,
-                    audio_sent_ms=self._sent_ms(),
-                    caller_offset_ms=self.session.segmenter.offset * 1000 // RATE)))
+                await send(ReplyFinished(sid, turn_id, reply_id, self._sent_ms(), ms(self.session.segmenter.offset)))
         except AgentError as e:
-            await send(self._event(reply, notice=pb.Notice(code=e.code, message=str(e))))
+            await send(NoticeOut(sid, turn_id, e.code, str(e)))
         except EngineError as e:
             code = "TTS_BUSY" if isinstance(e, CapacityError) else "TTS_FAILED"
-            await send(self._event(reply, notice=pb.Notice(code=code, message=str(e))))
+            await send(NoticeOut(sid, turn_id, code, str(e)))
 
     async def _texts(self, reply: Reply):
+        """The reply's text pieces; an EndCall from the agent (yielded or raised) ends them and marks
+        the reply as the last of the call."""
         if reply.text is not None:
             yield reply.text
             return
-        async for piece in self.agent.reply(reply.question):
-            if piece.strip():
-                yield piece.strip()
+        pieces = self.agent.on_dtmf(reply.digit) if reply.digit is not None else self.agent.reply(reply.question)
+        try:
+            async for piece in pieces:
+                if isinstance(piece, EndCall):
+                    reply.end_call = piece.reason
+                    return
+                if piece.strip():
+                    yield piece.strip()
+        except EndCall as e:
+            reply.end_call = e.reason
+        finally:
+            aclose = getattr(pieces, "aclose", None)  # let the agent's own clean-up run now
+            if aclose is not None:
+                await aclose()
 
 
 async def _pieces(texts):
@@ -214,52 +234,3 @@ async def _pieces(texts):
 
 def _since(t: float | None) -> float:
     return (time.monotonic() - t) * 1000.0 if t is not None else 0.0
-
-
-# ---------------------------------------------------------------------------- one-shot RPCs
-
-
-async def synthesize_events(services, request: pb.SynthesizeRequest):
-    text = request.text.strip()
-    if not text:
-        raise invalid("text is empty; send the text to speak")
-    fmt = audio_format(request.output_format, "output_format") if request.HasField("output_format") else Format(
-        "LINEAR16", RATE)
-    opts = tts_options(request.speech, services.config)
-    encoder = FrameEncoder(fmt)
-    sent = 0
-    try:
-        async with contextlib.aclosing(services.tts.stream(TTSRequest(text, opts))) as chunks:
-            async for chunk in chunks:
-                yield pb.AudioChunk(sequence=chunk.sequence, offset_ms=sent * 1000 // RATE, last=chunk.last,
-                                    audio=encoder.encode(chunk.samples, last=chunk.last))
-                sent += len(chunk.samples)
-    except CapacityError as e:
-        raise SessionError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from None
-    except EngineError as e:
-        raise SessionError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
-
-
-def list_voices(services) -> pb.ListVoicesResponse:
-    return pb.ListVoicesResponse(voices=[
-        pb.Voice(name=v.name, kind=v.kind, description=v.description) for v in services.voices.list()
-    ])
-
-
-async def add_voice(services, request: pb.AddVoiceRequest) -> pb.Voice:
-    from voiced.server import _clip_audio
-
-    name = request.name.strip()
-    if not name:
-        raise invalid("name is empty; give the voice a name")
-    if not request.transcript.strip():
-        raise invalid("transcript is empty; send what is said in the recording")
-    pcm, duration = _clip_audio(request.audio, request.format if request.HasField("format") else None)
-    if duration < 1.0:
-        raise invalid(f"the recording is {duration:.2f} s long; send at least 1 s (3 to 10 s is best)")
-    try:
-        voice = await asyncio.to_thread(services.voices.add, name, int16_to_float(pcm), request.transcript.strip())
-    except (ValueError, EngineError) as e:
-        raise invalid(str(e)) from None
-    return pb.Voice(name=voice.name, kind=voice.kind, description=voice.description)
-

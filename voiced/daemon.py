@@ -1,0 +1,160 @@
+"""The daemon: the shared Services, the engines, every configured front door, health and drain.
+
+It opens the doors at once (health NOT_SERVING, sessions refused UNAVAILABLE), loads the models on
+a thread, and switches to SERVING when they are ready. On SIGTERM it drains: NOT_SERVING, every
+door stops accepting, open calls get up to `server.drain_seconds` to finish, then it stops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from voiced.config import Config
+from voiced.core.agents import AgentRegistry
+from voiced.core.services import Services
+from voiced.metrics import Metrics
+
+log = logging.getLogger(__name__)
+
+
+def door_addresses(config: Config) -> list[tuple[str, str]]:
+    """(name, address) of every door to open: gRPC first, then those set under `[doors]`."""
+    extra = [(name, address) for name, address in dataclasses.asdict(config.doors).items() if address]
+    return [("grpc", config.server.listen)] + extra
+
+
+class Daemon:
+    def __init__(self, config: Config, load: Callable[[Services], None] | None = None,
+                 services: Services | None = None):
+        self.config = config
+        self.services = services or Services(config=config, metrics=Metrics(), agents=AgentRegistry(config.agent))
+        self._load = load  # fills services.asr/tts/voices; runs on a thread so health can answer meanwhile
+        self.doors: list = []
+        self.port: int | None = None  # the gRPC door's port (tests, benchmarks)
+        self._metrics_http = None
+        self._stopped = asyncio.Event()
+
+    async def start(self) -> int:
+        """Opens every door, loads the engines, and returns the gRPC port once serving."""
+        from voiced import doors
+
+        s = self.services
+        for name, address in door_addresses(self.config):
+            door = doors.build(name, s, address)
+            self.doors.append(door)
+            bound = await door.start()
+            s.doors[door.name] = bound
+            if name == "grpc":
+                self.port = door.port
+            log.info("%s door listening on %s", door.name, bound)
+        c = self.config.server
+        if c.metrics_listen:
+            self._metrics_http = s.metrics.serve(c.metrics_listen)
+        log.info("health NOT_SERVING until the models are loaded")
+        if self._load is not None:
+            await asyncio.to_thread(self._load, s)
+        self._start_workers()
+        s.ready = True
+        await self._set_serving(True)
+        log.info("ready: health SERVING")
+        return self.port
+
+    def _start_workers(self) -> None:
+        m = self.services.metrics
+        for name in ("asr", "tts"):
+            worker = getattr(self.services, name)
+            if worker is not None:
+                worker._on_step = lambda engine, n=name: m.observe_engine(n, engine)
+                worker.start()  # a no-op for a thread already running (engines sharing one)
+
+    async def _set_serving(self, serving: bool) -> None:
+        for door in self.doors:
+            hook = getattr(door, "set_serving", None)
+            if hook is not None:
+                await hook(serving)
+
+    async def drain_and_stop(self, grace: float | None = None) -> None:
+        """NOT_SERVING, every door stops accepting, open sessions finish (up to the grace), then stop."""
+        s = self.services
+        if s.draining:
+            return
+        s.draining = True
+        await self._set_serving(False)
+        for door in self.doors:
+            await _quietly(door.stop_accepting(), f"{door.name}: stop accepting")
+        deadline = time.monotonic() + (self.config.server.drain_seconds if grace is None else grace)
+        while s.active_sessions and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if s.active_sessions:
+            log.warning("drain: %d sessions still open after the grace period; closing them", s.active_sessions)
+        for door in reversed(self.doors):
+            await _quietly(door.close(), f"{door.name}: close")
+            s.doors.pop(door.name, None)
+        for worker in (s.asr, s.tts):
+            if worker is not None:
+                await asyncio.to_thread(worker.stop)
+        if self._metrics_http is not None:
+            self._metrics_http.shutdown()
+        self._stopped.set()
+
+    async def wait(self) -> None:
+        await self._stopped.wait()
+
+
+async def _quietly(coro, what: str) -> None:
+    # One door failing to shut down must not keep the others (or the engines) running.
+    try:
+        await coro
+    except Exception:
+        log.exception("drain: %s failed", what)
+
+
+@contextlib.asynccontextmanager
+async def running(config: Config, load=None, services: Services | None = None):
+    """A started daemon for tests and embedding; drained and stopped on exit."""
+    daemon = Daemon(config, load=load, services=services)
+    try:
+        await daemon.start()
+        yield daemon
+    finally:
+        await daemon.drain_and_stop(grace=0)
+
+
+def start_in_thread(daemon: Daemon, timeout: float = 600) -> tuple[int, asyncio.AbstractEventLoop, threading.Thread]:
+    """Run `daemon` on its own event loop in a daemon thread (tests, benchmarks, embedding in an app).
+
+    Returns once it is serving: (gRPC port, loop, thread). Stop it with
+    `asyncio.run_coroutine_threadsafe(daemon.drain_and_stop(), loop)`, then `loop.call_soon_threadsafe(loop.stop)`.
+    """
+    loop = asyncio.new_event_loop()
+    ready = threading.Event()
+    started: dict = {}
+
+    def main():
+        asyncio.set_event_loop(loop)
+
+        async def start():
+            try:
+                started["port"] = await daemon.start()
+            except BaseException as e:  # report to the caller instead of dying silently
+                started["error"] = e
+                await daemon.drain_and_stop(grace=0)
+            ready.set()
+
+        loop.run_until_complete(start())
+        if "error" not in started:
+            loop.run_forever()
+
+    thread = threading.Thread(target=main, daemon=True, name="voiced-daemon")
+    thread.start()
+    if not ready.wait(timeout):
+        raise TimeoutError(f"the daemon did not start within {timeout:.0f} s")
+    if "error" in started:
+        raise started["error"]
+    return started["port"], loop, thread

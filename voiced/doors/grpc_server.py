@@ -1,0 +1,276 @@
+"""The gRPC front door: the voiced.v1 service, health, reflection and bearer-token auth.
+
+A thin adapter: requests become the core's input events and settings (voiced.doors.grpc_wire),
+the core's events become SessionEvents, and a SessionError's kind becomes a status code. Health
+says NOT_SERVING until the Daemon has loaded the models and again once it drains.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from voiced_client.proto import voiced_pb2 as pb
+from voiced_client.proto import voiced_pb2_grpc as pb_grpc
+
+import voiced
+from voiced.audio.ingest import MAX_RATE, MIN_RATE, ms
+from voiced.core import speech
+from voiced.core.events import ErrorKind, SessionError, invalid
+from voiced.core.services import Services
+from voiced.core.session import Session
+from voiced.doors import grpc_wire as wire
+
+log = logging.getLogger(__name__)
+
+FRONT = "grpc"
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Voiced"].full_name
+
+STATUS = {
+    ErrorKind.BAD_INPUT: grpc.StatusCode.INVALID_ARGUMENT,
+    ErrorKind.OVER_CAPACITY: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    ErrorKind.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
+    ErrorKind.NOT_ENABLED: grpc.StatusCode.FAILED_PRECONDITION,
+    ErrorKind.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
+    ErrorKind.TIMEOUT: grpc.StatusCode.DEADLINE_EXCEEDED,
+    ErrorKind.INTERNAL: grpc.StatusCode.INTERNAL,
+}
+
+
+class VoicedService(pb_grpc.VoicedServicer):
+    def __init__(self, services: Services):
+        self.s = services
+
+    async def _abort(self, context, error: SessionError):
+        code = STATUS[error.kind]
+        self.s.count_error(FRONT, code.name)
+        # gRPC keeps the abort exception after the call; it chains `error`, whose traceback holds the
+        # frames (and so the session, its audio and codecs) it was raised through. Drop them.
+        error.__traceback__ = None
+        await context.abort(code, error.message)
+
+    # ------------------------------------------------------------------ streaming sessions
+
+    async def Converse(self, request_iterator, context):
+        async for event in self._session(request_iterator, context, conversational=True):
+            yield event
+
+    async def StreamingRecognize(self, request_iterator, context):
+        async for event in self._session(request_iterator, context, conversational=False):
+            yield event
+
+    async def _session(self, requests, context, conversational: bool):
+        s = self.s
+        session = None
+        try:
+            # Read the first message before any refusal: aborting a stream whose first write is
+            # still in flight makes some gRPC clients report INTERNAL instead of our status.
+            first = await _first(requests)
+            async with s.admit(FRONT) as admission:
+                if first is None:
+                    admission.outcome = "empty"
+                    return
+                if first.WhichOneof("request") != "config":
+                    raise invalid("the first message must be `config` (a SessionConfig); "
+                                  "audio and control come after it")
+                config = first.config
+                session_id = config.session_id or s.new_session_id(FRONT)
+                spec = wire.session_spec(config, s, session_id, conversational)
+                session = Session(s, spec, conversational)
+                log.info("session %s started (%s, %s %d Hz)", session_id, "Converse" if conversational else
+                         "StreamingRecognize", spec.input.encoding, spec.input.sample_rate)
+                async for event in session.run(wire.session_inputs(requests)):
+                    yield wire.event_to_proto(event, config)
+        except SessionError as e:
+            await self._abort(context, e)
+        finally:
+            if session is not None:
+                await session.close()
+                session = None  # this frame outlives the call in gRPC's abort traceback
+
+    # ------------------------------------------------------------------ one-shot recognition
+
+    async def Recognize(self, request, context):
+        try:
+            self.s.check_ready()
+            fmt = wire.audio_format(request.format, "format") if request.HasField("format") else None
+            audio, duration = speech.decode_clip(request.audio, fmt)
+            opts = wire.asr_options(request.recognition, self.s.config)
+            if request.recognition.disabled:
+                raise invalid("recognition.disabled makes no sense for Recognize")
+            results = await speech.recognize_clip(self.s, audio, opts,
+                                                  keep_hallucinations=request.recognition.keep_hallucinations)
+        except SessionError as e:
+            await self._abort(context, e)
+        return pb.RecognizeResponse(
+            duration_s=duration,
+            results=[wire.transcript_to_proto(r, is_final=True, start_ms=ms(u.start), end_ms=ms(u.end)) for u, r in results],
+        )
+
+    # ------------------------------------------------------------------ speaking side
+
+    async def Synthesize(self, request, context):
+        try:
+            self.s.check_ready(need_tts=True)
+            fmt = (wire.audio_format(request.output_format, "output_format")
+                   if request.HasField("output_format") else speech.PCM16K)
+            opts = wire.tts_options(request.speech, self.s.config)
+            async for c in speech.synthesize(self.s, request.text, opts, fmt):
+                yield pb.SynthesizeResponse(audio=pb.AudioChunk(sequence=c.sequence, offset_ms=c.offset_ms,
+                                                                last=c.last, audio=c.audio))
+        except SessionError as e:
+            await self._abort(context, e)
+
+    async def ListVoices(self, request, context):
+        try:
+            self.s.check_ready(need_tts=True)
+        except SessionError as e:
+            await self._abort(context, e)
+        return pb.ListVoicesResponse(voices=[wire.voice_to_proto(v) for v in speech.list_voices(self.s)])
+
+    async def AddVoice(self, request, context):
+        try:
+            self.s.check_ready(need_tts=True)
+            fmt = wire.audio_format(request.format, "format") if request.HasField("format") else None
+            pcm, duration = speech.decode_clip(request.audio, fmt)
+            voice = await speech.add_voice(self.s, request.name, pcm, duration, request.transcript)
+            return wire.voice_to_proto(voice)
+        except SessionError as e:
+            await self._abort(context, e)
+
+    # ------------------------------------------------------------------ info
+
+    async def GetServerInfo(self, request, context):
+        s = self.s
+        info = pb.ServerInfo(
+            version=voiced.__version__,
+            max_sessions=s.config.server.max_sessions,
+            active_sessions=s.active_sessions,
+            max_message_bytes=s.config.server.max_message_bytes,
+            agents=s.agents.names(),
+            min_sample_rate_hz=MIN_RATE,
+            max_sample_rate_hz=MAX_RATE,
+            doors=[pb.Door(name=name, address=address) for name, address in s.doors.items()],
+        )
+        for name, worker in (("asr", s.asr), ("tts", s.tts)):
+            if worker is not None:
+                e = worker.engine
+                getattr(info, name).CopyFrom(pb.ModelInfo(name=e.model_name, backend=e.backend, device=e.device))
+        return info
+
+
+async def _first(requests):
+    async for request in requests:
+        return request
+    return None
+
+
+# ---------------------------------------------------------------------------- auth
+
+
+class BearerAuth(grpc.aio.ServerInterceptor):
+    """Requires `authorization: Bearer <token>` on every call but health checks."""
+
+    def __init__(self, token: str, services: Services):
+        self._expected = f"Bearer {token}".encode()
+        self._services = services
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if handler is None or details.method.startswith("/grpc.health.v1.Health/"):
+            return handler
+        given = dict(details.invocation_metadata or ()).get("authorization", "")
+        if hmac.compare_digest(given.encode(), self._expected):
+            return handler
+        self._services.count_error(FRONT, "UNAUTHENTICATED")
+        return _deny(handler)
+
+
+def _deny(handler):
+    message = "missing or wrong bearer token: send metadata `authorization: Bearer <token>`"
+
+    async def unary(request, context):
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+    async def streaming(request, context):
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+        yield  # pragma: no cover
+
+    kwargs = dict(request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
+    if handler.request_streaming and handler.response_streaming:
+        return grpc.stream_stream_rpc_method_handler(streaming, **kwargs)
+    if handler.request_streaming:
+        return grpc.stream_unary_rpc_method_handler(unary, **kwargs)
+    if handler.response_streaming:
+        return grpc.unary_stream_rpc_method_handler(streaming, **kwargs)
+    return grpc.unary_unary_rpc_method_handler(unary, **kwargs)
+
+
+# ---------------------------------------------------------------------------- the door
+
+
+class GrpcDoor:
+    """The grpc.aio server on `server.listen`: always open. It listens while the models load (health
+    NOT_SERVING, sessions refused UNAVAILABLE), so orchestrators can watch start-up."""
+
+    name = FRONT
+
+    def __init__(self, services: Services, listen: str):
+        self.services = services
+        self.listen = listen
+        self.health = health.aio.HealthServicer()
+        self.server: grpc.aio.Server | None = None
+        self.port: int | None = None
+
+    async def start(self) -> str:
+        c = self.services.config.server
+        interceptors = [BearerAuth(c.auth_token, self.services)] if c.auth_token else []
+        options = [
+            ("grpc.max_receive_message_length", c.max_message_bytes),
+            ("grpc.max_send_message_length", c.max_message_bytes),
+            ("grpc.keepalive_time_ms", c.keepalive_time_ms),
+            ("grpc.keepalive_timeout_ms", c.keepalive_timeout_ms),
+            ("grpc.http2.min_ping_interval_without_data_ms", 5000),
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.so_reuseport", 0),
+        ]
+        self.server = grpc.aio.server(interceptors=interceptors, options=options)
+        pb_grpc.add_VoicedServicer_to_server(VoicedService(self.services), self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+            self.server,
+        )
+        if c.tls_cert or c.tls_key:
+            if not (c.tls_cert and c.tls_key):
+                raise ValueError("TLS needs both server.tls_cert and server.tls_key")
+            with open(c.tls_key, "rb") as k, open(c.tls_cert, "rb") as crt:
+                creds = grpc.ssl_server_credentials([(k.read(), crt.read())])
+            self.port = self.server.add_secure_port(self.listen, creds)
+        else:
+            self.port = self.server.add_insecure_port(self.listen)
+        if not self.port:
+            raise OSError(f"cannot listen on {self.listen} (address in use or not local?)")
+        await self.set_serving(False)
+        await self.server.start()
+        host = self.listen.rpartition(":")[0]
+        return f"{host}:{self.port}"
+
+    async def set_serving(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, status)
+
+    async def stop_accepting(self) -> None:
+        # New calls keep arriving on open HTTP/2 connections; the core refuses them (UNAVAILABLE,
+        # "shutting down") while the daemon drains, which tells a client to go elsewhere.
+        await self.set_serving(False)
+
+    async def close(self) -> None:
+        if self.server is not None:
+            await self.server.stop(1.0)
+
+
