@@ -19,6 +19,7 @@ import importlib
 # `[doors]` config key is set.
 DOORS: dict[str, str] = {
     "grpc": "voiced.doors.grpc_server:GrpcDoor",
+    "wyoming": "voiced.doors.wyoming:WyomingDoor",
 }
 
 

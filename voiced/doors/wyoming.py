@@ -184,7 +184,7 @@ class _Handler(AsyncEventHandler):
         super().__init__(reader, writer)
         self.services = services
         self.peer = peer
-        self._transcribe: Transcribe | None = None
+        self._language: str | None = None  # of the next audio stream, from its `transcribe`
         self._recognition: _Recognition | None = None
         self._speech: _Speech | None = None
         self._stream: _Speech | None = None  # a synthesize-start..synthesize-stop in progress
@@ -239,7 +239,7 @@ class _Handler(AsyncEventHandler):
                                                         f"has {PROGRAM!r}")
         elif Transcribe.is_type(kind):
             self._check_no_audio("transcribe")
-            self._transcribe = Transcribe.from_event(event)
+            self._language = self._transcribe_language(Transcribe.from_event(event))
         elif AudioStart.is_type(kind):
             start = AudioStart.from_event(event)
             self._check_no_audio("audio-start")
@@ -247,8 +247,8 @@ class _Handler(AsyncEventHandler):
                 converter = PcmConverter(start.rate, start.width, start.channels)
             except AudioFormatError as e:
                 raise invalid(f"audio-start: {e}") from None
-            transcribe, self._transcribe = self._transcribe or Transcribe(), None
-            self._recognition = _Recognition(self, transcribe, start, converter, after=self._recognition)
+            language, self._language = self._language, None
+            self._recognition = _Recognition(self, language, start, converter, after=self._recognition)
         elif AudioChunk.is_type(kind):
             chunk = AudioChunk.from_event(event)
             return self._audio("audio-chunk").feed(chunk)
@@ -277,6 +277,15 @@ class _Handler(AsyncEventHandler):
             # The protocol's rule: a server drops the events it does not handle (wake, intent, ...).
             log.debug("wyoming %s: ignoring a %s event", self.peer, kind)
         return True
+
+    def _transcribe_language(self, transcribe: Transcribe) -> str | None:
+        """Checked when `transcribe` arrives, so a wrong one is refused before any audio flows."""
+        self.services.check_ready()
+        asr = self.services.asr.engine
+        if transcribe.name and transcribe.name not in (PROGRAM, asr.model_name):
+            raise SessionError(ErrorKind.NOT_FOUND, f"model {transcribe.name!r} is not loaded here; this server "
+                                                    f"has {asr.model_name!r}")
+        return _language(transcribe.language, asr.languages)
 
     def _check_no_audio(self, what: str) -> None:
         if self._recognition is not None and not self._recognition.stopped:
@@ -342,12 +351,12 @@ async def _after(previous) -> None:
 class _Recognition:
     """One audio-start..audio-stop: a push-to-talk session of the core, fed as the audio arrives."""
 
-    def __init__(self, handler: _Handler, transcribe: Transcribe, start: AudioStart, converter: PcmConverter,
+    def __init__(self, handler: _Handler, language: str | None, start: AudioStart, converter: PcmConverter,
                  after: _Recognition | None):
         self.handler = handler
         self.services = handler.services
         self.stopped = False
-        self._transcribe = transcribe
+        self._language = language
         self._start = start
         self._converter = converter
         self._inputs: asyncio.Queue = asyncio.Queue()  # the session's reader drains it as it fills
@@ -391,12 +400,7 @@ class _Recognition:
         write = self.handler.write_event
         try:
             async with s.admit(FRONT):
-                asr = s.asr.engine
-                name = self._transcribe.name
-                if name and name not in (PROGRAM, asr.model_name):
-                    raise SessionError(ErrorKind.NOT_FOUND, f"model {name!r} is not loaded here; this server "
-                                                            f"has {asr.model_name!r}")
-                spec = s.spec(front=FRONT, input=PCM16K, language=_language(self._transcribe.language, asr.languages),
+                spec = s.spec(front=FRONT, input=PCM16K, language=self._language,
                               segmentation=segmentation_for(s.config, mode="push_to_talk"))
                 log.info("wyoming %s: transcribe (%s; %d Hz, %d-bit, %d ch) as session %s", self.handler.peer,
                          spec.asr.language or "language detected", self._start.rate, self._start.width * 8,
