@@ -141,6 +141,20 @@ def types(events) -> list[str]:
 # ------------------------------------------------------------------------------ describe
 
 
+@pytest.mark.parametrize("address,expected", [
+    ("tcp://0.0.0.0:10300", ("0.0.0.0", 10300)), ("tcp://:10300", ("127.0.0.1", 10300)),
+    ("127.0.0.1:0", ("127.0.0.1", 0)), ("tcp://[::1]:10300", ("::1", 10300)),
+])
+def test_the_address_is_tcp_host_and_port(address, expected):
+    assert parse_address(address) == expected
+
+
+@pytest.mark.parametrize("address", ["unix:///run/wyoming.sock", "tcp://host", "tcp://host:port", "host:1/x"])
+def test_other_addresses_say_what_to_write(address):
+    with pytest.raises(ValueError, match="use tcp://HOST:PORT"):
+        parse_address(address)
+
+
 def test_describe_lists_the_model_its_languages_and_every_voice(daemon, tmp_path):
     from tests.speech import write_wav
 
@@ -412,10 +426,14 @@ def test_a_full_server_refuses_with_an_error_event(daemon):
             again = await read_until(later, "audio-stop")
         return no, yes, again
 
+    metrics = daemon.services.metrics
+    refusals = metrics.errors.labels("wyoming", "over_capacity")._value.get()
     try:
         no, yes, again = run(full())
     finally:
         limits.max_sessions = old
+    assert metrics.errors.labels("wyoming", "over_capacity")._value.get() == refusals + 1
+    assert metrics.sessions_total.labels("wyoming", "ok")._value.get() >= 2
     assert types(no) == ["error"]
     error = Error.from_event(no[0])
     assert error.code == "over_capacity" and "limit of" in error.text
@@ -437,6 +455,9 @@ def test_drain_stops_accepting_and_lets_the_live_request_finish(tmp_path):
     async def scenario():
         async with AsyncTcpClient(host, port, read_timeout=READ_TIMEOUT) as live, \
                 AsyncTcpClient(host, port, read_timeout=READ_TIMEOUT) as idle:
+            await idle.write_event(Describe().event())
+            info = Info.from_event((await read_until(idle, "info"))[-1])
+            assert len(info.asr) == 1 and info.tts == []  # a listening-only server offers no voices
             await live.write_event(Transcribe(language="en").event())
             await send_audio(live, x[: len(x) // 2].tobytes(), RATE, 2, 1, stop=False)
             assert types(await read_until(live, "transcript-start")) == ["transcript-start"]
