@@ -410,19 +410,20 @@ class _Recognition:
                 language = spec.asr.language
                 session = Session(s, spec, conversational=False)
                 try:
-                    async for ev in session.run(self._events()):
-                        if isinstance(ev, TranscriptOut) and ev.is_final:
-                            text = ev.transcript.text.strip()
-                            language = ev.transcript.language or language
-                            if text:
-                                # Chunks append to each other: together they spell the transcript.
-                                await write(TranscriptChunk(text=(" " if texts else "") + text).event())
-                                texts.append(text)
-                        elif isinstance(ev, NoticeOut):
-                            # An utterance was lost (ASR queue full, or it failed): a transcript without
-                            # it would misquote the speaker, so the request fails instead.
-                            kind = ErrorKind.OVER_CAPACITY if ev.code.endswith("BUSY") else ErrorKind.INTERNAL
-                            raise SessionError(kind, ev.message)
+                    async with contextlib.aclosing(session.run(self._events())) as events:
+                        async for ev in events:
+                            if isinstance(ev, TranscriptOut) and ev.is_final:
+                                text = ev.transcript.text.strip()
+                                language = ev.transcript.language or language
+                                if text:
+                                    # Chunks append to each other: together they spell the transcript.
+                                    await write(TranscriptChunk(text=(" " if texts else "") + text).event())
+                                    texts.append(text)
+                            elif isinstance(ev, NoticeOut):
+                                # An utterance was lost (ASR queue full, or it failed): a transcript without
+                                # it would misquote the speaker, so the request fails instead.
+                                kind = ErrorKind.OVER_CAPACITY if ev.code.endswith("BUSY") else ErrorKind.INTERNAL
+                                raise SessionError(kind, ev.message)
                 finally:
                     await session.close()
             # Outside the admission: the work is done even if the caller hangs up after reading this.
@@ -491,13 +492,17 @@ class _Speech:
                 started = False
                 sent = 0  # samples
                 while (sentence := await self._queue.get()) is not None:
-                    async for chunk in synthesize(s, sentence, opts, PCM16K):
-                        if not started:
-                            await write(AudioStart(**fmt, timestamp=0).event())
-                            started = True
-                        if chunk.audio:
-                            await write(AudioChunk(**fmt, audio=chunk.audio, timestamp=sent * 1000 // RATE).event())
-                            sent += len(chunk.audio) // OUT_WIDTH
+                    # aclosing: cancelled while writing a chunk (the caller hung up), the engine request
+                    # is cancelled now, not whenever the generator happens to be collected.
+                    async with contextlib.aclosing(synthesize(s, sentence, opts, PCM16K)) as chunks:
+                        async for chunk in chunks:
+                            if not started:
+                                await write(AudioStart(**fmt, timestamp=0).event())
+                                started = True
+                            if chunk.audio:
+                                await write(AudioChunk(**fmt, audio=chunk.audio,
+                                                       timestamp=sent * 1000 // RATE).event())
+                                sent += len(chunk.audio) // OUT_WIDTH
             if not started:
                 await write(AudioStart(**fmt, timestamp=0).event())  # a stream that carried no text
             await write(AudioStop(timestamp=sent * 1000 // RATE).event())
