@@ -21,6 +21,8 @@ gRPC's. AudioSocket callers send slin16 (type 0x12, the very samples gRPC caller
 WebSocket callers send mu-law 8 kHz as Twilio does. Realtime callers (OpenAI's events over
 /v1/realtime, audio/pcm at 24 kHz) time voice-to-voice from the door's `speech_stopped` event to the
 first `response.output_audio.delta`, and asr_client_ms from `speech_stopped` to the transcript.
+Wyoming callers play Home Assistant's part (voiced.bench.wyoming_caller): their own end of speech,
+`transcribe`, then the transcript spoken back with `synthesize`.
 
     python -m voiced.bench.e2e_bench --wav speech.wav --tiktoken-dir DIR --sessions 1 4 16 --out e2e.json
     voiced bench e2e --wav speech.wav --tiktoken-dir DIR --front grpc audiosocket media_ws --out doors.json
@@ -180,7 +182,7 @@ def e2e_targets(levels: dict) -> dict:
                   "voice_to_voice_p99_ms_16": get(16, "first_audio_ms", "p99")})
 
 
-FRONTS = ("grpc", "audiosocket", "media_ws", "realtime")
+FRONTS = ("grpc", "audiosocket", "media_ws", "realtime", "wyoming")
 
 
 def door_overhead(fronts: dict) -> dict:
@@ -374,6 +376,10 @@ async def callers(address: str, wav: Path, sessions: int, duration_s: float, rep
             return media_ws_caller(address, pcm, start, duration_s, out)
         if front == "realtime":
             return realtime_caller(address, pcm, start, duration_s, reply_s, k, out)
+        if front == "wyoming":
+            from voiced.bench.wyoming_caller import wyoming_caller
+
+            return wyoming_caller(address, pcm, start, duration_s, out)
         return one_caller(address, pcm, start, duration_s, reply_s, k, out)
 
     t0 = time.monotonic()

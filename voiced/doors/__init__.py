@@ -22,6 +22,7 @@ DOORS: dict[str, str] = {
     "audiosocket": "voiced.doors.audiosocket:AudioSocketDoor",
     "media_ws": "voiced.doors.media_ws:MediaStreamDoor",
     "http": "voiced.doors.http:HttpDoor",
+    "wyoming": "voiced.doors.wyoming:WyomingDoor",
 }
 
 

@@ -45,7 +45,7 @@ from .checkpoint import SparkCheckpoint, SpecialTokens, TextTokenizer, load_spec
 from .qwen2 import Qwen2LM, load_qwen2
 from .sampling import PhaseSampler, candidate_bucket
 from .streaming import BATCH_BUCKETS, ChunkPlanner, DecodeJob, Window, batch_bucket, decode_jobs, padded_length
-from .voices import Voice, VoiceStore
+from .voices import LANGUAGES, Voice, VoiceStore
 
 log = logging.getLogger(__name__)
 
@@ -193,6 +193,7 @@ class SparkTTSEngine:
     """Spark-TTS-0.5B in PyTorch. Build with `SparkTTSEngine.load(...)`; drive from one thread."""
 
     backend = "torch"
+    languages = LANGUAGES
 
     def __init__(self, checkpoint: SparkCheckpoint, lm: Qwen2LM, codec: BiCodec, tokenizer: TextTokenizer,
                  special: SpecialTokens, *, device: str, max_batch: int, max_seq_len: int,

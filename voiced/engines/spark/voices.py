@@ -55,6 +55,7 @@ PRESETS: dict[str, tuple[str, str, str]] = {
     "male-slow": ("male", "moderate", "low"),
 }
 DEFAULT_VOICE = "female"
+LANGUAGES = ("en", "zh")  # what Spark-TTS-0.5B was trained to speak, with any voice
 
 
 @dataclass

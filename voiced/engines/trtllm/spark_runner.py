@@ -27,6 +27,7 @@ import numpy as np
 
 from voiced.engines.base import AudioChunk, EngineError, EngineOutput, TTSOptions, TTSRequest
 from voiced.engines.spark.frontend import TOKENS_PER_SECOND, SparkLMRequest
+from voiced.engines.spark.voices import LANGUAGES
 from voiced.engines.trtllm.executor import ExecutorLike, ExecutorLoop, Flight
 from voiced.memory_plan import MemoryPlan
 
@@ -260,6 +261,7 @@ class TrtllmSparkEngine:
 
     backend = "trtllm"
     device = "cuda"
+    languages = LANGUAGES
 
     def __init__(self, lm: TRTLLMSparkLM, frontend: SparkFrontend, *, model_name: str = "Spark-TTS-0.5B") -> None:
         self.lm = lm

@@ -195,6 +195,10 @@ class TrtllmWhisperEngine(ExecutorLoop):
         """What voiced/engines/loader.py calls: ``TrtllmWhisperEngine.load(dir, plan=..., max_batch=...)``."""
         return load_whisper_engine(engine_dir, plan, max_batch_size=max_batch, **kw)
 
+    @property
+    def languages(self) -> tuple[str, ...]:
+        return tuple(self._lang_codes) if self.limits.multilingual else ("en",)
+
     # ---------------------------------------------------------------- contract
 
     def submit(self, request_id: int, request: ASRRequest) -> None:  # type: ignore[override]

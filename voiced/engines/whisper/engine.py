@@ -197,6 +197,11 @@ class WhisperEngine:
                    compile_decoder=compile_decoder)
 
     @property
+    def languages(self) -> tuple[str, ...]:
+        """What this checkpoint transcribes: Whisper's languages, or English alone for `.en` models."""
+        return self.tok.language_codes if self.tok.multilingual else ("en",)
+
+    @property
     def decoder_path(self) -> str:
         """Which decoder step runs: "reference" (the modules), "fused" or "fused, compiled"."""
         if self.fast_decoder is None:
