@@ -6,7 +6,10 @@ in seconds, as Prometheus expects.
 
 from __future__ import annotations
 
+import sys
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import GaugeMetricFamily
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0, 10.0)
 
@@ -46,6 +49,7 @@ class Metrics:
             "voiced_engine_pending_requests", "Requests sessions are waiting on", ["engine"], registry=r
         )
         self.errors = Counter("voiced_errors_total", "Errors returned to callers", ["code"], registry=r)
+        r.register(GpuMemoryCollector())
 
     def observe_engine(self, name: str, engine) -> None:
         self.engine_active.labels(name).set(engine.active_requests())
@@ -54,3 +58,24 @@ class Metrics:
         host, _, port = listen.rpartition(":")
         server, _thread = start_http_server(int(port), addr=host or "127.0.0.1", registry=self.registry)
         return server
+
+
+class GpuMemoryCollector:
+    """`voiced_gpu_memory_bytes{device, kind}`: what PyTorch's caching allocator holds, read at scrape
+    time. kind: allocated (tensors alive now), peak_allocated (the most since start-up; the engines'
+    warm-up resets it between its phases, so it is at least the last phase's peak), reserved (held from
+    the driver, cached blocks included). Only when an engine already brought torch and CUDA up: a
+    listening-only daemon on the CPU never imports torch for this."""
+
+    def collect(self):
+        torch = sys.modules.get("torch")
+        if torch is None or not torch.cuda.is_initialized():
+            return
+        g = GaugeMetricFamily("voiced_gpu_memory_bytes", "GPU memory held by PyTorch's caching allocator",
+                              labels=["device", "kind"])
+        for i in range(torch.cuda.device_count()):
+            d = f"cuda:{i}"
+            g.add_metric([d, "allocated"], torch.cuda.memory_allocated(i))
+            g.add_metric([d, "peak_allocated"], torch.cuda.max_memory_allocated(i))
+            g.add_metric([d, "reserved"], torch.cuda.memory_reserved(i))
+        yield g
