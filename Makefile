@@ -43,13 +43,13 @@ test: system-deps $(VENV)/.test-installed
 # neither espeak-ng nor apt: the speech it hears comes from .devdata/speech (`make gpu-data`), or from
 # espeak-ng where one is installed. GPU_PYTHON: a Python that already has torch with CUDA and the
 # packages of .whl (on a GPU machine without network: GPU_PYTHON=python3); empty: this venv.
-# GPU tests live in tests/test_*_gpu.py; the engines' run first, so that the daemon's warm-up finds
-# torch.compile's kernel cache warm.
+# One process per test file (pytest-xdist): most of the time is torch.compile, which is CPU work.
 GPU_PYTHON ?=
-GPU_TESTS = $(filter-out tests/test_daemon_gpu.py,$(sort $(wildcard tests/test_*_gpu.py))) tests/test_daemon_gpu.py
+GPU_WORKERS ?= 3
 test-gpu: $(if $(GPU_PYTHON),,$(VENV)/.test-installed)
 	PYTHONPATH=$(CURDIR):$(CURDIR)/client$${PYTHONPATH:+:$$PYTHONPATH} \
-		$(or $(GPU_PYTHON),$(BIN)/python) -m pytest -q -m gpu -rA --log-level=INFO $(GPU_TESTS) $(ARGS)
+		$(or $(GPU_PYTHON),$(BIN)/python) -m pytest -q -m gpu -rA --log-level=INFO \
+		-n $(GPU_WORKERS) --dist loadfile tests $(ARGS)
 
 # What a GPU machine without network or espeak-ng needs for `make test-gpu`, made on a machine that has
 # both: wheels of the daemon's and the suite's pure-Python / gRPC dependencies for CPython $(GPU_PY)

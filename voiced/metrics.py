@@ -62,10 +62,11 @@ class Metrics:
 
 class GpuMemoryCollector:
     """`voiced_gpu_memory_bytes{device, kind}`: what PyTorch's caching allocator holds, read at scrape
-    time. kind: allocated (tensors alive now), peak_allocated (the most since start-up; the engines'
-    warm-up resets it between its phases, so it is at least the last phase's peak), reserved (held from
-    the driver, cached blocks included). Only when an engine already brought torch and CUDA up: a
-    listening-only daemon on the CPU never imports torch for this."""
+    time. kind: allocated (tensors alive now), peak_allocated (the most allocated at once since the
+    allocator's peak was last reset: the TTS warm-up resets it after each of its phases, which it logs,
+    so while serving this is the peak since warm-up), reserved (held from the driver, cached blocks
+    included). Only once an engine brought torch and CUDA up: a daemon on the CPU never imports torch
+    for this."""
 
     def collect(self):
         torch = sys.modules.get("torch")
