@@ -102,8 +102,8 @@ def test_cuda_graphs_match_eager_full_batch(tmp_path):
             res.update({r.request_id: r.value.tokens for r in eng.step()})
         out[name] = res
     assert out["g"] == out["e"], "batch of 16, graphs vs eager:\n" + differences(out["g"], out["e"], "graphs", "eager")
-    x = torch.randn(4, 480000, device="cuda") * 0.1
-    with torch.inference_mode(), graphs.on_stream():
+    with torch.inference_mode(), graphs.on_stream():  # both encoders on one stream, input made on it too
+        x = torch.randn(4, 480000, device="cuda") * 0.1
         a = graphs._encode_bucket(x, 4).clone()
         b = eager._encode_bucket(x, 4).clone()
     assert torch.equal(a, b), f"encoder bucket 4, graph vs eager: max |diff| {(a - b).abs().max().item():.3g}"
@@ -116,6 +116,9 @@ def test_fast_decoder_step_is_the_default_and_close_to_the_reference(tmp_path):
     fast = WhisperEngine.load(ckpt, device="cuda", max_batch=8)
     ref = WhisperEngine.load(ckpt, device="cuda", max_batch=8, fast_decoder=False)
     assert fast.decoder_path == "fused, compiled" and ref.decoder_path == "reference"
+    # Both engines are driven from fast's stream below; ref's caches were zeroed on the default stream
+    # after fast's stream was made (and once raced the writes below: garbage logits under GPU contention).
+    torch.cuda.synchronize()
     with torch.inference_mode(), fast.on_stream():
         feats = torch.randn(8, 1500, fast.dims.n_audio_state, device="cuda", dtype=fast.dtype)
         for eng in (fast, ref):
