@@ -10,7 +10,7 @@ ARGS ?=
 # Where `make run` opens the HTTP door: the web page, OpenAI's audio API and Realtime (empty: off).
 HTTP ?= 127.0.0.1:8080
 
-.PHONY: run test test-gpu proto lint system-deps venv clean
+.PHONY: run test test-gpu gpu-data proto lint system-deps venv clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -49,9 +49,33 @@ run: $(VENV)/.run-installed
 test: system-deps $(VENV)/.test-installed
 	$(BIN)/python -m pytest -q $(ARGS)
 
-# On a machine with a CUDA GPU: the GPU tests (skipped elsewhere).
-test-gpu: system-deps $(VENV)/.test-installed
-	$(BIN)/python -m pytest -q -m gpu $(ARGS)
+# On a machine with a CUDA GPU: the GPU suite, every test marked `gpu` (docs/GPU_TESTS.md). It needs
+# neither espeak-ng nor apt: the speech it hears comes from .devdata/speech (`make gpu-data`), or from
+# espeak-ng where one is installed. GPU_PYTHON: a Python that already has torch with CUDA and the
+# packages of .whl (on a GPU machine without network: GPU_PYTHON=python3); empty: this venv.
+# One process per test file (pytest-xdist): most of the time is torch.compile, which is CPU work.
+GPU_PYTHON ?=
+GPU_WORKERS ?= 3
+test-gpu: $(if $(GPU_PYTHON),,$(VENV)/.test-installed)
+	PYTHONPATH=$(CURDIR):$(CURDIR)/client$${PYTHONPATH:+:$$PYTHONPATH} \
+		$(or $(GPU_PYTHON),$(BIN)/python) -m pytest -q -m gpu -rA --log-level=INFO \
+		-n $(GPU_WORKERS) --dist loadfile tests $(ARGS)
+
+# What a GPU machine without network or espeak-ng needs for `make test-gpu`, made on a machine that has
+# both: wheels of the daemon's and the suite's pure-Python / gRPC dependencies for CPython $(GPU_PY)
+# x86-64 in .whl (torch, numpy, transformers, tiktoken come with a CUDA image), and the suite's speech
+# in .devdata/speech. Both folders are git-ignored; carry them to the GPU machine.
+GPU_PY ?= 3.12
+GPU_WHEELS := grpcio==1.85.1 grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 grpcio-tools==1.85.1 \
+	protobuf==7.35.1 webrtcvad-wheels==2.0.14.post1 soxr==1.1.0 prometheus-client==0.26.0
+gpu-data: system-deps $(VENV)/.test-installed
+	rm -rf .whl && $(BIN)/python -m pip download --quiet --no-deps --only-binary=:all: --python-version $(GPU_PY) \
+		--implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+		--platform manylinux2014_x86_64 --platform any -d .whl $(GPU_WHEELS)
+	# openai-whisper (the reference) is published as a source archive only: build its wheel here
+	$(BIN)/python -m pip wheel --quiet --no-deps -w .whl \
+		"openai-whisper==$$($(BIN)/python -c 'import importlib.metadata as m; print(m.version("openai-whisper"))')"
+	$(BIN)/python -m tests.speech .devdata/speech
 
 proto: $(VENV)/.test-installed
 	$(BIN)/python proto/generate.py

@@ -151,6 +151,10 @@ class WhisperEngine:
         self.fast_decoder = FastDecoder(model.decoder, compile_decoder) if fast_decoder else None
         self._decoder: FastDecoder | TextDecoder = self.fast_decoder or model.decoder
         self._warming = False
+        if self._stream is not None:
+            # The weights (moved, fused), caches and buffers above were queued on the creating thread's
+            # stream; kernels on the engine's own stream must not overtake those fills and copies.
+            self._stream.wait_stream(torch.cuda.current_stream(model.device))
         log.info("whisper engine %s on %s (%s): %d slots, %.1f MiB of KV cache, cuda graphs %s, decoder step %s",
                  model_name, self.device, str(self.dtype).replace("torch.", ""), max_batch,
                  max_batch * KVCache.bytes_per_slot(self.dims, self.dtype) / 2**20, self.cuda_graphs,
