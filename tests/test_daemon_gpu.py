@@ -237,12 +237,12 @@ def test_health_is_serving_after_the_calls(daemon):
     assert daemon.health() == SERVING
 
 
-PLAN_TOTAL = re.compile(r"^total\s+(?P<bytes>[\d,]+)\s", re.M)
+PLAN_TOTAL = re.compile(r"^total \(held \+ the largest one transient\)\s+(?P<bytes>[\d,]+)\s", re.M)
 
 
 def printed_plan(log: str) -> tuple[int, str]:
     """The total (bytes) of the torch engines' memory plan `voiced serve` logs at start-up, and the table."""
-    at = log.find("GPU memory plan (torch backend")
+    at = log.rfind("GPU memory plan (torch backend")  # the last: both engines (each also logs its own)
     assert at >= 0, "the daemon printed no GPU memory plan for its torch engines at start-up"
     block = log[at:].split("\n\n")[0]
     m = PLAN_TOTAL.search(block)

@@ -108,10 +108,10 @@ def _log_plan(engines, free: int | None) -> None:
         return
     import torch
 
-    from voiced.memory_plan import plan_table
+    from voiced.memory_plan import plan_table, plan_total
 
     log.info("\n%s\n", plan_table(needs, free))
-    total = sum(n.total for n in needs)
+    total = plan_total(needs)
     used, peak = torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated()
     log.info("GPU memory after warm-up: plan %.1f MiB, allocated %.1f MiB (%+.1f %%), peak %.1f MiB (%+.1f %%)",
              total / 2**20, used / 2**20, 100 * (used - total) / total, peak / 2**20, 100 * (peak - total) / total)
