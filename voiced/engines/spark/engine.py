@@ -227,7 +227,7 @@ def memory_need(cfg, lm_dtype: torch.dtype, lm_bytes: int, codec_bytes: int, max
     # attention's inputs in the LM's dtype.
     t, e = PREFILL_STEP_TOKENS, lm_dtype.itemsize
     prefill = t * t * (1 + e) + t * e * (3 * cfg.intermediate_size + 4 * cfg.hidden_size)
-    items.append(Need(f"largest step transient, estimated (prefill of {t} tokens)", prefill), transient=True)
+    items.append(Need(f"largest step transient, estimated (prefill of {t} tokens)", prefill, transient=True))
     return EngineNeed("Spark-TTS", "tts_kv_fraction", items)
 
 

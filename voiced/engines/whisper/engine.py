@@ -117,7 +117,7 @@ def memory_need(dims: ModelDims, dtype: torch.dtype, weight_bytes: int, max_batc
     # One admission of `enc` utterances: their audio on the device, the features gathered per row and
     # one layer's cross key (or value) projection, and the prefill's float32 logits (with softmax).
     items.append(Need(f"largest step transient, estimated (admitting {enc})",
-                      enc * (N_SAMPLES * 4 + 2 * dims.n_audio_ctx * dims.n_text_state * elem + 3 * 4 * dims.n_vocab)), transient=True)
+                      enc * (N_SAMPLES * 4 + 2 * dims.n_audio_ctx * dims.n_text_state * elem + 3 * 4 * dims.n_vocab), transient=True))
     return EngineNeed("Whisper", "whisper_kv_fraction", items)
 
 
