@@ -53,13 +53,15 @@ test: system-deps $(VENV)/.test-installed
 # neither espeak-ng nor apt: the speech it hears comes from .devdata/speech (`make gpu-data`), or from
 # espeak-ng where one is installed. GPU_PYTHON: a Python that already has torch with CUDA and the
 # packages of .whl (on a GPU machine without network: GPU_PYTHON=python3); empty: this venv.
-# One process per test file (pytest-xdist): most of the time is torch.compile, which is CPU work.
+# One process per test file (pytest-xdist): most of the time is torch.compile, which is CPU work. Only
+# tests/test_*_gpu.py are collected: the other files import the doors' client libraries, which a bare
+# GPU image lacks.
 GPU_PYTHON ?=
 GPU_WORKERS ?= 3
 test-gpu: $(if $(GPU_PYTHON),,$(VENV)/.test-installed)
 	PYTHONPATH=$(CURDIR):$(CURDIR)/client$${PYTHONPATH:+:$$PYTHONPATH} \
 		$(or $(GPU_PYTHON),$(BIN)/python) -m pytest -q -m gpu -rA --log-level=INFO \
-		-n $(GPU_WORKERS) --dist loadfile tests $(ARGS)
+		-n $(GPU_WORKERS) --dist loadfile tests/test_*_gpu.py $(ARGS)
 
 # What a GPU machine without network or espeak-ng needs for `make test-gpu`, made on a machine that has
 # both: wheels of the daemon's and the suite's pure-Python / gRPC dependencies for CPython $(GPU_PY)
