@@ -8,12 +8,13 @@ FROM nvcr.io/nvidia/tensorrt-llm/release:1.0.0
 
 WORKDIR /opt/voiced
 
-# The container's own torch (CUDA build) and tensorrt_llm stay; pip adds only what voiced needs.
+# The container's own torch (CUDA build), transformers and tensorrt_llm satisfy the extra and stay; pip
+# adds only what voiced needs. The extra is the Makefile's RUN_EXTRA (tests/test_dependencies.py checks).
 COPY pyproject.toml README.m[d] ./
 COPY voiced ./voiced
 COPY client ./client
 COPY proto ./proto
-RUN pip install --no-cache-dir . safetensors pyyaml
+RUN pip install --no-cache-dir ".[torch]"
 
 COPY engines/entrypoint.sh engines/README.md ./engines/
 

@@ -7,6 +7,9 @@ BIN := $(VENV)/bin
 # The PyTorch build to install. On a GPU machine the default PyPI wheel is the CUDA build.
 TORCH ?= torch==2.13.0
 ARGS ?=
+# The pip extra the daemon is installed with (pyproject.toml): everything `voiced serve`, `speak`,
+# `transcribe` and `voices add` import. tests/test_dependencies.py reads this line.
+RUN_EXTRA := torch
 
 .PHONY: run test test-gpu proto lint system-deps venv clean
 
@@ -17,11 +20,11 @@ $(BIN)/python:
 # Installed once per change of pyproject.toml: the daemon for `run`, plus the references for `test`.
 $(VENV)/.run-installed: $(BIN)/python pyproject.toml
 	$(BIN)/pip install --quiet "$(TORCH)"
-	$(BIN)/pip install --quiet -e ".[torch]"
+	$(BIN)/pip install --quiet -e ".[$(RUN_EXTRA)]"
 	touch $@
 
 $(VENV)/.test-installed: $(VENV)/.run-installed client/pyproject.toml
-	$(BIN)/pip install --quiet -e ".[torch,dev]"
+	$(BIN)/pip install --quiet -e ".[$(RUN_EXTRA),dev]"
 	touch $@
 
 venv: $(VENV)/.run-installed
