@@ -11,7 +11,7 @@ ARGS ?=
 # `transcribe` and `voices add` import. tests/test_dependencies.py reads this line.
 RUN_EXTRA := torch
 
-.PHONY: run test test-gpu proto lint system-deps venv clean
+.PHONY: run test test-quick test-slow test-gpu proto lint system-deps venv clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -39,8 +39,17 @@ system-deps:
 run: $(VENV)/.run-installed
 	$(BIN)/voiced serve $(ARGS)
 
+# Every test CI needs, the slow ones included (about 4 minutes on 2 cores).
 test: system-deps $(VENV)/.test-installed
 	$(BIN)/python -m pytest -q $(ARGS)
+
+# While editing: everything but the tests marked `slow` (each takes 5 s or more on 2 cores) ...
+test-quick: system-deps $(VENV)/.test-installed
+	$(BIN)/python -m pytest -q -m "not slow" $(ARGS)
+
+# ... and those alone.
+test-slow: system-deps $(VENV)/.test-installed
+	$(BIN)/python -m pytest -q -m slow $(ARGS)
 
 # On a machine with a CUDA GPU: the GPU tests (skipped elsewhere).
 test-gpu: system-deps $(VENV)/.test-installed

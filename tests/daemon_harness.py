@@ -20,7 +20,7 @@ from voiced.agents import AgentRegistry
 from voiced.audio.ingest import FRAME_SAMPLES, Format, FrameDecoder, encode_pcm, float_to_int16
 from voiced.config import Config
 from voiced.metrics import Metrics
-from voiced.scheduler import EngineWorker
+from voiced.scheduler import EngineThread, EngineWorker
 from voiced.server import Services, VoicedServer, start_in_thread
 
 MAX_NEW_TOKENS = 10  # random models never stop on their own
@@ -73,7 +73,9 @@ def start_daemon(checkpoint: Path, config: Config | None = None, tts_engine=None
 
     config = config or daemon_config()
     engine = WhisperEngine.load(str(checkpoint), device="cpu", max_batch=max_batch)
-    services = Services(config=config, metrics=Metrics(), asr=EngineWorker(engine, "asr"),
+    # The engine thread keeps a step log, so tests judge scheduling from the order it did the work in.
+    thread = EngineThread("engines", step_log=100_000)
+    services = Services(config=config, metrics=Metrics(), asr=EngineWorker(engine, "asr", thread=thread),
                         agents=AgentRegistry(config.agent))
     if tts_engine is not None:
         services.tts = EngineWorker(tts_engine, "tts", thread=services.asr.thread)  # as `voiced serve` does

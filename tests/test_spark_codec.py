@@ -119,6 +119,12 @@ def test_tokenize_then_detokenize_espeak_speech(ckpt, codec):
     glob = codec.global_tokens(ref)
     assert glob.shape == (1, 32) and 0 <= int(glob.min()) and int(glob.max()) < 4096
     assert semantic.shape == (1, feats.shape[1]) and int(semantic.max()) < 8192
+    # Both token streams follow the audio, so a tokenizer defect would show: most 20 ms frames get a code
+    # of their own, the 32 global tokens are many different codes, and another speaker's clip gets others.
+    assert len(set(semantic[0].tolist())) / (len(audio) / 16000) >= 25  # distinct codes per second
+    assert len(set(glob[0].tolist())) >= 8
+    other = torch.from_numpy(reference_clip(volume_normalize(phrase("She sells sea shells.", "en+f3")), codec.config))
+    assert int((codec.global_tokens(other[None]) != glob).sum()) >= 16
     # the factorized VQ picks the nearest code by L2 distance between unit vectors (upstream's formula)
     z = codec.quantizer.in_project(codec.encoder(feats.transpose(1, 2)))[0].T
     e = torch.nn.functional.normalize(z, dim=-1)
