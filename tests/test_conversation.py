@@ -7,6 +7,7 @@ import asyncio
 import base64
 import json
 import threading
+import weakref
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import grpc
@@ -208,17 +209,20 @@ def test_a_refused_session_leaves_nothing_behind(daemon):
     from voiced.audio.ingest import FrameDecoder
     from voiced.session import Session
 
+    def alive():
+        gc.collect()
+        return [o for o in gc.get_objects() if type(o) in (Session, FrameDecoder)]
+
+    # Only this test's sessions are judged: another test's may still be winding down in the process.
+    earlier = weakref.WeakSet(alive())
     silence = wire_audio(np.zeros(RATE, np.float32), PHONE)
     bad = audio_requests(converse_config(), silence, PHONE)
     bad.insert(1, pb.SessionRequest(control=pb.Control(speak=pb.Speak(text="  "))))
     for _ in range(3):
         _, code, _ = stream_blocking(daemon.address, bad, "Converse")
         assert code == grpc.StatusCode.INVALID_ARGUMENT
-    def alive():
-        gc.collect()
-        return [o for o in gc.get_objects() if type(o) in (Session, FrameDecoder)]
-
-    until(lambda: not alive(), "the refused sessions to be collected", interval_s=0.05)
+    until(lambda: not [o for o in alive() if o not in earlier], "the refused sessions to be collected",
+          interval_s=0.05)
 
 
 # ----------------------------------------------------------------------------- the openai agent
@@ -235,6 +239,7 @@ class FakeLLM(BaseHTTPRequestHandler):
         FakeLLM.seen.append(body)
         if FakeLLM.stall is not None:
             FakeLLM.stall.wait(GUARD_S)
+            return  # the agent gave up long ago: nothing to answer
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.end_headers()
