@@ -252,6 +252,7 @@ def test_cli_transcribe_json_matches_engine(ckpt, tmp_path, clips):
     assert "segments" in json.loads(r.stdout)
 
 
+@pytest.mark.slow
 def test_cli_errors_and_models(tmp_path, ckpt):
     env = {"VOICED_CACHE": str(tmp_path / "c")}
     r = cli("transcribe", "x.wav", "--model", "base", env=env)
