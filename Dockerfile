@@ -14,6 +14,8 @@ ARG BUILD_STATE=/tmp/voiced-build
 # 2.8.0a0+...nv25.6 and what pins it) may carry some. Only complaints that are new fail the build.
 RUN mkdir -p $BUILD_STATE && { pip check > $BUILD_STATE/pip-check.image.txt || true; }
 
+# The container's own torch (CUDA build), transformers and tensorrt_llm satisfy the extra and stay; pip
+# adds only what voiced needs. The extra is the Makefile's RUN_EXTRA (tests/test_dependencies.py checks).
 COPY pyproject.toml README.m[d] ./
 COPY voiced ./voiced
 COPY client ./client
@@ -21,9 +23,10 @@ COPY proto ./proto
 COPY engines/image_pins.py engines/entrypoint.sh engines/README.md ./engines/
 
 # Every version the image has of voiced's dependencies is held (gRPC aside): TensorRT-LLM and its
-# dependencies were resolved against them, and an unconstrained `pip install .` moved the image's
+# dependencies were resolved against them (the torch extra's torch and transformers among them), and an
+# unconstrained `pip install .` moved the image's
 # protobuf (6.x) to 7.x.
-RUN python3 engines/image_pins.py pyproject.toml safetensors pyyaml > $BUILD_STATE/image-pins.txt \
+RUN python3 engines/image_pins.py pyproject.toml torch safetensors pyyaml tokenizers transformers > $BUILD_STATE/image-pins.txt \
  && cat $BUILD_STATE/image-pins.txt
 
 # The committed stubs carry the gencode version of the grpcio-tools that made them, and protobuf
@@ -33,8 +36,7 @@ RUN pip install --no-cache-dir -c $BUILD_STATE/image-pins.txt grpcio-tools \
  && python3 proto/generate.py \
  && pip uninstall -y grpcio-tools
 
-# The container's own torch (CUDA build) and tensorrt_llm stay; pip adds only what voiced needs.
-RUN pip install --no-cache-dir -c $BUILD_STATE/image-pins.txt . safetensors pyyaml
+RUN pip install --no-cache-dir -c $BUILD_STATE/image-pins.txt ".[torch]"
 
 RUN if ! pip check > $BUILD_STATE/pip-check.txt; then \
       new=$(grep -vxF -f $BUILD_STATE/pip-check.image.txt $BUILD_STATE/pip-check.txt || true); \

@@ -10,7 +10,12 @@ ARGS ?=
 # Where `make run` opens the HTTP door: the web page, OpenAI's audio API and Realtime (empty: off).
 HTTP ?= 127.0.0.1:8080
 
-.PHONY: run test test-gpu gpu-data proto lint system-deps venv clean
+
+# The pip extra the daemon is installed with (pyproject.toml): everything `voiced serve`, `speak`,
+# `transcribe` and `voices add` import. tests/test_dependencies.py reads this line.
+RUN_EXTRA := torch
+
+.PHONY: run test test-quick test-slow test-gpu gpu-data proto lint system-deps venv clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -19,11 +24,11 @@ $(BIN)/python:
 # Installed once per change of pyproject.toml: the daemon for `run`, plus the references for `test`.
 $(VENV)/.run-installed: $(BIN)/python pyproject.toml
 	$(BIN)/pip install --quiet "$(TORCH)"
-	$(BIN)/pip install --quiet -e ".[torch]"
+	$(BIN)/pip install --quiet -e ".[$(RUN_EXTRA)]"
 	touch $@
 
 $(VENV)/.test-installed: $(VENV)/.run-installed client/pyproject.toml
-	$(BIN)/pip install --quiet -e ".[torch,dev]"
+	$(BIN)/pip install --quiet -e ".[$(RUN_EXTRA),dev]"
 	touch $@
 
 venv: $(VENV)/.run-installed
@@ -46,8 +51,17 @@ run: $(VENV)/.run-installed
 	@$(if $(HTTP),echo "voiced: open http://$(HTTP)/ in a browser (OpenAI-compatible API: http://$(HTTP)/v1)",true)
 	$(BIN)/voiced serve $(if $(HTTP),--http $(HTTP)) $(ARGS)
 
+# Every test CI needs, the slow ones included (about 4 minutes on 2 cores).
 test: system-deps $(VENV)/.test-installed
 	$(BIN)/python -m pytest -q $(ARGS)
+
+# While editing: everything but the tests marked `slow` (each takes 5 s or more on 2 cores) ...
+test-quick: system-deps $(VENV)/.test-installed
+	$(BIN)/python -m pytest -q -m "not slow" $(ARGS)
+
+# ... and those alone.
+test-slow: system-deps $(VENV)/.test-installed
+	$(BIN)/python -m pytest -q -m slow $(ARGS)
 
 # On a machine with a CUDA GPU: the GPU suite, every test marked `gpu` (docs/GPU_TESTS.md). It needs
 # neither espeak-ng nor apt: the speech it hears comes from .devdata/speech (`make gpu-data`), or from

@@ -43,13 +43,10 @@ def plot(argv: list[str]) -> int:
     ap.add_argument("results", nargs="+", type=Path)
     ap.add_argument("--out", type=Path, default=Path("bench.png"))
     a = ap.parse_args(argv)
-    try:
-        import matplotlib
+    import matplotlib  # missing: the command line names the extra (voiced.extras)
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise CliError("plotting needs matplotlib: pip install 'voiced[bench]'") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
     e2e = [json.loads(p.read_text()) for p in a.results]
     e2e = [r for r in e2e if r.get("bench") == "e2e"]
     if not e2e:

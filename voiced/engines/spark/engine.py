@@ -25,6 +25,7 @@ runs on a prefix of the cache.
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import itertools
 import logging
 import os
@@ -881,13 +882,22 @@ class Wav2Vec2Features:
     LAYERS = (11, 14, 16)
 
     def __init__(self, path: str | Path, device: str) -> None:
-        from transformers import Wav2Vec2FeatureExtractor, Wav2Vec2Model
+        try:
+            import transformers
+            from transformers import Wav2Vec2FeatureExtractor, Wav2Vec2Model
+        except ModuleNotFoundError as e:  # after start-up: no command line around to explain it
+            from voiced.extras import missing_extra
+
+            raise EngineError(str(missing_extra(e, "registering a voice") or e)) from None
 
         path = Path(path)
         if not (path / "config.json").exists():
             raise EngineError(f"registering a voice needs wav2vec2 ({path} is missing); run `voiced models pull spark-tts-0.5b`")
         self.processor = Wav2Vec2FeatureExtractor.from_pretrained(path)
-        self.model = Wav2Vec2Model.from_pretrained(path).to(device).eval()
+        # fp32, as upstream runs it: transformers 5 loads in the dtype config.json names ("auto"), 4.x
+        # in fp32; 4.56 renamed `torch_dtype` to `dtype`, and 5.x warns on the old name.
+        kw = "dtype" if _version(transformers.__version__) >= (4, 56) else "torch_dtype"
+        self.model = Wav2Vec2Model.from_pretrained(path, **{kw: torch.float32}).to(device).eval()
         if self.model.config.num_hidden_layers < max(self.LAYERS):
             raise EngineError(f"{path}: wav2vec2 has {self.model.config.num_hidden_layers} layers; need {max(self.LAYERS)}")
         self.device = device
@@ -918,11 +928,12 @@ def checkpoint_fingerprint(ckpt: SparkCheckpoint) -> str:
 
 
 def _has_triton() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    # triton comes with torch where torch.compile can use it; only its presence matters here.
+    return importlib.util.find_spec("triton") is not None
+
+
+def _version(v: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in re.findall(r"\d+", v)[:2])
 
 
 def _dtype(d: str | torch.dtype | None) -> torch.dtype | None:
