@@ -316,7 +316,7 @@ CASES: dict[str, Callable[[Daemon], Outcome]] = {
     "G38": lambda d: stream(d, [cfg(), ctl(speak=pb.Speak(text=" \t "))], "Converse"),
     "G39": lambda d: stream(d, [cfg(), ctl(speak=pb.Speak(text="word " * 20000))], "Converse"),
     "G40": lambda d: stream(d, [cfg(), ctl(speak=pb.Speak(text="😀🎉👍🔥"))], "Converse"),
-    "G41": lambda d: stream(d, [cfg(), ctl(speak=pb.Speak(text="\x00\x07\x1b[2J\u200b"))], "Converse"),
+    "G41": lambda d: stream(d, [cfg(), ctl(speak=pb.Speak(text="\x00\x07\x1b\x7f\u200b\r\n"))], "Converse"),
     # limits
     "G42": with_server("idle_timeout_s", 0.3, lambda d: holding(d, [])),
     "G43": with_server("idle_timeout_s", 0.3, lambda d: holding(d, [cfg()])),

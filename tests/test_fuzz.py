@@ -47,7 +47,24 @@ def optional(values):
 
 
 @st.composite
-def configs(draw) -> pb.SessionConfig:
+def valid_configs(draw) -> pb.SessionConfig:
+    """Settings a careful caller would send (any of them), so the calls get somewhere."""
+    c = pb.SessionConfig()
+    c.input_format.encoding = draw(st.sampled_from([pb.LINEAR16, pb.MULAW, pb.ALAW]))
+    c.input_format.sample_rate_hz = draw(st.sampled_from([8000, 16000, 48000]))
+    c.segmentation.mode = draw(st.sampled_from([pb.AUTO, pb.PUSH_TO_TALK]))
+    hangover = draw(optional(st.integers(100, 1000)))
+    if hangover is not None:
+        c.segmentation.hangover_ms = hangover
+    c.recognition.language = draw(st.sampled_from(["", "en", "English"]))
+    c.recognition.interim_results = draw(st.booleans())
+    c.agent.name = draw(st.sampled_from(["", "echo", "client"]))
+    return c
+
+
+@st.composite
+def wild_configs(draw) -> pb.SessionConfig:
+    """Any value in any field: most of these are refused, each with its own message."""
     c = pb.SessionConfig()
     if draw(st.booleans()) or draw(st.booleans()):  # mostly a format, sometimes none
         c.input_format.encoding = draw(st.sampled_from([pb.LINEAR16, pb.MULAW, pb.ALAW]) | st.integers(0, 9))
@@ -65,14 +82,13 @@ def configs(draw) -> pb.SessionConfig:
             setattr(seg, name, value)
     rec = c.recognition
     rec.language = draw(st.sampled_from(["", "en", "de", "xx", "English"]))
-    rec.disabled = draw(st.booleans()) and draw(st.booleans())
-    rec.interim_results = draw(st.booleans())
+    rec.disabled = draw(st.booleans())
     beam = draw(optional(st.integers(-1, 6)))
     if beam is not None:
         rec.beam_size = beam
     c.agent.name = draw(st.sampled_from(["", "echo", "client", "nobody"]))
     c.speech.voice = draw(st.sampled_from(["", "female", "nobody"]))
-    for name, values in (("temperature", st.floats(-1, 3, allow_nan=True)), ("top_p", st.floats(0, 1.5)),
+    for name, values in (("temperature", st.floats(-1, 3) | st.just(float("nan"))), ("top_p", st.floats(0, 1.5)),
                          ("top_k", st.integers(-2, 100))):
         value = draw(optional(values))
         if value is not None:
@@ -83,19 +99,54 @@ def configs(draw) -> pb.SessionConfig:
     return c
 
 
-def messages(speech: list[bytes]):
-    control = st.one_of(
-        st.just(pb.Control(talk_start=pb.TalkStart())), st.just(pb.Control(talk_end=pb.TalkEnd())),
-        st.just(pb.Control(stop_speaking=pb.StopSpeaking())), st.just(pb.Control()),
-        st.builds(lambda t: pb.Control(speak=pb.Speak(text=t)), st.text(max_size=40)),
-    )
-    return st.one_of(
-        st.builds(lambda b: pb.SessionRequest(audio=b), st.binary(max_size=1500)),
-        st.sampled_from(speech).map(lambda b: pb.SessionRequest(audio=b)),
-        control.map(lambda c: pb.SessionRequest(control=c)),
-        configs().map(lambda c: pb.SessionRequest(config=c)),
-        st.just(pb.SessionRequest()),
-    )
+CONTROLS = ["talk_start", "talk_end", "stop_speaking"]
+
+
+def control(kind: str) -> pb.SessionRequest:
+    return pb.SessionRequest(control=pb.Control(**{kind: getattr(pb, kind.title().replace("_", ""))()}))
+
+
+@st.composite
+def sequences(draw, speech: list[bytes]) -> tuple[str, list[pb.SessionRequest]]:
+    """A method and what a caller sends on one stream. Three in four callers are careful (valid
+    settings, messages in order: their calls get far, through turns, transcripts and replies); the
+    rest send anything (wild settings, marks out of order, odd audio, empty or repeated messages).
+    The mix is drawn explicitly: hypothesis does not weigh the branches of one_of."""
+    method = draw(st.sampled_from(["Converse", "StreamingRecognize"]))
+    careful = draw(st.integers(0, 3)) > 0
+    if careful:
+        first = pb.SessionRequest(config=draw(valid_configs()))
+    else:
+        first = draw(st.one_of(wild_configs().map(lambda c: pb.SessionRequest(config=c)), st.sampled_from(
+            [pb.SessionRequest(), pb.SessionRequest(audio=speech[0]), control("talk_start")])))
+    out = [first]
+    ptt = first.config.segmentation.mode == pb.PUSH_TO_TALK
+    words = st.text(alphabet="abcdefghij klmnop.,!?", min_size=1, max_size=40).filter(lambda t: t.strip(" .,!?"))
+    for _ in range(draw(st.integers(0, 8))):
+        k = draw(st.integers(0, 9 if careful else 15))
+        if k < 3:  # a whole turn, as the session's mode wants it
+            turn = [pb.SessionRequest(audio=b) for b in speech]
+            out += [control("talk_start"), *turn, control("talk_end")] if ptt else turn
+        elif k < 5:
+            out.append(pb.SessionRequest(audio=speech[draw(st.integers(0, len(speech) - 1))]))
+        elif k < 7:
+            b = draw(st.binary(max_size=1500))
+            out.append(pb.SessionRequest(audio=b[: len(b) // 2 * 2]))
+        elif k < 10:
+            if method == "Converse":
+                out.append(pb.SessionRequest(control=pb.Control(speak=pb.Speak(text=draw(words)))) if k < 9
+                           else control("stop_speaking"))
+        elif k < 12:
+            out.append(pb.SessionRequest(control=pb.Control(speak=pb.Speak(text=draw(st.text(max_size=40))))))
+        elif k < 14:  # a mark, perhaps out of order
+            out.append(control(draw(st.sampled_from(["talk_start", "talk_end", "stop_speaking"]))))
+        else:  # refused: odd audio, an empty control, a second config, an empty message
+            out.append(draw(st.one_of(
+                st.binary(min_size=1, max_size=99).filter(lambda b: len(b) % 2).map(lambda b: pb.SessionRequest(audio=b)),
+                st.just(pb.SessionRequest(control=pb.Control())),
+                wild_configs().map(lambda c: pb.SessionRequest(config=c)),
+                st.just(pb.SessionRequest()))))
+    return method, out
 
 
 def call(address: str, method: str, requests: list) -> tuple[list, grpc.StatusCode, str]:
@@ -112,11 +163,10 @@ def call(address: str, method: str, requests: list) -> tuple[list, grpc.StatusCo
 def test_any_message_sequence_gets_a_result_or_a_clear_status(daemon, speech_bytes):
     seen = set()
 
-    @given(method=st.sampled_from(["Converse", "StreamingRecognize"]),
-           first=st.one_of(configs().map(lambda c: pb.SessionRequest(config=c)), messages(speech_bytes)),
-           rest=st.lists(messages(speech_bytes), max_size=25))
-    def check(method, first, rest):
-        events, code, details = call(daemon.address, method, [first, *rest])
+    @given(call_=sequences(speech_bytes))
+    def check(call_):
+        method, requests = call_
+        events, code, details = call(daemon.address, method, requests)
         assert code in CLEAR, f"{code.name}: {details}"  # DEADLINE_EXCEEDED here would be our hang limit
         if code != grpc.StatusCode.OK:
             assert details and "Traceback" not in details and "internal error" not in details, details

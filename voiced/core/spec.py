@@ -84,6 +84,8 @@ def check_text(text: str, what: str) -> str:
     nothing speakable (only emoji, symbols, control characters) is BAD_INPUT."""
     cleaned = " ".join("".join(" " if unicodedata.category(c)[0] == "C" else c for c in text).split())
     if not cleaned:
+        if text.strip():
+            raise invalid(f"{what} has nothing to say: it holds only control characters; send words")
         raise invalid(f"{what} is empty; send the text to speak")
     if len(cleaned) > MAX_TEXT_CHARS:
         raise invalid(f"{what} is {len(cleaned)} characters; send at most {MAX_TEXT_CHARS} at a time "
