@@ -7,15 +7,45 @@
 FROM nvcr.io/nvidia/tensorrt-llm/release:1.0.0
 
 WORKDIR /opt/voiced
+# Scratch files of the install steps below (pins, pip check before and after); removed at the end.
+ARG BUILD_STATE=/tmp/voiced-build
 
-# The container's own torch (CUDA build) and tensorrt_llm stay; pip adds only what voiced needs.
+# pip check's complaints about the image itself, before anything is added: NVIDIA's own builds (torch
+# 2.8.0a0+...nv25.6 and what pins it) may carry some. Only complaints that are new fail the build.
+RUN mkdir -p $BUILD_STATE && { pip check > $BUILD_STATE/pip-check.image.txt || true; }
+
+# The container's own torch (CUDA build), transformers and tensorrt_llm satisfy the extra and stay; pip
+# adds only what voiced needs. The extra is the Makefile's RUN_EXTRA (tests/test_dependencies.py checks).
 COPY pyproject.toml README.m[d] ./
 COPY voiced ./voiced
 COPY client ./client
 COPY proto ./proto
-RUN pip install --no-cache-dir . safetensors pyyaml
+COPY engines/image_pins.py engines/entrypoint.sh engines/README.md ./engines/
 
-COPY engines/entrypoint.sh engines/README.md ./engines/
+# Every version the image has of voiced's dependencies is held (gRPC aside): TensorRT-LLM and its
+# dependencies were resolved against them (the torch extra's torch and transformers among them), and an
+# unconstrained `pip install .` moved the image's
+# protobuf (6.x) to 7.x.
+RUN python3 engines/image_pins.py pyproject.toml torch safetensors pyyaml tokenizers transformers > $BUILD_STATE/image-pins.txt \
+ && cat $BUILD_STATE/image-pins.txt
+
+# The committed stubs carry the gencode version of the grpcio-tools that made them, and protobuf
+# refuses gencode newer than its runtime: make them again with the newest grpcio-tools that takes the
+# image's protobuf (1.80.x for protobuf 6), then drop it.
+RUN pip install --no-cache-dir -c $BUILD_STATE/image-pins.txt grpcio-tools \
+ && python3 proto/generate.py \
+ && pip uninstall -y grpcio-tools
+
+RUN pip install --no-cache-dir -c $BUILD_STATE/image-pins.txt ".[torch]"
+
+RUN if ! pip check > $BUILD_STATE/pip-check.txt; then \
+      new=$(grep -vxF -f $BUILD_STATE/pip-check.image.txt $BUILD_STATE/pip-check.txt || true); \
+      if [ -n "$new" ]; then \
+        echo "$new" >&2; echo "pip check: installing voiced broke the requirements above" >&2; exit 1; \
+      fi; \
+      echo "pip check: only the base image's own complaints remain:"; cat $BUILD_STATE/pip-check.txt; \
+    fi \
+ && rm -rf $BUILD_STATE
 
 ENV VOICED_ENGINES_DIR=/data/engines \
     VOICED_CACHE=/data/cache \
@@ -24,4 +54,6 @@ ENV VOICED_ENGINES_DIR=/data/engines \
 
 VOLUME ["/data"]
 EXPOSE 50051
-ENTRYPOINT ["/opt/voiced/engines/entrypoint.sh"]
+# NVIDIA's entrypoint first: it sets up the CUDA forward-compatibility libraries on hosts with older
+# drivers (and prints the image's banner), then execs its arguments: ours.
+ENTRYPOINT ["/opt/nvidia/nvidia_entrypoint.sh", "/opt/voiced/engines/entrypoint.sh"]

@@ -7,8 +7,15 @@ BIN := $(VENV)/bin
 # The PyTorch build to install. On a GPU machine the default PyPI wheel is the CUDA build.
 TORCH ?= torch==2.13.0
 ARGS ?=
+# Where `make run` opens the HTTP door: the web page, OpenAI's audio API and Realtime (empty: off).
+HTTP ?= 127.0.0.1:8080
 
-.PHONY: run test test-gpu proto lint system-deps venv clean
+
+# The pip extra the daemon is installed with (pyproject.toml): everything `voiced serve`, `speak`,
+# `transcribe` and `voices add` import. tests/test_dependencies.py reads this line.
+RUN_EXTRA := torch
+
+.PHONY: run test test-quick test-slow test-gpu gpu-data proto lint system-deps venv clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -17,31 +24,74 @@ $(BIN)/python:
 # Installed once per change of pyproject.toml: the daemon for `run`, plus the references for `test`.
 $(VENV)/.run-installed: $(BIN)/python pyproject.toml
 	$(BIN)/pip install --quiet "$(TORCH)"
-	$(BIN)/pip install --quiet -e ".[torch]"
+	$(BIN)/pip install --quiet -e ".[$(RUN_EXTRA)]"
 	touch $@
 
 $(VENV)/.test-installed: $(VENV)/.run-installed client/pyproject.toml
-	$(BIN)/pip install --quiet -e ".[torch,dev]"
+	$(BIN)/pip install --quiet -e ".[$(RUN_EXTRA),dev]"
 	touch $@
 
 venv: $(VENV)/.run-installed
 
-# espeak-ng and sox make real speech for the tests.
+# espeak-ng and sox make real speech for the tests; haproxy fronts two daemons in the scale-out test;
+# Debian's chromium runs the web page's test.
 system-deps:
-	@if ! command -v espeak-ng >/dev/null || ! command -v sox >/dev/null; then \
+	@if ! command -v espeak-ng >/dev/null || ! command -v sox >/dev/null || ! command -v haproxy >/dev/null; then \
 		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
-		$$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq espeak-ng sox >/dev/null; \
+		$$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq espeak-ng sox haproxy >/dev/null; \
+	fi
+	@if ! command -v chromium >/dev/null; then \
+		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+		$$SUDO apt-get install -y -qq chromium >/dev/null 2>&1 || ($$SUDO apt-get update -qq && \
+		$$SUDO apt-get install -y -qq chromium >/dev/null) || \
+		echo "chromium could not be installed: the web page's browser test will be skipped"; \
 	fi
 
 run: $(VENV)/.run-installed
-	$(BIN)/voiced serve $(ARGS)
+	@$(if $(HTTP),echo "voiced: open http://$(HTTP)/ in a browser (OpenAI-compatible API: http://$(HTTP)/v1)",true)
+	$(BIN)/voiced serve $(if $(HTTP),--http $(HTTP)) $(ARGS)
 
+# Every test CI needs, the slow ones included (about 4 minutes on 2 cores).
 test: system-deps $(VENV)/.test-installed
 	$(BIN)/python -m pytest -q $(ARGS)
 
-# On a machine with a CUDA GPU: the GPU tests (skipped elsewhere).
-test-gpu: system-deps $(VENV)/.test-installed
-	$(BIN)/python -m pytest -q -m gpu $(ARGS)
+# While editing: everything but the tests marked `slow` (each takes 5 s or more on 2 cores) ...
+test-quick: system-deps $(VENV)/.test-installed
+	$(BIN)/python -m pytest -q -m "not slow" $(ARGS)
+
+# ... and those alone.
+test-slow: system-deps $(VENV)/.test-installed
+	$(BIN)/python -m pytest -q -m slow $(ARGS)
+
+# On a machine with a CUDA GPU: the GPU suite, every test marked `gpu` (docs/GPU_TESTS.md). It needs
+# neither espeak-ng nor apt: the speech it hears comes from .devdata/speech (`make gpu-data`), or from
+# espeak-ng where one is installed. GPU_PYTHON: a Python that already has torch with CUDA and the
+# packages of .whl (on a GPU machine without network: GPU_PYTHON=python3); empty: this venv.
+# One process per test file (pytest-xdist): most of the time is torch.compile, which is CPU work. Only
+# tests/test_*_gpu.py are collected: the other files import the doors' client libraries, which a bare
+# GPU image lacks.
+GPU_PYTHON ?=
+GPU_WORKERS ?= 3
+test-gpu: $(if $(GPU_PYTHON),,$(VENV)/.test-installed)
+	PYTHONPATH=$(CURDIR):$(CURDIR)/client$${PYTHONPATH:+:$$PYTHONPATH} \
+		$(or $(GPU_PYTHON),$(BIN)/python) -m pytest -q -m gpu -rA --log-level=INFO \
+		-n $(GPU_WORKERS) --dist loadfile tests/test_*_gpu.py $(ARGS)
+
+# What a GPU machine without network or espeak-ng needs for `make test-gpu`, made on a machine that has
+# both: wheels of the daemon's and the suite's pure-Python / gRPC dependencies for CPython $(GPU_PY)
+# x86-64 in .whl (torch, numpy, transformers, tiktoken come with a CUDA image), and the suite's speech
+# in .devdata/speech. Both folders are git-ignored; carry them to the GPU machine.
+GPU_PY ?= 3.12
+GPU_WHEELS := grpcio==1.85.1 grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 grpcio-tools==1.85.1 \
+	protobuf==7.35.1 webrtcvad-wheels==2.0.14.post1 soxr==1.1.0 prometheus-client==0.26.0
+gpu-data: system-deps $(VENV)/.test-installed
+	rm -rf .whl && $(BIN)/python -m pip download --quiet --no-deps --only-binary=:all: --python-version $(GPU_PY) \
+		--implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+		--platform manylinux2014_x86_64 --platform any -d .whl $(GPU_WHEELS)
+	# openai-whisper (the reference) is published as a source archive only: build its wheel here
+	$(BIN)/python -m pip wheel --quiet --no-deps -w .whl \
+		"openai-whisper==$$($(BIN)/python -c 'import importlib.metadata as m; print(m.version("openai-whisper"))')"
+	$(BIN)/python -m tests.speech .devdata/speech
 
 proto: $(VENV)/.test-installed
 	$(BIN)/python proto/generate.py

@@ -19,7 +19,7 @@ from voiced_client.proto import voiced_pb2_grpc as pb_grpc
 from voiced.audio.ingest import FRAME_SAMPLES, Format, FrameDecoder, encode_pcm, float_to_int16
 from voiced.config import Config
 from voiced.core.agents import AgentRegistry
-from voiced.core.scheduler import EngineWorker
+from voiced.core.scheduler import EngineThread, EngineWorker
 from voiced.core.services import Services
 from voiced.daemon import Daemon as VoicedDaemon
 from voiced.daemon import start_in_thread
@@ -70,13 +70,19 @@ class Daemon:
         self.thread.join(10)
 
 
-def start_daemon(checkpoint: Path, config: Config | None = None, tts_engine=None, max_batch: int = 16) -> Daemon:
+def start_daemon(checkpoint: Path, config: Config | None = None, tts_engine=None, max_batch: int = 16,
+                 agents: dict | None = None) -> Daemon:
+    """`agents`: name -> factory(config, system_prompt), registered before the doors open (plug-ins)."""
     from voiced.engines.whisper.engine import WhisperEngine
 
     config = config or daemon_config()
     engine = WhisperEngine.load(str(checkpoint), device="cpu", max_batch=max_batch)
-    services = Services(config=config, metrics=Metrics(), asr=EngineWorker(engine, "asr"),
+    # The engine thread keeps a step log, so tests judge scheduling from the order it did the work in.
+    thread = EngineThread("engines", step_log=100_000)
+    services = Services(config=config, metrics=Metrics(), asr=EngineWorker(engine, "asr", thread=thread),
                         agents=AgentRegistry(config.agent))
+    for name, factory in (agents or {}).items():
+        services.agents.register(name, factory)
     if tts_engine is not None:
         services.tts = EngineWorker(tts_engine, "tts", thread=services.asr.thread)  # as `voiced serve` does
         services.voices = tts_engine.voices

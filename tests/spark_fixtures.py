@@ -215,6 +215,24 @@ def _write_bicodec(root: Path, seed: int, w2v_hidden: int) -> None:
                 m.running_mean.normal_(0, 0.1)
                 m.running_var.uniform_(0.5, 1.5)
                 m.num_batches_tracked.fill_(1000)
+        # Make both token streams follow the audio, so that tests on them can catch a tokenizer defect.
+        # At random init a bias adds the same vector to every frame and the 1-D norm weights (0.1 scale)
+        # shrink each layer's signal, so every frame got nearly one semantic code and the speaker path's
+        # output was its learned latents, whatever the recording: all 32 global tokens the centre code.
+        # Unit norms and no biases in both encoders; the speaker's frames brought up to the latents'
+        # scale in the perceiver, and the quantizer's inputs spread over its 4 levels.
+        for part in (model.encoder, model.speaker_encoder):
+            for name, p in part.named_parameters():
+                if name.endswith("bias"):
+                    p.zero_()
+                elif p.ndim == 1:
+                    p.fill_(1.0)
+            for m in part.modules():
+                if isinstance(m, torch.nn.BatchNorm1d):
+                    m.running_mean.zero_()
+        model.quantizer.in_project.bias.zero_()
+        model.speaker_encoder.perceiver_sampler.proj_context.weight.mul_(20.0)
+        model.speaker_encoder.quantizer.project_in.weight.mul_(3.0)
         # Keep the output conv small so the final tanh is not saturated: a saturated waveform would
         # hide differences between decodes (and could not fail an exactness test).
         probe = torch.randint(0, 8192, (1, 60), generator=torch.Generator().manual_seed(seed))
@@ -260,7 +278,8 @@ _CACHE: dict[int, Path] = {}
 
 
 def cached_spark_checkpoint(tmp_path_factory, seed: int = 0) -> Path:
-    """One checkpoint per seed per test session (building one takes a couple of seconds)."""
+    """One checkpoint per seed per test session, shared by every test file (building one takes
+    seconds on two cores). Tests must not write into it. Named as published: `Spark-TTS-0.5B`."""
     if seed not in _CACHE:
-        _CACHE[seed] = make_spark_checkpoint(tmp_path_factory.mktemp(f"spark{seed}"), seed)
+        _CACHE[seed] = make_spark_checkpoint(tmp_path_factory.mktemp(f"spark{seed}") / "Spark-TTS-0.5B", seed)
     return _CACHE[seed]

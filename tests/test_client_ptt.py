@@ -21,6 +21,8 @@ from voiced_client.proto import voiced_pb2 as pb
 from voiced_client.proto import voiced_pb2_grpc as pb_grpc
 from voiced_client.session import SessionOptions
 
+from tests.until import GUARD_S, until_async
+
 
 class Sink:
     """Speakers that record what they were asked to play."""
@@ -219,21 +221,18 @@ async def test_run_ptt_session_against_a_server():
         source, sink, keys, shown = Source(), Sink(), asyncio.Queue(), []
         options = SessionOptions(AudioFormat(Encoding.LINEAR16, 16000), push_to_talk=True)
         task = asyncio.create_task(ptt.run_ptt(channel, options, source, sink, keys, show=shown.append))
-        while source.on_frame is None:
-            await asyncio.sleep(0.01)
+        await until_async(lambda: source.on_frame is not None, "the microphone to start")
         keys.put_nowait("toggle")
-        await asyncio.sleep(0.05)
+        await until_async(lambda: any(line.startswith("● talking") for line in shown), "the talking state")
         for _ in range(5):  # the microphone delivers from its own thread
             await asyncio.to_thread(source.on_frame, np.zeros(320, np.int16))
-        await asyncio.sleep(0.05)
+        await until_async(lambda: kinds(servicer.received).count("audio") == 5, "the server to get 5 frames")
         keys.put_nowait("toggle")
-        await asyncio.wait_for(servicer.talk_ended.wait(), 5)
-        while len(sink.played) < 3:
-            await asyncio.sleep(0.01)
+        await until_async(servicer.talk_ended.is_set, "the reply to the turn")
+        await until_async(lambda: len(sink.played) == 3, "the reply's 3 chunks to play")
         keys.put_nowait("toggle")  # talk over the reply
-        await asyncio.sleep(0.2)
-        keys.put_nowait("quit")
-        controller = await asyncio.wait_for(task, 10)
+        keys.put_nowait("quit")  # run_ptt half-closes and reads what the server still sends
+        controller = await asyncio.wait_for(task, GUARD_S)
     finally:
         await channel.close()
         await server.stop(None)

@@ -7,7 +7,7 @@ import asyncio
 import base64
 import json
 import threading
-import time
+import weakref
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import grpc
@@ -26,8 +26,9 @@ from tests.daemon_harness import (
     stream_blocking,
     wire_audio,
 )
-from tests.spark_fixtures import make_spark_checkpoint
+from tests.spark_fixtures import cached_spark_checkpoint
 from tests.speech import RATE, layout, write_wav
+from tests.until import GUARD_S, until, until_async
 from tests.whisper_fixtures import make_openai_checkpoint
 from voiced.audio.ingest import Format
 from voiced.cli import main as voiced_main
@@ -40,7 +41,7 @@ PHONE = Format("MULAW", 8000)
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("models")
-    return make_openai_checkpoint(root / "whisper", seed=3), make_spark_checkpoint(root / "Spark-TTS-0.5B", seed=0)
+    return make_openai_checkpoint(root / "whisper", seed=3), cached_spark_checkpoint(tmp_path_factory)
 
 
 def _tts(spark, voices_dir):
@@ -124,10 +125,9 @@ def _barge_in(daemon, min_speech_ms: int, enabled: bool = True):
                     if kind == "audio":
                         got_audio.set()
                     elif kind == "reply" and ev.reply.type == pb.ReplyEvent.REPLY_INTERRUPTED:
-                        for _ in range(100):  # the engine applies the cancellation on its own thread
-                            if worker.stats.cancelled > seen["cancelled_before"]:
-                                break
-                            await asyncio.sleep(0.01)
+                        # the engine applies the cancellation on its own thread
+                        await until_async(lambda: worker.stats.cancelled > seen["cancelled_before"],
+                                          "the reply's cancellation to reach the engine")
                         seen["cancelled_at_cut"] = worker.stats.cancelled
                     elif kind == "transcript" and ev.transcript.is_final and ev.turn_id == 2:
                         heard_twice.set()
@@ -146,7 +146,7 @@ def _barge_in(daemon, min_speech_ms: int, enabled: bool = True):
             while not heard_twice.is_set():
                 await call.write(pb.SessionRequest(audio=silence))
                 await asyncio.sleep(0.02)
-            await asyncio.wait_for(reader, 60)
+            await asyncio.wait_for(reader, GUARD_S)
             call.cancel()  # hang up
         return events
 
@@ -167,16 +167,16 @@ def test_barge_in_cuts_the_reply_at_once_and_frees_its_slot(daemon):
     barge_start = [e.speech.offset_ms for e in events[:cut] if e.WhichOneof("event") == "speech"
                    and e.speech.type == pb.SpeechActivity.SPEECH_STARTED][-1]
     assert 0 <= interrupted.caller_offset_ms - (barge_start + 300) <= 100
-    # The reply's LM request was still being written, and the barge-in cancelled it in the engine.
+    # The barge-in cancelled the reply's request in the engine...
     assert seen["cancelled_at_cut"] == seen["cancelled_before"] + 1
     assert daemon.services.metrics.barge_ins._value.get() >= 1
     # The interruption itself is heard; then the caller hangs up and every slot is given back.
     assert any(e.WhichOneof("event") == "transcript" and e.turn_id == 2 for e in events[cut:])
-    for _ in range(200):
-        if worker.engine.active_requests() == 0 and worker.pending == 0:
-            break
-        time.sleep(0.05)
-    assert worker.engine.active_requests() == 0 and worker.pending == 0
+    until(lambda: worker.engine.active_requests() == 0 and worker.pending == 0, "the TTS slots to be freed")
+    # ... while it was still being written: the engine thread logs a cancel only for a request it holds.
+    log = list(worker.thread.step_log)
+    cancelled = [ids[0] for name, event, ids in log if (name, event) == ("tts", "cancel")]
+    assert cancelled and ("tts", "done", (cancelled[-1],)) not in log
 
 
 def test_barge_in_can_be_switched_off(daemon):
@@ -239,20 +239,20 @@ def test_a_refused_session_leaves_nothing_behind(daemon):
     from voiced.audio.ingest import FrameDecoder
     from voiced.core.session import Session
 
+    def alive():
+        gc.collect()
+        return [o for o in gc.get_objects() if type(o) in (Session, FrameDecoder)]
+
+    # Only this test's sessions are judged: another test's may still be winding down in the process.
+    earlier = weakref.WeakSet(alive())
     silence = wire_audio(np.zeros(RATE, np.float32), PHONE)
     bad = audio_requests(converse_config(), silence, PHONE)
     bad.insert(1, pb.SessionRequest(control=pb.Control(speak=pb.Speak(text="  "))))
     for _ in range(3):
         _, code, _ = stream_blocking(daemon.address, bad, "Converse")
         assert code == grpc.StatusCode.INVALID_ARGUMENT
-    deadline = time.monotonic() + 5
-    while True:
-        gc.collect()
-        alive = [o for o in gc.get_objects() if type(o) in (Session, FrameDecoder)]
-        if not alive or time.monotonic() > deadline:
-            break
-        time.sleep(0.05)
-    assert alive == []
+    until(lambda: not [o for o in alive() if o not in earlier], "the refused sessions to be collected",
+          interval_s=0.05)
 
 
 # ----------------------------------------------------------------------------- the openai agent
@@ -261,13 +261,15 @@ def test_a_refused_session_leaves_nothing_behind(daemon):
 class FakeLLM(BaseHTTPRequestHandler):
     """A real OpenAI-compatible HTTP endpoint (server-sent events), scripted by the test."""
 
-    delay = 0.0
+    stall: threading.Event | None = None  # set: answer only once it is set (the agent times out first)
     seen: list = []
 
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         FakeLLM.seen.append(body)
-        time.sleep(FakeLLM.delay)
+        if FakeLLM.stall is not None:
+            FakeLLM.stall.wait(GUARD_S)
+            return  # the agent gave up long ago: nothing to answer
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.end_headers()
@@ -286,8 +288,10 @@ class FakeLLM(BaseHTTPRequestHandler):
 def llm():
     server = ThreadingHTTPServer(("127.0.0.1", 0), FakeLLM)
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    FakeLLM.seen, FakeLLM.delay = [], 0.0
+    FakeLLM.seen, FakeLLM.stall = [], None
     yield server
+    if FakeLLM.stall is not None:
+        FakeLLM.stall.set()
     server.shutdown()
 
 
@@ -323,9 +327,9 @@ def test_openai_agent_streams_sentences_and_keeps_history(listening, llm):
 
 def test_openai_agent_down_or_slow_gives_a_notice_and_the_session_goes_on(listening, llm):
     config = listening.services.config.agent
-    for url, delay, code_word in ((f"http://127.0.0.1:{_free_port()}/v1", 0.0, "AGENT_UNAVAILABLE"),
-                                  (f"http://127.0.0.1:{llm.server_port}/v1", 3.0, "AGENT_TIMEOUT")):
-        config.openai_base_url, FakeLLM.delay = url, delay
+    for url, stall, code_word in ((f"http://127.0.0.1:{_free_port()}/v1", None, "AGENT_UNAVAILABLE"),
+                                  (f"http://127.0.0.1:{llm.server_port}/v1", threading.Event(), "AGENT_TIMEOUT")):
+        config.openai_base_url, FakeLLM.stall = url, stall  # a stalled endpoint: never answers in time
         events, code, details = stream_blocking(listening.address, audio_requests(converse_config(), _two_turns(),
                                                                                   PHONE), "Converse")
         assert code == grpc.StatusCode.OK, details

@@ -28,6 +28,7 @@ from tests.daemon_harness import (
     wire_audio,
 )
 from tests.speech import RATE, layout, phrase, write_wav
+from tests.until import GUARD_S, until, until_async
 from tests.whisper_fixtures import make_openai_checkpoint
 from voiced.audio.ingest import Format
 from voiced.cli import main as voiced_main
@@ -107,6 +108,7 @@ def test_push_to_talk_yields_exactly_the_marked_spans(daemon):
     assert speech == [(S, 200), (E, 1400), (S, 1800), (E, 3000)]
 
 
+@pytest.mark.slow
 def test_fifty_concurrent_sessions_while_one_sends_garbage(daemon):
     fmt = Format("LINEAR16", 16000)
     data = wire_audio(layout([PHRASES[0]], lead_s=0.3, tail_s=0.8).audio, fmt)
@@ -190,18 +192,9 @@ def test_a_caller_vanishing_mid_utterance_leaves_nothing_behind(daemon):
 
     for point in ("SPEECH_STARTED", "SPEECH_ENDED"):
         asyncio.run(vanish(point))
-        for _ in range(100):
-            if daemon.services.active_sessions == 0 and not daemon.session_tasks():
-                break
-            asyncio.run(asyncio.sleep(0.05))
-        assert daemon.services.active_sessions == 0
-        assert daemon.session_tasks() == []
+        until(lambda: daemon.services.active_sessions == 0 and not daemon.session_tasks(), "the session to end")
         assert daemon.services.asr.pending == 0
-        for _ in range(100):
-            if daemon.services.asr.engine.active_requests() == 0:
-                break
-            asyncio.run(asyncio.sleep(0.05))
-        assert daemon.services.asr.engine.active_requests() == 0
+        until(lambda: daemon.services.asr.engine.active_requests() == 0, "the engine to drop the request")
 
 
 def test_speech_events_only_when_transcription_is_off(daemon):
@@ -215,23 +208,33 @@ def test_speech_events_only_when_transcription_is_off(daemon):
 
 def test_interim_results_come_before_the_final_of_their_turn(daemon):
     fmt = Format("LINEAR16", 16000)
-    data = wire_audio(layout([PHRASES[0] + " " + PHRASES[1]]).audio, fmt)
+    speech = layout([PHRASES[0] + " " + PHRASES[1]])
+    data = wire_audio(speech.audio, fmt)
     cfg = session_config(fmt, recognition=pb.RecognitionConfig(interim_results=True))
+    # The caller pauses mid-sentence (1.5 s into the speech, past the first interim request) until an
+    # interim result arrives, whatever the engine's speed: an interim is only sent while speech goes on.
+    hold_at = (speech.spans[0][0] + int(1.5 * RATE)) * 2 // len(frames_of(data, fmt)[0])
 
-    async def paced():
-        # Real time, so the engine has time to answer interim requests while the caller speaks.
+    async def caller():
         reqs = audio_requests(cfg, data, fmt)
+        interim = asyncio.Event()
         async with grpc.aio.insecure_channel(daemon.address) as channel:
             stub = pb_grpc.VoicedStub(channel)
 
             async def gen():
-                for r in reqs:
+                for i, r in enumerate(reqs):
                     yield r
-                    await asyncio.sleep(0.02)
+                    if i == 1 + hold_at:
+                        await asyncio.wait_for(interim.wait(), GUARD_S)
 
-            return [ev async for ev in stub.StreamingRecognize(gen())]
+            events = []
+            async for ev in stub.StreamingRecognize(gen()):
+                events.append(ev)
+                if ev.WhichOneof("event") == "transcript" and not ev.transcript.is_final:
+                    interim.set()
+            return events
 
-    events = asyncio.run(paced())
+    events = asyncio.run(caller())
     transcripts = [e.transcript for e in of_kind(events, "transcript")]
     assert transcripts[-1].is_final and sum(t.is_final for t in transcripts) == 1
     assert any(not t.is_final for t in transcripts)
@@ -301,10 +304,7 @@ def test_health_is_not_serving_while_models_load_and_during_drain(tmp_path):
     async def scenario():
         server = Daemon(daemon_config(), load=slow_load)
         starting = asyncio.create_task(server.start())
-        for _ in range(100):
-            if server.port:
-                break
-            await asyncio.sleep(0.02)
+        await until_async(lambda: server.port, "the server to listen")
         address = f"127.0.0.1:{server.port}"
         async with grpc.aio.insecure_channel(address) as channel:
             health = health_pb2_grpc.HealthStub(channel)
@@ -357,6 +357,7 @@ def test_bearer_token_is_required_when_configured(tmp_path):
     asyncio.run(scenario())
 
 
+@pytest.mark.slow
 def test_sigterm_drains_then_exits_and_metrics_are_served(daemon, tmp_path):
     """The real `voiced serve` process: SIGTERM stops new sessions, lets the open one finish, exits 0."""
     import signal
@@ -408,10 +409,13 @@ def test_sigterm_drains_then_exits_and_metrics_are_served(daemon, tmp_path):
             caller = threading.Thread(target=lambda: result.update(
                 events=list(pb_grpc.VoicedStub(channel).StreamingRecognize(requests()))))
             caller.start()
-            assert sent_half.wait(30)
-            time.sleep(0.3)
-            metrics = urllib.request.urlopen(f"http://127.0.0.1:{mport}/metrics", timeout=5).read().decode()
-            assert 'voiced_sessions_active{front="grpc"} 1.0' in metrics and "voiced_asr_latency_seconds_bucket" in metrics
+            assert sent_half.wait(GUARD_S)
+
+            def metrics():
+                return urllib.request.urlopen(f"http://127.0.0.1:{mport}/metrics", timeout=GUARD_S).read().decode()
+
+            until(lambda: 'voiced_sessions_active{front="grpc"} 1.0' in metrics(), "the session in the metrics", interval_s=0.05)
+            assert "voiced_asr_latency_seconds_bucket" in metrics()
             proc.send_signal(signal.SIGTERM)
             while health.Check(health_pb2.HealthCheckRequest()).status != health_pb2.HealthCheckResponse.NOT_SERVING:
                 time.sleep(0.05)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.spark_fixtures import make_spark_checkpoint
+from tests.spark_fixtures import cached_spark_checkpoint
 from tests.whisper_fixtures import make_openai_checkpoint
 from voiced.config import load_config
 from voiced.engines.backend import BackendError
@@ -12,10 +12,10 @@ from voiced.engines.loader import load_asr, load_tts, resolve_device
 from voiced.hub import ModelNotFoundError
 
 
-def test_config_to_torch_engines_on_the_cpu(tmp_path):
+def test_config_to_torch_engines_on_the_cpu(tmp_path, tmp_path_factory):
     config = load_config(env={}, overrides={
         "asr.model": str(make_openai_checkpoint(tmp_path / "w", seed=1)), "asr.device": "auto",
-        "tts.model": str(make_spark_checkpoint(tmp_path / "Spark-TTS-0.5B")), "tts.device": "cpu",
+        "tts.model": str(cached_spark_checkpoint(tmp_path_factory)), "tts.device": "cpu",
         "tts.voices_dir": str(tmp_path / "voices"), "engines.dir": str(tmp_path / "engines")})
     asr, tts = load_asr(config), load_tts(config)
     assert (asr.backend, asr.device) == ("torch", "cpu") and (tts.backend, tts.device) == ("torch", "cpu")

@@ -14,21 +14,24 @@ from voiced.engines.base import ASROptions, ASRRequest, TTSOptions, TTSRequest
 
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory):
-    from tests.spark_fixtures import make_spark_checkpoint
+    from tests.spark_fixtures import cached_spark_checkpoint
     from tests.whisper_fixtures import make_openai_checkpoint
     from voiced.engines.spark.engine import SparkTTSEngine
     from voiced.engines.whisper.engine import WhisperEngine
 
     root = tmp_path_factory.mktemp("sched")
     asr = WhisperEngine.load(str(make_openai_checkpoint(root / "w", seed=3)), device="cpu", max_batch=4)
-    tts = SparkTTSEngine.load(str(make_spark_checkpoint(root / "Spark-TTS-0.5B")), device="cpu", max_batch=2,
+    tts = SparkTTSEngine.load(str(cached_spark_checkpoint(tmp_path_factory)), device="cpu", max_batch=2,
                               voices_dir=root / "voices")
     return asr, tts
 
 
-def test_a_transcript_finishes_in_a_burst_while_a_long_reply_streams(engines):
+def transcript_during_a_long_reply(engines, first_budget_s: float):
+    """A reply streams; a 12-token transcript is asked for meanwhile; then the caller hangs up on the
+    reply. Returns the transcript, the engine thread's step log and the two workers."""
     asr_engine, tts_engine = engines
-    thread = EngineThread("engines")
+    thread = EngineThread("engines", step_log=10_000)
+    thread.first_budget_s = first_budget_s
     asr, tts = EngineWorker(asr_engine, "asr", thread=thread), EngineWorker(tts_engine, "tts", thread=thread)
     asr.start()
     audio = layout(["Please call me back tomorrow."], lead_s=0.2, tail_s=0.3).audio
@@ -37,21 +40,49 @@ def test_a_transcript_finishes_in_a_burst_while_a_long_reply_streams(engines):
         reply = tts.stream(TTSRequest("A long answer that keeps the synthesizer busy for a while.",
                                       TTSOptions(seed=1, max_seconds=20)))
         await reply.__anext__()  # the reply is streaming: the TTS engine has work every step
-        before = tts.stats.steps
         result = await asr.run(ASRRequest(audio, ASROptions(language="en", max_new_tokens=12, min_new_tokens=12)))
-        during = tts.stats.steps - before
         await reply.aclose()  # the caller hangs up on the reply: cancelled in the engine
-        return result, during
+        return result
 
     try:
-        result, tts_steps_meanwhile = asyncio.run(scenario())
+        result = asyncio.run(scenario())
     finally:
         thread.stop()
-    assert len(result.tokens) == 12
-    # The transcript's steps ran back to back: at most the TTS step already under way got in between.
-    assert tts_steps_meanwhile <= 1
+    assert len(result.tokens) == 12 and np.isfinite(result.avg_logprob)
     assert tts.stats.cancelled == 1 and tts_engine.active_requests() == 0
-    assert np.isfinite(result.avg_logprob)
+    return result, list(thread.step_log), asr, tts
+
+
+def asr_span(log):
+    """Indexes in the step log of the transcript's submission and of its completion."""
+    (rid,) = {ids[0] for name, event, ids in log if name == "asr" and event == "submit"}
+    start = log.index(("asr", "submit", (rid,)))
+    end = log.index(("asr", "done", (rid,)))
+    return start, end
+
+
+def test_a_transcript_finishes_in_a_burst_while_a_long_reply_streams(engines):
+    _, log, _, _ = transcript_during_a_long_reply(engines, first_budget_s=float("inf"))
+    start, end = asr_span(log)
+    during = [(name, event) for name, event, _ in log[start + 1 : end]]
+    # From the moment the transcript reached the engine thread, its steps ran back to back: not one TTS
+    # step in between (the step already under way when it was sent ran before the submission landed).
+    assert during and set(during) == {("asr", "step")}, during
+    # ... while the reply was streaming before it and still in the engine after it, until the caller
+    # hung up (a cancel is logged only for a request the engine still held).
+    tts_id = next(ids[0] for name, event, ids in log if name == "tts" and event == "submit")
+    assert ("tts", "step", (tts_id,)) in log[:start]
+    assert ("tts", "cancel", (tts_id,)) in log[end:] and ("tts", "done", (tts_id,)) not in log
+
+
+def test_the_budget_lets_the_reply_step_between_transcript_steps(engines):
+    """A queue of transcripts may not starve the replies: past its budget (here none at all), the
+    recognition engine yields one step to the others."""
+    _, log, asr, _ = transcript_during_a_long_reply(engines, first_budget_s=0.0)
+    start, end = asr_span(log)
+    steps = [name for name, event, _ in log[start + 1 : end] if event == "step"]
+    assert steps[0] == "asr" and steps.count("asr") >= 2  # the 12 tokens take a few steps
+    assert all(a != b for a, b in zip(steps, steps[1:])), steps  # asr, tts, asr, tts, ...
 
 
 def test_warm_up_runs_on_the_thread_that_steps_the_engines(engines):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -48,7 +49,6 @@ def test_published_layout_loads_with_every_tensor_accounted_for(ckpt, codec):
 
 
 def test_unexpected_or_missing_tensors_are_refused(ckpt, tmp_path):
-    import shutil
 
     bad = tmp_path / "BiCodec"
     shutil.copytree(ckpt / "BiCodec", bad)
@@ -73,7 +73,6 @@ def test_fold_weight_norm_accepts_parametrization_names():
 
 
 def test_special_token_ids_checked_against_added_tokens(ckpt, tmp_path):
-    import shutil
 
     sp = load_special_tokens(ckpt / "LLM", TextTokenizer(ckpt / "LLM"))
     assert (sp.eos, sp.global_base, sp.semantic_base) == (151645, 151665, 155761)
@@ -119,6 +118,12 @@ def test_tokenize_then_detokenize_espeak_speech(ckpt, codec):
     glob = codec.global_tokens(ref)
     assert glob.shape == (1, 32) and 0 <= int(glob.min()) and int(glob.max()) < 4096
     assert semantic.shape == (1, feats.shape[1]) and int(semantic.max()) < 8192
+    # Both token streams follow the audio, so a tokenizer defect would show: most 20 ms frames get a code
+    # of their own, the 32 global tokens are many different codes, and another speaker's clip gets others.
+    assert len(set(semantic[0].tolist())) / (len(audio) / 16000) >= 15  # distinct codes per second (was 1.6)
+    assert len(set(glob[0].tolist())) >= 8
+    other = torch.from_numpy(reference_clip(volume_normalize(phrase("She sells sea shells.", "en+f3")), codec.config))
+    assert int((codec.global_tokens(other[None]) != glob).sum()) >= 16
     # the factorized VQ picks the nearest code by L2 distance between unit vectors (upstream's formula)
     z = codec.quantizer.in_project(codec.encoder(feats.transpose(1, 2)))[0].T
     e = torch.nn.functional.normalize(z, dim=-1)
@@ -127,6 +132,22 @@ def test_tokenize_then_detokenize_espeak_speech(ckpt, codec):
     assert torch.equal(semantic[0], dist.argmin(1))
     wav = codec.detokenize(semantic, glob)
     assert wav.shape[1] == semantic.shape[1] * HOP and wav.std() > 1e-3
+
+
+def test_wav2vec2_runs_in_fp32_whatever_its_config_names(ckpt, tmp_path):
+    """transformers 5 loads a model in the dtype its config.json names; 4.x in fp32. Voice registration
+    asks for fp32 itself, as upstream runs it, so its tokens do not depend on the transformers line."""
+    from voiced.engines.spark.engine import Wav2Vec2Features
+
+    w2v = tmp_path / "wav2vec2"
+    shutil.copytree(ckpt / "wav2vec2-large-xlsr-53", w2v)
+    cfg = json.loads((w2v / "config.json").read_text())
+    cfg.update(torch_dtype="bfloat16", dtype="bfloat16")
+    (w2v / "config.json").write_text(json.dumps(cfg))
+    features = Wav2Vec2Features(w2v, "cpu")
+    assert {p.dtype for p in features.model.parameters()} == {torch.float32}
+    audio = phrase("Hello there.")
+    assert torch.equal(features(audio), Wav2Vec2Features(ckpt / "wav2vec2-large-xlsr-53", "cpu")(audio))
 
 
 @pytest.mark.parametrize("first", [1, 5, 10, 50])

@@ -70,6 +70,7 @@ def test_chunks_are_ordered_and_capped(engine):
     assert np.isfinite(total).all() and total.std() > 1e-3
 
 
+@pytest.mark.slow
 def test_batched_requests_give_the_same_audio_as_alone(engine):
     """Seeded requests are independent of their batch mates (joining and leaving between steps)."""
     a = TTSRequest("The weather is nice today.", TTSOptions(seed=11, max_seconds=1.2))
@@ -106,6 +107,54 @@ def test_long_text_is_split_into_sentences_spoken_back_to_back():
     assert all(len(p) <= 300 for p in parts) and len(parts) >= 5
     assert join_transcript("...gospel.", "Actions speak.") == "...gospel. Actions speak."
     assert join_transcript("今天天气真不错。", "行动胜于雄辩。") == "今天天气真不错。行动胜于雄辩。"
+
+
+# The cloned-voice prompt of DESIGN §6, pinned on the fixture's byte-level BPE (bytes, a few merges such as
+# "Ġthe" and "Ġa") and the published special-token ids; each content id was checked by hand against
+# tokenizer.json. Spark-TTS upstream concatenates the reference transcript and the text as they are; we put
+# a space between them when the transcript ends in a letter or punctuation and the text does not start with
+# a CJK character (`join_transcript` says why), so English prompts differ from upstream's by that one
+# "Ġ" token, and Chinese prompts not at all.
+GLOBALS = list(range(0, 3200, 100))
+SEMANTIC = [5, 8191, 42]
+PINNED_TAIL = [165152, 165150, *range(151665, 154766, 100), 165156, 165151, 155766, 163952, 155803]
+PINNED = {
+    ("Hi there.", "On the air."): [
+        165137, 165146,  # <|task_tts|> <|start_content|>
+        39, 72, 258, 81, 68, 13,  # H i Ġthe r e .
+        220,  # Ġ: the space join_transcript adds (upstream: none)
+        46, 77, 258, 261, 72, 81, 13,  # O n Ġthe Ġa i r .
+        *PINNED_TAIL,  # <|end_content|> <|start_global_token|> 32 globals <|end_global_token|> <|start_semantic_token|> 3 semantics
+    ],
+    ("今天天气真不错。", "行动胜于雄辩。"): [
+        165137, 165146,
+        160, 119, 232, 161, 97, 102, 161, 97, 102, 162, 108, 242, 163, 250, 253, 160, 116, 235,  # 今天天气真不
+        165, 242, 247, 159, 222, 224,  # 错。 (UTF-8 bytes: no merges apply)
+        164, 94, 234, 161, 232, 101, 164, 225, 250, 160, 118, 236, 165, 249, 226, 164, 122, 102,  # 行动胜于雄辩
+        159, 222, 224,  # 。
+        *PINNED_TAIL,
+    ],
+}
+
+
+@pytest.mark.parametrize("transcript,text", list(PINNED))
+def test_cloned_voice_prompt_ids_are_pinned(ckpt, transcript, text):
+    from voiced.engines.spark.checkpoint import TextTokenizer, load_special_tokens
+    from voiced.engines.spark.engine import build_prompt
+    from voiced.engines.spark.voices import Voice
+
+    tok = TextTokenizer(ckpt / "LLM")
+    sp = load_special_tokens(ckpt / "LLM", tok)
+    voice = Voice("v", "cloned", global_ids=GLOBALS, semantic_ids=SEMANTIC, transcript=transcript)
+    prompt = build_prompt(sp, tok.encode, voice, text)
+    assert prompt == PINNED[(transcript, text)]
+    content = prompt[2 : prompt.index(sp.end_content)]
+    assert tok.decode(content) == join_transcript(transcript, text)
+    upstream = tok.encode(transcript + text)  # upstream's "".join([..., prompt_text, text, ...])
+    if text[0].isascii():
+        assert content == upstream[:6] + [220] + upstream[6:]
+    else:
+        assert content == upstream
 
 
 def test_multi_sentence_request_keeps_one_speaker(engine, monkeypatch):
@@ -154,6 +203,32 @@ def test_register_voice_once_and_survive_restart(ckpt, engine, tmp_path):
     assert e2.voices.delete("alice-again") and not e2.voices.delete("alice-again")
     with pytest.raises(EngineError, match="preset"):
         e2.voices.add("female", ref, "x")
+
+
+def test_a_registered_voice_survives_a_restart_bit_for_bit(ckpt, engine, tmp_path):
+    """The stored recording holds the user's PCM16 samples unchanged and reads back as the samples
+    registered, so tokens computed again after a restart (the token cache gone: another checkpoint
+    fingerprint) equal those of the registration, bit for bit."""
+    from voiced.audio.wavfile import load_16k
+    from voiced.engines.spark.voices import VoiceStore, audio_sha256
+
+    speech = phrase(REF_TEXT)
+    pcm = np.round(speech / np.abs(speech).max() * 0.95 * 32767).astype("<i2")  # loud: most of the range
+    wav = tmp_path / "ref.wav"
+    with wave.open(str(wav), "wb") as w:
+        w.setnchannels(1), w.setsampwidth(2), w.setframerate(16000), w.writeframes(pcm.tobytes())
+    audio = load_16k(wav)  # what `voiced voices add --audio` reads
+    store = VoiceStore(tmp_path / "voices", "checkpoint-a", engine._tokenize_reference)
+    info = store.add("carol", audio, REF_TEXT)
+    tokens = store.tokens(info.audio_sha256)
+    assert tokens == engine._tokenize_reference(audio) and store.tokenize_calls == 1
+
+    with wave.open(str(tmp_path / "voices" / "audio" / f"{info.audio_sha256}.wav")) as w:
+        assert w.readframes(w.getnframes()) == pcm.tobytes()  # the user's samples, unchanged
+    restarted = VoiceStore(tmp_path / "voices", "checkpoint-b", engine._tokenize_reference)
+    assert restarted.tokens(info.audio_sha256) == tokens and restarted.tokenize_calls == 1
+    assert restarted.resolve("carol").semantic_ids == tokens[1]
+    assert audio_sha256(audio) == info.audio_sha256  # the same recording again is found, not re-stored
 
 
 def test_cli_speak_and_voices(ckpt, tmp_path, capsys):

@@ -102,6 +102,7 @@ def test_move_slot_keeps_a_request_decoding_identically(models):
     assert torch.allclose(a, b, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_sampler_is_seeded_and_respects_top_k_top_p():
     torch.manual_seed(0)
     v = 50

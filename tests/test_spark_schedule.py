@@ -143,6 +143,7 @@ def test_last_window_stays_short_however_far_the_lm_ran_ahead(codec):
     assert np.abs(joined - offline).max() < 1e-4
 
 
+@pytest.mark.slow
 def test_serving_meets_only_shapes_the_warmup_ran(engine, monkeypatch):
     """The CPU has no first-time costs, so warm-up skips it there; run its pieces here and check that a
     mixed workload (joins, ends, cancels, several chunk positions) decodes and prefills nothing else."""

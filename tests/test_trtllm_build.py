@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -40,9 +41,13 @@ def test_whisper_command_lines_follow_the_recipes(tmp_path):
     assert e["--checkpoint_dir"].endswith("tllm_checkpoint/encoder") and e["--output_dir"].endswith("out/encoder")
     assert (e["--gemm_plugin"], e["--bert_attention_plugin"], e["--moe_plugin"]) == ("disable", "float16", "disable")
     assert (e["--max_input_len"], e["--max_seq_len"], e["--max_batch_size"]) == ("3000", "3000", "16")
+    # Issue 16.3: without it trtllm-build's default (8192 tokens = mel frames) fits two 30 s windows a step.
+    assert e["--max_num_tokens"] == str(16 * 3000)
     d = flags(dec.argv)
     assert d["--checkpoint_dir"].endswith("tllm_checkpoint/decoder")
-    assert (d["--paged_kv_cache"], d["--remove_input_padding"]) == ("enable", "enable")  # in-flight batching
+    # In-flight batching; issue 16.5: `--paged_kv_cache` is deprecated in 1.0 for `--kv_cache_type`.
+    assert (d["--kv_cache_type"], d["--remove_input_padding"]) == ("paged", "enable")
+    assert "--paged_kv_cache" not in dec.argv
     assert d["--gemm_plugin"] == d["--gpt_attention_plugin"] == d["--bert_attention_plugin"] == "float16"
     assert (d["--max_input_len"], d["--max_seq_len"], d["--max_encoder_input_len"]) == ("14", "114", "3000")
     assert (d["--max_beam_width"], d["--max_batch_size"]) == ("4", "16")
@@ -65,7 +70,8 @@ def test_spark_command_lines_follow_the_recipe(tmp_path):
     assert f["--output_dir"] == str(tmp_path / "out" / "llm")
     assert (f["--max_batch_size"], f["--max_num_tokens"]) == ("16", "32768")
     assert (f["--gemm_plugin"], f["--gpt_attention_plugin"]) == ("bfloat16", "bfloat16")
-    assert (f["--paged_kv_cache"], f["--remove_input_padding"]) == ("enable", "enable")
+    assert (f["--kv_cache_type"], f["--remove_input_padding"]) == ("paged", "enable")
+    assert "--paged_kv_cache" not in build.argv
     assert (f["--max_input_len"], f["--max_seq_len"]) == ("1024", "2560")
     assert opts.name == "Spark-TTS-0.5B"
 
@@ -79,6 +85,9 @@ def test_spark_command_lines_follow_the_recipe(tmp_path):
         ({"kind": "spark-tts", "model": "Spark-TTS-0.5B", "max_beam_width": 2}, "beam search"),
         ({"kind": "tts", "model": "x"}, "unknown engine kind"),
         ({"kind": "whisper", "model": "tiny", "max_batch_size": 0}, "max_batch_size must be at least 1"),
+        # Issue 16.1: TensorRT-LLM's Whisper runtime feeds float16 features; other dtypes fail per request.
+        ({"kind": "whisper", "model": "tiny", "dtype": "bfloat16"}, "Whisper engines are float16 only"),
+        ({"kind": "whisper", "model": "tiny", "dtype": "float32"}, "Whisper engines are float16 only"),
     ],
 )
 def test_bad_options_are_refused(kw, message):
@@ -162,6 +171,21 @@ def test_build_skips_when_the_manifest_matches(tmp_path, whisper_checkpoint):
     assert trtllm_build_outputs.calls == 3
     b.build(opts, **{**kw, "trtllm_version": "1.0.1"}, force=True)
     assert trtllm_build_outputs.calls == 4
+
+
+def test_engines_built_with_the_old_flags_are_rebuilt(tmp_path, whisper_checkpoint):
+    """Issue 16.3/16.5 changed the command lines; a manifest of the earlier schema no longer matches."""
+    trtllm_build_outputs.calls = 0
+    opts = b.default_options("whisper", "tiny")
+    kw = {"root": tmp_path / "engines", "checkpoint": whisper_checkpoint, "trtllm_version": "1.0.0",
+          "runner": trtllm_build_outputs}
+    first = b.build(opts, **kw)
+    manifest = first.engine_dir / b.MANIFEST
+    old = json.loads(manifest.read_text())
+    old["schema"] = 1  # written before --max_num_tokens / --kv_cache_type
+    manifest.write_text(json.dumps(old))
+    assert not b.build(opts, **kw).skipped and trtllm_build_outputs.calls == 2
+    assert b.build(opts, **kw).skipped
 
 
 def test_failed_build_leaves_no_manifest(tmp_path, whisper_checkpoint):

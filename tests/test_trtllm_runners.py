@@ -3,16 +3,20 @@ interface (tests/trtllm_fakes.py), with the real Whisper tokenizer and features.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
 import os
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from tests.spark_fixtures import cached_spark_checkpoint
 from tests.trtllm_fakes import BINDINGS, FakeExecutor
-from voiced.engines.base import ASROptions, ASRRequest, EngineError
-from voiced.engines.trtllm.spark_runner import SparkLMRequest, SparkTokenLayout, TRTLLMSparkLM
+from voiced.engines.base import ASROptions, ASRRequest, EngineError, TTSOptions, TTSRequest
+from voiced.engines.spark.frontend import SparkLMRequest
+from voiced.engines.trtllm.spark_runner import SparkTokenLayout, TrtllmSparkEngine, TRTLLMSparkLM, load_spark_frontend
 from voiced.engines.trtllm.whisper_runner import (
     TrtllmWhisperEngine,
     WhisperEngineLimits,
@@ -37,9 +41,9 @@ LIMITS = WhisperEngineLimits(n_mels=80, num_languages=99, vocab_size=51865, max_
                              max_prompt_tokens=14, max_seq_len=114, context_logits=True)
 
 
-def engine(frontend, limits=LIMITS):
-    ex = FakeExecutor()
-    return ex, TrtllmWhisperEngine(ex, BINDINGS, limits, frontend, model_name="small", to_tensor=lambda a: a)
+def engine(frontend, limits=LIMITS, ex=None):
+    ex = ex or FakeExecutor()
+    return ex, TrtllmWhisperEngine(ex, BINDINGS, limits, frontend, model_name="small", device="cpu")
 
 
 def logits_row(vocab, hot: dict[int, float]):
@@ -150,7 +154,7 @@ def test_timestamped_tokens_become_segments(frontend):
 
 
 def test_engine_limits_from_trtllm_build_config(tmp_path):
-    for part, cfg in (("encoder", {"pretrained_config": {"n_mels": 128, "num_languages": 100},
+    for part, cfg in (("encoder", {"pretrained_config": {"n_mels": 128, "num_languages": 100, "dtype": "bfloat16"},
                                    "build_config": {"max_batch_size": 8}}),
                       ("decoder", {"pretrained_config": {"vocab_size": 51866},
                                    "build_config": {"max_batch_size": 8, "max_beam_width": 4, "max_input_len": 14,
@@ -159,9 +163,43 @@ def test_engine_limits_from_trtllm_build_config(tmp_path):
         (tmp_path / part / "config.json").write_text(json.dumps(cfg))
     lim = WhisperEngineLimits.from_engine_dir(tmp_path)
     assert (lim.n_mels, lim.num_languages, lim.max_beam_width, lim.max_prompt_tokens) == (128, 100, 4, 14)
-    assert lim.multilingual and lim.context_logits
+    assert lim.multilingual and lim.context_logits and lim.dtype == "bfloat16"
     with pytest.raises(EngineError, match="voiced engines build whisper"):
         WhisperEngineLimits.from_engine_dir(tmp_path / "nope")
+
+
+def test_features_are_sent_in_the_engines_dtype(frontend):
+    """Issue 16.1: the encoder copies features into a buffer of the engine's dtype and refuses others."""
+    torch = pytest.importorskip("torch")
+    for dtype, torch_dtype in (("float16", torch.float16), ("bfloat16", torch.bfloat16), ("float32", torch.float32)):
+        ex, eng = engine(frontend, dataclasses.replace(LIMITS, dtype=dtype), FakeExecutor(encoder_dtype=dtype))
+        eng.submit(1, ASRRequest(np.zeros(16000, np.float32), ASROptions(language="en")))
+        eng.step()
+        (eid,) = ex.requests
+        assert ex.requests[eid].encoder_input_features.dtype == torch_dtype
+        ex.answer(eid, frontend.tokenizer.encode(" Hi") + [frontend.tokenizer.eot], cum_log_probs=[-0.1])
+        (out,) = eng.step()
+        assert out.error is None and out.value.text == "Hi"
+
+
+def test_beam_engines_say_beam_widths_do_not_batch_and_requests_stay_greedy(frontend, caplog):
+    """Issue 16.4: the executor runs one beam width at a time; greedy is the default on both passes."""
+    log_name = "voiced.engines.trtllm.whisper_runner"
+    with caplog.at_level(logging.WARNING, logger=log_name):
+        engine(frontend, dataclasses.replace(LIMITS, max_beam_width=1))
+    assert not caplog.records
+    with caplog.at_level(logging.WARNING, logger=log_name):
+        ex, eng = engine(frontend)  # max_beam_width 2
+    assert "one beam width at a time" in caplog.text and "max_beam_width 2" in caplog.text
+    tok = frontend.tokenizer
+    eng.submit(1, ASRRequest(np.zeros(8000, np.float32)))  # default options: detect the language
+    eng.step()
+    (detect,) = ex.requests
+    assert ex.requests[detect].sampling_config.beam_width == 1
+    ex.answer(detect, [tok.language_token("en")])
+    eng.step()
+    (transcribe,) = [e for e in ex.requests if e != detect]
+    assert ex.requests[transcribe].sampling_config.beam_width == 1
 
 
 # ------------------------------------------------------------------------------------ Spark LM
@@ -213,9 +251,41 @@ def test_spark_lm_audio_cap_stops_the_request_and_frees_the_slot():
 
 
 def test_spark_lm_rejects_prompts_that_do_not_fit():
-    lm = TRTLLMSparkLM(FakeExecutor(), BINDINGS, max_batch_size=1, max_seq_len=10)
-    with pytest.raises(EngineError, match="max_seq_len 10"):
+    lm = TRTLLMSparkLM(FakeExecutor(), BINDINGS, max_batch_size=1, max_input_len=9, max_seq_len=10)
+    with pytest.raises(EngineError, match="max_input_len 9"):
         lm.submit(1, SparkLMRequest(prompt_ids=list(range(10)), max_new_tokens=5))
+
+
+def test_spark_lm_refuses_prompts_over_the_engines_max_input_len():
+    """Issue 16.2: the executor refuses prompts over the engine's max_input_len, not only max_seq_len."""
+    ex = FakeExecutor(max_input_len=1024)
+    lm = TRTLLMSparkLM(ex, BINDINGS, max_batch_size=2, max_input_len=1024, max_seq_len=2560)
+    lm.submit(1, SparkLMRequest(prompt_ids=list(range(1024)), max_new_tokens=5))  # exactly the limit
+    with pytest.raises(EngineError, match=r"1025 tokens.*max_input_len 1024.*--max-input-len"):
+        lm.submit(2, SparkLMRequest(prompt_ids=list(range(1025)), max_new_tokens=5))
+    assert lm.step() == [] and len(ex.requests) == 1  # the accepted one runs; nothing failed in the executor
+
+
+def test_a_voice_too_long_for_the_engine_is_refused_when_registered(tmp_path, tmp_path_factory):
+    """Issue 16.2: a cloned voice's reference tokens go into every prompt; refuse the clip up front,
+    naming the engine's limit and the clip's length, instead of failing every request that uses it."""
+    frontend = load_spark_frontend(cached_spark_checkpoint(tmp_path_factory), device="cpu", voices_dir=str(tmp_path))
+    ex = FakeExecutor(max_input_len=512)
+    engine = TrtllmSparkEngine(TRTLLMSparkLM(ex, BINDINGS, max_batch_size=2, max_input_len=512, max_seq_len=2048),
+                               frontend)
+    clip = (0.1 * np.random.default_rng(0).standard_normal(12 * 16000)).astype(np.float32)
+    with pytest.raises(EngineError, match=r"(?s)12\.0 s.*max_input_len 512.*--max-input-len"):
+        engine.voices.add("long", clip, "A reference recording that runs on for twelve seconds.")
+    assert "long" not in [v.name for v in engine.voices.list()]
+    # A short clip whose transcript is long: caught once the clip is tokenized, and not kept.
+    with pytest.raises(EngineError, match=r"(?s)3\.0 s\) and its transcript make a prompt of \d+ tokens.*512"):
+        engine.voices.add("wordy", clip[: 3 * 16000], "So many words. " * 30)
+    assert "wordy" not in [v.name for v in engine.voices.list()]
+    engine.voices.add("short", clip[: 3 * 16000], "Three seconds.")
+    engine.submit(1, TTSRequest("Hello there.", TTSOptions(voice="short")))
+    engine.step()
+    (eid,) = ex.requests
+    assert len(ex.requests[eid].input_token_ids) <= 512 and ex.live == {eid}  # accepted by the executor
 
 
 def test_spark_token_layout_is_checked_against_added_tokens(tmp_path):

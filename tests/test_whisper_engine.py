@@ -72,6 +72,7 @@ def test_implements_the_contract(ckpt):
     assert not engine.has_work() and engine.active_requests() == 0 and engine.step() == []
 
 
+@pytest.mark.slow
 def test_batched_equals_alone_with_joins_and_leaves(ckpt, clips):
     alone = WhisperEngine.load(ckpt, max_batch=4)
     expected = [alone.transcribe(ASRRequest(c, o)) for c, o in zip(clips, options())]
@@ -227,6 +228,7 @@ def cli(*args, env=None):
     return subprocess.run([sys.executable, "-m", "voiced", *args], capture_output=True, text=True, env=e, check=False)
 
 
+@pytest.mark.slow
 def test_cli_transcribe_json_matches_engine(ckpt, tmp_path, clips):
     wav = tmp_path / "a.wav"
     subprocess.run(["espeak-ng", "-w", str(wav), SENTENCES[0][1]], check=True)
@@ -250,6 +252,7 @@ def test_cli_transcribe_json_matches_engine(ckpt, tmp_path, clips):
     assert "segments" in json.loads(r.stdout)
 
 
+@pytest.mark.slow
 def test_cli_errors_and_models(tmp_path, ckpt):
     env = {"VOICED_CACHE": str(tmp_path / "c")}
     r = cli("transcribe", "x.wav", "--model", "base", env=env)
@@ -287,6 +290,7 @@ def test_min_new_tokens_forces_length(tmp_path, clips):
     assert forced.tokens[: len(free.tokens)] == free.tokens
 
 
+@pytest.mark.slow
 def test_benchmark_script_runs_on_cpu(tmp_path):
     import whisper
 

@@ -16,7 +16,14 @@ from TensorRT-LLM's cpp/tensorrt_llm/pybind/executor/{executor,request}.cpp:
     Result.is_final / output_token_ids / cum_log_probs / context_logits / finish_reasons
 
 The test decides what the "model" answers (`script`); the subject under test is our routing,
-cancellation and post-processing.
+cancellation and post-processing. Two request checks of the real executor are reproduced, with its
+messages, because a user hits them at request time:
+
+- ``LlmRequest::validate`` (cpp/tensorrt_llm/batch_manager/llmRequest.cpp): a prompt longer than the
+  engine's ``max_input_len`` fails with "Prompt length (N) exceeds maximum input length (M)";
+- ``EncoderBuffers::setFromInputs`` copies each request's encoder features into a buffer of the
+  engine's dtype (``modelConfig.getDataType()``), and the buffer manager's copy refuses another dtype
+  ("Incompatible data types").
 """
 
 from __future__ import annotations
@@ -97,10 +104,19 @@ class Response:
         return self._result
 
 
-class FakeExecutor:
-    """Requests run when the test says so: `answer(eid, ...)` queues responses for await_responses."""
+def _dtype_name(tensor: Any) -> str:
+    """'float16' for a torch.float16 tensor or a numpy float16 array."""
+    return str(getattr(tensor, "dtype", "")).removeprefix("torch.")
 
-    def __init__(self, first_id: int = 1000):
+
+class FakeExecutor:
+    """Requests run when the test says so: `answer(eid, ...)` queues responses for await_responses.
+
+    `max_input_len` and `encoder_dtype` stand for the engine's build config (None: not checked).
+    """
+
+    def __init__(self, first_id: int = 1000, *, max_input_len: int | None = None,
+                 encoder_dtype: str | None = None):
         self._ids = itertools.count(first_id)
         self.requests: dict[int, Request] = {}
         self.live: set[int] = set()
@@ -109,6 +125,8 @@ class FakeExecutor:
         self.timeouts: list[datetime.timedelta | None] = []
         self.shut = False
         self.reject: str | None = None
+        self.max_input_len = max_input_len
+        self.encoder_dtype = encoder_dtype
 
     # ---- the binding's interface
     def enqueue_request(self, request: Request) -> int:
@@ -117,6 +135,12 @@ class FakeExecutor:
         eid = next(self._ids)
         self.requests[eid] = request
         self.live.add(eid)
+        prompt = len(request.input_token_ids)
+        if self.max_input_len is not None and prompt > self.max_input_len:
+            self.fail(eid, f"Prompt length ({prompt}) exceeds maximum input length ({self.max_input_len}).")
+        features = request.encoder_input_features
+        if self.encoder_dtype is not None and features is not None and _dtype_name(features) != self.encoder_dtype:
+            self.fail(eid, "Incompatible data types")
         return eid
 
     def await_responses(self, timeout: datetime.timedelta | None = None) -> list[Response]:

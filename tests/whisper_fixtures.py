@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 from dataclasses import asdict
 from pathlib import Path
 
@@ -132,12 +131,12 @@ def openai_reference_model(checkpoint: str | Path):
 
 
 def speech(text: str, directory: str | Path, voice: str = "en", speed: int = 175) -> np.ndarray:
-    """`text` spoken by espeak-ng, as 16 kHz mono float32 (written through a real WAV file)."""
+    """`text` spoken by espeak-ng, as 16 kHz mono float32 (written through a real WAV file; rendered
+    beforehand where espeak-ng is missing, see tests/speech.py)."""
+    from tests.speech import espeak_wav
     from voiced.audio.wavfile import load_16k
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     wav = directory / f"espeak-{abs(hash((text, voice, speed)))}.wav"
-    subprocess.run(["espeak-ng", "-v", voice, "-s", str(speed), "-w", str(wav), text], check=True,
-                   capture_output=True)
-    return load_16k(wav)
+    return load_16k(espeak_wav(text, wav, voice, speed))

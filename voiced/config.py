@@ -131,6 +131,23 @@ class DoorsConfig:
 
 
 @dataclass
+class PhoneDoorConfig:
+    """What every call through one telephony door (AudioSocket, media WebSocket) gets."""
+
+    agent: str = ""  # empty: [agent] default
+    voice: str = ""  # empty: [tts] voice
+    greeting: str = ""  # spoken as soon as a call starts; empty: none
+
+
+@dataclass
+class HttpConfig:
+    """Limits of the HTTP door (`[doors] http`): OpenAI's audio API and the Realtime WebSocket."""
+
+    max_upload_bytes: int = 25 * 1024 * 1024  # one transcription upload (OpenAI's own limit); larger: 413
+    max_input_chars: int = 4096  # the text of one /v1/audio/speech request (OpenAI's limit)
+
+
+@dataclass
 class Config:
     server: ServerConfig = field(default_factory=ServerConfig)
     segmentation: SegmentationConfig = field(default_factory=SegmentationConfig)
@@ -140,6 +157,9 @@ class Config:
     barge_in: BargeInConfig = field(default_factory=BargeInConfig)
     engines: EnginesConfig = field(default_factory=EnginesConfig)
     doors: DoorsConfig = field(default_factory=DoorsConfig)
+    audiosocket: PhoneDoorConfig = field(default_factory=PhoneDoorConfig)  # calls through [doors] audiosocket
+    media_ws: PhoneDoorConfig = field(default_factory=PhoneDoorConfig)  # calls through [doors] media_ws
+    http: HttpConfig = field(default_factory=HttpConfig)
     memory: MemoryPlan = field(default_factory=MemoryPlan)  # GPU memory fractions (voiced.memory_plan)
 
     def set(self, section: str, key: str, value: Any, source: str) -> None:

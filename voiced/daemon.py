@@ -54,6 +54,7 @@ class Daemon:
                 self.port = door.port
             log.info("%s door listening on %s", door.name, bound)
         c = self.config.server
+        s.metrics.watch_loop(asyncio.get_running_loop())
         if c.metrics_listen:
             self._metrics_http = s.metrics.serve(c.metrics_listen)
         log.info("health NOT_SERVING until the models are loaded")

@@ -186,7 +186,8 @@ class MemoryPlan:
             ("unassigned", max(0.0, 1.0 - w - t - h), ""),
         ]
         header = f"{'pool':<34}{'share':>7}" + (f"{'GiB':>9}" if free_bytes is not None else "") + "  setting"
-        lines = ["GPU memory plan (shares of free GPU memory at start)", header, "-" * len(header)]
+        lines = ["GPU memory shares for TensorRT-LLM's executors (of free GPU memory at start; caps on the torch engines)",
+                 header, "-" * len(header)]
         for name, share, note in rows:
             gib = f"{share * free_bytes / 2**30:>9.1f}" if free_bytes is not None else ""
             lines.append(f"{name:<34}{share:>7.1%}{gib}  {note}")
@@ -206,3 +207,96 @@ def _as_fraction(where: str, value: Any) -> float:
         # A percentage in an environment variable ("30") is a common slip; say so instead of guessing.
         raise MemoryPlanError(f"{where}={value!r}: give a fraction (e.g. {v / 100:g}), not a percentage")
     return v
+
+
+# ---------------------------------------------------------------------- the PyTorch backend's plan
+#
+# The fractions above are what TensorRT-LLM's executors take. The PyTorch engines allocate static
+# caches sized by max_batch, so their need is computed, before the weights go to the GPU, from the
+# checkpoint's dimensions and the engine settings: weights, caches, what the CUDA graphs keep (their
+# static inputs and outputs), the cuBLAS workspace PyTorch keeps per stream, and an estimate of the
+# largest transient of one serving step. The fractions stay as caps on that need.
+
+
+@dataclass(frozen=True)
+class Need:
+    """One thing an engine holds on the GPU."""
+
+    what: str
+    bytes: int
+    transient: bool = False  # held only during a step (the engines step one at a time on one thread)
+
+
+@dataclass
+class EngineNeed:
+    """What one PyTorch engine will hold on the GPU, item by item."""
+
+    engine: str
+    setting: str  # the [memory] key whose share of free memory caps this engine
+    items: list[Need]
+
+    @property
+    def total(self) -> int:
+        return sum(i.bytes for i in self.items)
+
+    def check(self, free_bytes: int, fraction: float) -> None:
+        """Refuse (MemoryPlanError) a need larger than its share of the free memory, or than the free memory."""
+        cap = int(free_bytes * fraction)
+        if self.total > cap:
+            raise MemoryPlanError(
+                f"{self.engine} needs {_gib(self.total)} on the GPU but [memory] {self.setting} = {fraction:g} allows "
+                f"{_gib(cap)} of the {_gib(free_bytes)} free; raise {self.setting} (env {ENV_VARS[self.setting]}) "
+                f"or lower max_batch\n{plan_table([self])}")
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def plan_total(needs: list[EngineNeed]) -> int:
+    """What the engines hold together at their peak: everything held, plus the largest step transient
+    (the engines step one after the other on one thread, so their transients never coexist)."""
+    return sum(i.bytes for n in needs for i in n.items if not i.transient) + max(
+        (i.bytes for n in needs for i in n.items if i.transient), default=0)
+
+
+def plan_table(needs: list[EngineNeed], free_bytes: int | None = None) -> str:
+    """The torch engines' plan, one row per item in bytes, a subtotal per engine and the total."""
+    lines = ["GPU memory plan (torch backend: computed from the checkpoints and max_batch; "
+             "the [memory] fractions are caps)",
+             f"{'engine':<11}{'item':<58}{'bytes':>15}{'MiB':>10}"]
+    lines.append("-" * len(lines[-1]))
+    for n in needs:
+        for i in n.items:
+            lines.append(f"{n.engine:<11}{i.what:<58}{i.bytes:>15,}{i.bytes / 2**20:>10.1f}")
+        lines.append(f"{n.engine:<11}{'subtotal (capped by ' + n.setting + ')':<58}{n.total:>15,}{n.total / 2**20:>10.1f}")
+    total = plan_total(needs)
+    lines.append(f"{'total (held + the largest one transient)':<69}{total:>15,}{total / 2**20:>10.1f}")
+    if free_bytes is not None:
+        lines.append(f"{'free at start':<69}{free_bytes:>15,}{free_bytes / 2**20:>10.1f}")
+    return "\n".join(lines)
+
+
+_WORKSPACE: dict[str, int] = {}
+
+
+def stream_workspace_bytes(device: str) -> int:
+    """Bytes PyTorch allocates per (thread, stream) pair that runs cuBLAS / cuBLASLt (its workspace, kept
+    for the life of the process), measured once. Call it on the thread and stream that will run the
+    engines' eager work, so the workspace it makes is one that would be made anyway."""
+    if device in _WORKSPACE:
+        return _WORKSPACE[device]
+    import torch
+    import torch.nn.functional as F
+
+    dev = torch.device(device)
+    x = torch.ones(32, 32, device=dev, dtype=torch.bfloat16)
+    xf = torch.ones(32, 32, device=dev)
+    bias = torch.ones(32, device=dev, dtype=torch.bfloat16)
+    torch.cuda.synchronize(dev)
+    before = torch.cuda.memory_allocated(dev)
+    out = (F.linear(x, x, bias), xf @ xf, torch.bmm(x[None], x[None]))
+    torch.cuda.synchronize(dev)
+    del out
+    _WORKSPACE[device] = max(0, torch.cuda.memory_allocated(dev) - before)
+    return _WORKSPACE[device]

@@ -6,7 +6,12 @@ in seconds, as Prometheus expects.
 
 from __future__ import annotations
 
+import asyncio
+import sys
+import threading
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import GaugeMetricFamily
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0, 10.0)
 
@@ -51,6 +56,16 @@ class Metrics:
         self.errors = Counter(
             "voiced_errors_total", "Errors returned to callers, by front door and code", ["front", "code"], registry=r
         )
+        # What a leak would grow: watched by operators and by the soak (voiced.bench.soak).
+        self.asyncio_tasks = Gauge("voiced_asyncio_tasks", "asyncio tasks alive in the daemon's event loop",
+                                   registry=r)
+        self.threads = Gauge("voiced_threads", "Python threads alive in the daemon", registry=r)
+        self.threads.set_function(threading.active_count)
+        r.register(GpuMemoryCollector())
+
+    def watch_loop(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Count the tasks of the daemon's event loop at each scrape."""
+        self.asyncio_tasks.set_function(lambda: len(asyncio.all_tasks(loop)))
 
     def observe_engine(self, name: str, engine) -> None:
         self.engine_active.labels(name).set(engine.active_requests())
@@ -59,3 +74,25 @@ class Metrics:
         host, _, port = listen.rpartition(":")
         server, _thread = start_http_server(int(port), addr=host or "127.0.0.1", registry=self.registry)
         return server
+
+
+class GpuMemoryCollector:
+    """`voiced_gpu_memory_bytes{device, kind}`: what PyTorch's caching allocator holds, read at scrape
+    time. kind: allocated (tensors alive now), peak_allocated (the most allocated at once since the
+    allocator's peak was last reset: the TTS warm-up resets it after each of its phases, which it logs,
+    so while serving this is the peak since warm-up), reserved (held from the driver, cached blocks
+    included). Only once an engine brought torch and CUDA up: a daemon on the CPU never imports torch
+    for this."""
+
+    def collect(self):
+        torch = sys.modules.get("torch")
+        if torch is None or not torch.cuda.is_initialized():
+            return
+        g = GaugeMetricFamily("voiced_gpu_memory_bytes", "GPU memory held by PyTorch's caching allocator",
+                              labels=["device", "kind"])
+        for i in range(torch.cuda.device_count()):
+            d = f"cuda:{i}"
+            g.add_metric([d, "allocated"], torch.cuda.memory_allocated(i))
+            g.add_metric([d, "peak_allocated"], torch.cuda.max_memory_allocated(i))
+            g.add_metric([d, "reserved"], torch.cuda.memory_reserved(i))
+        yield g

@@ -27,8 +27,8 @@ class WavError(ValueError):
     """A WAV file that cannot be read, with what to do about it."""
 
 
-def _pcm_to_float(raw: bytes, width: int) -> np.ndarray:
-    """Interleaved PCM bytes -> float32 in [-1, 1)."""
+def pcm_to_float(raw: bytes, width: int) -> np.ndarray:
+    """Interleaved integer PCM bytes (1-4 bytes a sample, little-endian) -> float32 in [-1, 1)."""
     if width == 1:  # 8-bit WAV is unsigned with 128 as zero
         return (np.frombuffer(raw, dtype=np.uint8).astype(np.float32) - 128.0) / 128.0
     if width == 2:
@@ -89,7 +89,7 @@ def read_wav(source: str | os.PathLike | BinaryIO, dtype: type = np.int16) -> tu
     if tag == _PCM and width == 2 and channels == 1 and np.dtype(dtype) == np.int16:
         return np.frombuffer(body, dtype="<i2").astype(np.int16), int(rate)  # the common case, exact
     if tag == _PCM and 1 <= width <= 4:
-        x = _pcm_to_float(body, width)
+        x = pcm_to_float(body, width)
     elif tag == _FLOAT and width in (4, 8):
         x = np.frombuffer(body, "<f4" if width == 4 else "<f8").astype(np.float32)
     elif tag in (_MULAW, _ALAW) and width == 1:

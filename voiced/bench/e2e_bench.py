@@ -1,4 +1,4 @@
-"""End to end over gRPC: N concurrent Converse sessions against one daemon on one GPU.
+"""End to end through a front door: N concurrent calls against one daemon on one GPU.
 
 The daemon runs in this process exactly as `voiced serve` runs it (server, sessions, schedulers,
 engines), with random full-size weights (Whisper large-v3-turbo dimensions, Spark-TTS-0.5B), the
@@ -12,7 +12,20 @@ starting at a different point of the loop. Reported per concurrency level, p50/p
 - tts_first_chunk_ms: the agent's text -> first audio chunk (first_audio_ms - agent_ms)
 - rtf: reply generation time / reply audio duration (first text to last chunk, per reply)
 
+The figures above are the daemon's own (gRPC events carry them). `--front grpc audiosocket media_ws`
+runs every level through each named door in turn (same daemon, same engines; barge-in off, as on
+gRPC) and reports, for every door, v2v_client_ms: voice-to-voice as the caller hears it, from the
+daemon detecting the end of speech to the first reply audio arriving (voiced.bench.phone_callers
+says how the caller knows that moment), and door_overhead_ms: each door's v2v_client_ms p50/p95 minus
+gRPC's. AudioSocket callers send slin16 (type 0x12, the very samples gRPC callers send); media
+WebSocket callers send mu-law 8 kHz as Twilio does. Realtime callers (OpenAI's events over
+/v1/realtime, audio/pcm at 24 kHz) time voice-to-voice from the door's `speech_stopped` event to the
+first `response.output_audio.delta`, and asr_client_ms from `speech_stopped` to the transcript.
+Wyoming callers play Home Assistant's part (voiced.bench.wyoming_caller): their own end of speech,
+`transcribe`, then the transcript spoken back with `synthesize`.
+
     python -m voiced.bench.e2e_bench --wav speech.wav --tiktoken-dir DIR --sessions 1 4 16 --out e2e.json
+    voiced bench e2e --wav speech.wav --tiktoken-dir DIR --front grpc audiosocket media_ws --out doors.json
 """
 
 from __future__ import annotations
@@ -32,6 +45,7 @@ from pathlib import Path
 from voiced.bench.steps import STEP_PARTS, StepTimer, pct
 
 log = logging.getLogger("voiced.bench.e2e")
+TARGET_KEYS = ("door_overhead_p50_ms_audiosocket_16", "door_overhead_p50_ms_media_ws_16")
 
 
 # ----------------------------------------------------------------------------------- server side
@@ -75,6 +89,12 @@ def start_server(args):
     config.tts.first_chunk_tokens = args.first_chunk_tokens
     config.tts.chunk_tokens = args.chunk_tokens
     config.tts.max_seconds = args.reply_seconds
+    config.barge_in.enabled = False  # as the gRPC callers ask: every utterance gets its reply
+    for front in args.front:
+        if front == "realtime":
+            config.doors.http = "127.0.0.1:0"  # /v1/realtime, beside gRPC
+        elif front != "grpc":
+            setattr(config.doors, front, "127.0.0.1:0")
 
     dims = whisper_bench.DIMS[args.asr_dims]
     tok = WhisperTokenizer.load(dims.multilingual, dims.num_languages, [args.tiktoken_dir])
@@ -120,7 +140,10 @@ def start_server(args):
         worker.engine.step = StepTimer(worker.engine, STEP_PARTS[worker.name])
     server = Daemon(config, services=services)
     port, loop, _ = start_in_thread(server)
-    return f"127.0.0.1:{port}", server, loop
+    addresses = dict(services.doors)
+    if "http" in addresses:
+        addresses["realtime"] = addresses["http"]
+    return addresses, server, loop
 
 
 class GcPauses:
@@ -159,6 +182,33 @@ def e2e_targets(levels: dict) -> dict:
                   "voice_to_voice_p99_ms_16": get(16, "first_audio_ms", "p99")})
 
 
+FRONTS = ("grpc", "audiosocket", "media_ws", "realtime", "wyoming")
+
+
+def door_overhead(fronts: dict) -> dict:
+    """Each door's voice-to-voice as its callers hear it, minus gRPC's at the same level (ms)."""
+    base = fronts.get("grpc")
+    if base is None:
+        return {}
+    out = {}
+    for front, levels in fronts.items():
+        if front == "grpc":
+            continue
+        out[front] = {}
+        for n, level in levels.items():
+            ours, theirs = level.get("v2v_client_ms", {}), base.get(n, {}).get("v2v_client_ms", {})
+            if ours.get("n") and theirs.get("n"):
+                out[front][n] = {q: round(ours[q] - theirs[q], 1) for q in ("p50", "p95")}
+    return out
+
+
+def door_targets(overhead: dict) -> dict:
+    from voiced.bench.targets import judge
+
+    return judge({f"door_overhead_p50_ms_{front}_16": levels.get(16, {}).get("p50")
+                  for front, levels in overhead.items() if f"door_overhead_p50_ms_{front}_16" in TARGET_KEYS})
+
+
 # ----------------------------------------------------------------------------------- caller side
 
 
@@ -174,6 +224,9 @@ async def one_caller(address: str, pcm: bytes, start_frame: int, duration_s: flo
     cfg = pb.SessionConfig(input_format=fmt, output_format=fmt, barge_in=pb.BargeInConfig(enabled=False),
                            speech=pb.SpeechConfig(seed=seed, max_seconds=reply_s),
                            recognition=pb.RecognitionConfig(language="en"))
+    from voiced.bench.phone_callers import EndOfSpeech
+
+    clock = EndOfSpeech()
     async with grpc.aio.insecure_channel(address) as channel:
         call = pb_grpc.VoicedStub(channel).Converse()
         await call.write(pb.SessionRequest(config=cfg))
@@ -193,6 +246,7 @@ async def one_caller(address: str, pcm: bytes, start_frame: int, duration_s: flo
                     r["bytes"] += len(ev.audio.audio)
                     r["t_last"] = now
                     if ev.audio.sequence == 0:
+                        clock.reply_started(out, now)
                         out["first_audio_ms"].append(ev.audio.latency_ms)
                         if "agent_ms" in r:
                             out["tts_first_chunk_ms"].append(ev.audio.latency_ms - r["agent_ms"])
@@ -207,27 +261,132 @@ async def one_caller(address: str, pcm: bytes, start_frame: int, duration_s: flo
         n = 0
         while time.monotonic() - t0 < duration_s:
             await call.write(pb.SessionRequest(audio=frames[i % len(frames)]))
+            clock.sent(frames[i % len(frames)], time.monotonic())
             i += 1
             n += 1
             # Pace against the clock, not by sleeping 20 ms each time (sleeps add up late).
             await asyncio.sleep(max(0.0, t0 + n * 0.02 - time.monotonic()))
             out["late_ms"].append(max(0.0, (time.monotonic() - (t0 + n * 0.02)) * 1000))
         await call.done_writing()
+        clock.finished(time.monotonic())
         await reader
 
 
-async def callers(address: str, wav: Path, sessions: int, duration_s: float, reply_s: float) -> dict:
+async def realtime_caller(address: str, pcm: bytes, start_frame: int, duration_s: float, reply_s: float, seed: int,
+                          out: dict) -> None:
+    """One caller speaking OpenAI's Realtime events over /v1/realtime (aiohttp's WebSocket client)."""
+    import base64
+    from collections import deque
+
+    import aiohttp
+    import numpy as np
+    import soxr
+
+    x = soxr.resample(np.frombuffer(pcm, dtype="<i2").astype(np.float32) / 32768, 16000, 24000)
+    pcm24 = (np.clip(x, -1, 1) * 32767).astype("<i2").tobytes()
+    frame = 960  # 20 ms of 24 kHz audio/pcm
+    frames = [pcm24[i : i + frame] for i in range(0, len(pcm24) - frame + 1, frame)]
+    url = f"ws://{address}/v1/realtime?model=voiced"
+    session = {"type": "realtime", "audio": {
+        "input": {"format": {"type": "audio/pcm", "rate": 24000},
+                  "turn_detection": {"type": "server_vad", "interrupt_response": False}},
+        "output": {"format": {"type": "audio/pcm", "rate": 24000}}}}
+    async with aiohttp.ClientSession() as http, http.ws_connect(url, protocols=("realtime",), max_msg_size=0) as ws:
+        await ws.send_json({"type": "session.update", "session": session})
+        async for msg in ws:
+            if json.loads(msg.data)["type"] == "session.updated":
+                break
+        ended: dict[str, float] = {}  # user item -> when its speech_stopped arrived
+        answered: deque[float] = deque()  # speech-ended times of heard turns, in the order replies come
+        replies: dict[str, dict] = {}
+
+        async def read():
+            async for msg in ws:
+                if msg.type != aiohttp.WSMsgType.TEXT:
+                    break
+                ev = json.loads(msg.data)
+                kind, now = ev["type"], time.monotonic()
+                if kind == "input_audio_buffer.speech_stopped":
+                    ended[ev["item_id"]] = now
+                elif kind == "conversation.item.input_audio_transcription.completed":
+                    t_end = ended.pop(ev["item_id"], None)
+                    if t_end is not None:
+                        out["asr_client_ms"].append((now - t_end) * 1000)
+                        if ev["transcript"].strip():
+                            answered.append(t_end)
+                elif kind == "response.created":
+                    replies[ev["response"]["id"]] = {"t_end": answered.popleft() if answered else None, "bytes": 0}
+                elif kind == "response.output_audio_transcript.delta":
+                    r = replies.get(ev["response_id"])
+                    if r is not None and "t_text" not in r:
+                        r["t_text"] = now
+                elif kind == "response.output_audio.delta":
+                    r = replies.get(ev["response_id"])
+                    if r is None:
+                        continue
+                    if not r["bytes"] and r["t_end"] is not None:
+                        out["v2v_client_ms"].append((now - r["t_end"]) * 1000)
+                    r["bytes"] += len(ev["delta"]) * 3 // 4
+                    r["t_last"] = now
+                elif kind == "response.done":
+                    r = replies.pop(ev["response"]["id"], None)
+                    if r and r["bytes"] and "t_text" in r:
+                        out["rtf"].append((r["t_last"] - r["t_text"]) / (r["bytes"] / 48000))
+                elif kind == "error":
+                    out["notices"].append(f"{ev['error']['code']}: {ev['error']['message'][:120]}")
+
+        reader = asyncio.create_task(read())
+        t0 = time.monotonic()
+        i = start_frame  # the same 20 ms grid as the 16 kHz WAV
+        n = 0
+        while time.monotonic() - t0 < duration_s:
+            await ws.send_str(json.dumps({"type": "input_audio_buffer.append",
+                                          "audio": base64.b64encode(frames[i % len(frames)]).decode()}))
+            i += 1
+            n += 1
+            await asyncio.sleep(max(0.0, t0 + n * 0.02 - time.monotonic()))
+            out["late_ms"].append(max(0.0, (time.monotonic() - (t0 + n * 0.02)) * 1000))
+        # Let the last reply finish, as the gRPC caller's half-close does, then hang up.
+        while replies or answered:
+            await asyncio.sleep(0.05)
+            if time.monotonic() - t0 > duration_s + 30:
+                break
+        await ws.close()
+        await reader
+
+
+async def callers(address: str, wav: Path, sessions: int, duration_s: float, reply_s: float,
+                  front: str = "grpc") -> dict:
     from voiced_client.wavio import read_wav
+
+    from voiced.bench.phone_callers import audiosocket_caller, media_ws_caller
 
     samples, rate = read_wav(wav)
     assert rate == 16000, "the bench WAV must be 16 kHz"
     pcm = samples.astype("<i2").tobytes()
     n_frames = len(pcm) // 640
-    out = {k: [] for k in ("asr_ms", "agent_ms", "first_audio_ms", "tts_first_chunk_ms", "rtf", "late_ms", "notices")}
+    out = {k: [] for k in ("asr_ms", "agent_ms", "first_audio_ms", "tts_first_chunk_ms", "rtf", "late_ms", "notices",
+                           "v2v_client_ms", "asr_client_ms", "unmatched_replies")}
+
+    def caller(k: int):
+        start = (n_frames * k) // sessions
+        if front == "audiosocket":
+            return audiosocket_caller(address, pcm, start, duration_s, reply_s, out)
+        if front == "media_ws":
+            return media_ws_caller(address, pcm, start, duration_s, out)
+        if front == "realtime":
+            return realtime_caller(address, pcm, start, duration_s, reply_s, k, out)
+        if front == "wyoming":
+            from voiced.bench.wyoming_caller import wyoming_caller
+
+            return wyoming_caller(address, pcm, start, duration_s, out)
+        return one_caller(address, pcm, start, duration_s, reply_s, k, out)
+
     t0 = time.monotonic()
-    await asyncio.gather(*(one_caller(address, pcm, (n_frames * k) // sessions, duration_s, reply_s, k, out)
-                           for k in range(sessions)))
-    report = {k: pct(v) for k, v in out.items() if k != "notices"}
+    await asyncio.gather(*(caller(k) for k in range(sessions)))
+    out["unmatched_replies"] = [len(out["unmatched_replies"])]
+    report = {k: pct(v) for k, v in out.items() if k not in ("notices", "unmatched_replies") and v}
+    report["unmatched_replies"] = out["unmatched_replies"][0]
     from collections import Counter
 
     report["notices"] = dict(Counter(out["notices"]))
@@ -257,12 +416,14 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--no-gc-freeze", action="store_true",
                     help="leave start-up objects in the garbage collector's scans (to compare)")
     ap.add_argument("--tiny-cpu", action="store_true", help="dry run on the CPU with tiny random models")
+    ap.add_argument("--front", nargs="+", default=["grpc"], choices=FRONTS,
+                    help="the doors to call through, each in turn at every level (default grpc)")
     ap.add_argument("--caller", default=None, help=argparse.SUPPRESS)  # internal: run the callers only
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     if args.caller:
-        address, sessions = args.caller.rsplit("@", 1)
-        report = asyncio.run(callers(address, args.wav, int(sessions), args.duration, args.reply_seconds))
+        front, address, sessions = args.caller.split("@")
+        report = asyncio.run(callers(address, args.wav, int(sessions), args.duration, args.reply_seconds, front))
         print(json.dumps(report))
         return report
 
@@ -270,7 +431,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     import torch
 
-    address, server, loop = start_server(args)
+    addresses, server, loop = start_server(args)
     gc_pauses = GcPauses()
     gc.callbacks.append(gc_pauses)
     result = {"bench": "e2e", "gpu": "cpu (dry run)" if args.tiny_cpu else torch.cuda.get_device_name(), "torch": torch.__version__,
@@ -278,29 +439,34 @@ def main(argv: list[str] | None = None) -> dict:
               "reply_seconds": args.reply_seconds, "first_chunk_tokens": args.first_chunk_tokens,
               "engine_threads": "separate" if args.separate_threads else "shared",
               "gc_freeze": not args.no_gc_freeze,
-              "date": time.strftime("%Y-%m-%d"), "levels": {}}
-    for n in args.sessions:
-        gc_pauses.take()
-        for worker in (server.services.asr, server.services.tts):
-            worker.engine.step.take()
-        cmd = [sys.executable, "-m", "voiced.bench.e2e_bench", "--wav", str(args.wav), "--tiktoken-dir",
-               str(args.tiktoken_dir), "--duration", str(args.duration), "--reply-seconds", str(args.reply_seconds),
-               "--caller", f"{address}@{n}"]
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ)
-        if proc.returncode != 0:
-            result["levels"][n] = {"error": proc.stderr[-2000:]}
-            continue
-        level = json.loads(proc.stdout.strip().splitlines()[-1])
-        level["asr_steps"] = server.services.asr.stats.steps
-        level["gc"] = gc_pauses.take()
-        level["step_ms"] = {w.name: w.engine.step.take() for w in (server.services.asr, server.services.tts)}
-        result["levels"][n] = level
-        log.info("%d sessions: %s", n, json.dumps(level))
+              "date": time.strftime("%Y-%m-%d"), "fronts": {}}
+    for front in args.front:
+        levels = result["fronts"][front] = {}
+        for n in args.sessions:
+            gc_pauses.take()
+            for worker in (server.services.asr, server.services.tts):
+                worker.engine.step.take()
+            cmd = [sys.executable, "-m", "voiced.bench.e2e_bench", "--wav", str(args.wav), "--tiktoken-dir",
+                   str(args.tiktoken_dir), "--duration", str(args.duration), "--reply-seconds",
+                   str(args.reply_seconds), "--caller", f"{front}@{addresses[front]}@{n}"]
+            proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ)
+            if proc.returncode != 0:
+                levels[n] = {"error": proc.stderr[-2000:]}
+                continue
+            level = json.loads(proc.stdout.strip().splitlines()[-1])
+            level["asr_steps"] = server.services.asr.stats.steps
+            level["gc"] = gc_pauses.take()
+            level["step_ms"] = {w.name: w.engine.step.take() for w in (server.services.asr, server.services.tts)}
+            levels[n] = level
+            log.info("%s, %d sessions: %s", front, n, json.dumps(level))
+    result["levels"] = result["fronts"][args.front[0]]  # one door's levels where they always were
+    result["door_overhead_ms"] = door_overhead(result["fronts"])
     asyncio.run_coroutine_threadsafe(server.drain_and_stop(grace=0), loop).result(60)
     if not args.tiny_cpu:
         gpu_memory("serving", args)
         result["gpu_memory"] = MEMORY
-        result["targets"] = e2e_targets(result["levels"])
+        result["targets"] = e2e_targets(result["fronts"].get("grpc", result["levels"]))
+        result["targets"].update(door_targets(result["door_overhead_ms"]))
     text = json.dumps(result, indent=2)
     print(text)
     if args.out:

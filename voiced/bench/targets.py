@@ -27,6 +27,9 @@ TARGETS = {
     "first_chunk_p50_ms_16": Target("first audio chunk p50, 16 requests in flight", 150, "ms"),
     "voice_to_voice_p50_ms_16": Target("voice-to-voice p50, 16 conversations", 150, "ms"),
     "voice_to_voice_p99_ms_16": Target("voice-to-voice p99, 16 conversations", 300, "ms"),
+    # issue 12: a front door's voice-to-voice (as its callers hear it) over gRPC's, 16 conversations
+    "door_overhead_p50_ms_audiosocket_16": Target("AudioSocket door over gRPC, voice-to-voice p50", 5, "ms"),
+    "door_overhead_p50_ms_media_ws_16": Target("media WebSocket door over gRPC, voice-to-voice p50", 5, "ms"),
 }
 
 

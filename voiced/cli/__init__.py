@@ -36,6 +36,14 @@ def main(argv: list[str] | None = None) -> int:
     except CliError as e:
         print(f"voiced {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except ModuleNotFoundError as e:
+        from voiced.extras import missing_extra
+
+        missing = missing_extra(e)
+        if missing is None:
+            raise
+        print(f"voiced {args.command}: error: {missing}", file=sys.stderr)
+        return 2
 
 
 class CliError(Exception):

@@ -2,7 +2,9 @@
 
     voiced bench whisper --tiktoken-dir DIR [...]   engine sweep next to transformers (JSON)
     voiced bench spark [...]                        Spark-TTS LM + vocoder next to transformers (JSON)
-    voiced bench e2e --wav W --tiktoken-dir DIR     N concurrent Converse sessions over gRPC (JSON)
+    voiced bench e2e --wav W --tiktoken-dir DIR     N concurrent calls through gRPC (JSON); --front grpc
+                                                    audiosocket media_ws realtime: the same through each door
+    voiced bench speech --tiktoken-dir DIR          /v1/audio/speech's first byte next to gRPC Synthesize's (JSON)
     voiced bench plot RESULT.json... --out bench.png
 Each sub-command's own options: `voiced bench whisper --help`, and so on.
 """
@@ -16,7 +18,7 @@ from pathlib import Path
 from voiced.cli import CliError
 
 SUITES = {"whisper": "voiced.bench.whisper_bench", "spark": "voiced.bench.spark_bench",
-          "e2e": "voiced.bench.e2e_bench"}
+          "e2e": "voiced.bench.e2e_bench", "speech": "voiced.bench.speech_bench"}
 
 
 def register(sub) -> None:
@@ -41,13 +43,10 @@ def plot(argv: list[str]) -> int:
     ap.add_argument("results", nargs="+", type=Path)
     ap.add_argument("--out", type=Path, default=Path("bench.png"))
     a = ap.parse_args(argv)
-    try:
-        import matplotlib
+    import matplotlib  # missing: the command line names the extra (voiced.extras)
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise CliError("plotting needs matplotlib: pip install 'voiced[bench]'") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
     e2e = [json.loads(p.read_text()) for p in a.results]
     e2e = [r for r in e2e if r.get("bench") == "e2e"]
     if not e2e:

@@ -28,15 +28,20 @@ def register(sub: argparse._SubParsersAction) -> None:
                        help="use this checkpoint instead of downloading (whisper: <model>.pt; "
                             "spark-tts: the Spark-TTS-0.5B folder or its LLM/ folder)")
         k.add_argument("--dtype", default=None, choices=["float16", "bfloat16", "float32"],
-                       help="inference precision (default: float16 for whisper, bfloat16 for spark-tts)")
+                       help="inference precision (default: float16 for whisper, the only one TensorRT-LLM's "
+                            "Whisper runtime takes; bfloat16 for spark-tts)")
         k.add_argument("--weight-only", default=None, choices=["int8", "int4"], help="weight-only quantization")
         k.add_argument("--max-batch-size", type=int, default=None, help="default: 8 (whisper), 16 (spark-tts)")
         if kind == "whisper":
-            k.add_argument("--max-beam-width", type=int, default=None, help="default: 1")
+            k.add_argument("--max-beam-width", type=int, default=None,
+                           help="default: 1. Above 1, beam requests do not batch with greedy ones: TensorRT-LLM "
+                                "runs one beam width at a time")
             k.add_argument("--max-prompt-tokens", type=int, default=None, help="decoder prompt budget (default 14)")
             k.add_argument("--max-new-tokens", type=int, default=None, help="decoder output budget (default 100)")
         else:
-            k.add_argument("--max-input-len", type=int, default=None, help="prompt budget (default 1024)")
+            k.add_argument("--max-input-len", type=int, default=None,
+                           help="prompt budget (default 1024); a cloned voice's reference clip takes 50 tokens "
+                                "a second of it, so 1024 fits clips up to about 18 s")
             k.add_argument("--max-seq-len", type=int, default=None, help="prompt + output (default 2560)")
         k.add_argument("--examples-dir", default=None,
                        help="TensorRT-LLM's examples/ folder (default: $TRTLLM_EXAMPLES_DIR, /app/tensorrt_llm/examples)")

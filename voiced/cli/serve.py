@@ -61,19 +61,60 @@ def load_engines(services) -> None:
     from voiced.engines.loader import load_asr, load_tts
 
     config = services.config
-    # Both engines step on one thread, recognition first (see voiced.core.scheduler for why).
+    # Both engines step on one thread, recognition first (see voiced.core.scheduler for why). They load
+    # on it too: PyTorch keeps a cuBLAS workspace per (thread, stream), and the memory plan's probe of
+    # its size (voiced.memory_plan.stream_workspace_bytes) then makes the one the engines use anyway.
     thread = EngineThread("engines")
-    asr = load_asr(config)
+    free = _free_gpu(config)
+    asr = thread.call(lambda: load_asr(config))
+    _log_need(asr)
     _warm(asr, thread)
     services.asr = EngineWorker(asr, "asr", thread=thread)
     log.info("ASR: %s on %s (%s backend)", asr.model_name, asr.device, asr.backend)
+    engines = [asr]
     if config.tts.enabled:
-        tts = load_tts(config)
+        tts = thread.call(lambda: load_tts(config))
+        _log_need(tts)
         _warm(tts, thread)
         services.tts = EngineWorker(tts, "tts", thread=thread)
         services.voices = tts.voices
         log.info("TTS: %s on %s (%s backend)", tts.model_name, tts.device, tts.backend)
+        engines.append(tts)
+    _log_plan(engines, free)
     freeze_heap()
+
+
+def _free_gpu(config) -> int | None:
+    from voiced.engines.loader import gpu_memory, resolve_device
+
+    mem = gpu_memory(resolve_device(config.asr.device))
+    return mem.free if mem else None
+
+
+def _log_need(engine) -> None:
+    need = getattr(engine, "memory_need", None)
+    if need is not None and str(engine.device).startswith("cuda"):
+        from voiced.memory_plan import plan_table
+
+        log.info("%s: planned before loading\n%s", engine.model_name, plan_table([need]))
+
+
+def _log_plan(engines, free: int | None) -> None:
+    """The torch engines' plan (what `test_daemon_gpu` reads), and beside it what PyTorch's allocator
+    holds now and its peak since the TTS warm-up's last phase began."""
+    needs = [e.memory_need for e in engines
+             if getattr(e, "memory_need", None) is not None and str(e.device).startswith("cuda")]
+    if not needs:
+        return
+    import torch
+
+    from voiced.memory_plan import plan_table, plan_total
+
+    log.info("\n%s\n", plan_table(needs, free))
+    total = plan_total(needs)
+    used, peak = torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated()
+    log.info("GPU memory after warm-up: plan %.1f MiB, allocated %.1f MiB (%+.1f %%), peak %.1f MiB (%+.1f %%)",
+             total / 2**20, used / 2**20, 100 * (used - total) / total, peak / 2**20, 100 * (peak - total) / total)
 
 
 def _warm(engine, thread) -> None:
@@ -118,7 +159,7 @@ def run(args: argparse.Namespace) -> int:
             mem = gpu_memory(resolve_device(config.asr.device))
         except ValueError as e:
             raise CliError(str(e)) from None
-        if mem is not None:
+        if mem is not None and "torch" not in (config.asr.backend, config.tts.backend):
             log.info("\n%s", config.memory.table(mem.free))
     return asyncio.run(_serve(config))
 

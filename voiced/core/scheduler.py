@@ -20,6 +20,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import AsyncIterator
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -40,13 +41,21 @@ class WorkerStats:
 
 
 class EngineThread:
-    """One thread stepping one or more engines, in the order they were attached."""
+    """One thread stepping one or more engines, in the order they were attached.
 
-    def __init__(self, name: str):
+    `step_log=N` keeps the thread's last N events, in the order it did them, as (engine name, event,
+    request ids): "submit" and "cancel" when one reaches the engine, "step" with the ids the engine
+    held, "done" when one finished or failed. The scheduling policy is judged from it exactly, as the
+    thread saw it, whatever the machine's load. Off (None) by default.
+    """
+
+    def __init__(self, name: str, step_log: int = 0):
         self.name = name
         self.commands: queue.SimpleQueue = queue.SimpleQueue()
         self.workers: list[EngineWorker] = []
         self._thread: threading.Thread | None = None
+        self.first_budget_s = FIRST_BUDGET_S
+        self.step_log: deque[tuple[str, str, tuple[int, ...]]] | None = deque(maxlen=step_log) if step_log else None
 
     def attach(self, worker: EngineWorker) -> None:
         self.workers.append(worker)
@@ -119,10 +128,10 @@ class EngineThread:
         if not self.workers:
             return  # started early for `call` (warm-up) before any engine was attached
         first, *others = self.workers
-        deadline = time.monotonic() + FIRST_BUDGET_S
+        deadline = time.monotonic() + self.first_budget_s
         while first.engine.has_work() and not self._stopped:
             first._step()
-            if others and time.monotonic() > deadline:
+            if others and time.monotonic() >= deadline:
                 break
             self._drain()  # new utterances join the burst; cancellations land at once
         for w in others:
@@ -212,6 +221,7 @@ class EngineWorker:
             try:
                 self.engine.submit(request_id, request)
                 self._in_engine[request_id] = None
+                self._log("submit", (request_id,))
             except CapacityError as e:
                 self._deliver(EngineOutput(request_id, error=str(e), busy=True))
             except EngineError as e:
@@ -221,10 +231,19 @@ class EngineWorker:
                 self._deliver(fault_output(request_id, self.name, e))
         elif kind == "cancel":
             self.stats.cancelled += 1
-            self._in_engine.pop(request_id, None)
             self.engine.cancel(request_id)
+            if request_id in self._in_engine:
+                self._in_engine.pop(request_id)
+                self._log("cancel", (request_id,))
+
+    def _log(self, event: str, request_ids: tuple[int, ...]) -> None:
+        log_ = self.thread.step_log
+        if log_ is not None:
+            log_.append((self.name, event, request_ids))
 
     def _step(self) -> None:
+        if self.thread.step_log is not None:
+            self._log("step", tuple(sorted(self._in_engine)))
         while True:
             try:
                 outputs = self.engine.step()
@@ -239,7 +258,6 @@ class EngineWorker:
                 newest = max(self._in_engine)
                 log.error("%s: engine step failed; failing the newest request (%d) and stepping again",
                           self.name, newest, exc_info=e)
-                self._in_engine.pop(newest)
                 self.engine.cancel(newest)
                 self._deliver(fault_output(newest, self.name, e))
         self.stats.steps += 1
@@ -251,11 +269,13 @@ class EngineWorker:
     def _deliver(self, out: EngineOutput) -> None:
         target = self._sinks.get(out.request_id)
         if out.final or out.error is not None:
-            self._in_engine.pop(out.request_id, None)
             if out.error is not None:
                 self.stats.failed += 1
             else:
                 self.stats.finished += 1
+            if out.request_id in self._in_engine:
+                self._in_engine.pop(out.request_id)
+                self._log("done", (out.request_id,))
         if target is None:
             return  # the caller left; its cancel is on the way
         loop, sink = target

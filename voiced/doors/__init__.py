@@ -19,6 +19,10 @@ import importlib
 # `[doors]` config key is set.
 DOORS: dict[str, str] = {
     "grpc": "voiced.doors.grpc_server:GrpcDoor",
+    "audiosocket": "voiced.doors.audiosocket:AudioSocketDoor",
+    "media_ws": "voiced.doors.media_ws:MediaStreamDoor",
+    "http": "voiced.doors.http:HttpDoor",
+    "wyoming": "voiced.doors.wyoming:WyomingDoor",
 }
 
 

@@ -8,6 +8,7 @@ says NOT_SERVING until the Daemon has loaded the models and again once it drains
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import inspect
 import logging
@@ -130,9 +131,12 @@ class VoicedService(pb_grpc.VoicedServicer):
             fmt = (wire.audio_format(request.output_format, "output_format")
                    if request.HasField("output_format") else speech.PCM16K)
             opts = wire.tts_options(request.speech, self.s.config)
-            async for c in speech.synthesize(self.s, request.text, opts, fmt):
-                yield pb.SynthesizeResponse(audio=pb.AudioChunk(sequence=c.sequence, offset_ms=c.offset_ms,
-                                                                last=c.last, audio=c.audio))
+            # aclosing: a caller that hangs up mid-speech frees its engine request now, not at the
+            # generator's garbage collection.
+            async with contextlib.aclosing(speech.synthesize(self.s, request.text, opts, fmt)) as chunks:
+                async for c in chunks:
+                    yield pb.SynthesizeResponse(audio=pb.AudioChunk(sequence=c.sequence, offset_ms=c.offset_ms,
+                                                                    last=c.last, audio=c.audio))
         except Exception as e:
             await self._abort(context, e)
 

@@ -134,6 +134,7 @@ class ASREngine(SteppedEngine, Protocol):
     model_name: str
     backend: str  # "torch" | "trtllm"
     device: str
+    languages: tuple[str, ...]  # ISO 639-1 codes the model transcribes (what front doors advertise)
 
     def active_requests(self) -> int: ...  # requests holding a batch slot or queued
 
@@ -180,6 +181,7 @@ class TTSEngine(SteppedEngine, Protocol):
     model_name: str
     backend: str
     device: str
+    languages: tuple[str, ...]  # languages the model speaks (ISO 639-1)
 
     def active_requests(self) -> int: ...
 

@@ -55,8 +55,6 @@ def load_asr(config: Config):
     c: ASRConfig = config.asr
     backend = choose_backend(c.backend, "whisper", engine_dir(config, "whisper", c.model))
     device = resolve_device(c.device)
-    mem = gpu_memory(device)
-    budgets = config.memory.budget_bytes(mem.free) if mem else {}
     if backend == "trtllm":
         from voiced.engines.trtllm.whisper_runner import TrtllmWhisperEngine
 
@@ -64,8 +62,11 @@ def load_asr(config: Config):
                                         max_batch=c.max_batch)
     from voiced.engines.whisper.engine import WhisperEngine
 
-    return WhisperEngine.load(c.model, device=device, dtype=c.dtype or None, max_batch=c.max_batch,
-                              kv_cache_bytes=(budgets["whisper_self"] + budgets["whisper_cross"]) if budgets else None)
+    # The torch engine computes what it will hold and checks it against its share of the memory free
+    # now (the fraction is a cap: its caches are sized by max_batch, not by the share).
+    mem = gpu_memory(device)
+    limit = (mem.free, config.memory.whisper_kv_fraction) if mem else None
+    return WhisperEngine.load(c.model, device=device, dtype=c.dtype or None, max_batch=c.max_batch, memory_limit=limit)
 
 
 def load_tts(config: Config):
@@ -73,13 +74,15 @@ def load_tts(config: Config):
     backend = choose_backend(c.backend, "spark-tts", engine_dir(config, "spark-tts", c.model))
     device = resolve_device(c.device)
     mem = gpu_memory(device)
-    budgets = config.memory.budget_bytes(mem.free) if mem else {}
     from voiced.engines.spark.engine import SparkTTSEngine
 
-    kwargs = dict(device=device, dtype=c.dtype or None, max_batch=c.max_batch, voices_dir=c.voices_dir or None,
-                  kv_cache_bytes=budgets.get("tts"))
+    kwargs = dict(device=device, dtype=c.dtype or None, max_batch=c.max_batch, voices_dir=c.voices_dir or None)
     if backend == "trtllm":
         from voiced.engines.trtllm.spark_runner import TrtllmSparkEngine
 
-        return TrtllmSparkEngine.load(engine_dir(config, "spark-tts", c.model), c.model, plan=config.memory, **kwargs)
-    return SparkTTSEngine.load(c.model, **kwargs)
+        budgets = config.memory.budget_bytes(mem.free) if mem else {}
+        return TrtllmSparkEngine.load(engine_dir(config, "spark-tts", c.model), c.model, plan=config.memory,
+                                      kv_cache_bytes=budgets.get("tts"), **kwargs)
+    # the free memory now: after the ASR engine loaded and warmed up, when it loads first
+    limit = (mem.free, config.memory.tts_kv_fraction) if mem else None
+    return SparkTTSEngine.load(c.model, memory_limit=limit, **kwargs)

@@ -25,6 +25,7 @@ runs on a prefix of the cache.
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import itertools
 import logging
 import os
@@ -47,13 +48,14 @@ from voiced.engines.base import (
     fault_output,
 )
 from voiced.hub import cache_dir
+from voiced.memory_plan import EngineNeed, MemoryPlanError, Need, stream_workspace_bytes
 
 from .bicodec import HOP, BiCodec, load_bicodec, reference_clip, volume_normalize
 from .checkpoint import SparkCheckpoint, SpecialTokens, TextTokenizer, load_special_tokens, resolve
 from .qwen2 import Qwen2LM, load_qwen2
 from .sampling import PhaseSampler, candidate_bucket
 from .streaming import BATCH_BUCKETS, ChunkPlanner, DecodeJob, Window, batch_bucket, decode_jobs, padded_length
-from .voices import Voice, VoiceStore
+from .voices import LANGUAGES, Voice, VoiceStore
 
 log = logging.getLogger(__name__)
 
@@ -198,10 +200,53 @@ class SynthesisResult:
         return self.audio.shape[0] / self.sample_rate
 
 
+def _module_bytes(module: torch.nn.Module, dtype: torch.dtype) -> int:
+    seen, total = set(), 0
+    for t in itertools.chain(module.parameters(), module.buffers()):
+        if id(t) not in seen:
+            seen.add(id(t))
+            total += t.numel() * (dtype.itemsize if t.is_floating_point() else t.element_size())
+    return total
+
+
+def _doubling(top: int, start: int) -> list[int]:
+    out, b = [], start
+    while True:
+        out.append(min(b, top))
+        if b >= top:
+            return out
+        b *= 2
+
+
+def memory_need(cfg, lm_dtype: torch.dtype, lm_bytes: int, codec_bytes: int, max_batch: int, max_seq_len: int, *,
+                cuda: bool, graphs: bool = True, decode_steps: int = DECODE_STEPS, workspace_bytes: int = 0) -> EngineNeed:
+    """What `SparkTTSEngine.load(...)` with these settings holds on its device (see voiced.memory_plan)."""
+    kv = 2 * cfg.num_hidden_layers * max_batch * cfg.num_key_value_heads * max_seq_len * cfg.head_dim * lm_dtype.itemsize
+    items = [Need("LM weights", lm_bytes), Need("BiCodec weights", codec_bytes),
+             Need(f"LM KV cache: {max_seq_len} positions x {max_batch} rows", kv),
+             Need("rope tables", 2 * max_seq_len * cfg.head_dim * 4),
+             # phase logit masks, step state, first tokens
+             Need("step buffers", 2 * cfg.vocab_size * 4 + max_batch * (7 * 8 + 2 * 4 + 8))]
+    if not cuda:
+        return EngineNeed("Spark-TTS", "tts_kv_fraction", items)
+    if graphs:
+        n = len(_doubling(max_batch, 1)) * len(_doubling(max_seq_len, 256))
+        items.append(Need(f"decode graphs ({n}): sampled tokens", n * max_batch * decode_steps * 8))
+    items.append(Need("cuBLAS workspaces (the default stream, the capture stream)", 2 * workspace_bytes))
+    # A packed prefill of PREFILL_STEP_TOKENS: its boolean mask, the MLP's activations and the
+    # attention's inputs in the LM's dtype.
+    t, e = PREFILL_STEP_TOKENS, lm_dtype.itemsize
+    prefill = t * t * (1 + e) + t * e * (3 * cfg.intermediate_size + 4 * cfg.hidden_size)
+    items.append(Need(f"largest step transient, estimated (prefill of {t} tokens)", prefill, transient=True))
+    return EngineNeed("Spark-TTS", "tts_kv_fraction", items)
+
+
 class SparkTTSEngine:
     """Spark-TTS-0.5B in PyTorch. Build with `SparkTTSEngine.load(...)`; drive from one thread."""
 
     backend = "torch"
+    languages = LANGUAGES
+    memory_need: EngineNeed | None = None  # set by load(): what it holds on its device
 
     def __init__(self, checkpoint: SparkCheckpoint, lm: Qwen2LM, codec: BiCodec, tokenizer: TextTokenizer,
                  special: SpecialTokens, *, device: str, max_batch: int, max_seq_len: int,
@@ -247,7 +292,7 @@ class SparkTTSEngine:
              dtype: str | torch.dtype | None = None, max_batch: int = 16, voices_dir: str | Path | None = None,
              kv_cache_bytes: int | None = None, max_seq_len: int = 4096, codec_dtype: str | torch.dtype | None = None,
              use_cuda_graphs: bool = True, decode_steps: int = DECODE_STEPS,
-             compile_lm: bool | None = None) -> SparkTTSEngine:
+             compile_lm: bool | None = None, memory_limit: tuple[int, float] | None = None) -> SparkTTSEngine:
         """Load a Spark-TTS-0.5B directory (or the cached model by name).
 
         dtype: the LM's (default bf16 on GPU, fp32 on CPU; fp16 is refused: it overflows in this LM).
@@ -255,6 +300,8 @@ class SparkTTSEngine:
         compile_lm: torch.compile the decode and prefill layers (fused kernels: 1.2 instead of 3.0 ms per step on an
             H200; ~20 s more warm-up). Default: on for CUDA when Triton is installed, unless the
             environment sets VOICED_SPARK_COMPILE=0. Tokens match the uncompiled path up to bf16 rounding.
+        memory_limit: (free GPU bytes, the [memory] tts_kv_fraction): the computed need (`memory_need`) is
+            checked against that share before anything goes to the GPU; above it, an EngineError naming the setting.
         """
         ckpt = resolve(name_or_path)
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -266,6 +313,13 @@ class SparkTTSEngine:
         c_dtype = _dtype(codec_dtype) or (torch.bfloat16 if device.startswith("cuda") else torch.float32)
         tokenizer = TextTokenizer(ckpt.llm_dir)
         special = load_special_tokens(ckpt.llm_dir, tokenizer)
+        need = cls.plan(ckpt, device, lm_dtype, c_dtype, max_batch, max_seq_len, kv_cache_bytes, use_cuda_graphs,
+                        decode_steps)
+        if memory_limit is not None:  # before anything goes to the GPU
+            try:
+                need.check(*memory_limit)
+            except MemoryPlanError as e:
+                raise EngineError(str(e)) from None
         lm = load_qwen2(ckpt.llm_dir, device, lm_dtype)
         if lm.config.vocab_size < special.semantic_base + special.n_semantic:
             raise EngineError(f"{ckpt.llm_dir}: vocab_size {lm.config.vocab_size} has no room for the BiCodec tokens")
@@ -285,9 +339,32 @@ class SparkTTSEngine:
                 and _has_triton()
         if compile_lm:
             lm.compile_decode()
-        return cls(ckpt, lm, codec, tokenizer, special, device=device, max_batch=max_batch, max_seq_len=max_seq_len,
-                   voices_dir=voices_dir, use_cuda_graphs=use_cuda_graphs, model_name=ckpt.root.name,
-                   decode_steps=decode_steps)
+        engine = cls(ckpt, lm, codec, tokenizer, special, device=device, max_batch=max_batch, max_seq_len=max_seq_len,
+                     voices_dir=voices_dir, use_cuda_graphs=use_cuda_graphs, model_name=ckpt.root.name,
+                     decode_steps=decode_steps)
+        engine.memory_need = need
+        return engine
+
+    @staticmethod
+    def plan(ckpt: SparkCheckpoint, device: str, lm_dtype: torch.dtype, codec_dtype: torch.dtype, max_batch: int,
+             max_seq_len: int, kv_cache_bytes: int | None = None, use_cuda_graphs: bool = True,
+             decode_steps: int = DECODE_STEPS) -> EngineNeed:
+        """The engine's memory need from the checkpoint's configs alone (modules built on the meta device)."""
+        from .bicodec import BiCodecConfig
+        from .qwen2 import Qwen2Config
+
+        cfg = Qwen2Config.from_json(ckpt.llm_dir / "config.json")
+        if kv_cache_bytes:
+            per_row = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * max_seq_len * lm_dtype.itemsize
+            max_batch = min(max_batch, max(1, int(kv_cache_bytes // per_row)))
+        with torch.device("meta"):
+            lm_bytes = _module_bytes(Qwen2LM(cfg), lm_dtype)
+            codec_bytes = _module_bytes(BiCodec(BiCodecConfig.from_yaml(ckpt.bicodec_dir / "config.yaml",
+                                                                        ckpt.root_config)), codec_dtype)
+        cuda = str(device).startswith("cuda")
+        return memory_need(cfg, lm_dtype, lm_bytes, codec_bytes, max_batch, max_seq_len, cuda=cuda,
+                           graphs=use_cuda_graphs, decode_steps=decode_steps,
+                           workspace_bytes=stream_workspace_bytes(device) if cuda else 0)
 
     def warmup(self, first_chunk_tokens: int | None = None, chunk_tokens: int | None = None) -> None:
         """Run now, on the GPU, every shape serving will meet, so that no request pays a first-time cost
@@ -863,13 +940,22 @@ class Wav2Vec2Features:
     LAYERS = (11, 14, 16)
 
     def __init__(self, path: str | Path, device: str) -> None:
-        from transformers import Wav2Vec2FeatureExtractor, Wav2Vec2Model
+        try:
+            import transformers
+            from transformers import Wav2Vec2FeatureExtractor, Wav2Vec2Model
+        except ModuleNotFoundError as e:  # after start-up: no command line around to explain it
+            from voiced.extras import missing_extra
+
+            raise EngineError(str(missing_extra(e, "registering a voice") or e)) from None
 
         path = Path(path)
         if not (path / "config.json").exists():
             raise EngineError(f"registering a voice needs wav2vec2 ({path} is missing); run `voiced models pull spark-tts-0.5b`")
         self.processor = Wav2Vec2FeatureExtractor.from_pretrained(path)
-        self.model = Wav2Vec2Model.from_pretrained(path).to(device).eval()
+        # fp32, as upstream runs it: transformers 5 loads in the dtype config.json names ("auto"), 4.x
+        # in fp32; 4.56 renamed `torch_dtype` to `dtype`, and 5.x warns on the old name.
+        kw = "dtype" if _version(transformers.__version__) >= (4, 56) else "torch_dtype"
+        self.model = Wav2Vec2Model.from_pretrained(path, **{kw: torch.float32}).to(device).eval()
         if self.model.config.num_hidden_layers < max(self.LAYERS):
             raise EngineError(f"{path}: wav2vec2 has {self.model.config.num_hidden_layers} layers; need {max(self.LAYERS)}")
         self.device = device
@@ -900,11 +986,12 @@ def checkpoint_fingerprint(ckpt: SparkCheckpoint) -> str:
 
 
 def _has_triton() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    # triton comes with torch where torch.compile can use it; only its presence matters here.
+    return importlib.util.find_spec("triton") is not None
+
+
+def _version(v: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in re.findall(r"\d+", v)[:2])
 
 
 def _dtype(d: str | torch.dtype | None) -> torch.dtype | None:

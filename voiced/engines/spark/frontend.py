@@ -1,5 +1,6 @@
 """The Spark-TTS host code for an LM that runs elsewhere (the TensorRT-LLM runner,
-voiced/engines/trtllm/spark_runner.py): prompts in, semantic tokens to streamed audio out.
+voiced/engines/trtllm/spark_runner.py, which imports this module; never the other way round):
+prompts in, semantic tokens to streamed audio out.
 
 `SparkFrontend` is a thin adapter over what SparkTTSEngine itself uses, so both backends speak the
 same prompts and the same sample-exact streamed audio:
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -40,6 +42,22 @@ from .streaming import ChunkPlanner, DecodeJob, decode_jobs
 from .voices import Voice, VoiceStore
 
 log = logging.getLogger(__name__)
+
+__all__ = ["TOKENS_PER_SECOND", "SparkFrontend", "SparkLMRequest", "SparkVocoderStream"]
+
+
+@dataclass
+class SparkLMRequest:
+    """One LM generation for an LM that runs elsewhere (what `SparkFrontend.lm_request` returns)."""
+
+    prompt_ids: list[int]
+    max_new_tokens: int  # LM budget: global tokens (controllable voices) + semantic tokens + EOS
+    max_semantic_tokens: int | None = None  # audio cap (TOKENS_PER_SECOND per second); None: only max_new_tokens
+    temperature: float = 0.8
+    top_k: int = 50
+    top_p: float = 0.95
+    seed: int | None = None
+    priority: int = 0
 
 
 class SparkVocoderStream:
@@ -112,9 +130,7 @@ class SparkFrontend:
     def _voice(self, request: TTSRequest) -> Voice:
         return self.voices.resolve((request.options or TTSOptions()).voice)
 
-    def lm_request(self, request: TTSRequest):
-        from voiced.engines.trtllm.spark_runner import SparkLMRequest  # the runner's type; no tensorrt import
-
+    def lm_request(self, request: TTSRequest) -> SparkLMRequest:
         opts = request.options or TTSOptions()
         text = " ".join((request.text or "").split())
         if not text:
@@ -140,5 +156,3 @@ class SparkFrontend:
             self._wav2vec2 = Wav2Vec2Features(self.checkpoint.wav2vec2_dir, self.device)
         return tokenize_reference(self.codec, self._wav2vec2, audio, self.device)
 
-
-__all__ = ["SparkFrontend", "SparkVocoderStream"]

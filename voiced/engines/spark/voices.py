@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
+from voiced_client.wavio import float_to_int16
 
 from voiced.engines.base import EngineError
 
@@ -55,6 +56,7 @@ PRESETS: dict[str, tuple[str, str, str]] = {
     "male-slow": ("male", "moderate", "low"),
 }
 DEFAULT_VOICE = "female"
+LANGUAGES = ("en", "zh")  # what Spark-TTS-0.5B was trained to speak, with any voice
 
 
 @dataclass
@@ -98,7 +100,10 @@ def audio_sha256(samples: np.ndarray) -> str:
 
 
 def _pcm16(samples: np.ndarray) -> np.ndarray:
-    return (np.clip(np.asarray(samples, dtype=np.float32), -1.0, 1.0) * 32767.0).round().astype("<i2")
+    # x * 32768, as every reader of PCM16 divides (`_load_audio`, voiced_client.wavio): the stored
+    # recording reads back as the samples registered, bit for bit, and a PCM16 file's own samples are
+    # stored unchanged, so tokens computed again after a restart equal those computed at registration.
+    return float_to_int16(samples).astype("<i2", copy=False)
 
 
 def _write_json(path: Path, obj) -> None:

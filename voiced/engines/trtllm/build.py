@@ -5,16 +5,26 @@ architecture) -> ``trtllm-build`` (twice for Whisper: encoder and decoder). The 
 seeds' recipes (shared/seeds 000/001 for Whisper, 004 for Spark-TTS) and TensorRT-LLM's
 examples/models/core/whisper/README.md:
 
-- in-flight batching needs ``--paged_kv_cache enable --remove_input_padding enable`` on the decoder
-  (the README's "Run C++ runtime" note); we pass both explicitly rather than rely on defaults;
+- in-flight batching needs a paged KV cache and ``--remove_input_padding enable`` on the decoder
+  (the README's "Run C++ runtime" note); we pass both explicitly rather than rely on defaults. The
+  paged cache is ``--kv_cache_type paged``: ``--paged_kv_cache enable`` still parses in 1.0 but
+  trtllm-build logs it as deprecated (tensorrt_llm/commands/build.py); ``--kv_cache_type`` exists in
+  every release we support;
 - Whisper encoder: ``--gemm_plugin disable --bert_attention_plugin <dtype> --max_input_len 3000
-  --max_seq_len 3000`` (3000 mel frames = the 30 s window);
+  --max_seq_len 3000`` (3000 mel frames = the 30 s window), and ``--max_num_tokens`` = batch x 3000:
+  with the input padding removed the encoder's tokens are mel frames, and trtllm-build's default
+  (``BuildConfig.max_num_tokens`` = 8192) would fit two utterances per encoder step whatever the
+  batch size;
 - Whisper decoder: ``--gemm_plugin/--bert_attention_plugin/--gpt_attention_plugin <dtype>
   --max_encoder_input_len 3000 --max_input_len <prompt> --max_seq_len <prompt + new tokens>``, plus
   ``--gather_context_logits`` so the runner can read the no-speech and language probabilities at
   the start-of-transcript position, as openai-whisper does;
+- Whisper is float16 only: TensorRT-LLM's Whisper example runs float16 alone (run.py's ``--dtype``
+  takes ``float16`` only) although the converter accepts bfloat16/float32;
 - Spark-TTS LM (a Qwen2): ``--gemm_plugin bfloat16 --gpt_attention_plugin bfloat16
-  --max_batch_size 16 --max_num_tokens 32768`` (seed 004), bf16 because fp16 is reported unusable;
+  --max_batch_size 16 --max_num_tokens 32768`` (seed 004), bf16 because fp16 is reported unusable.
+  ``--max_input_len`` (1024 here, trtllm-build's default too) bounds the voice-cloning prompt: the
+  executor refuses longer prompts, and a cloned voice's reference clip costs 50 tokens a second;
 - ``--weight-only int8|int4`` becomes ``--use_weight_only --weight_only_precision <p>`` at conversion
   (the README's "INT8/INT4 Weight Only Quant" rows).
 
@@ -41,11 +51,14 @@ from tqdm import tqdm
 
 from voiced import hub
 from voiced.engines.trtllm import versions
+from voiced.engines.trtllm.whisper_runner import N_FRAMES
 
 log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
-MANIFEST_SCHEMA = 1
+# Bumped when the command lines change for the same options, so engines built before rebuild:
+# 2 = the Whisper encoder's --max_num_tokens and --kv_cache_type paged (issue 16).
+MANIFEST_SCHEMA = 2
 KINDS = ("whisper", "spark-tts")
 
 # OpenAI checkpoints (the URLs carry the file's sha256, as openai-whisper's _MODELS table does).
@@ -105,6 +118,11 @@ class BuildOptions:
             raise BuildError(f"--weight-only must be int8 or int4, got {self.weight_only!r}")
         if self.dtype not in ("float16", "bfloat16", "float32"):
             raise BuildError(f"--dtype must be float16, bfloat16 or float32, got {self.dtype!r}")
+        if self.kind == "whisper" and self.dtype != "float16":
+            # The converter accepts the others, but TensorRT-LLM's Whisper runtime is float16 only
+            # (examples/models/core/whisper/run.py); an engine built otherwise fails on every request.
+            raise BuildError(f"--dtype {self.dtype}: Whisper engines are float16 only in TensorRT-LLM; "
+                             "leave --dtype out (use --weight-only int8 or int4 for a smaller engine)")
         for name in ("max_batch_size", "max_beam_width", "max_prompt_tokens", "max_new_tokens",
                      "max_input_len", "max_seq_len", "max_num_tokens"):
             if getattr(self, name) < 1:
@@ -172,14 +190,16 @@ def whisper_steps(opts: BuildOptions, checkpoint: Path, out_dir: Path, convert_s
                "--moe_plugin", "disable", "--max_batch_size", str(opts.max_batch_size),
                "--gemm_plugin", "disable", "--bert_attention_plugin", dt,
                "--remove_input_padding", "enable",
-               "--max_input_len", "3000", "--max_seq_len", "3000"]
+               "--max_input_len", str(N_FRAMES), "--max_seq_len", str(N_FRAMES),
+               # tokens are mel frames here: room for a full batch of 30 s windows per step
+               "--max_num_tokens", str(opts.max_batch_size * N_FRAMES)]
     decoder = ["trtllm-build", "--checkpoint_dir", str(ckpt_dir / "decoder"), "--output_dir", str(out_dir / "decoder"),
                "--moe_plugin", "disable", "--max_beam_width", str(opts.max_beam_width),
                "--max_batch_size", str(opts.max_batch_size),
                "--max_seq_len", str(opts.max_prompt_tokens + opts.max_new_tokens),
-               "--max_input_len", str(opts.max_prompt_tokens), "--max_encoder_input_len", "3000",
+               "--max_input_len", str(opts.max_prompt_tokens), "--max_encoder_input_len", str(N_FRAMES),
                "--gemm_plugin", dt, "--bert_attention_plugin", dt, "--gpt_attention_plugin", dt,
-               "--paged_kv_cache", "enable", "--remove_input_padding", "enable",
+               "--kv_cache_type", "paged", "--remove_input_padding", "enable",
                "--gather_context_logits"]
     return [
         BuildStep("convert checkpoint", tuple(convert)),
@@ -200,7 +220,7 @@ def spark_steps(opts: BuildOptions, llm_dir: Path, out_dir: Path, convert_script
              "--max_batch_size", str(opts.max_batch_size), "--max_num_tokens", str(opts.max_num_tokens),
              "--max_input_len", str(opts.max_input_len), "--max_seq_len", str(opts.max_seq_len),
              "--gemm_plugin", dt, "--gpt_attention_plugin", dt,
-             "--paged_kv_cache", "enable", "--remove_input_padding", "enable"]
+             "--kv_cache_type", "paged", "--remove_input_padding", "enable"]
     return [BuildStep("convert checkpoint", tuple(convert)), BuildStep("build LM engine", tuple(build))]
 
 

@@ -25,14 +25,22 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from voiced.engines.base import AudioChunk, EngineError, EngineOutput, TTSRequest
+from voiced.engines.base import AudioChunk, EngineError, EngineOutput, TTSOptions, TTSRequest
+from voiced.engines.spark.frontend import TOKENS_PER_SECOND, SparkLMRequest
+from voiced.engines.spark.voices import LANGUAGES
 from voiced.engines.trtllm.executor import ExecutorLike, ExecutorLoop, Flight
 from voiced.memory_plan import MemoryPlan
 
 log = logging.getLogger(__name__)
 
-TOKENS_PER_SECOND = 50  # BiCodec: 320 samples at 16 kHz per semantic token
 N_GLOBAL_TOKENS = 32
+# A cloned voice's prompt besides its transcript, text and reference semantic tokens (DESIGN §6):
+# <|task_tts|> <|start_content|> <|end_content|> <|start_global_token|> 32 globals
+# <|end_global_token|> <|start_semantic_token|>.
+CLONED_PROMPT_OVERHEAD = N_GLOBAL_TOKENS + 6
+# What a registered voice must leave of the engine's prompt budget for the text to speak: a sentence.
+MIN_TEXT_TOKENS = 32
+REBUILD_HINT = "a larger budget: `voiced engines build spark-tts --max-input-len N --max-seq-len M` (docs/TRTLLM.md)"
 
 
 @dataclass(frozen=True)
@@ -82,18 +90,6 @@ class SparkTokenLayout:
 
 
 @dataclass
-class SparkLMRequest:
-    prompt_ids: list[int]
-    max_new_tokens: int  # LM budget: global tokens (controllable voices) + semantic tokens + EOS
-    max_semantic_tokens: int | None = None  # audio cap (50 per second); None: only max_new_tokens
-    temperature: float = 0.8
-    top_k: int = 50
-    top_p: float = 0.95
-    seed: int | None = None
-    priority: int = 0
-
-
-@dataclass
 class SemanticDelta:
     """New tokens of one request since the previous delta (indices, not vocabulary ids)."""
 
@@ -114,18 +110,28 @@ class TRTLLMSparkLM(ExecutorLoop):
     """Streaming semantic-token generation over a TensorRT-LLM decoder-only executor."""
 
     def __init__(self, executor: ExecutorLike, tle: Any, *, max_batch_size: int, max_seq_len: int,
-                 layout: SparkTokenLayout | None = None, poll_timeout_s: float = 0.005) -> None:
+                 max_input_len: int | None = None, layout: SparkTokenLayout | None = None,
+                 poll_timeout_s: float = 0.005) -> None:
+        """`max_input_len` / `max_seq_len`: the engine's build_config. The executor refuses a prompt over
+        max_input_len (LlmRequest::validate); None leaves only max_seq_len to bound it."""
         super().__init__(executor, max_in_flight=max_batch_size, poll_timeout_s=poll_timeout_s)
         self.tle = tle
         self.max_seq_len = max_seq_len
+        # At least one token must remain to generate.
+        self.max_input_len = min(max_input_len or max_seq_len, max_seq_len - 1)
         self.layout = layout or SparkTokenLayout()
 
     def submit(self, request_id: int, request: SparkLMRequest) -> None:  # type: ignore[override]
         if not request.prompt_ids:
             raise EngineError("empty prompt")
-        if len(request.prompt_ids) >= self.max_seq_len:
-            raise EngineError(f"prompt of {len(request.prompt_ids)} tokens does not fit the engine's "
-                              f"max_seq_len {self.max_seq_len}; use a shorter reference clip or text")
+        n = len(request.prompt_ids)
+        if n > self.max_input_len:
+            # Refused here rather than by the executor, whose message names no remedy.
+            raise EngineError(
+                f"the prompt is {n} tokens, over this TensorRT-LLM engine's max_input_len {self.max_input_len} "
+                f"(a cloned voice's reference clip takes {TOKENS_PER_SECOND} tokens a second of it, the text the "
+                "rest): use a shorter reference clip or text, or rebuild the engine with "
+                f"{REBUILD_HINT}")
         super().submit(request_id, _LMState(request), priority=request.priority)
 
     def make_request(self, flight: Flight) -> Any:
@@ -177,6 +183,7 @@ class SparkFrontend(Protocol):
     """What the Spark-TTS engine's host code provides to this runner."""
 
     sample_rate: int
+    voices: Any  # voiced.engines.spark.voices.VoiceStore: list / add / delete / resolve
 
     def lm_request(self, request: TTSRequest) -> SparkLMRequest: ...
 
@@ -190,13 +197,8 @@ def load_spark_frontend(model: str | Path, device: str = "cuda", voices_dir: str
     providing ``lm_request`` and ``open_stream`` as typed above; the Spark-TTS engine owns that code
     (voices, prompts, the BiCodec decode windows), we only feed it tokens.
     """
-    try:
-        from voiced.engines.spark.frontend import SparkFrontend as _Frontend
-    except ImportError as e:
-        raise EngineError(
-            "the TensorRT-LLM Spark-TTS runner needs the Spark-TTS host code "
-            f"(voiced.engines.spark.frontend: prompts and the BiCodec vocoder): {e}"
-        ) from e
+    from voiced.engines.spark.frontend import SparkFrontend as _Frontend
+
     return _Frontend.load(model, device=device, voices_dir=voices_dir)
 
 
@@ -210,17 +212,64 @@ class _Speech:
     pending: list[np.ndarray] = field(default_factory=list)
 
 
+class CheckedVoices:
+    """The front end's voice store, refusing at registration a cloned voice too long for this engine.
+
+    Every prompt of a cloned voice carries its reference clip's semantic tokens (TOKENS_PER_SECOND a
+    second) and its transcript, and the executor refuses prompts over the engine's max_input_len: a
+    clip too long for the engine would fail every request that used it. The daemon's AddVoice maps
+    the EngineError raised here to INVALID_ARGUMENT.
+    """
+
+    def __init__(self, store: Any, frontend: SparkFrontend, max_input_len: int) -> None:
+        self._store = store
+        self._frontend = frontend
+        self.max_input_len = max_input_len
+
+    def __getattr__(self, name: str) -> Any:  # list, delete, resolve, ...: the store's own
+        return getattr(self._store, name)
+
+    def add(self, name: str, audio: np.ndarray, transcript: str) -> Any:
+        audio = np.asarray(audio, dtype=np.float32).reshape(-1)
+        seconds = audio.shape[0] / self._frontend.sample_rate
+        budget = self.max_input_len - MIN_TEXT_TOKENS
+        # Before any work is done or stored: a lower bound from the clip's length alone (its semantic
+        # tokens come one per 20 ms frame of a 25 ms window), which catches the usual case.
+        per_token = self._frontend.sample_rate // TOKENS_PER_SECOND
+        at_least = CLONED_PROMPT_OVERHEAD + max(0, audio.shape[0] // per_token - 1)
+        if at_least > budget:
+            raise self._refusal(f"the reference clip is {seconds:.1f} s: its tokens alone make a prompt of at "
+                                f"least {at_least} tokens", shorter=f"a clip of at most about "
+                                f"{(budget - CLONED_PROMPT_OVERHEAD) / TOKENS_PER_SECOND:.0f} s")
+        info = self._store.add(name, audio, transcript)
+        # Exactly, now that the clip is tokenized: the prompt of a one-token text in this voice.
+        used = len(self._frontend.lm_request(TTSRequest("a", TTSOptions(voice=name))).prompt_ids) - 1
+        if used > budget:
+            self._store.delete(name)
+            raise self._refusal(f"the reference clip ({seconds:.1f} s) and its transcript make a prompt of "
+                                f"{used} tokens", shorter="a shorter clip or transcript")
+        return info
+
+    def _refusal(self, what: str, shorter: str) -> EngineError:
+        return EngineError(f"{what}, and this TensorRT-LLM engine's max_input_len {self.max_input_len} must also "
+                           f"hold the text ({MIN_TEXT_TOKENS} tokens kept for it). Give {shorter}, or rebuild the "
+                           f"engine with {REBUILD_HINT}")
+
+
 class TrtllmSparkEngine:
     """TTSEngine: LM on TensorRT-LLM, vocoder in PyTorch, both stepped by the owner thread."""
 
     backend = "trtllm"
     device = "cuda"
+    languages = LANGUAGES
 
     def __init__(self, lm: TRTLLMSparkLM, frontend: SparkFrontend, *, model_name: str = "Spark-TTS-0.5B") -> None:
         self.lm = lm
         self.frontend = frontend
         self.model_name = model_name
         self._speech: dict[int, _Speech] = {}
+        # What the daemon lists and registers voices through (services.voices).
+        self.voices = CheckedVoices(frontend.voices, frontend, lm.max_input_len)
 
     @classmethod
     def load(cls, engine_dir: str | Path, model: str | Path, plan: MemoryPlan, device: str = "cuda",
@@ -325,7 +374,7 @@ def load_spark_lm(engine_dir: str | Path, plan: MemoryPlan, *, load_order: tuple
     runner = ModelRunnerCpp.from_dir(engine_dir=str(llm_dir), max_batch_size=bs,
                                      kv_cache_free_gpu_memory_fraction=fraction)
     return TRTLLMSparkLM(runner.executor, tle, max_batch_size=bs, max_seq_len=int(build_cfg["max_seq_len"]),
-                         layout=layout)
+                         max_input_len=int(build_cfg["max_input_len"]), layout=layout)
 
 
 def load_spark_tts_engine(engine_dir: str | Path, model: str | Path, plan: MemoryPlan, *, device: str = "cuda",

@@ -1,7 +1,7 @@
 """Whisper on TensorRT-LLM's C++ executor, behind the ASREngine contract (voiced/engines/base.py).
 
 Per utterance:
-  audio -> 30 s log-mel (the Whisper engine's audio.py) -> [3000, n_mels] fp16 tensor
+  audio -> 30 s log-mel (the Whisper engine's audio.py) -> [3000, n_mels] tensor in the engine's dtype
   -> executor Request(input_token_ids=<SOT prompt>, encoder_input_features=mel,
      encoder_output_length=1500, end_id=pad_id=<|endoftext|>, beam_width, return_context_logits)
   -> tokens -> Transcript (text, avg_logprob, no_speech_prob, compression ratio, language).
@@ -16,6 +16,17 @@ output token; the context logits at SOT, restricted to the language tokens, give
 probabilities (openai-whisper's ``detect_language``). The same logits in the transcription pass give
 the no-speech probability. Both need the decoder built with ``--gather_context_logits`` (build.py
 does).
+
+Features go in the encoder engine's dtype (``pretrained_config.dtype``): the executor copies each
+request's features into a buffer of that dtype and refuses another one ("Incompatible data types",
+cpp/tensorrt_llm/batch_manager/encoderBuffers.cpp). build.py only builds float16 Whisper engines, as
+TensorRT-LLM's Whisper example does; engines built elsewhere in bfloat16/float32 get their dtype.
+
+Beam widths: the executor runs requests of one beam width at a time (it will not dequeue a request
+whose beam width differs from the one operating while others are in flight, executorImpl.cpp). The
+language-detection pass is greedy, so on an engine built with ``--max-beam-width`` > 1 a beam request
+does not batch with greedy ones or with its own detection pass: greedy (``beam_size`` 1) is the
+default and the fast path.
 
 Not reproduced on this path: openai-whisper's logit filters (blank suppression at the first step,
 the non-speech token list, timestamp rules) and temperature fallback; the executor's sampler has no
@@ -52,6 +63,7 @@ N_SAMPLES = 30 * SAMPLE_RATE  # the 30 s window official checkpoints need
 N_FRAMES = 3000
 ENCODER_POSITIONS = 1500  # conv2 has stride 2
 TIME_PRECISION = 0.02  # seconds per timestamp token
+FEATURE_DTYPES = ("float16", "bfloat16", "float32")  # what TensorRT-LLM's converter can build
 
 
 # ------------------------------------------------------------------------- the integration point
@@ -106,6 +118,7 @@ class WhisperEngineLimits:
     max_prompt_tokens: int
     max_seq_len: int
     context_logits: bool
+    dtype: str = "float16"  # the encoder's, which its input features must match
 
     @property
     def multilingual(self) -> bool:
@@ -117,6 +130,7 @@ class WhisperEngineLimits:
         dec = _read_config(engine_dir / "decoder" / "config.json")
         ep, db = enc["pretrained_config"], dec["build_config"]
         return cls(
+            dtype=str(ep.get("dtype", "float16")),
             n_mels=int(ep["n_mels"]),
             num_languages=int(ep.get("num_languages", 99)),
             vocab_size=int(dec["pretrained_config"]["vocab_size"]),
@@ -154,15 +168,23 @@ class TrtllmWhisperEngine(ExecutorLoop):
     device = "cuda"
 
     def __init__(self, executor: ExecutorLike, tle: Any, limits: WhisperEngineLimits, frontend: WhisperFrontend,
-                 *, model_name: str, to_tensor: Callable[[np.ndarray], Any] | None = None,
-                 max_in_flight: int | None = None, poll_timeout_s: float = 0.005) -> None:
+                 *, model_name: str, device: str = "cuda", max_in_flight: int | None = None,
+                 poll_timeout_s: float = 0.005) -> None:
         super().__init__(executor, max_in_flight=max_in_flight or limits.max_batch_size,
                          poll_timeout_s=poll_timeout_s)
+        if limits.dtype not in FEATURE_DTYPES:
+            raise EngineError(f"the Whisper encoder engine's dtype is {limits.dtype!r}; expected one of "
+                              f"{', '.join(FEATURE_DTYPES)} (rebuild it with `voiced engines build whisper`)")
         self.tle = tle  # tensorrt_llm.bindings.executor (Request, SamplingConfig, OutputConfig)
         self.limits = limits
         self.frontend = frontend
         self.model_name = model_name
-        self._to_tensor = to_tensor or _fp16_cuda_tensor
+        self.device = device  # where the features tensor is made: the executor takes GPU tensors
+        if limits.max_beam_width > 1:
+            log.warning("this Whisper engine was built with max_beam_width %d: TensorRT-LLM's executor runs "
+                        "one beam width at a time, so beam requests and greedy ones (the default, and every "
+                        "language-detection pass) do not batch together; keep beam_size 1 for throughput",
+                        limits.max_beam_width)
         tok = frontend.tokenizer
         self._lang_tokens = list(tok.language_tokens)
         self._lang_codes = list(tok.language_codes)
@@ -172,6 +194,10 @@ class TrtllmWhisperEngine(ExecutorLoop):
              **kw: Any) -> TrtllmWhisperEngine:
         """What voiced/engines/loader.py calls: ``TrtllmWhisperEngine.load(dir, plan=..., max_batch=...)``."""
         return load_whisper_engine(engine_dir, plan, max_batch_size=max_batch, **kw)
+
+    @property
+    def languages(self) -> tuple[str, ...]:
+        return tuple(self._lang_codes) if self.limits.multilingual else ("en",)
 
     # ---------------------------------------------------------------- contract
 
@@ -214,7 +240,7 @@ class TrtllmWhisperEngine(ExecutorLoop):
         if mel.shape != (self.limits.n_mels, N_FRAMES):
             raise EngineError(f"log-mel has shape {mel.shape}, expected ({self.limits.n_mels}, {N_FRAMES})")
         # The encoder engine takes [frames, n_mels] per request (run.py transposes before generate()).
-        return self._to_tensor(np.ascontiguousarray(mel.T))
+        return _features_tensor(np.ascontiguousarray(mel.T), self.limits.dtype, self.device)
 
     def prompt(self, utt: _Utterance, phase: str) -> list[int]:
         tok = self.frontend.tokenizer
@@ -389,10 +415,10 @@ def _to_numpy(x: Any) -> np.ndarray:
     return np.asarray(x)
 
 
-def _fp16_cuda_tensor(a: np.ndarray) -> Any:
+def _features_tensor(a: np.ndarray, dtype: str, device: str) -> Any:
     import torch
 
-    return torch.from_numpy(a).to(device="cuda", dtype=torch.float16).contiguous()
+    return torch.from_numpy(a).to(device=device, dtype=getattr(torch, dtype)).contiguous()
 
 
 # ------------------------------------------------------------------------- loading

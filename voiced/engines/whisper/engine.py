@@ -36,8 +36,9 @@ from voiced.engines.base import (
     Transcript,
     fault_output,
 )
+from voiced.memory_plan import EngineNeed, MemoryPlanError, Need, stream_workspace_bytes
 
-from .audio import N_SAMPLES, log_mel_spectrogram, pad_or_trim
+from .audio import N_FFT, N_SAMPLES, log_mel_spectrogram, pad_or_trim
 from .checkpoint import CheckpointError, load_checkpoint, tokenizer_search_dirs
 from .decoding import DecodePlan, RequestDecoder, Suppression
 from .fast import FastDecoder, FastEncoder
@@ -81,10 +82,52 @@ def build_model(dims: ModelDims, state: dict[str, torch.Tensor], where: str = "c
     return model
 
 
+def tensor_bytes(module: torch.nn.Module, dtype: torch.dtype) -> int:
+    """Bytes of a module's parameters and buffers once moved to `dtype` (floating tensors convert,
+    integer ones keep theirs), counting shared tensors once."""
+    seen, total = set(), 0
+    for t in itertools.chain(module.parameters(), module.buffers()):
+        if id(t) in seen:
+            continue
+        seen.add(id(t))
+        total += t.numel() * (dtype.itemsize if t.is_floating_point() else t.element_size())
+    return total
+
+
+def memory_need(dims: ModelDims, dtype: torch.dtype, weight_bytes: int, max_batch: int, *, cuda: bool,
+                max_encoder_batch: int | None = None, cuda_graphs: bool = True, decode_chunk: int = 8,
+                workspace_bytes: int = 0) -> EngineNeed:
+    """What `WhisperEngine(...)` with these settings holds on its device (see voiced.memory_plan)."""
+    rows = max_batch
+    items = [Need("weights", weight_bytes),
+             Need(f"KV cache: self {dims.n_text_ctx} + cross {dims.n_audio_ctx} positions x {rows} rows",
+                  rows * KVCache.bytes_per_slot(dims, dtype)),
+             # token, position, min-length countdown, log-prob, chunk history; the suppression mask
+             Need("step buffers", rows * (3 * 8 + 4 + decode_chunk * 12) + dims.n_vocab)]
+    if not cuda:
+        return EngineNeed("Whisper", "whisper_kv_fraction", items)
+    enc = min(max_encoder_batch or 16, rows)
+    elem = dtype.itemsize
+    items.append(Need("mel filterbank", dims.n_mels * (N_FFT // 2 + 1) * 4))
+    if cuda_graphs:
+        dec = WhisperEngine._buckets(rows)
+        items.append(Need(f"decoder graphs: logits of batch {dec}", sum(dec) * dims.n_vocab * 4))
+        eb = WhisperEngine._buckets(enc)
+        items.append(Need(f"encoder graphs: audio in, features out, batch {eb}",
+                          sum(eb) * (N_SAMPLES * 4 + dims.n_audio_ctx * dims.n_audio_state * elem)))
+    items.append(Need("cuBLAS workspace (the engine's stream)", workspace_bytes))
+    # One admission of `enc` utterances: their audio on the device, the features gathered per row and
+    # one layer's cross key (or value) projection, and the prefill's float32 logits (with softmax).
+    items.append(Need(f"largest step transient, estimated (admitting {enc})",
+                      enc * (N_SAMPLES * 4 + 2 * dims.n_audio_ctx * dims.n_text_state * elem + 3 * 4 * dims.n_vocab), transient=True))
+    return EngineNeed("Whisper", "whisper_kv_fraction", items)
+
+
 class WhisperEngine:
     """`ASREngine` over our PyTorch Whisper. Create it with `WhisperEngine.load(...)`."""
 
     backend = "torch"
+    memory_need: EngineNeed | None = None  # set by load(): what it holds on its device
 
     def __init__(self, model: Whisper, tokenizer: WhisperTokenizer, *, model_name: str = "whisper",
                  max_batch: int = 8, max_encoder_batch: int | None = None, cuda_graphs: bool = True,
@@ -101,7 +144,9 @@ class WhisperEngine:
         self.dtype = model.dtype
         self.is_cuda = model.device.type == "cuda"
         self.max_batch = max_batch
-        self.max_encoder_batch = max_encoder_batch or (16 if self.is_cuda else 4)
+        # An admission never takes more requests than there are rows: encoder buckets (graphs, each
+        # holding its input and output) past max_batch would be memory nothing uses.
+        self.max_encoder_batch = min(max_encoder_batch or (16 if self.is_cuda else 4), max_batch)
         self.max_queue = max_queue
         self.cache = model.allocate_cache(max_batch)
         self.suppress = Suppression.build(tokenizer, self.dims.n_vocab, model.device)
@@ -154,6 +199,10 @@ class WhisperEngine:
         self._decoder: FastDecoder | TextDecoder = self.fast_decoder or model.decoder
         self._warming = False
         self._admitting: list[_Active] = []  # the group being admitted (its faults are held to it)
+        if self._stream is not None:
+            # The weights (moved, fused), caches and buffers above were queued on the creating thread's
+            # stream; kernels on the engine's own stream must not overtake those fills and copies.
+            self._stream.wait_stream(torch.cuda.current_stream(model.device))
         log.info("whisper engine %s on %s (%s): %d slots, %.1f MiB of KV cache, cuda graphs %s, decoder step %s",
                  model_name, self.device, str(self.dtype).replace("torch.", ""), max_batch,
                  max_batch * KVCache.bytes_per_slot(self.dims, self.dtype) / 2**20, self.cuda_graphs,
@@ -166,14 +215,17 @@ class WhisperEngine:
              max_encoder_batch: int | None = None, max_queue: int | None = None,
              decode_chunk: int | None = None, cache_root: Path | None = None,
              compile_encoder: bool | None = None, attn_backend: str | None = None,
-             fast_decoder: bool | None = None, compile_decoder: bool | None = None) -> WhisperEngine:
+             fast_decoder: bool | None = None, compile_decoder: bool | None = None,
+             memory_limit: tuple[int, float] | None = None) -> WhisperEngine:
         """Load an official name (from the model cache), an OpenAI `.pt` or a Hugging Face directory.
 
         device: "cpu", "cuda" or "cuda:N". dtype: default float16 on CUDA, float32 on CPU.
         max_batch: decoder rows (a beam-search request takes `beam_size` rows); default 8 on CPU,
         64 on CUDA. kv_cache_bytes: a memory budget for the self+cross KV caches; the row count is
         the smaller of what it allows and max_batch. compile_encoder, fast_decoder, compile_decoder:
-        the GPU paths (see __init__), None meaning on for CUDA.
+        the GPU paths (see __init__), None meaning on for CUDA. memory_limit: (free GPU bytes, the
+        [memory] whisper_kv_fraction): the computed need (`memory_need`) is checked against that share
+        before the weights go to the GPU; a need above it is refused (EngineError naming the setting).
         """
         path = resolve(name_or_path, cache_root)
         dims, state = load_checkpoint(path)
@@ -185,7 +237,6 @@ class WhisperEngine:
             dtype = {"float16": torch.float16, "fp16": torch.float16, "bfloat16": torch.bfloat16,
                      "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32}[dtype]
         dtype = dtype or (torch.float16 if device.startswith("cuda") else torch.float32)
-        model = model.to(device=device, dtype=dtype)
         rows = max_batch or (64 if device.startswith("cuda") else 8)
         if kv_cache_bytes is not None:
             fit = kv_cache_bytes // KVCache.bytes_per_slot(dims, dtype)
@@ -193,11 +244,28 @@ class WhisperEngine:
                 raise EngineError(f"a KV-cache budget of {kv_cache_bytes / 2**20:.0f} MiB holds no decoder row; "
                                   f"one row needs {KVCache.bytes_per_slot(dims, dtype) / 2**20:.1f} MiB")
             rows = min(rows, int(fit))
+        need = memory_need(dims, dtype, tensor_bytes(model, dtype), rows, cuda=device.startswith("cuda"),
+                           max_encoder_batch=max_encoder_batch, cuda_graphs=cuda_graphs,
+                           decode_chunk=decode_chunk if decode_chunk is not None else 8,
+                           workspace_bytes=stream_workspace_bytes(device) if device.startswith("cuda") else 0)
+        if memory_limit is not None:  # before anything goes to the GPU
+            try:
+                need.check(*memory_limit)
+            except MemoryPlanError as e:
+                raise EngineError(str(e)) from None
+        model = model.to(device=device, dtype=dtype)
         name = path.stem if path.is_file() else path.name
-        return cls(model, tok, model_name=name, max_batch=rows, max_encoder_batch=max_encoder_batch,
-                   cuda_graphs=cuda_graphs, max_queue=max_queue, decode_chunk=decode_chunk,
-                   compile_encoder=compile_encoder, attn_backend=attn_backend, fast_decoder=fast_decoder,
-                   compile_decoder=compile_decoder)
+        engine = cls(model, tok, model_name=name, max_batch=rows, max_encoder_batch=max_encoder_batch,
+                     cuda_graphs=cuda_graphs, max_queue=max_queue, decode_chunk=decode_chunk,
+                     compile_encoder=compile_encoder, attn_backend=attn_backend, fast_decoder=fast_decoder,
+                     compile_decoder=compile_decoder)
+        engine.memory_need = need
+        return engine
+
+    @property
+    def languages(self) -> tuple[str, ...]:
+        """What this checkpoint transcribes: Whisper's languages, or English alone for `.en` models."""
+        return self.tok.language_codes if self.tok.multilingual else ("en",)
 
     @property
     def decoder_path(self) -> str:

@@ -90,6 +90,21 @@ def encoder_layer(x: Tensor, n_head: int, ln1_w: Tensor, ln1_b: Tensor, w_qkv: T
     return x + F.linear(F.gelu(F.linear(h, w_1, b_1)), w_2, b_2)
 
 
+@contextlib.contextmanager
+def full_float32_convolutions(on: bool = True):
+    """float32 on a GPU is asked for to get the reference's numbers, but cuDNN runs float32
+    convolutions in TF32 (a 10-bit mantissa) unless told not to, which is enough to change tokens
+    of a model with sharp attention. The flag is process-wide, so it is restored on the way out."""
+    cudnn = torch.backends.cudnn
+    before = cudnn.allow_tf32
+    if on:
+        cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        cudnn.allow_tf32 = before
+
+
 _BACKENDS = {"flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION", "efficient": "EFFICIENT_ATTENTION",
              "math": "MATH"}
 
@@ -125,8 +140,9 @@ class FastEncoder:
         """audio [B, 480000] float32 (padded windows) -> features [B, n_ctx, D] in `dtype`."""
         enc = self.enc
         mel = log_mel_spectrogram(audio, self.n_mels).to(dtype)
-        x = F.gelu(enc.conv1(mel))
-        x = F.gelu(enc.conv2(x)).transpose(1, 2)
+        with full_float32_convolutions(dtype == torch.float32):
+            x = F.gelu(enc.conv1(mel))
+            x = F.gelu(enc.conv2(x)).transpose(1, 2)
         x = (x + enc.positional_embedding).to(dtype)
         with self._sdpa_ctx():
             for p in self.layers:

@@ -1,0 +1,162 @@
+"""Benchmark callers for the telephony doors, and the voice-to-voice clock every door's caller shares.
+
+Voice-to-voice as a caller hears it: from the moment the daemon detects the end of the caller's
+speech to the arrival of the reply's first audio. The caller knows when that end is detected without
+being told: it runs the daemon's own segmenter (same settings, same frames: for mu-law, the same
+decode and resampling) over exactly the frames it sends, in order, and notes the send time of the
+frame on which an utterance ends. The daemon acts on that frame when it arrives, so the clock starts
+within a network hop of the daemon's own. Replies are matched to utterances in order (barge-in is off
+in the benchmark, and every utterance gets one reply), so the same figure is measured the same way
+for gRPC, AudioSocket and the media WebSocket, and their difference is each door's overhead.
+
+Where each door's reply starts: gRPC, the audio chunk with sequence 0; AudioSocket, every
+`reply_seconds` of frames (the benchmark forces each reply to that length); the media WebSocket, the
+first `media` after our previous reply's `mark`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import collections
+import json
+import struct
+import time
+import uuid
+
+import numpy as np
+
+FRAME_S = 0.02
+
+
+class EndOfSpeech:
+    """The daemon's segmenter run over the caller's own frames: when each utterance ends."""
+
+    def __init__(self, fmt=None):
+        from voiced.audio.ingest import Format, FrameDecoder
+        from voiced.config import Config
+        from voiced.core.segmenter import Segmenter, Utterance
+        from voiced.core.spec import segmentation_for
+
+        self._decoder = FrameDecoder(fmt or Format("LINEAR16", 16000))
+        self._segmenter = Segmenter(segmentation_for(Config()))
+        self._utterance = Utterance
+        self.ends: collections.deque[float] = collections.deque()  # send times not yet matched to a reply
+        self.utterances = 0
+
+    def sent(self, data: bytes, at: float) -> None:
+        for frame in self._decoder.feed(data):
+            for event in self._segmenter.push(frame):
+                if isinstance(event, self._utterance) and len(event.audio):
+                    self.ends.append(at)
+                    self.utterances += 1
+
+    def finished(self, at: float) -> None:
+        """The caller finished sending (gRPC's half-close): the daemon ends the utterance in progress."""
+        for frame in self._decoder.flush():
+            self._segmenter.push(frame)
+        for event in self._segmenter.flush():
+            if isinstance(event, self._utterance) and len(event.audio):
+                self.ends.append(at)
+                self.utterances += 1
+
+    def reply_started(self, out: dict, at: float) -> None:
+        if self.ends:
+            out["v2v_client_ms"].append((at - self.ends.popleft()) * 1000)
+        else:
+            out["unmatched_replies"].append(1)
+
+
+async def paced(frames: list[bytes], start_frame: int, duration_s: float, send, out: dict) -> None:
+    """Send frames (looped from start_frame) one every 20 ms against the clock."""
+    t0 = time.monotonic()
+    i, n = start_frame, 0
+    while time.monotonic() - t0 < duration_s:
+        await send(frames[i % len(frames)])
+        i += 1
+        n += 1
+        await asyncio.sleep(max(0.0, t0 + n * FRAME_S - time.monotonic()))
+        out["late_ms"].append(max(0.0, (time.monotonic() - (t0 + n * FRAME_S)) * 1000))
+
+
+async def audiosocket_caller(address: str, pcm16k: bytes, start_frame: int, duration_s: float, reply_s: float,
+                             out: dict) -> None:
+    """An Asterisk channel driver call in slin16 (type 0x12): the same samples gRPC callers send."""
+    host, port = address.rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(struct.pack(">BH", 0x01, 16) + uuid.uuid4().bytes)
+    frames = [pcm16k[i : i + 640] for i in range(0, len(pcm16k) - 639, 640)]
+    clock = EndOfSpeech()
+    per_reply = round(reply_s / FRAME_S)
+
+    async def read():
+        received = 0
+        try:
+            while True:
+                kind, length = struct.unpack(">BH", await reader.readexactly(3))
+                await reader.readexactly(length)
+                if kind == 0x12:
+                    if received % per_reply == 0:
+                        clock.reply_started(out, time.monotonic())
+                    received += 1
+                elif kind == 0xFF:
+                    out["notices"].append("AudioSocket error message")
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+
+    async def send(frame: bytes):
+        writer.write(struct.pack(">BH", 0x12, len(frame)) + frame)
+        clock.sent(frame, time.monotonic())
+        await writer.drain()
+
+    reading = asyncio.create_task(read())
+    await paced(frames, start_frame, duration_s, send, out)
+    writer.write(b"\x00\x00\x00")  # hang up
+    await writer.drain()
+    await reading
+    writer.close()
+
+
+async def media_ws_caller(address: str, pcm16k: bytes, start_frame: int, duration_s: float, out: dict) -> None:
+    """A Twilio Media Streams call: mu-law 8 kHz in base64 JSON, marks answered as Twilio does."""
+    import aiohttp
+    import soxr
+
+    from voiced.audio.ingest import Format, encode_pcm, float_to_int16
+
+    x = np.frombuffer(pcm16k, "<i2").astype(np.float32) / 32768.0
+    mulaw = encode_pcm(float_to_int16(soxr.resample(x, 16000, 8000)), "MULAW")
+    frames = [mulaw[i : i + 160] for i in range(0, len(mulaw) - 159, 160)]
+    clock = EndOfSpeech(Format("MULAW", 8000))
+    sid = "MZ" + uuid.uuid4().hex
+    async with aiohttp.ClientSession() as http, http.ws_connect(f"ws://{address}/media") as ws:
+        await ws.send_str(json.dumps({"event": "connected", "protocol": "Call", "version": "1.0.0"}))
+        await ws.send_str(json.dumps({"event": "start", "streamSid": sid, "start": {
+            "streamSid": sid, "callSid": "CA" + uuid.uuid4().hex, "tracks": ["inbound"],
+            "mediaFormat": {"encoding": "audio/x-mulaw", "sampleRate": 8000, "channels": 1}}}))
+
+        async def read():
+            in_reply = False
+            async for msg in ws:
+                if msg.type != aiohttp.WSMsgType.TEXT:
+                    break
+                event = json.loads(msg.data)
+                if event["event"] == "media" and not in_reply:
+                    in_reply = True
+                    clock.reply_started(out, time.monotonic())
+                elif event["event"] == "mark":
+                    in_reply = False
+                    await ws.send_str(json.dumps({"event": "mark", "streamSid": sid, "mark": event["mark"]}))
+
+        chunk = [0]
+
+        async def send(frame: bytes):
+            chunk[0] += 1
+            await ws.send_str(json.dumps({"event": "media", "streamSid": sid, "media": {
+                "track": "inbound", "chunk": str(chunk[0]), "payload": base64.b64encode(frame).decode()}}))
+            clock.sent(frame, time.monotonic())
+
+        reading = asyncio.create_task(read())
+        await paced(frames, start_frame, duration_s, send, out)
+        await ws.send_str(json.dumps({"event": "stop", "streamSid": sid, "stop": {}}))
+        await reading

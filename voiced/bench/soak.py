@@ -1,0 +1,270 @@
+"""Soak: many sessions against one real `voiced serve` process, and what they leave behind.
+
+    python -m voiced.bench.soak --wav speech.wav --asr-model tiny.en --sequential 10000 \
+        --concurrent 50 --concurrent-duration 120 --out soak.json
+
+The daemon runs as its own process (as in production) with its metrics endpoint on; the soak reads
+the daemon's resident memory, open descriptors and threads from /proc and its live asyncio tasks and
+sessions from the metrics, at the start, after a warm-up, every `--sample-every` sequential sessions,
+after the concurrent phase and once the daemon is idle again. Phases:
+
+1. warm-up: `--warmup` sequential sessions (first-use allocations, caches);
+2. sequential: `--sequential` Converse sessions one after another, each streaming the clip as fast as
+   the daemon takes it and half-closing, as a caller that hangs up after speaking;
+3. concurrent: `--concurrent` real-time callers (the load generator of `voiced-client load`) for
+   `--concurrent-duration` seconds.
+
+Goals (issue 14), judged in the report: every session completes, resident memory grows less than
+50 MB after the warm-up, and tasks, threads and descriptors return to where they were.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+log = logging.getLogger("voiced.soak")
+
+RSS_GROWTH_LIMIT_MB = 50.0
+
+
+@dataclass
+class Sample:
+    label: str
+    sessions_done: int
+    rss_mb: float
+    fds: int
+    threads: int
+    tasks: int
+    active_sessions: int
+    t: float
+
+
+@dataclass
+class SoakReport:
+    command: list[str]
+    sequential: int = 0
+    sequential_completed: int = 0
+    sequential_errors: dict[str, int] = field(default_factory=dict)
+    sequential_wall_s: float = 0.0
+    concurrent: int = 0
+    concurrent_completed: int = 0
+    concurrent_errors: dict[str, int] = field(default_factory=dict)
+    concurrent_summary: dict = field(default_factory=dict)
+    samples: list[Sample] = field(default_factory=list)
+    verdicts: dict[str, str] = field(default_factory=dict)
+
+    def judge(self) -> None:
+        warm = next(s for s in self.samples if s.label == "after warm-up")
+        end = self.samples[-1]
+        growth = end.rss_mb - warm.rss_mb
+        ok = self.sequential_completed == self.sequential and self.concurrent_completed == self.concurrent
+        self.verdicts = {
+            "every session completed": _verdict(ok, f"{self.sequential_completed}/{self.sequential} sequential, "
+                                                    f"{self.concurrent_completed}/{self.concurrent} concurrent"),
+            f"RSS growth after warm-up < {RSS_GROWTH_LIMIT_MB:.0f} MB": _verdict(
+                growth < RSS_GROWTH_LIMIT_MB, f"{warm.rss_mb:.1f} -> {end.rss_mb:.1f} MB ({growth:+.1f})"),
+            "no leaked asyncio tasks": _verdict(end.tasks <= warm.tasks, f"{warm.tasks} -> {end.tasks}"),
+            "no leaked threads": _verdict(end.threads <= warm.threads, f"{warm.threads} -> {end.threads}"),
+            "no leaked descriptors": _verdict(end.fds <= warm.fds, f"{warm.fds} -> {end.fds}"),
+            "no session left open": _verdict(end.active_sessions == 0, f"{end.active_sessions} open"),
+        }
+
+    def format(self) -> str:
+        lines = [f"{'sample':<28}{'sessions':>9}{'RSS MB':>9}{'fds':>6}{'threads':>8}{'tasks':>7}{'open':>6}"]
+        for s in self.samples:
+            lines.append(f"{s.label:<28}{s.sessions_done:>9}{s.rss_mb:>9.1f}{s.fds:>6}{s.threads:>8}{s.tasks:>7}"
+                         f"{s.active_sessions:>6}")
+        lines.append(f"sequential: {self.sequential_completed}/{self.sequential} in {self.sequential_wall_s:.0f} s, "
+                     f"errors {self.sequential_errors or 'none'}")
+        lines.append(f"concurrent: {self.concurrent_completed}/{self.concurrent}, errors "
+                     f"{self.concurrent_errors or 'none'}")
+        lines += [f"{v:<5} {k}" for k, v in self.verdicts.items()]
+        return "\n".join(lines)
+
+
+def _verdict(ok: bool, detail: str) -> str:
+    return ("met: " if ok else "MISSED: ") + detail
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class DaemonProcess:
+    """`voiced serve` in a child process, and what /proc and /metrics say about it."""
+
+    def __init__(self, args: list[str], log_path: Path):
+        self.port, self.metrics_port = free_port(), free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self.command = [sys.executable, "-m", "voiced", "serve", "--listen", self.address,
+                        "--metrics-listen", f"127.0.0.1:{self.metrics_port}", *args]
+        self._log = open(log_path, "w")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(self.command, stdout=self._log, stderr=subprocess.STDOUT)
+
+    def wait_serving(self, timeout: float) -> None:
+        import grpc
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        deadline = time.monotonic() + timeout
+        with grpc.insecure_channel(self.address) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            while True:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"voiced serve exited with {self.proc.returncode}; see {self._log.name}")
+                try:
+                    if stub.Check(health_pb2.HealthCheckRequest(), timeout=2).status == 1:
+                        return
+                except grpc.RpcError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"voiced serve did not report SERVING within {timeout:.0f} s")
+                time.sleep(0.2)
+
+    def metric(self, name: str) -> float:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10).read().decode()
+        total = 0.0
+        for m in re.finditer(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M):
+            total += float(m.group(1))
+        return total
+
+    def sample(self, label: str, done: int) -> Sample:
+        pid = self.proc.pid
+        status = Path(f"/proc/{pid}/status").read_text()
+        rss_kb = int(re.search(r"^VmRSS:\s+(\d+)", status, re.M).group(1))
+        return Sample(label=label, sessions_done=done, rss_mb=rss_kb / 1024, fds=len(os.listdir(f"/proc/{pid}/fd")),
+                      threads=len(os.listdir(f"/proc/{pid}/task")), tasks=int(self.metric("voiced_asyncio_tasks")),
+                      active_sessions=int(self.metric("voiced_sessions_active")), t=time.monotonic())
+
+    def wait_idle(self, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while self.metric("voiced_sessions_active") > 0 and time.monotonic() < deadline:
+            time.sleep(0.2)
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self._log.close()
+        return self.proc.returncode
+
+
+def one_session(channel, requests: list[bytes]) -> str:
+    """One Converse call: config, the clip, half-close; returns the status name."""
+    import grpc
+    from voiced_client.proto import voiced_pb2 as pb
+
+    call = channel.stream_stream("/voiced.v1.Voiced/Converse", request_serializer=None,
+                                 response_deserializer=pb.SessionEvent.FromString)
+    try:
+        finals = sum(1 for e in call(iter(requests), timeout=120)
+                     if e.WhichOneof("event") == "transcript" and e.transcript.is_final)
+        return "OK" if finals else "NO_TRANSCRIPT"
+    except grpc.RpcError as e:
+        return e.code().name
+
+
+def run(args: argparse.Namespace) -> SoakReport:
+    import grpc
+    from voiced_client.audio import AudioFormat
+    from voiced_client.load import LoadConfig, run_load
+    from voiced_client.proto import voiced_pb2 as pb
+    from voiced_client.session import SessionOptions, load_clip
+
+    fmt = AudioFormat("LINEAR16", 16000)
+    clip = load_clip(args.wav, fmt)
+    options = SessionOptions(input_format=fmt, language=args.language)
+    frame = fmt.frame_bytes()
+    requests = [pb.SessionRequest(config=options.to_proto()).SerializeToString()] + [
+        pb.SessionRequest(audio=clip[i:i + frame]).SerializeToString() for i in range(0, len(clip), frame)]
+
+    serve_args = ["--asr-model", args.asr_model, "--device", args.device, "--no-tts",
+                  "--max-sessions", str(max(200, 2 * args.concurrent))]
+    daemon = DaemonProcess(serve_args, Path(args.log))
+    report = SoakReport(command=daemon.command, sequential=args.sequential, concurrent=args.concurrent)
+    try:
+        daemon.wait_serving(args.start_timeout)
+        report.samples.append(daemon.sample("start", 0))
+        deadline = time.monotonic() + args.max_minutes * 60
+        with grpc.insecure_channel(daemon.address) as channel:
+            for _ in range(args.warmup):
+                one_session(channel, requests)
+            daemon.wait_idle()
+            report.samples.append(daemon.sample("after warm-up", 0))
+            t0 = time.monotonic()
+            from tqdm import tqdm
+
+            for i in tqdm(range(args.sequential), desc="sequential sessions", unit="session"):
+                status = one_session(channel, requests)
+                if status == "OK":
+                    report.sequential_completed += 1
+                else:
+                    report.sequential_errors[status] = report.sequential_errors.get(status, 0) + 1
+                if (i + 1) % args.sample_every == 0:
+                    report.samples.append(daemon.sample(f"sequential {i + 1}", i + 1))
+                if time.monotonic() > deadline:
+                    log.warning("time bound reached after %d sequential sessions", i + 1)
+                    report.sequential = i + 1
+                    break
+            report.sequential_wall_s = time.monotonic() - t0
+        if args.concurrent:
+            from voiced_client.connect import Target
+
+            load = LoadConfig(sessions=args.concurrent, duration_s=args.concurrent_duration, options=options)
+            result = asyncio.run(run_load(Target(daemon.address), clip, load))
+            report.concurrent_completed = result.completed
+            report.concurrent_errors = dict(result.errors)
+            report.concurrent_summary = result.summary()
+            report.samples.append(daemon.sample("after concurrent", report.sequential + args.concurrent))
+        daemon.wait_idle()
+        time.sleep(1.0)  # let the last calls' tasks unwind before the final count
+        report.samples.append(daemon.sample("idle at the end", report.sequential + args.concurrent))
+    finally:
+        daemon.stop()
+    report.judge()
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--wav", required=True, help="a speech clip (WAV, any rate), streamed by every session")
+    p.add_argument("--asr-model", required=True, help="Whisper model name or path for the daemon")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--language", default="en")
+    p.add_argument("--warmup", type=int, default=50)
+    p.add_argument("--sequential", type=int, default=10000)
+    p.add_argument("--sample-every", type=int, default=1000)
+    p.add_argument("--concurrent", type=int, default=50)
+    p.add_argument("--concurrent-duration", type=float, default=120.0)
+    p.add_argument("--max-minutes", type=float, default=60.0, help="bound on the sequential phase")
+    p.add_argument("--start-timeout", type=float, default=600.0)
+    p.add_argument("--log", default="soak-daemon.log", help="where the daemon's log goes")
+    p.add_argument("--out", help="write the report as JSON here")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    report = run(args)
+    print(report.format())
+    if args.out:
+        Path(args.out).write_text(json.dumps(asdict(report), indent=2))
+    return 0 if all(v.startswith("met") for v in report.verdicts.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,294 @@
+"""The Asterisk AudioSocket door: each TCP connection is one phone call, one Converse session.
+
+Asterisk's `AudioSocket(uuid,host:port)` dialplan application (or the AudioSocket channel driver)
+connects, sends the call's UUID, then the caller's audio as signed-linear frames, DTMF digits as they
+are pressed, and a hangup (or closes the socket) when the caller hangs up. Wire format and limits:
+voiced.doors.audiosocket_frames.
+
+The session's input and output format is the caller's: slin at the rate of the first audio message
+(8 kHz from the dialplan application; 12-192 kHz types from the channel driver), so a reply goes
+back in the same message type. Reply audio leaves as 20 ms frames paced in real time
+(voiced.doors.pacing): Asterisk writes each frame to the channel as it arrives, and a burst would
+overrun the phone's jitter buffer. Barge-in clears what is queued, so no frame leaves after it.
+
+Faults end one call, never the door: a malformed message (unknown type, wrong UUID size, a length
+over the limit, audio before the UUID, ...) is logged with the call's UUID and what was wrong, and
+the call gets an error message (0xff) and is closed. So does a refusal (the server is full, loading
+or draining): 0xff with the error's kind as its payload (`over_capacity`, `unavailable`), then close;
+Asterisk then hangs up the channel and the dialplan goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+
+import numpy as np
+
+from voiced.audio.ingest import MAX_RATE, Format, Resampler
+from voiced.core.events import (
+    AudioIn,
+    AudioOut,
+    Dtmf,
+    ErrorKind,
+    HangupOut,
+    NoticeOut,
+    ReplyInterrupted,
+    SessionError,
+    Speak,
+    TranscriptOut,
+)
+from voiced.core.session import Session
+from voiced.doors import DoorError
+from voiced.doors import audiosocket_frames as wire
+from voiced.doors.calls import CallInputs, check_agent, run_call, split_listen, unique_id
+from voiced.doors.pacing import FRAME_S, Pacer
+
+log = logging.getLogger(__name__)
+
+FRONT = "audiosocket"
+UUID_TIMEOUT_S = 5.0  # Asterisk sends the UUID the moment it connects
+FIRST_AUDIO_TIMEOUT_S = 5.0  # and audio 20 ms later; a call without either is not a call
+
+
+class AudioSocketDoor:
+    name = FRONT
+
+    def __init__(self, services, listen: str):
+        self.services = services
+        self.listen = listen
+        self._server: asyncio.base_events.Server | None = None
+        self._calls: dict[asyncio.Task, str] = {}  # live call tasks -> session id
+        self.address = ""
+
+    @property
+    def settings(self):
+        """[audiosocket] agent, voice, greeting: read at each call's start."""
+        return self.services.config.audiosocket
+
+    async def start(self) -> str:
+        check_agent(self.services, self.settings.agent, FRONT)
+        try:
+            host, port = split_listen(self.listen)
+        except ValueError as e:
+            raise DoorError(f"doors.audiosocket: {e}") from None
+        self._server = await asyncio.start_server(self._connection, host, port)
+        bound = self._server.sockets[0].getsockname()
+        self.address = f"{host}:{bound[1]}"
+        log.info("AudioSocket door listening on %s", self.address)
+        return self.address
+
+    async def stop_accepting(self) -> None:
+        """Drain: no new calls; the live ones go on until they end."""
+        if self._server is not None:
+            self._server.close()
+
+    async def close(self) -> None:
+        await self.stop_accepting()
+        tasks = list(self._calls)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    @property
+    def live_calls(self) -> int:
+        return len(self._calls)
+
+    async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        self._calls[task] = ""
+        try:
+            await _Call(self, reader, writer, task).run()
+        except asyncio.CancelledError:
+            pass  # close(): the call has said goodbye; this task is asyncio's own, with no one to tell
+        finally:
+            self._calls.pop(task, None)
+            writer.close()
+            with contextlib.suppress(Exception):
+                await writer.wait_closed()
+
+
+class _Call:
+    def __init__(self, door: AudioSocketDoor, reader, writer, task):
+        self.door = door
+        self.services = door.services
+        self.reader = reader
+        self.writer = writer
+        self.task = task
+        peer = writer.get_extra_info("peername")
+        self.peer = f"{peer[0]}:{peer[1]}" if peer else "?"
+        self.uuid = ""  # the call's UUID once it came
+        self.kind = 0  # the audio message type of this call
+        self._resample_in: Resampler | None = None
+        self._resample_out: Resampler | None = None
+
+    def _who(self) -> str:
+        return f"AudioSocket call {self.uuid or '(no UUID yet)'} from {self.peer}"
+
+    async def run(self) -> None:
+        try:
+            try:
+                first = await asyncio.wait_for(wire.read_message(self.reader), UUID_TIMEOUT_S)
+            except TimeoutError:
+                raise wire.Malformed(f"no UUID message within {UUID_TIMEOUT_S:g} s of connecting") from None
+            if first is None:
+                log.info("%s: closed before sending its UUID", self._who())
+                return
+            if first.kind != wire.UUID:
+                raise wire.Malformed(f"{wire.kind_name(first.kind)} before the call's UUID "
+                                     "(the first message must be the UUID, type 0x01)")
+            self.uuid = str(wire.parse_uuid(first))
+            async with self.services.admit(FRONT) as admission:
+                try:
+                    await self._converse()
+                except wire.Malformed as e:
+                    admission.outcome = ErrorKind.BAD_INPUT.value
+                    await self._malformed(e)
+        except wire.Malformed as e:
+            await self._malformed(e)
+        except SessionError as e:
+            level = logging.INFO if e.kind in (ErrorKind.OVER_CAPACITY, ErrorKind.UNAVAILABLE) else logging.WARNING
+            log.log(level, "%s: ended with %s: %s", self._who(), e.kind.value, e.message)
+            await self._send_error(e.kind.value)
+        except (ConnectionError, asyncio.IncompleteReadError) as e:
+            log.info("%s: connection lost: %s", self._who(), e)
+        except asyncio.CancelledError:
+            # The daemon is closing (the drain's grace ran out): tell Asterisk to hang up.
+            with contextlib.suppress(Exception):
+                self.writer.write(wire.encode(wire.HANGUP))
+            raise
+        except Exception:
+            log.exception("%s: internal error, ending the call", self._who())
+            await self._send_error(ErrorKind.INTERNAL.value)
+
+    async def _malformed(self, e: wire.Malformed) -> None:
+        log.warning("%s: malformed message, ending the call: %s", self._who(), e)
+        await self._send_error(ErrorKind.BAD_INPUT.value)
+
+    async def _converse(self) -> None:
+        inputs = CallInputs()
+        # The call's rate is the first audio message's; DTMF pressed before it is kept for the session.
+        early: list = []
+        while True:
+            try:
+                msg = await asyncio.wait_for(wire.read_message(self.reader), FIRST_AUDIO_TIMEOUT_S)
+            except TimeoutError:
+                raise wire.Malformed(f"no audio within {FIRST_AUDIO_TIMEOUT_S:g} s of the UUID") from None
+            ended = self._caller_ended(msg)
+            if ended:
+                log.info("%s: %s before any audio", self._who(), ended)
+                return
+            if msg.is_audio:
+                break
+            early.append(self._input(msg))
+        self.kind = msg.kind
+        rate = msg.sample_rate
+        session_rate = min(rate, MAX_RATE)  # 96 and 192 kHz are converted at the door
+        if session_rate != rate:
+            self._resample_in, self._resample_out = Resampler(rate, session_rate), Resampler(session_rate, rate)
+        fmt = Format("LINEAR16", session_rate)
+        settings = self.door.settings
+        session_id = unique_id(self.uuid, set(self.door._calls.values()))
+        self.door._calls[self.task] = session_id
+        spec = self.services.spec(front=FRONT, session_id=session_id, input=fmt, output=fmt,
+                                  agent=settings.agent or None, voice=settings.voice or None)
+        session = Session(self.services, spec, conversational=True)
+        log.info("%s: session %s, slin %g kHz, agent %s", self._who(), session_id, rate / 1000, spec.agent)
+        if settings.greeting:
+            inputs.put_nowait(Speak(settings.greeting))
+        for event in early:
+            inputs.put_nowait(event)
+        inputs.put_nowait(self._input(msg))
+
+        frame_bytes = round(rate * FRAME_S) * 2
+        pacer = Pacer(self._send_audio, frame_bytes)
+        pacing = asyncio.create_task(pacer.run(), name=f"audiosocket-pacer:{session_id}")
+        started = time.monotonic()
+        try:
+            ended_by = await run_call(session, inputs, self._read_caller(inputs),
+                                      lambda ev: self._on_event(ev, pacer))
+        finally:
+            pacing.cancel()
+            with contextlib.suppress(asyncio.CancelledError, ConnectionError):
+                await pacing  # a send that failed: the caller's side has seen the socket go too
+        log.info("%s: ended by the %s after %.1f s (%d frames of reply audio sent, %d dropped by barge-in)",
+                 self._who(), "caller" if ended_by == "caller" else "agent", time.monotonic() - started,
+                 pacer.frames_sent, pacer.frames_cleared)
+
+    # ------------------------------------------------------------------ the caller's side
+
+    def _caller_ended(self, msg: wire.Message | None) -> str:
+        """Why this message ends the call from Asterisk's side ("" if it does not)."""
+        if msg is None:
+            return "hung up (socket closed)"
+        if msg.kind == wire.HANGUP:
+            return "hung up"
+        if msg.kind == wire.ERROR:
+            return f"Asterisk reported an error ({wire.describe_error(msg.payload)})"
+        return ""
+
+    def _input(self, msg: wire.Message):
+        if msg.is_audio:
+            if msg.kind != self.kind:
+                raise wire.Malformed(f"{wire.kind_name(msg.kind)} in a call that started as "
+                                     f"{wire.kind_name(self.kind)}")
+            data = msg.payload
+            if self._resample_in is not None:
+                data = self._resample_in(np.frombuffer(data, "<i2").astype(np.int16)).astype("<i2").tobytes()
+            return AudioIn(data)
+        if msg.kind == wire.DTMF:
+            return Dtmf(wire.parse_dtmf(msg))
+        if msg.kind == wire.UUID:
+            raise wire.Malformed("a second UUID message")
+        raise wire.Malformed(f"unexpected {wire.kind_name(msg.kind)}")  # pragma: no cover (check_header)
+
+    async def _read_caller(self, inputs: CallInputs) -> None:
+        while True:
+            msg = await wire.read_message(self.reader)
+            ended = self._caller_ended(msg)
+            if ended:
+                log.info("%s: %s", self._who(), ended)
+                return
+            event = self._input(msg)
+            if isinstance(event, Dtmf):
+                log.info("%s: DTMF %s", self._who(), event.digit)
+            await inputs.put(event)
+
+    # ------------------------------------------------------------------ the session's side
+
+    async def _on_event(self, ev, pacer: Pacer) -> bool:
+        if isinstance(ev, AudioOut):
+            data = ev.audio
+            if self._resample_out is not None:
+                data = self._resample_out(np.frombuffer(data, "<i2").astype(np.int16),
+                                          last=ev.last).astype("<i2").tobytes()
+            pacer.push(data, last=ev.last)
+        elif isinstance(ev, ReplyInterrupted):
+            dropped = pacer.clear()
+            log.info("%s: barge-in: reply %d cut after %d ms (%d queued frames dropped)", self._who(),
+                     ev.reply_id, ev.audio_sent_ms, dropped)
+        elif isinstance(ev, HangupOut):
+            await pacer.drained()  # the goodbye is heard first
+            log.info("%s: the agent hung up%s", self._who(), f" ({ev.reason})" if ev.reason else "")
+            await self._write(wire.encode(wire.HANGUP))
+            return True
+        elif isinstance(ev, TranscriptOut) and ev.is_final:
+            log.debug("%s: heard %r", self._who(), ev.transcript.text)
+        elif isinstance(ev, NoticeOut):
+            log.warning("%s: %s: %s", self._who(), ev.code, ev.message)
+        return False
+
+    async def _send_audio(self, frame: bytes) -> None:
+        await self._write(wire.encode(self.kind, frame))
+
+    async def _write(self, data: bytes) -> None:
+        self.writer.write(data)
+        await self.writer.drain()
+
+    async def _send_error(self, code: str) -> None:
+        self.services.count_error(FRONT, code)
+        with contextlib.suppress(Exception):
+            await self._write(wire.encode(wire.ERROR, code.encode()))
+

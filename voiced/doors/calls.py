@@ -1,0 +1,100 @@
+"""What the telephony doors (AudioSocket, media WebSocket) share: one phone call driven through a session.
+
+A phone call is two loops: the caller's side (protocol messages turned into the session's input
+events) and the session's side (output events turned into protocol messages). Either can end the
+call: the caller hangs up (socket closed, hangup message, `stop` event) or breaks the protocol, or
+the session ends it (the agent hung up, an error). Whichever ends first, the other is cancelled and
+the session is closed, so a hangup frees the call's engine work at once: on a phone, a caller who
+hung up hears nothing more, unlike a gRPC caller who only finished sending.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+from voiced.core.events import InputEvent, OutputEvent
+from voiced.doors import DoorError
+
+log = logging.getLogger(__name__)
+
+INPUT_QUEUE = 250  # 5 s of 20 ms frames: a session that falls further behind slows the socket, not memory
+
+
+class CallInputs:
+    """The caller's side of a session's input stream; end() is the caller hanging up."""
+
+    def __init__(self, maxsize: int = INPUT_QUEUE):
+        self._queue: asyncio.Queue[InputEvent | None] = asyncio.Queue(maxsize)
+
+    async def put(self, event: InputEvent) -> None:
+        await self._queue.put(event)
+
+    def put_nowait(self, event: InputEvent) -> None:
+        self._queue.put_nowait(event)
+
+    async def end(self) -> None:
+        await self._queue.put(None)
+
+    async def __aiter__(self) -> AsyncIterator[InputEvent]:
+        while (event := await self._queue.get()) is not None:
+            yield event
+
+
+async def run_call(session, inputs: CallInputs, read_caller: Awaitable[None],
+                   on_event: Callable[[OutputEvent], Awaitable[bool]]) -> str:
+    """Run one call until either side ends it; returns "caller" or "session" (who ended it).
+
+    `read_caller` reads the protocol until the caller hangs up (it returns) or breaks the protocol
+    (it raises). `on_event` handles each session event and returns True to end the call (after a
+    hangup it has sent). Errors from either side propagate after both loops and the session are
+    closed.
+    """
+
+    async def pump() -> None:
+        async with contextlib.aclosing(session.run(inputs)) as events:
+            async for event in events:
+                if await on_event(event):
+                    return
+
+    caller = asyncio.ensure_future(read_caller)
+    speaker = asyncio.ensure_future(pump())
+    try:
+        done, _ = await asyncio.wait({caller, speaker}, return_when=asyncio.FIRST_COMPLETED)
+        first = caller if caller in done else speaker
+        (speaker if first is caller else caller).cancel()
+        await asyncio.gather(caller, speaker, return_exceptions=True)
+        first.result()  # the error that ended the call, if any
+        return "caller" if first is caller else "session"
+    finally:
+        caller.cancel()
+        speaker.cancel()
+        await asyncio.gather(caller, speaker, return_exceptions=True)
+        await session.close()
+
+
+def unique_id(preferred: str, taken: set[str]) -> str:
+    """The call's own id (Asterisk's UUID, Twilio's CallSid) as the session id, so the core's log lines
+    carry it; a suffix only when the same id is already live (a dialplan may reuse one UUID)."""
+    candidate, n = preferred, 1
+    while candidate in taken:
+        n += 1
+        candidate = f"{preferred}-{n}"
+    return candidate
+
+
+def split_listen(listen: str) -> tuple[str, int]:
+    """"HOST:PORT" (or ":PORT", "[v6]:PORT") -> (host, port); an empty host is 127.0.0.1."""
+    host, sep, port = listen.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"{listen!r} is not HOST:PORT (e.g. 127.0.0.1:9092)")
+    return host.strip("[]") or "127.0.0.1", int(port)
+
+
+def check_agent(services, agent: str, front: str) -> None:
+    """A door's configured agent must exist, or every call through it would be refused."""
+    if agent and agent not in services.agents.names():
+        raise DoorError(f"{front}.agent {agent!r} is not an agent of this server; agents: "
+                        f"{', '.join(services.agents.names())}")

@@ -1,0 +1,278 @@
+"""The daemon's one HTTP listener: aiohttp in the daemon's own event loop, beside gRPC.
+
+`HttpListener` owns the socket, TLS, bearer-token auth, the Kubernetes probes and the error
+shape; doors are sets of routes mounted on it before it starts:
+
+    listener = HttpListener(services, "127.0.0.1:8080", name="media_ws")
+    listener.add_routes([web.get("/media", handler)])          # behind the token
+    listener.add_routes([web.get("/", page)], public=True)     # no token needed
+    ws = await listener.websocket(request)                     # tracked: closed on shutdown
+
+`HttpDoor` is the `http` door of the daemon (`--http HOST:PORT`): the OpenAI-compatible audio API
+(voiced.doors.openai_http), the Realtime WebSocket (voiced.doors.realtime) and the web page.
+
+Probes answer as Kubernetes expects: `/healthz` is 200 while the process serves (liveness),
+`/readyz` is 200 once the models are loaded and 503 while loading or draining (readiness). Both
+are exempt from the token, as gRPC's health service is.
+
+Every error is OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`, whatever raised
+it (a handler, the core, aiohttp's own 404/405/413); an unexpected exception is logged here and
+the caller gets a generic message, never a traceback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import ssl
+import weakref
+from collections.abc import Iterable
+
+from aiohttp import WSCloseCode, web
+
+from voiced.core.events import ErrorKind, SessionError
+
+log = logging.getLogger(__name__)
+
+# ErrorKind -> (HTTP status, OpenAI error type).
+_KIND_STATUS: dict[ErrorKind, tuple[int, str]] = {
+    ErrorKind.BAD_INPUT: (400, "invalid_request_error"),
+    ErrorKind.NOT_ENABLED: (400, "invalid_request_error"),
+    ErrorKind.NOT_FOUND: (404, "invalid_request_error"),
+    ErrorKind.TIMEOUT: (408, "invalid_request_error"),
+    ErrorKind.OVER_CAPACITY: (429, "server_busy"),
+    ErrorKind.UNAVAILABLE: (503, "server_unavailable"),
+    ErrorKind.INTERNAL: (500, "server_error"),
+}
+_STATUS_TYPE = {401: "invalid_request_error", 404: "invalid_request_error", 405: "invalid_request_error",
+                413: "invalid_request_error", 415: "invalid_request_error", 422: "invalid_request_error"}
+WS_SUBPROTOCOL_TOKEN = "openai-insecure-api-key."  # how a browser, which cannot set headers, sends a token
+
+
+class HttpError(Exception):
+    """An error for the caller, in OpenAI's shape; raise it from any handler."""
+
+    def __init__(self, status: int, message: str, *, code: str | None = None, param: str | None = None,
+                 type: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.code, self.param = status, message, code, param
+        self.type = type or _STATUS_TYPE.get(status, "invalid_request_error" if status < 500 else "server_error")
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> web.Response:
+        headers = {"WWW-Authenticate": 'Bearer realm="voiced"'} if self.status == 401 else None
+        return web.json_response(self.body(), status=self.status, headers=headers)
+
+
+def from_session_error(e: SessionError, param: str | None = None) -> HttpError:
+    status, kind_type = _KIND_STATUS.get(e.kind, (500, "server_error"))
+    message = e.message if e.kind is not ErrorKind.INTERNAL else "internal error; the server log has the details"
+    return HttpError(status, message, code=e.kind.value, param=param, type=kind_type)
+
+
+def split_address(address: str, default_port: int = 8080) -> tuple[str, int]:
+    """HOST:PORT (or [v6]:PORT, or :PORT for localhost) -> (host, port)."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"HTTP address {address!r} is not HOST:PORT (e.g. 127.0.0.1:8080)")
+    host = host.strip("[]") or "127.0.0.1"
+    return host, int(port) if port else default_port
+
+
+def tls_context(cert: str, key: str) -> ssl.SSLContext | None:
+    if not (cert or key):
+        return None
+    if not (cert and key):
+        raise ValueError("TLS needs both server.tls_cert and server.tls_key")
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ctx.load_cert_chain(cert, key)
+    return ctx
+
+
+class HttpListener:
+    """One aiohttp application on one address; doors add routes to it before `start()`."""
+
+    def __init__(self, services, address: str, *, name: str = "http"):
+        self.services = services
+        self.name = name
+        self.address = address
+        self.host, self.port = split_address(address)
+        server = services.config.server
+        self._token = f"Bearer {server.auth_token}".encode() if server.auth_token else None
+        self._ws_token = (WS_SUBPROTOCOL_TOKEN + server.auth_token) if server.auth_token else None
+        self._ssl = tls_context(server.tls_cert, server.tls_key)
+        self._public: set[str] = set()  # route names that need no token
+        self._websockets: weakref.WeakSet[web.WebSocketResponse] = weakref.WeakSet()
+        self._closing = False
+        self.app = web.Application(middlewares=[self._errors, self._auth], client_max_size=self.max_body_bytes)
+        self.app.router.add_get("/healthz", self._healthz, name="healthz")
+        self.app.router.add_get("/readyz", self._readyz, name="readyz")
+        self._public |= {"healthz", "readyz"}
+        self.app.on_shutdown.append(self._close_websockets)
+        self._runner: web.AppRunner | None = None
+        self._site: web.TCPSite | None = None
+
+    @property
+    def max_body_bytes(self) -> int:
+        """The largest request body: an upload at the configured limit plus its multipart framing."""
+        return self.services.config.http.max_upload_bytes + 64 * 1024
+
+    @property
+    def scheme(self) -> str:
+        return "https" if self._ssl else "http"
+
+    # ------------------------------------------------------------------ mounting
+
+    def add_routes(self, routes: Iterable[web.AbstractRouteDef], *, public: bool = False) -> None:
+        """Mount routes (before `start`). `public`: no token needed (static pages, probes)."""
+        for route in routes:
+            for registered in route.register(self.app.router):
+                if public:
+                    self._public.add(id(registered.resource))
+
+    async def websocket(self, request: web.Request, **kwargs) -> web.WebSocketResponse:
+        """Accept a WebSocket upgrade; the listener closes it (1001, going away) when it shuts down."""
+        if self._closing:
+            raise HttpError(503, "the server is shutting down; connect again to another instance",
+                            code="unavailable", type="server_unavailable")
+        protocols = list(kwargs.pop("protocols", ()))
+        offered = [p.strip() for p in request.headers.get("Sec-WebSocket-Protocol", "").split(",") if p.strip()]
+        if self._ws_token and self._ws_token in offered:
+            protocols.append(self._ws_token)  # the browser closes a socket whose protocol is not echoed
+        ws = web.WebSocketResponse(protocols=protocols, max_msg_size=self.services.config.server.max_message_bytes,
+                                   heartbeat=30.0, **kwargs)
+        await ws.prepare(request)
+        self._websockets.add(ws)
+        return ws
+
+    # ------------------------------------------------------------------ middlewares
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler):
+        try:
+            return await handler(request)
+        except HttpError as e:
+            self.services.count_error(self.name, str(e.status))
+            return e.response()
+        except SessionError as e:
+            err = from_session_error(e)
+            self.services.count_error(self.name, str(err.status))
+            return err.response()
+        except web.HTTPException as e:
+            if e.status < 400:
+                raise  # redirects and the like
+            message = {
+                404: f"no route {request.method} {request.path} on this server; see GET /v1/models and the README",
+                405: f"{request.method} is not allowed on {request.path}",
+                413: f"the request body is larger than this server takes ({self.max_body_bytes} bytes); "
+                     "send a smaller file or raise http.max_upload_bytes",
+            }.get(e.status, e.text or e.reason)
+            err = HttpError(e.status, message, code={413: "request_too_large"}.get(e.status))
+            self.services.count_error(self.name, str(e.status))
+            return err.response()
+        except (asyncio.CancelledError, ConnectionResetError):
+            raise  # the caller went away
+        except Exception:
+            log.exception("%s %s: unexpected error", request.method, request.path)
+            self.services.count_error(self.name, "500")
+            return HttpError(500, "internal error; the server log has the details", type="server_error").response()
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler):
+        if self._token is None or self._is_public(request) or self._authorized(request):
+            return await handler(request)
+        raise HttpError(401, "missing or wrong API key: send the header `Authorization: Bearer <token>` "
+                             "(server.auth_token)", code="invalid_api_key")
+
+    def _is_public(self, request: web.Request) -> bool:
+        route = request.match_info.route
+        return route.name in self._public or id(route.resource) in self._public
+
+    def _authorized(self, request: web.Request) -> bool:
+        given = request.headers.get("Authorization", "").encode()
+        if hmac.compare_digest(given, self._token):
+            return True
+        if request.headers.get("Upgrade", "").lower() == "websocket":
+            offered = [p.strip() for p in request.headers.get("Sec-WebSocket-Protocol", "").split(",")]
+            return any(hmac.compare_digest(p.encode(), self._ws_token.encode()) for p in offered if p)
+        return False
+
+    # ------------------------------------------------------------------ probes
+
+    async def _healthz(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def _readyz(self, request: web.Request) -> web.Response:
+        s = self.services
+        if s.draining:
+            return web.json_response({"status": "draining"}, status=503)
+        if not s.ready:
+            return web.json_response({"status": "loading"}, status=503)
+        return web.json_response({"status": "ready"})
+
+    # ------------------------------------------------------------------ life cycle
+
+    async def start(self) -> str:
+        self._runner = web.AppRunner(self.app, access_log=None, handle_signals=False, shutdown_timeout=5.0)
+        await self._runner.setup()
+        self._site = web.TCPSite(self._runner, self.host, self.port, ssl_context=self._ssl, reuse_address=True)
+        await self._site.start()
+        sockets = self._site._server.sockets if self._site._server else []
+        if sockets:
+            self.port = sockets[0].getsockname()[1]
+        bound = f"{self.host}:{self.port}"
+        log.info("%s: listening on %s://%s", self.name, self.scheme, bound)
+        return bound
+
+    async def stop_accepting(self) -> None:
+        """Drain: the listening socket closes; requests and sockets already open go on."""
+        if self._site is not None:
+            await self._site.stop()
+            self._site = None
+
+    async def close(self) -> None:
+        if self._runner is not None:
+            await self.stop_accepting()
+            await self._runner.cleanup()  # shutdown signal (closes WebSockets), then the connections
+            self._runner = None
+
+    async def _close_websockets(self, app: web.Application) -> None:
+        self._closing = True
+        sockets = [ws for ws in self._websockets if not ws.closed]
+        await asyncio.gather(*(ws.close(code=WSCloseCode.GOING_AWAY, message=b"server shutting down")
+                               for ws in sockets), return_exceptions=True)
+
+
+def json_body(text: str) -> dict:
+    """A JSON object from a request body, or a 400 that says what is wrong with it."""
+    try:
+        body = json.loads(text)
+    except ValueError as e:
+        raise HttpError(400, f"the body is not valid JSON ({e})") from None
+    if not isinstance(body, dict):
+        raise HttpError(400, "the body must be a JSON object")
+    return body
+
+
+class HttpDoor(HttpListener):
+    """The `http` door (`--http HOST:PORT`): OpenAI's audio API, the Realtime WebSocket, the page."""
+
+    def __init__(self, services, address: str):
+        super().__init__(services, address, name="http")
+        from voiced.doors import openai_http, realtime
+        from voiced.doors import web as page
+
+        self.add_routes(openai_http.routes(services))
+        self.add_routes(realtime.routes(self))
+        self.add_routes(page.routes(), public=True)
+
+    async def start(self) -> str:
+        bound = await super().start()
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        log.info("web page: %s://%s:%d/  OpenAI-compatible API: %s://%s:%d/v1", self.scheme, host, self.port,
+                 self.scheme, host, self.port)
+        return bound

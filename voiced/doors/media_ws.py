@@ -1,0 +1,408 @@
+"""The telephony media WebSocket door: Twilio Media Streams' message format, one call per WebSocket.
+
+A bidirectional stream (TwiML `<Connect><Stream url="wss://...">`) opens a WebSocket and sends JSON
+text messages (twilio.com/docs/voice/media-streams/websocket-messages):
+
+    connected  {"event": "connected", "protocol": "Call", "version": "1.0.0"}
+    start      {"event": "start", "streamSid": "MZ..", "start": {"streamSid", "callSid", "accountSid",
+                "tracks": ["inbound"], "mediaFormat": {"encoding": "audio/x-mulaw", "sampleRate": 8000,
+                "channels": 1}, "customParameters": {...}}}
+    media      {"event": "media", "streamSid", "media": {"track": "inbound", "chunk", "timestamp",
+                "payload": base64 audio}}
+    dtmf       {"event": "dtmf", "streamSid", "dtmf": {"track": "inbound_track", "digit": "1"}}
+    mark       {"event": "mark", "streamSid", "mark": {"name": ...}}: the audio sent before our mark
+               with that name has played (or was cleared)
+    stop       {"event": "stop", "streamSid", "stop": {"accountSid", "callSid"}}: the call ended
+
+and takes back `media` (base64 audio in the stream's format, played in order, buffered by the far
+end: so it is sent as the TTS engine writes it, not paced), `mark` (we send one after each reply, and
+the far end answers when the caller has heard it) and `clear` (drop what is buffered: barge-in).
+
+Auth: with `server.auth_token` set, the upgrade request must carry `Authorization: Bearer <token>`,
+or, as Twilio cannot send headers, the stream's `token` custom parameter
+(`<Parameter name="token" value="..."/>`) must hold it. A refusal closes the WebSocket with a code and
+a reason: 1013 when the server is full or still loading, 1001 while it drains, 1008 for a wrong token
+or a broken protocol, 1003 for binary messages, 1007 for bad JSON or base64. The WebSocket server is
+aiohttp (the daemon's one HTTP/WebSocket library), on its own listener (`[doors] media_ws`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import contextlib
+import hmac
+import json
+import logging
+import time
+
+from aiohttp import WSMsgType, web
+
+from voiced.audio.ingest import Format
+from voiced.core.events import (
+    DTMF_DIGITS,
+    AudioIn,
+    AudioOut,
+    Dtmf,
+    ErrorKind,
+    HangupOut,
+    NoticeOut,
+    ReplyInterrupted,
+    SessionError,
+    Speak,
+    TranscriptOut,
+)
+from voiced.core.session import Session
+from voiced.doors import DoorError
+from voiced.doors.calls import CallInputs, check_agent, run_call, split_listen, unique_id
+
+log = logging.getLogger(__name__)
+
+FRONT = "media_ws"
+ENCODINGS = {"audio/x-mulaw": "MULAW", "audio/x-alaw": "ALAW"}  # Twilio sends mu-law; some copies A-law
+START_TIMEOUT_S = 10.0  # the far end sends connected and start as soon as the socket opens
+MAX_MESSAGE_BYTES = 1 << 20  # a 20 ms media message is ~250 bytes
+HANGUP_WAIT_S = 2.0  # past the audio still to play, how long a hangup waits for the far end's mark
+
+# WebSocket close codes (RFC 6455 section 7.4.1, and IANA's 1013)
+NORMAL, GOING_AWAY, UNSUPPORTED_DATA, INVALID_DATA, POLICY, INTERNAL, TRY_AGAIN_LATER = (
+    1000, 1001, 1003, 1007, 1008, 1011, 1013)
+
+
+class Fault(Exception):
+    """The far end broke the protocol (or failed auth): the call ends with this close code and reason."""
+
+    def __init__(self, code: int, reason: str, counted_as: str = "bad_input"):
+        super().__init__(reason)
+        self.code = code
+        self.reason = reason
+        self.counted_as = counted_as  # voiced_errors_total{front="media_ws", code=...}
+
+
+def bearer_ok(header: str, token: str) -> bool:
+    return hmac.compare_digest(header.encode(), f"Bearer {token}".encode())
+
+
+def close_code(error: SessionError, draining: bool) -> int:
+    if error.kind == ErrorKind.OVER_CAPACITY:
+        return TRY_AGAIN_LATER
+    if error.kind == ErrorKind.UNAVAILABLE:
+        return GOING_AWAY if draining else TRY_AGAIN_LATER
+    if error.kind == ErrorKind.INTERNAL:
+        return INTERNAL
+    return POLICY
+
+
+def close_reason(text: str) -> bytes:
+    """A close frame's reason is at most 123 bytes of UTF-8."""
+    data = text.encode()
+    if len(data) <= 123:
+        return data
+    return data[:120].decode(errors="ignore").encode() + b"..."
+
+
+def parse_message(text: str) -> dict:
+    try:
+        msg = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise Fault(INVALID_DATA, f"a message is not JSON ({e.msg} at {e.pos})") from None
+    if not isinstance(msg, dict) or not isinstance(msg.get("event"), str):
+        raise Fault(POLICY, "a message has no \"event\"; every message is a JSON object with an event name")
+    return msg
+
+
+def _field(msg: dict, *path: str):
+    value = msg
+    for key in path:
+        value = value.get(key) if isinstance(value, dict) else None
+    return value
+
+
+def stream_format(start: dict) -> Format:
+    fmt = _field(start, "start", "mediaFormat") or {}
+    encoding = fmt.get("encoding", "audio/x-mulaw")
+    rate = fmt.get("sampleRate", 8000)
+    channels = fmt.get("channels", 1)
+    if encoding not in ENCODINGS:
+        raise Fault(POLICY, f"mediaFormat.encoding {encoding!r} is not supported; use audio/x-mulaw or audio/x-alaw")
+    if rate != 8000 or channels != 1:
+        raise Fault(POLICY, f"mediaFormat {rate} Hz x {channels} channels is not supported; use 8000 Hz mono")
+    return Format(ENCODINGS[encoding], 8000)
+
+
+class MediaStreamDoor:
+    name = FRONT
+
+    def __init__(self, services, listen: str):
+        self.services = services
+        self.listen = listen
+        self._runner: web.AppRunner | None = None
+        self._site: web.TCPSite | None = None
+        self._calls: dict[asyncio.Task, str] = {}
+        self.address = ""
+
+    @property
+    def settings(self):
+        """[media_ws] agent, voice, greeting: read at each call's start."""
+        return self.services.config.media_ws
+
+    async def start(self) -> str:
+        check_agent(self.services, self.settings.agent, FRONT)
+        try:
+            host, port = split_listen(self.listen)
+        except ValueError as e:
+            raise DoorError(f"doors.media_ws: {e}") from None
+        app = web.Application()
+        app.router.add_get("/{path:.*}", self._handle)
+        self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        await self._runner.setup()
+        c = self.services.config.server
+        tls = None
+        if c.tls_cert and c.tls_key:  # Twilio connects to wss:// only
+            import ssl
+
+            tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+            tls.load_cert_chain(c.tls_cert, c.tls_key)
+        self._site = web.TCPSite(self._runner, host, port, ssl_context=tls)
+        await self._site.start()
+        bound = self._runner.addresses[0]
+        self.address = f"{host}:{bound[1]}"
+        log.info("media stream WebSocket door listening on %s://%s/", "wss" if tls else "ws", self.address)
+        return self.address
+
+    async def stop_accepting(self) -> None:
+        """Drain: the listener closes; open streams go on until their calls end."""
+        if self._site is not None:
+            await self._site.stop()
+            self._site = None
+
+    async def close(self) -> None:
+        await self.stop_accepting()
+        tasks = list(self._calls)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    @property
+    def live_calls(self) -> int:
+        return len(self._calls)
+
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
+        token = self.services.config.server.auth_token
+        header = request.headers.get("Authorization")
+        authenticated = not token
+        if token and header is not None:
+            if not bearer_ok(header, token):
+                self.services.count_error(FRONT, "unauthenticated")
+                return web.Response(status=401, text="missing or wrong bearer token: send `Authorization: Bearer "
+                                    "<token>`, or the stream's `token` custom parameter\n")
+            authenticated = True
+        ws = web.WebSocketResponse(max_msg_size=MAX_MESSAGE_BYTES)
+        if not ws.can_prepare(request).ok:
+            return web.Response(status=426, headers={"Upgrade": "websocket"},
+                                text="this is voiced's telephony media WebSocket (Twilio Media Streams messages); "
+                                     "connect with a WebSocket client\n")
+        await ws.prepare(request)
+        task = asyncio.current_task()
+        self._calls[task] = ""
+        try:
+            await _Stream(self, ws, request.remote or "?", authenticated, task).run()
+        finally:
+            self._calls.pop(task, None)
+            if not ws.closed:
+                await ws.close()
+        return ws
+
+
+class _Stream:
+    def __init__(self, door: MediaStreamDoor, ws: web.WebSocketResponse, peer: str, authenticated: bool, task):
+        self.door = door
+        self.services = door.services
+        self.ws = ws
+        self.peer = peer
+        self.authenticated = authenticated
+        self.task = task
+        self.stream_sid = ""
+        self.call_sid = ""
+        self._marks: set[str] = set()  # marks sent and not yet answered
+        self._marks_answered = asyncio.Event()
+        self._unplayed_s = 0.0  # audio sent since the last answered mark
+
+    def _who(self) -> str:
+        if self.call_sid:
+            return f"media stream {self.stream_sid} (call {self.call_sid})"
+        return f"media stream from {self.peer}"
+
+    async def run(self) -> None:
+        try:
+            start = await self._until_start()
+            if start is None:
+                return
+            if not self.authenticated:
+                given = str((_field(start, "start", "customParameters") or {}).get("token", ""))
+                if not bearer_ok(f"Bearer {given}", self.services.config.server.auth_token):
+                    raise Fault(POLICY, "missing or wrong token: send `Authorization: Bearer <token>` on the "
+                                        "upgrade, or <Parameter name=\"token\"> in <Stream>", "unauthenticated")
+            fmt = stream_format(start)
+            async with self.services.admit(FRONT) as admission:
+                try:
+                    await self._converse(fmt)
+                except Fault as e:
+                    admission.outcome = ErrorKind.BAD_INPUT.value
+                    await self._fault(e)
+        except Fault as e:
+            await self._fault(e)
+        except SessionError as e:
+            self.services.count_error(FRONT, e.kind.value)
+            code = close_code(e, self.services.draining)
+            level = logging.INFO if code in (TRY_AGAIN_LATER, GOING_AWAY) else logging.WARNING
+            log.log(level, "%s: ended with %s: %s", self._who(), e.kind.value, e.message)
+            await self._close(code, e.message)
+        except ConnectionError as e:
+            log.info("%s: connection lost: %s", self._who(), e)
+        except asyncio.CancelledError:
+            with contextlib.suppress(Exception):
+                await asyncio.shield(self._close(GOING_AWAY, "the server is shutting down"))
+            raise
+        except Exception:
+            log.exception("%s: internal error, ending the call", self._who())
+            await self._close(INTERNAL, "internal error")
+
+    async def _fault(self, e: Fault) -> None:
+        log.warning("%s: %s; closing (%d)", self._who(), e.reason, e.code)
+        self.services.count_error(FRONT, e.counted_as)
+        await self._close(e.code, e.reason)
+
+    async def _close(self, code: int, reason: str) -> None:
+        with contextlib.suppress(Exception):
+            await self.ws.close(code=code, message=close_reason(reason))
+
+    async def _receive(self) -> dict | None:
+        """The next message, or None when the far end closed the socket."""
+        msg = await self.ws.receive()
+        if msg.type == WSMsgType.TEXT:
+            return parse_message(msg.data)
+        if msg.type == WSMsgType.BINARY:
+            raise Fault(UNSUPPORTED_DATA, "binary messages are not part of the media stream protocol; send JSON text")
+        return None  # CLOSE, CLOSING, CLOSED, ERROR
+
+    async def _until_start(self) -> dict | None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            try:
+                msg = await asyncio.wait_for(self._receive(), max(0.0, deadline - time.monotonic()))
+            except TimeoutError:
+                raise Fault(POLICY, f"no start message within {START_TIMEOUT_S:g} s") from None
+            if msg is None:
+                log.info("%s: closed before the stream started", self._who())
+                return None
+            event = msg["event"]
+            if event == "connected":
+                continue
+            if event != "start":
+                raise Fault(POLICY, f"{event!r} before start; a stream begins with connected and start")
+            self.stream_sid = str(msg.get("streamSid") or _field(msg, "start", "streamSid") or "")
+            self.call_sid = str(_field(msg, "start", "callSid") or "")
+            if not self.stream_sid:
+                raise Fault(POLICY, "start has no streamSid")
+            self.call_sid = self.call_sid or self.stream_sid
+            return msg
+
+    async def _converse(self, fmt: Format) -> None:
+        settings = self.door.settings
+        session_id = unique_id(self.call_sid, set(self.door._calls.values()))
+        self.door._calls[self.task] = session_id
+        spec = self.services.spec(front=FRONT, session_id=session_id, input=fmt, output=fmt,
+                                  agent=settings.agent or None, voice=settings.voice or None)
+        session = Session(self.services, spec, conversational=True)
+        log.info("%s: session %s, %s 8 kHz, agent %s", self._who(), session_id, fmt.encoding, spec.agent)
+        inputs = CallInputs()
+        if settings.greeting:
+            inputs.put_nowait(Speak(settings.greeting))
+        started = time.monotonic()
+        ended_by = await run_call(session, inputs, self._read_caller(inputs), self._on_event)
+        log.info("%s: ended by the %s after %.1f s", self._who(), ended_by if ended_by == "caller" else "agent",
+                 time.monotonic() - started)
+
+    # ------------------------------------------------------------------ the caller's side
+
+    async def _read_caller(self, inputs: CallInputs) -> None:
+        while True:
+            msg = await self._receive()
+            if msg is None:
+                log.info("%s: the far end closed the WebSocket", self._who())
+                return
+            event = msg["event"]
+            if event == "media":
+                track = _field(msg, "media", "track") or "inbound"
+                if track not in ("inbound", "inbound_track"):
+                    continue  # with tracks="both", the outbound track is what the caller hears: ours
+                payload = _field(msg, "media", "payload")
+                if not isinstance(payload, str):
+                    raise Fault(POLICY, "a media message has no media.payload")
+                try:
+                    audio = base64.b64decode(payload, validate=True)
+                except (binascii.Error, ValueError):
+                    raise Fault(INVALID_DATA, "media.payload is not base64") from None
+                await inputs.put(AudioIn(audio))
+            elif event == "dtmf":
+                digit = str(_field(msg, "dtmf", "digit") or "").upper()
+                if digit not in DTMF_DIGITS:
+                    raise Fault(POLICY, f"dtmf.digit {digit!r} is not a DTMF digit (0-9, *, #, A-D)")
+                log.info("%s: DTMF %s", self._who(), digit)
+                await inputs.put(Dtmf(digit))
+            elif event == "mark":
+                self._mark_answered(str(_field(msg, "mark", "name") or ""))
+            elif event == "stop":
+                log.info("%s: the far end stopped the stream (the call ended)", self._who())
+                return
+            elif event in ("start", "connected"):
+                raise Fault(POLICY, f"a second {event} message on one stream")
+            else:
+                log.debug("%s: ignored %r message", self._who(), event)
+
+    def _mark_answered(self, name: str) -> None:
+        if name not in self._marks:
+            log.debug("%s: mark %r answered but never sent", self._who(), name)
+            return
+        self._marks.discard(name)
+        log.debug("%s: the caller has heard %s", self._who(), name)
+        if not self._marks:
+            self._unplayed_s = 0.0
+            self._marks_answered.set()
+
+    # ------------------------------------------------------------------ the session's side
+
+    async def _send(self, message: dict) -> None:
+        await self.ws.send_str(json.dumps(message, separators=(",", ":")))
+
+    async def _on_event(self, ev) -> bool:
+        if isinstance(ev, AudioOut):
+            await self._send({"event": "media", "streamSid": self.stream_sid,
+                              "media": {"payload": base64.b64encode(ev.audio).decode()}})
+            self._unplayed_s += len(ev.audio) / 8000
+            if ev.last:
+                name = f"reply-{ev.reply_id}"
+                self._marks.add(name)
+                self._marks_answered.clear()
+                await self._send({"event": "mark", "streamSid": self.stream_sid, "mark": {"name": name}})
+        elif isinstance(ev, ReplyInterrupted):
+            await self._send({"event": "clear", "streamSid": self.stream_sid})
+            log.info("%s: barge-in: reply %d cut after %d ms; cleared the far end's buffer", self._who(),
+                     ev.reply_id, ev.audio_sent_ms)
+        elif isinstance(ev, HangupOut):
+            if self._marks:  # let the goodbye play out before the socket closes
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._marks_answered.wait(), self._unplayed_s + HANGUP_WAIT_S)
+            log.info("%s: the agent hung up%s", self._who(), f" ({ev.reason})" if ev.reason else "")
+            await self._close(NORMAL, "the agent ended the call")
+            return True
+        elif isinstance(ev, TranscriptOut) and ev.is_final:
+            log.debug("%s: heard %r", self._who(), ev.transcript.text)
+        elif isinstance(ev, NoticeOut):
+            log.warning("%s: %s: %s", self._who(), ev.code, ev.message)
+        return False

@@ -1,0 +1,387 @@
+"""OpenAI's audio API on the HTTP listener: transcriptions, translations, speech, models, voices.
+
+A tool that speaks OpenAI's API (the `openai` SDKs, chat front ends, home-automation and workflow
+tools) points its base URL at `http://HOST:PORT/v1` and works unchanged:
+
+    POST /v1/audio/transcriptions   multipart: file, model, language, prompt, temperature,
+    POST /v1/audio/translations     response_format (json|text|srt|vtt|verbose_json),
+                                    timestamp_granularities[], stream
+    POST /v1/audio/speech           JSON: model, input, voice, response_format, speed, stream_format
+    GET  /v1/models, /v1/models/{id}, /v1/audio/voices
+
+Model names: the loaded models' own names, or OpenAI's (`whisper-1`, `gpt-4o-transcribe`, ...,
+`tts-1`, `gpt-4o-mini-tts`, ...), which mean the loaded model. Voices: the daemon's presets and
+cloned voices by name; OpenAI's voice names map onto presets (VOICE_ALIASES) unless a cloned
+voice has that name. Everything else a caller can get wrong is an error in OpenAI's shape.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import json
+import logging
+import time
+from dataclasses import fields, replace
+
+from aiohttp import web
+from aiohttp_sse import sse_response
+
+from voiced.audio.files import ACCEPTED_NAMES, SPEECH_FORMATS, AudioFileError, SpeechEncoder, decode_file
+from voiced.audio.ingest import Format, int16_to_float
+from voiced.core import speech
+from voiced.core.events import ErrorKind, SessionError
+from voiced.core.spec import asr_options_for, tts_options_for
+from voiced.doors.http import HttpError, from_session_error, json_body
+from voiced.doors.transcripts import RESPONSE_FORMATS, Recognized, render
+from voiced.engines.base import ASROptions, ASRRequest, CapacityError, EngineError, Transcript
+
+log = logging.getLogger(__name__)
+
+FRONT = "openai"
+SPEECH_RATE = 24000  # what OpenAI's clients expect: `pcm` is 24 kHz 16-bit mono, and so is every format here
+ASR_ALIASES = ("whisper-1", "gpt-4o-transcribe", "gpt-4o-mini-transcribe", "gpt-4o-mini-transcribe-2025-12-15",
+               "gpt-transcribe", "gpt-4o-transcribe-diarize")
+TTS_ALIASES = ("tts-1", "tts-1-hd", "gpt-4o-mini-tts", "gpt-4o-mini-tts-2025-12-15")
+# OpenAI's voice names -> the nearest preset (by the voice's published gender and register).
+VOICE_ALIASES = {
+    "alloy": "female", "coral": "female", "nova": "female-high", "shimmer": "female-high", "sage": "female-low",
+    "marin": "female", "ballad": "male-high", "ash": "male", "echo": "male", "fable": "male-high",
+    "onyx": "male-low", "verse": "male", "cedar": "male-low",
+}
+SPEED_LEVELS = ((0.6, "very_low"), (0.85, "low"), (1.15, "moderate"), (1.6, "high"), (4.0, "very_high"))
+WORD_TIMINGS = "words" in {f.name for f in fields(Transcript)}  # the engine reports word times
+# The recognition option that asks for them (named by the word-timing work when it lands).
+WORD_OPTION = next((n for n in ("word_timestamps", "words") if n in {f.name for f in fields(ASROptions)}), None)
+
+
+def routes(services) -> list[web.RouteDef]:
+    api = OpenAIAudio(services)
+    return [
+        web.post("/v1/audio/transcriptions", api.transcriptions),
+        web.post("/v1/audio/translations", api.translations),
+        web.post("/v1/audio/speech", api.speech),
+        web.get("/v1/models", api.models),
+        web.get("/v1/models/{model}", api.model),
+        web.get("/v1/audio/voices", api.voices),
+    ]
+
+
+def _bad(message: str, param: str | None = None, code: str = "invalid_value") -> HttpError:
+    return HttpError(400, message, param=param, code=code)
+
+
+async def resolve_voice(services, voice, speed: float = 1.0) -> str | None:
+    """A request's voice (a name, {"id": name} or None) as the engine names it, or HttpError (404 for an
+    unknown one). OpenAI's voice names map onto presets unless a cloned voice has that name; `speed`
+    other than 1 picks a preset's speed label (cloned voices speak at their recording's pace)."""
+    if isinstance(voice, dict):
+        voice = voice.get("id")
+    if voice is not None and (not isinstance(voice, str) or not voice.strip()):
+        raise _bad("voice must be a voice name (GET /v1/audio/voices)", "voice")
+    name = (voice or "").strip() or services.config.tts.voice or None
+
+    def resolve(n):
+        try:
+            return services.voices.resolve(n)
+        except EngineError:
+            return None
+
+    resolved = await asyncio.to_thread(resolve, name)
+    if resolved is None and name in VOICE_ALIASES:
+        resolved = await asyncio.to_thread(resolve, VOICE_ALIASES[name])
+    if resolved is None:
+        known = [v.name for v in await asyncio.to_thread(speech.list_voices, services)]
+        raise HttpError(404, f"unknown voice {name!r}; this server has {', '.join(known)} "
+                        f"(and OpenAI's {', '.join(VOICE_ALIASES)}, mapped onto those)", param="voice",
+                        code="voice_not_found")
+    if speed == 1.0:
+        return resolved.name
+    if resolved.kind != "preset":
+        raise _bad(f"speed applies to the preset voices; the cloned voice {resolved.name!r} speaks at the pace "
+                   "of its recording", "speed")
+    level = next(label for top, label in SPEED_LEVELS if speed <= top)
+    return f"{resolved.gender}:{resolved.pitch}:{level}"
+
+
+def _engine_error(e: EngineError) -> SessionError:
+    # A full queue is the server's state (retry later); anything else is about the request.
+    kind = ErrorKind.OVER_CAPACITY if isinstance(e, CapacityError) else ErrorKind.BAD_INPUT
+    return SessionError(kind, str(e))
+
+
+class OpenAIAudio:
+    def __init__(self, services):
+        self.s = services
+        self.created = int(time.time())
+
+    # ------------------------------------------------------------------ models
+
+    def _names(self, kind: str) -> list[str]:
+        worker = getattr(self.s, kind)
+        return [worker.engine.model_name] if worker is not None else []
+
+    def _check_model(self, kind: str, model: str | None) -> None:
+        if not model:
+            raise _bad("model is required (e.g. " + ("whisper-1" if kind == "asr" else "tts-1")
+                       + " or the name from GET /v1/models)", "model", "missing_required_parameter")
+        loaded = self._names(kind)
+        if model in loaded or (loaded and model in (ASR_ALIASES if kind == "asr" else TTS_ALIASES)):
+            return
+        what = "transcription" if kind == "asr" else "speech"
+        raise HttpError(404, f"the model {model!r} does not exist on this server; for {what} use "
+                        + ", ".join(loaded + list(ASR_ALIASES if kind == "asr" else TTS_ALIASES)[:3])
+                        if loaded else f"this server has no {what} model loaded", param="model",
+                        code="model_not_found")
+
+    def _model(self, name: str, kind: str) -> dict:
+        return {"id": name, "object": "model", "created": self.created, "owned_by": "voiced", "kind": kind}
+
+    async def models(self, request: web.Request) -> web.Response:
+        data = [self._model(n, "transcription") for n in self._names("asr")]
+        data += [self._model(n, "speech") for n in self._names("tts")]
+        return web.json_response({"object": "list", "data": data})
+
+    async def model(self, request: web.Request) -> web.Response:
+        name = request.match_info["model"]
+        for kind, label in (("asr", "transcription"), ("tts", "speech")):
+            if name in self._names(kind):
+                return web.json_response(self._model(name, label))
+        raise HttpError(404, f"the model {name!r} does not exist on this server; see GET /v1/models",
+                        param="model", code="model_not_found")
+
+    async def voices(self, request: web.Request) -> web.Response:
+        self.s.check_ready(need_tts=True)
+        voices = await asyncio.to_thread(speech.list_voices, self.s)
+        return web.json_response({"object": "list", "data": [
+            {"id": v.name, "object": "audio.voice", "name": v.name, "kind": v.kind, "description": v.description}
+            for v in voices]})
+
+    # ------------------------------------------------------------------ transcription
+
+    async def transcriptions(self, request: web.Request) -> web.StreamResponse:
+        return await self._recognize(request, "transcribe")
+
+    async def translations(self, request: web.Request) -> web.StreamResponse:
+        return await self._recognize(request, "translate")
+
+    async def _form(self, request: web.Request) -> tuple[dict[str, list[str]], bytes | None]:
+        """The multipart form's text fields (each may repeat) and the `file` bytes, within the limit."""
+        if request.content_type != "multipart/form-data":
+            raise HttpError(415, f"send multipart/form-data (a `file` field with the audio), not "
+                            f"{request.content_type or 'no content type'}", code="unsupported_media_type")
+        limit = self.s.config.http.max_upload_bytes
+        if request.content_length is not None and request.content_length > limit + 64 * 1024:
+            raise HttpError(413, f"the upload is {request.content_length} bytes; this server takes files up to "
+                            f"{limit} bytes (http.max_upload_bytes)", param="file", code="file_too_large")
+        fields_: dict[str, list[str]] = {}
+        data: bytes | None = None
+        try:
+            reader = await request.multipart()
+            while (part := await reader.next()) is not None:
+                name = part.name or ""
+                if name == "file":
+                    buf = bytearray()
+                    while chunk := await part.read_chunk(256 * 1024):
+                        buf += chunk
+                        if len(buf) > limit:
+                            raise HttpError(413, f"the file is larger than this server takes ({limit} bytes, "
+                                            "http.max_upload_bytes); send a shorter or more compressed clip",
+                                            param="file", code="file_too_large")
+                    data = bytes(buf)
+                else:
+                    value = await part.text()
+                    if len(value) > 64 * 1024:
+                        raise _bad(f"the field {name!r} is too long", name)
+                    fields_.setdefault(name.removesuffix("[]"), []).append(value)
+        except (ValueError, AssertionError) as e:  # aiohttp's multipart parser on a malformed body
+            raise _bad(f"the multipart body cannot be read ({e})") from None
+        return fields_, data
+
+    async def _recognize(self, request: web.Request, task: str) -> web.StreamResponse:
+        form, data = await self._form(request)
+        self.s.check_ready()
+
+        def one(name: str, default: str | None = None) -> str | None:
+            values = form.get(name)
+            return values[-1].strip() if values else default
+
+        if data is None:
+            raise _bad(f"the `file` field is missing: upload the audio ({ACCEPTED_NAMES}) as `file`", "file",
+                       "missing_required_parameter")
+        self._check_model("asr", one("model"))
+        response_format = one("response_format", "json")
+        if response_format not in RESPONSE_FORMATS:
+            raise _bad(f"response_format {response_format!r} is not served; use one of {', '.join(RESPONSE_FORMATS)}",
+                       "response_format")
+        granularities = tuple(g.strip() for g in form.get("timestamp_granularities", []))
+        for g in granularities:
+            if g not in ("segment", "word"):
+                raise _bad(f"timestamp_granularities {g!r} is unknown; use segment and/or word",
+                           "timestamp_granularities")
+        if granularities and response_format != "verbose_json":
+            raise _bad("timestamp_granularities needs response_format=verbose_json", "timestamp_granularities")
+        if "word" in granularities and not WORD_TIMINGS:
+            raise _bad("word timestamps are not available from this server's speech recognizer yet; "
+                       "ask for timestamp_granularities[]=segment", "timestamp_granularities", "unsupported_value")
+        stream = (one("stream", "false") or "false").lower()
+        if stream not in ("true", "false"):
+            raise _bad("stream must be true or false", "stream")
+        temperature = one("temperature")
+        if temperature is not None:
+            try:
+                t = float(temperature)
+            except ValueError:
+                t = -1.0
+            if not 0.0 <= t <= 1.0:
+                raise _bad("temperature must be a number from 0 to 1", "temperature")
+        language = one("language") or None
+        if language:
+            from voiced.engines.whisper.tokenizer import normalize_language
+
+            try:
+                language = normalize_language(language)
+            except ValueError as e:
+                raise _bad(str(e), "language") from None
+        try:
+            opts = asr_options_for(self.s.config, language=language, task=task, initial_prompt=one("prompt") or None)
+        except SessionError as e:
+            raise from_session_error(e) from None
+        opts = replace(opts, timestamps=response_format in ("srt", "vtt", "verbose_json"),
+                       **({WORD_OPTION: True} if "word" in granularities and WORD_OPTION else {}))
+        try:
+            pcm, duration = await asyncio.to_thread(decode_file, data, 16000, speech.MAX_CLIP_S)
+        except AudioFileError as e:
+            raise _bad(str(e), "file", "invalid_audio") from None
+        if stream == "true":
+            return await self._stream_transcript(request, pcm, opts)
+        results = [Recognized(u.start / 16000, u.end / 16000, t) for u, t in
+                   await speech.recognize_clip(self.s, pcm, opts)]
+        body, content_type = render(results, response_format, task=task, duration=duration, language=language,
+                                    granularities=granularities or ("segment",))
+        return web.Response(body=body.encode(), headers={"Content-Type": content_type})
+
+    async def _stream_transcript(self, request: web.Request, pcm, opts) -> web.StreamResponse:
+        """`transcript.text.delta` per utterance as its transcript is ready (in order), then `.done`."""
+        utterances = speech.split_clip(pcm)
+        jobs = [asyncio.ensure_future(self.s.asr.run(ASRRequest(int16_to_float(u.audio), opts))) for u in utterances]
+        try:
+            first = await jobs[0] if jobs else None  # errors before the first byte are proper statuses
+        except EngineError as e:
+            for job in jobs:
+                job.cancel()
+            raise from_session_error(_engine_error(e)) from None
+        texts: list[str] = []
+        try:
+            async with sse_response(request, allow_all_methods=True, sep="\n") as sse:
+                for i, job in enumerate(jobs):
+                    try:
+                        result = first if i == 0 else await job
+                    except EngineError as e:
+                        err = from_session_error(_engine_error(e))
+                        await sse.send(json.dumps(err.body()))
+                        return sse
+                    text = result.text.strip()
+                    if result.is_hallucination or not text:
+                        continue
+                    delta = text if not texts else " " + text
+                    texts.append(text)
+                    await sse.send(json.dumps({"type": "transcript.text.delta", "delta": delta}))
+                await sse.send(json.dumps({"type": "transcript.text.done", "text": " ".join(texts)}))
+            return sse
+        finally:
+            for job in jobs:
+                job.cancel()
+
+    # ------------------------------------------------------------------ speech
+
+    async def speech(self, request: web.Request) -> web.StreamResponse:
+        if request.content_type != "application/json":
+            raise HttpError(415, f"send a JSON body (Content-Type: application/json), not "
+                            f"{request.content_type or 'no content type'}", code="unsupported_media_type")
+        if request.content_length is not None and request.content_length > 1024 * 1024:
+            raise HttpError(413, "the request body is over 1 MiB", code="request_too_large")
+        body = json_body(await request.text())
+        self.s.check_ready(need_tts=True)
+        self._check_model("tts", body.get("model"))
+        text = body.get("input")
+        if not isinstance(text, str) or not text.strip():
+            raise _bad("input is required: the text to speak", "input", "missing_required_parameter")
+        limit = self.s.config.http.max_input_chars
+        if len(text) > limit:
+            raise _bad(f"input is {len(text)} characters; this server speaks up to {limit} per request "
+                       "(http.max_input_chars)", "input", "string_above_max_length")
+        fmt_name = body.get("response_format") or "mp3"
+        if fmt_name not in SPEECH_FORMATS:
+            raise _bad(f"response_format {fmt_name!r} is not served; use one of {', '.join(SPEECH_FORMATS)}",
+                       "response_format")
+        stream_format = body.get("stream_format") or "audio"
+        if stream_format not in ("audio", "sse"):
+            raise _bad("stream_format must be audio or sse", "stream_format")
+        speed = body.get("speed", 1.0)
+        if isinstance(speed, bool) or not isinstance(speed, (int, float)) or not 0.25 <= speed <= 4.0:
+            raise _bad("speed must be a number from 0.25 to 4.0", "speed")
+        voice = await resolve_voice(self.s, body.get("voice"), float(speed))
+        try:
+            opts = tts_options_for(self.s.config, voice=voice)
+        except SessionError as e:
+            raise from_session_error(e) from None
+        chunks = speech.synthesize(self.s, text, opts, Format("LINEAR16", SPEECH_RATE))
+        async with contextlib.aclosing(chunks):
+            try:
+                first = await anext(chunks)  # the status line waits for the first chunk: errors are statuses
+            except StopAsyncIteration:
+                first = None
+            except SessionError as e:
+                raise from_session_error(e) from None
+            encoder = SpeechEncoder(SPEECH_FORMATS[fmt_name], SPEECH_RATE)
+            try:
+                if stream_format == "sse":
+                    return await self._speech_sse(request, first, chunks, encoder)
+                return await self._speech_audio(request, first, chunks, encoder)
+            finally:
+                encoder.close()
+
+    async def _speech_audio(self, request, first, chunks, encoder: SpeechEncoder) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": encoder.format.content_type})
+        resp.enable_chunked_encoding()
+        await resp.prepare(request)
+        try:
+            if first is not None:
+                await resp.write(encoder.encode(_pcm(first.audio)))
+                async for chunk in chunks:
+                    if data := encoder.encode(_pcm(chunk.audio)):
+                        await resp.write(data)
+            await resp.write(encoder.finish())
+        except SessionError as e:
+            # The status line has gone: end the body unfinished, so the client sees a broken transfer.
+            log.warning("speech: %s after the first chunk; ending the response early", e.message)
+            request.transport and request.transport.close()
+            return resp
+        await resp.write_eof()
+        return resp
+
+    async def _speech_sse(self, request, first, chunks, encoder: SpeechEncoder) -> web.StreamResponse:
+        async with sse_response(request, allow_all_methods=True, sep="\n") as sse:
+            async def send(data: bytes):
+                if data:
+                    await sse.send(json.dumps({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode()}))
+
+            try:
+                if first is not None:
+                    await send(encoder.encode(_pcm(first.audio)))
+                    async for chunk in chunks:
+                        await send(encoder.encode(_pcm(chunk.audio)))
+                await send(encoder.finish())
+                await sse.send(json.dumps({"type": "speech.audio.done"}))
+            except SessionError as e:
+                await sse.send(json.dumps(from_session_error(e).body()))
+        return sse
+
+
+def _pcm(data: bytes):
+    import numpy as np
+
+    return np.frombuffer(data, dtype="<i2")
+
