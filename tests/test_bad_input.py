@@ -51,16 +51,18 @@ class Row:
     what: str
     status: str  # a gRPC status name; "OK" rows may name a notice: "OK, notice AGENT_FAILED"
     words: str  # what the message (or the notice's message) must contain
+    covered_by: str = ""  # a door row: the door test that sends it, "tests/FILE.py::test_name"
 
 
 def catalogue() -> list[Row]:
     rows = []
     for line in DOC.read_text().splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) != 5 or not re.fullmatch(r"[A-Z]+\d+", cells[0]):
+        if len(cells) not in (5, 6) or not re.fullmatch(r"[A-Z]+\d+", cells[0]):
             continue
         words = re.search(r"`([^`]*)`", cells[4])
-        rows.append(Row(cells[0], cells[1], cells[2], cells[3], words.group(1) if words else ""))
+        rows.append(Row(cells[0], cells[1], cells[2], cells[3], words.group(1) if words else "",
+                        cells[5] if len(cells) == 6 else ""))
     return rows
 
 
@@ -372,9 +374,21 @@ CASES: dict[str, Callable[[Daemon], Outcome]] = {
 def test_the_catalogue_has_enough_rows_and_every_grpc_row_a_case():
     assert len(ROWS) >= 25 and len({r.id for r in ROWS}) == len(ROWS)
     assert {r.id for r in GRPC_ROWS} == set(CASES)
-    pending = [r for r in ROWS if not r.id.startswith("G")]
-    doors = {r.where.split()[0] for r in pending}
-    assert {"AudioSocket", "Wyoming", "media-ws", "HTTP"} <= doors
+    door_rows = [r for r in ROWS if not r.id.startswith("G")]
+    doors = {r.where.split()[0] for r in door_rows}
+    assert {"AudioSocket", "Wyoming", "media-ws", "HTTP", "Realtime"} <= doors
+
+
+@pytest.mark.parametrize("row", [r for r in ROWS if not r.id.startswith("G")], ids=lambda r: r.id)
+def test_each_door_row_names_the_door_test_that_sends_it(row):
+    """The doors' rows are tested by the doors' own suites (a live door each): the row must name a
+    test that exists, so a renamed or deleted test leaves no row pointing at nothing."""
+    path, sep, name = row.covered_by.partition("::")
+    assert sep and path.startswith("tests/"), f"{row.id}: the last column must be tests/FILE.py::test_name"
+    source = DOC.parent.parent / path
+    assert source.is_file(), f"{row.id}: {path} does not exist"
+    assert re.search(rf"^(async )?def {re.escape(name)}\(", source.read_text(), re.M), \
+        f"{row.id}: {path} has no test {name}"
 
 
 @pytest.mark.parametrize("row", GRPC_ROWS, ids=[r.id for r in GRPC_ROWS])
