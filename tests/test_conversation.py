@@ -377,7 +377,7 @@ def test_synthesize_and_add_voice_through_reflection_then_speak_with_it(daemon, 
 
         with pytest.raises(grpc.RpcError) as e:
             list(stub.Synthesize(pb.SynthesizeRequest(text="Hi.", speech=pb.SpeechConfig(voice="nobody"))))
-        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "nobody" in e.value.details()
+        assert e.value.code() == grpc.StatusCode.NOT_FOUND and "'nobody' is not a voice" in e.value.details()
         with pytest.raises(grpc.RpcError) as e:
             stub.AddVoice(pb.AddVoiceRequest(name="bob", audio=ref.read_bytes(), transcript=""))
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "transcript is empty" in e.value.details()

@@ -42,6 +42,13 @@ class ServerConfig:
     tls_cert: str = ""  # PEM files; both set: TLS
     tls_key: str = ""
     metrics_listen: str = ""  # e.g. 127.0.0.1:9090; empty: no metrics endpoint
+    # Limits on one stream, enforced by the session core for every door (0: no limit).
+    # Idle: a push-to-talk client sends nothing between turns, and a user may pause for minutes; a
+    # dead peer is found by keepalive within seconds anyway, so this only catches a live client that
+    # forgot its stream. Telephony streams send audio all the time and never trip it.
+    idle_timeout_s: float = 600.0
+    max_session_s: float = 7200.0  # longer than any call; frees a line a gateway never hung up
+    max_outbound_bytes: int = 2 * 1024 * 1024  # responses waiting for a caller that does not read them
 
 
 @dataclass
@@ -98,6 +105,7 @@ class AgentConfig:
     openai_model: str = "default"
     openai_timeout_s: float = 30.0
     max_history_turns: int = 20
+    reply_timeout_s: float = 30.0  # an agent silent this long (before a piece of its answer) is given up
 
 
 @dataclass
@@ -176,6 +184,14 @@ class Config:
             raise ConfigError(str(e)) from None
         if self.asr.backend not in BACKENDS or self.tts.backend not in BACKENDS:
             raise ConfigError(f"backend must be one of {', '.join(BACKENDS)}")
+        for key in ("server.idle_timeout_s", "server.max_session_s", "agent.reply_timeout_s"):
+            section, name = key.split(".")
+            value = getattr(getattr(self, section), name)
+            if not value >= 0:  # also catches NaN
+                raise ConfigError(f"{key} is {value}; set seconds (0 switches the limit off)")
+        if self.server.max_outbound_bytes < 65536:
+            raise ConfigError(f"server.max_outbound_bytes is {self.server.max_outbound_bytes}; "
+                              "set at least 65536 (one second of 16 kHz audio is 32000 bytes)")
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)

@@ -76,9 +76,16 @@ def read_wav(source: str | os.PathLike | BinaryIO, dtype: type = np.int16) -> tu
     if tag == _EXTENSIBLE and len(fmt) >= 26:
         tag = struct.unpack("<H", fmt[24:26])[0]  # the sub-format GUID starts with the real tag
     if channels < 1 or block_align < 1:
-        raise WavError(f"{name}: bad WAV header ({channels} channels, block align {block_align})")
-    body = body[: len(body) // block_align * block_align]  # whole frames only
+        raise WavError(f"{name}: bad WAV header ({channels} channels, block align {block_align}); "
+                       "re-export it as mono 16-bit PCM")
+    if rate < 1:
+        raise WavError(f"{name}: bad WAV header (sample rate {rate} Hz); re-export it with its real rate, "
+                       "e.g. 16000")
     width = bits // 8
+    if bits % 8 == 0 and tag in (_PCM, _FLOAT, _MULAW, _ALAW) and block_align != channels * width:
+        raise WavError(f"{name}: bad WAV header (block align {block_align} for {channels} channels of {bits} "
+                       f"bits, which take {channels * width}); re-export it as mono 16-bit PCM")
+    body = body[: len(body) // block_align * block_align]  # whole frames only
     if tag == _PCM and width == 2 and channels == 1 and np.dtype(dtype) == np.int16:
         return np.frombuffer(body, dtype="<i2").astype(np.int16), int(rate)  # the common case, exact
     if tag == _PCM and 1 <= width <= 4:

@@ -22,12 +22,15 @@ from voiced.core.agents import AgentError, EndCall
 from voiced.core.events import (
     AgentTextOut,
     AudioOut,
+    ErrorKind,
     NoticeOut,
     ReplyFinished,
     ReplyInterrupted,
     ReplyStarted,
-    invalid,
+    SessionError,
 )
+from voiced.core.spec import check_text
+from voiced.core.speech import check_voice
 from voiced.engines.base import CapacityError, EngineError, TTSRequest
 
 log = logging.getLogger(__name__)
@@ -49,7 +52,14 @@ class Conversation:
         self.session = session
         self.services = session.services
         self.spec = session.spec
-        self.agent = self.services.agents.create(self.spec.agent, self.spec.system_prompt)
+        if self.services.tts is not None:
+            check_voice(self.services, self.spec.tts.voice, "speech.voice")
+        try:
+            self.agent = self.services.agents.create(self.spec.agent, self.spec.system_prompt)
+        except Exception as e:  # a plug-in's bug refuses this call, not the server
+            log.exception("agent %r could not be created", self.spec.agent)
+            raise SessionError(ErrorKind.INTERNAL, f"the agent {self.spec.agent!r} could not be started "
+                                                   f"({type(e).__name__}: {e})") from None
         self._queue: asyncio.Queue[Reply] = asyncio.Queue()
         self._worker: asyncio.Task | None = None
         self._current: asyncio.Task | None = None  # the reply being spoken
@@ -69,9 +79,7 @@ class Conversation:
         self._enqueue(Reply(self._next_id(), turn.turn_id, turn.ended_at, question=transcript.text))
 
     async def speak(self, text: str) -> None:
-        text = text.strip()
-        if not text:
-            raise invalid("speak.text is empty; send the text to say")
+        text = check_text(text, "speak.text")
         self._enqueue(Reply(self._next_id(), self.session.turn_id, None, text=text))
 
     async def on_dtmf(self, digit: str) -> None:
@@ -205,16 +213,35 @@ class Conversation:
         if reply.text is not None:
             yield reply.text
             return
-        pieces = self.agent.on_dtmf(reply.digit) if reply.digit is not None else self.agent.reply(reply.question)
+        name = self.spec.agent
+        timeout = self.services.config.agent.reply_timeout_s or None
+        pieces = None
         try:
-            async for piece in pieces:
+            pieces = self.agent.on_dtmf(reply.digit) if reply.digit is not None else self.agent.reply(reply.question)
+            while True:
+                try:
+                    # The agent's own await is cancelled at the timeout, so it can clean up.
+                    piece = await asyncio.wait_for(anext(pieces), timeout)
+                except StopAsyncIteration:
+                    return
                 if isinstance(piece, EndCall):
                     reply.end_call = piece.reason
                     return
+                if not isinstance(piece, str):
+                    raise TypeError(f"the agent yielded a {type(piece).__name__}, not text")
                 if piece.strip():
                     yield piece.strip()
         except EndCall as e:
             reply.end_call = e.reason
+        except asyncio.TimeoutError:
+            raise AgentError("AGENT_TIMEOUT", f"the agent {name!r} gave no answer within {timeout:g} s "
+                                              "(agent.reply_timeout_s); the call goes on") from None
+        except (AgentError, asyncio.CancelledError):
+            raise
+        except Exception as e:  # a plug-in's bug fails this reply, not the call or the server
+            log.exception("session %s: agent %r failed", self.spec.session_id, name)
+            raise AgentError("AGENT_FAILED", f"the agent {name!r} failed ({type(e).__name__}: {e}); "
+                                             "the call goes on") from None
         finally:
             aclose = getattr(pieces, "aclose", None)  # let the agent's own clean-up run now
             if aclose is not None:

@@ -26,7 +26,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
-from voiced.engines.base import CapacityError, EngineError, EngineOutput, SteppedEngine
+from voiced.engines.base import CapacityError, EngineError, EngineFault, EngineOutput, SteppedEngine, fault_output
 
 log = logging.getLogger(__name__)
 
@@ -153,7 +153,7 @@ class EngineWorker:
         self.thread.attach(self)
         self._ids = itertools.count(1)
         self._sinks: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._in_engine: set[int] = set()  # submitted to the engine and not finished (worker thread only)
+        self._in_engine: dict[int, None] = {}  # ids the engine holds, oldest first (worker thread only)
         self._stopping = False
 
     # ------------------------------------------------------------------ lifecycle
@@ -193,7 +193,7 @@ class EngineWorker:
                 out = await sink.get()
                 if out.error is not None:
                     done = True
-                    raise (CapacityError if out.busy else EngineError)(out.error)
+                    raise (CapacityError if out.busy else EngineFault if out.fault else EngineError)(out.error)
                 if out.final:
                     done = True
                 yield out.value
@@ -220,20 +220,20 @@ class EngineWorker:
             self.stats.submitted += 1
             try:
                 self.engine.submit(request_id, request)
-                self._in_engine.add(request_id)
+                self._in_engine[request_id] = None
                 self._log("submit", (request_id,))
             except CapacityError as e:
                 self._deliver(EngineOutput(request_id, error=str(e), busy=True))
             except EngineError as e:
                 self._deliver(EngineOutput(request_id, error=str(e)))
-            except Exception as e:  # a bug must not take the worker (and every caller) down
+            except Exception as e:  # a bug (or out of memory) fails this request, not the worker
                 log.exception("%s: submit failed", self.name)
-                self._deliver(EngineOutput(request_id, error=f"internal error: {e}"))
+                self._deliver(fault_output(request_id, self.name, e))
         elif kind == "cancel":
             self.stats.cancelled += 1
             self.engine.cancel(request_id)
             if request_id in self._in_engine:
-                self._in_engine.discard(request_id)
+                self._in_engine.pop(request_id)
                 self._log("cancel", (request_id,))
 
     def _log(self, event: str, request_ids: tuple[int, ...]) -> None:
@@ -244,15 +244,22 @@ class EngineWorker:
     def _step(self) -> None:
         if self.thread.step_log is not None:
             self._log("step", tuple(sorted(self._in_engine)))
-        try:
-            outputs = self.engine.step()
-        except Exception as e:
-            log.exception("%s: engine step failed; failing the requests in flight", self.name)
-            for request_id in list(self._sinks):
-                self.engine.cancel(request_id)
-                self._deliver(EngineOutput(request_id,
-                                           error=f"internal error in the {self.name} engine: {e}"))
-            return
+        while True:
+            try:
+                outputs = self.engine.step()
+                break
+            except Exception as e:
+                # The engine could not tell which request caused it (see voiced.engines.base): the
+                # newest is the likeliest (it grew the batch, or it is what changed), so it fails and
+                # the rest step again. At worst every request goes, one per try, not the worker.
+                if not self._in_engine:
+                    log.exception("%s: engine step failed with no request in flight", self.name)
+                    return
+                newest = max(self._in_engine)
+                log.error("%s: engine step failed; failing the newest request (%d) and stepping again",
+                          self.name, newest, exc_info=e)
+                self.engine.cancel(newest)
+                self._deliver(fault_output(newest, self.name, e))
         self.stats.steps += 1
         if self._on_step is not None:
             self._on_step(self.engine)
@@ -267,7 +274,7 @@ class EngineWorker:
             else:
                 self.stats.finished += 1
             if out.request_id in self._in_engine:
-                self._in_engine.discard(out.request_id)
+                self._in_engine.pop(out.request_id)
                 self._log("done", (out.request_id,))
         if target is None:
             return  # the caller left; its cancel is on the way

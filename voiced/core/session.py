@@ -9,8 +9,11 @@ A session is a few asyncio tasks joined by queues:
        │                                               │
        └──────────── events ──▶ outbox ◀── emitter (final transcripts, in turn order)
 
-The outbox is bounded, so a caller that stops reading slows only its own reader. When the call
-ends for any reason, every task and every engine request of the session is cancelled.
+Limits every door gets (config `[server]`): a caller that sends nothing for `idle_timeout_s`, or
+whose call lasts `max_session_s`, is ended with TIMEOUT; responses waiting for a caller that does
+not read them are bounded by `max_outbound_bytes`, and past it the session ends with OVER_CAPACITY
+(the door writes through `Session.writing`, which gives up a write the caller never takes). When
+the call ends for any reason, every task and every engine request of the session is cancelled.
 """
 
 from __future__ import annotations
@@ -53,8 +56,8 @@ from voiced.engines.base import ASRRequest, CapacityError, EngineError, Transcri
 
 log = logging.getLogger(__name__)
 
-OUTBOX_SIZE = 256
 _DONE = object()
+EVENT_BYTES = 64  # what an event costs in the outbound budget, besides its audio
 
 
 @dataclass
@@ -74,7 +77,17 @@ class Session:
         self.decoder = FrameDecoder(spec.input)
         # Speech events only: the segmenter need not keep the audio.
         self.segmenter = Segmenter(replace(spec.segmentation, keep_audio=spec.recognize))
-        self.outbox: asyncio.Queue = asyncio.Queue(OUTBOX_SIZE)
+        # Unbounded as a queue, bounded in bytes: `send` never blocks a producer (an engine's
+        # output, the reader), and a caller who stops reading ends the call at the budget.
+        self.outbox: asyncio.Queue = asyncio.Queue()
+        self._outbound = 0  # bytes of events waiting in the outbox
+        self._error: SessionError | None = None  # what ended the session, once it has
+        self._writer: asyncio.Task | None = None  # the door's task while it is in `writing`
+        self._writer_cancelled = False
+        self._idle: asyncio.TimerHandle | None = None
+        self._deadline: asyncio.TimerHandle | None = None
+        self._last_input = 0.0  # loop time of the caller's last message
+        self._reading_done = False  # the caller has finished sending
         self._turns: asyncio.Queue[Turn | None] = asyncio.Queue()
         self._tasks: set[asyncio.Task] = set()
         self._interim: asyncio.Task | None = None
@@ -84,13 +97,59 @@ class Session:
     # ------------------------------------------------------------------ plumbing
 
     async def send(self, event: OutputEvent) -> None:
-        await self.outbox.put(event)
+        """Queue an event for the caller (never blocks: a caller that does not read ends the call)."""
+        if self._error is not None:
+            return  # the call is over; nothing more goes out
+        size = _cost(event)
+        limit = self.services.config.server.max_outbound_bytes
+        if self._outbound + size > limit:
+            self.fail(SessionError(
+                ErrorKind.OVER_CAPACITY,
+                f"the caller is not reading its responses: {self._outbound + size} bytes are waiting "
+                f"(server.max_outbound_bytes is {limit}); read the stream as fast as it arrives"))
+            return
+        self._outbound += size
+        self.outbox.put_nowait(event)
+
+    def fail(self, error: SessionError) -> None:
+        """End the call with `error` at once (the first error wins): `run` raises it instead of the
+        events still queued, and a door blocked in `writing` gets it too."""
+        if self._error is not None:
+            return
+        self._error = error
+        self.outbox.put_nowait(error)  # wakes `run` if it is waiting for an event
+        if self._writer is not None:
+            self._writer_cancelled = True
+            self._writer.cancel()
+
+    async def writing(self, write) -> None:
+        """Await a door's write of one event (`write`: an awaitable); if the session fails meanwhile
+        (its caller stopped reading, or a limit ended it), the write is given up and the error raised.
+
+        A caller that stops reading blocks the door's write (flow control), so the door stops taking
+        events from `run`; this is how the session's end still reaches that door and frees the call.
+        (The write is awaited in the door's own task, which `fail` cancels: no task per event.)"""
+        if self._error is not None:
+            raise self._error
+        self._writer = asyncio.current_task()
+        try:
+            return await write
+        except asyncio.CancelledError:
+            if not self._writer_cancelled:
+                raise  # the door itself is being cancelled
+            uncancel = getattr(self._writer, "uncancel", None)
+            if uncancel is not None:
+                uncancel()
+            raise self._error from None
+        finally:
+            self._writer = None
+            self._writer_cancelled = False
 
     async def hangup(self, turn_id: int, reason: str) -> None:
         """The agent ended the call: HangupOut, then the end of `run` (which closes everything)."""
         log.info("session %s: the agent ended the call%s", self.spec.session_id, f" ({reason})" if reason else "")
         await self.send(HangupOut(self.spec.session_id, turn_id, reason))
-        await self.outbox.put(_DONE)
+        self.outbox.put_nowait(_DONE)
 
     def spawn(self, coro, name: str) -> asyncio.Task:
         task = asyncio.create_task(coro, name=f"{self.spec.session_id}:{name}")
@@ -104,6 +163,7 @@ class Session:
         """Yields the events to send; raises SessionError to end the call with an error. The end of
         `inputs` is the caller hanging up: what is in flight (transcripts, replies) finishes first."""
         await self.send(Started(self.spec.session_id, 0, self.spec))
+        self._start_timers()
         reader = self.spawn(self._read(inputs), "reader")
         emitter = self.spawn(self._emit_transcripts(), "emitter")
         reader.add_done_callback(lambda t: self._reader_done(t, emitter))
@@ -112,11 +172,39 @@ class Session:
                 item = await self.outbox.get()
                 if item is _DONE:
                     break
-                if isinstance(item, BaseException):
-                    raise item
+                if self._error is not None:
+                    raise self._error
+                self._outbound -= _cost(item)
                 yield item
         finally:
             await self.close()
+
+    def _start_timers(self) -> None:
+        """Idle and maximum-length limits: loop timers, not a task per message (50 a second per caller)."""
+        limits = self.services.config.server
+        loop = asyncio.get_running_loop()
+        self._last_input = loop.time()
+        if limits.idle_timeout_s > 0:
+            self._idle = loop.call_at(self._last_input + limits.idle_timeout_s, self._check_idle)
+        if limits.max_session_s > 0:
+            self._deadline = loop.call_later(limits.max_session_s, self.fail, SessionError(
+                ErrorKind.TIMEOUT,
+                f"the session reached its maximum length of {limits.max_session_s:g} s (server.max_session_s); "
+                "start a new one to go on"))
+
+    def _check_idle(self) -> None:
+        limit = self.services.config.server.idle_timeout_s
+        loop = asyncio.get_running_loop()
+        if self._reading_done:
+            return  # the caller finished sending; what is in flight finishes on its own
+        due = self._last_input + limit
+        if loop.time() < due:
+            self._idle = loop.call_at(due, self._check_idle)  # messages came meanwhile
+            return
+        self.fail(SessionError(
+            ErrorKind.TIMEOUT,
+            f"no message from the caller for {limit:g} s (server.idle_timeout_s); send audio while the "
+            "stream is open, or close it between turns and open a new one"))
 
     def _reader_done(self, reader: asyncio.Task, emitter: asyncio.Task) -> None:
         if reader.cancelled():
@@ -126,8 +214,8 @@ class Session:
             # Bad input ends the call at once: nothing more is sent.
             if not isinstance(error, SessionError):
                 log.error("session %s: reader failed", self.spec.session_id, exc_info=error)
-                error = SessionError(ErrorKind.INTERNAL, f"internal error: {error}")
-            self._put_error(error)
+                error = SessionError(ErrorKind.INTERNAL, f"internal error: {type(error).__name__}: {error}")
+            self.fail(error)
             return
 
         async def finish():
@@ -135,21 +223,15 @@ class Session:
                 await emitter
                 if self.conversation is not None:
                     await self.conversation.drain()
-            await self.outbox.put(_DONE)
+            self.outbox.put_nowait(_DONE)
 
         self.spawn(finish(), "finish")
 
-    def _put_error(self, item) -> None:
-        # An error must reach the caller even when the outbox is full of events it will never read.
-        while True:
-            try:
-                self.outbox.put_nowait(item)
-                return
-            except asyncio.QueueFull:
-                self.outbox.get_nowait()
-
     async def close(self) -> None:
         """Cancel everything this session started (idempotent)."""
+        for timer in (self._idle, self._deadline):
+            if timer is not None:
+                timer.cancel()
         tasks = [t for t in self._tasks if not t.done()]
         if self.conversation is not None:
             tasks += self.conversation.tasks()
@@ -161,7 +243,9 @@ class Session:
     # ------------------------------------------------------------------ input
 
     async def _read(self, inputs: AsyncIterator[InputEvent]) -> None:
+        loop = asyncio.get_running_loop()
         async for item in inputs:
+            self._last_input = loop.time()
             if type(item) is AudioIn:
                 try:
                     frames = self.decoder.feed(item.data)
@@ -177,6 +261,7 @@ class Session:
                         self._speaking()
             else:
                 await self._control(item)
+        self._reading_done = True
         for frame in self.decoder.flush():
             await self._segment_events(self.segmenter.push(frame))
         await self._segment_events(self.segmenter.flush())
@@ -187,6 +272,12 @@ class Session:
             name = "talk_start" if isinstance(item, TalkStart) else "talk_end"
             if self.spec.segmentation.mode != "push_to_talk":
                 raise invalid(f"control.{name} needs segmentation.mode PUSH_TO_TALK in the config")
+            if isinstance(item, TalkStart) and self.segmenter.in_speech:
+                raise invalid("control.talk_start came while already talking (a talk_start with no talk_end "
+                              "yet); send talk_end to close the span first")
+            if isinstance(item, TalkEnd) and not self.segmenter.in_speech:
+                raise invalid("control.talk_end came without a talk_start; send talk_start, the audio, then "
+                              "talk_end")
             events = self.segmenter.talk_start() if isinstance(item, TalkStart) else self.segmenter.talk_end()
             await self._segment_events(events)
         elif isinstance(item, (Speak, StopSpeaking)):
@@ -282,3 +373,8 @@ class Session:
         if self._interim is not None and not self._interim.done():
             self._interim.cancel()
         self._interim = None
+
+
+def _cost(event) -> int:
+    audio = getattr(event, "audio", None)
+    return EVENT_BYTES + (len(audio) if isinstance(audio, (bytes, bytearray)) else 0)

@@ -7,6 +7,8 @@ the setting and what to set, whichever protocol it came through. Doors only map 
 
 from __future__ import annotations
 
+import math
+import unicodedata
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -17,6 +19,8 @@ from voiced.core.segmenter import SegmenterConfig
 from voiced.engines.base import ASROptions, TTSOptions
 
 MAX_BEAM = 4
+MAX_TEXT_CHARS = 4000  # text to speak in one request: minutes of speech, past any tts.max_seconds
+MAX_PROMPT_CHARS = 2000  # an initial prompt; Whisper keeps only its last 223 tokens anyway
 TASKS = ("transcribe", "translate")
 BARGE_IN_MIN_MS, BARGE_IN_MAX_MS = 20, 5000
 
@@ -75,6 +79,40 @@ def _check_segmentation(seg: SegmenterConfig) -> SegmenterConfig:
     return seg
 
 
+def check_text(text: str, what: str) -> str:
+    """Text to speak, cleaned and checked: control characters become spaces; empty, oversize, or
+    nothing speakable (only emoji, symbols, control characters) is BAD_INPUT."""
+    cleaned = " ".join("".join(" " if unicodedata.category(c)[0] == "C" else c for c in text).split())
+    if not cleaned:
+        if text.strip():
+            raise invalid(f"{what} has nothing to say: it holds only control characters; send words")
+        raise invalid(f"{what} is empty; send the text to speak")
+    if len(cleaned) > MAX_TEXT_CHARS:
+        raise invalid(f"{what} is {len(cleaned)} characters; send at most {MAX_TEXT_CHARS} at a time "
+                      "(split longer text)")
+    if not any(unicodedata.category(c)[0] in "LN" for c in cleaned):
+        raise invalid(f"{what} has nothing to say: it holds only emoji, symbols or punctuation; send words")
+    return cleaned
+
+
+def _check_language(language: str | None, what: str) -> str | None:
+    if not language:
+        return None
+    from voiced.engines.whisper.tokenizer import normalize_language
+
+    try:
+        return normalize_language(language)
+    except ValueError:
+        raise invalid(f"{what}.language {language!r} is not a language Whisper knows; use a code such as "
+                      "en, de, fr, zh (or leave it empty to detect)") from None
+
+
+def _check_finite(value: float | None, name: str) -> float | None:
+    if value is not None and not math.isfinite(value):
+        raise invalid(f"{name} is {value}; set a finite number")
+    return value
+
+
 def asr_options_for(config: Config, *, language: str | None = None, task: str | None = None,
                     beam_size: int | None = None, initial_prompt: str | None = None,
                     no_speech_threshold: float | None = None, logprob_threshold: float | None = None,
@@ -87,8 +125,14 @@ def asr_options_for(config: Config, *, language: str | None = None, task: str | 
     task = task or "transcribe"
     if task not in TASKS:
         raise invalid(f"{what}.task {task!r} is unknown; use transcribe or translate")
+    if initial_prompt and len(initial_prompt) > MAX_PROMPT_CHARS:
+        raise invalid(f"{what}.initial_prompt is {len(initial_prompt)} characters; send at most {MAX_PROMPT_CHARS} "
+                      "(Whisper reads only its last 223 tokens)")
+    for name, value in (("no_speech_threshold", no_speech_threshold), ("logprob_threshold", logprob_threshold),
+                        ("compression_ratio_threshold", compression_ratio_threshold)):
+        _check_finite(value, f"{what}.{name}")
     return ASROptions(
-        language=(language or a.language or None),
+        language=_check_language(language, what) or a.language or None,
         task=task,
         beam_size=beam,
         initial_prompt=initial_prompt or None,
@@ -115,9 +159,11 @@ def tts_options_for(config: Config, *, voice: str | None = None, seed: int | Non
         first_chunk_tokens=t.first_chunk_tokens,
         chunk_tokens=t.chunk_tokens,
     )
+    if opts.voice is not None and not opts.voice.strip():
+        raise invalid("speech.voice is blank; leave it empty for the default voice or name one")
     if not 0.0 <= opts.temperature <= 2.0:
         raise invalid(f"speech.temperature {opts.temperature} is outside 0..2")
-    if opts.max_seconds <= 0:
+    if not opts.max_seconds > 0:  # NaN too
         raise invalid(f"speech.max_seconds {opts.max_seconds} must be positive")
     if opts.top_k < 0:
         raise invalid(f"speech.top_k {opts.top_k} must be 0 (off) or positive")
@@ -166,7 +212,7 @@ def spec_for(
 
     asr = asr if asr is not None else asr_options_for(config)
     if language:
-        asr = replace(asr, language=language)
+        asr = replace(asr, language=_check_language(language, "recognition"))
     tts = tts if tts is not None else tts_options_for(config)
     if voice:
         tts = replace(tts, voice=voice)

@@ -25,10 +25,21 @@ from voiced.audio.ingest import (
 )
 from voiced.core.events import ErrorKind, SessionError, invalid
 from voiced.core.segmenter import Segmenter, SegmenterConfig, Utterance
-from voiced.core.spec import check_format
-from voiced.engines.base import ASROptions, ASRRequest, CapacityError, EngineError, Transcript, TTSOptions, TTSRequest
+from voiced.core.spec import check_format, check_text
+from voiced.engines.base import (
+    ASROptions,
+    ASRRequest,
+    CapacityError,
+    EngineError,
+    EngineFault,
+    Transcript,
+    TTSOptions,
+    TTSRequest,
+)
 
 MAX_CLIP_S = 600  # a one-shot clip; longer audio belongs in a streaming session
+MIN_VOICE_SPEECH_S = 0.5  # speech a recording must hold to clone a voice from it
+MIN_WAV_RATE, MAX_WAV_RATE = 1000, 384000  # what a WAV may say; it is resampled to 16 kHz
 WHISPER_WINDOW = 30 * RATE
 PCM16K = Format("LINEAR16", RATE)
 
@@ -45,15 +56,16 @@ def _engine_error(e: EngineError) -> SessionError:
     # A full queue is the server's state (the caller may retry); anything else is about the request.
     if isinstance(e, CapacityError):
         return SessionError(ErrorKind.OVER_CAPACITY, str(e))
+    if isinstance(e, EngineFault):
+        return SessionError(ErrorKind.INTERNAL, str(e))
     return SessionError(ErrorKind.BAD_INPUT, str(e))
 
 
 async def synthesize(services, text: str, opts: TTSOptions, fmt: Format = PCM16K) -> AsyncIterator[SpeechChunk]:
     """Speaks `text`, chunk by chunk as the engine writes it. Call `services.check_ready(need_tts=True)`
     first. Raises SessionError (BAD_INPUT, OVER_CAPACITY)."""
-    text = text.strip()
-    if not text:
-        raise invalid("text is empty; send the text to speak")
+    text = check_text(text, "text")
+    check_voice(services, opts.voice, "speech.voice")
     encoder = FrameEncoder(check_format(fmt, "output_format"))
     sent = 0
     try:
@@ -64,6 +76,16 @@ async def synthesize(services, text: str, opts: TTSOptions, fmt: Format = PCM16K
                 sent += len(chunk.samples)
     except EngineError as e:
         raise _engine_error(e) from None
+
+
+def check_voice(services, name: str | None, what: str) -> None:
+    """NOT_FOUND for a voice the server does not have (None: the default voice, always there)."""
+    has = getattr(services.voices, "has", None)
+    if name and has is not None and not has(name):
+        names = ", ".join(v.name for v in list_voices(services))
+        raise SessionError(ErrorKind.NOT_FOUND, f"{what} {name!r} is not a voice of this server; it has: {names} "
+                                                "(or gender:pitch:speed, e.g. female:high:moderate); add one "
+                                                "from a recording with AddVoice")
 
 
 def list_voices(services) -> list:
@@ -80,10 +102,38 @@ async def add_voice(services, name: str, pcm: np.ndarray, duration_s: float, tra
         raise invalid("transcript is empty; send what is said in the recording")
     if duration_s < 1.0:
         raise invalid(f"the recording is {duration_s:.2f} s long; send at least 1 s (3 to 10 s is best)")
+    problem = speech_problem(pcm)
+    if problem:
+        raise invalid(f"the recording {problem}; send 3 to 10 s of one person speaking")
     try:
         return await asyncio.to_thread(services.voices.add, name, int16_to_float(pcm), transcript)
     except (ValueError, EngineError) as e:
         raise invalid(str(e)) from None
+
+
+def speech_problem(pcm: np.ndarray) -> str | None:
+    """Why a recording (16 kHz int16) is no voice to clone, or None when it holds speech.
+
+    Speech: at least MIN_VOICE_SPEECH_S of frames that webrtcvad calls speech and that are not
+    noise-like (spectral flatness below 0.3: white noise is near 0.56, voiced speech near 0.01), and
+    a level that rises and falls with syllables (frame levels spread over at least 6 dB; steady
+    noise or a tone stays within 3 dB, speech spreads over 20 dB)."""
+    import webrtcvad
+
+    frames = pcm[: len(pcm) // FRAME_SAMPLES * FRAME_SAMPLES].reshape(-1, FRAME_SAMPLES)
+    if len(frames) == 0 or int(np.abs(pcm.astype(np.int32)).max()) < 33:  # below -60 dBFS
+        return "is silent"
+    x = frames.astype(np.float64)
+    rms = np.sqrt(np.mean(x**2, axis=1))
+    power = np.abs(np.fft.rfft(x * np.hanning(FRAME_SAMPLES), axis=1)) ** 2 + 1e-10
+    flatness = np.exp(np.mean(np.log(power), axis=1)) / np.mean(power, axis=1)
+    vad = webrtcvad.Vad(3)
+    speech = sum(1 for f, r, fl in zip(frames, rms, flatness)
+                 if r > 100 and fl < 0.3 and vad.is_speech(f.tobytes(), RATE))
+    level_spread = float(np.std(20 * np.log10(rms + 1.0)))
+    if speech * FRAME_SAMPLES / RATE < MIN_VOICE_SPEECH_S or level_spread < 6.0:
+        return "holds no speech (it sounds like noise or a steady tone)"
+    return None
 
 
 def decode_clip(data: bytes, fmt: Format | None, max_s: float = MAX_CLIP_S) -> tuple[np.ndarray, float]:
@@ -97,7 +147,9 @@ def decode_clip(data: bytes, fmt: Format | None, max_s: float = MAX_CLIP_S) -> t
             samples, rate = read_wav(io.BytesIO(data))
         except WavError as e:
             raise invalid(f"audio starts like a WAV file but cannot be read: {e}") from None
-        duration = len(samples) / rate
+        if not MIN_WAV_RATE <= rate <= MAX_WAV_RATE:
+            raise invalid(f"the WAV header says {rate} Hz; send audio sampled at {MIN_WAV_RATE}..{MAX_WAV_RATE} Hz")
+        duration = _check_duration(len(samples), rate, max_s)
         pcm = float_to_int16(Resampler(rate, RATE)(samples, last=True))
     else:
         if fmt is None:
@@ -107,12 +159,21 @@ def decode_clip(data: bytes, fmt: Format | None, max_s: float = MAX_CLIP_S) -> t
             raw = decode_pcm(data, f.encoding)
         except AudioFormatError as e:
             raise invalid(str(e)) from None
-        duration = len(raw) / f.sample_rate
+        duration = _check_duration(len(raw), f.sample_rate, max_s)
         pcm = Resampler(f.sample_rate, RATE)(raw, last=True)
+    if len(pcm) == 0:
+        raise invalid("the clip holds no audio samples; send at least one 20 ms frame")
+    return pcm, duration
+
+
+def _check_duration(samples: int, rate: int, max_s: float) -> float:
+    duration = samples / rate
+    if samples == 0:
+        raise invalid("the clip holds no audio samples; send at least one 20 ms frame")
     if duration > max_s:
         raise invalid(f"the clip is {duration:.0f} s long; one-shot recognition takes up to {max_s:.0f} s, "
                       "stream longer audio in a session (StreamingRecognize over gRPC)")
-    return pcm, duration
+    return duration
 
 
 def split_clip(pcm: np.ndarray) -> list[Utterance]:

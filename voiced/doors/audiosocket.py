@@ -43,7 +43,7 @@ from voiced.core.events import (
 from voiced.core.session import Session
 from voiced.doors import DoorError
 from voiced.doors import audiosocket_frames as wire
-from voiced.doors.calls import CallInputs, check_agent, run_call, split_listen, unique_id
+from voiced.doors.calls import CLOSE_GRACE_S, CallInputs, check_agent, last_words, run_call, split_listen, unique_id
 from voiced.doors.pacing import FRAME_S, Pacer
 
 log = logging.getLogger(__name__)
@@ -106,8 +106,9 @@ class AudioSocketDoor:
         finally:
             self._calls.pop(task, None)
             writer.close()
+            # A caller that stopped reading never lets what is still buffered leave: cut it.
             with contextlib.suppress(Exception):
-                await writer.wait_closed()
+                await last_words(writer.wait_closed(), writer.transport, CLOSE_GRACE_S)
 
 
 class _Call:
@@ -260,6 +261,9 @@ class _Call:
 
     async def _on_event(self, ev, pacer: Pacer) -> bool:
         if isinstance(ev, AudioOut):
+            # Take audio only while frames leave: a caller that stops reading backs the reply up into
+            # the session's outbox, which ends the call at server.max_outbound_bytes.
+            await pacer.writable()
             data = ev.audio
             if self._resample_out is not None:
                 data = self._resample_out(np.frombuffer(data, "<i2").astype(np.int16),
@@ -290,5 +294,5 @@ class _Call:
     async def _send_error(self, code: str) -> None:
         self.services.count_error(FRONT, code)
         with contextlib.suppress(Exception):
-            await self._write(wire.encode(wire.ERROR, code.encode()))
+            await last_words(self._write(wire.encode(wire.ERROR, code.encode())), self.writer.transport)
 

@@ -6,6 +6,11 @@ call: the caller hangs up (socket closed, hangup message, `stop` event) or break
 the session ends it (the agent hung up, an error). Whichever ends first, the other is cancelled and
 the session is closed, so a hangup frees the call's engine work at once: on a phone, a caller who
 hung up hears nothing more, unlike a gRPC caller who only finished sending.
+
+The session's side writes through `Session.writing`: a caller that stops reading blocks the door's
+write, the session's outbound budget fills, and the session ends with OVER_CAPACITY instead of the
+door waiting in its write forever. The door's last words (an error, a close frame) to such a caller
+get `CLOSE_GRACE_S` to leave (`last_words`), then the connection is cut.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from voiced.doors import DoorError
 log = logging.getLogger(__name__)
 
 INPUT_QUEUE = 250  # 5 s of 20 ms frames: a session that falls further behind slows the socket, not memory
+CLOSE_GRACE_S = 5.0  # for the last message to a caller that may have stopped reading
 
 
 class CallInputs:
@@ -56,7 +62,7 @@ async def run_call(session, inputs: CallInputs, read_caller: Awaitable[None],
     async def pump() -> None:
         async with contextlib.aclosing(session.run(inputs)) as events:
             async for event in events:
-                if await on_event(event):
+                if await session.writing(on_event(event)):
                     return
 
     caller = asyncio.ensure_future(read_caller)
@@ -73,6 +79,19 @@ async def run_call(session, inputs: CallInputs, read_caller: Awaitable[None],
         speaker.cancel()
         await asyncio.gather(caller, speaker, return_exceptions=True)
         await session.close()
+
+
+async def last_words(write: Awaitable, transport, grace: float = CLOSE_GRACE_S) -> bool:
+    """Await a door's last write to a caller (an error message, a close frame); a caller that does not
+    read within `grace` seconds has its connection cut (`transport.abort()`) instead of holding the
+    door in that write. Returns whether the write went out."""
+    try:
+        await asyncio.wait_for(write, grace)
+        return True
+    except TimeoutError:
+        if transport is not None:
+            transport.abort()
+        return False
 
 
 def unique_id(preferred: str, taken: set[str]) -> str:

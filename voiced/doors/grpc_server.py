@@ -7,11 +7,14 @@ says NOT_SERVING until the Daemon has loaded the models and again once it drains
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hmac
+import inspect
 import logging
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from voiced_client.proto import voiced_pb2 as pb
@@ -45,31 +48,40 @@ class VoicedService(pb_grpc.VoicedServicer):
     def __init__(self, services: Services):
         self.s = services
 
-    async def _abort(self, context, error: SessionError):
+    async def _abort(self, context, error: Exception):
+        """End the call with the status for `error`: a SessionError's kind, or INTERNAL for a bug (its
+        traceback goes to the log, never to the caller)."""
+        if isinstance(error, grpc.aio.AbortError):
+            raise error  # already aborted
+        if not isinstance(error, SessionError):
+            log.error("internal error in a %s call", FRONT, exc_info=error)
+            error = SessionError(ErrorKind.INTERNAL, f"internal error ({type(error).__name__}); the server's log "
+                                                     "has the details")
         code = STATUS[error.kind]
         self.s.count_error(FRONT, code.name)
-        # gRPC keeps the abort exception after the call; it chains `error`, whose traceback holds the
-        # frames (and so the session, its audio and codecs) it was raised through. Drop them.
-        error.__traceback__ = None
+        # gRPC keeps the abort exception after the call; it chains `error`, whose traceback (and the
+        # exception it was raised while handling) holds the frames, and so the session, its audio and
+        # codecs, it was raised through. Drop them.
+        error.__traceback__ = error.__context__ = error.__cause__ = None
         await context.abort(code, error.message)
 
     # ------------------------------------------------------------------ streaming sessions
 
     async def Converse(self, request_iterator, context):
-        async for event in self._session(request_iterator, context, conversational=True):
-            yield event
+        await self._session(request_iterator, context, conversational=True)
 
     async def StreamingRecognize(self, request_iterator, context):
-        async for event in self._session(request_iterator, context, conversational=False):
-            yield event
+        await self._session(request_iterator, context, conversational=False)
 
     async def _session(self, requests, context, conversational: bool):
+        """Writes with `context.write` (not by yielding): a caller that stops reading blocks the write,
+        and `Session.writing` gives it up when the session ends (RESOURCE_EXHAUSTED, DEADLINE_EXCEEDED)."""
         s = self.s
         session = None
         try:
             # Read the first message before any refusal: aborting a stream whose first write is
             # still in flight makes some gRPC clients report INTERNAL instead of our status.
-            first = await _first(requests)
+            first = await _first(requests, s.config.server.idle_timeout_s)
             async with s.admit(FRONT) as admission:
                 if first is None:
                     admission.outcome = "empty"
@@ -84,8 +96,8 @@ class VoicedService(pb_grpc.VoicedServicer):
                 log.info("session %s started (%s, %s %d Hz)", session_id, "Converse" if conversational else
                          "StreamingRecognize", spec.input.encoding, spec.input.sample_rate)
                 async for event in session.run(wire.session_inputs(requests)):
-                    yield wire.event_to_proto(event, config)
-        except SessionError as e:
+                    await session.writing(context.write(wire.event_to_proto(event, config)))
+        except Exception as e:
             await self._abort(context, e)
         finally:
             if session is not None:
@@ -104,7 +116,7 @@ class VoicedService(pb_grpc.VoicedServicer):
                 raise invalid("recognition.disabled makes no sense for Recognize")
             results = await speech.recognize_clip(self.s, audio, opts,
                                                   keep_hallucinations=request.recognition.keep_hallucinations)
-        except SessionError as e:
+        except Exception as e:
             await self._abort(context, e)
         return pb.RecognizeResponse(
             duration_s=duration,
@@ -125,15 +137,15 @@ class VoicedService(pb_grpc.VoicedServicer):
                 async for c in chunks:
                     yield pb.SynthesizeResponse(audio=pb.AudioChunk(sequence=c.sequence, offset_ms=c.offset_ms,
                                                                     last=c.last, audio=c.audio))
-        except SessionError as e:
+        except Exception as e:
             await self._abort(context, e)
 
     async def ListVoices(self, request, context):
         try:
             self.s.check_ready(need_tts=True)
-        except SessionError as e:
+            return pb.ListVoicesResponse(voices=[wire.voice_to_proto(v) for v in speech.list_voices(self.s)])
+        except Exception as e:
             await self._abort(context, e)
-        return pb.ListVoicesResponse(voices=[wire.voice_to_proto(v) for v in speech.list_voices(self.s)])
 
     async def AddVoice(self, request, context):
         try:
@@ -142,7 +154,7 @@ class VoicedService(pb_grpc.VoicedServicer):
             pcm, duration = speech.decode_clip(request.audio, fmt)
             voice = await speech.add_voice(self.s, request.name, pcm, duration, request.transcript)
             return wire.voice_to_proto(voice)
-        except SessionError as e:
+        except Exception as e:
             await self._abort(context, e)
 
     # ------------------------------------------------------------------ info
@@ -166,10 +178,102 @@ class VoicedService(pb_grpc.VoicedServicer):
         return info
 
 
-async def _first(requests):
-    async for request in requests:
-        return request
-    return None
+async def _first(requests, idle_timeout_s: float):
+    """The stream's first message (None: the caller closed without one), within the idle limit."""
+
+    async def first():
+        async for request in requests:
+            return request
+        return None
+
+    if idle_timeout_s <= 0:
+        return await first()
+    try:
+        return await asyncio.wait_for(first(), idle_timeout_s)
+    except asyncio.TimeoutError:
+        raise SessionError(ErrorKind.TIMEOUT, f"no message from the caller for {idle_timeout_s:g} s "
+                                              "(server.idle_timeout_s); send the config first") from None
+
+
+# ---------------------------------------------------------------------------- undecodable requests
+
+
+class _Undecodable:
+    """Stands in for a request body that is not valid protobuf, so the call can answer it."""
+
+    def __init__(self, message: str):
+        self.message = message
+
+
+class DecodeGuard(grpc.aio.ServerInterceptor):
+    """A request body that is not valid protobuf gets INVALID_ARGUMENT naming the RPC and the message
+    type. grpc's generated handlers deserialize before our code runs, and a deserializer that raises
+    makes grpc answer UNKNOWN; this wraps each Voiced handler's deserializer to hand the call a marker
+    instead, which the call answers."""
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        prefix = f"/{SERVICE_NAME}/"
+        if handler is None or not details.method.startswith(prefix):
+            return handler
+        return _guarded(handler, details.method[len(prefix):])
+
+
+_RPC_TYPES = {m.name: m.input_type.full_name for m in pb.DESCRIPTOR.services_by_name["Voiced"].methods}
+
+
+def _guarded(handler, rpc: str):
+    type_name = _RPC_TYPES.get(rpc, "request")
+    message = (f"the {rpc} request is not a valid {type_name} message (its protobuf bytes cannot be decoded); "
+               f"send a {type_name} serialized with the voiced.v1 protos (grpcurl: pass JSON with -d)")
+    deserialize = handler.request_deserializer
+
+    def guarded(data: bytes):
+        try:
+            return deserialize(data)
+        except DecodeError:
+            return _Undecodable(message)
+
+    async def checked(requests):
+        async for request in requests:
+            if isinstance(request, _Undecodable):
+                raise invalid(request.message)
+            yield request
+
+    async def refuse(context):
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+    if handler.request_streaming:
+        behavior = handler.stream_stream if handler.response_streaming else handler.stream_unary
+        if inspect.isasyncgenfunction(behavior):
+            async def streaming_in(requests, context):
+                async for response in behavior(checked(requests), context):
+                    yield response
+        else:
+            async def streaming_in(requests, context):
+                return await behavior(checked(requests), context)
+        make = grpc.stream_stream_rpc_method_handler if handler.response_streaming else grpc.stream_unary_rpc_method_handler
+        return make(streaming_in, request_deserializer=guarded, response_serializer=handler.response_serializer)
+    if handler.response_streaming:
+        behavior = handler.unary_stream
+
+        async def unary_in_stream_out(request, context):
+            if isinstance(request, _Undecodable):
+                await refuse(context)
+            async for response in behavior(request, context):
+                yield response
+
+        return grpc.unary_stream_rpc_method_handler(unary_in_stream_out, request_deserializer=guarded,
+                                                    response_serializer=handler.response_serializer)
+    behavior = handler.unary_unary
+
+    async def unary(request, context):
+        if isinstance(request, _Undecodable):
+            await refuse(context)
+        return await behavior(request, context)
+
+    return grpc.unary_unary_rpc_method_handler(unary, request_deserializer=guarded,
+                                               response_serializer=handler.response_serializer)
 
 
 # ---------------------------------------------------------------------------- auth
@@ -231,7 +335,9 @@ class GrpcDoor:
 
     async def start(self) -> str:
         c = self.services.config.server
+        # Auth first: a caller without the token learns nothing, not even that its bytes were bad.
         interceptors = [BearerAuth(c.auth_token, self.services)] if c.auth_token else []
+        interceptors.append(DecodeGuard())
         options = [
             ("grpc.max_receive_message_length", c.max_message_bytes),
             ("grpc.max_send_message_length", c.max_message_bytes),

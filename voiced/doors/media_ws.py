@@ -55,7 +55,7 @@ from voiced.core.events import (
 )
 from voiced.core.session import Session
 from voiced.doors import DoorError
-from voiced.doors.calls import CallInputs, check_agent, run_call, split_listen, unique_id
+from voiced.doors.calls import CallInputs, check_agent, last_words, run_call, split_listen, unique_id
 
 log = logging.getLogger(__name__)
 
@@ -210,17 +210,19 @@ class MediaStreamDoor:
         task = asyncio.current_task()
         self._calls[task] = ""
         try:
-            await _Stream(self, ws, request.remote or "?", authenticated, task).run()
+            await _Stream(self, ws, request.remote or "?", authenticated, task, request.transport).run()
         finally:
             self._calls.pop(task, None)
             if not ws.closed:
-                await ws.close()
+                await last_words(ws.close(), request.transport)
         return ws
 
 
 class _Stream:
-    def __init__(self, door: MediaStreamDoor, ws: web.WebSocketResponse, peer: str, authenticated: bool, task):
+    def __init__(self, door: MediaStreamDoor, ws: web.WebSocketResponse, peer: str, authenticated: bool, task,
+                 transport=None):
         self.door = door
+        self.transport = transport  # cut when a caller that stopped reading cannot take the close frame
         self.services = door.services
         self.ws = ws
         self.peer = peer
@@ -279,7 +281,7 @@ class _Stream:
 
     async def _close(self, code: int, reason: str) -> None:
         with contextlib.suppress(Exception):
-            await self.ws.close(code=code, message=close_reason(reason))
+            await last_words(self.ws.close(code=code, message=close_reason(reason)), self.transport)
 
     async def _receive(self) -> dict | None:
         """The next message, or None when the far end closed the socket."""

@@ -42,6 +42,8 @@ class Pacer:
         self._idle.set()
         self._next: float | None = None  # when the next frame is due
         self._generation = 0  # bumped by clear(): a frame waited for before it is not sent
+        self._not_sending = asyncio.Event()  # clear while a frame's send is in progress
+        self._not_sending.set()
         self.frames_sent = 0
         self.frames_cleared = 0
 
@@ -71,6 +73,12 @@ class Pacer:
     @property
     def queued_ms(self) -> int:
         return int(len(self._buf) / self.frame_bytes * self.frame_s * 1000)
+
+    async def writable(self) -> None:
+        """Returns once no frame's send is in progress. A caller that stops reading holds a send
+        (the socket's flow control): a producer that waits here stops taking audio, so its backlog
+        grows where it is bounded (the session's outbox) instead of in this buffer."""
+        await self._not_sending.wait()
 
     async def drained(self) -> None:
         """Returns once everything queued has been sent (or cleared)."""
@@ -106,7 +114,11 @@ class Pacer:
                 frame += self._silence * (pad // len(self._silence))
                 self._flush = False
             self._next += self.frame_s
-            await self._send(frame)
+            self._not_sending.clear()
+            try:
+                await self._send(frame)
+            finally:
+                self._not_sending.set()
             self.frames_sent += 1
             if not self._buf and not self._flush:
                 self._idle.set()

@@ -37,6 +37,7 @@ from voiced.core import events as core
 from voiced.core.events import ErrorKind, SessionError
 from voiced.core.spec import asr_options_for, segmentation_for
 from voiced.doors import realtime_events as rt
+from voiced.doors.calls import last_words
 from voiced.doors.http import HttpError
 from voiced.doors.realtime_events import EventError, RealtimeConfig, TurnDetection
 
@@ -45,7 +46,9 @@ log = logging.getLogger(__name__)
 FRONT = "realtime"
 MAX_BUFFER_S = 300  # push-to-talk audio held until commit
 _CLOSE = {ErrorKind.BAD_INPUT: WSCloseCode.POLICY_VIOLATION, ErrorKind.OVER_CAPACITY: WSCloseCode.TRY_AGAIN_LATER,
-          ErrorKind.UNAVAILABLE: WSCloseCode.TRY_AGAIN_LATER, ErrorKind.INTERNAL: WSCloseCode.INTERNAL_ERROR}
+          ErrorKind.UNAVAILABLE: WSCloseCode.TRY_AGAIN_LATER, ErrorKind.INTERNAL: WSCloseCode.INTERNAL_ERROR,
+          # the session's limits (idle, maximum length) and an unknown voice: the caller's to fix
+          ErrorKind.TIMEOUT: WSCloseCode.POLICY_VIOLATION, ErrorKind.NOT_FOUND: WSCloseCode.POLICY_VIOLATION}
 
 
 def routes(listener) -> list[web.RouteDef]:
@@ -59,7 +62,7 @@ def routes(listener) -> list[web.RouteDef]:
                             "openai SDK's client.realtime.connect()", code="websocket_required")
         ws = await listener.websocket(request, protocols=("realtime",))
         conn = RealtimeConnection(listener.services, ws, transcription=intent == "transcription",
-                                  model=request.query.get("model", "voiced"))
+                                  model=request.query.get("model", "voiced"), transport=request.transport)
         await conn.serve()
         return ws
 
@@ -94,9 +97,10 @@ class _Pipeline:
 
 
 class RealtimeConnection:
-    def __init__(self, services, ws: web.WebSocketResponse, *, transcription: bool, model: str):
+    def __init__(self, services, ws: web.WebSocketResponse, *, transcription: bool, model: str, transport=None):
         self.s = services
         self.ws = ws
+        self.transport = transport  # cut when a caller that stopped reading cannot take our last words
         self.model = model or "voiced"
         self.ids = rt.Ids()
         c = services.config.segmentation
@@ -149,7 +153,7 @@ class RealtimeConnection:
             self._closing = (_CLOSE.get(e.kind, WSCloseCode.TRY_AGAIN_LATER), e.message)
         finally:
             code, reason = self._closing or (WSCloseCode.OK, "")
-            await self.ws.close(code=code, message=reason[:120].encode())
+            await last_words(self.ws.close(code=code, message=reason[:120].encode()), self.transport)
 
     async def _read(self) -> None:
         async for msg in self.ws:
@@ -338,10 +342,13 @@ class RealtimeConnection:
     async def _run(self, session, inputs) -> None:
         try:
             async for ev in session.run(inputs):
-                await self._on_output(ev)
+                # A caller that stops reading holds this write; the session's outbound budget then
+                # ends it (OVER_CAPACITY) instead of the pipeline waiting forever.
+                await session.writing(self._on_output(ev))
         except SessionError as e:
-            await self.error(e.kind.value, e.message if e.kind is not ErrorKind.INTERNAL else
-                             "internal error; the server log has the details", type="server_error")
+            await last_words(self.error(e.kind.value, e.message if e.kind is not ErrorKind.INTERNAL else
+                                        "internal error; the server log has the details", type="server_error"),
+                             self.transport)
             self._close_after(_CLOSE.get(e.kind, WSCloseCode.INTERNAL_ERROR), e.message)
         except (ConnectionResetError, asyncio.CancelledError):
             raise
@@ -352,7 +359,8 @@ class RealtimeConnection:
     def _close_after(self, code: int, reason: str) -> None:
         # From the pipeline's task: closing the socket ends the reader loop, which stops the pipeline.
         self._closing = (code, reason)
-        self._closer = asyncio.ensure_future(self.ws.close(code=code, message=reason[:120].encode()))
+        self._closer = asyncio.ensure_future(last_words(self.ws.close(code=code, message=reason[:120].encode()),
+                                                        self.transport))
 
     async def _stop_pipeline(self) -> None:
         pipeline, self.pipeline = self.pipeline, None

@@ -48,6 +48,7 @@ from voiced.core.events import AudioIn, ErrorKind, NoticeOut, SessionError, Talk
 from voiced.core.session import Session
 from voiced.core.spec import segmentation_for, tts_options_for
 from voiced.core.speech import list_voices, synthesize
+from voiced.doors.calls import last_words
 from voiced.text import SentenceBuffer
 
 log = logging.getLogger(__name__)
@@ -306,7 +307,9 @@ class _Handler(AsyncEventHandler):
     async def send_error(self, error: SessionError) -> None:
         self.services.count_error(FRONT, error.kind.value)
         with contextlib.suppress(ConnectionError, RuntimeError):
-            await self.write_event(Error(text=error.message, code=error.kind.value).event())
+            # A caller that stopped reading (what may have ended it) gets a grace, then is cut.
+            await last_words(self.write_event(Error(text=error.message, code=error.kind.value).event()),
+                             self.writer.transport)
 
     def spawn(self, coro, name: str) -> asyncio.Task:
         task = asyncio.create_task(coro, name=f"wyoming {self.peer}:{name}")
@@ -417,7 +420,10 @@ class _Recognition:
                                 language = ev.transcript.language or language
                                 if text:
                                     # Chunks append to each other: together they spell the transcript.
-                                    await write(TranscriptChunk(text=(" " if texts else "") + text).event())
+                                    # Through the session: a caller that stops reading ends it
+                                    # (OVER_CAPACITY) instead of holding this write and its place.
+                                    await session.writing(write(
+                                        TranscriptChunk(text=(" " if texts else "") + text).event()))
                                     texts.append(text)
                             elif isinstance(ev, NoticeOut):
                                 # An utterance was lost (ASR queue full, or it failed): a transcript without

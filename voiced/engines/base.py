@@ -7,6 +7,14 @@ An engine is a *stepped* batch machine owned by exactly one thread (the schedule
     outputs = engine.step()              # admit queued work, run one batched step, report results
     engine.has_work()                    # anything queued or in flight?
 
+Faults are held to the request that caused them. Where an engine can tell which request failed
+(admitting it, preparing its inputs, taking its tokens), it reports an error output for that request
+alone and goes on with the others; a CUDA out-of-memory while admitting a group of requests is
+retried with each admitted alone, so only the one that does not fit fails. Where it cannot tell (one
+batched forward pass for everyone), `step()` raises, and it must leave every request as it was
+before the step (nothing advanced, no output lost): the scheduler then fails the newest request
+and steps again without it.
+
 Nothing here is thread-safe on purpose: one owner thread means no locks in the hot loop, and it is
 the same discipline TensorRT-LLM's executor needs (its `generate` steals responses across threads).
 Engines never see gRPC or asyncio; the daemon never sees tensors.
@@ -33,6 +41,17 @@ class CapacityError(EngineError):
     """Not enough cache/batch capacity right now; the request may be retried or queued."""
 
 
+class EngineFault(EngineError):
+    """The engine failed while serving the request (a bug, a device fault), not because of what the
+    request asked; the request is lost, the engine and the other requests go on."""
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """torch.cuda.OutOfMemoryError, or the RuntimeError older torch raises (without importing torch)."""
+    return type(error).__name__ == "OutOfMemoryError" or (
+        isinstance(error, RuntimeError) and "out of memory" in str(error).lower())
+
+
 @dataclass
 class EngineOutput:
     """One result from `step()`.
@@ -46,6 +65,7 @@ class EngineOutput:
     final: bool = True
     error: str | None = None
     busy: bool = False  # the error is a CapacityError: out of cache or queue space, retry later
+    fault: bool = False  # the error is an EngineFault: the engine failed, not the request
 
 
 # ----------------------------------------------------------------------------------------- ASR
@@ -164,3 +184,13 @@ class TTSEngine(SteppedEngine, Protocol):
     languages: tuple[str, ...]  # languages the model speaks (ISO 639-1)
 
     def active_requests(self) -> int: ...
+
+
+def fault_output(request_id: int, engine: str, error: BaseException) -> EngineOutput:
+    """The error output for a request an engine fault was held to: out of memory is a capacity
+    problem (retry later); anything else is an internal error (the message names it, never a traceback)."""
+    if is_out_of_memory(error):
+        return EngineOutput(request_id, error=f"the {engine} engine ran out of GPU memory for this request; "
+                                              "retry later (or send less)", busy=True)
+    return EngineOutput(request_id, error=f"internal error in the {engine} engine while serving this request "
+                                          f"({type(error).__name__}: {error}); other requests go on", fault=True)

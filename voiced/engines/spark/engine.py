@@ -38,7 +38,15 @@ import numpy as np
 import torch
 from torch.profiler import record_function
 
-from voiced.engines.base import SAMPLE_RATE, AudioChunk, EngineError, EngineOutput, TTSOptions, TTSRequest
+from voiced.engines.base import (
+    SAMPLE_RATE,
+    AudioChunk,
+    EngineError,
+    EngineOutput,
+    TTSOptions,
+    TTSRequest,
+    fault_output,
+)
 from voiced.hub import cache_dir
 from voiced.memory_plan import EngineNeed, MemoryPlanError, Need, stream_workspace_bytes
 
@@ -171,6 +179,7 @@ class _Request:
     total_semantic: int = 0
     prompt_tokens: int = 0
     t_first_chunk: float | None = None
+    solo: bool = False  # prefilled alone: its group's prefill failed and the culprit is being found
 
 
 @dataclass
@@ -524,7 +533,7 @@ class SparkTTSEngine:
                 self._prefill_step(outputs)
         elif kind == "decode":
             with record_function("spark.decode"):
-                self._decode_step()
+                self._decode_step(outputs)
         else:
             with record_function("spark.vocode"):
                 outputs += self._vocode(now)
@@ -535,23 +544,49 @@ class SparkTTSEngine:
         return not r.needs_prefill and not r.segment_done
 
     def _prefill_step(self, outputs: list[EngineOutput]) -> None:
-        """Prefill the rows starting a segment (one packed pass), then sample each one's first token."""
+        """Prefill the rows starting a segment (one packed pass), then sample each one's first token.
+
+        This is where a request joins the batch, so its faults are held to the requests prefilled: one
+        alone fails; a group goes back to be prefilled one by one (see `_prefill_failed`)."""
         fresh = self._prefill_fresh(outputs)
         if not fresh or not self._active:
             return
-        pick = self._sampler([r.options.top_k for r in self._active])
-        self._load_state()
-        for r, h in fresh:  # first token of each new segment, from its prompt's last hidden state
-            self._first_tok[r.slot : r.slot + 1] = pick(self.lm, h[None], self.lm.state, slice(r.slot, r.slot + 1))
-        first = self._first_tok.tolist()  # the step's one sync
-        for r, _ in fresh:
-            self._advance(r, first[r.slot])
+        try:
+            pick = self._sampler([r.options.top_k for r in self._active])
+            self._load_state()
+            for r, h in fresh:  # first token of each new segment, from its prompt's last hidden state
+                self._first_tok[r.slot : r.slot + 1] = pick(self.lm, h[None], self.lm.state, slice(r.slot, r.slot + 1))
+            first = self._first_tok.tolist()  # the step's one sync
+        except Exception as e:
+            self._prefill_failed([r for r, _ in fresh], e, outputs)
+            return
+        for r, token in [(r, first[r.slot]) for r, _ in fresh]:  # slots move when one fails
+            if r.slot < 0:
+                continue
+            try:
+                self._advance(r, token)
+            except Exception as e:  # this request's token: its fault alone
+                outputs.append(self._fault(r, e))
         self.last_step["prefilled"] = len(fresh)
 
-    def _decode_step(self) -> None:
+    def _prefill_failed(self, group: list[_Request], error: Exception, outputs: list[EngineOutput]) -> None:
+        """A prefill (a request joining the batch) failed: alone, the request caused it; in a group (out
+        of memory, or a fault none of them can be blamed for), each is prefilled alone next."""
+        if len(group) == 1:
+            outputs.append(self._fault(group[0], error))
+            return
+        log.warning("prefill of %d requests together failed (%s: %s); prefilling them one by one",
+                    len(group), type(error).__name__, error)
+        for r in group:
+            r.solo = True
+            r.needs_prefill = True
+
+    def _decode_step(self, outputs: list[EngineOutput]) -> None:
         """`decode_steps` decode steps for rows 0..n-1; only the decoding rows take their tokens (a row
         waiting for its prefill or for its last windows runs along as padding: what it writes lies past
-        its position, and what it samples is dropped)."""
+        its position, and what it samples is dropped). A failure of the shared pass raises with no row
+        advanced (`_load_state` rewrites every row's inputs next time); a row's own tokens failing
+        fails that request alone."""
         pick = self._sampler([r.options.top_k for r in self._active])
         self._load_state()
         n = len(self._active)
@@ -560,12 +595,17 @@ class SparkTTSEngine:
                                 use_graph=self.use_cuda_graphs)
         with record_function("spark.readback"):
             tokens = out.tolist()  # the step's one sync: every row's new tokens
-        for r in rows:
-            for t in tokens[r.slot]:
-                if r.segment_done:
-                    break  # sampled past its end: dropped
-                r.pos += 1
-                self._advance(r, t)
+        for r, row_tokens in [(r, tokens[r.slot]) for r in rows]:  # slots move when one fails
+            if r.slot < 0:
+                continue
+            try:
+                for t in row_tokens:
+                    if r.segment_done:
+                        break  # sampled past its end: dropped
+                    r.pos += 1
+                    self._advance(r, t)
+            except Exception as e:  # this request's tokens: its fault alone
+                outputs.append(self._fault(r, e))
         self.last_step["decoded_rows"] = len(rows)
 
     def _prefill_fresh(self, outputs: list[EngineOutput]) -> list[tuple[_Request, torch.Tensor]]:
@@ -576,25 +616,29 @@ class SparkTTSEngine:
         group: list[tuple[_Request, list[int]]] = []
         size = 0
         for r in waiting:
-            ids = self._prompt(r, r.seg)
-            if group and size + len(ids) > PREFILL_STEP_TOKENS:
-                break
+            if group and (group[0][0].solo or r.solo):
+                if group[0][0].solo:
+                    break
+                continue  # it goes in alone, at a later step
             try:
+                ids = self._prompt(r, r.seg)
+                if group and size + len(ids) > PREFILL_STEP_TOKENS:
+                    break
                 group.append((r, self._begin_segment(r, ids)))
                 size += len(ids)
-            except Exception as e:  # noqa: BLE001 - one bad request must not stop the others
+            except EngineError as e:  # the request cannot be served (its prompt is too long)
+                outputs.append(self._fail(r, str(e)))
+            except Exception as e:  # one request's fault must not stop the others
                 log.exception("prefill failed for request %s", r.rid)
-                outputs.append(self._fail(r, f"prefill failed: {e}"))
+                outputs.append(self._fault(r, e))
         if not group:
             return []
         try:
             prompts = [torch.tensor(ids, dtype=torch.long).to(self.device, non_blocking=True) for _, ids in group]
             hidden = self.lm.prefill_many(prompts, [r.slot for r, _ in group], pad_to=PREFILL_BUCKET)
-        except Exception as e:  # noqa: BLE001
-            log.exception("prefill failed for requests %s", [r.rid for r, _ in group])
-            # release from the back so the earlier rows' slots stay valid
-            for r, _ in reversed(group):
-                outputs.append(self._fail(r, f"prefill failed: {e}"))
+        except Exception as e:
+            log.error("prefill failed for requests %s", [r.rid for r, _ in group], exc_info=e)
+            self._prefill_failed([r for r, _ in group], e, outputs)
             return []
         self.last_step["prefill_tokens"] = size
         return [(r, hidden[j]) for j, (r, _) in enumerate(group)]
@@ -778,6 +822,7 @@ class SparkTTSEngine:
         # First chunks first (higher priority, then arrival), then the requests closest to running dry.
         rows.sort(key=lambda r: (0, -r.options.priority, self._order.get(r.rid, 0)) if r.t_first_chunk is None
                   else (1, self._ahead_s(r, now), 0))
+        emitted_before = [(r, r.planner.emitted) for r in rows if r.planner is not None]
         # Take windows one per request per round, in that order, while the step's budget lasts.
         taken: dict[int, list[Window]] = {}
         jobs: list[tuple[_Request, DecodeJob]] = []
@@ -805,7 +850,14 @@ class SparkTTSEngine:
                 progress = True
             if not progress:
                 break
-        audio = decode_jobs(self.codec, [j for _, j in jobs]) if jobs else []
+        try:
+            audio = decode_jobs(self.codec, [j for _, j in jobs]) if jobs else []
+        except BaseException:
+            # One vocoder pass for every window: no request can be blamed, so nothing may have
+            # advanced (the scheduler drops one and steps again): the windows go back.
+            for r, was in emitted_before:
+                r.planner.emitted = was
+            raise
         self.last_step["windows"] = len(jobs)
         self.last_step["window_rows"] = len(taken)
         pending: dict[int, list[np.ndarray]] = {}
@@ -841,6 +893,12 @@ class SparkTTSEngine:
     def _fail(self, r: _Request, message: str) -> EngineOutput:
         self._release(r)
         return EngineOutput(r.rid, None, final=True, error=message)
+
+    def _fault(self, r: _Request, error: Exception) -> EngineOutput:
+        """A fault pinned on request r: it fails alone, the others go on."""
+        log.error("speech synthesis request %s failed", r.rid, exc_info=error)
+        self._release(r)
+        return fault_output(r.rid, "speech synthesis", error)
 
     def _release(self, r: _Request) -> None:
         """Free r's row and keep rows compact: the last active row moves into the hole."""

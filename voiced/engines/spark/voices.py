@@ -182,6 +182,11 @@ class VoiceStore:
         path.unlink()
         return True
 
+    def has(self, name: str) -> bool:
+        """Whether `name` is a voice of this store (a preset, gender:pitch:speed, or a cloned voice),
+        without computing anything."""
+        return parse_preset(name) is not None or self._record(name) is not None
+
     def resolve(self, name: str | None) -> Voice:
         """A voice name (None: the default preset) -> what the prompt needs."""
         name = name or DEFAULT_VOICE

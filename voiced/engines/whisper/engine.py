@@ -34,6 +34,7 @@ from voiced.engines.base import (
     EngineError,
     EngineOutput,
     Transcript,
+    fault_output,
 )
 from voiced.memory_plan import EngineNeed, MemoryPlanError, Need, stream_workspace_bytes
 
@@ -58,6 +59,7 @@ class _Active:
     rows: list[int]
     seconds: float
     order: int
+    solo: bool = False  # admitted alone: its group's admission failed and the culprit is being found
 
 
 def build_model(dims: ModelDims, state: dict[str, torch.Tensor], where: str = "checkpoint") -> Whisper:
@@ -196,6 +198,7 @@ class WhisperEngine:
         self.fast_decoder = FastDecoder(model.decoder, compile_decoder) if fast_decoder else None
         self._decoder: FastDecoder | TextDecoder = self.fast_decoder or model.decoder
         self._warming = False
+        self._admitting: list[_Active] = []  # the group being admitted (its faults are held to it)
         if self._stream is not None:
             # The weights (moved, fused), caches and buffers above were queued on the creating thread's
             # stream; kernels on the engine's own stream must not overtake those fills and copies.
@@ -328,7 +331,12 @@ class WhisperEngine:
         rid = next(self._private_ids)
         self.submit(rid, request)
         while True:
-            for out in self.step():
+            try:
+                outputs = self.step()
+            except Exception as e:
+                self.cancel(rid)
+                raise EngineError(f"speech recognition failed: {type(e).__name__}: {e}") from e
+            for out in outputs:
                 if out.request_id == rid:
                     if out.error:
                         raise EngineError(out.error)
@@ -336,20 +344,18 @@ class WhisperEngine:
                 self._stash.append(out)
 
     def step(self) -> list[EngineOutput]:
+        """Raises only when the rows' shared forward pass fails (no request can be blamed); then
+        nothing has advanced and no output is lost, so the scheduler can drop one and step again.
+        Faults that can be pinned on a request (its admission, its tokens) fail that request alone."""
         outputs, self._stash = self._stash, []
         if not self._queue and not self._active:
             return outputs
         try:
             with torch.inference_mode(), self.on_stream():
                 outputs += self._step()
-        except (EngineError, torch.cuda.OutOfMemoryError, RuntimeError) as e:
-            # A failure inside a batched step cannot be pinned on one request: fail them all, free
-            # every row, and keep the engine usable for new work.
-            log.exception("whisper step failed")
-            failed = list(self._active.values())
-            self._active.clear()
-            self._release(failed)
-            outputs += [EngineOutput(r.rid, None, True, f"speech recognition failed: {e}") for r in failed]
+        except BaseException:
+            self._stash = outputs + self._stash
+            raise
         return outputs
 
     # ------------------------------------------------------------------------------- internals
@@ -358,19 +364,57 @@ class WhisperEngine:
         return torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
 
     def _step(self) -> list[EngineOutput]:
+        failed: list[tuple[_Active, Exception]] = []
         if self._n:
+            # One forward pass for every row: a failure here raises (see `step`).
             reqs = [self._owner[r][0] for r in range(self._n) if self._owner[r][1] == 0]
             if all(self._fast(q) for q in reqs):
-                self._greedy_chunk(self._n, reqs)
+                failed = self._greedy_chunk(self._n, reqs)
             else:
-                self._select(self._decode(self._n), reqs, 0)
-        outputs = self._finish()
-        admitted = self._admit()
-        if admitted is not None:
+                failed = self._select(self._decode(self._n), reqs, 0)
+        outputs = self._drop(failed) + self._finish()
+        try:
+            return outputs + self._admit_new()
+        except BaseException:
+            self._stash += outputs  # kept for the next step
+            raise
+
+    def _admit_new(self) -> list[EngineOutput]:
+        """Admission, with its faults held to the admitted: a group that fails (out of memory, or a
+        fault no one can be blamed for) goes back to the queue to be admitted one by one, and a
+        request that fails alone is the one that caused it."""
+        self._admitting = []
+        try:
+            admitted = self._admit()
+            if admitted is None:
+                return []
             reqs, logits = admitted
-            self._select(logits, reqs, reqs[0].rows[0])
-            outputs += self._finish()
-        return outputs
+            failed = self._select(logits, reqs, reqs[0].rows[0])
+        except Exception as e:
+            group = self._admitting
+            if not group:
+                raise  # nothing was admitted: no one to hold it to
+            for req in group:
+                self._active.pop(req.rid, None)
+            self._release([r for r in group if r.rows])
+            if len(group) == 1:
+                log.error("whisper: admitting request %s failed", group[0].rid, exc_info=e)
+                return [fault_output(group[0].rid, "speech recognition", e)]
+            log.warning("whisper: admitting %d requests together failed (%s: %s); admitting them one by one",
+                        len(group), type(e).__name__, e)
+            for req in group:
+                req.solo = True
+                self._queue[req.rid] = req
+            return []
+        return self._drop(failed) + self._finish()
+
+    def _drop(self, failed: list[tuple[_Active, Exception]]) -> list[EngineOutput]:
+        """Fail requests a fault was pinned on, freeing their rows; the others go on."""
+        for req, e in failed:
+            log.error("whisper: request %s failed", req.rid, exc_info=e)
+            self._active.pop(req.rid, None)
+        self._release([req for req, _ in failed if req.rows])
+        return [fault_output(req.rid, "speech recognition", e) for req, e in failed]
 
     @staticmethod
     def _fast(req: _Active) -> bool:
@@ -440,12 +484,12 @@ class WhisperEngine:
         self._pos_buf[:b] += 1
         self._minleft[:b] -= 1
 
-    def _greedy_chunk(self, n: int, reqs: list[_Active]) -> None:
+    def _greedy_chunk(self, n: int, reqs: list[_Active]) -> list[tuple[_Active, Exception]]:
         """Up to `decode_chunk` greedy steps for rows 0..n-1 with one host sync at the end.
 
         The chunk never runs a row past its length limit (max_new_tokens / the text context), so
         every position stays inside the cache; a row that emits end-of-text mid-chunk computes a
-        few tokens nobody reads, and they are dropped here.
+        few tokens nobody reads, and they are dropped here. Returns the requests whose tokens failed.
         """
         k_max = self.decode_chunk
         for q in reqs:
@@ -465,12 +509,17 @@ class WhisperEngine:
             self._hist_lp[:b, k] = self._lp_buf[:b]
         tok_rows = self._hist_tok[:n, :k_max].tolist()
         lp_rows = self._hist_lp[:n, :k_max].tolist()
+        failed = []
         for q in reqs:
             r = q.rows[0]
-            for t, lp in zip(tok_rows[r], lp_rows[r]):
-                q.dec.update_greedy(t, lp)
-                if q.dec.done:
-                    break
+            try:
+                for t, lp in zip(tok_rows[r], lp_rows[r]):
+                    q.dec.update_greedy(t, lp)
+                    if q.dec.done:
+                        break
+            except Exception as e:  # this request's tokens: its fault alone
+                failed.append((q, e))
+        return failed
 
     def _run(self, kind: str, b: int) -> torch.Tensor | None:
         """Run the plain or fused-greedy step for bucket `b`: replay its graph, or eagerly."""
@@ -619,13 +668,16 @@ class WhisperEngine:
         free = self.max_batch - self._n
         chosen: list[_Active] = []
         for req in sorted(self._queue.values(), key=lambda r: (-r.request.options.priority, r.order)):
-            if len(chosen) >= self.max_encoder_batch:
+            if len(chosen) >= self.max_encoder_batch or (chosen and chosen[0].solo):
                 break
+            if req.solo and chosen:
+                continue  # it goes in alone, at a later step
             if req.dec.plan.beam_size <= free:
                 chosen.append(req)
                 free -= req.dec.plan.beam_size
         if not chosen:
             return None
+        self._admitting = chosen
         for req in chosen:
             del self._queue[req.rid]
             req.rows = list(range(self._n, self._n + req.dec.plan.beam_size))
@@ -673,8 +725,9 @@ class WhisperEngine:
             out[torch.tensor(grows, device=dev) - base] = logits[:, -1]
         return chosen, out
 
-    def _select(self, logits: torch.Tensor, reqs: list[_Active], base: int) -> None:
-        """Filter the logits of `reqs` (row r at logits[r - base]), pick tokens, advance them."""
+    def _select(self, logits: torch.Tensor, reqs: list[_Active], base: int) -> list[tuple[_Active, Exception]]:
+        """Filter the logits of `reqs` (row r at logits[r - base]), pick tokens, advance them; returns the
+        requests whose tokens failed (the others have advanced)."""
         dev = logits.device
         logits.masked_fill_(self.suppress.always, NEG_INF)
         # The per-request rules, batched: one indexing op for all first steps (no blank / end-of-text
@@ -702,16 +755,21 @@ class WhisperEngine:
             for i, row in enumerate(rows):
                 beam_tops[row] = (vals[i], ids[i])
         greedy_l, lp_l = greedy.tolist(), chosen_lp.tolist()
+        failed = []
         for req in reqs:
             d = req.dec
-            if d.plan.beam_size == 1:
-                r = req.rows[0] - base
-                d.update_greedy(greedy_l[r], lp_l[r])
-            else:
-                src = d.update_beam([beam_tops[r][0] for r in req.rows], [beam_tops[r][1] for r in req.rows])
-                if not d.done and src != list(range(len(src))):
-                    dst = torch.tensor(req.rows, device=dev)
-                    self.cache.move(dst, dst[torch.tensor(src, device=dev)], self_only=True)
+            try:
+                if d.plan.beam_size == 1:
+                    r = req.rows[0] - base
+                    d.update_greedy(greedy_l[r], lp_l[r])
+                else:
+                    src = d.update_beam([beam_tops[r][0] for r in req.rows], [beam_tops[r][1] for r in req.rows])
+                    if not d.done and src != list(range(len(src))):
+                        dst = torch.tensor(req.rows, device=dev)
+                        self.cache.move(dst, dst[torch.tensor(src, device=dev)], self_only=True)
+            except Exception as e:  # this request's tokens: its fault alone
+                failed.append((req, e))
+        return failed
 
     def _finish(self) -> list[EngineOutput]:
         """Report finished requests and free their rows."""
@@ -719,7 +777,11 @@ class WhisperEngine:
         outputs = []
         for req in finished:
             del self._active[req.rid]
-            outputs.append(EngineOutput(req.rid, req.dec.result(req.seconds), True))
+            try:
+                outputs.append(EngineOutput(req.rid, req.dec.result(req.seconds), True))
+            except Exception as e:  # turning this request's tokens into text: its fault alone
+                log.error("whisper: request %s failed", req.rid, exc_info=e)
+                outputs.append(fault_output(req.rid, "speech recognition", e))
         self._release(finished)
         return outputs
 
