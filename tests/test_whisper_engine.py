@@ -16,7 +16,6 @@ from whisper_fixtures import make_openai_checkpoint, speech
 from voiced.engines.base import ASREngine, ASROptions, ASRRequest, CapacityError, EngineError
 from voiced.engines.whisper.checkpoint import CheckpointError
 from voiced.engines.whisper.engine import WhisperEngine
-from voiced.engines.whisper.tokenizer import TokenizerFileNotFound
 from voiced.hub import ModelNotFoundError
 
 SENTENCES = [
@@ -200,9 +199,9 @@ def test_loading_errors_say_what_to_do(tmp_path, monkeypatch):
         WhisperEngine.load("tiny")
     with pytest.raises(ModelNotFoundError, match="known Whisper model"):
         WhisperEngine.load("no-such-model")
+    # No .tiktoken beside the checkpoint and none in the cache: the bundled one serves (offline).
     bare = make_openai_checkpoint(tmp_path / "bare", with_tokenizer=False, seed=1)
-    with pytest.raises(TokenizerFileNotFound, match="multilingual.tiktoken"):
-        WhisperEngine.load(bare)
+    assert WhisperEngine.load(bare).tok.sot == 50258
     bad = tmp_path / "bad.pt"
     bad.write_bytes(b"this is not a checkpoint")
     with pytest.raises(CheckpointError, match="not a readable PyTorch checkpoint"):

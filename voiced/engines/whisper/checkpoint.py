@@ -1,9 +1,13 @@
-"""Whisper checkpoints on disk: OpenAI `.pt` files, Hugging Face directories, and the official names.
+"""Whisper checkpoints on disk, in every format users have, read into one form for one engine.
 
 * OpenAI `.pt`: a pickled dict `{"dims": {...ModelDims...}, "model_state_dict": {...}}` whose
   parameter names are the ones `model.py` uses. Loaded with `weights_only=True` (no code runs).
 * Hugging Face (`WhisperForConditionalGeneration` directories, e.g. distil-whisper): `config.json`
   and `model.safetensors` (or a sharded index, or `pytorch_model.bin`); names are mapped below.
+* CTranslate2 / faster-whisper directories (`model.bin`, ...): read by `ct2.py`.
+
+`read_checkpoint` turns any of them into a `Checkpoint`: dimensions, OpenAI-named weights, the
+tokenizer, and what the format says beyond the weights (alignment heads for word timings).
 Official names and downloads are in `registry.py` (kept free of torch so the CLI stays quick).
 """
 
@@ -12,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -19,6 +24,7 @@ from torch import Tensor
 
 from .model import ModelDims
 from .registry import whisper_cache
+from .tokenizer import WhisperTokenizer
 
 log = logging.getLogger(__name__)
 
@@ -125,14 +131,52 @@ def _read_hf_weights(d: Path) -> dict[str, Tensor]:
     raise CheckpointError(f"{d}: no model.safetensors, model.safetensors.index.json or pytorch_model.bin")
 
 
-def load_checkpoint(path: str | Path) -> tuple[ModelDims, dict[str, Tensor]]:
-    """Dimensions and an OpenAI-named state dict from a `.pt` file or a Hugging Face directory."""
+@dataclass
+class Checkpoint:
+    """A Whisper checkpoint read from disk, whatever its format."""
+
+    path: Path
+    format: str  # "openai", "huggingface" or "ctranslate2"
+    dims: ModelDims
+    state: dict[str, Tensor]  # OpenAI parameter names (model.py)
+    weight_dtype: str  # how the file stores the weights: float16, float32, bfloat16, int8, ...
+    # (decoder layer, head) pairs whose cross-attention follows the audio, for word timings; None when
+    # the format does not say (OpenAI .pt files: openai-whisper keeps them in a table by model name).
+    alignment_heads: list[tuple[int, int]] | None = None
+    vocabulary: list[str] | None = None  # the file's own token strings by id, when it has them
+
+    def tokenizer(self) -> WhisperTokenizer:
+        """Whisper's tokenizer for these dimensions (bundled rank files), checked against the file's vocabulary."""
+        tok = WhisperTokenizer.load(self.dims.multilingual, self.dims.num_languages)
+        if self.vocabulary is not None:
+            try:
+                tok.check_vocabulary(self.vocabulary, str(self.path))
+            except ValueError as e:
+                raise CheckpointError(str(e)) from None
+        return tok
+
+
+def read_checkpoint(path: str | Path) -> Checkpoint:
+    """Any supported checkpoint: an OpenAI `.pt` file, a Hugging Face or a CTranslate2 directory."""
+    from . import ct2
+
     path = Path(path)
+    if ct2.is_ct2_dir(path):
+        try:
+            c = ct2.read_ct2_dir(path)
+        except ct2.Ct2Error as e:
+            raise CheckpointError(str(e)) from None
+        if c.dims.multilingual:
+            _check_lang_ids(c.config.get("lang_ids"), c.dims, path)
+        return Checkpoint(path, "ctranslate2", c.dims, c.state, c.weight_dtype, c.alignment_heads, c.vocabulary)
     if path.is_dir():
         cfg_path = path / "config.json"
         if not cfg_path.is_file():
-            raise CheckpointError(f"{path} is a directory without config.json; expected a Hugging Face "
-                                  "Whisper model directory or an OpenAI .pt file")
+            present = ", ".join(sorted(p.name for p in path.iterdir())) or "nothing"
+            raise CheckpointError(f"{path} is not a Whisper model directory (found: {present}); expected a "
+                                  "CTranslate2 / faster-whisper directory (model.bin, config.json, vocabulary.json "
+                                  "or vocabulary.txt or tokenizer.json) or a Hugging Face one (config.json, "
+                                  "model.safetensors), or pass an OpenAI .pt file")
         cfg = json.loads(cfg_path.read_text())
         if cfg.get("model_type") not in (None, "whisper"):
             raise CheckpointError(f"{path}: model_type is {cfg.get('model_type')!r}, not 'whisper'")
@@ -142,7 +186,14 @@ def load_checkpoint(path: str | Path) -> tuple[ModelDims, dict[str, Tensor]]:
             name = hf_to_openai_name(k)
             if name is not None:
                 state[name] = v
-        return dims, state
+        gen = path / "generation_config.json"
+        heads = json.loads(gen.read_text()).get("alignment_heads") if gen.is_file() else None
+        from .ct2 import read_vocabulary
+
+        vocab = read_vocabulary(path) if (path / "tokenizer.json").is_file() else None
+        dtype = str(next(iter(state.values())).dtype).replace("torch.", "") if state else "unknown"
+        return Checkpoint(path, "huggingface", dims, state, dtype,
+                          [(int(a), int(b)) for a, b in heads] if heads else None, vocab)
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # pickle errors, truncated downloads, ... all mean the same to a user
@@ -155,7 +206,21 @@ def load_checkpoint(path: str | Path) -> tuple[ModelDims, dict[str, Tensor]]:
         dims = ModelDims(**ckpt["dims"])
     except TypeError as e:
         raise CheckpointError(f"{path}: bad 'dims' entry: {e}") from e
-    return dims, dict(ckpt["model_state_dict"])
+    state = dict(ckpt["model_state_dict"])
+    dtype = str(next(iter(state.values())).dtype).replace("torch.", "") if state else "unknown"
+    return Checkpoint(path, "openai", dims, state, dtype)
+
+
+def _check_lang_ids(lang_ids: list[int] | None, dims: ModelDims, path: Path) -> None:
+    """A multilingual model's language tokens must be where the tokenizer puts them."""
+    if not lang_ids:
+        return
+    sot = 50258
+    want = list(range(sot + 1, sot + 1 + dims.num_languages))
+    if sorted(int(i) for i in lang_ids) != want:
+        raise CheckpointError(f"{path / 'config.json'}: lang_ids run {min(lang_ids)}..{max(lang_ids)} "
+                              f"({len(lang_ids)} languages); a Whisper model with {dims.n_vocab} tokens has them "
+                              f"at {want[0]}..{want[-1]}")
 
 
 def tokenizer_search_dirs(path: Path, root: Path | None = None) -> list[Path]:

@@ -37,7 +37,7 @@ from voiced.engines.base import (
 )
 
 from .audio import N_SAMPLES, log_mel_spectrogram, pad_or_trim
-from .checkpoint import CheckpointError, load_checkpoint, tokenizer_search_dirs
+from .checkpoint import CheckpointError, read_checkpoint
 from .decoding import DecodePlan, RequestDecoder, Suppression
 from .fast import FastDecoder, FastEncoder
 from .model import KVCache, ModelDims, TextDecoder, Whisper
@@ -164,7 +164,8 @@ class WhisperEngine:
              decode_chunk: int | None = None, cache_root: Path | None = None,
              compile_encoder: bool | None = None, attn_backend: str | None = None,
              fast_decoder: bool | None = None, compile_decoder: bool | None = None) -> WhisperEngine:
-        """Load an official name (from the model cache), an OpenAI `.pt` or a Hugging Face directory.
+        """Load an official name (from the model cache), an OpenAI `.pt`, a Hugging Face or a
+        CTranslate2 (faster-whisper) directory.
 
         device: "cpu", "cuda" or "cuda:N". dtype: default float16 on CUDA, float32 on CPU.
         max_batch: decoder rows (a beam-search request takes `beam_size` rows); default 8 on CPU,
@@ -173,9 +174,10 @@ class WhisperEngine:
         the GPU paths (see __init__), None meaning on for CUDA.
         """
         path = resolve(name_or_path, cache_root)
-        dims, state = load_checkpoint(path)
-        model = build_model(dims, state, str(path))
-        tok = WhisperTokenizer.load(dims.multilingual, dims.num_languages, tokenizer_search_dirs(path, cache_root))
+        ckpt = read_checkpoint(path)
+        dims = ckpt.dims
+        model = build_model(dims, ckpt.state, str(path))
+        tok = ckpt.tokenizer()
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise EngineError("device 'cuda' was asked for but torch sees no CUDA GPU; use --device cpu")
         if isinstance(dtype, str):
@@ -191,10 +193,13 @@ class WhisperEngine:
                                   f"one row needs {KVCache.bytes_per_slot(dims, dtype) / 2**20:.1f} MiB")
             rows = min(rows, int(fit))
         name = path.stem if path.is_file() else path.name
-        return cls(model, tok, model_name=name, max_batch=rows, max_encoder_batch=max_encoder_batch,
-                   cuda_graphs=cuda_graphs, max_queue=max_queue, decode_chunk=decode_chunk,
-                   compile_encoder=compile_encoder, attn_backend=attn_backend, fast_decoder=fast_decoder,
-                   compile_decoder=compile_decoder)
+        engine = cls(model, tok, model_name=name, max_batch=rows, max_encoder_batch=max_encoder_batch,
+                     cuda_graphs=cuda_graphs, max_queue=max_queue, decode_chunk=decode_chunk,
+                     compile_encoder=compile_encoder, attn_backend=attn_backend, fast_decoder=fast_decoder,
+                     compile_decoder=compile_decoder)
+        engine.checkpoint_format = ckpt.format
+        engine.alignment_heads = ckpt.alignment_heads  # (decoder layer, head) for word timings; None: unknown
+        return engine
 
     @property
     def decoder_path(self) -> str:

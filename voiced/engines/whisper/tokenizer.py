@@ -5,6 +5,10 @@ special tokens follow the BPE ranks in a fixed order (endoftext, startoftranscri
 language, translate, transcribe, startoflm, startofprev, nospeech, notimestamps, then 1501
 timestamps <|0.00|> .. <|30.00|>), so every id is a function of the rank file and the number of
 languages (99, or 100 from large-v3 on, which added Cantonese).
+
+Both rank files ship inside this package (assets/, MIT, from openai-whisper), so no model needs the
+internet for its tokenizer. Checkpoints that carry their own token list (CTranslate2 vocabularies,
+Hugging Face tokenizer.json) are checked against these ids by `check_vocabulary`.
 """
 
 from __future__ import annotations
@@ -54,8 +58,9 @@ TIMESTAMP_SECONDS = 0.02
 # BPE pre-tokenisation pattern shared by GPT-2 and Whisper.
 _PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 
-# Where `voiced models pull` fetches the rank files from (the openai/whisper repository), and their
-# sha256, so a pulled file is verified like a checkpoint.
+# The rank files bundled in assets/; also where they are published (the openai/whisper repository),
+# with their sha256.
+ASSETS = Path(__file__).parent / "assets"
 TIKTOKEN_FILES: dict[str, tuple[str, str]] = {
     "multilingual.tiktoken": (
         "https://raw.githubusercontent.com/openai/whisper/main/whisper/assets/multilingual.tiktoken",
@@ -82,16 +87,17 @@ def normalize_language(language: str) -> str:
     raise ValueError(f"unsupported language {language!r}; use a code such as 'en', 'de' or 'zh'")
 
 
-def find_tiktoken_file(filename: str, search_dirs: list[Path]) -> Path:
-    for d in search_dirs:
+def find_tiktoken_file(filename: str, search_dirs: list[Path] | None = None) -> Path:
+    """`filename` from the first of `search_dirs` that has it, else the copy bundled in assets/."""
+    dirs = [*(search_dirs or []), ASSETS]
+    for d in dirs:
         p = Path(d) / filename
         if p.is_file():
             return p
-    where = ", ".join(str(d) for d in search_dirs) or "(nowhere)"
     raise TokenizerFileNotFound(
-        f"tokenizer file {filename} not found (looked in {where}). Run `voiced models pull NAME` for "
-        f"an official model (it fetches {filename} into the model cache), or copy {filename} from "
-        f"{TIKTOKEN_FILES[filename][0]} next to the checkpoint."
+        f"tokenizer file {filename} not found (looked in {', '.join(str(d) for d in dirs)}); the voiced "
+        f"package is incomplete (it ships {filename} in {ASSETS}): reinstall it, or copy {filename} from "
+        f"{TIKTOKEN_FILES[filename][0]} into one of those directories."
     )
 
 
@@ -130,6 +136,20 @@ def build_encoding(path: str | os.PathLike, num_languages: int) -> tiktoken.Enco
     )
 
 
+@lru_cache(maxsize=1)
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet: the printable character that stands for each byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars = printable[:]
+    n = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(printable, chars)}
+
+
 @dataclass
 class WhisperTokenizer:
     """The encoding and the special ids decoding needs; one per model (language/task are per request)."""
@@ -155,7 +175,8 @@ class WhisperTokenizer:
         self.language_tokens: tuple[int, ...] = tuple(self.sot + 1 + i for i in range(self.num_languages))
 
     @classmethod
-    def load(cls, multilingual: bool, num_languages: int, search_dirs: list[Path]) -> WhisperTokenizer:
+    def load(cls, multilingual: bool, num_languages: int, search_dirs: list[Path] | None = None) -> WhisperTokenizer:
+        """The tokenizer of a model with this vocabulary; `search_dirs` are looked in before the bundled files."""
         filename = "multilingual.tiktoken" if multilingual else "gpt2.tiktoken"
         path = find_tiktoken_file(filename, search_dirs)
         return cls(build_encoding(path, num_languages), num_languages, multilingual)
@@ -163,6 +184,35 @@ class WhisperTokenizer:
     @property
     def n_vocab(self) -> int:
         return self.encoding.n_vocab
+
+    def check_vocabulary(self, tokens: list[str], where: str) -> None:
+        """Raise ValueError unless `tokens` (id -> token string, byte-level BPE form as in CTranslate2
+        vocabularies and tokenizer.json) give every id the meaning this tokenizer gives it (a list may
+        stop early: older tokenizer.json files leave out the timestamp tokens).
+
+        A model trained with another vocabulary would decode to wrong text without any error, so the
+        first id that differs is named. Special tokens may use Hugging Face's spelling
+        (<|nocaptions|> for <|nospeech|>, <|iw|> for Hebrew).
+        """
+        if len(tokens) > self.n_vocab:
+            raise ValueError(f"{where} has {len(tokens)} tokens; Whisper's tokenizer for this model has {self.n_vocab}")
+        decoder = _byte_decoder()
+        specials = {i: t for t, i in self.special.items()}
+        aliases = {"<|nocaptions|>": "<|nospeech|>", "<|iw|>": "<|he|>"}  # older Hugging Face spellings
+        for i, text in enumerate(tokens):
+            if i in specials:
+                if aliases.get(text, text) != specials[i]:
+                    raise ValueError(f"{where}: token {i} is {text!r}, Whisper's is {specials[i]!r}; "
+                                     "the model's vocabulary differs from Whisper's")
+                continue
+            try:
+                raw = bytes(decoder[c] for c in text)
+            except KeyError:
+                raw = None
+            if raw != self.encoding.decode_single_token_bytes(i):
+                raise ValueError(f"{where}: token {i} is {text!r}, Whisper's is "
+                                 f"{self.encoding.decode_single_token_bytes(i)!r}; the model's vocabulary differs "
+                                 "from Whisper's")
 
     def encode(self, text: str) -> list[int]:
         return self.encoding.encode(text, disallowed_special=())
