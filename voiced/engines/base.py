@@ -57,6 +57,9 @@ class ASROptions:
     task: str = "transcribe"  # or "translate"
     beam_size: int = 1  # 1: greedy
     timestamps: bool = False
+    # Word start/end times and probabilities (Transcript.words): one more decoder pass over the
+    # result and a time warping, so off unless asked.
+    word_timestamps: bool = False
     initial_prompt: str | None = None
     max_new_tokens: int | None = None  # None: half the text context, as openai-whisper
     min_new_tokens: int = 0  # end-of-text is suppressed until this many tokens (forced lengths, benchmarks)
@@ -84,6 +87,14 @@ class Segment:
 
 
 @dataclass
+class Word:
+    word: str  # as written in the text, without surrounding spaces; punctuation stays attached
+    start_s: float  # seconds from the start of the utterance (10 ms resolution)
+    end_s: float
+    probability: float  # mean probability of its tokens
+
+
+@dataclass
 class Transcript:
     text: str
     language: str
@@ -94,6 +105,7 @@ class Transcript:
     is_hallucination: bool = False
     segments: list[Segment] = field(default_factory=list)
     language_probs: dict[str, float] | None = None
+    words: list[Word] = field(default_factory=list)  # only when ASROptions.word_timestamps
 
 
 @runtime_checkable

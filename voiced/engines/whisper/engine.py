@@ -36,12 +36,13 @@ from voiced.engines.base import (
     Transcript,
 )
 
-from .audio import N_SAMPLES, log_mel_spectrogram, pad_or_trim
+from .audio import HOP_LENGTH, N_SAMPLES, log_mel_spectrogram, pad_or_trim
 from .checkpoint import CheckpointError, read_checkpoint
 from .decoding import DecodePlan, RequestDecoder, Suppression
 from .fast import FastDecoder, FastEncoder
 from .model import KVCache, ModelDims, TextDecoder, Whisper
 from .registry import resolve
+from .timing import SegmentSpan, check_heads, default_alignment_heads, official_alignment_heads, word_timings
 from .tokenizer import WhisperTokenizer
 
 log = logging.getLogger(__name__)
@@ -79,6 +80,17 @@ def build_model(dims: ModelDims, state: dict[str, torch.Tensor], where: str = "c
     return model
 
 
+def _official_heads(name: str, dims: ModelDims) -> list[tuple[int, int]] | None:
+    """openai-whisper's alignment heads when a checkpoint's name is an official model's
+    (`tiny.en.pt`, a `faster-whisper-tiny.en` or `whisper-tiny.en` directory) and its table fits."""
+    for prefix in ("faster-whisper-", "whisper-", ""):
+        if name.startswith(prefix):
+            heads = official_alignment_heads(name[len(prefix):], dims)
+            if heads:
+                return heads
+    return None
+
+
 class WhisperEngine:
     """`ASREngine` over our PyTorch Whisper. Create it with `WhisperEngine.load(...)`."""
 
@@ -88,7 +100,8 @@ class WhisperEngine:
                  max_batch: int = 8, max_encoder_batch: int | None = None, cuda_graphs: bool = True,
                  max_queue: int | None = None, decode_chunk: int | None = None,
                  compile_encoder: bool | None = None, attn_backend: str | None = None,
-                 fast_decoder: bool | None = None, compile_decoder: bool | None = None):
+                 fast_decoder: bool | None = None, compile_decoder: bool | None = None,
+                 alignment_heads: list[tuple[int, int]] | None = None):
         if tokenizer.n_vocab != model.dims.n_vocab:
             raise CheckpointError(f"tokenizer has {tokenizer.n_vocab} tokens but the model {model.dims.n_vocab}")
         self.model = model.eval().requires_grad_(False)
@@ -101,6 +114,12 @@ class WhisperEngine:
         self.max_batch = max_batch
         self.max_encoder_batch = max_encoder_batch or (16 if self.is_cuda else 4)
         self.max_queue = max_queue
+        # (decoder layer, head) pairs whose cross-attention gives word timings (timing.py).
+        try:
+            self.alignment_heads = check_heads(alignment_heads or default_alignment_heads(self.dims), self.dims,
+                                               model_name)
+        except ValueError as e:
+            raise CheckpointError(str(e)) from None
         self.cache = model.allocate_cache(max_batch)
         self.suppress = Suppression.build(tokenizer, self.dims.n_vocab, model.device)
         self._queue: dict[int, _Active] = {}
@@ -193,12 +212,12 @@ class WhisperEngine:
                                   f"one row needs {KVCache.bytes_per_slot(dims, dtype) / 2**20:.1f} MiB")
             rows = min(rows, int(fit))
         name = path.stem if path.is_file() else path.name
+        heads = ckpt.alignment_heads or _official_heads(name, dims)
         engine = cls(model, tok, model_name=name, max_batch=rows, max_encoder_batch=max_encoder_batch,
                      cuda_graphs=cuda_graphs, max_queue=max_queue, decode_chunk=decode_chunk,
                      compile_encoder=compile_encoder, attn_backend=attn_backend, fast_decoder=fast_decoder,
-                     compile_decoder=compile_decoder)
+                     compile_decoder=compile_decoder, alignment_heads=heads)
         engine.checkpoint_format = ckpt.format
-        engine.alignment_heads = ckpt.alignment_heads  # (decoder layer, head) for word timings; None: unknown
         return engine
 
     @property
@@ -652,9 +671,36 @@ class WhisperEngine:
         outputs = []
         for req in finished:
             del self._active[req.rid]
-            outputs.append(EngineOutput(req.rid, req.dec.result(req.seconds), True))
+            result = req.dec.result(req.seconds)
+            if req.request.options.word_timestamps and result.tokens and not self._warming:
+                result.words = self._words(req, result)
+            outputs.append(EngineOutput(req.rid, result, True))
         self._release(finished)
         return outputs
+
+    def _words(self, req: _Active, result: Transcript) -> list:
+        """Word timings of a finished request (its rows still hold its audio's cross keys/values)."""
+        tok, plan = self.tok, req.dec.plan
+        text = [t for t in result.tokens if t < tok.eot]
+        prefix = [*tok.sot_sequence(plan.language, plan.task), tok.no_timestamps]
+        forced = [*prefix, *text, tok.eot]
+        if len(forced) > self.dims.n_text_ctx:  # only with max_new_tokens near the whole text context
+            log.warning("no word timings: %d text tokens do not fit the decoder's %d positions with the prompt",
+                        len(text), self.dims.n_text_ctx)
+            return []
+        dev = self.model.device
+        logits, scores = self.model.decoder.alignment_pass(torch.tensor(forced, device=dev), req.rows[0],
+                                                           self.cache, self.alignment_heads)
+        n = len(prefix)
+        probs = logits[n - 1:n - 1 + len(text), :tok.eot].softmax(dim=-1)
+        token_probs = probs[torch.arange(len(text), device=dev), torch.tensor(text, device=dev)].tolist()
+        frames = req.request.audio.shape[0] // HOP_LENGTH
+        if plan.timestamps and result.segments:
+            spans = [SegmentSpan(s.start, s.end, s.tokens) for s in result.segments]
+        else:
+            spans = [SegmentSpan(0.0, frames * HOP_LENGTH / SAMPLE_RATE, text)]
+        per_segment = word_timings(tok, plan.language or "en", spans, scores, token_probs, n, frames)
+        return [w for seg in per_segment for w in seg]
 
     def _release(self, leaving: list[_Active]) -> None:
         """Free the rows of `leaving` and pack the live rows back to 0..n-1."""
