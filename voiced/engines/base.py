@@ -89,7 +89,9 @@ class Segment:
 @dataclass
 class Word:
     word: str  # as written in the text, without surrounding spaces; punctuation stays attached
-    start_s: float  # seconds from the start of the utterance (10 ms resolution)
+    # Seconds from the start of the audio the engine was given; the session core hands doors words
+    # in the caller's audio time (voiced.core.speech.in_caller_time).
+    start_s: float
     end_s: float
     probability: float  # mean probability of its tokens
 
