@@ -38,6 +38,7 @@ from voiced.engines.base import (
 
 from .audio import HOP_LENGTH, N_SAMPLES, log_mel_spectrogram, pad_or_trim
 from .checkpoint import CheckpointError, read_checkpoint
+from .cpu import column_major_embedding_, int8_available, quantize_int8_
 from .decoding import DecodePlan, RequestDecoder, Suppression
 from .fast import FastDecoder, FastEncoder
 from .model import KVCache, ModelDims, TextDecoder, Whisper
@@ -48,6 +49,7 @@ from .tokenizer import WhisperTokenizer
 log = logging.getLogger(__name__)
 
 NEG_INF = float("-inf")
+DTYPES = ("float16", "fp16", "bfloat16", "bf16", "float32", "fp32")
 
 
 @dataclass
@@ -136,7 +138,10 @@ class WhisperEngine:
         self._pos_buf = torch.zeros(max_batch, dtype=torch.long, device=dev)
         self._minleft = torch.zeros(max_batch, dtype=torch.long, device=dev)
         self._lp_buf = torch.zeros(max_batch, dtype=torch.float32, device=dev)
-        self.decode_chunk = max(1, decode_chunk if decode_chunk is not None else 8)
+        # Greedy steps between host syncs. On CUDA a sync stalls the queue of kernels, so 8 steps run
+        # blind (a row that ends mid-chunk computes a few tokens nobody reads); on the CPU a sync is
+        # free and every wasted step costs a full step, so each token is looked at as it comes.
+        self.decode_chunk = max(1, decode_chunk if decode_chunk is not None else (8 if self.is_cuda else 1))
         self._hist_tok = torch.zeros(max_batch, self.decode_chunk, dtype=torch.long, device=dev)
         self._hist_lp = torch.zeros(max_batch, self.decode_chunk, dtype=torch.float32, device=dev)
         # CUDA graphs: per batch-size bucket, one plain decoder step and one fused greedy step.
@@ -162,16 +167,22 @@ class WhisperEngine:
         # GPU decoder step: fused self-attention QKV, one function per layer, and (compile_decoder,
         # on by default with it) that function compiled per batch bucket in warmup(): a step at
         # batch 1 is ~100 kernels of a few microseconds, and their count, not bandwidth, sets its
-        # time. fast_decoder=False keeps the modules' step (the reference; for comparisons); the
-        # CPU uses the reference unless asked, and never compiles: its steps attend over exactly
-        # as many positions as needed, a new shape (a recompile) at every step.
-        fast_decoder = self.is_cuda if fast_decoder is None else fast_decoder
+        # time. fast_decoder=False keeps the modules' step (the reference; for comparisons). The CPU
+        # runs the fused step too (fewer ops per step: p50 latency 1073 against 1163 ms per
+        # utterance for tiny.en on our 2-core machine) but never compiles it: its steps attend over
+        # exactly as many positions as needed, a new shape (a recompile) at every step, and a
+        # compiled step measured no faster there (the step is bound by memory traffic, cpu.py).
+        self.int8 = model.decoder.output_projection is not None  # cpu.quantize_int8_ ran
+        if not self.is_cuda:
+            column_major_embedding_(model.decoder)  # (cpu.py: the logits' memory order)
+        fast_decoder = True if fast_decoder is None else fast_decoder
         compile_decoder = fast_decoder and self.is_cuda and compile_decoder is not False
         self.fast_decoder = FastDecoder(model.decoder, compile_decoder) if fast_decoder else None
         self._decoder: FastDecoder | TextDecoder = self.fast_decoder or model.decoder
         self._warming = False
-        log.info("whisper engine %s on %s (%s): %d slots, %.1f MiB of KV cache, cuda graphs %s, decoder step %s",
-                 model_name, self.device, str(self.dtype).replace("torch.", ""), max_batch,
+        log.info("whisper engine %s on %s (%s%s): %d slots, %.1f MiB of KV cache, cuda graphs %s, decoder step %s",
+                 model_name, self.device, str(self.dtype).replace("torch.", ""),
+                 ", int8 GEMMs" if self.int8 else "", max_batch,
                  max_batch * KVCache.bytes_per_slot(self.dims, self.dtype) / 2**20, self.cuda_graphs,
                  self.decoder_path)
 
@@ -186,24 +197,37 @@ class WhisperEngine:
         """Load an official name (from the model cache), an OpenAI `.pt`, a Hugging Face or a
         CTranslate2 (faster-whisper) directory.
 
-        device: "cpu", "cuda" or "cuda:N". dtype: default float16 on CUDA, float32 on CPU.
+        device: "cpu", "cuda" or "cuda:N". dtype: default float16 on CUDA, float32 on CPU; "int8"
+        (CPU only) runs every Linear layer as a dynamically quantized int8 GEMM (cpu.py), approximate.
         max_batch: decoder rows (a beam-search request takes `beam_size` rows); default 8 on CPU,
         64 on CUDA. kv_cache_bytes: a memory budget for the self+cross KV caches; the row count is
-        the smaller of what it allows and max_batch. compile_encoder, fast_decoder, compile_decoder:
-        the GPU paths (see __init__), None meaning on for CUDA.
+        the smaller of what it allows and max_batch. compile_encoder, compile_decoder: the GPU paths,
+        None meaning on for CUDA; fast_decoder: the fused decoder step, None meaning on (see __init__).
         """
         path = resolve(name_or_path, cache_root)
         ckpt = read_checkpoint(path)
         dims = ckpt.dims
         model = build_model(dims, ckpt.state, str(path))
         tok = ckpt.tokenizer()
+        int8 = dtype == "int8"
+        if int8:
+            if device != "cpu":
+                raise EngineError("dtype int8 is a CPU mode (int8 GEMMs on the CPU); on a GPU use float16")
+            if not int8_available():
+                raise EngineError("dtype int8 needs torch's x86/fbgemm quantized kernels, which this torch build "
+                                  "lacks; use float32")
+            dtype = torch.float32
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise EngineError("device 'cuda' was asked for but torch sees no CUDA GPU; use --device cpu")
         if isinstance(dtype, str):
+            if dtype not in DTYPES:
+                raise EngineError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)} or int8 (CPU)")
             dtype = {"float16": torch.float16, "fp16": torch.float16, "bfloat16": torch.bfloat16,
                      "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32}[dtype]
         dtype = dtype or (torch.float16 if device.startswith("cuda") else torch.float32)
         model = model.to(device=device, dtype=dtype)
+        if int8:
+            quantize_int8_(model)
         rows = max_batch or (64 if device.startswith("cuda") else 8)
         if kv_cache_bytes is not None:
             fit = kv_cache_bytes // KVCache.bytes_per_slot(dims, dtype)
