@@ -210,7 +210,7 @@ def test_interim_results_come_before_the_final_of_their_turn(daemon):
     fmt = Format("LINEAR16", 16000)
     speech = layout([PHRASES[0] + " " + PHRASES[1]])
     data = wire_audio(speech.audio, fmt)
-    cfg = session_config(fmt, recognition=pb.RecognitionConfig(interim_results=True))
+    cfg = session_config(fmt, recognition=pb.RecognitionConfig(interim_results=True, word_timestamps=True))
     # The caller pauses mid-sentence (1.5 s into the speech, past the first interim request) until an
     # interim result arrives, whatever the engine's speed: an interim is only sent while speech goes on.
     hold_at = (speech.spans[0][0] + int(1.5 * RATE)) * 2 // len(frames_of(data, fmt)[0])
@@ -238,6 +238,56 @@ def test_interim_results_come_before_the_final_of_their_turn(daemon):
     transcripts = [e.transcript for e in of_kind(events, "transcript")]
     assert transcripts[-1].is_final and sum(t.is_final for t in transcripts) == 1
     assert any(not t.is_final for t in transcripts)
+    # Word timings are for final transcripts only.
+    assert transcripts[-1].words and not any(t.words for t in transcripts if not t.is_final)
+
+
+def word_times_cli(checkpoint, audio16k_int16: np.ndarray, tmp_path, capsys) -> list[tuple[str, float, float]]:
+    wav = write_wav(tmp_path / "utt.wav", audio16k_int16)
+    code = voiced_main(["transcribe", str(wav), "--model", str(checkpoint), "--language", "en",
+                        "--max-new-tokens", str(MAX_NEW_TOKENS), "--word-timestamps", "--json"])
+    assert code == 0
+    words = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["words"]
+    return [(w["word"], w["start"], w["end"]) for w in words]
+
+
+def test_word_timestamps_in_streaming_finals_and_recognize(daemon, tmp_path, capsys):
+    fmt = Format("MULAW", 8000)
+    lay = layout(PHRASES[:2], gap_s=1.0)
+    data = wire_audio(lay.audio, fmt)
+    cfg = session_config(fmt, recognition=pb.RecognitionConfig(word_timestamps=True))
+    events, code, details = asyncio.run(run_stream(daemon.address, audio_requests(cfg, data, fmt)))
+    assert code == grpc.StatusCode.OK, details
+    assert of_kind(events, "started")[0].started.effective_config.recognition.word_timestamps
+    finals = [e.transcript for e in of_kind(events, "transcript")]
+    assert len(finals) == 2
+    heard = heard_audio(data, fmt)
+    pre_roll = of_kind(events, "started")[0].started.effective_config.segmentation.pre_roll_ms
+    for t in finals:
+        # The words of `voiced transcribe --word-timestamps` on the utterance's audio, moved to the
+        # caller's clock (the utterance's audio starts pre_roll_ms before its start_ms).
+        begin = t.start_ms - pre_roll
+        clip = heard[begin * RATE // 1000: t.end_ms * RATE // 1000]
+        want = word_times_cli(daemon.checkpoint, clip, tmp_path, capsys)
+        assert len(want) > 0
+        assert [(w.word, w.start_ms, w.end_ms) for w in t.words] == [(w, round(s * 1000) + begin,
+                                                                      round(e * 1000) + begin) for w, s, e in want]
+        assert all(0 <= w.probability <= 1 for w in t.words)
+    # Without asking, no words
+    events, _, _ = asyncio.run(run_stream(daemon.address, audio_requests(session_config(fmt), data, fmt)))
+    assert not any(e.transcript.words for e in of_kind(events, "transcript"))
+
+    # Recognize: the same words for one clip, in the clip's time
+    clip = (np.clip(phrase(PHRASES[1]), -1, 1) * 32767).astype(np.int16)
+    with grpc.insecure_channel(daemon.address) as channel:
+        stub = pb_grpc.VoicedStub(channel)
+        resp = stub.Recognize(pb.RecognizeRequest(format=pb.AudioFormat(encoding=pb.LINEAR16, sample_rate_hz=16000),
+                                                  audio=clip.tobytes(),
+                                                  recognition=pb.RecognitionConfig(word_timestamps=True)))
+    want = word_times_cli(daemon.checkpoint, clip, tmp_path, capsys)
+    (result,) = resp.results
+    assert [(w.word, w.start_ms, w.end_ms) for w in result.words] == [(w, round(s * 1000), round(e * 1000))
+                                                                      for w, s, e in want]
 
 
 def test_session_limit_answers_resource_exhausted(daemon):

@@ -132,6 +132,8 @@ def test_hallucination_flags_and_limits(frontend):
         eng.submit(2, ASRRequest(np.zeros(31 * 16000, np.float32)))
     with pytest.raises(EngineError, match="unknown language"):
         eng.submit(2, ASRRequest(np.zeros(100, np.float32), ASROptions(language="xx")))
+    with pytest.raises(EngineError, match='word timestamps.*asr.backend = "torch"'):
+        eng.submit(2, ASRRequest(np.zeros(100, np.float32), ASROptions(word_timestamps=True)))
 
 
 def test_initial_prompt_is_trimmed_to_the_engine_budget(frontend):

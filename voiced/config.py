@@ -67,7 +67,7 @@ class ASRConfig:
     model: str = "auto"  # auto: large-v3-turbo on a GPU, base on a CPU; or a name (`voiced models list`) or a path
     backend: str = "auto"  # auto | torch | trtllm
     device: str = "auto"  # auto | cpu | cuda | cuda:N
-    dtype: str = ""  # empty: float16 on GPU, float32 on CPU
+    dtype: str = ""  # empty: float16 on GPU, float32 on CPU; "int8": int8 GEMMs on the CPU (approximate, faster)
     max_batch: int = 32
     language: str = ""  # default for sessions; empty: detect
     beam_size: int = 1

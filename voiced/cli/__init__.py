@@ -12,7 +12,7 @@ import logging
 import sys
 
 # Sub-command modules, in the order `voiced --help` lists them.
-COMMANDS = ["serve", "doctor", "transcribe", "speak", "voices", "models", "engines", "bench"]
+COMMANDS = ["serve", "doctor", "transcribe", "eval", "speak", "voices", "models", "engines", "bench"]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -25,11 +25,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--task", choices=["transcribe", "translate"], default="transcribe")
     p.add_argument("--beam-size", type=int, default=1, help="1 = greedy (default)")
     p.add_argument("--timestamps", action="store_true", help="decode with timestamps and print segments")
+    p.add_argument("--word-timestamps", action="store_true",
+                   help="time every word (openai-whisper's cross-attention alignment); printed one word a line, "
+                        "or as \"words\" with --json")
     p.add_argument("--initial-prompt", default=None, help="text to condition on (names, spelling, style)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="cap on decoded tokens per 30 s window")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
-    p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
-                   help="default: float16 on cuda, float32 on cpu")
+    p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16", "int8"],
+                   help="default: float16 on cuda, float32 on cpu; int8: int8 GEMMs on the cpu (approximate, faster)")
     p.add_argument("--json", action="store_true", help="one JSON object per file")
     p.set_defaults(func=run)
 
@@ -49,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
         raise CliError(str(e)) from None
     opts = ASROptions(language=args.language, task=args.task, beam_size=args.beam_size,
                       timestamps=args.timestamps, initial_prompt=args.initial_prompt,
-                      max_new_tokens=args.max_new_tokens)
+                      max_new_tokens=args.max_new_tokens, word_timestamps=args.word_timestamps)
     status = 0
     for path in args.files:
         try:
@@ -63,11 +66,12 @@ def run(args: argparse.Namespace) -> int:
             results = [engine.transcribe(ASRRequest(w, opts)) for w in windows]
         except EngineError as e:
             raise CliError(f"{path}: {e}") from None
-        print(json.dumps(_merge(path, results, args.timestamps)) if args.json else _plain(path, results, args), flush=True)
+        print(json.dumps(_merge(path, results, args.timestamps, args.word_timestamps)) if args.json
+              else _plain(path, results, args), flush=True)
     return status
 
 
-def _merge(path: str, results: list, timestamps: bool) -> dict:
+def _merge(path: str, results: list, timestamps: bool, word_timestamps: bool = False) -> dict:
     """One record per file from its 30 s windows (a single window is reported as is)."""
     first = results[0]
     n_tokens = sum(len(r.tokens) for r in results)
@@ -88,10 +92,19 @@ def _merge(path: str, results: list, timestamps: bool) -> dict:
         rec["segments"] = [{"start": round(s.start + 30 * i, 2), "end": round(s.end + 30 * i, 2),
                             "text": s.text, "tokens": s.tokens}
                            for i, r in enumerate(results) for s in r.segments]
+    if word_timestamps:
+        rec["words"] = [{"word": w.word, "start": round(w.start_s + 30 * i, 3), "end": round(w.end_s + 30 * i, 3),
+                         "probability": round(w.probability, 4)}
+                        for i, r in enumerate(results) for w in r.words]
     return rec
 
 
 def _plain(path: str, results: list, args: argparse.Namespace) -> str:
+    if args.word_timestamps:
+        lines = [f"# {path}"] if len(args.files) > 1 else []
+        lines += [f"[{w.start_s + 30 * i:7.2f} --> {w.end_s + 30 * i:7.2f}] {w.word}"
+                  for i, r in enumerate(results) for w in r.words]
+        return "\n".join(lines)
     if not args.timestamps:
         text = " ".join(r.text for r in results if r.text)
         return f"{path}: {text}" if len(args.files) > 1 else text

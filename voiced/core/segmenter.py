@@ -81,6 +81,11 @@ class Utterance:
     start: int  # first sample of speech (without pre-roll)
     end: int  # sample where the utterance ends
 
+    @property
+    def audio_start(self) -> int:
+        """The stream sample where `audio` begins (its frames are contiguous and end at `end`)."""
+        return self.end - len(self.audio)
+
 
 def frames_for(ms: int) -> int:
     return max(1, -(-ms // FRAME_MS))

@@ -52,6 +52,7 @@ from voiced.core.events import (
 )
 from voiced.core.segmenter import Segmenter, Utterance
 from voiced.core.spec import SessionSpec
+from voiced.core.speech import in_caller_time
 from voiced.engines.base import ASRRequest, CapacityError, EngineError, Transcript
 
 log = logging.getLogger(__name__)
@@ -321,10 +322,11 @@ class Session:
 
     # ------------------------------------------------------------------ recognition
 
-    async def _recognize(self, audio: np.ndarray, priority: int) -> Transcript:
+    async def _recognize(self, audio: np.ndarray, priority: int, final: bool = True) -> Transcript:
         opts = self.spec.asr
-        if opts.priority != priority:
-            opts = replace(opts, priority=priority)
+        if opts.priority != priority or (opts.word_timestamps and not final):
+            # Interim results are replaced within a second: no word timings for them.
+            opts = replace(opts, priority=priority, word_timestamps=opts.word_timestamps and final)
         return await self.services.asr.run(ASRRequest(int16_to_float(audio), opts))
 
     async def _emit_transcripts(self) -> None:
@@ -347,6 +349,7 @@ class Session:
             latency = time.monotonic() - turn.ended_at
             self.services.metrics.asr_latency.observe(latency)
             u = turn.utterance
+            result = in_caller_time(result, u)
             await self.send(TranscriptOut(self.spec.session_id, turn.turn_id, result, is_final=True,
                                           start_ms=ms(u.start), end_ms=ms(u.end), latency_ms=latency * 1000.0))
             if self.conversation is not None and result.text.strip() and not result.is_hallucination:
@@ -360,7 +363,7 @@ class Session:
 
         async def interim():
             try:
-                result = await self._recognize(audio, priority=0)
+                result = await self._recognize(audio, priority=0, final=False)
             except EngineError:
                 return  # an interim result is best effort; the final one reports errors
             if self.turn_id == turn_id and self.segmenter.in_speech and not result.is_hallucination:

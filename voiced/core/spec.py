@@ -116,7 +116,8 @@ def _check_finite(value: float | None, name: str) -> float | None:
 def asr_options_for(config: Config, *, language: str | None = None, task: str | None = None,
                     beam_size: int | None = None, initial_prompt: str | None = None,
                     no_speech_threshold: float | None = None, logprob_threshold: float | None = None,
-                    compression_ratio_threshold: float | None = None, what: str = "recognition") -> ASROptions:
+                    compression_ratio_threshold: float | None = None, word_timestamps: bool = False,
+                    what: str = "recognition") -> ASROptions:
     """Recognition options: the config's `[asr]` defaults with the given overrides, validated."""
     a = config.asr
     beam = _pick(beam_size, a.beam_size)
@@ -140,6 +141,7 @@ def asr_options_for(config: Config, *, language: str | None = None, task: str | 
         no_speech_threshold=_pick(no_speech_threshold, a.no_speech_threshold),
         logprob_threshold=_pick(logprob_threshold, a.logprob_threshold),
         compression_ratio_threshold=_pick(compression_ratio_threshold, a.compression_ratio_threshold),
+        word_timestamps=bool(word_timestamps),
     )
 
 

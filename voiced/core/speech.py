@@ -8,7 +8,7 @@ import asyncio
 import contextlib
 import io
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -35,6 +35,7 @@ from voiced.engines.base import (
     Transcript,
     TTSOptions,
     TTSRequest,
+    Word,
 )
 
 MAX_CLIP_S = 600  # a one-shot clip; longer audio belongs in a streaming session
@@ -189,6 +190,16 @@ def split_clip(pcm: np.ndarray) -> list[Utterance]:
     return out
 
 
+def in_caller_time(t: Transcript, u: Utterance) -> Transcript:
+    """The engine times words from the start of the audio it was given; doors get them in the
+    caller's audio time (seconds from the start of the stream or clip), like the utterance's span."""
+    if not t.words or not u.audio_start:
+        return t
+    shift = u.audio_start / RATE
+    return replace(t, words=[Word(w.word, round(w.start_s + shift, 3), round(w.end_s + shift, 3), w.probability)
+                             for w in t.words])
+
+
 async def recognize_clip(services, pcm: np.ndarray, opts: ASROptions,
                          keep_hallucinations: bool = False) -> list[tuple[Utterance, Transcript]]:
     """Transcribes a clip from `decode_clip`, one result per utterance (in order); results flagged as
@@ -199,4 +210,5 @@ async def recognize_clip(services, pcm: np.ndarray, opts: ASROptions,
                                          for u in utterances))
     except EngineError as e:
         raise _engine_error(e) from None
-    return [(u, r) for u, r in zip(utterances, results) if keep_hallucinations or not r.is_hallucination]
+    return [(u, in_caller_time(r, u)) for u, r in zip(utterances, results)
+            if keep_hallucinations or not r.is_hallucination]

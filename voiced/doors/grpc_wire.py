@@ -51,7 +51,8 @@ def asr_options(rec: pb.RecognitionConfig, config: Config, what: str = "recognit
         config, language=rec.language or None, task=task, beam_size=_opt(rec, "beam_size"),
         initial_prompt=rec.initial_prompt or None, no_speech_threshold=_opt(rec, "no_speech_threshold"),
         logprob_threshold=_opt(rec, "logprob_threshold"),
-        compression_ratio_threshold=_opt(rec, "compression_ratio_threshold"), what=what,
+        compression_ratio_threshold=_opt(rec, "compression_ratio_threshold"),
+        word_timestamps=rec.word_timestamps, what=what,
     )
 
 
@@ -104,6 +105,7 @@ def effective_config(cfg: pb.SessionConfig, spec: SessionSpec) -> pb.SessionConf
     eff.recognition.language = spec.asr.language or ""
     eff.recognition.beam_size = spec.asr.beam_size
     eff.recognition.task = pb.TRANSLATE if spec.asr.task == "translate" else pb.TRANSCRIBE
+    eff.recognition.word_timestamps = spec.asr.word_timestamps
     eff.agent.name = spec.agent
     eff.barge_in.enabled = spec.barge_in
     eff.barge_in.min_speech_ms = spec.barge_in_min_speech_ms
@@ -158,6 +160,8 @@ def transcript_to_proto(t: Transcript, *, is_final: bool, start_ms: int, end_ms:
         tokens=t.tokens,
         latency_ms=latency_ms,
         is_hallucination=t.is_hallucination,
+        words=[pb.WordInfo(word=w.word, start_ms=round(w.start_s * 1000), end_ms=round(w.end_s * 1000),
+                           probability=w.probability) for w in t.words],  # (the core put them in caller time)
     )
 
 

@@ -77,6 +77,9 @@ class ASROptions:
     task: str = "transcribe"  # or "translate"
     beam_size: int = 1  # 1: greedy
     timestamps: bool = False
+    # Word start/end times and probabilities (Transcript.words): one more decoder pass over the
+    # result and a time warping, so off unless asked.
+    word_timestamps: bool = False
     initial_prompt: str | None = None
     max_new_tokens: int | None = None  # None: half the text context, as openai-whisper
     min_new_tokens: int = 0  # end-of-text is suppressed until this many tokens (forced lengths, benchmarks)
@@ -104,6 +107,16 @@ class Segment:
 
 
 @dataclass
+class Word:
+    word: str  # as written in the text, without surrounding spaces; punctuation stays attached
+    # Seconds from the start of the audio the engine was given; the session core hands doors words
+    # in the caller's audio time (voiced.core.speech.in_caller_time).
+    start_s: float
+    end_s: float
+    probability: float  # mean probability of its tokens
+
+
+@dataclass
 class Transcript:
     text: str
     language: str
@@ -114,6 +127,7 @@ class Transcript:
     is_hallucination: bool = False
     segments: list[Segment] = field(default_factory=list)
     language_probs: dict[str, float] | None = None
+    words: list[Word] = field(default_factory=list)  # only when ASROptions.word_timestamps
 
 
 @runtime_checkable

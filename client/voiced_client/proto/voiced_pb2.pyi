@@ -61,7 +61,7 @@ class SegmentationConfig(_message.Message):
     def __init__(self, mode: _Optional[_Union[SegmentationMode, str]] = ..., vad_aggressiveness: _Optional[int] = ..., pre_roll_ms: _Optional[int] = ..., hangover_ms: _Optional[int] = ..., min_speech_ms: _Optional[int] = ..., max_utterance_ms: _Optional[int] = ...) -> None: ...
 
 class RecognitionConfig(_message.Message):
-    __slots__ = ("disabled", "language", "task", "interim_results", "beam_size", "initial_prompt", "no_speech_threshold", "logprob_threshold", "compression_ratio_threshold", "keep_hallucinations")
+    __slots__ = ("disabled", "language", "task", "interim_results", "beam_size", "initial_prompt", "no_speech_threshold", "logprob_threshold", "compression_ratio_threshold", "keep_hallucinations", "word_timestamps")
     DISABLED_FIELD_NUMBER: _ClassVar[int]
     LANGUAGE_FIELD_NUMBER: _ClassVar[int]
     TASK_FIELD_NUMBER: _ClassVar[int]
@@ -72,6 +72,7 @@ class RecognitionConfig(_message.Message):
     LOGPROB_THRESHOLD_FIELD_NUMBER: _ClassVar[int]
     COMPRESSION_RATIO_THRESHOLD_FIELD_NUMBER: _ClassVar[int]
     KEEP_HALLUCINATIONS_FIELD_NUMBER: _ClassVar[int]
+    WORD_TIMESTAMPS_FIELD_NUMBER: _ClassVar[int]
     disabled: bool
     language: str
     task: Task
@@ -82,7 +83,8 @@ class RecognitionConfig(_message.Message):
     logprob_threshold: float
     compression_ratio_threshold: float
     keep_hallucinations: bool
-    def __init__(self, disabled: _Optional[bool] = ..., language: _Optional[str] = ..., task: _Optional[_Union[Task, str]] = ..., interim_results: _Optional[bool] = ..., beam_size: _Optional[int] = ..., initial_prompt: _Optional[str] = ..., no_speech_threshold: _Optional[float] = ..., logprob_threshold: _Optional[float] = ..., compression_ratio_threshold: _Optional[float] = ..., keep_hallucinations: _Optional[bool] = ...) -> None: ...
+    word_timestamps: bool
+    def __init__(self, disabled: _Optional[bool] = ..., language: _Optional[str] = ..., task: _Optional[_Union[Task, str]] = ..., interim_results: _Optional[bool] = ..., beam_size: _Optional[int] = ..., initial_prompt: _Optional[str] = ..., no_speech_threshold: _Optional[float] = ..., logprob_threshold: _Optional[float] = ..., compression_ratio_threshold: _Optional[float] = ..., keep_hallucinations: _Optional[bool] = ..., word_timestamps: _Optional[bool] = ...) -> None: ...
 
 class SpeechConfig(_message.Message):
     __slots__ = ("voice", "seed", "temperature", "top_k", "top_p", "max_seconds")
@@ -201,7 +203,7 @@ class SpeechActivity(_message.Message):
     def __init__(self, type: _Optional[_Union[SpeechActivity.Type, str]] = ..., offset_ms: _Optional[int] = ...) -> None: ...
 
 class Transcript(_message.Message):
-    __slots__ = ("text", "is_final", "language", "start_ms", "end_ms", "avg_logprob", "no_speech_prob", "compression_ratio", "tokens", "latency_ms", "is_hallucination")
+    __slots__ = ("text", "is_final", "language", "start_ms", "end_ms", "avg_logprob", "no_speech_prob", "compression_ratio", "tokens", "latency_ms", "is_hallucination", "words")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     IS_FINAL_FIELD_NUMBER: _ClassVar[int]
     LANGUAGE_FIELD_NUMBER: _ClassVar[int]
@@ -213,6 +215,7 @@ class Transcript(_message.Message):
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     LATENCY_MS_FIELD_NUMBER: _ClassVar[int]
     IS_HALLUCINATION_FIELD_NUMBER: _ClassVar[int]
+    WORDS_FIELD_NUMBER: _ClassVar[int]
     text: str
     is_final: bool
     language: str
@@ -224,7 +227,20 @@ class Transcript(_message.Message):
     tokens: _containers.RepeatedScalarFieldContainer[int]
     latency_ms: float
     is_hallucination: bool
-    def __init__(self, text: _Optional[str] = ..., is_final: _Optional[bool] = ..., language: _Optional[str] = ..., start_ms: _Optional[int] = ..., end_ms: _Optional[int] = ..., avg_logprob: _Optional[float] = ..., no_speech_prob: _Optional[float] = ..., compression_ratio: _Optional[float] = ..., tokens: _Optional[_Iterable[int]] = ..., latency_ms: _Optional[float] = ..., is_hallucination: _Optional[bool] = ...) -> None: ...
+    words: _containers.RepeatedCompositeFieldContainer[WordInfo]
+    def __init__(self, text: _Optional[str] = ..., is_final: _Optional[bool] = ..., language: _Optional[str] = ..., start_ms: _Optional[int] = ..., end_ms: _Optional[int] = ..., avg_logprob: _Optional[float] = ..., no_speech_prob: _Optional[float] = ..., compression_ratio: _Optional[float] = ..., tokens: _Optional[_Iterable[int]] = ..., latency_ms: _Optional[float] = ..., is_hallucination: _Optional[bool] = ..., words: _Optional[_Iterable[_Union[WordInfo, _Mapping]]] = ...) -> None: ...
+
+class WordInfo(_message.Message):
+    __slots__ = ("word", "start_ms", "end_ms", "probability")
+    WORD_FIELD_NUMBER: _ClassVar[int]
+    START_MS_FIELD_NUMBER: _ClassVar[int]
+    END_MS_FIELD_NUMBER: _ClassVar[int]
+    PROBABILITY_FIELD_NUMBER: _ClassVar[int]
+    word: str
+    start_ms: int
+    end_ms: int
+    probability: float
+    def __init__(self, word: _Optional[str] = ..., start_ms: _Optional[int] = ..., end_ms: _Optional[int] = ..., probability: _Optional[float] = ...) -> None: ...
 
 class AgentText(_message.Message):
     __slots__ = ("text", "last", "latency_ms")

@@ -208,6 +208,10 @@ class TrtllmWhisperEngine(ExecutorLoop):
                               f"{self.limits.max_beam_width}; rebuild it with --max-beam-width {opts.beam_size}")
         if opts.task not in ("transcribe", "translate"):
             raise EngineError(f"task must be transcribe or translate, got {opts.task!r}")
+        if opts.word_timestamps:
+            # They need the decoder's cross-attention weights, which the TensorRT-LLM engine does not return.
+            raise EngineError("word timestamps are not available from the TensorRT-LLM backend; "
+                              "serve Whisper with asr.backend = \"torch\" to get them")
         language = opts.language
         if language is not None and self.limits.multilingual and language not in self._lang_codes:
             raise EngineError(f"unknown language {language!r}")

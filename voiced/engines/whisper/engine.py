@@ -38,17 +38,20 @@ from voiced.engines.base import (
 )
 from voiced.memory_plan import EngineNeed, MemoryPlanError, Need, stream_workspace_bytes
 
-from .audio import N_FFT, N_SAMPLES, log_mel_spectrogram, pad_or_trim
+from .audio import HOP_LENGTH, N_FFT, N_SAMPLES, log_mel_spectrogram, pad_or_trim
 from .checkpoint import CheckpointError, read_checkpoint
+from .cpu import column_major_embedding_, int8_available, quantize_int8_
 from .decoding import DecodePlan, RequestDecoder, Suppression
 from .fast import FastDecoder, FastEncoder
 from .model import KVCache, ModelDims, TextDecoder, Whisper
 from .registry import resolve
+from .timing import SegmentSpan, check_heads, default_alignment_heads, official_alignment_heads, word_timings
 from .tokenizer import WhisperTokenizer
 
 log = logging.getLogger(__name__)
 
 NEG_INF = float("-inf")
+DTYPES = ("float16", "fp16", "bfloat16", "bf16", "float32", "fp32")
 
 
 @dataclass
@@ -123,6 +126,17 @@ def memory_need(dims: ModelDims, dtype: torch.dtype, weight_bytes: int, max_batc
     return EngineNeed("Whisper", "whisper_kv_fraction", items)
 
 
+def _official_heads(name: str, dims: ModelDims) -> list[tuple[int, int]] | None:
+    """openai-whisper's alignment heads when a checkpoint's name is an official model's
+    (`tiny.en.pt`, a `faster-whisper-tiny.en` or `whisper-tiny.en` directory) and its table fits."""
+    for prefix in ("faster-whisper-", "whisper-", ""):
+        if name.startswith(prefix):
+            heads = official_alignment_heads(name[len(prefix):], dims)
+            if heads:
+                return heads
+    return None
+
+
 class WhisperEngine:
     """`ASREngine` over our PyTorch Whisper. Create it with `WhisperEngine.load(...)`."""
 
@@ -133,7 +147,8 @@ class WhisperEngine:
                  max_batch: int = 8, max_encoder_batch: int | None = None, cuda_graphs: bool = True,
                  max_queue: int | None = None, decode_chunk: int | None = None,
                  compile_encoder: bool | None = None, attn_backend: str | None = None,
-                 fast_decoder: bool | None = None, compile_decoder: bool | None = None):
+                 fast_decoder: bool | None = None, compile_decoder: bool | None = None,
+                 alignment_heads: list[tuple[int, int]] | None = None):
         if tokenizer.n_vocab != model.dims.n_vocab:
             raise CheckpointError(f"tokenizer has {tokenizer.n_vocab} tokens but the model {model.dims.n_vocab}")
         self.model = model.eval().requires_grad_(False)
@@ -148,6 +163,12 @@ class WhisperEngine:
         # holding its input and output) past max_batch would be memory nothing uses.
         self.max_encoder_batch = min(max_encoder_batch or (16 if self.is_cuda else 4), max_batch)
         self.max_queue = max_queue
+        # (decoder layer, head) pairs whose cross-attention gives word timings (timing.py).
+        try:
+            self.alignment_heads = check_heads(alignment_heads or default_alignment_heads(self.dims), self.dims,
+                                               model_name)
+        except ValueError as e:
+            raise CheckpointError(str(e)) from None
         self.cache = model.allocate_cache(max_batch)
         self.suppress = Suppression.build(tokenizer, self.dims.n_vocab, model.device)
         self._queue: dict[int, _Active] = {}
@@ -164,7 +185,10 @@ class WhisperEngine:
         self._pos_buf = torch.zeros(max_batch, dtype=torch.long, device=dev)
         self._minleft = torch.zeros(max_batch, dtype=torch.long, device=dev)
         self._lp_buf = torch.zeros(max_batch, dtype=torch.float32, device=dev)
-        self.decode_chunk = max(1, decode_chunk if decode_chunk is not None else 8)
+        # Greedy steps between host syncs. On CUDA a sync stalls the queue of kernels, so 8 steps run
+        # blind (a row that ends mid-chunk computes a few tokens nobody reads); on the CPU a sync is
+        # free and every wasted step costs a full step, so each token is looked at as it comes.
+        self.decode_chunk = max(1, decode_chunk if decode_chunk is not None else (8 if self.is_cuda else 1))
         self._hist_tok = torch.zeros(max_batch, self.decode_chunk, dtype=torch.long, device=dev)
         self._hist_lp = torch.zeros(max_batch, self.decode_chunk, dtype=torch.float32, device=dev)
         # CUDA graphs: per batch-size bucket, one plain decoder step and one fused greedy step.
@@ -190,10 +214,15 @@ class WhisperEngine:
         # GPU decoder step: fused self-attention QKV, one function per layer, and (compile_decoder,
         # on by default with it) that function compiled per batch bucket in warmup(): a step at
         # batch 1 is ~100 kernels of a few microseconds, and their count, not bandwidth, sets its
-        # time. fast_decoder=False keeps the modules' step (the reference; for comparisons); the
-        # CPU uses the reference unless asked, and never compiles: its steps attend over exactly
-        # as many positions as needed, a new shape (a recompile) at every step.
-        fast_decoder = self.is_cuda if fast_decoder is None else fast_decoder
+        # time. fast_decoder=False keeps the modules' step (the reference; for comparisons). The CPU
+        # runs the fused step too (fewer ops per step: p50 latency 1073 against 1163 ms per
+        # utterance for tiny.en on our 2-core machine) but never compiles it: its steps attend over
+        # exactly as many positions as needed, a new shape (a recompile) at every step, and a
+        # compiled step measured no faster there (the step is bound by memory traffic, cpu.py).
+        self.int8 = model.decoder.output_projection is not None  # cpu.quantize_int8_ ran
+        if not self.is_cuda:
+            column_major_embedding_(model.decoder)  # (cpu.py: the logits' memory order)
+        fast_decoder = True if fast_decoder is None else fast_decoder
         compile_decoder = fast_decoder and self.is_cuda and compile_decoder is not False
         self.fast_decoder = FastDecoder(model.decoder, compile_decoder) if fast_decoder else None
         self._decoder: FastDecoder | TextDecoder = self.fast_decoder or model.decoder
@@ -203,8 +232,9 @@ class WhisperEngine:
             # The weights (moved, fused), caches and buffers above were queued on the creating thread's
             # stream; kernels on the engine's own stream must not overtake those fills and copies.
             self._stream.wait_stream(torch.cuda.current_stream(model.device))
-        log.info("whisper engine %s on %s (%s): %d slots, %.1f MiB of KV cache, cuda graphs %s, decoder step %s",
-                 model_name, self.device, str(self.dtype).replace("torch.", ""), max_batch,
+        log.info("whisper engine %s on %s (%s%s): %d slots, %.1f MiB of KV cache, cuda graphs %s, decoder step %s",
+                 model_name, self.device, str(self.dtype).replace("torch.", ""),
+                 ", int8 GEMMs" if self.int8 else "", max_batch,
                  max_batch * KVCache.bytes_per_slot(self.dims, self.dtype) / 2**20, self.cuda_graphs,
                  self.decoder_path)
 
@@ -220,22 +250,34 @@ class WhisperEngine:
         """Load an official name (from the model cache), an OpenAI `.pt`, a Hugging Face or a
         CTranslate2 (faster-whisper) directory.
 
-        device: "cpu", "cuda" or "cuda:N". dtype: default float16 on CUDA, float32 on CPU.
+        device: "cpu", "cuda" or "cuda:N". dtype: default float16 on CUDA, float32 on CPU; "int8"
+        (CPU only) runs every Linear layer as a dynamically quantized int8 GEMM (cpu.py), approximate.
         max_batch: decoder rows (a beam-search request takes `beam_size` rows); default 8 on CPU,
         64 on CUDA. kv_cache_bytes: a memory budget for the self+cross KV caches; the row count is
-        the smaller of what it allows and max_batch. compile_encoder, fast_decoder, compile_decoder:
-        the GPU paths (see __init__), None meaning on for CUDA. memory_limit: (free GPU bytes, the
-        [memory] whisper_kv_fraction): the computed need (`memory_need`) is checked against that share
-        before the weights go to the GPU; a need above it is refused (EngineError naming the setting).
+        the smaller of what it allows and max_batch. compile_encoder, compile_decoder: the GPU paths,
+        None meaning on for CUDA; fast_decoder: the fused decoder step, None meaning on (see __init__).
+        memory_limit: (free GPU bytes, the [memory] whisper_kv_fraction): the computed need
+        (`memory_need`) is checked against that share before the weights go to the GPU; a need above it
+        is refused (EngineError naming the setting).
         """
         path = resolve(name_or_path, cache_root)
         ckpt = read_checkpoint(path)
         dims = ckpt.dims
         model = build_model(dims, ckpt.state, str(path))
         tok = ckpt.tokenizer()
+        int8 = dtype == "int8"
+        if int8:
+            if device != "cpu":
+                raise EngineError("dtype int8 is a CPU mode (int8 GEMMs on the CPU); on a GPU use float16")
+            if not int8_available():
+                raise EngineError("dtype int8 needs torch's x86/fbgemm quantized kernels, which this torch build "
+                                  "lacks; use float32")
+            dtype = torch.float32
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise EngineError("device 'cuda' was asked for but torch sees no CUDA GPU; use --device cpu")
         if isinstance(dtype, str):
+            if dtype not in DTYPES:
+                raise EngineError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)} or int8 (CPU)")
             dtype = {"float16": torch.float16, "fp16": torch.float16, "bfloat16": torch.bfloat16,
                      "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32}[dtype]
         dtype = dtype or (torch.float16 if device.startswith("cuda") else torch.float32)
@@ -256,14 +298,16 @@ class WhisperEngine:
             except MemoryPlanError as e:
                 raise EngineError(str(e)) from None
         model = model.to(device=device, dtype=dtype)
+        if int8:
+            quantize_int8_(model)
         name = path.stem if path.is_file() else path.name
+        heads = ckpt.alignment_heads or _official_heads(name, dims)
         engine = cls(model, tok, model_name=name, max_batch=rows, max_encoder_batch=max_encoder_batch,
                      cuda_graphs=cuda_graphs, max_queue=max_queue, decode_chunk=decode_chunk,
                      compile_encoder=compile_encoder, attn_backend=attn_backend, fast_decoder=fast_decoder,
-                     compile_decoder=compile_decoder)
+                     compile_decoder=compile_decoder, alignment_heads=heads)
         engine.memory_need = need
         engine.checkpoint_format = ckpt.format
-        engine.alignment_heads = ckpt.alignment_heads  # (decoder layer, head) for word timings; None: unknown
         return engine
 
     @property
@@ -778,12 +822,39 @@ class WhisperEngine:
         for req in finished:
             del self._active[req.rid]
             try:
-                outputs.append(EngineOutput(req.rid, req.dec.result(req.seconds), True))
-            except Exception as e:  # turning this request's tokens into text: its fault alone
+                result = req.dec.result(req.seconds)
+                if req.request.options.word_timestamps and result.tokens and not self._warming:
+                    result.words = self._words(req, result)
+                outputs.append(EngineOutput(req.rid, result, True))
+            except Exception as e:  # turning this request's tokens into text or word times: its fault alone
                 log.error("whisper: request %s failed", req.rid, exc_info=e)
                 outputs.append(fault_output(req.rid, "speech recognition", e))
         self._release(finished)
         return outputs
+
+    def _words(self, req: _Active, result: Transcript) -> list:
+        """Word timings of a finished request (its rows still hold its audio's cross keys/values)."""
+        tok, plan = self.tok, req.dec.plan
+        text = [t for t in result.tokens if t < tok.eot]
+        prefix = [*tok.sot_sequence(plan.language, plan.task), tok.no_timestamps]
+        forced = [*prefix, *text, tok.eot]
+        if len(forced) > self.dims.n_text_ctx:  # only with max_new_tokens near the whole text context
+            log.warning("no word timings: %d text tokens do not fit the decoder's %d positions with the prompt",
+                        len(text), self.dims.n_text_ctx)
+            return []
+        dev = self.model.device
+        logits, scores = self.model.decoder.alignment_pass(torch.tensor(forced, device=dev), req.rows[0],
+                                                           self.cache, self.alignment_heads)
+        n = len(prefix)
+        probs = logits[n - 1:n - 1 + len(text), :tok.eot].softmax(dim=-1)
+        token_probs = probs[torch.arange(len(text), device=dev), torch.tensor(text, device=dev)].tolist()
+        frames = req.request.audio.shape[0] // HOP_LENGTH
+        if plan.timestamps and result.segments:
+            spans = [SegmentSpan(s.start, s.end, s.tokens) for s in result.segments]
+        else:
+            spans = [SegmentSpan(0.0, frames * HOP_LENGTH / SAMPLE_RATE, text)]
+        per_segment = word_timings(tok, plan.language or "en", spans, scores, token_probs, n, frames)
+        return [w for seg in per_segment for w in seg]
 
     def _release(self, leaving: list[_Active]) -> None:
         """Free the rows of `leaving` and pack the live rows back to 0..n-1."""

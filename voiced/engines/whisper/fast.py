@@ -1,7 +1,8 @@
 """The GPU paths of the audio encoder and of the decoder step: the same networks as
 `AudioEncoder.forward` and `TextDecoder.step`, arranged for speed.
 
-Used only on CUDA (the CPU keeps the reference forwards, which the exactness tests pin down):
+The encoder path runs on CUDA; the decoder step on every device (on the CPU uncompiled: fewer ops
+per step is what counts there):
 
 * the self-attention's query/key/value projections are one GEMM against concatenated weights
   (N = 3 * width: one launch instead of three, better tile occupancy at batch 1), whose output

@@ -12,9 +12,9 @@ from the reference implementation is how the decoder keeps state, gpt-fast style
   graph once per batch size;
 * attention is `scaled_dot_product_attention` everywhere (flash / memory-efficient kernels on GPU).
 
-This is the reference arrangement, which the CPU runs and the exactness tests pin down. On CUDA the
-engine runs the encoder and the decoder step through `fast.py` (fused QKV, per-layer functions,
-optionally compiled): the same arithmetic up to rounding, checked against this file in tests.
+This is the reference arrangement, which the exactness tests pin down. The engine runs the decoder
+step through `fast.py` (fused QKV, per-layer functions; compiled on CUDA) on every device, and on
+CUDA the encoder too: the same arithmetic up to rounding, checked against this file in tests.
 """
 
 from __future__ import annotations
@@ -197,6 +197,8 @@ class TextDecoder(nn.Module):
         self.positional_embedding = nn.Parameter(torch.zeros(n_ctx, n_state))
         self.blocks = nn.ModuleList([Block(n_state, n_head, cross_attention=True) for _ in range(n_layer)])
         self.ln = LayerNorm(n_state)
+        # The tied output projection as a module of its own, when one is set (cpu.quantize_int8_).
+        self.output_projection: nn.Module | None = None
 
     def write_cross(self, cache: KVCache, slots: Tensor, audio_features: Tensor) -> None:
         """Project audio features [n, A, D] to every layer's cross keys/values into `slots` [n]."""
@@ -206,7 +208,17 @@ class TextDecoder(nn.Module):
 
     def _logits(self, x: Tensor) -> Tensor:
         # Output projection tied to the token embedding; logits in float32 for stable log-softmax.
-        return (self.ln(x) @ self.token_embedding.weight.to(x.dtype).T).float()
+        h = self.ln(x)
+        if self.output_projection is not None:
+            return self.output_projection(h).float()
+        w = self.token_embedding.weight.to(x.dtype)
+        rows = h.reshape(-1, h.shape[-1])
+        if not h.is_cuda and 1 < rows.shape[0] <= 8:
+            # CPU, a few rows (a prefill, a small batch): one matrix-vector product per row. A GEMM
+            # this thin packs the whole weight (80 MB for tiny) before it starts: 2-3x slower.
+            out = torch.bmm(rows[:, None, :], w.T.expand(rows.shape[0], -1, -1))[:, 0]
+            return out.view(*h.shape[:-1], -1).float()
+        return (h @ w.T).float()
 
     def prefill(self, tokens: Tensor, slots: Tensor, cache: KVCache) -> Tensor:
         """Run initial tokens [n, T] from position 0 for `slots` [n]; fills their self cache.
@@ -215,6 +227,13 @@ class TextDecoder(nn.Module):
         """
         t = tokens.shape[1]
         x = (self.token_embedding(tokens) + self.positional_embedding[:t]).to(cache.self_k.dtype)
+        # Consecutive slots (the usual case) read the cross cache as a view; indexing with a tensor
+        # copies 1500 positions per layer (milliseconds each on a CPU). GPU: no host read.
+        at: Tensor | slice = slots
+        if not slots.is_cuda:
+            s = slots.tolist()
+            if s == list(range(s[0], s[0] + len(s))):
+                at = slice(s[0], s[0] + len(s))
         for i, block in enumerate(self.blocks):
             h = block.attn_ln(x)
             q, k, v = block.attn.query(h), block.attn.key(h), block.attn.value(h)
@@ -222,9 +241,40 @@ class TextDecoder(nn.Module):
             cache.self_v[i, slots, :t] = v
             x = x + block.attn.attend(q, k, v, causal=t > 1)
             h = block.cross_attn_ln(x)
-            x = x + block.cross_attn.attend(block.cross_attn.query(h), cache.cross_k[i, slots], cache.cross_v[i, slots])
+            x = x + block.cross_attn.attend(block.cross_attn.query(h), cache.cross_k[i, at], cache.cross_v[i, at])
             x = x + block.mlp(block.mlp_ln(x))
         return self._logits(x)
+
+    def alignment_pass(self, tokens: Tensor, slot: int, cache: KVCache,
+                       heads: list[tuple[int, int]]) -> tuple[Tensor, Tensor]:
+        """Run a whole token sequence [T] against the audio in cache slot `slot`, for word timings.
+
+        Returns the logits [T, vocab] and the cross-attention scores (q.k / sqrt(head width), before
+        softmax, float32) of `heads` ((layer, head) pairs, in that order) [len(heads), T, audio
+        positions]. The slot's self-attention cache is neither read nor written.
+        """
+        t = tokens.shape[0]
+        x = (self.token_embedding(tokens) + self.positional_embedding[:t]).to(cache.cross_k.dtype)[None]
+        wanted: dict[int, list[int]] = {}
+        for i, (layer, head) in enumerate(heads):
+            wanted.setdefault(layer, []).append(i)
+        scores: list[Tensor | None] = [None] * len(heads)
+        for i, block in enumerate(self.blocks):
+            h = block.attn_ln(x)
+            x = x + block.attn.attend(block.attn.query(h), block.attn.key(h), block.attn.value(h), causal=t > 1)
+            h = block.cross_attn_ln(x)
+            q = block.cross_attn.query(h)
+            k, v = cache.cross_k[i, slot][None], cache.cross_v[i, slot][None]
+            x = x + block.cross_attn.attend(q, k, v)
+            if i in wanted:
+                n_head = block.cross_attn.n_head
+                qh, kh = _heads(q, n_head)[0].float(), _heads(k, n_head)[0].float()  # [H, T|A, hd]
+                scale = qh.shape[-1] ** -0.5
+                for j in wanted[i]:
+                    hd = heads[j][1]
+                    scores[j] = (qh[hd] @ kh[hd].T) * scale
+            x = x + block.mlp(block.mlp_ln(x))
+        return self._logits(x)[0], torch.stack(scores)
 
     def step(self, tokens: Tensor, positions: Tensor, cache: KVCache, kv_len: int, masked: bool = True) -> Tensor:
         """One token per row for slots 0..B-1: tokens [B] at positions [B]; returns logits [B, vocab].

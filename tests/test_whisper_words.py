@@ -1,0 +1,154 @@
+"""Word timings (`ASROptions.word_timestamps`) against openai-whisper's on the same weights.
+
+openai-whisper's reference: `whisper.timing.add_word_timestamps` (what `transcribe(...,
+word_timestamps=True)` runs after decoding a window) on the same checkpoint, the same window
+features and the same decoded segments. Tiny random checkpoints here; the real tiny.en weights in
+test_whisper_real.py.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from whisper_fixtures import make_openai_checkpoint, openai_reference_model, speech, tiny_dims
+
+from voiced.engines.base import ASROptions, ASRRequest
+from voiced.engines.whisper import timing
+from voiced.engines.whisper.engine import WhisperEngine
+
+TEXT = "Hello world. This is a test of the speech recognizer, reading numbers: one, two, three."
+
+
+# ---------------------------------------------------------------------------- the pieces
+def test_dtw_follows_the_cheap_cells():
+    # A cheap staircase through a costly matrix: each token row has a run of cheap frames.
+    cost = np.ones((3, 9))
+    cost[0, 0:3] = cost[1, 3:5] = cost[2, 5:9] = 0.0
+    rows, cols = timing.dtw(cost)
+    assert list(cols) == list(range(9))
+    assert list(rows) == [0, 0, 0, 1, 1, 2, 2, 2, 2]
+
+
+def test_dtw_is_openai_whispers_including_ties():
+    ref = pytest.importorskip("whisper.timing")
+    rng = np.random.default_rng(0)
+    for n, m in [(1, 1), (1, 6), (6, 1), (4, 9), (40, 300), (120, 700)]:
+        for x in (rng.random((n, m)), rng.integers(0, 3, (n, m)).astype(float)):  # the second: many ties
+            want = ref.dtw_cpu(x)
+            got = timing.dtw(x)
+            assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1]), (n, m)
+
+
+def test_official_heads_are_openai_whispers():
+    whisper = pytest.importorskip("whisper")
+    theirs = {k: v for k, v in whisper._ALIGNMENT_HEADS.items() if k not in ("large", "turbo")}
+    assert timing.OFFICIAL_ALIGNMENT_HEADS == theirs
+    # tiny.en: 4 layers x 6 heads; its table picks heads in the upper layers only
+    dims = tiny_dims(multilingual=False, n_text_layer=4, n_head=6, n_state=384)
+    heads = timing.official_alignment_heads("tiny.en", dims)
+    assert heads and all(1 <= layer < 4 and 0 <= h < 6 for layer, h in heads)
+    assert timing.official_alignment_heads("tiny", dims) is None  # multilingual name, English-only dims
+    assert timing.official_alignment_heads("tiny.en", tiny_dims(multilingual=False)) is None  # other shape
+    assert timing.default_alignment_heads(dims) == [(layer, h) for layer in (2, 3) for h in range(6)]
+
+
+def test_words_split_at_spaces_and_punctuation():
+    from voiced.engines.whisper.tokenizer import WhisperTokenizer
+
+    tok = WhisperTokenizer.load(multilingual=True, num_languages=99)
+    ids = tok.encode(" Hello, world. Unbelievable!")
+    words, groups = timing.split_words(tok, ids + [tok.eot], "en")
+    assert words == [" Hello", ",", " world", ".", " Unbelievable", "!", "<|endoftext|>"]
+    assert [t for g in groups for t in g] == ids + [tok.eot]
+    # Japanese: whole characters, even where one character takes several tokens
+    ids = tok.encode("こんにちは世界")
+    words, groups = timing.split_words(tok, ids, "ja")
+    assert "".join(words) == "こんにちは世界" and all("\ufffd" not in w for w in words)
+
+
+# ------------------------------------------------------------------- the engine vs openai-whisper
+@pytest.fixture(scope="module")
+def audio(tmp_path_factory):
+    return speech(TEXT, tmp_path_factory.mktemp("speech"))
+
+
+_models: dict = {}
+
+
+def models(tmp_path_factory, multilingual: bool, seed: int, boost: float):
+    key = (multilingual, seed, boost)
+    if key not in _models:
+        path = make_openai_checkpoint(tmp_path_factory.mktemp("ckpt"), multilingual=multilingual, seed=seed,
+                                      eot_boost=boost, n_text_layer=4)
+        _models[key] = (WhisperEngine.load(path, max_batch=4), openai_reference_model(path))
+    return _models[key]
+
+
+def reference_words(ref_model, engine, audio, result, segments):
+    """openai-whisper's add_word_timestamps over `segments` [(start, end, tokens)] of this window."""
+    import whisper.tokenizer as wt
+    from whisper.timing import add_word_timestamps
+
+    from voiced.engines.whisper.audio import window_features
+
+    # openai-whisper's default heads for a model loaded from a file: the upper half of the decoder
+    assert engine.alignment_heads == timing.default_alignment_heads(engine.dims)
+    tok = wt.get_tokenizer(engine.dims.multilingual, num_languages=ref_model.num_languages,
+                           language=result.language, task="transcribe")
+    segs = [{"seek": 0, "start": s, "end": e, "tokens": t} for s, e, t in segments]
+    add_word_timestamps(segments=segs, model=ref_model, tokenizer=tok, mel=window_features(audio, engine.dims.n_mels),
+                        num_frames=len(audio) // 160, last_speech_timestamp=0.0)
+    return [w for s in segs for w in s["words"]]
+
+
+def assert_same_words(ours, theirs):
+    assert [w.word for w in ours] == [w["word"].strip() for w in theirs]
+    for a, b in zip(ours, theirs):
+        assert abs(a.start_s - b["start"]) <= 0.02 and abs(a.end_s - b["end"]) <= 0.02, (a, b)
+        assert a.probability == pytest.approx(b["probability"], rel=2e-3, abs=1e-4)  # float32 sums in another order
+
+
+@pytest.mark.parametrize("multilingual,seed,boost,beam", [(True, 0, 3.0, 1), (False, 4, 3.0, 1), (True, 1, 2.0, 3)])
+def test_word_times_equal_openai_whisper(tmp_path_factory, audio, multilingual, seed, boost, beam):
+    engine, ref = models(tmp_path_factory, multilingual, seed, boost)
+    opts = ASROptions(language="en", beam_size=beam, max_new_tokens=40)
+    plain = engine.transcribe(ASRRequest(audio, opts))
+    assert plain.words == []  # off unless asked
+    opts.word_timestamps = True
+    r = engine.transcribe(ASRRequest(audio, opts))
+    assert r.tokens == plain.tokens  # asking for words changes no token
+    assert len(r.words) >= 10
+    theirs = reference_words(ref, engine, audio, r, [(0.0, (len(audio) // 160) / 100, r.tokens)])
+    assert_same_words(r.words, theirs)
+    ends = [w.end_s for w in r.words]
+    assert ends == sorted(ends) and 0.0 <= r.words[0].start_s and ends[-1] <= len(audio) / 16000 + 0.02
+
+
+def test_word_times_with_segment_timestamps_equal_openai_whisper(tmp_path_factory, audio):
+    engine, ref = models(tmp_path_factory, True, 1, 2.0)
+    r = engine.transcribe(ASRRequest(audio, ASROptions(language="en", timestamps=True, word_timestamps=True,
+                                                       max_new_tokens=40)))
+    assert r.segments and r.words
+    theirs = reference_words(ref, engine, audio, r, [(s.start, s.end, s.tokens) for s in r.segments])
+    assert_same_words(r.words, theirs)
+
+
+def test_words_of_several_requests_in_one_batch(tmp_path_factory, audio):
+    # Requests finishing in one step each get their own audio's timings.
+    engine, _ = models(tmp_path_factory, False, 4, 3.0)
+    short = audio[: len(audio) // 2]
+    opts = ASROptions(language="en", max_new_tokens=30, word_timestamps=True)
+    alone = [engine.transcribe(ASRRequest(a, opts)) for a in (audio, short)]
+    engine.submit(1, ASRRequest(audio, opts))
+    engine.submit(2, ASRRequest(short, opts))
+    got = {}
+    while engine.has_work():
+        got.update({o.request_id: o.value for o in engine.step()})
+    for rid, want in ((1, alone[0]), (2, alone[1])):
+        assert [(w.word, w.start_s, w.end_s) for w in got[rid].words] == [(w.word, w.start_s, w.end_s) for w in want.words]
+    assert [w.end_s for w in got[1].words] != [w.end_s for w in got[2].words]
