@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from voiced.segmenter import Segmenter, SegmenterConfig, SpeechStarted, Utterance
 
 from tests.daemon_harness import heard_audio, wire_audio
 from tests.speech import phrase
 from voiced.audio import dtmf
 from voiced.audio.ingest import FRAME_SAMPLES, RATE, Format
+from voiced.core.segmenter import Segmenter, SegmenterConfig, SpeechStarted, Utterance
 
 PHONE = Format("MULAW", 8000)
 
