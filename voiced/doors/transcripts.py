@@ -106,8 +106,9 @@ def verbose_json(results: list[Recognized], *, task: str, duration: float, langu
             "no_speech_prob": s.no_speech_prob,
         } for s in timed_segments(results)]
     if "word" in granularities:
-        body["words"] = [{"word": w.word, "start": round(r.start + w.start, 3), "end": round(r.start + w.end, 3)}
-                         for r in results for w in (getattr(r.transcript, "words", None) or [])]
+        # The core hands words over in the clip's time already (voiced.core.speech.in_caller_time).
+        body["words"] = [{"word": w.word, "start": round(w.start_s, 3), "end": round(w.end_s, 3)}
+                         for r in results for w in (r.transcript.words or [])]
     body["usage"] = {"type": "duration", "seconds": round(duration, 3)}
     return body
 
