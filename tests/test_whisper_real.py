@@ -314,3 +314,48 @@ def test_int8_files_load_at_a_measured_cost(tiny_en, tmp_path, capsys):
         print(f"\ntiny.en on {len(clips)} espeak-ng sentences: WER float16 {rate['float16']:.3f}, int8 {rate['int8']:.3f}; "
               f"identical tokens on {same}/{len(clips)}")
     assert rate["int8"] <= rate["float16"] + 0.02
+
+
+@pytest.mark.parametrize("quantization", ["float32", "int8_float16", "int16"])
+def test_files_written_by_ctranslate2s_own_converter_read_back(tiny_en, tmp_path, quantization):
+    """Where ctranslate2 is installed (faster-whisper brings it): its converter writes tiny.en's weights,
+    and voiced reads them back to within the converter's rounding (exactly, for float32)."""
+    pytest.importorskip("ctranslate2")
+    import shutil
+
+    from ctranslate2.converters.transformers import TransformersConverter
+    from safetensors.torch import save_file
+
+    from voiced.engines.whisper.checkpoint import hf_config_from_dims, openai_to_hf_name
+
+    ckpt = read_checkpoint(tiny_en)
+    STORED_NAMES.update(ckpt.state)
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    state = {openai_to_hf_name(k): v.float().clone() for k, v in ckpt.state.items()}
+    state["proj_out.weight"] = state["model.decoder.embed_tokens.weight"].clone()
+    save_file(state, str(hf / "model.safetensors"), metadata={"format": "pt"})
+    (hf / "config.json").write_text(json.dumps(hf_config_from_dims(ckpt.dims)))
+    shutil.copy(tiny_en / "tokenizer.json", hf / "tokenizer.json")
+    (hf / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "WhisperTokenizer"}))
+    out = tmp_path / "ct2"
+    TransformersConverter(str(hf)).convert(str(out), quantization=quantization)
+    got = read_checkpoint(out)
+    assert got.dims == ckpt.dims and got.tokenizer().sot == 50257
+    step = {"float32": 0.0, "int8_float16": 0.5 / 127, "int16": 0.5 / 2**10}[quantization]
+    for k, v in got.state.items():
+        orig = ckpt.state[k].float()
+        # relative to the largest weight of the tensor the converter scaled (fused Q/K/V: the largest of the three)
+        assert (v - orig).abs().max() <= step * max(ckpt.state[n].float().abs().max() for n in _stored_with(k)) * 1.0001, k
+
+
+STORED_NAMES: set[str] = set()
+
+
+def _stored_with(name: str) -> list[str]:
+    """The OpenAI parameters the converter stores in one tensor with `name` (fused Q/K/V, fused K/V)."""
+    for group in (("attn.query", "attn.key", "attn.value"), ("cross_attn.key", "cross_attn.value")):
+        for part in group:
+            if f".{part}." in name and not (part.startswith("attn") and ".cross_attn." in name):
+                return [n for p in group if (n := name.replace(f".{part}.", f".{p}.")) in STORED_NAMES]
+    return [name]

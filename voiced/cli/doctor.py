@@ -74,6 +74,9 @@ def run(args: argparse.Namespace) -> int:
         found = _find_model(name, cache)
         if found:
             _line(True, f"{label} {name}", str(found))
+        elif label == "ASR model" and config.asr.model == "auto":
+            _line(None, f"{label} {name}", f"not in the cache yet: `voiced serve` fetches it on first run "
+                  f"(or `voiced models pull {pull}`)")
         else:
             _line(False, f"{label} {name}", f"not found; get it with `voiced models pull {pull}`")
             problems += 1
