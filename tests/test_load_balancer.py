@@ -77,6 +77,9 @@ class Daemon:
             [sys.executable, "-m", "voiced", "serve", "--asr-model", str(self.checkpoint), "--no-tts",
              "--device", "cpu", "--listen", self.address, "--http", f"{self.host}:{self.http_port}",
              "--max-sessions", "100"],
+            # A drain lets live calls finish for this long (the Kubernetes manifest gives 600 s); the
+            # default 30 s can run out on a loaded 2-core machine while the test holds calls open.
+            env=dict(os.environ, VOICED_SERVER_DRAIN_SECONDS="300"),
             stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
 
     def ready(self) -> bool:
