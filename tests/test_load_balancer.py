@@ -33,6 +33,9 @@ from voiced.audio.ingest import Format
 ROOT = Path(__file__).resolve().parent.parent
 HAPROXY_CFG = ROOT / "deploy" / "haproxy" / "haproxy.cfg"
 CALLS = 40
+# Only a guard against a hang: a call held open and then streamed in real time can take minutes on a
+# loaded 2-core machine; an unfinished call fails the test with its status (None).
+GUARD_S = 300
 FMT = Format("LINEAR16", 16000)
 
 pytestmark = pytest.mark.skipif(shutil.which("haproxy") is None,
@@ -234,13 +237,13 @@ def test_two_daemons_behind_haproxy_spread_drain_and_return(tmp_path):
         for c in newcomers:
             c.start()
         for c in newcomers:
-            c.join(60)
+            c.join(GUARD_S)
         assert [c.code for c in newcomers] == [grpc.StatusCode.OK] * 10, [c.details for c in newcomers]
         assert all(c.finals() == 1 for c in newcomers)
         assert a.active_sessions() == on_a, "the drained daemon took new calls"
         hold.set()
         for c in calls:
-            c.join(60)
+            c.join(GUARD_S)
         cut = [(c.code, c.details) for c in calls if c.code != grpc.StatusCode.OK or c.finals() != 1]
         assert not cut, f"{len(cut)} live calls were cut by the drain: {cut[:3]}"
         assert a.proc.wait(60) == 0, "the drained daemon did not exit cleanly"
@@ -259,8 +262,8 @@ def test_two_daemons_behind_haproxy_spread_drain_and_return(tmp_path):
         assert a.active_sessions() >= 2, "the returned daemon got no calls"
         hold2.set()
         for c in again:
-            c.join(60)
-        assert all(c.code == grpc.StatusCode.OK for c in again)
+            c.join(GUARD_S)
+        assert all(c.code == grpc.StatusCode.OK for c in again), [(c.code, c.details) for c in again]
     finally:
         for c in calls:
             if c.hold is not None:
