@@ -214,3 +214,12 @@ def test_bundled_tokenizer_needs_no_files_beside_the_checkpoint(tmp_path):
     tok = WhisperTokenizer.load(True, 99)
     assert tok.encode(" hello world") == [7751, 1002]
     assert WhisperTokenizer.load(False, 99).sot == 50257
+
+
+def test_a_large_v3_shaped_directory_reads_with_its_hundred_languages(tmp_path):
+    v3 = tiny_dims(n_mels=128, multilingual=True)
+    d = write_ct2_dir(tmp_path / "v3", v3, random_state_dict(v3, seed=2), vocabulary="vocabulary.txt")
+    ckpt = read_checkpoint(d)
+    assert ckpt.dims.n_mels == 128 and ckpt.dims.num_languages == 100
+    tok = ckpt.tokenizer()
+    assert tok.language_token("yue") == 50358 and tok.transcribe == 50360

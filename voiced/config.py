@@ -57,7 +57,7 @@ class SegmentationConfig:
 
 @dataclass
 class ASRConfig:
-    model: str = "large-v3-turbo"  # a name (see `voiced models list`) or a path
+    model: str = "auto"  # auto: large-v3-turbo on a GPU, base on a CPU; or a name (`voiced models list`) or a path
     backend: str = "auto"  # auto | torch | trtllm
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: str = ""  # empty: float16 on GPU, float32 on CPU; "int8": int8 GEMMs on the CPU (approximate, faster)

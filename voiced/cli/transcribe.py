@@ -19,8 +19,8 @@ WINDOW = 30 * 16000
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("transcribe", help="transcribe WAV files with Whisper (PyTorch engine)")
     p.add_argument("files", nargs="+", metavar="FILE", help="WAV files (any rate, any channel count)")
-    p.add_argument("--model", required=True, help="official name (see `voiced models list`) or a checkpoint "
-                   "path (.pt file or Hugging Face directory)")
+    p.add_argument("--model", required=True, help="a name (see `voiced models list`) or a checkpoint path (OpenAI "
+                   ".pt file, Hugging Face or CTranslate2/faster-whisper directory)")
     p.add_argument("--language", default=None, help="language code or name (default: detect)")
     p.add_argument("--task", choices=["transcribe", "translate"], default="transcribe")
     p.add_argument("--beam-size", type=int, default=1, help="1 = greedy (default)")

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import webrtcvad
 
+from voiced.audio import dtmf
 from voiced.audio.ingest import FRAME_MS, FRAME_SAMPLES, RATE
 
 MAX_WINDOW_MS = 30000  # Whisper's window
@@ -143,7 +144,8 @@ class Segmenter:
                     out = self._split(self.offset + FRAME_SAMPLES)
             self._frame_index += 1
             return out
-        voiced = self._vad.is_speech(frame.tobytes(), RATE) and _loud(frame)
+        # Keypad tones are not speech, though webrtcvad says they are (voiced.audio.dtmf).
+        voiced = self._vad.is_speech(frame.tobytes(), RATE) and _loud(frame) and not dtmf.is_tone(frame)
         index = self._frame_index
         self._frame_index += 1
         if self.in_speech:

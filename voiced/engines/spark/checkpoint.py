@@ -97,6 +97,14 @@ def default_dir() -> Path:
     return hub.cache_dir() / MODEL_NAME
 
 
+def expected_layout(root: str | Path) -> str:
+    """The directory this loader reads, file by file (for messages about a missing or partial one)."""
+    lines = [f"{root}/ in the layout published at https://huggingface.co/{HF_REPO}:"]
+    for rel in PUBLISHED_FILES:
+        lines.append(f"  {rel}{'  (only to clone voices from recordings)' if rel.startswith('wav2vec2') else ''}")
+    return "\n".join(lines)
+
+
 def resolve(name_or_path: str | Path) -> SparkCheckpoint:
     """A directory path, or the model name (then the cache directory `voiced models pull` fills)."""
     p = Path(name_or_path).expanduser()
@@ -107,7 +115,7 @@ def resolve(name_or_path: str | Path) -> SparkCheckpoint:
         if not (root / "LLM" / "config.json").exists():
             raise hub.ModelNotFoundError(
                 f"Spark-TTS is not downloaded (looked in {root}). Run `voiced models pull {MODEL_NAME}`, "
-                f"or pass the path of a {HF_REPO} directory with --model."
+                f"or pass the path of a {HF_REPO} directory with --model. Expected: {expected_layout(root)}"
             )
     else:
         raise hub.ModelNotFoundError(
@@ -116,7 +124,8 @@ def resolve(name_or_path: str | Path) -> SparkCheckpoint:
         )
     missing = [f for f in REQUIRED_FILES if not (root / f).exists()]
     if missing:
-        raise CheckpointError(f"{root} is not a complete Spark-TTS directory: missing {', '.join(missing)}")
+        raise CheckpointError(f"{root} is not a complete Spark-TTS directory: missing {', '.join(missing)}. "
+                              f"Expected: {expected_layout(root)}")
     return SparkCheckpoint(root)
 
 

