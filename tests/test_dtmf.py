@@ -10,7 +10,7 @@ from tests.daemon_harness import heard_audio, wire_audio
 from tests.speech import phrase
 from voiced.audio import dtmf
 from voiced.audio.ingest import FRAME_SAMPLES, RATE, Format
-from voiced.segmenter import Segmenter, SegmenterConfig, SpeechStarted, Utterance
+from voiced.core.segmenter import Segmenter, SegmenterConfig, SpeechStarted, Utterance
 
 PHONE = Format("MULAW", 8000)
 
