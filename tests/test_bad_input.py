@@ -368,6 +368,10 @@ CASES: dict[str, Callable[[Daemon], Outcome]] = {
     "G74": lambda d: raw(d, "StreamingRecognize", [cfg().SerializeToString(), GARBAGE], streaming=True),
     "G75": lambda d: raw(d, "Synthesize", [GARBAGE], streaming=False),
     "G76": lambda d: raw(d, "AddVoice", [GARBAGE], streaming=False),
+    # typed user text
+    "G77": lambda d: stream(d, [cfg(), pb.SessionRequest(text="What time is it?")]),
+    "G78": lambda d: stream(d, [cfg(), pb.SessionRequest(text=" \t ")], "Converse"),
+    "G79": lambda d: stream(d, [cfg(), pb.SessionRequest(text="word " * 20000)], "Converse"),
 }
 
 

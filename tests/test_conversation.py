@@ -201,6 +201,19 @@ def test_client_driven_speak_and_stop(daemon):
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "speak.text is empty" in details
 
 
+def test_typed_text_is_answered_and_spoken_like_a_spoken_turn(daemon):
+    """A desktop client types instead of talking: the echo agent answers it and the reply is spoken."""
+    requests = [pb.SessionRequest(config=converse_config()), pb.SessionRequest(text="Is the shop open today?")]
+    events, code, details = stream_blocking(daemon.address, requests, "Converse")
+    assert code == grpc.StatusCode.OK, details
+    assert [t.agent_text.text for t in of_kind(events, "agent_text")] == ["Is the shop open today?"]
+    assert of_kind(events, "transcript") == []  # nothing was heard: the text was the turn
+    replies = [e.reply.type for e in of_kind(events, "reply")]
+    assert replies == [pb.ReplyEvent.REPLY_STARTED, pb.ReplyEvent.REPLY_FINISHED]
+    chunks = [e.audio for e in of_kind(events, "audio")]
+    assert chunks and chunks[-1].last and len(b"".join(c.audio for c in chunks)) >= 8000 * 0.1
+
+
 def test_an_agent_ends_the_call_after_its_last_words(daemon):
     """The caller stays on the line; the agent says goodbye and hangs up: the reply plays out, a
     HANGUP notice says why, and the stream ends with OK."""
@@ -323,6 +336,18 @@ def test_openai_agent_streams_sentences_and_keeps_history(listening, llm):
     assert second[0] == {"role": "system", "content": "Be brief."}
     assert [m["role"] for m in second] == ["system", "user", "assistant", "user"]
     assert second[2]["content"].startswith("Sure.") and FakeLLM.seen[1]["stream"] is True
+
+
+def test_typed_text_reaches_the_llm_as_a_user_turn_and_a_listening_server_answers_in_text(listening, llm):
+    listening.services.config.agent.openai_base_url = f"http://127.0.0.1:{llm.server_port}/v1"
+    requests = audio_requests(converse_config(), _two_turns(), PHONE)
+    requests.insert(1, pb.SessionRequest(text="Hi, I am typing."))  # typed first, then two spoken turns
+    events, code, details = stream_blocking(listening.address, requests, "Converse")
+    assert code == grpc.StatusCode.OK, details
+    assert len(FakeLLM.seen) == 3 and FakeLLM.seen[0]["messages"][1:] == [{"role": "user", "content": "Hi, I am typing."}]
+    assert [m["role"] for m in FakeLLM.seen[2]["messages"]] == ["system"] + ["user", "assistant"] * 2 + ["user"]
+    assert len(of_kind(events, "agent_text")) == 6 and of_kind(events, "audio") == []  # no TTS: text only
+    assert [e.reply.type for e in of_kind(events, "reply")].count(pb.ReplyEvent.REPLY_FINISHED) == 3
 
 
 def test_openai_agent_down_or_slow_gives_a_notice_and_the_session_goes_on(listening, llm):

@@ -132,6 +132,76 @@ async def _items(*items):
         yield item
 
 
+async def converse(services: Services, agent: str, first: list, react, conversational: bool = True) -> list:
+    """A call the test steers: `first` goes in, then `react(event)` returns what to send next (None in
+    the list: hang up)."""
+    inbox: asyncio.Queue = asyncio.Queue()
+    for item in first:
+        inbox.put_nowait(item)
+
+    async def caller():
+        while (item := await inbox.get()) is not None:
+            yield item
+
+    session = Session(services, services.spec(front="test", input=PHONE, agent=agent), conversational)
+    out = []
+    try:
+        async for e in session.run(caller()):
+            out.append(e)
+            for item in react(e):
+                inbox.put_nowait(item)
+    finally:
+        await session.close()
+    return out
+
+
+def test_typed_text_is_answered_as_speech_is_and_stopped_as_speech_is(tts_worker):
+    def react(e):
+        if isinstance(e, ev.AudioOut) and e.reply_id == 1 and e.sequence == 0:
+            return [ev.StopSpeaking()]  # cut the first answer short, as a caller's cancel does
+        if isinstance(e, ev.ReplyInterrupted):
+            return [ev.UserText("And\ttomorrow?\n")]
+        return [None] if isinstance(e, ev.ReplyFinished) else []
+
+    out = asyncio.run(asyncio.wait_for(converse(services_with(tts_worker), "echo", [ev.UserText("  What time is it? ")],
+                                                react), 120))
+    said = [e.text for e in out if isinstance(e, ev.AgentTextOut)]
+    assert said == ["What time is it?", "And tomorrow?"]  # the agent heard the cleaned text
+    kinds = [type(e).__name__ for e in out if not isinstance(e, (ev.Started, ev.AgentTextOut))]
+    assert kinds[0] == "ReplyStarted" and kinds[1] == "AudioOut" and "ReplyInterrupted" in kinds
+    second = [e for e in out if getattr(e, "reply_id", None) == 2]
+    assert isinstance(second[-1], ev.ReplyFinished) and any(isinstance(e, ev.AudioOut) and e.last for e in second)
+    assert not any(isinstance(e, (ev.SpeechStarted, ev.TranscriptOut)) for e in out)  # nothing was heard
+
+
+def test_typed_text_without_tts_is_answered_in_text():
+    out = asyncio.run(asyncio.wait_for(converse(
+        services_with(), "echo", [ev.UserText("Hello there.")],
+        lambda e: [None] if isinstance(e, ev.ReplyFinished) else []), 30))
+    assert [type(e).__name__ for e in out] == ["Started", "AgentTextOut", "ReplyStarted", "ReplyFinished"]
+    assert out[1].text == "Hello there." and out[1].last and out[2].text == "Hello there."
+
+
+def test_bad_typed_text_is_refused_and_a_client_driven_agent_says_it_will_not_answer():
+    from voiced.core.spec import MAX_TEXT_CHARS
+
+    for text, words in (("  \n ", "text is empty"), ("\x00\x1b", "text is empty"),
+                        ("a" * (MAX_TEXT_CHARS + 1), f"text is {MAX_TEXT_CHARS + 1} characters")):
+        with pytest.raises(SessionError) as e:
+            asyncio.run(asyncio.wait_for(converse(services_with(), "echo", [ev.UserText(text)], lambda e: []), 30))
+        assert e.value.kind is ErrorKind.BAD_INPUT and words in e.value.message
+    with pytest.raises(SessionError) as e:  # a transcription-only session has no agent to ask
+        asyncio.run(asyncio.wait_for(converse(services_with(), "echo", [ev.UserText("Hi.")], lambda e: [],
+                                              conversational=False), 30))
+    assert e.value.kind is ErrorKind.BAD_INPUT and "only answered in Converse" in e.value.message
+    # An emoji is a fair question (only text to speak must hold words); the client agent never answers.
+    out = asyncio.run(asyncio.wait_for(converse(
+        services_with(), "client", [ev.UserText("👍"), ev.Speak("I heard you.")],
+        lambda e: [None] if isinstance(e, ev.ReplyFinished) else []), 30))
+    assert [type(e).__name__ for e in out] == ["Started", "NoticeOut", "ReplyStarted", "ReplyFinished"]
+    assert out[1].code == "NO_AGENT" and "'client'" in out[1].message and out[2].text == "I heard you."
+
+
 def test_admission_is_one_limit_for_every_door():
     async def scenario():
         s = services_with()

@@ -405,33 +405,104 @@ def _typed(c: Conn, text: str):
                                                  "content": [{"type": "input_text", "text": text}]})
 
 
-@pytest.mark.skipif(not hasattr(__import__("voiced.core.events").core.events, "UserText"),
-                    reason="the session core does not take typed text yet (core.events.UserText)")
 def test_typed_text_gets_a_spoken_answer(daemon):
     async def go(c: Conn):
         await c.conn.session.update(session=session())
         await c.until("session.updated")
         await _typed(c, "What time is it?")
         added = await c.until("conversation.item.added")
+        item_done = await c.until("conversation.item.done")
+        asked_at = len(c.events)  # typed text waits for response.create, even with server_vad on
         await c.conn.response.create()
         done = await c.until("response.done")
-        return added, done, c
+        return added, item_done, asked_at, done, c
 
-    added, done, c = asyncio.run(connect(daemon, go))
-    assert added.item.content[0].text == "What time is it?"
+    added, item_done, asked_at, done, c = asyncio.run(connect(daemon, go))
+    assert added.item.role == "user" and added.item.content[0].type == "input_text"
+    assert added.item.content[0].text == item_done.item.content[0].text == "What time is it?"
+    assert added.item.id == item_done.item.id
+    types = [e.type for e in c.events]
+    assert types.index("response.created") >= asked_at
+    order = ["response.created", "response.output_audio_transcript.delta", "response.output_audio.delta",
+             "response.output_audio.done", "response.output_audio_transcript.done", "response.done"]
+    assert sorted(order, key=types.index) == order, types
     said = "".join(d.delta for d in c.of("response.output_audio_transcript.delta"))
     assert said == "What time is it?" and done.response.status == "completed"  # the echo agent
-    assert c.of("response.output_audio.delta")
+    assert done.response.output[0].content[0].transcript == said
+    audio = b"".join(base64.b64decode(d.delta) for d in c.of("response.output_audio.delta"))
+    assert 0.1 < len(audio) / 2 / 24000 <= REPLY_S + 0.05
+    assert not c.of("input_audio_buffer.speech_started")  # nothing was heard: the text was the turn
 
 
-@pytest.mark.skipif(hasattr(__import__("voiced.core.events").core.events, "UserText"),
-                    reason="the session core takes typed text: test_typed_text_gets_a_spoken_answer")
-def test_typed_text_is_refused_while_the_core_cannot_answer_it(daemon):
+def test_a_typed_texts_reply_is_cancelled_and_talked_over_as_a_spoken_one(daemon, speech):
+    data = wire_audio(speech, PCM24)
+
     async def go(c: Conn):
         await c.conn.session.update(session=session())
         await c.until("session.updated")
-        await _typed(c, "What time is it?")
-        return await c.until("error")
+        await _typed(c, "Tell me a story.")
+        await c.conn.response.create()
+        await c.until("response.output_audio.delta")
+        await c.conn.response.cancel()
+        cancelled = await c.until("response.done")
+        await _typed(c, "Tell me another one.")
+        await c.conn.response.create()
+        await c.until("response.output_audio.delta")
+        await c.send_audio(data, PCM24)  # the caller talks over the reply
+        talked_over = await c.until("response.done")
+        heard = await c.until("conversation.item.input_audio_transcription.completed")
+        answered = await c.until("response.done")  # and what they said is answered in turn
+        return cancelled, talked_over, heard, answered, c
 
-    refused = asyncio.run(connect(daemon, go))
-    assert refused.error.code == "unsupported_item" and refused.error.param == "item"
+    cancelled, talked_over, heard, answered, c = asyncio.run(connect(daemon, go))
+    assert cancelled.response.status == "cancelled" and cancelled.response.status_details.reason == "client_cancelled"
+    assert cancelled.response.output[0].content[0].transcript == "Tell me a story."
+    assert talked_over.response.status == "cancelled" and talked_over.response.status_details.reason == "turn_detected"
+    assert answered.response.status == "completed"
+    assert answered.response.output[0].content[0].transcript == heard.transcript
+
+
+def test_bad_typed_text_gets_errors_and_the_connection_goes_on(daemon):
+    from voiced.core.spec import MAX_TEXT_CHARS
+
+    WAITING = ("word " * (MAX_TEXT_CHARS // 10)).strip()  # half the limit
+
+    def item(*content, role="user", kind="message") -> str:
+        return json.dumps({"type": "conversation.item.create", "event_id": "mine",
+                           "item": {"type": kind, "role": role, "content": list(content)}})
+
+    async def go(c: Conn):
+        ws = c.conn._connection  # the SDK would send these too, but its types say what is well formed
+        await c.conn.session.update(session=session())
+        await c.until("session.updated")
+        errors = []
+        for raw in (item({"type": "input_text", "text": "  "}),
+                    item({"type": "input_text", "text": "\u0000\u0007"}),
+                    item({"type": "input_text", "text": "x" * (MAX_TEXT_CHARS + 1)}),
+                    item({"type": "input_audio", "audio": "AAAA"}),
+                    item({"type": "input_text"}),
+                    item({"type": "input_text", "text": "Be terse."}, role="system"),
+                    item(kind="function_call_output")):
+            await ws.send(raw)
+            errors.append(await c.until("error"))
+        # Waiting text counts towards the limit: what one response.create would hand the agent.
+        await _typed(c, WAITING)
+        await c.until("conversation.item.done")
+        await ws.send(item({"type": "input_text", "text": "more " * (MAX_TEXT_CHARS // 10 + 1)}))
+        errors.append(await c.until("error"))
+        await c.conn.response.create()  # and it still works: the waiting text is answered
+        done = await c.until("response.done")
+        return errors, done, c
+
+    errors, done, c = asyncio.run(connect(daemon, go))
+    assert [(e.error.code, e.error.param) for e in errors] == [
+        ("invalid_value", "item.content"), ("invalid_value", "item.content"),
+        ("string_above_max_length", "item.content"), ("unsupported_content", "item.content[0].type"),
+        ("missing_required_parameter", "item.content[0].text"), ("unsupported_item", "item.role"),
+        ("unsupported_item", "item.type"), ("string_above_max_length", "item.content")]
+    assert all(e.error.message and e.error.event_id == "mine" for e in errors)
+    assert "at most 4000" in errors[2].error.message and "waiting for response.create" in errors[-1].error.message
+    assert done.response.status == "completed"
+    said = "".join(d.delta for d in c.of("response.output_audio_transcript.delta"))
+    assert said == WAITING
+    assert len(c.of("conversation.item.added")) == 2  # the typed item and the reply: nothing bad was added

@@ -1,8 +1,9 @@
 """The speaking half of a Converse session: agent replies spoken back, and barge-in.
 
-Each final transcript (and each DTMF key, for agents that take them) goes to the session's agent;
-each piece of its answer is spoken with the session's voice, and the audio leaves in the caller's
-output format chunk by chunk while the TTS engine is still writing it. Replies are spoken one
+Each final transcript, each piece of typed user text (UserText), and each DTMF key (for agents that
+take them) goes to the session's agent; each piece of its answer is spoken with the session's voice,
+and the audio leaves in the caller's output format chunk by chunk while the TTS engine is still
+writing it (a server without TTS sends the answer's text alone). Replies are spoken one
 after another. Caller speech that lasts at least the barge-in minimum cancels the reply in flight
 at once: its TTS request is cancelled (freeing its batch slot), no further chunk of it is sent, and
 ReplyInterrupted says how much audio went out. An agent that ends the call gets its last words
@@ -29,7 +30,7 @@ from voiced.core.events import (
     ReplyStarted,
     SessionError,
 )
-from voiced.core.spec import check_text
+from voiced.core.spec import check_text, check_user_text
 from voiced.core.speech import check_voice
 from voiced.engines.base import CapacityError, EngineError, TTSRequest
 
@@ -40,7 +41,7 @@ log = logging.getLogger(__name__)
 class Reply:
     reply_id: int
     turn_id: int
-    ended_at: float | None  # end of the caller's speech this answers (None: a Speak or a key)
+    ended_at: float | None  # end of the caller's speech this answers (None: a Speak, typed text or a key)
     text: str | None = None  # fixed text (Speak); None: ask the agent
     question: str = ""
     digit: str | None = None  # a DTMF key for the agent's on_dtmf
@@ -77,6 +78,17 @@ class Conversation:
         if self.agent is None:
             return  # client-driven: the caller decides what to say
         self._enqueue(Reply(self._next_id(), turn.turn_id, turn.ended_at, question=transcript.text))
+
+    async def on_text(self, text: str) -> None:
+        """Typed user text: answered by the agent on the same path as a final transcript."""
+        text = check_user_text(text, "text")
+        if self.agent is None:
+            await self.session.send(NoticeOut(
+                self.spec.session_id, self.session.turn_id, "NO_AGENT",
+                f"the agent {self.spec.agent!r} does not answer by itself, so typed text gets no reply; "
+                "choose another agent, or send what to say with speak"))
+            return
+        self._enqueue(Reply(self._next_id(), self.session.turn_id, None, question=text))
 
     async def speak(self, text: str) -> None:
         text = check_text(text, "speak.text")

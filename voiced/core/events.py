@@ -78,7 +78,16 @@ class Dtmf:
     digit: str  # "0"-"9", "*", "#", "A"-"D"
 
 
-InputEvent = AudioIn | TalkStart | TalkEnd | Speak | StopSpeaking | Dtmf
+@dataclass
+class UserText:
+    """Typed user text: the agent answers it as it answers a final transcript (a reply with
+    AgentTextOut, ReplyStarted, AudioOut when the server speaks, ReplyFinished); Speak, by contrast,
+    is text the session says itself."""
+
+    text: str
+
+
+InputEvent = AudioIn | TalkStart | TalkEnd | Speak | StopSpeaking | Dtmf | UserText
 
 
 # ---------------------------------------------------------------------------- out of a session

@@ -48,6 +48,7 @@ from voiced.core.events import (
     TalkEnd,
     TalkStart,
     TranscriptOut,
+    UserText,
     invalid,
 )
 from voiced.core.segmenter import Segmenter, Utterance
@@ -289,6 +290,11 @@ class Session:
                 await self.conversation.speak(item.text)
             else:
                 await self.conversation.interrupt()
+        elif isinstance(item, UserText):
+            if self.conversation is None:
+                raise invalid("text (typed user text) is only answered in Converse, which has an agent; "
+                              "this session transcribes only")
+            await self.conversation.on_text(item.text)
         elif isinstance(item, Dtmf):
             if item.digit not in DTMF_DIGITS:
                 raise invalid(f"DTMF digit {item.digit!r} is not one of 0-9, *, #, A-D")

@@ -79,10 +79,15 @@ def _check_segmentation(seg: SegmenterConfig) -> SegmenterConfig:
     return seg
 
 
+def clean_text(text: str) -> str:
+    """Control characters become spaces; runs of white space one space."""
+    return " ".join("".join(" " if unicodedata.category(c)[0] == "C" else c for c in text).split())
+
+
 def check_text(text: str, what: str) -> str:
     """Text to speak, cleaned and checked: control characters become spaces; empty, oversize, or
     nothing speakable (only emoji, symbols, control characters) is BAD_INPUT."""
-    cleaned = " ".join("".join(" " if unicodedata.category(c)[0] == "C" else c for c in text).split())
+    cleaned = clean_text(text)
     if not cleaned:
         if text.strip():
             raise invalid(f"{what} has nothing to say: it holds only control characters; send words")
@@ -92,6 +97,17 @@ def check_text(text: str, what: str) -> str:
                       "(split longer text)")
     if not any(unicodedata.category(c)[0] in "LN" for c in cleaned):
         raise invalid(f"{what} has nothing to say: it holds only emoji, symbols or punctuation; send words")
+    return cleaned
+
+
+def check_user_text(text: str, what: str) -> str:
+    """Typed user text for the agent, cleaned as `check_text` cleans it; empty or oversize is BAD_INPUT.
+    (An emoji is a fair question to an agent: only text to speak must hold words.)"""
+    cleaned = clean_text(text)
+    if not cleaned:
+        raise invalid(f"{what} is empty; send what the user typed")
+    if len(cleaned) > MAX_TEXT_CHARS:
+        raise invalid(f"{what} is {len(cleaned)} characters; send at most {MAX_TEXT_CHARS} at a time")
     return cleaned
 
 

@@ -124,10 +124,12 @@ async def session_inputs(requests: AsyncIterator[pb.SessionRequest]) -> AsyncIte
             yield ev.AudioIn(request.audio)
         elif kind == "control":
             yield control_event(request.control)
+        elif kind == "text":
+            yield ev.UserText(request.text)
         elif kind == "config":
             raise invalid("config was already sent; send it once, as the first message of the stream")
         else:
-            raise invalid("empty request: set one of config, audio or control")
+            raise invalid("empty request: set one of config, audio, text or control")
 
 
 def control_event(control: pb.Control) -> ev.InputEvent:

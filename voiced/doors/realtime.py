@@ -11,9 +11,11 @@ How the interface maps onto the daemon:
   `input_audio_buffer.commit` ends a turn (push-to-talk) and `clear` drops what was appended since.
 - Partial transcripts (`conversation.item.input_audio_transcription.delta`) come when
   `audio.input.transcription.model` names a streaming model (anything but whisper-1).
-- Every user turn is answered by the agent (create_response true); `response.create` answers text
-  typed with `conversation.item.create`; `response.cancel` stops the reply; speech over a reply
-  cancels it (barge-in), unless interrupt_response is false.
+- Every spoken user turn is answered by the agent (create_response true). Text typed with
+  `conversation.item.create` (a user message of input_text) is answered when `response.create`
+  comes, as the core's UserText: the agent gets it as a user turn and the reply takes the same path
+  as a spoken one (without TTS, its words alone). `response.cancel` stops a reply; speech over a
+  reply cancels it (barge-in), unless interrupt_response is false.
 - A `session.update` that changes the audio pipeline after audio has flowed restarts it (the agent's
   memory of the conversation starts afresh); voice and instructions changes take the same path.
 - Audio sent before the first `session.update`, binary frames, unknown or malformed events get an
@@ -280,11 +282,11 @@ class RealtimeConnection:
     async def _item_create(self, item: dict, event_id) -> None:
         if self.cfg.type == "transcription":
             raise EventError("invalid_event", "a transcription session takes audio only", "type", event_id)
-        text = rt.user_text(item, event_id)
-        if not hasattr(core, "UserText"):
-            raise EventError("unsupported_item", "typed messages are not served by this server yet: speak instead",
-                             "item", event_id)
-        item_id = item.get("id") if isinstance(item.get("id"), str) else self.ids.new("item")
+        waiting = sum(len(t) for t in self.pending_text) + len(self.pending_text)  # joined with spaces
+        text = rt.user_text(item, event_id, waiting)
+        item_id = item.get("id") if isinstance(item.get("id"), str) and item["id"] else self.ids.new("item")
+        # As OpenAI does: the item joins the conversation now, and only response.create asks for the
+        # answer (with server_vad too: typed text never answers itself).
         self.pending_text.append(text)
         added = rt.user_item(item_id, text=text)
         await self.send({"type": "conversation.item.added", "item": added, "previous_item_id": self.last_item})
@@ -296,8 +298,13 @@ class RealtimeConnection:
             raise EventError("invalid_event", "a transcription session gives no responses", "type", event_id)
         if not self.pending_text:
             return  # spoken turns are answered as they end; nothing else waits for an answer
+        if self.response is not None:
+            raise EventError("conversation_already_has_active_response", "a response is in progress: wait for "
+                             "its response.done (or send response.cancel), then send response.create again",
+                             None, event_id)
         pipeline = await self._pipeline(event_id)
         text, self.pending_text = " ".join(self.pending_text), []
+        # The core answers it as it answers a transcript: the same reply path, barge-in and cancel.
         await pipeline.inputs.put(core.UserText(text))
 
     # ------------------------------------------------------------------ the core session

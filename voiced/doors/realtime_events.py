@@ -15,6 +15,9 @@ import itertools
 import uuid
 from dataclasses import dataclass
 
+from voiced.core.events import SessionError
+from voiced.core.spec import MAX_TEXT_CHARS, check_user_text, clean_text
+
 CLIENT_EVENTS = (
     "session.update",
     "input_audio_buffer.append",
@@ -101,11 +104,14 @@ def parse_client_event(event) -> dict:
     return event
 
 
-def user_text(item: dict, event_id: str | None) -> str:
-    """The text of a `conversation.item.create` user message (its input_text parts)."""
-    if item.get("type") != "message" or item.get("role") not in ("user", "system"):
-        raise EventError("unsupported_item", "only message items with role user (or system) can be created here; "
-                         "function calls and tools are not served", "item.type", event_id)
+def user_text(item: dict, event_id: str | None, waiting_chars: int = 0) -> str:
+    """The text of a `conversation.item.create` user message (its input_text parts, cleaned as the
+    session core takes typed text). `waiting_chars`: typed text already waiting for response.create,
+    which goes to the agent with this one."""
+    if item.get("type") != "message" or item.get("role") != "user":
+        raise EventError("unsupported_item", "only message items with role user can be created here (the "
+                         "agent's instructions go in session.update; function calls and tools are not served)",
+                         "item.type" if item.get("type") != "message" else "item.role", event_id)
     content = _need(item, "content", list, "item", event_id)
     texts = []
     for i, part in enumerate(content):
@@ -117,10 +123,15 @@ def user_text(item: dict, event_id: str | None) -> str:
             raise EventError("unsupported_content", f"item.content[{i}].type {part.get('type')!r} is not served; "
                              "send input_text (audio goes through input_audio_buffer.append)",
                              f"item.content[{i}].type", event_id)
-    text = " ".join(t.strip() for t in texts if t.strip())
-    if not text:
-        raise EventError("invalid_value", "the message has no text", "item.content", event_id)
-    return text
+    text = clean_text(" ".join(texts))
+    if waiting_chars + len(text) > MAX_TEXT_CHARS:
+        waiting = f" (with the {waiting_chars} waiting for response.create)" if waiting_chars else ""
+        raise EventError("string_above_max_length", f"the message's text is {len(text)} characters{waiting}; "
+                         f"send at most {MAX_TEXT_CHARS} at a time", "item.content", event_id)
+    try:
+        return check_user_text(text, "the message's text")
+    except SessionError as e:
+        raise EventError("invalid_value", e.message, "item.content", event_id) from None
 
 
 # ---------------------------------------------------------------------------- session config

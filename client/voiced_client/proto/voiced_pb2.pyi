@@ -169,14 +169,16 @@ class Control(_message.Message):
     def __init__(self, talk_start: _Optional[_Union[TalkStart, _Mapping]] = ..., talk_end: _Optional[_Union[TalkEnd, _Mapping]] = ..., speak: _Optional[_Union[Speak, _Mapping]] = ..., stop_speaking: _Optional[_Union[StopSpeaking, _Mapping]] = ...) -> None: ...
 
 class SessionRequest(_message.Message):
-    __slots__ = ("config", "audio", "control")
+    __slots__ = ("config", "audio", "control", "text")
     CONFIG_FIELD_NUMBER: _ClassVar[int]
     AUDIO_FIELD_NUMBER: _ClassVar[int]
     CONTROL_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
     config: SessionConfig
     audio: bytes
     control: Control
-    def __init__(self, config: _Optional[_Union[SessionConfig, _Mapping]] = ..., audio: _Optional[bytes] = ..., control: _Optional[_Union[Control, _Mapping]] = ...) -> None: ...
+    text: str
+    def __init__(self, config: _Optional[_Union[SessionConfig, _Mapping]] = ..., audio: _Optional[bytes] = ..., control: _Optional[_Union[Control, _Mapping]] = ..., text: _Optional[str] = ...) -> None: ...
 
 class SessionStarted(_message.Message):
     __slots__ = ("session_id", "effective_config")
