@@ -125,8 +125,8 @@ def start_server(args):
     tts.segment_base_s = 1e6
     speaker = torch.randint(0, 4096, (32,), generator=torch.Generator().manual_seed(0)).tolist()
     tts.voices.resolve = lambda name: Voice("bench", "cloned", global_ids=speaker)
-    if not args.tiny_cpu:
-        tts.lm.compile_decode()  # what SparkTTSEngine.load does on CUDA by default
+    if not args.tiny_cpu and os.environ.get("VOICED_SPARK_COMPILE", "1") != "0":
+        tts.lm.compile_decode()  # what SparkTTSEngine.load does on CUDA (unless VOICED_SPARK_COMPILE=0)
     tts_thread.call(tts.warmup)
     gpu_memory("TTS load and warm-up", args)
     services = Services(config=config, metrics=Metrics(), asr=EngineWorker(asr, "asr", thread=asr_thread),

@@ -81,6 +81,11 @@ async def resolve_voice(services, voice, speed: float = 1.0) -> str | None:
     if voice is not None and (not isinstance(voice, str) or not voice.strip()):
         raise _bad("voice must be a voice name (GET /v1/audio/voices)", "voice")
     name = (voice or "").strip() or services.config.tts.voice or None
+    has = getattr(services.voices, "has", None)
+    if speed == 1.0 and name and has is not None and has(name):
+        # A voice of the server by its own name, as gRPC's check takes it: no trip to a thread (which,
+        # under load, waits for the GIL while the engine thread steps) before the request reaches the engine.
+        return name
 
     def resolve(n):
         try:
