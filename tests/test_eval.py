@@ -95,6 +95,9 @@ def test_eval_runs_ours_and_openai_whisper_on_one_checkpoint(tmp_path, capsys):
         hyps = full["hypotheses"][r["system"]]
         assert r["wer"] == pytest.approx(jiwer.wer(refs, [norm(hyps[k]) for k in sorted(hyps)]))
         assert r["latency_p90_ms"] >= r["latency_p50_ms"] > 0 and r["rtf"] > 0 and r["utterances"] == 3
+        # each utterance's own latency is kept, for paired comparisons
+        lat = full["latencies_ms"][r["system"]]
+        assert sorted(lat) == sorted(full["references"]) and all(v > 0 for v in lat.values())
     assert voiced_main(["transcribe", str(tmp_path / "s" / "utt-0002.wav"), "--model", str(model), "--json"]) == 0
     said = json.loads(capsys.readouterr().out)["text"]
     assert full["hypotheses"]["voiced float32"]["utt-0002"] == said

@@ -219,6 +219,10 @@ class SystemResult:
     hypotheses: list[str] = field(default_factory=list)
     latencies: list[list[float]] = field(default_factory=list)  # per utterance, per repeat (s)
 
+    def utterance_ms(self) -> list[float]:
+        """Each utterance's latency (the median of its timed runs), in milliseconds."""
+        return [statistics.median(x) * 1000 for x in self.latencies]
+
     def figures(self, utts: list[Utterance], normalize: Callable[[str], str]) -> dict:
         import jiwer
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 from pathlib import Path
 
@@ -147,6 +148,7 @@ def evaluate(args: argparse.Namespace) -> int:
               "audio_seconds": sum(u.seconds for u in utts), "machine": ev.machine(), "results": rows}
     if args.out:
         full = dict(report, hypotheses={r.name: dict(zip((u.name for u in utts), r.hypotheses)) for r in results},
+                    latencies_ms={r.name: dict(zip((u.name for u in utts), r.utterance_ms())) for r in results},
                     references={u.name: u.text for u in utts})
         Path(args.out).write_text(json.dumps(full, indent=2))
     if args.json:
@@ -154,12 +156,17 @@ def evaluate(args: argparse.Namespace) -> int:
         return 0
     print(ev.table(rows))
     by_name = {r["system"]: r for r in rows}
+    per_utt = {r.name: r.utterance_ms() for r in results}
     for r in rows:
         if r["system"].startswith("voiced "):
             ref = by_name.get("faster-whisper " + r["system"].split(" ", 1)[1])
             if ref:
+                # Paired per utterance too: on a shared machine the median of the ratios is steadier
+                # than the ratio of the medians.
+                ratios = [a / b for a, b in zip(per_utt[r["system"]], per_utt[ref["system"]])]
                 print(f"{r['system']}: p50 latency {r['latency_p50_ms'] / ref['latency_p50_ms']:.2f}x "
-                      f"{ref['system']}'s, WER {100 * (r['wer'] - ref['wer']):+.2f} points")
+                      f"{ref['system']}'s (per utterance: median {statistics.median(ratios):.2f}x, faster on "
+                      f"{sum(x < 1 for x in ratios)} of {len(ratios)}), WER {100 * (r['wer'] - ref['wer']):+.2f} points")
     print(f"normalizer: {norm_name}; {len(utts)} utterances, {report['audio_seconds']:.1f} s of audio; "
           f"{args.threads} threads, {args.repeats} timed run(s) each")
     return 0
