@@ -253,6 +253,11 @@ class SparkTTSEngine:
                  voices_dir: str | Path | None = None, use_cuda_graphs: bool = True,
                  model_name: str = "Spark-TTS-0.5B", decode_steps: int = DECODE_STEPS) -> None:
         self.checkpoint = checkpoint
+        # Inference only: with parameters that require grad, every forward run outside no_grad (warm-up
+        # ran the vocoder so) records an autograd graph that keeps each activation alive until the output
+        # dies: a 5.8 GiB transient in the vocoder's warm-up at full size.
+        lm.requires_grad_(False)
+        codec.requires_grad_(False)
         self.lm, self.codec, self.tokenizer, self.special = lm, codec, tokenizer, special
         self.device = device
         self.model_name = model_name
@@ -366,6 +371,7 @@ class SparkTTSEngine:
                            graphs=use_cuda_graphs, decode_steps=decode_steps,
                            workspace_bytes=stream_workspace_bytes(device) if cuda else 0)
 
+    @torch.no_grad()
     def warmup(self, first_chunk_tokens: int | None = None, chunk_tokens: int | None = None) -> None:
         """Run now, on the GPU, every shape serving will meet, so that no request pays a first-time cost
         (torch.compile, CUDA-graph capture, cuDNN / cuBLAS plans):
