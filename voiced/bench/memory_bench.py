@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> dict:
     from voiced.bench.targets import judge
     from voiced.core.scheduler import EngineThread
     from voiced.engines.base import ASROptions, ASRRequest, TTSOptions, TTSRequest
-    from voiced.engines.spark.engine import PHASE_SEMANTIC, _module_bytes
+    from voiced.engines.spark.engine import PHASE_SEMANTIC, _module_bytes, vocoder_step_bytes
     from voiced.engines.spark.engine import memory_need as spark_need
     from voiced.engines.spark.voices import Voice
     from voiced.engines.whisper.engine import WhisperEngine, tensor_bytes
@@ -130,7 +130,8 @@ def main(argv: list[str] | None = None) -> dict:
     tts.lm.compile_decode()
     s_need = spark_need(tts.lm.config, torch.bfloat16, _module_bytes(tts.lm, torch.bfloat16),
                         _module_bytes(tts.codec, torch.bfloat16), tts.max_batch, tts.max_seq_len, cuda=True,
-                        graphs=tts.use_cuda_graphs, decode_steps=tts.decode_steps, workspace_bytes=workspace)
+                        graphs=tts.use_cuda_graphs, decode_steps=tts.decode_steps, workspace_bytes=workspace,
+                        vocoder_bytes=vocoder_step_bytes(tts.codec.config, torch.bfloat16))
     mark("tts_load")
     thread.call(tts.warmup)
     mark("tts_warmup")
@@ -168,7 +169,9 @@ def main(argv: list[str] | None = None) -> dict:
     held_plan = {e.engine: sum(i.bytes for i in e.items if not i.transient) for e in (w_need, s_need)}
     total = plan_total([w_need, s_need])
     serving_peak = phases["serving"]["peak_gib"] * GIB
-    warm_peak = max(phases["asr_warmup"]["peak_gib"], phases["tts_warmup"]["peak_gib"]) * GIB
+    # the TTS warm-up resets the allocator's peak after each phase and reports each phase's own
+    warm_peak = max(phases["asr_warmup"]["peak_gib"], phases["tts_warmup"]["peak_gib"],
+                    *res["tts_warmup_peaks_gib"].values()) * GIB
     res["phases"] = phases
     res["summary"] = {
         "whisper_held_gib": _gib(asr_held), "whisper_plan_held_gib": _gib(held_plan["Whisper"]),
