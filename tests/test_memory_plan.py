@@ -94,3 +94,48 @@ def test_pytorch_sizing_from_the_plan():
     assert kv_slots(10, qwen, 2560) == 0
     with pytest.raises(ValueError):
         kv_slots(10, qwen, 0)
+
+
+def test_peak_live_bytes_counts_what_is_alive_at_once():
+    """Tensors alive together count together; freed ones stop counting; views add nothing."""
+    import torch
+
+    from voiced.memory_plan import peak_live_bytes
+
+    def step():
+        a = torch.ones(1000, device="meta")  # 4000 bytes
+        b = (a + 1).view(10, 100)  # + 4000 (the view adds nothing)
+        c = b * 2  # + 4000: 12000 at once
+        del a, b
+        d = c + 1  # c and d: 8000
+        return d.sum()
+
+    assert peak_live_bytes(step) == 12_000
+
+
+def test_the_vocoder_transient_measured_on_meta_is_what_the_step_allocates():
+    """The plan's vocoder-step transient, taken on the meta device, equals what running the same step
+    (the largest window batch a vocoder step decodes) allocates in PyTorch tensors on the CPU."""
+    import tempfile
+    from pathlib import Path
+
+    import torch
+
+    from tests.spark_fixtures import BICODEC_YAML, ROOT_YAML
+    from voiced.engines.spark.bicodec import BiCodec, BiCodecConfig
+    from voiced.engines.spark.engine import VOCODER_STEP_TOKENS, VOCODER_STEP_WINDOWS, vocoder_step_bytes
+    from voiced.engines.spark.streaming import decode_windows
+    from voiced.memory_plan import peak_live_bytes
+
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "c.yaml").write_text(BICODEC_YAML.format(w2v=64, latent=32))
+        (Path(tmp) / "r.yaml").write_text(ROOT_YAML)
+        cfg = BiCodecConfig.from_yaml(Path(tmp) / "c.yaml", Path(tmp) / "r.yaml")
+    planned = vocoder_step_bytes(cfg, torch.float32)
+    codec = BiCodec(cfg).eval().requires_grad_(False)
+    b, length = VOCODER_STEP_WINDOWS, VOCODER_STEP_TOKENS // VOCODER_STEP_WINDOWS
+    ids, spk = torch.randint(0, 8192, (b, length)), torch.randn(b, cfg.speaker_out_dim)
+    with torch.no_grad():
+        measured = peak_live_bytes(lambda: decode_windows(codec, ids, spk, [length] * b))
+    # the samples of the largest step's output alone, at the last layer: 1024 tokens x 320 x 4 bytes
+    assert planned == measured > VOCODER_STEP_TOKENS * 320 * 4

@@ -253,3 +253,20 @@ def test_cli_speak_and_voices(ckpt, tmp_path, capsys):
         assert w.getframerate() == 16000 and w.getnframes() == stats["semantic_tokens"] * 320
     assert main(["speak", " ", "--model", str(ckpt), "--device", "cpu", "--out", str(out)]) == 2
     assert main(["voices", "delete", "bob", "--voices-dir", vd]) == 0
+
+
+def test_warm_up_keeps_no_activations_for_backward(engine):
+    """The engine is inference only: running the vocoder at warm-up's shapes (which ran outside no_grad)
+    saves nothing for backward. Saved activations were a 5.8 GiB transient at full size on a GPU."""
+    import torch
+
+    saved = []
+
+    def pack(t):
+        saved.append(t.numel() * t.element_size())
+        return t
+
+    assert not any(p.requires_grad for p in (*engine.lm.parameters(), *engine.codec.parameters()))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        shapes = engine._warm_vocoder(engine.radius // 2, 4)
+    assert shapes > 0 and sum(saved) == 0, f"{len(saved)} tensors ({sum(saved)} bytes) saved for backward"

@@ -237,7 +237,9 @@ class EngineNeed:
 
     @property
     def total(self) -> int:
-        return sum(i.bytes for i in self.items)
+        """Everything held plus the largest of its step transients (one step runs at a time)."""
+        return sum(i.bytes for i in self.items if not i.transient) + max(
+            (i.bytes for i in self.items if i.transient), default=0)
 
     def check(self, free_bytes: int, fraction: float) -> None:
         """Refuse (MemoryPlanError) a need larger than its share of the free memory, or than the free memory."""
@@ -300,3 +302,45 @@ def stream_workspace_bytes(device: str) -> int:
     del out
     _WORKSPACE[device] = max(0, torch.cuda.memory_allocated(dev) - before)
     return _WORKSPACE[device]
+
+
+def peak_live_bytes(fn) -> int:
+    """The most bytes that tensors made by `fn()` hold at once while it runs (views share their base's
+    storage; a tensor counts until it is freed). Run it on the meta device: the same operators as on a
+    GPU, no memory, no arithmetic, so a step's transient is known before anything loads. Workspaces a
+    library takes outside PyTorch's tensors (cuDNN, cuBLAS) are not seen."""
+    import weakref
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    class _Live(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.live = self.peak = 0
+            self.storages: set[int] = set()
+
+        def _free(self, key: int, n: int) -> None:
+            self.storages.discard(key)
+            self.live -= n
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in tree_flatten(out)[0]:
+                if not hasattr(t, "untyped_storage"):
+                    continue
+                storage = t.untyped_storage()
+                key = id(storage) if t.is_meta else storage.data_ptr()
+                if t._is_view() or key in self.storages:
+                    continue
+                n = storage.nbytes()
+                self.storages.add(key)
+                self.live += n
+                self.peak = max(self.peak, self.live)
+                weakref.finalize(t, self._free, key, n)
+            return out
+
+    with _Live() as live:
+        result = fn()
+        del result
+    return live.peak

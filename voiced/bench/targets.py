@@ -30,6 +30,9 @@ TARGETS = {
     # issue 12: a front door's voice-to-voice (as its callers hear it) over gRPC's, 16 conversations
     "door_overhead_p50_ms_audiosocket_16": Target("AudioSocket door over gRPC, voice-to-voice p50", 5, "ms"),
     "door_overhead_p50_ms_media_ws_16": Target("media WebSocket door over gRPC, voice-to-voice p50", 5, "ms"),
+    # issue 15: the printed memory plan against the serving peak, and the warm-up's peak over serving's
+    "memory_plan_error_pct": Target("GPU memory plan against the serving peak, absolute error", 5, "%"),
+    "memory_warmup_over_serving_gib": Target("GPU memory: warm-up peak over the serving peak", 0.5, "GiB"),
 }
 
 

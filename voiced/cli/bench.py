@@ -5,6 +5,8 @@
     voiced bench e2e --wav W --tiktoken-dir DIR     N concurrent calls through gRPC (JSON); --front grpc
                                                     audiosocket media_ws realtime: the same through each door
     voiced bench speech --tiktoken-dir DIR          /v1/audio/speech's first byte next to gRPC Synthesize's (JSON)
+    voiced bench memory --tiktoken-dir DIR          both engines' GPU memory: the printed plan against the
+                                                    allocator, warm-up and serving peaks (JSON); --trace
     voiced bench plot RESULT.json... --out bench.png
 Each sub-command's own options: `voiced bench whisper --help`, and so on.
 """
@@ -18,7 +20,8 @@ from pathlib import Path
 from voiced.cli import CliError
 
 SUITES = {"whisper": "voiced.bench.whisper_bench", "spark": "voiced.bench.spark_bench",
-          "e2e": "voiced.bench.e2e_bench", "speech": "voiced.bench.speech_bench"}
+          "e2e": "voiced.bench.e2e_bench", "speech": "voiced.bench.speech_bench",
+          "memory": "voiced.bench.memory_bench"}
 
 
 def register(sub) -> None:

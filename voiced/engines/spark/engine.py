@@ -218,9 +218,29 @@ def _doubling(top: int, start: int) -> list[int]:
         b *= 2
 
 
+def vocoder_step_bytes(codec_config, dtype: torch.dtype) -> int:
+    """The transient of the largest vocoder step: VOCODER_STEP_TOKENS window tokens, as
+    VOCODER_STEP_WINDOWS windows (every batch bucket x padded length a step decodes holds at most that
+    many tokens, and the activations grow with tokens), measured on the meta device."""
+    from voiced.memory_plan import peak_live_bytes
+
+    from .streaming import decode_windows
+
+    b = VOCODER_STEP_WINDOWS
+    length = VOCODER_STEP_TOKENS // b
+    with torch.device("meta"):
+        codec = BiCodec(codec_config).to(dtype).eval().requires_grad_(False)
+        ids = torch.zeros(b, length, dtype=torch.long)
+        spk = torch.zeros(b, codec_config.speaker_out_dim, dtype=dtype)
+    with torch.no_grad():
+        return peak_live_bytes(lambda: decode_windows(codec, ids, spk, [length] * b))
+
+
 def memory_need(cfg, lm_dtype: torch.dtype, lm_bytes: int, codec_bytes: int, max_batch: int, max_seq_len: int, *,
-                cuda: bool, graphs: bool = True, decode_steps: int = DECODE_STEPS, workspace_bytes: int = 0) -> EngineNeed:
-    """What `SparkTTSEngine.load(...)` with these settings holds on its device (see voiced.memory_plan)."""
+                cuda: bool, graphs: bool = True, decode_steps: int = DECODE_STEPS, workspace_bytes: int = 0,
+                vocoder_bytes: int = 0) -> EngineNeed:
+    """What `SparkTTSEngine.load(...)` with these settings holds on its device (see voiced.memory_plan).
+    vocoder_bytes: the largest vocoder step's transient (`vocoder_step_bytes`)."""
     kv = 2 * cfg.num_hidden_layers * max_batch * cfg.num_key_value_heads * max_seq_len * cfg.head_dim * lm_dtype.itemsize
     items = [Need("LM weights", lm_bytes), Need("BiCodec weights", codec_bytes),
              Need(f"LM KV cache: {max_seq_len} positions x {max_batch} rows", kv),
@@ -237,7 +257,10 @@ def memory_need(cfg, lm_dtype: torch.dtype, lm_bytes: int, codec_bytes: int, max
     # attention's inputs in the LM's dtype.
     t, e = PREFILL_STEP_TOKENS, lm_dtype.itemsize
     prefill = t * t * (1 + e) + t * e * (3 * cfg.intermediate_size + 4 * cfg.hidden_size)
-    items.append(Need(f"largest step transient, estimated (prefill of {t} tokens)", prefill, transient=True))
+    items.append(Need(f"step transient, estimated (prefill of {t} tokens)", prefill, transient=True))
+    if vocoder_bytes:
+        items.append(Need(f"step transient: vocoder, {VOCODER_STEP_TOKENS} window tokens",
+                          vocoder_bytes, transient=True))
     return EngineNeed("Spark-TTS", "tts_kv_fraction", items)
 
 
@@ -253,6 +276,11 @@ class SparkTTSEngine:
                  voices_dir: str | Path | None = None, use_cuda_graphs: bool = True,
                  model_name: str = "Spark-TTS-0.5B", decode_steps: int = DECODE_STEPS) -> None:
         self.checkpoint = checkpoint
+        # Inference only: with parameters that require grad, every forward run outside no_grad (warm-up
+        # ran the vocoder so) records an autograd graph that keeps each activation alive until the output
+        # dies: a 5.8 GiB transient in the vocoder's warm-up at full size.
+        lm.requires_grad_(False)
+        codec.requires_grad_(False)
         self.lm, self.codec, self.tokenizer, self.special = lm, codec, tokenizer, special
         self.device = device
         self.model_name = model_name
@@ -357,15 +385,17 @@ class SparkTTSEngine:
         if kv_cache_bytes:
             per_row = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * max_seq_len * lm_dtype.itemsize
             max_batch = min(max_batch, max(1, int(kv_cache_bytes // per_row)))
+        codec_cfg = BiCodecConfig.from_yaml(ckpt.bicodec_dir / "config.yaml", ckpt.root_config)
         with torch.device("meta"):
             lm_bytes = _module_bytes(Qwen2LM(cfg), lm_dtype)
-            codec_bytes = _module_bytes(BiCodec(BiCodecConfig.from_yaml(ckpt.bicodec_dir / "config.yaml",
-                                                                        ckpt.root_config)), codec_dtype)
+            codec_bytes = _module_bytes(BiCodec(codec_cfg), codec_dtype)
         cuda = str(device).startswith("cuda")
         return memory_need(cfg, lm_dtype, lm_bytes, codec_bytes, max_batch, max_seq_len, cuda=cuda,
                            graphs=use_cuda_graphs, decode_steps=decode_steps,
-                           workspace_bytes=stream_workspace_bytes(device) if cuda else 0)
+                           workspace_bytes=stream_workspace_bytes(device) if cuda else 0,
+                           vocoder_bytes=vocoder_step_bytes(codec_cfg, codec_dtype) if cuda else 0)
 
+    @torch.no_grad()
     def warmup(self, first_chunk_tokens: int | None = None, chunk_tokens: int | None = None) -> None:
         """Run now, on the GPU, every shape serving will meet, so that no request pays a first-time cost
         (torch.compile, CUDA-graph capture, cuDNN / cuBLAS plans):

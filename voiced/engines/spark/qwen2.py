@@ -32,6 +32,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from . import decode_attention
+from .decode_attention import apply_rope
+
 log = logging.getLogger(__name__)
 
 
@@ -100,13 +103,6 @@ def rope_tables(cfg: Qwen2Config, max_seq: int, device: torch.device | str | Non
     freqs = torch.outer(t, inv_freq)
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos(), emb.sin()
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x `[B, H, T, D]`; cos/sin `[B, 1, T, D]`, computed in fp32 then cast to x's dtype."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return (x * cos.to(x.dtype)) + (rotated * sin.to(x.dtype))
 
 
 class Attention(nn.Module):
@@ -183,35 +179,30 @@ def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return w * x32.to(x.dtype)
 
 
-def layer_decode(x, cos, sin, mask, k_cache, v_cache, rows, positions, w: tuple, eps: float, dims: tuple):
-    """One decoder layer of a decode step as a pure function of its weights `w` (the same arithmetic as
-    the modules' forward). Being a free function, one `torch.compile` of it serves all 24 layers: a
-    small graph that compiles in seconds. `w` holds q/k/v as one matrix and gate/up as one (see
-    `Qwen2LM.fuse_projections`): at one token per row every GEMM is a few-µs launch, so fewer is faster."""
-    ln1, w_qkv, b_qkv, ow, ln2, w_gate_up, dw = w
-    n_heads, n_kv, head_dim = dims
-    b = x.shape[0]
-    h = _rms(x, ln1, eps)
-    q, k, v = F.linear(h, w_qkv, b_qkv).split([n_heads * head_dim, n_kv * head_dim, n_kv * head_dim], -1)
-    q = q.view(b, 1, n_heads, head_dim).transpose(1, 2)
-    k = k.view(b, 1, n_kv, head_dim).transpose(1, 2)
-    v = v.view(b, 1, n_kv, head_dim).transpose(1, 2)
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    k_cache[rows, :, positions] = k[:, :, 0]
-    v_cache[rows, :, positions] = v[:, :, 0]
-    kv_len = mask.shape[-1]
-    keys, values = k_cache[:b, :, :kv_len], v_cache[:b, :, :kv_len]
-    q = q.reshape(b, n_kv, n_heads // n_kv, head_dim)
-    # Attention written out rather than SDPA: for 7 query rows per KV head the fused kernels run one
-    # block per (row, KV head) over the whole cache (~10 µs a layer on an H200 at batch 1); two small
-    # batched GEMMs and a softmax that the compiler fuses with the mask take ~7 µs.
-    scores = torch.matmul(q, keys.transpose(-1, -2)).float() * head_dim**-0.5
-    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1).to(q.dtype)
-    out = torch.matmul(probs, values)
-    x = x + F.linear(out.reshape(b, 1, n_heads * head_dim), ow)
+def layer_decode_tail(x, attn, ow, ln2, w_gate_up, dw, ln_next, eps: float):
+    """A decoder layer after its attention (`attn [B, 1, H*D]`): output projection, residual, MLP,
+    residual, and then the NEXT layer's input norm (`ln_next`; the final norm after the last layer),
+    so that each residual add and the norm after it are one fused kernel when compiled. Returns the
+    residual stream and the normed input of what comes next."""
+    x = x + F.linear(attn, ow)
     h = _rms(x, ln2, eps)
     gate, up = F.linear(h, w_gate_up).chunk(2, -1)
-    return x + F.linear(F.silu(gate) * up, dw)
+    x = x + F.linear(F.silu(gate) * up, dw)
+    return x, _rms(x, ln_next, eps)
+
+
+def layer_decode(x, h, cos, sin, mask, k_cache, v_cache, rows, positions, w: tuple, eps: float, dims: tuple,
+                 ln_next):
+    """One decoder layer of a decode step as a pure function of its weights `w` (the same arithmetic as
+    the modules' forward), from the residual stream `x` and its normed input `h` to the next layer's
+    (see `layer_decode_tail`). Being a free function, one `torch.compile` of it serves all 24 layers: a
+    small graph that compiles in seconds. `w` holds q/k/v as one matrix and gate/up as one (see
+    `Qwen2LM.fuse_projections`): at one token per row every GEMM is a few-µs launch, so fewer is faster.
+    On a GPU the compiled step replaces the attention part by one Triton kernel (decode_attention.py)."""
+    _, w_qkv, b_qkv, ow, ln2, w_gate_up, dw = w
+    attn = decode_attention.reference(F.linear(h, w_qkv, b_qkv), cos, sin, mask, k_cache, v_cache, rows, positions,
+                                      dims)
+    return layer_decode_tail(x, attn, ow, ln2, w_gate_up, dw, ln_next, eps)
 
 
 def layer_prefill(x, cos, sin, mask, k_cache, v_cache, slots, positions, w: tuple, eps: float, dims: tuple):
@@ -285,6 +276,8 @@ class Qwen2LM(nn.Module):
         self.state: StepState | None = None
         self._layer_fn = None  # compile_decode() sets layer_decode, compiled
         self._prefill_fn = None  # and layer_prefill
+        self._tail_fn = None  # compile_decode(): the compiled layer after its Triton attention (GPU)
+        self._rms_fn = None  # and the first layer's input norm (both fused paths)
         self._layer_weights: list[tuple] = []
         self._capture: torch.cuda.Stream | None = None
 
@@ -380,9 +373,10 @@ class Qwen2LM(nn.Module):
 
     def decode_hidden(self, tokens: torch.Tensor, positions: torch.Tensor, kv_len: int) -> torch.Tensor:
         """One step for rows 0..B-1: `tokens [B]`, `positions [B]` -> final-normed hidden `[B, C]`."""
-        b = tokens.shape[0]
-        rows = torch.arange(b, device=tokens.device)
         x = self.model.embed_tokens(tokens[:, None])
+        if self._tail_fn is not None:
+            return self._decode_fast(x, positions, kv_len)[:, 0]
+        rows = torch.arange(tokens.shape[0], device=tokens.device)
         # Per step, not per layer: the mask and the rope factors in the activations' dtype (apply_rope's
         # casts become no-ops). A decode step is ~1000 small kernels, and their count sets its time.
         cos = self.rope_cos[positions][:, None, None].to(x.dtype)
@@ -392,12 +386,38 @@ class Qwen2LM(nn.Module):
             for layer, kc, vc in zip(self.model.layers, self.k_caches, self.v_caches):
                 x = x + layer.self_attn.decode(layer.input_layernorm(x), cos, sin, kc, vc, rows, positions, kv_len, mask)
                 x = x + layer.mlp(layer.post_attention_layernorm(x))
-        else:
-            x = self._fused_layers(self._layer_fn, x, cos, sin, mask, rows, positions)
-        return self.model.norm(x[:, 0])
+            return self.model.norm(x[:, 0])
+        cfg = self.config
+        dims = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
+        h = self._rms_fn(x, self._layer_weights[0][0], cfg.rms_norm_eps)
+        for i, (w, kc, vc) in enumerate(zip(self._layer_weights, self.k_caches, self.v_caches)):
+            x, h = self._layer_fn(x, h, cos, sin, mask, kc, vc, rows, positions, w, cfg.rms_norm_eps, dims,
+                                  self._next_norm(i))
+        return h[:, 0]
+
+    def _next_norm(self, i: int) -> torch.Tensor:
+        """The norm weight applied after layer i: the next layer's input norm, or the final norm."""
+        w = self._layer_weights
+        return w[i + 1][0] if i + 1 < len(w) else self.model.norm.weight
+
+    def _decode_fast(self, x: torch.Tensor, positions: torch.Tensor, kv_len: int) -> torch.Tensor:
+        """The GPU step: per layer the qkv GEMM, one Triton kernel for rope + cache write + attention
+        (decode_attention.triton_attention, which reads the rope tables at `positions` itself: no
+        per-step mask or rope gathers), and the compiled rest of the layer with the next norm fused in.
+        About 9 kernels a layer instead of 15."""
+        cfg = self.config
+        b, eps = x.shape[0], cfg.rms_norm_eps
+        dims = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
+        h = self._rms_fn(x, self._layer_weights[0][0], eps)
+        for i, (w, kc, vc) in enumerate(zip(self._layer_weights, self.k_caches, self.v_caches)):
+            _, w_qkv, b_qkv, ow, ln2, w_gate_up, dw = w
+            qkv = F.linear(h, w_qkv, b_qkv).view(b, -1)
+            attn = decode_attention.triton_attention(qkv, self.rope_cos, self.rope_sin, kc, vc, positions, kv_len, dims)
+            x, h = self._tail_fn(x, attn.view(b, 1, -1), ow, ln2, w_gate_up, dw, self._next_norm(i), eps)
+        return h
 
     def _fused_layers(self, fn, x, cos, sin, mask, rows, positions) -> torch.Tensor:
-        """Every layer through `fn` (layer_decode or layer_prefill, maybe compiled) over the fused weights."""
+        """Every layer through `fn` (layer_prefill, maybe compiled) over the fused weights."""
         cfg = self.config
         dims = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
         for w, kc, vc in zip(self._layer_weights, self.k_caches, self.v_caches):
@@ -428,20 +448,35 @@ class Qwen2LM(nn.Module):
     def compiled(self) -> bool:
         return self._layer_fn is not None and self._layer_fn is not layer_decode
 
-    def compile_decode(self, compile: bool = True, **kwargs) -> None:
+    def compile_decode(self, compile: bool = True, fused_attention: bool | None = None, **kwargs) -> None:
         """Run decode steps through `layer_decode` and packed prefill through `layer_prefill`, over
         fused projections, `torch.compile`d unless `compile=False` (fewer, fused kernels; the CUDA
         graphs captured afterwards hold the compiled kernels; the samplers compile too, see
         sampling.PhaseSampler). Compiles on first use of each shape class, which the engine's warm-up
-        makes happen before serving."""
+        makes happen before serving.
+
+        fused_attention: on a CUDA device, compiled, run each layer's attention as one Triton kernel
+        (`_decode_fast`); None means wherever `decode_attention.supported` says it can."""
         self.fuse_projections()
         # every (batch bucket, kv bucket) and every packed prompt length is a shape; mark them dynamic
         # rather than recompile per shape
         kwargs.setdefault("dynamic", True)
         self._layer_fn = torch.compile(layer_decode, **kwargs) if compile else layer_decode
         self._prefill_fn = torch.compile(layer_prefill, **kwargs) if compile else layer_prefill
+        cfg, p = self.config, self.lm_head.weight
+        can = compile and decode_attention.supported(p.dtype, p.device, (cfg.num_attention_heads,
+                                                                         cfg.num_key_value_heads, cfg.head_dim))
+        if fused_attention and not can:
+            raise ValueError("fused_attention needs a compiled LM on a CUDA device with Triton and a head size of "
+                             "16..256 (a power of two)")
+        self._rms_fn = torch.compile(_rms, **kwargs) if compile else _rms
+        self._tail_fn = torch.compile(layer_decode_tail, **kwargs) if can and fused_attention is not False else None
         self._graphs.clear()
         self._step_graphs.clear()
+
+    @property
+    def fused_attention(self) -> bool:
+        return self._tail_fn is not None
 
     def decode_eager(self, tokens: torch.Tensor, positions: torch.Tensor, kv_len: int) -> torch.Tensor:
         """One step for rows 0..B-1: `tokens [B]`, `positions [B]` -> logits `[B, V]` fp32."""

@@ -1,0 +1,108 @@
+"""GPU checks of the Spark LM's fused decode attention (voiced/engines/spark/decode_attention.py):
+the Triton kernel against the torch arithmetic it replaces, at Spark-TTS-0.5B's head layout (14 query
+heads over 2 KV heads of 64) in bf16 and float32, and a compiled, graphed LM with the kernel against
+the modules' eager steps in float32 (the engine checkpoint of test_spark_gpu.py has heads of 8, which
+the kernel does not take, so its engine tests run the torch attention)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from voiced.engines.spark import decode_attention as da
+from voiced.engines.spark.qwen2 import Qwen2Config, Qwen2LM, decode_mask, rope_tables
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+              pytest.mark.skipif(da.triton is None, reason="needs Triton")]
+
+H, KV, D = 14, 2, 64
+MAX_SEQ = 2048
+
+
+def attend(dtype, b: int, kv_len: int, positions: list[int], seed: int):
+    """(kernel output, torch output in `dtype`, torch output in float64 from the same inputs, caches)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    cos_t, sin_t = rope_tables(Qwen2Config(), MAX_SEQ, "cuda")
+    kc = torch.randn(64, KV, MAX_SEQ, D, device="cuda", generator=g).to(dtype)
+    vc = torch.randn(64, KV, MAX_SEQ, D, device="cuda", generator=g).to(dtype)
+    qkv = torch.randn(b, (H + 2 * KV) * D, device="cuda", generator=g).to(dtype)
+    pos = torch.tensor(positions, device="cuda")
+    caches = {}
+    outs = {}
+    for name, dt in (("kernel", dtype), ("torch", dtype), ("f64", torch.float64)):
+        k, v = kc.to(dt), vc.to(dt)
+        if name == "kernel":
+            o = torch.full((b, H * D), float("nan"), device="cuda", dtype=dt)  # poisoned: every value written?
+            da.triton_attention(qkv, cos_t, sin_t, k, v, pos, kv_len, (H, KV, D), out=o)
+        else:
+            cos, sin = cos_t[pos].to(dtype)[:, None, None], sin_t[pos].to(dtype)[:, None, None]
+            o = da.reference(qkv.to(dt)[:, None], cos.to(dt), sin.to(dt), decode_mask(pos, kv_len), k, v,
+                             torch.arange(b, device="cuda"), pos, (H, KV, D))[:, 0]
+        outs[name], caches[name] = o.double(), (k.double(), v.double())
+    return outs, caches
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+CASES = [(1, 256, [255]), (1, 1024, [700]), (1, 2048, [2047]), (3, 512, [0, 257, 511]), (16, 1024, None),
+         (64, 2048, None)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("b,kv_len,positions", CASES)
+def test_kernel_equals_the_torch_arithmetic(dtype, b, kv_len, positions):
+    """Against the float64 arithmetic of the same inputs, the kernel errs no more than torch's own path
+    in the same dtype (float32: within 1e-6 relative; bf16: within bf16 rounding), writes every output,
+    and leaves the caches as torch's path leaves them (v exactly; k up to the rope's rounding)."""
+    if positions is None:
+        positions = torch.randint(0, kv_len, (b,), generator=torch.Generator().manual_seed(b)).tolist()
+    outs, caches = attend(dtype, b, kv_len, positions, seed=b + kv_len)
+    assert torch.isfinite(outs["kernel"]).all()
+    err_k, err_t = rel(outs["kernel"], outs["f64"]), rel(outs["torch"], outs["f64"])
+    if dtype == torch.float32:
+        assert err_k < 1e-6, (err_k, err_t)
+    else:
+        assert err_k < max(1.5 * err_t, 2e-3), (err_k, err_t)
+    assert torch.equal(caches["kernel"][1], caches["torch"][1])
+    rows = torch.arange(b)
+    pos = torch.tensor(positions)
+    k_new, k_ref = caches["kernel"][0][rows, :, pos], caches["torch"][0][rows, :, pos]
+    assert rel(k_new, k_ref) < (1e-6 if dtype == torch.float32 else 1e-2)
+    assert torch.equal(caches["kernel"][0][b:], caches["torch"][0][b:])  # rows past the batch untouched
+
+
+def test_compiled_graphed_lm_with_the_kernel_equals_the_eager_modules_in_float32():
+    """A small LM with Spark's head size (64) and GQA: 24 greedy decode steps for two rows at different
+    positions, compiled + fused attention + CUDA graphs against the modules' eager steps, float32:
+    the same tokens, logits within float32 rounding."""
+    torch.manual_seed(0)
+    cfg = Qwen2Config(hidden_size=256, intermediate_size=512, num_hidden_layers=3, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=1024)
+    with torch.device("cuda"):
+        lm = Qwen2LM(cfg).eval()
+        for name, p in lm.named_parameters():
+            if p.ndim == 2:
+                torch.nn.init.normal_(p, 0, 0.02 if "embed" not in name else 0.5)
+    lm.requires_grad_(False)
+    prompt = torch.randint(0, 1024, (300,), device="cuda")
+    runs = []
+    for fast in (False, True):
+        lm.setup_cache(max_batch=2, max_seq=512)
+        if fast:
+            lm.compile_decode()
+            assert lm.fused_attention
+        lm.prefill(prompt, 0)
+        lm.prefill(prompt[:40], 1)
+        tokens, positions, pos_max = torch.tensor([3, 5], device="cuda"), torch.tensor([300, 40], device="cuda"), 300
+        toks, logits = [], []
+        for _ in range(24):
+            out = lm.decode(tokens, positions, use_graph=fast, max_pos=pos_max)
+            logits.append(out.clone())
+            tokens = out.argmax(-1)
+            toks.append(tokens.tolist())
+            positions, pos_max = positions + 1, pos_max + 1
+        runs.append((toks, torch.stack(logits)))
+    assert runs[0][0] == runs[1][0]
+    assert rel(runs[1][1].double(), runs[0][1].double()) < 1e-5

@@ -1,0 +1,235 @@
+"""A decode step's attention for the Spark-TTS LM: rope, cache write and attention in one GPU kernel.
+
+At one token per row, a decode step is a few hundred kernels of a few microseconds each, and their
+count, not the bytes they move, sets its time (docs/BENCHMARKS.md). Written in torch, the attention
+part of a layer is six of them: rope on q and k, the cache writes of k and v, the scores GEMM, the
+masked softmax and the values GEMM. `triton_attention` does the same arithmetic in one kernel per
+layer (two when the cache is long enough to be split across the GPU: flash-decoding, then a small
+combine), reading q/k/v straight from the fused qkv projection's output and the rope factors straight
+from the LM's fp32 tables at each row's position.
+
+`reference` is that arithmetic in torch (the CPU path, and any GPU without Triton or with head
+layouts the kernel does not take); it is what the compiled step ran before. Differences between the
+two are rounding: the kernel keeps the softmax unnormalised until the end (online softmax) and
+rounds the probabilities once, after the values product, instead of before it.
+
+Layout: qkv `[B, (H + 2 KV) D]` (q heads, then k heads, then v heads, as `Qwen2LM.fuse_projections`
+concatenates them); caches `[max_batch, KV, max_seq, D]`; row b of the step is cache row b and writes
+its new k/v at `positions[b]` (rows past the live batch are a graph's padding: they write position 0
+of free rows, as the torch path does).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+
+import torch
+
+# Triton comes with the CUDA builds of torch (it is torch.compile's GPU backend), the only place this
+# kernel runs, and the engine already compiles with it only where it is found (engine._has_triton); an
+# install without it runs `reference`. So it is looked up here, not declared as a requirement.
+try:
+    triton = importlib.import_module("triton")
+    tl = importlib.import_module("triton.language")
+except ImportError:  # pragma: no cover - depends on the install
+    triton = tl = None
+
+BLOCK_N = 64  # cache positions per inner iteration (a multiple of 16: tl.dot's smallest tile)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x `[..., D]` rotated (half-rotation layout, as Qwen2/NeoX) by cos/sin in x's dtype."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return (x * cos.to(x.dtype)) + (rotated * sin.to(x.dtype))
+
+
+def reference(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor, k_cache: torch.Tensor,
+              v_cache: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, dims: tuple) -> torch.Tensor:
+    """The torch arithmetic: qkv `[B, 1, N]`, cos/sin `[B, 1, 1, D]` (the rows' rope factors in the
+    activations' dtype), mask `[B, 1, 1, kv_len]` (row b sees positions 0..positions[b]) -> `[B, 1, H*D]`."""
+    n_heads, n_kv, head_dim = dims
+    b = qkv.shape[0]
+    q, k, v = qkv.split([n_heads * head_dim, n_kv * head_dim, n_kv * head_dim], -1)
+    q = q.view(b, 1, n_heads, head_dim).transpose(1, 2)
+    k = k.view(b, 1, n_kv, head_dim).transpose(1, 2)
+    v = v.view(b, 1, n_kv, head_dim).transpose(1, 2)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    # index_put with tensors only: capturable in a CUDA graph.
+    k_cache[rows, :, positions] = k[:, :, 0]
+    v_cache[rows, :, positions] = v[:, :, 0]
+    kv_len = mask.shape[-1]
+    keys, values = k_cache[:b, :, :kv_len], v_cache[:b, :, :kv_len]
+    # GQA without copying KV: the `group` query heads of one KV head become its query rows. Written out
+    # rather than SDPA: for 7 query rows per KV head the fused kernels run one block per (row, KV head).
+    q = q.reshape(b, n_kv, n_heads // n_kv, head_dim)
+    scores = torch.matmul(q, keys.transpose(-1, -2)).float() * head_dim**-0.5
+    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1).to(q.dtype)
+    out = torch.matmul(probs, values)
+    return out.reshape(b, 1, n_heads * head_dim)
+
+
+def supported(dtype: torch.dtype, device: torch.device | str, dims: tuple) -> bool:
+    """Whether `triton_attention` takes this layout: a CUDA device, Triton installed, a head size tl.dot
+    tiles (16..256, a power of two) and at most 16 query heads per KV head."""
+    n_heads, n_kv, head_dim = dims
+    group = n_heads // n_kv
+    return (triton is not None and torch.device(device).type == "cuda"
+            and dtype in (torch.bfloat16, torch.float16, torch.float32)
+            and 16 <= head_dim <= 256 and head_dim & (head_dim - 1) == 0 and 1 <= group <= 16)
+
+
+@functools.lru_cache(maxsize=8)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def split_plan(batch: int, n_kv: int, kv_len: int, sms: int) -> tuple[int, int]:
+    """(positions per program, programs per (row, KV head)): enough programs to cover the GPU about twice
+    (one (row, KV head) alone reads its whole cache on one multiprocessor), each a whole number of
+    BLOCK_N blocks, never more programs than blocks."""
+    blocks = -(-kv_len // BLOCK_N)
+    want = max(1, -(-2 * sms // (batch * n_kv)))
+    per = -(-blocks // min(blocks, want)) * BLOCK_N
+    return per, -(-kv_len // per)
+
+
+def triton_attention(qkv: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor, k_cache: torch.Tensor,
+                     v_cache: torch.Tensor, positions: torch.Tensor, kv_len: int, dims: tuple,
+                     sms: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """`reference`'s arithmetic in one kernel (plus a combine when split): qkv `[B, N]` (contiguous),
+    rope_cos/rope_sin the LM's fp32 tables `[max_seq, D]`, positions `[B]` long -> `[B, H*D]` in qkv's dtype.
+    Writes each row's roped k and its v into the caches at its position. `sms`: the multiprocessors to
+    fill (default: the device's; one under Triton's CPU interpreter, where tests run it). `out`: where
+    to write (a new tensor by default)."""
+    n_heads, n_kv, head_dim = dims
+    b = qkv.shape[0]
+    group = n_heads // n_kv
+    gp = max(16, triton.next_power_of_2(group))
+    sms = sms or (_sm_count(qkv.device.index or 0) if qkv.is_cuda else 1)
+    per, n_splits = split_plan(b, n_kv, kv_len, sms)
+    if out is None:
+        out = torch.empty(b, n_heads * head_dim, dtype=qkv.dtype, device=qkv.device)
+    one = n_splits == 1
+    if one:
+        part = ml = out  # unused
+    else:
+        part = torch.empty(b, n_kv, n_splits, gp, head_dim, dtype=torch.float32, device=qkv.device)
+        ml = torch.empty(2, b, n_kv, n_splits, gp, dtype=torch.float32, device=qkv.device)
+    _attend[(b, n_kv, n_splits)](
+        qkv, rope_cos, rope_sin, k_cache, v_cache, positions, out, part, ml,
+        qkv.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), per, n_splits,
+        b * n_kv * n_splits * gp, head_dim**-0.5,
+        H=n_heads, KV=n_kv, G=group, GP=gp, D=head_dim, BLOCK=BLOCK_N, ONE_SPLIT=one,
+        IEEE=qkv.dtype == torch.float32, num_warps=4)
+    if not one:
+        _combine[(b, n_kv)](part, ml, out, n_splits, b * n_kv * n_splits * gp,
+                            KV=n_kv, G=group, GP=gp, D=head_dim, num_warps=4)
+    return out
+
+
+if triton is not None:
+
+    @triton.jit
+    def _rope(base, d, D: tl.constexpr, cos, sin, DT: tl.constexpr):
+        """One head's D values at `base` rotated by cos/sin (fp32, already rounded to DT), rounded to DT."""
+        x = tl.load(base + d).to(tl.float32)
+        r = tl.load(base + (d + D // 2) % D).to(tl.float32)
+        r = tl.where(d < D // 2, -r, r)
+        return (x * cos + r * sin).to(DT)
+
+    @triton.jit
+    def _attend(qkv_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, pos_ptr, out_ptr, part_ptr, ml_ptr,
+                stride_qkv, stride_cb, stride_ch, stride_ct, per, n_splits, l_offset, scale,
+                H: tl.constexpr, KV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
+                BLOCK: tl.constexpr, ONE_SPLIT: tl.constexpr, IEEE: tl.constexpr):
+        row = tl.program_id(0)
+        kvh = tl.program_id(1)
+        split = tl.program_id(2)
+        DT = qkv_ptr.dtype.element_ty
+        pos = tl.load(pos_ptr + row).to(tl.int32)
+        d = tl.arange(0, D)
+        g = tl.arange(0, GP)
+        live = g < G
+        # rope factors at this row's position, rounded to the activations' dtype as the torch path casts them
+        cos = tl.load(cos_ptr + pos * D + d).to(DT).to(tl.float32)
+        sin = tl.load(sin_ptr + pos * D + d).to(DT).to(tl.float32)
+        src = qkv_ptr + row * stride_qkv
+        # this KV head's G query heads as G rows (padded to GP with zeros: tl.dot's 16-row tile)
+        qh = src + (kvh * G + g)[:, None] * D
+        qx = tl.load(qh + d[None, :], mask=live[:, None], other=0.0).to(tl.float32)
+        qr = tl.load(qh + ((d + D // 2) % D)[None, :], mask=live[:, None], other=0.0).to(tl.float32)
+        qr = tl.where((d < D // 2)[None, :], -qr, qr)
+        q = (qx * cos[None, :] + qr * sin[None, :]).to(DT)
+        k_new = _rope(src + (H + kvh) * D, d, D, cos, sin, DT)
+        v_new = tl.load(src + (H + KV + kvh) * D + d)
+        kb = k_ptr + row.to(tl.int64) * stride_cb + kvh * stride_ch
+        vb = v_ptr + row.to(tl.int64) * stride_cb + kvh * stride_ch
+        lo = split * per
+        # the program whose span holds the new position writes it; every program that reads that
+        # position takes it from registers (a store is not ordered before other threads' loads)
+        mine = d < tl.where((pos >= lo) & (pos < lo + per), D, 0)
+        tl.store(kb + pos * stride_ct + d, k_new, mask=mine)
+        tl.store(vb + pos * stride_ct + d, v_new, mask=mine)
+        hi = tl.minimum(lo + per, pos + 1)
+        m_i = tl.full([GP], float("-inf"), tl.float32)
+        l_i = tl.zeros([GP], tl.float32)
+        acc = tl.zeros([GP, D], tl.float32)
+        for start in range(lo, hi, BLOCK):
+            n = start + tl.arange(0, BLOCK)
+            valid = n < hi
+            new = (n == pos)[:, None]
+            k = tl.load(kb + n[:, None] * stride_ct + d[None, :], mask=valid[:, None], other=0.0)
+            k = tl.where(new, k_new[None, :], k)
+            if IEEE:
+                s = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k))
+            # the scores as the torch path's batched GEMM writes them: in the activations' dtype
+            s = s.to(DT).to(tl.float32) * scale
+            s = tl.where(valid[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(vb + n[:, None] * stride_ct + d[None, :], mask=valid[:, None], other=0.0)
+            v = tl.where(new, v_new[None, :], v)
+            if IEEE:
+                pv = tl.dot(p.to(DT), v, input_precision="ieee")
+            else:
+                pv = tl.dot(p.to(DT), v)
+            acc = acc * alpha[:, None] + pv
+            m_i = m_new
+        if ONE_SPLIT:
+            o = acc / l_i[:, None]
+            tl.store(out_ptr + row * (H * D) + (kvh * G + g)[:, None] * D + d[None, :], o.to(DT), mask=live[:, None])
+        else:
+            cell = (row * KV + kvh) * n_splits + split
+            tl.store(part_ptr + (cell * GP + g)[:, None] * D + d[None, :], acc)
+            tl.store(ml_ptr + cell * GP + g, m_i)
+            tl.store(ml_ptr + l_offset + cell * GP + g, l_i)
+
+    @triton.jit
+    def _combine(part_ptr, ml_ptr, out_ptr, n_splits, l_offset,
+                 KV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr):
+        row = tl.program_id(0)
+        kvh = tl.program_id(1)
+        DT = out_ptr.dtype.element_ty
+        d = tl.arange(0, D)
+        g = tl.arange(0, GP)
+        first = (row * KV + kvh) * n_splits
+        m = tl.full([GP], float("-inf"), tl.float32)
+        for s in range(0, n_splits):
+            m = tl.maximum(m, tl.load(ml_ptr + (first + s) * GP + g))
+        total = tl.zeros([GP], tl.float32)
+        acc = tl.zeros([GP, D], tl.float32)
+        for s in range(0, n_splits):
+            w = tl.exp(tl.load(ml_ptr + (first + s) * GP + g) - m)  # an empty span: exp(-inf) = 0
+            total += w * tl.load(ml_ptr + l_offset + (first + s) * GP + g)
+            acc += w[:, None] * tl.load(part_ptr + ((first + s) * GP + g)[:, None] * D + d[None, :])
+        o = acc / total[:, None]
+        tl.store(out_ptr + row * (KV * G * D) + (kvh * G + g)[:, None] * D + d[None, :], o.to(DT), mask=(g < G)[:, None])
+
+
+__all__ = ["reference", "supported", "triton_attention", "split_plan", "apply_rope"]
