@@ -92,6 +92,36 @@ def test_vocoder_serves_first_chunks_then_the_requests_closest_to_running_dry(en
     assert sorted(order[:2]) == [1, 2]  # both first chunks before any second chunk
 
 
+def test_a_request_landing_a_step_after_another_is_prefilled_at_the_next_step(engine):
+    """Two callers ask at the same moment and one lands a step later (its door's transport a millisecond
+    slower): it is prefilled at the very next step, not after the first's decode turn, so its first audio
+    comes a step later, not a decode round later; the turns then go on, and each request's audio is what
+    it gives alone."""
+    reqs = {1: _request(1), 2: _request(2)}
+    alone = {rid: _run(engine, {rid: reqs[rid]})[0][rid] for rid in reqs}
+    audio, steps = _run(engine, reqs, submit_at={2: 1})
+    assert [s["kind"] for s in steps[:3]] == ["prefill", "prefill", "decode"], steps[:3]
+    assert steps[0]["prefilled"] == steps[1]["prefilled"] == 1
+    assert steps[1]["out_of_turn"] and not steps[2]["out_of_turn"]
+    for rid in reqs:
+        assert np.allclose(audio[rid], alone[rid], atol=1e-4), rid
+
+
+def test_requests_arriving_at_every_step_leave_the_decoding_rows_every_other_step(engine):
+    """A new request before every step: each is prefilled out of turn at most every other step, so the
+    rows already speaking keep their decode and vocoder turns, and every request's audio is unchanged."""
+    reqs = {i: _request(i, 0.6) for i in range(1, 9)}
+    alone = {rid: _run(engine, {rid: reqs[rid]})[0][rid] for rid in (1, 8)}
+    audio, steps = _run(engine, reqs, submit_at={i: i - 1 for i in reqs})
+    jumps = [s.get("out_of_turn", False) for s in steps]
+    assert sum(jumps) >= 2, [s["kind"] for s in steps[:12]]
+    assert not any(a and b for a, b in zip(jumps, jumps[1:]))
+    kinds = [s["kind"] for s in steps]
+    assert "decode" in kinds[:4]  # the first rows spoke while the others were still arriving
+    for rid in (1, 8):
+        assert np.allclose(audio[rid], alone[rid], atol=1e-4), rid
+
+
 def test_prefill_padding_changes_nothing(ckpt):
     from voiced.engines.spark.qwen2 import load_qwen2
 

@@ -14,7 +14,8 @@ One `step()` does ONE bounded piece of work, so that the other engines on the st
   - vocode: decode ready windows into AudioChunks, batched across requests, at most
      VOCODER_STEP_WINDOWS windows and VOCODER_STEP_TOKENS padded tokens: first chunks first, then the
      requests closest to running dry (least audio buffered ahead of real time).
-The kinds take turns (prefill -> decode -> vocode -> prefill ...), skipping a kind with nothing to do.
+The kinds take turns (prefill -> decode -> vocode -> prefill ...), skipping a kind with nothing to do;
+a request that has not begun is prefilled at the next step, out of turn (at most every other step).
 
 Long text is cut into sentences spoken back to back in the same row; a controllable voice keeps the
 speaker (its 32 global tokens) it chose in the first sentence. Rows stay compact (active requests in
@@ -308,6 +309,7 @@ class SparkTTSEngine:
         self._order: dict[int, int] = {}
         self._wav2vec2 = None
         self._last_kind = PHASES[-1]
+        self._jumped = False  # the last step was a first prefill taken out of turn (see `step`)
         # What the last step did (tests, profiling): its kind and how much work.
         self.last_step: dict = {}
         root = Path(voices_dir) if voices_dir else cache_dir() / "voices"
@@ -554,10 +556,21 @@ class SparkTTSEngine:
             work["vocode"] = self._vocode_urgent(now)
         start = PHASES.index(self._last_kind) + 1
         kind = next((k for k in PHASES[start:] + PHASES[:start] if work[k]), None)
-        self.last_step = {"kind": kind}
+        jump = kind not in (None, "prefill") and not self._jumped and self._first_prefill_waiting()
+        self._jumped = jump
+        if jump:
+            # A request that has not begun (a caller waiting for its first sound) is prefilled at the
+            # next step rather than after the others' decode and vocoder turns: two requests sent
+            # together but landing a step apart (one door's transport a millisecond slower) then start
+            # a step apart, not a decode round apart. The jump does not move the turn order and never
+            # follows a jump, so decode and vocode keep at least every other step however fast
+            # requests arrive.
+            kind = "prefill"
+        self.last_step = {"kind": kind, "out_of_turn": jump}
         if kind is None:
             return outputs
-        self._last_kind = kind
+        if not jump:
+            self._last_kind = kind
         if kind == "prefill":
             with record_function("spark.prefill"):
                 self._prefill_step(outputs)
@@ -568,6 +581,10 @@ class SparkTTSEngine:
             with record_function("spark.vocode"):
                 outputs += self._vocode(now)
         return outputs
+
+    def _first_prefill_waiting(self) -> bool:
+        """Some request in the batch waits for the prefill of its first sentence (no audio of it yet)."""
+        return any(r.needs_prefill and r.seg == 0 and r.t_first_chunk is None for r in self._active)
 
     @staticmethod
     def _decoding(r: _Request) -> bool:
