@@ -121,6 +121,13 @@ def _verdict(ok: bool, detail: str) -> str:
     return ("met: " if ok else "MISSED: ") + detail
 
 
+def process_figures(pid: int | str = "self") -> tuple[float, int, int]:
+    """A process's resident memory (MB), open descriptors and threads (OS threads, native ones included)."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    rss_kb = int(re.search(r"^VmRSS:\s+(\d+)", status, re.M).group(1))
+    return rss_kb / 1024, len(os.listdir(f"/proc/{pid}/fd")), len(os.listdir(f"/proc/{pid}/task"))
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -165,11 +172,9 @@ class DaemonProcess:
         return total
 
     def sample(self, label: str, done: int) -> Sample:
-        pid = self.proc.pid
-        status = Path(f"/proc/{pid}/status").read_text()
-        rss_kb = int(re.search(r"^VmRSS:\s+(\d+)", status, re.M).group(1))
-        return Sample(label=label, sessions_done=done, rss_mb=rss_kb / 1024, fds=len(os.listdir(f"/proc/{pid}/fd")),
-                      threads=len(os.listdir(f"/proc/{pid}/task")), tasks=int(self.metric("voiced_asyncio_tasks")),
+        rss_mb, fds, threads = process_figures(self.proc.pid)
+        return Sample(label=label, sessions_done=done, rss_mb=rss_mb, fds=fds, threads=threads,
+                      tasks=int(self.metric("voiced_asyncio_tasks")),
                       active_sessions=int(self.metric("voiced_sessions_active")), t=time.monotonic())
 
     def wait_idle(self, timeout: float = 60) -> None:
