@@ -43,7 +43,7 @@ from voiced.core.events import (
 from voiced.core.session import Session
 from voiced.doors import DoorError
 from voiced.doors import audiosocket_frames as wire
-from voiced.doors.calls import CLOSE_GRACE_S, CallInputs, check_agent, last_words, run_call, split_listen, unique_id
+from voiced.doors.calls import CallInputs, check_agent, last_words, run_call, split_listen, unique_id
 from voiced.doors.pacing import FRAME_S, Pacer
 
 log = logging.getLogger(__name__)
@@ -108,7 +108,7 @@ class AudioSocketDoor:
             writer.close()
             # A caller that stopped reading never lets what is still buffered leave: cut it.
             with contextlib.suppress(Exception):
-                await last_words(writer.wait_closed(), writer.transport, CLOSE_GRACE_S)
+                await last_words(writer.wait_closed(), writer.transport)
 
 
 class _Call:
@@ -204,7 +204,7 @@ class _Call:
         inputs.put_nowait(self._input(msg))
 
         frame_bytes = round(rate * FRAME_S) * 2
-        pacer = Pacer(self._send_audio, frame_bytes)
+        pacer = Pacer(self._send_audio, frame_bytes, max_queued_bytes=self._ahead_bytes(rate))
         pacing = asyncio.create_task(pacer.run(), name=f"audiosocket-pacer:{session_id}")
         started = time.monotonic()
         try:
@@ -217,6 +217,16 @@ class _Call:
         log.info("%s: ended by the %s after %.1f s (%d frames of reply audio sent, %d dropped by barge-in)",
                  self._who(), "caller" if ended_by == "caller" else "agent", time.monotonic() - started,
                  pacer.frames_sent, pacer.frames_cleared)
+
+    def _ahead_bytes(self, rate: int) -> int:
+        """How much reply audio may wait in the pacer, ahead of real time. The engine speaks far faster
+        than a call plays, so a reply's audio waits here; past this the session's outbox takes it, and
+        past server.max_outbound_bytes there the call ends. A caller that stops reading stops the pacer
+        (its socket is full), so this bounds what it leaves behind. Two of the longest pieces the TTS
+        makes (tts.max_seconds) fit, and the outbox's budget beyond them: a caller that reads meets the
+        bound only with a reply far longer than that, made all at once."""
+        c = self.services.config
+        return max(c.server.max_outbound_bytes, int(2 * c.tts.max_seconds * rate) * 2)
 
     # ------------------------------------------------------------------ the caller's side
 
@@ -261,8 +271,9 @@ class _Call:
 
     async def _on_event(self, ev, pacer: Pacer) -> bool:
         if isinstance(ev, AudioOut):
-            # Take audio only while frames leave: a caller that stops reading backs the reply up into
-            # the session's outbox, which ends the call at server.max_outbound_bytes.
+            # Take audio only while frames leave and the pacer has room: a caller that stops reading
+            # backs the reply up into the session's outbox, which ends the call at
+            # server.max_outbound_bytes.
             await pacer.writable()
             data = ev.audio
             if self._resample_out is not None:

@@ -81,12 +81,12 @@ async def run_call(session, inputs: CallInputs, read_caller: Awaitable[None],
         await session.close()
 
 
-async def last_words(write: Awaitable, transport, grace: float = CLOSE_GRACE_S) -> bool:
+async def last_words(write: Awaitable, transport, grace: float | None = None) -> bool:
     """Await a door's last write to a caller (an error message, a close frame); a caller that does not
-    read within `grace` seconds has its connection cut (`transport.abort()`) instead of holding the
-    door in that write. Returns whether the write went out."""
+    read within `grace` seconds (default CLOSE_GRACE_S) has its connection cut (`transport.abort()`)
+    instead of holding the door in that write. Returns whether the write went out."""
     try:
-        await asyncio.wait_for(write, grace)
+        await asyncio.wait_for(write, CLOSE_GRACE_S if grace is None else grace)
         return True
     except TimeoutError:
         if transport is not None:
