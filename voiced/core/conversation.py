@@ -233,7 +233,7 @@ class Conversation:
             while True:
                 try:
                     # The agent's own await is cancelled at the timeout, so it can clean up.
-                    piece = await asyncio.wait_for(anext(pieces), timeout)
+                    piece = await _within(anext(pieces), timeout)
                 except StopAsyncIteration:
                     return
                 if isinstance(piece, EndCall):
@@ -269,6 +269,19 @@ async def _pieces(texts):
         previous = piece
     if previous is not None:
         yield previous, True
+
+
+async def _within(awaitable, timeout: float | None):
+    """`await awaitable` with a timeout (asyncio.TimeoutError past it). Not asyncio.wait_for before
+    Python 3.12: when the awaitable finishes in the same loop turn as the reply is cancelled (an agent
+    that answers at once, a barge-in or a hang-up), wait_for returns its result and drops the
+    cancellation, and the reply goes on speaking to a session that has ended."""
+    if timeout is None:
+        return await awaitable
+    if hasattr(asyncio, "timeout"):  # Python 3.11+
+        async with asyncio.timeout(timeout):
+            return await awaitable
+    return await asyncio.wait_for(awaitable, timeout)
 
 
 def _since(t: float | None) -> float:

@@ -51,6 +51,7 @@ from voiced.core.events import (
     UserText,
     invalid,
 )
+from voiced.core.outbound import cost, over_capacity
 from voiced.core.segmenter import Segmenter, Utterance
 from voiced.core.spec import SessionSpec
 from voiced.core.speech import in_caller_time
@@ -59,7 +60,6 @@ from voiced.engines.base import ASRRequest, CapacityError, EngineError, Transcri
 log = logging.getLogger(__name__)
 
 _DONE = object()
-EVENT_BYTES = 64  # what an event costs in the outbound budget, besides its audio
 
 
 @dataclass
@@ -102,13 +102,10 @@ class Session:
         """Queue an event for the caller (never blocks: a caller that does not read ends the call)."""
         if self._error is not None:
             return  # the call is over; nothing more goes out
-        size = _cost(event)
+        size = cost(event)
         limit = self.services.config.server.max_outbound_bytes
         if self._outbound + size > limit:
-            self.fail(SessionError(
-                ErrorKind.OVER_CAPACITY,
-                f"the caller is not reading its responses: {self._outbound + size} bytes are waiting "
-                f"(server.max_outbound_bytes is {limit}); read the stream as fast as it arrives"))
+            self.fail(over_capacity(self._outbound + size, limit))
             return
         self._outbound += size
         self.outbox.put_nowait(event)
@@ -176,7 +173,7 @@ class Session:
                     break
                 if self._error is not None:
                     raise self._error
-                self._outbound -= _cost(item)
+                self._outbound -= cost(item)
                 yield item
         finally:
             await self.close()
@@ -382,8 +379,3 @@ class Session:
         if self._interim is not None and not self._interim.done():
             self._interim.cancel()
         self._interim = None
-
-
-def _cost(event) -> int:
-    audio = getattr(event, "audio", None)
-    return EVENT_BYTES + (len(audio) if isinstance(audio, (bytes, bytearray)) else 0)

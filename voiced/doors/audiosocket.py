@@ -34,16 +34,11 @@ from voiced.core.events import (
     Dtmf,
     ErrorKind,
     HangupOut,
-    NoticeOut,
     ReplyInterrupted,
     SessionError,
-    Speak,
-    TranscriptOut,
 )
-from voiced.core.session import Session
-from voiced.doors import DoorError
 from voiced.doors import audiosocket_frames as wire
-from voiced.doors.calls import CLOSE_GRACE_S, CallInputs, check_agent, last_words, run_call, split_listen, unique_id
+from voiced.doors.calls import CallInputs, LiveCalls, door_address, last_words, log_event, run_call
 from voiced.doors.pacing import FRAME_S, Pacer
 
 log = logging.getLogger(__name__)
@@ -60,7 +55,7 @@ class AudioSocketDoor:
         self.services = services
         self.listen = listen
         self._server: asyncio.base_events.Server | None = None
-        self._calls: dict[asyncio.Task, str] = {}  # live call tasks -> session id
+        self._calls = LiveCalls()
         self.address = ""
 
     @property
@@ -69,11 +64,7 @@ class AudioSocketDoor:
         return self.services.config.audiosocket
 
     async def start(self) -> str:
-        check_agent(self.services, self.settings.agent, FRONT)
-        try:
-            host, port = split_listen(self.listen)
-        except ValueError as e:
-            raise DoorError(f"doors.audiosocket: {e}") from None
+        host, port = door_address(self.services, FRONT, self.settings.agent, self.listen)
         self._server = await asyncio.start_server(self._connection, host, port)
         bound = self._server.sockets[0].getsockname()
         self.address = f"{host}:{bound[1]}"
@@ -87,10 +78,7 @@ class AudioSocketDoor:
 
     async def close(self) -> None:
         await self.stop_accepting()
-        tasks = list(self._calls)
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await self._calls.cancel_all()
 
     @property
     def live_calls(self) -> int:
@@ -98,17 +86,17 @@ class AudioSocketDoor:
 
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
-        self._calls[task] = ""
+        self._calls.add(task)
         try:
             await _Call(self, reader, writer, task).run()
         except asyncio.CancelledError:
             pass  # close(): the call has said goodbye; this task is asyncio's own, with no one to tell
         finally:
-            self._calls.pop(task, None)
+            self._calls.discard(task)
             writer.close()
             # A caller that stopped reading never lets what is still buffered leave: cut it.
             with contextlib.suppress(Exception):
-                await last_words(writer.wait_closed(), writer.transport, CLOSE_GRACE_S)
+                await last_words(writer.wait_closed(), writer.transport)
 
 
 class _Call:
@@ -169,7 +157,6 @@ class _Call:
         await self._send_error(ErrorKind.BAD_INPUT.value)
 
     async def _converse(self) -> None:
-        inputs = CallInputs()
         # The call's rate is the first audio message's; DTMF pressed before it is kept for the session.
         early: list = []
         while True:
@@ -190,21 +177,16 @@ class _Call:
         if session_rate != rate:
             self._resample_in, self._resample_out = Resampler(rate, session_rate), Resampler(session_rate, rate)
         fmt = Format("LINEAR16", session_rate)
-        settings = self.door.settings
-        session_id = unique_id(self.uuid, set(self.door._calls.values()))
-        self.door._calls[self.task] = session_id
-        spec = self.services.spec(front=FRONT, session_id=session_id, input=fmt, output=fmt,
-                                  agent=settings.agent or None, voice=settings.voice or None)
-        session = Session(self.services, spec, conversational=True)
-        log.info("%s: session %s, slin %g kHz, agent %s", self._who(), session_id, rate / 1000, spec.agent)
-        if settings.greeting:
-            inputs.put_nowait(Speak(settings.greeting))
+        session, inputs = self.door._calls.open_session(self.task, self.uuid, self.services, FRONT,
+                                                         self.door.settings, fmt)
+        session_id = session.spec.session_id
+        log.info("%s: session %s, slin %g kHz, agent %s", self._who(), session_id, rate / 1000, session.spec.agent)
         for event in early:
             inputs.put_nowait(event)
         inputs.put_nowait(self._input(msg))
 
         frame_bytes = round(rate * FRAME_S) * 2
-        pacer = Pacer(self._send_audio, frame_bytes)
+        pacer = Pacer(self._send_audio, frame_bytes, max_queued_bytes=self._ahead_bytes(rate))
         pacing = asyncio.create_task(pacer.run(), name=f"audiosocket-pacer:{session_id}")
         started = time.monotonic()
         try:
@@ -217,6 +199,16 @@ class _Call:
         log.info("%s: ended by the %s after %.1f s (%d frames of reply audio sent, %d dropped by barge-in)",
                  self._who(), "caller" if ended_by == "caller" else "agent", time.monotonic() - started,
                  pacer.frames_sent, pacer.frames_cleared)
+
+    def _ahead_bytes(self, rate: int) -> int:
+        """How much reply audio may wait in the pacer, ahead of real time. The engine speaks far faster
+        than a call plays, so a reply's audio waits here; past this the session's outbox takes it, and
+        past server.max_outbound_bytes there the call ends. A caller that stops reading stops the pacer
+        (its socket is full), so this bounds what it leaves behind. Two of the longest pieces the TTS
+        makes (tts.max_seconds) fit, and the outbox's budget beyond them: a caller that reads meets the
+        bound only with a reply far longer than that, made all at once."""
+        c = self.services.config
+        return max(c.server.max_outbound_bytes, int(2 * c.tts.max_seconds * rate) * 2)
 
     # ------------------------------------------------------------------ the caller's side
 
@@ -261,8 +253,9 @@ class _Call:
 
     async def _on_event(self, ev, pacer: Pacer) -> bool:
         if isinstance(ev, AudioOut):
-            # Take audio only while frames leave: a caller that stops reading backs the reply up into
-            # the session's outbox, which ends the call at server.max_outbound_bytes.
+            # Take audio only while frames leave and the pacer has room: a caller that stops reading
+            # backs the reply up into the session's outbox, which ends the call at
+            # server.max_outbound_bytes.
             await pacer.writable()
             data = ev.audio
             if self._resample_out is not None:
@@ -278,10 +271,8 @@ class _Call:
             log.info("%s: the agent hung up%s", self._who(), f" ({ev.reason})" if ev.reason else "")
             await self._write(wire.encode(wire.HANGUP))
             return True
-        elif isinstance(ev, TranscriptOut) and ev.is_final:
-            log.debug("%s: heard %r", self._who(), ev.transcript.text)
-        elif isinstance(ev, NoticeOut):
-            log.warning("%s: %s: %s", self._who(), ev.code, ev.message)
+        else:
+            log_event(log, self._who(), ev)
         return False
 
     async def _send_audio(self, frame: bytes) -> None:

@@ -20,7 +20,8 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 
-from voiced.core.events import InputEvent, OutputEvent
+from voiced.core.events import InputEvent, NoticeOut, OutputEvent, Speak, TranscriptOut
+from voiced.core.session import Session
 from voiced.doors import DoorError
 
 log = logging.getLogger(__name__)
@@ -47,6 +48,51 @@ class CallInputs:
     async def __aiter__(self) -> AsyncIterator[InputEvent]:
         while (event := await self._queue.get()) is not None:
             yield event
+
+
+class LiveCalls:
+    """A telephony door's calls in progress: each call's task, and its session's id once it has one."""
+
+    def __init__(self) -> None:
+        self._ids: dict[asyncio.Task, str] = {}
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    def add(self, task: asyncio.Task) -> None:
+        self._ids[task] = ""
+
+    def discard(self, task: asyncio.Task) -> None:
+        self._ids.pop(task, None)
+
+    async def cancel_all(self) -> None:
+        """The daemon is closing: end every call (each says goodbye in its protocol as it is cancelled)."""
+        tasks = list(self._ids)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    def open_session(self, task: asyncio.Task, call_id: str, services, front: str, settings,
+                     fmt) -> tuple[Session, CallInputs]:
+        """The call's Converse session, named for the call's own id (unique among the live calls), with the
+        door's agent and voice (`settings`: [audiosocket] or [media_ws]), in and out in the call's format;
+        and its inputs, the door's greeting (if any) first."""
+        session_id = self._ids[task] = unique_id(call_id, set(self._ids.values()))
+        spec = services.spec(front=front, session_id=session_id, input=fmt, output=fmt,
+                             agent=settings.agent or None, voice=settings.voice or None)
+        inputs = CallInputs()
+        if settings.greeting:
+            inputs.put_nowait(Speak(settings.greeting))
+        return Session(services, spec, conversational=True), inputs
+
+
+def log_event(logger: logging.Logger, who: str, ev: OutputEvent) -> None:
+    """What a telephony door does with the events it has no message for: what the caller was heard
+    saying (debug), and notices (a warning: a reply or an utterance was lost)."""
+    if isinstance(ev, TranscriptOut) and ev.is_final:
+        logger.debug("%s: heard %r", who, ev.transcript.text)
+    elif isinstance(ev, NoticeOut):
+        logger.warning("%s: %s: %s", who, ev.code, ev.message)
 
 
 async def run_call(session, inputs: CallInputs, read_caller: Awaitable[None],
@@ -81,12 +127,12 @@ async def run_call(session, inputs: CallInputs, read_caller: Awaitable[None],
         await session.close()
 
 
-async def last_words(write: Awaitable, transport, grace: float = CLOSE_GRACE_S) -> bool:
+async def last_words(write: Awaitable, transport, grace: float | None = None) -> bool:
     """Await a door's last write to a caller (an error message, a close frame); a caller that does not
-    read within `grace` seconds has its connection cut (`transport.abort()`) instead of holding the
-    door in that write. Returns whether the write went out."""
+    read within `grace` seconds (default CLOSE_GRACE_S) has its connection cut (`transport.abort()`)
+    instead of holding the door in that write. Returns whether the write went out."""
     try:
-        await asyncio.wait_for(write, grace)
+        await asyncio.wait_for(write, CLOSE_GRACE_S if grace is None else grace)
         return True
     except TimeoutError:
         if transport is not None:
@@ -110,6 +156,16 @@ def split_listen(listen: str) -> tuple[str, int]:
     if not sep or not port.isdigit():
         raise ValueError(f"{listen!r} is not HOST:PORT (e.g. 127.0.0.1:9092)")
     return host.strip("[]") or "127.0.0.1", int(port)
+
+
+def door_address(services, front: str, agent: str, listen: str) -> tuple[str, int]:
+    """A telephony door's start: its agent must exist and `listen` must be HOST:PORT (DoorError
+    otherwise); returns (host, port)."""
+    check_agent(services, agent, front)
+    try:
+        return split_listen(listen)
+    except ValueError as e:
+        raise DoorError(f"doors.{front}: {e}") from None
 
 
 def check_agent(services, agent: str, front: str) -> None:

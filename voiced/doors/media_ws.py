@@ -47,15 +47,10 @@ from voiced.core.events import (
     Dtmf,
     ErrorKind,
     HangupOut,
-    NoticeOut,
     ReplyInterrupted,
     SessionError,
-    Speak,
-    TranscriptOut,
 )
-from voiced.core.session import Session
-from voiced.doors import DoorError
-from voiced.doors.calls import CallInputs, check_agent, last_words, run_call, split_listen, unique_id
+from voiced.doors.calls import CallInputs, LiveCalls, door_address, last_words, log_event, run_call
 
 log = logging.getLogger(__name__)
 
@@ -139,7 +134,7 @@ class MediaStreamDoor:
         self.listen = listen
         self._runner: web.AppRunner | None = None
         self._site: web.TCPSite | None = None
-        self._calls: dict[asyncio.Task, str] = {}
+        self._calls = LiveCalls()
         self.address = ""
 
     @property
@@ -148,11 +143,7 @@ class MediaStreamDoor:
         return self.services.config.media_ws
 
     async def start(self) -> str:
-        check_agent(self.services, self.settings.agent, FRONT)
-        try:
-            host, port = split_listen(self.listen)
-        except ValueError as e:
-            raise DoorError(f"doors.media_ws: {e}") from None
+        host, port = door_address(self.services, FRONT, self.settings.agent, self.listen)
         app = web.Application()
         app.router.add_get("/{path:.*}", self._handle)
         self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
@@ -179,10 +170,7 @@ class MediaStreamDoor:
 
     async def close(self) -> None:
         await self.stop_accepting()
-        tasks = list(self._calls)
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await self._calls.cancel_all()
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
@@ -208,11 +196,11 @@ class MediaStreamDoor:
                                      "connect with a WebSocket client\n")
         await ws.prepare(request)
         task = asyncio.current_task()
-        self._calls[task] = ""
+        self._calls.add(task)
         try:
             await _Stream(self, ws, request.remote or "?", authenticated, task, request.transport).run()
         finally:
-            self._calls.pop(task, None)
+            self._calls.discard(task)
             if not ws.closed:
                 await last_words(ws.close(), request.transport)
         return ws
@@ -315,16 +303,10 @@ class _Stream:
             return msg
 
     async def _converse(self, fmt: Format) -> None:
-        settings = self.door.settings
-        session_id = unique_id(self.call_sid, set(self.door._calls.values()))
-        self.door._calls[self.task] = session_id
-        spec = self.services.spec(front=FRONT, session_id=session_id, input=fmt, output=fmt,
-                                  agent=settings.agent or None, voice=settings.voice or None)
-        session = Session(self.services, spec, conversational=True)
-        log.info("%s: session %s, %s 8 kHz, agent %s", self._who(), session_id, fmt.encoding, spec.agent)
-        inputs = CallInputs()
-        if settings.greeting:
-            inputs.put_nowait(Speak(settings.greeting))
+        session, inputs = self.door._calls.open_session(self.task, self.call_sid, self.services, FRONT,
+                                                         self.door.settings, fmt)
+        log.info("%s: session %s, %s 8 kHz, agent %s", self._who(), session.spec.session_id, fmt.encoding,
+                 session.spec.agent)
         started = time.monotonic()
         ended_by = await run_call(session, inputs, self._read_caller(inputs), self._on_event)
         log.info("%s: ended by the %s after %.1f s", self._who(), ended_by if ended_by == "caller" else "agent",
@@ -403,8 +385,6 @@ class _Stream:
             log.info("%s: the agent hung up%s", self._who(), f" ({ev.reason})" if ev.reason else "")
             await self._close(NORMAL, "the agent ended the call")
             return True
-        elif isinstance(ev, TranscriptOut) and ev.is_final:
-            log.debug("%s: heard %r", self._who(), ev.transcript.text)
-        elif isinstance(ev, NoticeOut):
-            log.warning("%s: %s: %s", self._who(), ev.code, ev.message)
+        else:
+            log_event(log, self._who(), ev)
         return False

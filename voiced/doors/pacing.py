@@ -5,6 +5,7 @@ straight to the channel), so a reply must leave as 20 ms frames, one every 20 ms
 the far end's jitter buffer. The TTS engine writes audio faster than real time, in chunks of
 hundreds of milliseconds; the pacer buffers it and lets one frame out per slot. Barge-in clears the
 buffer, and no frame leaves after the clear (not even the one whose slot was being waited for).
+What it holds is bounded (`max_queued_bytes`): past it the producer waits (`writable`).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ class Pacer:
 
     def __init__(self, send: Callable[[bytes], Awaitable[None]], frame_bytes: int, frame_s: float = FRAME_S,
                  clock: Callable[[], float] = time.monotonic, sleep=asyncio.sleep, max_catch_up_s: float = 0.06,
-                 silence: bytes = b"\x00"):
+                 silence: bytes = b"\x00", max_queued_bytes: int | None = None):
         self._send = send
         self.frame_bytes = frame_bytes
         self.frame_s = frame_s
@@ -44,6 +45,9 @@ class Pacer:
         self._generation = 0  # bumped by clear(): a frame waited for before it is not sent
         self._not_sending = asyncio.Event()  # clear while a frame's send is in progress
         self._not_sending.set()
+        self._max_queued = max_queued_bytes
+        self._room = asyncio.Event()  # clear while max_queued_bytes are queued
+        self._room.set()
         self.frames_sent = 0
         self.frames_cleared = 0
 
@@ -53,6 +57,8 @@ class Pacer:
         """Queue audio; `last` ends a reply (its final partial frame is padded with silence)."""
         if audio:
             self._buf += audio
+            if self._max_queued is not None and len(self._buf) >= self._max_queued:
+                self._room.clear()
         if last:
             self._flush = True
         if audio or last:
@@ -64,6 +70,7 @@ class Pacer:
         dropped = -(-len(self._buf) // self.frame_bytes)
         self.frames_cleared += dropped
         self._buf.clear()
+        self._room.set()
         self._flush = False
         self._generation += 1
         self._idle.set()
@@ -75,10 +82,13 @@ class Pacer:
         return int(len(self._buf) / self.frame_bytes * self.frame_s * 1000)
 
     async def writable(self) -> None:
-        """Returns once no frame's send is in progress. A caller that stops reading holds a send
-        (the socket's flow control): a producer that waits here stops taking audio, so its backlog
-        grows where it is bounded (the session's outbox) instead of in this buffer."""
-        await self._not_sending.wait()
+        """Returns once no frame's send is in progress and fewer than `max_queued_bytes` are queued. A
+        caller that stops reading holds a send (the socket's flow control), and audio made faster than
+        it plays piles up here: a producer that waits here stops taking audio, so its backlog grows
+        where it is bounded (the session's outbox) instead of in this buffer."""
+        while not (self._not_sending.is_set() and self._room.is_set()):
+            await self._not_sending.wait()
+            await self._room.wait()
 
     async def drained(self) -> None:
         """Returns once everything queued has been sent (or cleared)."""
@@ -109,6 +119,8 @@ class Pacer:
                 continue  # cleared while waiting for the slot: that frame is not sent
             frame = bytes(self._buf[: self.frame_bytes])
             del self._buf[: self.frame_bytes]
+            if self._max_queued is None or len(self._buf) < self._max_queued:
+                self._room.set()
             if len(frame) < self.frame_bytes:
                 pad = self.frame_bytes - len(frame)
                 frame += self._silence * (pad // len(self._silence))

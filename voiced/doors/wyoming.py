@@ -21,7 +21,9 @@ made; in the streaming form a sentence is spoken as soon as its text has arrived
 
 Each recognition or synthesis holds one place of `server.max_sessions`. A refusal, a bad event or a
 failure is answered with the protocol's `error` event (`code` = the core's ErrorKind) and ends that
-connection only.
+connection only. So does a caller that stops reading: what waits for it is bounded by
+`server.max_outbound_bytes` (a recognition's through its session, a synthesis's through
+voiced.core.outbound), and past it the request ends with `over_capacity`, giving its place back.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ import voiced
 from voiced.audio.ingest import RATE, AudioFormatError, Format
 from voiced.audio.pcm import PcmConverter
 from voiced.core.events import AudioIn, ErrorKind, NoticeOut, SessionError, TalkEnd, TalkStart, TranscriptOut, invalid
+from voiced.core.outbound import EVENT_BYTES, Outbound
 from voiced.core.session import Session
 from voiced.core.spec import segmentation_for, tts_options_for
 from voiced.core.speech import list_voices, synthesize
@@ -487,33 +490,63 @@ class _Speech:
     async def _run(self, after: _Speech | None) -> None:
         await _after(after)
         s = self.services
-        write = self.handler.write_event
-        fmt = {"rate": RATE, "width": OUT_WIDTH, "channels": OUT_CHANNELS}
+        limits = s.config.server
         try:
             s.check_ready(need_tts=True)
             opts = self._options()
             async with s.admit(FRONT):
                 log.info("wyoming %s: synthesize%s (voice %s)", self.handler.peer,
                          " stream" if self.streaming else "", opts.voice or "default")
-                started = False
-                sent = 0  # samples
-                while (sentence := await self._queue.get()) is not None:
-                    # aclosing: cancelled while writing a chunk (the caller hung up), the engine request
-                    # is cancelled now, not whenever the generator happens to be collected.
-                    async with contextlib.aclosing(synthesize(s, sentence, opts, PCM16K)) as chunks:
-                        async for chunk in chunks:
-                            if not started:
-                                await write(AudioStart(**fmt, timestamp=0).event())
-                                started = True
-                            if chunk.audio:
-                                await write(AudioChunk(**fmt, audio=chunk.audio,
-                                                       timestamp=sent * 1000 // RATE).event())
-                                sent += len(chunk.audio) // OUT_WIDTH
-            if not started:
-                await write(AudioStart(**fmt, timestamp=0).event())  # a stream that carried no text
-            await write(AudioStop(timestamp=sent * 1000 // RATE).event())
-            if self.streaming:
-                await write(SynthesizeStopped().event())
-            log.debug("wyoming %s: spoke %.2f s", self.handler.peer, sent / RATE)
+                # The audio goes out through a bounded buffer, written by a task of its own: a caller
+                # that stops reading fills it and the synthesis ends (OVER_CAPACITY), freeing the engine
+                # and this place, instead of the write holding both forever. max_session_s bounds
+                # the whole, the caller's reading of what is left at the end included.
+                outbound = Outbound(limits.max_outbound_bytes)
+                writer = asyncio.ensure_future(self._write_out(outbound))
+                try:
+                    await asyncio.wait_for(self._speak(opts, outbound, writer), limits.max_session_s or None)
+                except TimeoutError:
+                    raise SessionError(ErrorKind.TIMEOUT, f"the synthesis and its reading took longer than "
+                                                          f"server.max_session_s ({limits.max_session_s:g} s)") from None
+                finally:
+                    writer.cancel()
+                    await asyncio.gather(writer, return_exceptions=True)
         except Exception as e:
             await self.handler.fail(e)
+
+    async def _speak(self, opts, outbound: Outbound, writer: asyncio.Task) -> None:
+        """Every sentence's audio into `outbound` as the engine makes it, then the closing events; returns
+        once the writer has sent them all."""
+        s = self.services
+        fmt = {"rate": RATE, "width": OUT_WIDTH, "channels": OUT_CHANNELS}
+
+        def put(event, audio: bytes = b"") -> None:
+            if writer.done():
+                writer.result()  # the connection failed: its error ends the synthesis
+            outbound.put(event, EVENT_BYTES + len(audio))
+
+        started = False
+        sent = 0  # samples
+        while (sentence := await self._queue.get()) is not None:
+            # aclosing: cancelled (the caller hung up, or stopped reading), the engine request is
+            # cancelled now, not whenever the generator happens to be collected.
+            async with contextlib.aclosing(synthesize(s, sentence, opts, PCM16K)) as chunks:
+                async for chunk in chunks:
+                    if not started:
+                        put(AudioStart(**fmt, timestamp=0).event())
+                        started = True
+                    if chunk.audio:
+                        put(AudioChunk(**fmt, audio=chunk.audio, timestamp=sent * 1000 // RATE).event(), chunk.audio)
+                        sent += len(chunk.audio) // OUT_WIDTH
+        if not started:
+            put(AudioStart(**fmt, timestamp=0).event())  # a stream that carried no text
+        put(AudioStop(timestamp=sent * 1000 // RATE).event())
+        if self.streaming:
+            put(SynthesizeStopped().event())
+        outbound.end()
+        await writer
+        log.debug("wyoming %s: spoke %.2f s", self.handler.peer, sent / RATE)
+
+    async def _write_out(self, outbound: Outbound) -> None:
+        async for event in outbound:
+            await self.handler.write_event(event)
