@@ -42,6 +42,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from voiced.bench.report import emit
 from voiced.bench.steps import STEP_PARTS, StepTimer, pct
 
 log = logging.getLogger("voiced.bench.e2e")
@@ -467,10 +468,7 @@ def main(argv: list[str] | None = None) -> dict:
         result["gpu_memory"] = MEMORY
         result["targets"] = e2e_targets(result["fronts"].get("grpc", result["levels"]))
         result["targets"].update(door_targets(result["door_overhead_ms"]))
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
+    emit(result, args.out)
     return result
 
 

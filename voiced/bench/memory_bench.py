@@ -21,7 +21,6 @@ what is held after warm-up by the line that allocated it: where memory the plan 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import platform
 import tempfile
@@ -30,6 +29,8 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
+
+from voiced.bench.report import emit
 
 log = logging.getLogger("voiced.bench.memory")
 GIB = 2**30
@@ -188,10 +189,7 @@ def main(argv: list[str] | None = None) -> dict:
              s["warmup_over_serving_gib"])
     res["targets"] = judge({"memory_plan_error_pct": abs(s["plan_error_pct"]),
                             "memory_warmup_over_serving_gib": s["warmup_over_serving_gib"]})
-    text_out = json.dumps(res, indent=2)
-    print(text_out)
-    if args.out:
-        args.out.write_text(text_out + "\n")
+    emit(res, args.out)
     return res
 
 

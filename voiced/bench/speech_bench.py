@@ -38,6 +38,7 @@ import sys
 import time
 from pathlib import Path
 
+from voiced.bench.report import emit
 from voiced.bench.steps import pct
 
 log = logging.getLogger("voiced.bench.speech")
@@ -177,10 +178,7 @@ def main(argv: list[str] | None = None) -> dict:
         result["levels"][n] = json.loads(proc.stdout.strip().splitlines()[-1])
         log.info("%d at once: %s", n, json.dumps(result["levels"][n]))
     asyncio.run_coroutine_threadsafe(server.drain_and_stop(grace=0), loop).result(60)
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
+    emit(result, args.out)
     return result
 
 

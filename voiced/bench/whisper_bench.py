@@ -34,6 +34,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from voiced.bench.report import emit
 from voiced.engines.base import ASROptions, ASRRequest
 from voiced.engines.whisper.checkpoint import hf_config_from_dims, openai_to_hf_name
 from voiced.engines.whisper.engine import WhisperEngine
@@ -310,10 +311,7 @@ def main(argv: list[str] | None = None) -> dict:
                                    "whisper_utt_per_s": best})
     if dev.startswith("cuda"):
         report["max_memory_allocated_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
+    emit(report, args.out)
     return report
 
 
