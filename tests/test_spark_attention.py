@@ -1,4 +1,5 @@
-"""The Spark LM's fused decode attention (voiced/engines/spark/decode_attention.py) on the CPU.
+"""The Spark LM's fused decode attention (voiced/engines/spark/decode_attention.py) and projections
+(decode_linear.py) on the CPU.
 
 The Triton kernel runs here under Triton's interpreter (TRITON_INTERPRET=1, in a child process: the
 variable is read when the kernels are defined), in float32, against the torch arithmetic it replaces:
@@ -63,6 +64,29 @@ def _child() -> dict:
         out["kernel"].append({"case": [b, kv_len, sms], "splits": da.split_plan(b, KV, kv_len, sms)[1],
                               "out": (got - ref).abs().max().item(), "scale": ref.abs().max().item(),
                               "k_cache": (k1 - k2).abs().max().item(), "v_cache": (v1 - v2).abs().max().item()})
+    # the projections' GEMV kernels (decode_linear) against their torch arithmetic: rows padded to a
+    # 16-row tile and past it, outputs and K not multiples of the tiles, K split over programs
+    from voiced.engines.spark import decode_linear as dl
+
+    out["linear"] = []
+    for m in (1, 3, 17, 40):
+        x = torch.randn(m, 320, generator=g)
+        w, bias = torch.randn(90, 320, generator=g), torch.randn(90, generator=g)
+        w_gu = torch.randn(2 * 72, 320, generator=g)
+        resid, ln = torch.randn(m, 90, generator=g), torch.rand(90, generator=g) + 0.5
+        ref_x, ref_h = dl.reference_add_norm(resid, dl.reference_linear(x, w), ln, 1e-6)
+        ref_lin, ref_glu = dl.reference_linear(x, w, bias), dl.reference_swiglu_linear(x, w_gu)
+        # differences relative to the largest value (float32 accumulation order)
+        row = {"m": m, "linear": ((dl.linear(x, w, bias) - ref_lin).abs().max() / ref_lin.abs().max()).item(),
+               "swiglu": ((dl.swiglu_linear(x, w_gu) - ref_glu).abs().max() / ref_glu.abs().max()).item()}
+        for sms in (1, 8):
+            parts = dl.linear_partials(x, w, sms=sms)
+            got_x = resid.clone()
+            got_h = dl.add_norm(parts, got_x, ln, 1e-6)
+            row[f"splits_{sms}"] = parts.shape[0]
+            row[f"add_norm_x_{sms}"] = ((got_x - ref_x).abs().max() / ref_x.abs().max()).item()
+            row[f"add_norm_h_{sms}"] = ((got_h - ref_h).abs().max() / ref_h.abs().max()).item()
+        out["linear"].append(row)
     # a whole decode step through the GPU path's structure (qkv GEMM, the kernel, the layer's tail with
     # the next norm) against the modules, over several steps of a growing cache
     torch.manual_seed(1)
@@ -70,13 +94,14 @@ def _child() -> dict:
                              num_key_value_heads=2, vocab_size=512)).eval()
     prompt = torch.randint(0, 512, (40,), generator=g)
     logits = []
-    for fast in (False, True):
+    for fast, gemv in ((False, False), (True, False), (True, True)):
         lm.setup_cache(max_batch=2, max_seq=256)
         lm.prefill(prompt, 0)
         lm.prefill(prompt[:17], 1)
         if fast:
             lm.fuse_projections()
             lm._layer_fn, lm._rms_fn, lm._tail_fn = layer_decode, _rms, layer_decode_tail  # compile_decode on a GPU, uncompiled
+            lm._gemv = gemv
         tokens, positions, steps = torch.tensor([5, 9]), torch.tensor([40, 17]), []
         for _ in range(6):
             steps.append(lm.decode(tokens, positions, use_graph=False))
@@ -84,6 +109,8 @@ def _child() -> dict:
         logits.append(torch.stack(steps))
     out["step"] = {"logits": (logits[0] - logits[1]).abs().max().item(), "scale": logits[0].abs().max().item(),
                    "argmax_equal": bool(torch.equal(logits[0].argmax(-1), logits[1].argmax(-1)))}
+    out["step_gemv"] = {"logits": (logits[0] - logits[2]).abs().max().item(), "scale": logits[0].abs().max().item(),
+                        "argmax_equal": bool(torch.equal(logits[0].argmax(-1), logits[2].argmax(-1)))}
     return out
 
 
@@ -109,10 +136,23 @@ def test_kernel_equals_the_torch_arithmetic_in_float32(interpreted):
 
 def test_decode_step_through_the_kernel_equals_the_modules(interpreted):
     """Six decode steps of a small LM (two rows at different positions) through the GPU path's
-    structure give the modules' logits within float32 rounding, and the same greedy tokens."""
-    step = interpreted["step"]
-    assert step["logits"] <= 1e-4 * max(1.0, step["scale"]), step
-    assert step["argmax_equal"], step
+    structure give the modules' logits within float32 rounding, and the same greedy tokens; also with
+    every projection through the GEMV kernels."""
+    for key in ("step", "step_gemv"):
+        step = interpreted[key]
+        assert step["logits"] <= 1e-4 * max(1.0, step["scale"]), (key, step)
+        assert step["argmax_equal"], (key, step)
+
+
+def test_gemv_kernels_equal_the_torch_arithmetic_in_float32(interpreted):
+    """The projections' kernels: q/k/v with bias, gate/up with SiLU * up, and a K-split product whose
+    partial sums are reduced with the residual add and the RMS norm, for 1 to 40 rows (one 16-row tile
+    and more), within float32 rounding of torch; with K split over several programs too."""
+    for row in interpreted["linear"]:
+        for key, value in row.items():
+            if key.startswith(("linear", "swiglu", "add_norm")):
+                assert value <= 1e-5, (key, row)
+        assert row["splits_1"] == 1 and row["splits_8"] > 1, row
 
 
 if __name__ == "__main__":

@@ -1,0 +1,219 @@
+"""A decode step's projections for the Spark-TTS LM: GEMVs that read each weight once, at full speed.
+
+At one to sixty-four tokens per step every projection of a layer is a matrix-vector product whose
+time is the time to read its weights. cuBLAS picks kernels for these shapes that reach a fraction of
+the memory's bandwidth (on an H200, measured in a CUDA graph at batch 1: the q/k/v projection 3.6 us
+against a 0.4 us weight-read floor, the down projection 6.6 us against 1.8, the latter a split-K
+kernel plus a separate reduction; docs/BENCHMARKS.md). A layer was four such GEMMs and four small
+kernels around them (two residual-add + RMS-norm, SwiGLU, the split-K reduction). Here a layer is:
+
+- `linear`: q/k/v with its bias, one kernel;
+- `linear_partials` + `add_norm`: the output projection split along K over enough programs to fill
+  the GPU, its partial sums reduced in a fixed order by one small kernel that also adds the residual
+  and computes the next RMS norm (replacing the compiled add + norm kernel, so the split costs no
+  extra launch);
+- `swiglu_linear`: gate and up in one pass, SiLU(gate) * up written directly (no `[B, 2I]` tensor and
+  no separate SwiGLU kernel);
+- `linear_partials` + `add_norm` again for the down projection, the norm being the next layer's.
+
+The rounding follows the torch path step for step (`qwen2.layer_decode_tail`): every GEMM's result
+is rounded to the activations' dtype before it is used, the residual add and SiLU * up round as
+torch's bf16 ops do, and `_rms`'s two roundings are kept. Differences against cuBLAS are the order
+of the fp32 accumulation, as between any two GEMM kernels. The reductions are deterministic (no
+atomics): a CUDA graph and an eager run of a step give the same bits.
+
+`reference_*` are the same arithmetic in torch: the CPU path, and what the tests compare against.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+
+import torch
+import torch.nn.functional as F
+
+# As in decode_attention: Triton comes with torch's CUDA builds, the only place these kernels run.
+try:
+    triton = importlib.import_module("triton")
+    tl = importlib.import_module("triton.language")
+except ImportError:  # pragma: no cover - depends on the install
+    triton = tl = None
+
+BLOCK_K = 128  # reduction depth per iteration: one 256-byte row segment of a bf16 weight per thread group
+MAX_ROWS = 64  # the largest batch one program multiplies (the engine's largest batch bucket)
+
+
+def supported(dtype: torch.dtype, device: torch.device | str) -> bool:
+    return (triton is not None and torch.device(device).type == "cuda"
+            and dtype in (torch.bfloat16, torch.float16, torch.float32))
+
+
+@functools.lru_cache(maxsize=8)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _rows_block(m: int) -> int:
+    # tl.dot's smallest tile is 16 rows: a batch of 1 pads to 16 (the GPU is reading weights, not
+    # multiplying, so the idle rows cost nothing measurable)
+    return 16 if m <= 16 else 32 if m <= 32 else MAX_ROWS
+
+
+def split_plan(n: int, k: int, block_n: int, sms: int) -> tuple[int, int]:
+    """(K per program, programs along K) for a split-K GEMV of N outputs: about two programs per
+    multiprocessor, each a whole number of BLOCK_K steps."""
+    tiles = -(-n // block_n)
+    steps = -(-k // BLOCK_K)
+    want = max(1, min(steps, -(-2 * sms // tiles)))
+    per = -(-steps // want) * BLOCK_K
+    return per, -(-k // per)
+
+
+def _sms(t: torch.Tensor) -> int:
+    return _sm_count(t.device.index or 0) if t.is_cuda else 1
+
+
+# ------------------------------------------------------------------------------------------- torch
+
+def reference_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return F.linear(x, w, bias)
+
+
+def reference_swiglu_linear(h: torch.Tensor, w_gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = F.linear(h, w_gate_up).chunk(2, -1)
+    return F.silu(gate) * up
+
+
+def reference_add_norm(x: torch.Tensor, y: torch.Tensor, ln: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """x + y (y a projection's output, in x's dtype), and that sum RMS-normed by `ln` as `qwen2._rms`."""
+    x = x + y
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return x, ln * x32.to(x.dtype)
+
+
+# ------------------------------------------------------------------------------------------- Triton
+
+def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, block_n: int = 16) -> torch.Tensor:
+    """x `[M, K]` @ w `[N, K]`.T (+ bias) -> `[M, N]` in x's dtype; one program per BLOCK_N outputs."""
+    m, k = x.shape
+    n = w.shape[0]
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    bm = _rows_block(m)
+    _gemv[(-(-n // block_n), 1, -(-m // bm))](
+        x, w, bias if bias is not None else w, out, m, n, k, k, x.stride(0), 0,
+        HAS_BIAS=bias is not None, SWIGLU=False, PARTIAL=False, BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=BLOCK_K,
+        IEEE=x.dtype == torch.float32, num_warps=4, num_stages=4)
+    return out
+
+
+def swiglu_linear(h: torch.Tensor, w_gate_up: torch.Tensor, block_n: int = 32) -> torch.Tensor:
+    """SiLU(h @ gate.T) * (h @ up.T) -> `[M, I]`, `w_gate_up` `[2I, K]` (gate rows, then up rows)."""
+    m, k = h.shape
+    n = w_gate_up.shape[0] // 2
+    out = torch.empty(m, n, dtype=h.dtype, device=h.device)
+    bm = _rows_block(m)
+    _gemv[(-(-n // block_n), 1, -(-m // bm))](
+        h, w_gate_up, w_gate_up, out, m, n, k, k, h.stride(0), 0,
+        HAS_BIAS=False, SWIGLU=True, PARTIAL=False, BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=BLOCK_K,
+        IEEE=h.dtype == torch.float32, num_warps=4, num_stages=3)
+    return out
+
+
+def linear_partials(x: torch.Tensor, w: torch.Tensor, block_n: int = 32, sms: int | None = None) -> torch.Tensor:
+    """x @ w.T split along K: fp32 partial sums `[S, M, N]` for `add_norm` to reduce."""
+    m, k = x.shape
+    n = w.shape[0]
+    per, splits = split_plan(n, k, block_n, sms or _sms(x))
+    out = torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
+    bm = _rows_block(m)
+    _gemv[(-(-n // block_n), splits, -(-m // bm))](
+        x, w, w, out, m, n, k, per, x.stride(0), m * n,
+        HAS_BIAS=False, SWIGLU=False, PARTIAL=True, BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=BLOCK_K,
+        IEEE=x.dtype == torch.float32, num_warps=4, num_stages=3)
+    return out
+
+
+def add_norm(partials: torch.Tensor, x: torch.Tensor, ln: torch.Tensor, eps: float) -> torch.Tensor:
+    """x += the sum of `partials` `[S, M, N]` (rounded to x's dtype first, as a GEMM's output), in
+    place; returns that new x RMS-normed by `ln` (`reference_add_norm`'s arithmetic)."""
+    s, m, n = partials.shape
+    h = torch.empty_like(x)
+    _add_norm[(m,)](partials, x, ln, h, s, m, n, x.stride(0), eps,
+                    BLOCK=triton.next_power_of_2(n), S_BLOCK=triton.next_power_of_2(s), num_warps=4)
+    return h
+
+
+if triton is not None:
+
+    @triton.jit
+    def _gemv(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, k_per, stride_xm, stride_os,
+              HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, PARTIAL: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+        pid_n = tl.program_id(0)
+        split = tl.program_id(1)
+        pid_m = tl.program_id(2)
+        DT = x_ptr.dtype.element_ty
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        m_ok = rm < M
+        n_ok = rn < N
+        # 64-bit row offsets: the gate/up weight of a large model passes 2**31 elements
+        w_rows = w_ptr + rn.to(tl.int64)[:, None] * K
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        acc2 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        lo = split * k_per
+        hi = tl.minimum(lo + k_per, K)
+        for k0 in range(lo, hi, BLOCK_K):
+            k = k0 + rk
+            k_ok = k < hi
+            x = tl.load(x_ptr + rm[:, None] * stride_xm + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            if IEEE:
+                acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(x, tl.trans(w), acc)
+            if SWIGLU:  # the up rows, N below the gate rows
+                w2 = tl.load(w_rows + N * K + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+                if IEEE:
+                    acc2 = tl.dot(x, tl.trans(w2), acc2, input_precision="ieee")
+                else:
+                    acc2 = tl.dot(x, tl.trans(w2), acc2)
+        ok = m_ok[:, None] & n_ok[None, :]
+        if PARTIAL:
+            tl.store(out_ptr + split * stride_os + rm[:, None] * N + rn[None, :], acc, mask=ok)
+        else:
+            y = acc
+            if HAS_BIAS:
+                y += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+            if SWIGLU:  # torch: gate and up rounded, SiLU rounded, then the product rounded
+                g = y.to(DT).to(tl.float32)
+                u = acc2.to(DT).to(tl.float32)
+                y = (g * tl.sigmoid(g)).to(DT).to(tl.float32) * u
+            tl.store(out_ptr + rm[:, None] * N + rn[None, :], y.to(DT), mask=ok)
+
+    @triton.jit
+    def _add_norm(part_ptr, x_ptr, ln_ptr, h_ptr, S, M, N, stride_xm, eps,
+                  BLOCK: tl.constexpr, S_BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        DT = x_ptr.dtype.element_ty
+        n = tl.arange(0, BLOCK)
+        s = tl.arange(0, S_BLOCK)
+        n_ok = n < N
+        p = tl.load(part_ptr + s[:, None] * (M * N) + row * N + n[None, :], mask=(s < S)[:, None] & n_ok[None, :],
+                    other=0.0)
+        y = tl.sum(p, 0).to(DT).to(tl.float32)  # the projection's output, rounded as a GEMM writes it
+        xb = x_ptr + row * stride_xm + n
+        x = (tl.load(xb, mask=n_ok, other=0.0).to(tl.float32) + y).to(DT)
+        tl.store(xb, x, mask=n_ok)
+        x32 = x.to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(x32 * x32, 0) / N + eps)
+        normed = (x32 * rstd).to(DT).to(tl.float32)
+        w = tl.load(ln_ptr + n, mask=n_ok, other=0.0).to(tl.float32)
+        tl.store(h_ptr + row * stride_xm + n, (w * normed).to(DT), mask=n_ok)
+
+
+__all__ = ["supported", "split_plan", "linear", "swiglu_linear", "linear_partials", "add_norm",
+           "reference_linear", "reference_swiglu_linear", "reference_add_norm"]
