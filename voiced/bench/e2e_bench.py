@@ -280,7 +280,7 @@ async def one_caller(address: str, pcm: bytes, start_frame: int, duration_s: flo
         await call.done_writing()
         clock.finished(time.monotonic())
         await reader
-        out["unanswered"].append(len(clock.ends))  # utterances whose reply never came
+        out.setdefault("unanswered", []).append(len(clock.ends))  # utterances whose reply never came
 
 
 async def realtime_caller(address: str, pcm: bytes, start_frame: int, duration_s: float, reply_s: float, seed: int,
@@ -484,7 +484,7 @@ def main(argv: list[str] | None = None) -> dict:
         level["step_ms"] = {w.name: w.engine.step.take() for w in (server.services.asr, server.services.tts)}
         memory = gpu_memory(f"{front}, {n} callers", args)
         if memory:
-            level["gpu_memory"] = memory
+            level["gpu_memory"] = MEMORY.pop(f"{front}, {n} callers")  # the run's phases stay start-up's
             serving_peak = max(serving_peak, memory["peak_gib"])
         log.info("%s, %d sessions: %s", front, n, json.dumps(level))
         return level
