@@ -33,7 +33,7 @@ the bracket between the last passing and the first failing count. `voiced bench 
 
     python -m voiced.bench.e2e_bench --wav speech.wav --tiktoken-dir DIR --sessions 1 4 16 --out e2e.json
     voiced bench e2e --wav speech.wav --tiktoken-dir DIR --front grpc audiosocket media_ws --out doors.json
-    voiced bench e2e --wav speech.wav --tiktoken-dir DIR --sessions 1 2 4 8 16 24 32 48 64 --duration 12 \
+    voiced bench e2e --wav speech.wav --tiktoken-dir DIR --sessions 1 2 4 8 16 24 32 48 64 --duration 10 \
         --refine 2 --out sweep.json
 """
 
