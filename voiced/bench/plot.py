@@ -203,6 +203,9 @@ def main(argv: list[str] | None = None) -> list[Path]:
     ap.add_argument("--out", type=Path, default=Path("."),
                     help="a folder (gets NAME.png and NAME.svg, NAME: the first file's) or one .png/.svg file")
     a = ap.parse_args(argv)
+    missing = [str(p) for p in a.results if not p.is_file()]
+    if missing:
+        ap.error(f"no such file: {', '.join(missing)}")
     runs = load(a.results)
     if not runs:
         ap.error("no e2e results among the files (plot draws `voiced bench e2e --out` JSON)")
