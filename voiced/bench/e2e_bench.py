@@ -24,8 +24,17 @@ first `response.output_audio.delta`, and asr_client_ms from `speech_stopped` to 
 Wyoming callers play Home Assistant's part (voiced.bench.wyoming_caller): their own end of speech,
 `transcribe`, then the transcript spoken back with `synthesize`.
 
+Every level also records what went wrong (failed_callers, notices, unanswered: utterances no reply
+answered) and, on a GPU, its own memory peak (gpu_memory). A caller sweep (`--sessions 1 2 4 8 16 24
+32 48 64`) runs every level on the same warm daemon; after them, the run reports where it saturates
+(`saturation`: the largest caller count whose voice-to-voice p99 as heard stays under
+`--saturation-ms`, voiced.bench.saturation), and `--refine N` measures up to N more levels that halve
+the bracket between the last passing and the first failing count. `voiced bench plot` draws it.
+
     python -m voiced.bench.e2e_bench --wav speech.wav --tiktoken-dir DIR --sessions 1 4 16 --out e2e.json
     voiced bench e2e --wav speech.wav --tiktoken-dir DIR --front grpc audiosocket media_ws --out doors.json
+    voiced bench e2e --wav speech.wav --tiktoken-dir DIR --sessions 1 2 4 8 16 24 32 48 64 --duration 10 \
+        --refine 2 --out sweep.json
 """
 
 from __future__ import annotations
@@ -43,6 +52,7 @@ import time
 from pathlib import Path
 
 from voiced.bench.report import emit
+from voiced.bench.saturation import next_level, saturation
 from voiced.bench.steps import STEP_PARTS, StepTimer, pct
 
 log = logging.getLogger("voiced.bench.e2e")
@@ -52,16 +62,19 @@ TARGET_KEYS = ("door_overhead_p50_ms_audiosocket_16", "door_overhead_p50_ms_medi
 # ----------------------------------------------------------------------------------- server side
 
 
-def gpu_memory(after: str, args) -> None:
-    """Log what is allocated now and the peak since the last call (where a transient peak comes from)."""
+def gpu_memory(after: str, args) -> dict | None:
+    """Log what is allocated now and the peak since the last call (where a transient peak comes from),
+    and what the allocator reserves (what the GPU's other users cannot have)."""
     if args.tiny_cpu:
-        return
+        return None
     import torch
 
     now, peak = torch.cuda.memory_allocated() / 2**30, torch.cuda.max_memory_allocated() / 2**30
-    log.info("GPU memory after %s: %.2f GiB allocated, peak %.2f GiB", after, now, peak)
-    MEMORY[after] = {"allocated_gib": round(now, 2), "peak_gib": round(peak, 2)}
+    reserved = torch.cuda.memory_reserved() / 2**30
+    log.info("GPU memory after %s: %.2f GiB allocated, peak %.2f GiB, reserved %.2f GiB", after, now, peak, reserved)
+    MEMORY[after] = {"allocated_gib": round(now, 2), "peak_gib": round(peak, 2), "reserved_gib": round(reserved, 2)}
     torch.cuda.reset_peak_memory_stats()
+    return MEMORY[after]
 
 
 MEMORY: dict[str, dict] = {}
@@ -170,17 +183,13 @@ class GcPauses:
 
 
 def e2e_targets(levels: dict) -> dict:
-    """Issue 6's end-to-end targets against the levels this run measured (first audio chunk = reply
-    text -> first chunk; voice-to-voice = end of speech -> first reply audio sent)."""
-    from voiced.bench.targets import judge
+    """Issue 6's and 15's end-to-end targets against the levels this run measured (first audio chunk =
+    reply text -> first chunk; issue 6's voice-to-voice = end of speech -> first reply audio sent, issue
+    15's = the same as the callers hear it)."""
+    from voiced.bench.targets import E2E_LEVEL_TARGETS, judge
 
-    def get(n: int, key: str, q: str):
-        return levels.get(n, {}).get(key, {}).get(q)
-
-    return judge({"first_chunk_p50_ms_1": get(1, "tts_first_chunk_ms", "p50"),
-                  "first_chunk_p50_ms_16": get(16, "tts_first_chunk_ms", "p50"),
-                  "voice_to_voice_p50_ms_16": get(16, "first_audio_ms", "p50"),
-                  "voice_to_voice_p99_ms_16": get(16, "first_audio_ms", "p99")})
+    return judge({key: levels.get(n, {}).get(figure, {}).get(q)
+                  for key, (figure, q, n) in E2E_LEVEL_TARGETS.items()})
 
 
 FRONTS = ("grpc", "audiosocket", "media_ws", "realtime", "wyoming")
@@ -271,6 +280,7 @@ async def one_caller(address: str, pcm: bytes, start_frame: int, duration_s: flo
         await call.done_writing()
         clock.finished(time.monotonic())
         await reader
+        out.setdefault("unanswered", []).append(len(clock.ends))  # utterances whose reply never came
 
 
 async def realtime_caller(address: str, pcm: bytes, start_frame: int, duration_s: float, reply_s: float, seed: int,
@@ -367,7 +377,7 @@ async def callers(address: str, wav: Path, sessions: int, duration_s: float, rep
     pcm = samples.astype("<i2").tobytes()
     n_frames = len(pcm) // 640
     out = {k: [] for k in ("asr_ms", "agent_ms", "first_audio_ms", "tts_first_chunk_ms", "rtf", "late_ms", "notices",
-                           "v2v_client_ms", "asr_client_ms", "unmatched_replies")}
+                           "v2v_client_ms", "asr_client_ms", "unmatched_replies", "unanswered")}
 
     def caller(k: int):
         start = (n_frames * k) // sessions
@@ -383,13 +393,17 @@ async def callers(address: str, wav: Path, sessions: int, duration_s: float, rep
             return wyoming_caller(address, pcm, start, duration_s, out)
         return one_caller(address, pcm, start, duration_s, reply_s, k, out)
 
-    t0 = time.monotonic()
-    await asyncio.gather(*(caller(k) for k in range(sessions)))
-    out["unmatched_replies"] = [len(out["unmatched_replies"])]
-    report = {k: pct(v) for k, v in out.items() if k not in ("notices", "unmatched_replies") and v}
-    report["unmatched_replies"] = out["unmatched_replies"][0]
     from collections import Counter
 
+    t0 = time.monotonic()
+    # One caller's failure is that caller's, counted for its level; the others' figures still stand.
+    failed = [r for r in await asyncio.gather(*(caller(k) for k in range(sessions)), return_exceptions=True)
+              if isinstance(r, BaseException)]
+    report = {k: pct(v) for k, v in out.items() if k not in ("notices", "unmatched_replies", "unanswered") and v}
+    report["callers"] = sessions
+    report["unmatched_replies"] = len(out["unmatched_replies"])
+    report["unanswered"] = sum(out["unanswered"])
+    report["failed_callers"] = dict(Counter(f"{type(e).__name__}: {str(e)[:160]}" for e in failed))
     report["notices"] = dict(Counter(out["notices"]))
     report["wall_s"] = round(time.monotonic() - t0, 1)
     return report
@@ -402,8 +416,13 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--wav", type=Path, required=True, help="16 kHz speech with pauses (looped by every caller)")
     ap.add_argument("--tiktoken-dir", type=Path, required=True, help="folder holding multilingual.tiktoken")
-    ap.add_argument("--sessions", type=int, nargs="+", default=[1, 4, 16])
+    ap.add_argument("--sessions", type=int, nargs="+", default=[1, 4, 16],
+                    help="concurrent callers of each level, in the order run (one daemon, one warm-up for all)")
     ap.add_argument("--duration", type=float, default=30.0, help="seconds each level runs")
+    ap.add_argument("--saturation-ms", type=float, default=500.0,
+                    help="saturation: the largest caller count whose voice-to-voice p99 as heard stays under this")
+    ap.add_argument("--refine", type=int, default=0, metavar="N",
+                    help="after the levels, up to N more between the last passing and the first failing (bisection)")
     ap.add_argument("--asr-dims", default="large-v3-turbo")
     ap.add_argument("--asr-tokens", type=int, default=24, help="forced transcript length (random weights)")
     ap.add_argument("--asr-batch", type=int, default=64)
@@ -432,39 +451,66 @@ def main(argv: list[str] | None = None) -> dict:
 
     import torch
 
+    t_start = time.monotonic()
     addresses, server, loop = start_server(args)
+    startup_s = round(time.monotonic() - t_start, 1)
+    log.info("daemon up after %.1f s (engines loaded and warmed up)", startup_s)
     gc_pauses = GcPauses()
     gc.callbacks.append(gc_pauses)
     result = {"bench": "e2e", "gpu": "cpu (dry run)" if args.tiny_cpu else torch.cuda.get_device_name(), "torch": torch.__version__,
               "python": platform.python_version(), "asr_dims": args.asr_dims, "asr_tokens": args.asr_tokens,
               "reply_seconds": args.reply_seconds, "first_chunk_tokens": args.first_chunk_tokens,
               "engine_threads": "separate" if args.separate_threads else "shared",
-              "gc_freeze": not args.no_gc_freeze,
-              "date": time.strftime("%Y-%m-%d"), "fronts": {}}
+              "gc_freeze": not args.no_gc_freeze, "duration_s": args.duration, "startup_s": startup_s,
+              "date": time.strftime("%Y-%m-%d"), "fronts": {}, "saturation": {}}
+    serving_peak = 0.0
+
+    def measure(front: str, n: int) -> dict:
+        nonlocal serving_peak
+        gc_pauses.take()
+        for worker in (server.services.asr, server.services.tts):
+            worker.engine.step.take()
+        if not args.tiny_cpu:
+            torch.cuda.reset_peak_memory_stats()  # each level's peak is its own
+        cmd = [sys.executable, "-m", "voiced.bench.e2e_bench", "--wav", str(args.wav), "--tiktoken-dir",
+               str(args.tiktoken_dir), "--duration", str(args.duration), "--reply-seconds",
+               str(args.reply_seconds), "--caller", f"{front}@{addresses[front]}@{n}"]
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ)
+        if proc.returncode != 0:
+            return {"error": proc.stderr[-2000:]}
+        level = json.loads(proc.stdout.strip().splitlines()[-1])
+        level["asr_steps"] = server.services.asr.stats.steps
+        level["gc"] = gc_pauses.take()
+        level["step_ms"] = {w.name: w.engine.step.take() for w in (server.services.asr, server.services.tts)}
+        memory = gpu_memory(f"{front}, {n} callers", args)
+        if memory:
+            level["gpu_memory"] = MEMORY.pop(f"{front}, {n} callers")  # the run's phases stay start-up's
+            serving_peak = max(serving_peak, memory["peak_gib"])
+        log.info("%s, %d sessions: %s", front, n, json.dumps(level))
+        return level
+
     for front in args.front:
         levels = result["fronts"][front] = {}
-        for n in args.sessions:
-            gc_pauses.take()
-            for worker in (server.services.asr, server.services.tts):
-                worker.engine.step.take()
-            cmd = [sys.executable, "-m", "voiced.bench.e2e_bench", "--wav", str(args.wav), "--tiktoken-dir",
-                   str(args.tiktoken_dir), "--duration", str(args.duration), "--reply-seconds",
-                   str(args.reply_seconds), "--caller", f"{front}@{addresses[front]}@{n}"]
-            proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ)
-            if proc.returncode != 0:
-                levels[n] = {"error": proc.stderr[-2000:]}
-                continue
-            level = json.loads(proc.stdout.strip().splitlines()[-1])
-            level["asr_steps"] = server.services.asr.stats.steps
-            level["gc"] = gc_pauses.take()
-            level["step_ms"] = {w.name: w.engine.step.take() for w in (server.services.asr, server.services.tts)}
-            levels[n] = level
-            log.info("%s, %d sessions: %s", front, n, json.dumps(level))
+        for i, n in enumerate(args.sessions):
+            log.info("%s: level %d of %d, %d callers for %g s", front, i + 1, len(args.sessions), n, args.duration)
+            levels[n] = measure(front, n)
+        # Narrow the saturation bracket with a few more levels on the same warm daemon.
+        for _ in range(args.refine):
+            n = next_level(levels, args.saturation_ms)
+            if n is None:
+                break
+            log.info("%s: refining saturation at %d callers", front, n)
+            levels[n] = measure(front, n)
+        result["fronts"][front] = levels = dict(sorted(levels.items()))
+        sat = result["saturation"][front] = saturation(levels, args.saturation_ms)
+        log.info("%s: voice-to-voice p99 under %g ms up to %d callers%s", front, args.saturation_ms, sat["capacity"],
+                 f" (first over at {sat['first_over']})" if sat["saturated"] else " (every level measured)")
     result["levels"] = result["fronts"][args.front[0]]  # one door's levels where they always were
     result["door_overhead_ms"] = door_overhead(result["fronts"])
     asyncio.run_coroutine_threadsafe(server.drain_and_stop(grace=0), loop).result(60)
     if not args.tiny_cpu:
         gpu_memory("serving", args)
+        MEMORY["serving"]["peak_gib"] = max(MEMORY["serving"]["peak_gib"], serving_peak)  # levels reset the peak
         result["gpu_memory"] = MEMORY
         result["targets"] = e2e_targets(result["fronts"].get("grpc", result["levels"]))
         result["targets"].update(door_targets(result["door_overhead_ms"]))

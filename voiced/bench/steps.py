@@ -15,7 +15,8 @@ def pct(values: list[float]) -> dict:
     def q(p: float) -> float:
         return round(v[min(len(v) - 1, int(round(p / 100 * (len(v) - 1))))], 1)
 
-    return {"n": len(v), "p50": q(50), "p95": q(95), "p99": q(99), "mean": round(statistics.fmean(v), 1)}
+    return {"n": len(v), "p50": q(50), "p90": q(90), "p95": q(95), "p99": q(99),
+            "mean": round(statistics.fmean(v), 1)}
 
 
 class StepTimer:

@@ -1,6 +1,6 @@
-"""Issue 6's targets for one H200, and where a benchmark's numbers stand against them: met, or
-missed by how much. Each GPU benchmark judges the numbers it measured and puts the verdicts in its
-JSON (`targets`) and its log."""
+"""Issue 6's targets for one H200, and issue 15's (the second round), and where a benchmark's numbers
+stand against them: met, or missed by how much. Each GPU benchmark judges the numbers it measured and
+puts the verdicts in its JSON (`targets`) and its log."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ class Target:
     limit: float
     unit: str
     higher_is_better: bool = False
+    issue: int = 6
 
 
 TARGETS = {
@@ -31,8 +32,29 @@ TARGETS = {
     "door_overhead_p50_ms_audiosocket_16": Target("AudioSocket door over gRPC, voice-to-voice p50", 5, "ms"),
     "door_overhead_p50_ms_media_ws_16": Target("media WebSocket door over gRPC, voice-to-voice p50", 5, "ms"),
     # issue 15: the printed memory plan against the serving peak, and the warm-up's peak over serving's
-    "memory_plan_error_pct": Target("GPU memory plan against the serving peak, absolute error", 5, "%"),
-    "memory_warmup_over_serving_gib": Target("GPU memory: warm-up peak over the serving peak", 0.5, "GiB"),
+    "memory_plan_error_pct": Target("GPU memory plan against the serving peak, absolute error", 5, "%", issue=15),
+    "memory_warmup_over_serving_gib": Target("GPU memory: warm-up peak over the serving peak", 0.5, "GiB", issue=15),
+    # issue 15's end-to-end rows, voice-to-voice as the callers hear it (the e2e bench's v2v_client_ms)
+    "issue15_v2v_p50_ms_16": Target("voice-to-voice as heard p50, 16 callers", 130, "ms", issue=15),
+    "issue15_v2v_p99_ms_16": Target("voice-to-voice as heard p99, 16 callers", 250, "ms", issue=15),
+    "issue15_v2v_p50_ms_64": Target("voice-to-voice as heard p50, 64 callers", 200, "ms", issue=15),
+    "issue15_v2v_p99_ms_64": Target("voice-to-voice as heard p99, 64 callers", 400, "ms", issue=15),
+    "issue15_first_chunk_p50_ms_1": Target("first audio chunk p50, 1 caller", 70, "ms", issue=15),
+    "issue15_first_chunk_p50_ms_16": Target("first audio chunk p50, 16 callers", 110, "ms", issue=15),
+}
+
+# The end-to-end targets, each read from one level of `voiced bench e2e`: (figure, quantile, callers).
+E2E_LEVEL_TARGETS = {
+    "first_chunk_p50_ms_1": ("tts_first_chunk_ms", "p50", 1),
+    "first_chunk_p50_ms_16": ("tts_first_chunk_ms", "p50", 16),
+    "voice_to_voice_p50_ms_16": ("first_audio_ms", "p50", 16),
+    "voice_to_voice_p99_ms_16": ("first_audio_ms", "p99", 16),
+    "issue15_v2v_p50_ms_16": ("v2v_client_ms", "p50", 16),
+    "issue15_v2v_p99_ms_16": ("v2v_client_ms", "p99", 16),
+    "issue15_v2v_p50_ms_64": ("v2v_client_ms", "p50", 64),
+    "issue15_v2v_p99_ms_64": ("v2v_client_ms", "p99", 64),
+    "issue15_first_chunk_p50_ms_1": ("tts_first_chunk_ms", "p50", 1),
+    "issue15_first_chunk_p50_ms_16": ("tts_first_chunk_ms", "p50", 16),
 }
 
 

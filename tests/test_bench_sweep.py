@@ -1,0 +1,142 @@
+"""The caller sweep behind issue 15's "how each figure grows from 1 to 64 callers": where the daemon
+saturates (voiced.bench.saturation), the e2e bench's sweep on the CPU dry-run path, and
+`voiced bench plot` drawing it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from voiced.bench.saturation import next_level, saturation
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def level(p50: float, p99: float, **extra) -> dict:
+    return {"v2v_client_ms": {"n": 40, "p50": p50, "p90": (p50 + p99) / 2, "p99": p99}, "notices": {},
+            "failed_callers": {}, "unanswered": 0, **extra}
+
+
+# A sweep as an H200 might give it: p99 crosses 500 ms between 24 and 32 callers.
+SWEEP = {1: level(150, 166), 2: level(148, 170), 4: level(146, 210), 8: level(160, 230), 16: level(186, 245),
+         24: level(230, 420), 32: level(300, 560), 48: level(520, 980), 64: level(650, 1360)}
+
+
+def test_saturation_is_the_last_level_under_the_limit_before_the_first_over_it():
+    s = saturation(SWEEP, 500)
+    assert (s["capacity"], s["first_over"], s["saturated"], s["passed_above"]) == (24, 32, True, [])
+    # JSON makes the caller counts strings; the verdict is the same
+    assert saturation(json.loads(json.dumps(SWEEP)), 500) == s
+
+
+def test_refinement_halves_the_bracket_until_the_two_levels_are_adjacent():
+    levels = dict(SWEEP)
+    asked = []
+    while (n := next_level(levels, 500)) is not None:
+        asked.append(n)
+        levels[n] = level(260, 480) if n <= 29 else level(280, 510)
+    assert asked == [28, 30, 29]
+    assert saturation(levels, 500)["capacity"] == 29 and saturation(levels, 500)["first_over"] == 30
+
+
+def test_a_daemon_that_never_saturates_reports_its_largest_level_as_a_lower_bound():
+    levels = {n: level(100, 200) for n in (1, 4, 16, 64)}
+    s = saturation(levels, 500)
+    assert (s["capacity"], s["first_over"], s["saturated"]) == (64, None, False)
+    assert next_level(levels, 500) is None
+
+
+def test_a_daemon_saturated_at_one_caller_has_no_capacity_and_nothing_to_refine():
+    s = saturation(SWEEP, 100)
+    assert (s["capacity"], s["first_over"], s["saturated"]) == (0, 1, True)
+    assert next_level(SWEEP, 100) is None
+    # a sweep that starts above one caller and fails there is bracketed from zero
+    assert next_level({4: level(400, 700), 8: level(500, 900)}, 500) == 2
+
+
+def test_errors_or_missing_figures_fail_a_level_and_recovery_above_the_first_failure_is_only_reported():
+    levels = dict(SWEEP)
+    levels[8] = level(160, 230, notices={"TTS_FAILED: out of memory": 1})
+    s = saturation(levels, 500)
+    assert (s["capacity"], s["first_over"], s["passed_above"]) == (4, 8, [16, 24])
+    levels[8] = {"error": "the caller process failed"}
+    assert saturation(levels, 500)["first_over"] == 8
+    levels[8] = level(160, 230, unanswered=2)
+    assert saturation(levels, 500)["first_over"] == 8
+    del levels[8]["v2v_client_ms"], levels[8]["unanswered"]
+    assert saturation(levels, 500)["first_over"] == 8
+
+
+def env() -> dict:
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "client"),
+                                                       os.environ.get("PYTHONPATH", "")])}
+
+
+@pytest.mark.slow
+def test_the_e2e_sweep_measures_every_level_on_one_daemon_and_refines_the_saturation_bracket(tmp_path):
+    from tests.speech import layout, write_wav
+    from voiced.engines.whisper.tokenizer import find_tiktoken_file
+
+    wav = tmp_path / "speech.wav"
+    write_wav(wav, layout(["What time does the shop open tomorrow?"], lead_s=0.3, gap_s=0.5, tail_s=1.0).audio)
+    out = tmp_path / "sweep.json"
+    # A limit no level can meet: level 2 fails, so --refine measures level 1 (the bracket 0..2), which
+    # fails too, and then stops (0..1 is adjacent): a deterministic refinement on the CPU.
+    proc = subprocess.run([sys.executable, "-m", "voiced.bench.e2e_bench", "--tiny-cpu", "--asr-dims", "tiny-random",
+                           "--wav", str(wav), "--tiktoken-dir", str(find_tiktoken_file("multilingual.tiktoken").parent),
+                           "--sessions", "2", "--duration", "2", "--reply-seconds", "0.3", "--asr-tokens", "4",
+                           "--saturation-ms", "0", "--refine", "3", "--out", str(out)],
+                          capture_output=True, text=True, env=env(), timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert list(result["levels"]) == ["1", "2"]  # the refined level sorted in
+    for n, lv in result["levels"].items():
+        assert lv["callers"] == int(n)
+        assert (lv["failed_callers"], lv["notices"], lv["unanswered"]) == ({}, {}, 0), lv
+        for figure in ("v2v_client_ms", "first_audio_ms", "asr_ms", "tts_first_chunk_ms", "rtf"):
+            assert lv[figure]["n"] >= int(n) and {"p50", "p90", "p99"} <= set(lv[figure]), (n, figure)
+    sat = result["saturation"]["grpc"]
+    assert (sat["capacity"], sat["first_over"], sat["levels"], sat["limit_ms"]) == (0, 1, [1, 2], 0.0)
+    assert result["startup_s"] > 0 and result["duration_s"] == 2.0
+
+
+def test_bench_plot_draws_every_figure_against_callers_with_targets_and_saturation(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    import matplotlib.image
+
+    from voiced.bench.plot import DPI, FIGSIZE
+    from voiced.cli import main
+
+    levels = {}
+    for n, lv in SWEEP.items():
+        levels[str(n)] = {**lv, "callers": n, "asr_ms": {"p50": 23 + n / 4, "p99": 40 + 3 * n},
+                          "tts_first_chunk_ms": {"p50": 120 + 2 * n, "p99": 170 + 12 * n},
+                          "rtf": {"p50": 0.1 + n / 200, "p99": 0.2 + n / 100},
+                          "gpu_memory": {"allocated_gib": 7.1, "peak_gib": 7.5 + n / 100, "reserved_gib": 9.0}}
+    run = {"bench": "e2e", "gpu": "NVIDIA H200", "date": "2026-11-23", "duration_s": 12.0, "startup_s": 150.0,
+           "levels": levels, "fronts": {"grpc": levels}, "saturation": {"grpc": saturation(levels, 500)},
+           "gpu_memory": {"TTS load and warm-up": {"allocated_gib": 7.1, "peak_gib": 7.3}}}
+    js = tmp_path / "sweep-h200.json"
+    js.write_text(json.dumps(run))
+    (tmp_path / "soak.json").write_text(json.dumps({"bench": "gpu_soak"}))
+    assert main(["bench", "plot", str(js), str(tmp_path / "soak.json"), "--out", str(tmp_path / "plots")]) == 0
+    printed = capsys.readouterr().out
+    assert "skipped" in printed and "soak.json" in printed
+    assert "up to 24 callers (over at 32)" in printed
+    row = next(line.split() for line in printed.splitlines() if line.split()[:1] == ["64"])
+    assert row[1:6] == ["650", "/", "1005", "/", "1360"]  # the table's row for 64 callers: v2v p50/p90/p99
+    assert row[-2:] == ["8.14", "0"]  # its GPU memory peak and errors
+
+    png = matplotlib.image.imread(tmp_path / "plots" / "sweep-h200.png")
+    assert png.shape == (FIGSIZE[1] * DPI, FIGSIZE[0] * DPI, 4)
+    assert png[..., :3].std() > 0.05  # drawn on, not a blank canvas
+    svg = (tmp_path / "plots" / "sweep-h200.svg").read_text()
+    for text in ("concurrent real-time callers", "voice-to-voice as heard", "end of speech -&gt; final transcript",
+                 "TTS first chunk", "real-time factor", "GPU memory", "errors per level", "issue 15 target",
+                 "p99 ≤ 400", "p50 ≤ 130", "saturates: 24 callers", "saturation limit (p99 500 ms)"):
+        assert text in svg, text
