@@ -1,4 +1,5 @@
-"""GPU checks of the Spark LM's fused decode attention (voiced/engines/spark/decode_attention.py):
+"""GPU checks of the Spark LM's fused decode attention (voiced/engines/spark/decode_attention.py) and
+its projections' GEMV kernels (decode_linear.py):
 the Triton kernel against the torch arithmetic it replaces, at Spark-TTS-0.5B's head layout (14 query
 heads over 2 KV heads of 64) in bf16 and float32, and a compiled, graphed LM with the kernel against
 the modules' eager steps in float32 (the engine checkpoint of test_spark_gpu.py has heads of 8, which
@@ -10,6 +11,7 @@ import pytest
 import torch
 
 from voiced.engines.spark import decode_attention as da
+from voiced.engines.spark import decode_linear as dl
 from voiced.engines.spark.qwen2 import Qwen2Config, Qwen2LM, decode_mask, rope_tables
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
@@ -92,7 +94,7 @@ def test_compiled_graphed_lm_with_the_kernel_equals_the_eager_modules_in_float32
         lm.setup_cache(max_batch=2, max_seq=512)
         if fast:
             lm.compile_decode()
-            assert lm.fused_attention
+            assert lm.fused_attention and lm.fused_linear
         lm.prefill(prompt, 0)
         lm.prefill(prompt[:40], 1)
         tokens, positions, pos_max = torch.tensor([3, 5], device="cuda"), torch.tensor([300, 40], device="cuda"), 300
@@ -106,3 +108,43 @@ def test_compiled_graphed_lm_with_the_kernel_equals_the_eager_modules_in_float32
         runs.append((toks, torch.stack(logits)))
     assert runs[0][0] == runs[1][0]
     assert rel(runs[1][1].double(), runs[0][1].double()) < 1e-5
+
+
+# Spark-TTS-0.5B's projections: q/k/v (bias), output, gate/up, down, and the head's speech-token slice
+SHAPES = {"qkv": (1152, 896), "o": (896, 896), "gate_up": (2 * 4864, 896), "down": (896, 4864), "head": (13568, 896)}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("m", [1, 5, 16, 33, 64])
+def test_gemv_kernels_equal_the_torch_arithmetic(dtype, m):
+    """Each projection kernel at Spark's shapes against the float64 arithmetic of the same inputs: no
+    further from it than torch's own path in the same dtype (or within 1e-6 / 2e-3 relative), every
+    output written; the K-split products reduced with the residual add and the RMS norm likewise."""
+    g = torch.Generator(device="cuda").manual_seed(m)
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, device="cuda", generator=g) * scale).to(dtype)
+
+    def check(kernel, torch_path, f64):
+        assert torch.isfinite(kernel).all()
+        err_k, err_t = rel(kernel.double(), f64), rel(torch_path.double(), f64)
+        assert err_k < max(1.5 * err_t, 1e-6 if dtype == torch.float32 else 2e-3), (err_k, err_t)
+
+    x = randn(m, 896)
+    w, b = randn(*SHAPES["qkv"], scale=0.03), randn(SHAPES["qkv"][0], scale=0.1)
+    check(dl.linear(x, w, b), dl.reference_linear(x, w, b), dl.reference_linear(x.double(), w.double(), b.double()))
+    w = randn(*SHAPES["head"], scale=0.03)
+    check(dl.linear(x, w, block_n=64), dl.reference_linear(x, w), dl.reference_linear(x.double(), w.double()))
+    w = randn(*SHAPES["gate_up"], scale=0.03)
+    check(dl.swiglu_linear(x, w), dl.reference_swiglu_linear(x, w), dl.reference_swiglu_linear(x.double(), w.double()))
+    for name in ("o", "down"):
+        n, k = SHAPES[name]
+        a, w, resid, ln = randn(m, k), randn(n, k, scale=0.03), randn(m, n), randn(n, scale=0.2) + 1
+        parts = dl.linear_partials(a, w)
+        assert parts.shape[0] > 1  # split along K at these shapes
+        x_k = resid.clone()
+        h_k = dl.add_norm(parts, x_k, ln, 1e-6)
+        x_t, h_t = dl.reference_add_norm(resid, dl.reference_linear(a, w), ln, 1e-6)
+        x64, h64 = dl.reference_add_norm(resid.double(), dl.reference_linear(a.double(), w.double()), ln.double(), 1e-6)
+        check(x_k, x_t, x64)
+        check(h_k, h_t, h64)

@@ -125,7 +125,8 @@ def triton_attention(qkv: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.
         IEEE=qkv.dtype == torch.float32, num_warps=4)
     if not one:
         _combine[(b, n_kv)](part, ml, out, n_splits, b * n_kv * n_splits * gp,
-                            KV=n_kv, G=group, GP=gp, D=head_dim, num_warps=4)
+                            KV=n_kv, G=group, GP=gp, D=head_dim, SB=min(8, triton.next_power_of_2(n_splits)),
+                            num_warps=4)
     return out
 
 
@@ -212,24 +213,32 @@ if triton is not None:
 
     @triton.jit
     def _combine(part_ptr, ml_ptr, out_ptr, n_splits, l_offset,
-                 KV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr):
+                 KV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, SB: tl.constexpr):
+        # SB splits per load, rescaled online: one program serves a (row, KV head), so reading its
+        # splits one by one would chain ~3 dependent loads per split (4 us at 8 splits on an H200)
         row = tl.program_id(0)
         kvh = tl.program_id(1)
         DT = out_ptr.dtype.element_ty
         d = tl.arange(0, D)
         g = tl.arange(0, GP)
+        sb = tl.arange(0, SB)
         first = (row * KV + kvh) * n_splits
         m = tl.full([GP], float("-inf"), tl.float32)
-        for s in range(0, n_splits):
-            m = tl.maximum(m, tl.load(ml_ptr + (first + s) * GP + g))
         total = tl.zeros([GP], tl.float32)
         acc = tl.zeros([GP, D], tl.float32)
-        for s in range(0, n_splits):
-            w = tl.exp(tl.load(ml_ptr + (first + s) * GP + g) - m)  # an empty span: exp(-inf) = 0
-            total += w * tl.load(ml_ptr + l_offset + (first + s) * GP + g)
-            acc += w[:, None] * tl.load(part_ptr + ((first + s) * GP + g)[:, None] * D + d[None, :])
+        for s0 in range(0, n_splits, SB):
+            ok = (s0 + sb) < n_splits
+            cell = (first + s0 + sb)[:, None] * GP + g[None, :]  # [SB, GP]
+            ms = tl.load(ml_ptr + cell, mask=ok[:, None], other=float("-inf"))
+            ls = tl.load(ml_ptr + l_offset + cell, mask=ok[:, None], other=0.0)
+            ps = tl.load(part_ptr + cell[:, :, None] * D + d[None, None, :], mask=ok[:, None, None], other=0.0)
+            m_new = tl.maximum(m, tl.max(ms, 0))
+            alpha = tl.exp(m - m_new)  # the first block: exp(-inf) = 0 (split 0 always holds position 0)
+            w = tl.exp(ms - m_new[None, :])  # an empty span or a missing split: exp(-inf) = 0
+            total = total * alpha + tl.sum(w * ls, 0)
+            acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * ps, 0)
+            m = m_new
         o = acc / total[:, None]
         tl.store(out_ptr + row * (KV * G * D) + (kvh * G + g)[:, None] * D + d[None, :], o.to(DT), mask=(g < G)[:, None])
-
 
 __all__ = ["reference", "supported", "triton_attention", "split_plan", "apply_rope"]
