@@ -325,6 +325,7 @@ def main(argv: list[str] | None = None) -> int:
                 "graph_equals_eager_greedy": c_tok_g == c_tok_e,
                 "greedy_tokens_equal_uncompiled": next((i for i, (a, b) in enumerate(zip(c_tok_g, s_tok_g)) if a != b), n),
                 "fused_attention": lm.fused_attention,
+                "fused_linear": lm.fused_linear,
             }
             log.info("decode batch 1, compiled: %s", res["decode_batch1_compiled"])
         res["decode_lm_only"] = []
@@ -334,6 +335,18 @@ def main(argv: list[str] | None = None) -> int:
             res["decode_lm_only"].append({"batch": b, "ms_per_step": round(sb * 1000, 3),
                                           "lm_only_audio_s_per_s": round(b / 50 / sb, 1)})
             log.info("engine LM only: %s", res["decode_lm_only"][-1])
+        if lm.fused_linear:
+            # What the GEMV kernels buy: the same step with the projections through cuBLAS, then back.
+            lm.compile_decode(fused_linear=False)
+            _, t_steps = steps_decode(engine, prompt, n, 50, use_graph=True)
+            res["decode_batch1_compiled"]["engine_steps_graph_ms_per_step_sampled_cublas_linear"] = \
+                round(t_steps * 1000, 3)
+            for row, b in zip(res["decode_lm_only"], batches):
+                _, sb = steps_decode(engine, prompt, 96, 50, use_graph=True, batch=b)
+                row["ms_per_step_cublas_linear"] = round(sb * 1000, 3)
+            lm.compile_decode()
+            log.info("cuBLAS projections instead of the GEMV kernels: batch 1 %.3f ms; %s", t_steps * 1000,
+                     res["decode_lm_only"])
         if lm.fused_attention:
             # What the Triton attention kernel buys: the same compiled step with the attention in torch
             # (rope, cache writes, two GEMMs and a softmax), measured the same way, then back.

@@ -60,12 +60,15 @@ def _rows_block(m: int) -> int:
     return 16 if m <= 16 else 32 if m <= 32 else MAX_ROWS
 
 
+MAX_SPLITS = 8  # `add_norm` reads every partial of a row in one program: more splits cost it more than they give
+
+
 def split_plan(n: int, k: int, block_n: int, sms: int) -> tuple[int, int]:
     """(K per program, programs along K) for a split-K GEMV of N outputs: about two programs per
-    multiprocessor, each a whole number of BLOCK_K steps."""
+    multiprocessor (at most MAX_SPLITS along K), each a whole number of BLOCK_K steps."""
     tiles = -(-n // block_n)
     steps = -(-k // BLOCK_K)
-    want = max(1, min(steps, -(-2 * sms // tiles)))
+    want = max(1, min(steps, MAX_SPLITS, -(-2 * sms // tiles)))
     per = -(-steps // want) * BLOCK_K
     return per, -(-k // per)
 
@@ -108,7 +111,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, b
     return out
 
 
-def swiglu_linear(h: torch.Tensor, w_gate_up: torch.Tensor, block_n: int = 32) -> torch.Tensor:
+def swiglu_linear(h: torch.Tensor, w_gate_up: torch.Tensor, block_n: int = 64) -> torch.Tensor:
     """SiLU(h @ gate.T) * (h @ up.T) -> `[M, I]`, `w_gate_up` `[2I, K]` (gate rows, then up rows)."""
     m, k = h.shape
     n = w_gate_up.shape[0] // 2
@@ -141,7 +144,7 @@ def add_norm(partials: torch.Tensor, x: torch.Tensor, ln: torch.Tensor, eps: flo
     s, m, n = partials.shape
     h = torch.empty_like(x)
     _add_norm[(m,)](partials, x, ln, h, s, m, n, x.stride(0), eps,
-                    BLOCK=triton.next_power_of_2(n), S_BLOCK=triton.next_power_of_2(s), num_warps=4)
+                    BLOCK=triton.next_power_of_2(n), S_BLOCK=triton.next_power_of_2(s), num_warps=8)
     return h
 
 
