@@ -426,7 +426,8 @@ class SparkTTSEngine:
         - the decode+sample CUDA graphs (and the compiled layer) for every batch / KV-length bucket
           (default sampling candidates; a request with top_k > 64 captures its bucket's graphs on first use);
         - packed prefill at every padded length (multiples of PREFILL_BUCKET up to the longest prompt
-          the engine accepts), the first-token sampler and the speaker vector;
+          the engine accepts; a CUDA graph of each up to PREFILL_STEP_TOKENS), the first-token sampler
+          and the speaker vector;
         - the vocoder at every window length (multiples of 16 up to the longest window of a request
           with these chunk sizes, default TTSOptions') and every batch bucket a vocoder step can use,
           plus the end-masked variant.
@@ -469,12 +470,13 @@ class SparkTTSEngine:
         peaks.append(peak())
         t3 = time.perf_counter()
         self.warmup_stats = {"decode_graphs": len(self.lm._step_graphs), "decode_s": round(t1 - t0, 2),
-                             "prefill_lengths": lengths, "prefill_s": round(t2 - t1, 2),
+                             "prefill_lengths": lengths, "prefill_graphs": len(self.lm._prefill_graphs),
+                             "prefill_s": round(t2 - t1, 2),
                              "vocoder_shapes": shapes, "vocoder_s": round(t3 - t2, 2),
                              "peak_gib": dict(zip(("decode", "prefill", "vocoder"), peaks))}
-        log.info("TTS warm-up: %d decode graphs (%d steps each) in %.1f s, %d prefill lengths in %.1f s, "
+        log.info("TTS warm-up: %d decode graphs (%d steps each) in %.1f s, %d prefill lengths (%d graphed) in %.1f s, "
                  "%d vocoder shapes in %.1f s; GPU memory peaks %.2f / %.2f / %.2f GiB", len(self.lm._step_graphs),
-                 n, t1 - t0, lengths, t2 - t1, shapes, t3 - t2, *peaks)
+                 n, t1 - t0, lengths, len(self.lm._prefill_graphs), t2 - t1, shapes, t3 - t2, *peaks)
 
     def _warm_prefill(self, pick) -> int:
         """Every packed length a prefill step can run (the longest prompt `submit` accepts is
