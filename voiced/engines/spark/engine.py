@@ -81,6 +81,7 @@ PREFILL_PACK_TOKENS = PREFILL_STEP_TOKENS  # the old name
 # A request whose streamed audio is this far ahead of real time can have its next chunk decoded a
 # vocoder turn later, so that requests still waiting for their first chunk are decoded first.
 VOCODER_SLACK_S = 1.0
+SPEAKER_CACHE = 64  # speaker vectors kept (see SparkTTSEngine._speaker)
 # One vocoder step's work: at most this many windows, and batch bucket x padded window length at most
 # this many tokens (one window always goes, whatever its length).
 VOCODER_STEP_WINDOWS = 16
@@ -320,6 +321,7 @@ class SparkTTSEngine:
         allowed = torch.isfinite(self._bias).any(0).nonzero()[:, 0]
         self._vocab_lo, self._vocab_hi = int(allowed.min()), int(allowed.max()) + 1
         self._samplers: dict[int, PhaseSampler] = {}
+        self._speakers: dict[tuple[int, ...], torch.Tensor] = {}  # _speaker's cache, oldest first
         self._first_tok = torch.zeros(max_batch, dtype=torch.long, device=device)
         pin = str(device).startswith("cuda")
         self._host_ints = torch.zeros(7, max_batch, dtype=torch.long, pin_memory=pin)
@@ -820,8 +822,18 @@ class SparkTTSEngine:
         return ids
 
     def _speaker(self, global_ids: list[int]) -> torch.Tensor:
-        g = torch.tensor([global_ids], dtype=torch.long, device=self.device)
-        return self.codec.speaker_vector(g)[0]
+        """The speaker vector of these global ids, kept for the last SPEAKER_CACHE speakers: a
+        registered voice's requests reuse it instead of paying a copy and the speaker decoder's small
+        kernels in their prefill step (the vector is read-only downstream)."""
+        key = tuple(global_ids)
+        spk = self._speakers.pop(key, None)
+        if spk is None:
+            g = torch.tensor([global_ids], dtype=torch.long, device=self.device)
+            spk = self.codec.speaker_vector(g)[0]
+        self._speakers[key] = spk  # most recent last
+        while len(self._speakers) > SPEAKER_CACHE:
+            del self._speakers[next(iter(self._speakers))]
+        return spk
 
     def _advance(self, r: _Request, t: int) -> None:
         """Take one sampled token `t` for r (the host side of the in-graph phase rule, plus the ends)."""
