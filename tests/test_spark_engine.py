@@ -270,3 +270,29 @@ def test_warm_up_keeps_no_activations_for_backward(engine):
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         shapes = engine._warm_vocoder(engine.radius // 2, 4)
     assert shapes > 0 and sum(saved) == 0, f"{len(saved)} tensors ({sum(saved)} bytes) saved for backward"
+
+
+def test_speaker_vectors_are_computed_once_per_speaker(engine, monkeypatch):
+    """A registered voice's speaker vector is computed for its first request and reused after (the same
+    values the codec gives); the cache keeps the most recently used SPEAKER_CACHE speakers."""
+    import torch
+
+    from voiced.engines.spark import engine as spark_engine
+
+    calls = []
+    real = engine.codec.speaker_vector
+    monkeypatch.setattr(engine.codec, "speaker_vector", lambda g: calls.append(g.tolist()) or real(g))
+    monkeypatch.setattr(spark_engine, "SPEAKER_CACHE", 3)
+    engine._speakers.clear()
+    ids = [[i] * 32 for i in range(5)]
+    first = engine._speaker(ids[0])
+    with torch.no_grad():
+        assert torch.equal(first, real(torch.tensor([ids[0]]))[0])
+    assert engine._speaker(ids[0]) is first and len(calls) == 1
+    for g in ids[1:4]:  # three more: the oldest (ids[0]) goes
+        engine._speaker(g)
+    assert len(engine._speakers) == 3 and len(calls) == 4
+    engine._speaker(ids[2])  # kept, and now the most recent
+    assert len(calls) == 4
+    engine._speaker(ids[0])
+    assert len(calls) == 5 and tuple(ids[1]) not in engine._speakers and tuple(ids[2]) in engine._speakers

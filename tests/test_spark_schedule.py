@@ -184,9 +184,9 @@ def test_serving_meets_only_shapes_the_warmup_ran(engine, monkeypatch):
         vocoder.add(tuple(ids.shape))
         return real_decode(codec, ids, spk, valid)
 
-    def rec_prefill(prompts, slots, pad_to=1):
+    def rec_prefill(prompts, slots, pad_to=1, **kw):
         prefill.add(-(-sum(len(p) for p in prompts) // pad_to) * pad_to)
-        return real_prefill(prompts, slots, pad_to)
+        return real_prefill(prompts, slots, pad_to, **kw)
 
     monkeypatch.setattr(streaming, "decode_windows", rec_decode)
     monkeypatch.setattr(engine.lm, "prefill_many", rec_prefill)

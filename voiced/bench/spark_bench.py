@@ -7,6 +7,7 @@ Measures, in one run and on the same weights:
   - per-step decode latency at batch 1 after a 300-token prompt: ours (graph, eager) and
     transformers' Qwen2ForCausalLM.generate; ours also as the engine runs it (decode_steps steps with
     in-graph sampling per host sync), greedy and sampled, and at batch 64 (LM only);
+  - the engine's packed prefill pass, 1 and 4 prompts, with and without its CUDA graph;
   - the whole engine (LM + BiCodec streaming vocoder) at several concurrencies: audio seconds
     produced per wall second, first-chunk latency (P50/P90);
   - transformers' generate at the same batch sizes (LM only, no vocoder) for scale.
@@ -165,6 +166,42 @@ def steps_decode(engine, prompt: torch.Tensor, n: int, top_k: int, use_graph: bo
 
     once()
     return once()
+
+
+@torch.no_grad()
+def prefill_timing(engine, reps: int = 30) -> list[dict]:
+    """The engine's prefill pass (`prefill_many` as `_prefill_fresh` calls it: id lists, padded to
+    PREFILL_BUCKET) for 1 prompt of 150 tokens and 4 prompts of 120-180, with and without its CUDA
+    graph: median ms from the call to the GPU finishing it, over `reps` passes after warm ones, and
+    whether the two give the same cache rows and last hidden states bit for bit."""
+    from voiced.engines.spark.engine import PREFILL_BUCKET
+
+    lm, cuda = engine.lm, str(engine.device).startswith("cuda")
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for lengths in ((150,), (150, 120, 180, 140)):
+        prompts = [torch.randint(0, 151643, (n,), generator=g).tolist() for n in lengths]
+        slots = list(range(len(lengths)))
+        row = {"prompts": len(lengths), "tokens": sum(lengths),
+               "padded_to": -(-sum(lengths) // PREFILL_BUCKET) * PREFILL_BUCKET}
+        results = {}
+        for graph in ((True, False) if cuda else (False,)):
+            times = []
+            for i in range(reps + 3):
+                sync()
+                t0 = time.perf_counter()
+                h = lm.prefill_many(prompts, slots, pad_to=PREFILL_BUCKET, use_graph=graph)
+                sync()
+                if i >= 3:
+                    times.append(time.perf_counter() - t0)
+            results[graph] = (h.clone(), [k[: len(lengths)].clone() for k in lm.k_caches])
+            row["graph_ms" if graph else "ungraphed_ms"] = round(1000 * statistics.median(times), 3)
+        if cuda:
+            (hg, kg), (hu, ku) = results[True], results[False]
+            row["graph_equals_ungraphed"] = torch.equal(hg, hu) and all(torch.equal(a, b) for a, b in zip(kg, ku))
+        out.append(row)
+        log.info("prefill: %s", row)
+    return out
 
 
 def profile_engine(engine, concurrency: int, seconds: float, path: str | None) -> dict:
@@ -387,6 +424,8 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         engine.warmup()
         res["graph_capture_s"] = round(time.perf_counter() - t0, 2)
+        res["warmup"] = getattr(engine, "warmup_stats", None)
+        res["prefill"] = prefill_timing(engine)
         res["engine"] = []
         for spec in args.chunks.split(";"):
             first, chunk = (int(x) for x in spec.split(","))

@@ -81,6 +81,7 @@ PREFILL_PACK_TOKENS = PREFILL_STEP_TOKENS  # the old name
 # A request whose streamed audio is this far ahead of real time can have its next chunk decoded a
 # vocoder turn later, so that requests still waiting for their first chunk are decoded first.
 VOCODER_SLACK_S = 1.0
+SPEAKER_CACHE = 64  # speaker vectors kept (see SparkTTSEngine._speaker)
 # One vocoder step's work: at most this many windows, and batch bucket x padded window length at most
 # this many tokens (one window always goes, whatever its length).
 VOCODER_STEP_WINDOWS = 16
@@ -237,28 +238,48 @@ def vocoder_step_bytes(codec_config, dtype: torch.dtype) -> int:
         return peak_live_bytes(lambda: decode_windows(codec, ids, spk, [length] * b))
 
 
+def prefill_bytes(cfg, tokens: int, itemsize: int) -> int:
+    """A packed prefill's activations, estimated: its boolean mask and the attention's float one, the
+    MLP's activations and the attention's inputs in the LM's dtype."""
+    t = tokens
+    return t * t * (1 + itemsize) + t * itemsize * (3 * cfg.intermediate_size + 4 * cfg.hidden_size)
+
+
 def memory_need(cfg, lm_dtype: torch.dtype, lm_bytes: int, codec_bytes: int, max_batch: int, max_seq_len: int, *,
                 cuda: bool, graphs: bool = True, decode_steps: int = DECODE_STEPS, workspace_bytes: int = 0,
                 vocoder_bytes: int = 0) -> EngineNeed:
     """What `SparkTTSEngine.load(...)` with these settings holds on its device (see voiced.memory_plan).
     vocoder_bytes: the largest vocoder step's transient (`vocoder_step_bytes`)."""
     kv = 2 * cfg.num_hidden_layers * max_batch * cfg.num_key_value_heads * max_seq_len * cfg.head_dim * lm_dtype.itemsize
+    e = lm_dtype.itemsize
+    # the packed prefill's inputs (Qwen2LM's _PrefillIO: ids, segments, positions, slots; last tokens; output)
+    cap = padded_to(max(max_seq_len, PREFILL_STEP_TOKENS) + 64, 64)
+    prefill_io = (4 * cap + max_batch) * 8 + max_batch * cfg.hidden_size * e
     items = [Need("LM weights", lm_bytes), Need("BiCodec weights", codec_bytes),
              Need(f"LM KV cache: {max_seq_len} positions x {max_batch} rows", kv),
              Need("rope tables", 2 * max_seq_len * cfg.head_dim * 4),
-             # phase logit masks, step state, first tokens
-             Need("step buffers", 2 * cfg.vocab_size * 4 + max_batch * (7 * 8 + 2 * 4 + 8))]
+             # phase logit masks, step state, first tokens, the prefill's inputs
+             Need("step buffers", 2 * cfg.vocab_size * 4 + max_batch * (7 * 8 + 2 * 4 + 8) + prefill_io)]
     if not cuda:
         return EngineNeed("Spark-TTS", "tts_kv_fraction", items)
     if graphs:
         n = len(_doubling(max_batch, 1)) * len(_doubling(max_seq_len, 256))
         items.append(Need(f"decode graphs ({n}): sampled tokens", n * max_batch * decode_steps * 8))
     items.append(Need("cuBLAS workspaces (the default stream, the capture stream)", 2 * workspace_bytes))
-    # A packed prefill of PREFILL_STEP_TOKENS: its boolean mask, the MLP's activations and the
-    # attention's inputs in the LM's dtype.
-    t, e = PREFILL_STEP_TOKENS, lm_dtype.itemsize
-    prefill = t * t * (1 + e) + t * e * (3 * cfg.intermediate_size + 4 * cfg.hidden_size)
-    items.append(Need(f"step transient, estimated (prefill of {t} tokens)", prefill, transient=True))
+    # The longest prefill: a pack of PREFILL_STEP_TOKENS, or one prompt as long as submit accepts.
+    longest = max(PREFILL_STEP_TOKENS, min(max_seq_len, padded_to(max_seq_len - N_GLOBAL - 17, PREFILL_BUCKET)))
+    if graphs:
+        # Every graph of the LM allocates from one pool (Qwen2LM.graph_pool), which keeps the largest
+        # graph's activations for good: a packed prefill of PREFILL_STEP_TOKENS (a decode step's are far
+        # smaller). Longer prefills (one long prompt) run ungraphed, a transient.
+        t = PREFILL_STEP_TOKENS
+        items.append(Need(f"CUDA graphs' shared pool, estimated (a prefill of {t} tokens)", prefill_bytes(cfg, t, e)))
+        if longest > t:
+            items.append(Need(f"step transient, estimated (an ungraphed prefill of {longest} tokens)",
+                              prefill_bytes(cfg, longest, e), transient=True))
+    else:
+        items.append(Need(f"step transient, estimated (prefill of {longest} tokens)", prefill_bytes(cfg, longest, e),
+                          transient=True))
     if vocoder_bytes:
         items.append(Need(f"step transient: vocoder, {VOCODER_STEP_TOKENS} window tokens",
                           vocoder_bytes, transient=True))
@@ -292,6 +313,7 @@ class SparkTTSEngine:
         if decode_steps < 1:
             raise EngineError("decode_steps must be at least 1")
         self.decode_steps = decode_steps
+        lm.prefill_graph_tokens = PREFILL_STEP_TOKENS  # every pack the engine makes, graphed on a GPU
         lm.setup_cache(max_batch, max_seq_len)
         self._bias = self._phase_bias()
         # Every id any phase allows lies in [lo, hi): the head only computes that slice. The slice of
@@ -299,6 +321,7 @@ class SparkTTSEngine:
         allowed = torch.isfinite(self._bias).any(0).nonzero()[:, 0]
         self._vocab_lo, self._vocab_hi = int(allowed.min()), int(allowed.max()) + 1
         self._samplers: dict[int, PhaseSampler] = {}
+        self._speakers: dict[tuple[int, ...], torch.Tensor] = {}  # _speaker's cache, oldest first
         self._first_tok = torch.zeros(max_batch, dtype=torch.long, device=device)
         pin = str(device).startswith("cuda")
         self._host_ints = torch.zeros(7, max_batch, dtype=torch.long, pin_memory=pin)
@@ -405,7 +428,8 @@ class SparkTTSEngine:
         - the decode+sample CUDA graphs (and the compiled layer) for every batch / KV-length bucket
           (default sampling candidates; a request with top_k > 64 captures its bucket's graphs on first use);
         - packed prefill at every padded length (multiples of PREFILL_BUCKET up to the longest prompt
-          the engine accepts), the first-token sampler and the speaker vector;
+          the engine accepts; a CUDA graph of each up to PREFILL_STEP_TOKENS), the first-token sampler
+          and the speaker vector;
         - the vocoder at every window length (multiples of 16 up to the longest window of a request
           with these chunk sizes, default TTSOptions') and every batch bucket a vocoder step can use,
           plus the end-masked variant.
@@ -448,12 +472,13 @@ class SparkTTSEngine:
         peaks.append(peak())
         t3 = time.perf_counter()
         self.warmup_stats = {"decode_graphs": len(self.lm._step_graphs), "decode_s": round(t1 - t0, 2),
-                             "prefill_lengths": lengths, "prefill_s": round(t2 - t1, 2),
+                             "prefill_lengths": lengths, "prefill_graphs": len(self.lm._prefill_graphs),
+                             "prefill_s": round(t2 - t1, 2),
                              "vocoder_shapes": shapes, "vocoder_s": round(t3 - t2, 2),
                              "peak_gib": dict(zip(("decode", "prefill", "vocoder"), peaks))}
-        log.info("TTS warm-up: %d decode graphs (%d steps each) in %.1f s, %d prefill lengths in %.1f s, "
+        log.info("TTS warm-up: %d decode graphs (%d steps each) in %.1f s, %d prefill lengths (%d graphed) in %.1f s, "
                  "%d vocoder shapes in %.1f s; GPU memory peaks %.2f / %.2f / %.2f GiB", len(self.lm._step_graphs),
-                 n, t1 - t0, lengths, t2 - t1, shapes, t3 - t2, *peaks)
+                 n, t1 - t0, lengths, len(self.lm._prefill_graphs), t2 - t1, shapes, t3 - t2, *peaks)
 
     def _warm_prefill(self, pick) -> int:
         """Every packed length a prefill step can run (the longest prompt `submit` accepts is
@@ -461,8 +486,8 @@ class SparkTTSEngine:
         longest = self.max_seq_len - N_GLOBAL - 17
         count = 0
         for n in range(PREFILL_BUCKET, min(self.max_seq_len, padded_to(longest, PREFILL_BUCKET)) + 1, PREFILL_BUCKET):
-            prompt = torch.zeros(n, dtype=torch.long, device=self.device)
-            h = self.lm.prefill_many([prompt], [0], pad_to=PREFILL_BUCKET)
+            # as `_prefill_fresh` sends prompts; on a GPU this captures the graph of each length graphed
+            h = self.lm.prefill_many([[0] * n], [0], pad_to=PREFILL_BUCKET, use_graph=self.use_cuda_graphs)
             count += 1
         self._load_state()
         self._first_tok[:1] = pick(self.lm, h[:1], self.lm.state, slice(0, 1))
@@ -681,8 +706,9 @@ class SparkTTSEngine:
         if not group:
             return []
         try:
-            prompts = [torch.tensor(ids, dtype=torch.long).to(self.device, non_blocking=True) for _, ids in group]
-            hidden = self.lm.prefill_many(prompts, [r.slot for r, _ in group], pad_to=PREFILL_BUCKET)
+            # the ids go as they are: the LM packs them into one host block, sent in one copy
+            hidden = self.lm.prefill_many([ids for _, ids in group], [r.slot for r, _ in group],
+                                          pad_to=PREFILL_BUCKET, use_graph=self.use_cuda_graphs)
         except Exception as e:
             log.error("prefill failed for requests %s", [r.rid for r, _ in group], exc_info=e)
             self._prefill_failed([r for r, _ in group], e, outputs)
@@ -796,8 +822,18 @@ class SparkTTSEngine:
         return ids
 
     def _speaker(self, global_ids: list[int]) -> torch.Tensor:
-        g = torch.tensor([global_ids], dtype=torch.long, device=self.device)
-        return self.codec.speaker_vector(g)[0]
+        """The speaker vector of these global ids, kept for the last SPEAKER_CACHE speakers: a
+        registered voice's requests reuse it instead of paying a copy and the speaker decoder's small
+        kernels in their prefill step (the vector is read-only downstream)."""
+        key = tuple(global_ids)
+        spk = self._speakers.pop(key, None)
+        if spk is None:
+            g = torch.tensor([global_ids], dtype=torch.long, device=self.device)
+            spk = self.codec.speaker_vector(g)[0]
+        self._speakers[key] = spk  # most recent last
+        while len(self._speakers) > SPEAKER_CACHE:
+            del self._speakers[next(iter(self._speakers))]
+        return spk
 
     def _advance(self, r: _Request, t: int) -> None:
         """Take one sampled token `t` for r (the host side of the in-graph phase rule, plus the ends)."""

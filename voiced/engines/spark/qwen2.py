@@ -15,7 +15,10 @@ The choices that make it fast, each visible below:
   the n tokens per row back once (tokens after an end are discarded there). Host overhead per step,
   not GPU math, is what bounds a 0.5B model at small batch, so this is where the time is.
 - `prefill_many`: every prompt admitted in one step runs as one packed sequence (a block-diagonal
-  causal mask), one pass of ~400 kernels instead of one pass per request.
+  causal mask), one pass of ~400 kernels instead of one pass per request; on a GPU that pass is one
+  CUDA graph per padded length (up to `prefill_graph_tokens`), its inputs one host->device copy.
+- Every graph of the LM (decode steps and prefills) allocates from one memory pool: they replay one at a
+  time on one stream, so the pool holds the largest graph's activations, not the sum of all of them.
 
 The module tree and parameter names mirror `transformers`' Qwen2ForCausalLM (`model.layers.N...`),
 so a Hugging Face checkpoint loads with a plain `load_state_dict`.
@@ -28,6 +31,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -36,6 +40,9 @@ from . import decode_attention, decode_linear
 from .decode_attention import apply_rope
 
 log = logging.getLogger(__name__)
+
+# See Qwen2LM.prefill_graph_tokens: the engine packs at most this many tokens (PREFILL_STEP_TOKENS).
+PREFILL_GRAPH_TOKENS = 1024
 
 
 @dataclass
@@ -168,6 +175,14 @@ class Attention(nn.Module):
         return self.o_proj(out.reshape(b, 1, self.n_heads * self.head_dim))
 
 
+def packed_mask(seg: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """`[N, N]` for packed prompts: token i sees token j of its own prompt (`seg`) at an earlier or equal
+    position. The diagonal always: padding positions clamped at the cache's end repeat, and each
+    padding token must still see itself (for every other token the diagonal is already allowed)."""
+    i = torch.arange(seg.shape[0], device=seg.device)
+    return (seg[:, None] == seg[None, :]) & ((pos[None, :] <= pos[:, None]) | (i[:, None] == i[None, :]))
+
+
 def decode_mask(positions: torch.Tensor, kv_len: int) -> torch.Tensor:
     """`[B, 1, 1, kv_len]`: row b attends to cache positions 0..positions[b]."""
     return (torch.arange(kv_len, device=positions.device)[None, :] <= positions[:, None])[:, None, None, :]
@@ -273,6 +288,12 @@ class Qwen2LM(nn.Module):
         self.v_caches: list[torch.Tensor] = []
         self._graphs: dict[tuple[int, int], _DecodeGraph] = {}
         self._step_graphs: dict[tuple, _StepsGraph] = {}
+        self._prefill_graphs: dict[int, _PrefillGraph] = {}
+        # Packed prefills up to this many tokens run as CUDA graphs; a longer one (a lone long prompt)
+        # runs ungraphed: the graphs' shared pool holds the activations of the longest graphed length.
+        self.prefill_graph_tokens = PREFILL_GRAPH_TOKENS
+        self._prefill_io: _PrefillIO | None = None
+        self._pool = None  # graph_pool()
         self.state: StepState | None = None
         self._layer_fn = None  # compile_decode() sets layer_decode, compiled
         self._prefill_fn = None  # and layer_prefill
@@ -291,6 +312,15 @@ class Qwen2LM(nn.Module):
             self._capture = torch.cuda.Stream(device=self.lm_head.weight.device)
         return self._capture
 
+    def graph_pool(self):
+        """The one memory pool every graph of this LM (`_StepsGraph`, `_PrefillGraph`) allocates from.
+        Sharing is safe because the graphs replay one at a time on one stream and none leaves a tensor
+        in the pool that outlives its replay (their outputs are buffers allocated before capture); the
+        pool then holds the largest graph's activations once, instead of one private pool per graph."""
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        return self._pool
+
     # ------------------------------------------------------------------ cache
 
     def setup_cache(self, max_batch: int, max_seq: int) -> None:
@@ -304,7 +334,11 @@ class Qwen2LM(nn.Module):
         self.max_batch, self.max_seq = max_batch, max_seq
         self._graphs.clear()
         self._step_graphs.clear()
+        self._prefill_graphs.clear()
         self.state = StepState.empty(max_batch, p.device)
+        # room for the longest prompt padded to a 64-token bucket, or the longest graphed pack
+        cap = _bucket_multiple(max(max_seq, self.prefill_graph_tokens) + 64, 64)
+        self._prefill_io = _PrefillIO(cap, max_batch, cfg.hidden_size, p.dtype, p.device)
 
     def move_slot(self, src: int, dst: int, length: int) -> None:
         """Copy one request's cached keys/values to another row (used to keep active rows compact)."""
@@ -334,43 +368,59 @@ class Qwen2LM(nn.Module):
         return self._logits(x[:, -1])[0]
 
     @torch.no_grad()
-    def prefill_many(self, prompts: list[torch.Tensor], slots: list[int], pad_to: int = 1) -> torch.Tensor:
-        """Prompts (each `[T_i]`, on the LM's device) into cache rows `slots` at positions 0..T_i-1, as one
-        packed pass. Returns each prompt's final-normed last hidden state `[n, C]` (feed to a head).
+    def prefill_many(self, prompts: list, slots: list[int], pad_to: int = 1,
+                     use_graph: bool | None = None) -> torch.Tensor:
+        """Prompts (each a list of ids or a `[T_i]` tensor, on the host or the LM's device) into cache rows
+        `slots` at positions 0..T_i-1, as one packed pass. Returns each prompt's final-normed last
+        hidden state `[n, C]` (feed to a head).
 
         pad_to: pack to a multiple of this many tokens (fewer distinct shapes: a GPU meets only lengths
         its warm-up ran). The padding is one more "prompt" that attends only to itself; it is written
         into the last prompt's row just past that prompt, where the first decode steps overwrite it
-        before anything reads it (a step writes its position before attending to it)."""
-        lengths = [int(p.shape[0]) for p in prompts]
+        before anything reads it (a step writes its position before attending to it).
+        use_graph: replay a CUDA graph of the pass (captured on the first pass of each padded length up
+        to `prefill_graph_tokens`); None means on a CUDA device. The graph computes what the ungraphed
+        pass computes, with the same kernels."""
+        if not prompts or len(prompts) != len(slots):
+            raise ValueError("prefill_many needs one slot per prompt and at least one prompt")
+        lengths = [int(len(p)) for p in prompts]
+        if min(lengths) < 1:
+            raise ValueError("an empty prompt cannot be prefilled")
         if max(lengths) > self.max_seq:
             raise ValueError(f"prompt of {max(lengths)} tokens exceeds the KV cache length {self.max_seq}")
         dev = self.lm_head.weight.device
         total = sum(lengths)
-        extra = -total % max(1, pad_to)
-        seg = torch.repeat_interleave(torch.arange(len(prompts)), torch.tensor(lengths))
-        pos = torch.cat([torch.arange(n) for n in lengths])
-        slot_t = torch.tensor(slots)[seg]
-        tokens = torch.cat(prompts)
-        if extra:
-            seg = torch.cat([seg, torch.full((extra,), len(prompts))])
-            pos = torch.cat([pos, (lengths[-1] + torch.arange(extra)).clamp_(max=self.max_seq - 1)])
-            slot_t = torch.cat([slot_t, torch.full((extra,), slots[-1])])
-            tokens = torch.cat([tokens, tokens.new_zeros(extra)])
-        mask = (seg[:, None] == seg[None, :]) & (pos[None, :] <= pos[:, None])
-        if extra:  # clamped padding positions repeat: each padding token still sees itself
-            mask |= torch.eye(len(seg), dtype=torch.bool)
-        seg, pos, slot_t, mask = (t.to(dev, non_blocking=True) for t in (seg, pos, slot_t, mask))
+        n = total + (-total % max(1, pad_to))
+        if use_graph is None:
+            use_graph = dev.type == "cuda"
+        io = self._prefill_io
+        if io is None or n > io.cap or len(prompts) > io.rows:  # more than the engine ever packs: one-off buffers
+            io = _PrefillIO(n, len(prompts), self.config.hidden_size, self.lm_head.weight.dtype, dev)
+            use_graph = False
+        io.fill(prompts, lengths, slots, n, self.max_seq)
+        if use_graph and dev.type == "cuda" and n <= self.prefill_graph_tokens:
+            graph = self._prefill_graphs.get(n)
+            if graph is None:  # captured from these very inputs (see _PrefillGraph)
+                graph = self._prefill_graphs[n] = _PrefillGraph(self, io, n)
+            graph.graph.replay()
+        else:
+            self._prefill_body(io, n)
+        return self.model.norm(io.out[: len(prompts)])
+
+    def _prefill_body(self, io: _PrefillIO, n: int) -> None:
+        """The packed pass over `io`'s first n tokens, up to `io.out` (each prompt's last hidden state,
+        before the final norm). Runs eagerly and under graph capture alike."""
+        tokens, seg, pos, slots, last = io.views(n)
         x = self.model.embed_tokens(tokens[None])
         cos, sin = self.rope_cos[pos][None, None], self.rope_sin[pos][None, None]
+        mask = packed_mask(seg, pos)
         if self._prefill_fn is None:
             for layer, kc, vc in zip(self.model.layers, self.k_caches, self.v_caches):
-                x = x + layer.self_attn.prefill_packed(layer.input_layernorm(x), cos, sin, kc, vc, slot_t, pos, mask)
+                x = x + layer.self_attn.prefill_packed(layer.input_layernorm(x), cos, sin, kc, vc, slots, pos, mask)
                 x = x + layer.mlp(layer.post_attention_layernorm(x))
         else:
-            x = self._fused_layers(self._prefill_fn, x, cos, sin, mask, slot_t, pos)
-        last = torch.tensor(lengths).cumsum(0) - 1
-        return self.model.norm(x[0, last.to(dev)])
+            x = self._fused_layers(self._prefill_fn, x, cos, sin, mask, slots, pos)
+        io.out.copy_(x[0, last])
 
     def decode_hidden(self, tokens: torch.Tensor, positions: torch.Tensor, kv_len: int) -> torch.Tensor:
         """One step for rows 0..B-1: `tokens [B]`, `positions [B]` -> final-normed hidden `[B, C]`."""
@@ -498,6 +548,7 @@ class Qwen2LM(nn.Module):
         self._gemv = gemv and fused_linear is not False
         self._graphs.clear()
         self._step_graphs.clear()
+        self._prefill_graphs.clear()
 
     @property
     def fused_attention(self) -> bool:
@@ -586,6 +637,10 @@ class Qwen2LM(nn.Module):
             x = x + attn.o_proj(o.transpose(1, 2).reshape(b, t, -1))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self._logits(x)
+
+
+def _bucket_multiple(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
 
 
 def _bucket(n: int, base: int) -> int:
@@ -689,13 +744,90 @@ class _StepsGraph:
         torch.cuda.current_stream().wait_stream(stream)
         st.load(*blank)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, stream=stream):
+        with torch.cuda.graph(self.graph, stream=stream, pool=lm.graph_pool()):
             lm._steps_body(pick, batch, n_steps, kv_len, self.out)
         st.load(*state_saved)
         for (k, v), (ks, vs) in zip(zip(lm.k_caches, lm.v_caches), kv_saved):
             k[:batch, :, :n_steps].copy_(ks)
             v[:batch, :, :n_steps].copy_(vs)
         log.debug("captured %d-step decode graph batch=%d kv_len=%d", n_steps, batch, kv_len)
+
+
+class _PrefillIO:
+    """A packed prefill's inputs and output, at fixed addresses so that graphs can replay on them: one
+    pinned host block and its device copy `[tokens | segment | position | slot]` (`cap` each) then
+    `last` (`rows`: the index of each prompt's last token), and the output `[rows, C]`. The host fills
+    the block and sends it in one copy."""
+
+    def __init__(self, cap: int, rows: int, hidden: int, dtype: torch.dtype, device) -> None:
+        device = torch.device(device)
+        cuda = device.type == "cuda"
+        self.cap, self.rows = cap, rows
+        self.host = torch.zeros(4 * cap + rows, dtype=torch.long, pin_memory=cuda)
+        self.dev = torch.zeros_like(self.host, device=device) if cuda else self.host
+        self.out = torch.zeros(rows, hidden, dtype=dtype, device=device)
+        # the host block may be rewritten only once the copy out of it has run
+        self.sent = torch.cuda.Event() if cuda else None
+        self._sent_once = False
+
+    def views(self, n: int):
+        """(tokens, segments, positions, slots) of the first n packed tokens, and `last`, on the device."""
+        c, d = self.cap, self.dev
+        return d[:n], d[c : c + n], d[2 * c : 2 * c + n], d[3 * c : 3 * c + n], d[4 * c :]
+
+    def fill(self, prompts: list, lengths: list[int], slots: list[int], n: int, max_seq: int) -> None:
+        if self.sent is not None and self._sent_once:
+            self.sent.synchronize()  # normally long done: the previous prefill's step has synced since
+        c, h = self.cap, self.host.numpy()
+        tokens, seg, pos, slot = h[:n], h[c : c + n], h[2 * c : 2 * c + n], h[3 * c : 3 * c + n]
+        on_device = []
+        o = 0
+        for i, (p, t, s) in enumerate(zip(prompts, lengths, slots)):
+            if isinstance(p, torch.Tensor):
+                if p.device.type == "cpu":
+                    tokens[o : o + t] = p.numpy()
+                else:
+                    on_device.append((o, p))
+            else:
+                tokens[o : o + t] = p
+            seg[o : o + t] = i
+            pos[o : o + t] = np.arange(t)
+            slot[o : o + t] = s
+            o += t
+        if o < n:  # padding: one more segment after the last prompt, in its row, positions clamped
+            tokens[o:n] = 0
+            seg[o:n] = len(prompts)
+            pos[o:n] = np.minimum(lengths[-1] + np.arange(n - o), max_seq - 1)
+            slot[o:n] = slots[-1]
+        last = h[4 * c :]
+        last[:] = 0
+        last[: len(lengths)] = np.cumsum(lengths) - 1
+        if self.dev is not self.host:
+            self.dev.copy_(self.host, non_blocking=True)
+            self.sent.record()
+            self._sent_once = True
+        for o, p in on_device:
+            self.dev[o : o + p.shape[0]].copy_(p)
+
+
+class _PrefillGraph:
+    """A CUDA graph of one packed prefill of n tokens (embedding, mask, rope factors, every layer, the
+    prompts' last hidden states into `io.out`), replayed on whatever `io` holds. Capture runs the pass
+    for real first (kernels, cuBLAS plans, compiled code warmed outside the graph), on the inputs the
+    caller has just put in `io`: it writes exactly what the replay that follows writes, so rows of
+    requests in flight are never touched, whenever a length is first met."""
+
+    def __init__(self, lm: Qwen2LM, io: _PrefillIO, n: int) -> None:
+        stream = lm.capture_stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                lm._prefill_body(io, n)
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, stream=stream, pool=lm.graph_pool()):
+            lm._prefill_body(io, n)
+        log.debug("captured prefill graph of %d tokens", n)
 
 
 def load_qwen2(llm_dir: str | Path, device: str | torch.device, dtype: torch.dtype) -> Qwen2LM:
