@@ -2,6 +2,8 @@
 
     voiced bench whisper --tiktoken-dir DIR [...]   engine sweep next to transformers (JSON)
     voiced bench spark [...]                        Spark-TTS LM + vocoder next to transformers (JSON)
+    voiced bench spark-kernels [...]                the decode step's projections: cuBLAS against our GEMV
+                                                    kernels per shape, and the whole step with each (JSON)
     voiced bench e2e --wav W --tiktoken-dir DIR     N concurrent calls through gRPC (JSON); --front grpc
                                                     audiosocket media_ws realtime: the same through each door;
                                                     --sessions 1 2 4 ... 64 --refine N: a caller sweep and
@@ -19,6 +21,7 @@ from __future__ import annotations
 import argparse
 
 SUITES = {"whisper": "voiced.bench.whisper_bench", "spark": "voiced.bench.spark_bench",
+          "spark-kernels": "voiced.bench.spark_kernels",
           "e2e": "voiced.bench.e2e_bench", "speech": "voiced.bench.speech_bench",
           "memory": "voiced.bench.memory_bench", "plot": "voiced.bench.plot"}
 
