@@ -3,6 +3,8 @@ the GPU between them), and that warm-up runs every shape serving meets."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -13,7 +15,14 @@ from voiced.engines.spark import engine as eng_mod
 from voiced.engines.spark import streaming
 from voiced.engines.spark.bicodec import HOP
 from voiced.engines.spark.engine import SparkTTSEngine
-from voiced.engines.spark.streaming import ChunkPlanner, DecodeJob, decode_jobs, decode_windows
+from voiced.engines.spark.streaming import (
+    ChunkPlanner,
+    DecodeJob,
+    decode_jobs,
+    decode_windows,
+    padded_length,
+    stream_decode,
+)
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +69,7 @@ def test_a_step_does_one_bounded_kind_of_work(engine, monkeypatch):
     monkeypatch.setattr(eng_mod, "PREFILL_STEP_TOKENS", 100)
     reqs = {i: _request(i) for i in range(1, 11)}
     alone = {rid: _run(engine, {rid: reqs[rid]})[0][rid] for rid in (1, 9)}
-    audio, steps = _run(engine, reqs, submit_at={9: 30, 10: 31})
+    audio, steps = _run(engine, reqs, submit_at={9: 16, 10: 17})
     kinds = [s["kind"] for s in steps]
     assert set(kinds) == {"prefill", "decode", "vocode"}
     for s in steps:
@@ -200,3 +209,89 @@ def test_serving_meets_only_shapes_the_warmup_ran(engine, monkeypatch):
     assert vocoder and prefill
     assert vocoder <= warm_v, vocoder - warm_v
     assert prefill <= warm_p, prefill - warm_p
+
+
+@pytest.mark.parametrize("radius, first, chunk", [(38, 4, 6), (5, 10, 25), (68, 10, 25)])
+def test_planned_windows_release_every_token_once_within_their_length_cap(radius, first, chunk):
+    """However the tokens arrive (one at a time, 8 per decode step, all at once) and whatever the merge
+    cap, the released ranges tile the utterance in order, each window carries its full context (or
+    stops at the utterance's edges), the first chunk is never merged, and no window is longer than the
+    cap allows (a lone regular chunk always may be)."""
+    n = 400
+    regular = padded_length(max(first + radius, chunk + 2 * radius))
+    for step in (1, 8, n):
+        counts = {}
+        for cap in (0, 128, 256, 1024):
+            planner = ChunkPlanner(radius, first, chunk)
+            windows = []
+            for t in [*range(step, n, step), n]:
+                for w in planner.windows(t, ended=t == n, max_len=cap):
+                    assert w.start == max(0, w.keep_from - radius)
+                    assert w.end == (t if w.final else w.keep_to + radius) and w.end <= t
+                    assert padded_length(w.end - w.start) <= max(cap, regular)
+                    windows.append(w)
+            assert windows[0].keep_from == 0 and windows[0].keep_to == first
+            assert [w.keep_from for w in windows[1:]] == [w.keep_to for w in windows[:-1]]
+            assert windows[-1].keep_to == n and windows[-1].final
+            counts[cap] = len(windows)
+        if step > chunk:  # chunks come ready together: merging makes fewer windows
+            assert counts[1024] <= counts[256] <= counts[128] < counts[0], counts
+        if step == n:  # all ready at once: the cap decides
+            assert counts[1024] < counts[256] < counts[128], counts
+
+
+@torch.no_grad()
+def test_merged_windows_give_the_offline_decode(codec):
+    """Chunks released together in one window (the LM ran ahead) are the same audio, sample for sample
+    within float32 rounding, as chunk-by-chunk streaming and as the whole-utterance decode."""
+    torch.manual_seed(6)
+    ids = torch.randint(0, 8192, (300,))
+    g = torch.randint(0, 4096, (32,))
+    offline = codec.detokenize(ids[None], g[None])[0].numpy()
+    one_by_one = np.concatenate(stream_decode(codec, ids, g, 4, 6))
+    assert np.abs(one_by_one - offline).max() < 1e-4
+    for step, cap in ((8, 256), (40, 1024), (300, 256), (300, 1024)):
+        chunks = stream_decode(codec, ids, g, 4, 6, step=step, max_len=cap)
+        joined = np.concatenate(chunks)
+        assert joined.shape == offline.shape
+        assert np.abs(joined - offline).max() < 1e-4, (step, cap)
+        assert np.abs(joined - one_by_one).max() < 1e-4, (step, cap)
+        assert chunks[0].shape[0] == 4 * HOP and max(c.shape[0] for c in chunks) > 6 * HOP
+
+
+def test_merging_ready_chunks_cuts_vocoder_work_not_audio_or_first_audio(engine, monkeypatch):
+    """Six replies streaming at once, the LM writing 8 tokens a step for each (more than a chunk) and the
+    vocoder behind it (3 windows a step, as 64 replies on a GPU): with the ready chunks of a request
+    merged into one window the vocoder decodes far fewer tokens for each token of audio it releases, in
+    fewer steps, and the replies finish sooner; every reply's audio is the same, and every first chunk
+    leaves at the same step as without merging."""
+    monkeypatch.setattr(eng_mod, "VOCODER_STEP_WINDOWS", 3)
+    reqs = {i: _request(i, 2.0) for i in range(1, 7)}
+    runs = {}
+    for cap in (0, eng_mod.VOCODER_MERGE_TOKENS):
+        monkeypatch.setattr(eng_mod, "VOCODER_MERGE_TOKENS", cap)
+        before = dataclasses.replace(engine.vocoder_work)
+        first_at: dict[int, int] = {}
+        got = {rid: [] for rid in reqs}
+        for rid, r in reqs.items():
+            engine.submit(rid, r)
+        steps = 0
+        while engine.has_work():
+            for out in engine.step():
+                assert out.error is None, out.error
+                got[out.request_id].append(out.value.samples)
+                if out.value.samples.size:
+                    first_at.setdefault(out.request_id, steps)
+            steps += 1
+        w = engine.vocoder_work
+        work = {k: getattr(w, k) - getattr(before, k) for k in ("steps", "decoded_tokens", "audio_tokens")}
+        runs[cap] = ({rid: np.concatenate(a) for rid, a in got.items()}, first_at, steps, work)
+    (plain, plain_first, plain_steps, plain_work), (merged, merged_first, merged_steps, merged_work) = runs.values()
+    for rid in reqs:
+        assert merged[rid].shape == plain[rid].shape == (100 * HOP,)
+        assert np.allclose(merged[rid], plain[rid], atol=1e-4), rid
+    assert merged_first == plain_first
+    assert merged_work["audio_tokens"] == plain_work["audio_tokens"] == 600
+    per_token = {cap: work["decoded_tokens"] / work["audio_tokens"] for cap, (*_, work) in runs.items()}
+    assert per_token[eng_mod.VOCODER_MERGE_TOKENS] < 0.6 * per_token[0], per_token
+    assert merged_work["steps"] < plain_work["steps"] and merged_steps < plain_steps
