@@ -199,6 +199,12 @@ def test_serving_meets_only_shapes_the_warmup_ran(engine, monkeypatch):
 
     monkeypatch.setattr(streaming, "decode_windows", rec_decode)
     monkeypatch.setattr(engine.lm, "prefill_many", rec_prefill)
+    # Merged windows up to 256 tokens, the long padding from 128 (1024 and 256 on a GPU: the CPU takes
+    # minutes to warm those), and every reply may wait to merge (as if far ahead of real time), so that
+    # long windows do come.
+    monkeypatch.setattr(eng_mod, "VOCODER_MERGE_TOKENS", 256)
+    monkeypatch.setattr(streaming, "LONG_PAD_FROM", 128)
+    monkeypatch.setattr(eng_mod, "VOCODER_SLACK_S", -1e9)
     pick = engine._sampler([TTSOptions().top_k])
     assert engine._warm_prefill(pick) == len(prefill) == 512 // 64
     assert engine._warm_vocoder(4, 6) == len(vocoder)
@@ -209,6 +215,7 @@ def test_serving_meets_only_shapes_the_warmup_ran(engine, monkeypatch):
     assert vocoder and prefill
     assert vocoder <= warm_v, vocoder - warm_v
     assert prefill <= warm_p, prefill - warm_p
+    assert max(length for _, length in vocoder) > 128  # merged windows, in the long padding's lengths
 
 
 @pytest.mark.parametrize("radius, first, chunk", [(38, 4, 6), (5, 10, 25), (68, 10, 25)])
@@ -259,39 +266,68 @@ def test_merged_windows_give_the_offline_decode(codec):
         assert chunks[0].shape[0] == 4 * HOP and max(c.shape[0] for c in chunks) > 6 * HOP
 
 
+def _stream(engine, reqs: dict[int, TTSRequest]):
+    """Step `reqs` to the end; returns ({id: [chunk samples]}, {id: step of its first audio}, step kinds,
+    the vocoder's work meanwhile)."""
+    before = dataclasses.replace(engine.vocoder_work)
+    got: dict[int, list[np.ndarray]] = {rid: [] for rid in reqs}
+    first_at: dict[int, int] = {}
+    kinds = []
+    for rid, r in reqs.items():
+        engine.submit(rid, r)
+    while engine.has_work():
+        for out in engine.step():
+            assert out.error is None, out.error
+            got[out.request_id].append(out.value.samples)
+            if out.value.samples.size:
+                first_at.setdefault(out.request_id, len(kinds))
+        kinds.append(engine.last_step["kind"])
+    work = {f.name: getattr(engine.vocoder_work, f.name) - getattr(before, f.name)
+            for f in dataclasses.fields(before)}
+    return got, first_at, kinds, work
+
+
+@pytest.mark.slow
 def test_merging_ready_chunks_cuts_vocoder_work_not_audio_or_first_audio(engine, monkeypatch):
     """Six replies streaming at once, the LM writing 8 tokens a step for each (more than a chunk) and the
-    vocoder behind it (3 windows a step, as 64 replies on a GPU): with the ready chunks of a request
-    merged into one window the vocoder decodes far fewer tokens for each token of audio it releases, in
-    fewer steps, and the replies finish sooner; every reply's audio is the same, and every first chunk
-    leaves at the same step as without merging."""
+    vocoder behind it (3 windows a step, as 64 replies on a GPU). With the ready chunks of a request
+    merged into one window, the vocoder decodes far fewer tokens for each token of audio it releases, in
+    fewer steps, and the replies finish sooner; when the replies are far ahead of real time their chunks
+    also wait to grow into longer windows, and the LM's steps go back to back: fewer still. Every
+    reply's audio is the same, and every first chunk leaves at the same step."""
     monkeypatch.setattr(eng_mod, "VOCODER_STEP_WINDOWS", 3)
     reqs = {i: _request(i, 2.0) for i in range(1, 7)}
     runs = {}
-    for cap in (0, eng_mod.VOCODER_MERGE_TOKENS):
+    # (merge cap, slack): nobody counts as far ahead of real time (1e9), or everybody does (-1e9)
+    for name, cap, slack in (("plain", 0, 1e9), ("merged", eng_mod.VOCODER_MERGE_TOKENS, 1e9),
+                             ("waiting", eng_mod.VOCODER_MERGE_TOKENS, -1e9)):
         monkeypatch.setattr(eng_mod, "VOCODER_MERGE_TOKENS", cap)
-        before = dataclasses.replace(engine.vocoder_work)
-        first_at: dict[int, int] = {}
-        got = {rid: [] for rid in reqs}
-        for rid, r in reqs.items():
-            engine.submit(rid, r)
-        steps = 0
-        while engine.has_work():
-            for out in engine.step():
-                assert out.error is None, out.error
-                got[out.request_id].append(out.value.samples)
-                if out.value.samples.size:
-                    first_at.setdefault(out.request_id, steps)
-            steps += 1
-        w = engine.vocoder_work
-        work = {k: getattr(w, k) - getattr(before, k) for k in ("steps", "decoded_tokens", "audio_tokens")}
-        runs[cap] = ({rid: np.concatenate(a) for rid, a in got.items()}, first_at, steps, work)
-    (plain, plain_first, plain_steps, plain_work), (merged, merged_first, merged_steps, merged_work) = runs.values()
-    for rid in reqs:
-        assert merged[rid].shape == plain[rid].shape == (100 * HOP,)
-        assert np.allclose(merged[rid], plain[rid], atol=1e-4), rid
-    assert merged_first == plain_first
-    assert merged_work["audio_tokens"] == plain_work["audio_tokens"] == 600
-    per_token = {cap: work["decoded_tokens"] / work["audio_tokens"] for cap, (*_, work) in runs.items()}
-    assert per_token[eng_mod.VOCODER_MERGE_TOKENS] < 0.6 * per_token[0], per_token
-    assert merged_work["steps"] < plain_work["steps"] and merged_steps < plain_steps
+        monkeypatch.setattr(eng_mod, "VOCODER_SLACK_S", slack)
+        runs[name] = _stream(engine, reqs)
+    plain = runs["plain"]
+    for name, (got, first_at, kinds, work) in runs.items():
+        for rid in reqs:
+            a = np.concatenate(got[rid])
+            assert a.shape == (100 * HOP,) and got[rid][0].shape == (4 * HOP,)
+            assert np.allclose(a, np.concatenate(plain[0][rid]), atol=1e-4), (name, rid)
+        assert first_at == plain[1], name
+        assert work["audio_tokens"] == 600
+    per_token = {name: run[3]["decoded_tokens"] / run[3]["audio_tokens"] for name, run in runs.items()}
+    assert per_token["waiting"] < per_token["merged"] < 0.6 * per_token["plain"], per_token
+    vocoder_steps = [run[3]["steps"] for run in runs.values()]
+    all_steps = [len(run[2]) for run in runs.values()]
+    assert vocoder_steps == sorted(set(vocoder_steps), reverse=True), vocoder_steps
+    assert all_steps == sorted(set(all_steps), reverse=True), all_steps
+
+
+def test_a_request_alone_is_stepped_the_same_whatever_the_clock(engine, monkeypatch):
+    """Alone, a reply's steps and chunks do not depend on how far ahead of real time it is: the daemon
+    and `voiced speak` give the same audio, chunk for chunk."""
+    req = {1: _request(1, 2.0)}
+    runs = []
+    for slack in (1e9, -1e9):
+        monkeypatch.setattr(eng_mod, "VOCODER_SLACK_S", slack)
+        runs.append(_stream(engine, req))
+    (a, _, kinds_a, _), (b, _, kinds_b, _) = runs
+    assert kinds_a == kinds_b
+    assert [c.tobytes() for c in a[1]] == [c.tobytes() for c in b[1]]

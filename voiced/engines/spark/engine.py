@@ -15,7 +15,8 @@ One `step()` does ONE bounded piece of work, so that the other engines on the st
      VOCODER_STEP_WINDOWS windows and VOCODER_STEP_TOKENS padded tokens: first chunks first, then the
      requests closest to running dry (least audio buffered ahead of real time). Once every active
      request has its first audio out, the ready chunks of a request go as one window (up to
-     VOCODER_MERGE_TOKENS), paying the vocoder's context once instead of per chunk.
+     VOCODER_MERGE_TOKENS), paying the vocoder's context once instead of per chunk, and (several
+     requests in flight) the chunks of a request well ahead of real time wait to grow such a window.
 The kinds take turns (prefill -> decode -> vocode -> prefill ...), skipping a kind with nothing to do;
 a request that has not begun is prefilled at the next step, out of turn (at most every other step).
 
@@ -92,7 +93,8 @@ PREFILL_STEP_TOKENS = 1024
 PREFILL_BUCKET = 64
 PREFILL_PACK_TOKENS = PREFILL_STEP_TOKENS  # the old name
 # A request whose streamed audio is this far ahead of real time can have its next chunk decoded a
-# vocoder turn later, so that requests still waiting for their first chunk are decoded first.
+# vocoder turn later: so that requests still waiting for their first chunk are decoded first, and
+# (with other requests still being written) so that its ready chunks grow into one longer window.
 VOCODER_SLACK_S = 1.0
 # One vocoder step's work: at most this many windows, and batch bucket x padded window length at most
 # this many tokens (one window always goes, whatever its length).
@@ -585,11 +587,11 @@ class SparkTTSEngine:
             self.last_step = {"kind": None}
             return outputs
         now = time.perf_counter()
-        # Which kind runs depends only on what is pending, never on the clock: a request alone is stepped
-        # the same way (and its windows batched the same way) in the daemon and in `synthesize`.
+        # For a request alone, which kind runs depends only on what is pending, never on the clock: it is
+        # stepped the same way (and its windows batched the same way) in the daemon and in `synthesize`.
         work = {"prefill": any(r.needs_prefill for r in self._active),
                 "decode": any(self._decoding(r) for r in self._active),
-                "vocode": self._vocode_pending()}
+                "vocode": self._vocode_pending(now)}
         if work["vocode"] and work["decode"] and self._first_chunk_decoding():
             # A caller is waiting for the first sound of a reply: its decode steps go back to back,
             # and the others' chunks wait while their audio stays VOCODER_SLACK_S ahead of playback.
@@ -894,13 +896,36 @@ class SparkTTSEngine:
                 return True
         return False
 
-    def _vocode_pending(self) -> bool:
-        """A window is ready, or a sentence ended (its row must move on or be released)."""
-        return any(not r.needs_prefill and (r.segment_done or self._has_window(r)) for r in self._active)
+    def _vocode_pending(self, now: float) -> bool:
+        """A window is ready that need not wait, or a sentence ended (its row must move on or be released)."""
+        return bool(self._vocode_rows(now))
+
+    def _merging(self) -> bool:
+        """Ready chunks of a request go as one window: no active request waits for its first audio (a
+        merged step is longer; the first-audio path keeps the short steps it had)."""
+        return VOCODER_MERGE_TOKENS > 0 and all(r.t_first_chunk is not None for r in self._active)
+
+    def _vocode_rows(self, now: float) -> list[_Request]:
+        """The requests a vocoder step would serve now: those with a window ready or a sentence ended,
+        less those whose chunks can wait (see below)."""
+        rows = [r for r in self._active if not r.needs_prefill and (r.segment_done or self._has_window(r))]
+        if len(self._active) > 1 and self._merging() and any(self._decoding(r) for r in self._active):
+            # Chunks that can wait for a later vocoder turn do: those of a request whose audio is more
+            # than VOCODER_SLACK_S ahead of real time, still being written, and whose ready chunks do
+            # not fill a merged window yet. The LM's steps then go back to back and the window, when it
+            # comes, releases more audio for its context. Never for a request alone: that stays
+            # independent of the clock.
+            rows = [r for r in rows if r.segment_done or self._ahead_s(r, now) <= VOCODER_SLACK_S
+                    or self._fills_merged_window(r)]
+        return rows
+
+    def _fills_merged_window(self, r: _Request) -> bool:
+        w = r.planner.next_window(len(r.semantic), r.segment_done, VOCODER_MERGE_TOKENS)
+        return w is not None and w.keep_to + r.planner.chunk + self.radius <= len(r.semantic)
 
     def _vocode(self, now: float) -> list[EngineOutput]:
         outputs: list[EngineOutput] = []
-        rows = [r for r in self._active if not r.needs_prefill and (r.segment_done or self._has_window(r))]
+        rows = self._vocode_rows(now)
         # Priority: when a request's first chunk is ready, it must not wait behind (or be padded up to)
         # the bulk chunks of long replies: later chunks of requests well ahead of real time wait a step.
         if any(r.t_first_chunk is None and self._has_window(r) for r in rows):
@@ -910,9 +935,7 @@ class SparkTTSEngine:
         rows.sort(key=lambda r: (0, -r.options.priority, self._order.get(r.rid, 0)) if r.t_first_chunk is None
                   else (1, self._ahead_s(r, now), 0))
         emitted_before = [(r, r.planner.emitted) for r in rows if r.planner is not None]
-        # Merge a request's ready chunks into one window once no active request waits for its first
-        # audio (a merged step is longer; the first-audio path keeps the short steps it had).
-        merge = VOCODER_MERGE_TOKENS > 0 and all(r.t_first_chunk is not None for r in self._active)
+        merge = self._merging()
         # Take windows one per request per round, in that order, while the step's budget lasts; a
         # merged window takes as much of the budget as the windows already taken leave it.
         taken: dict[int, list[Window]] = {}
