@@ -418,6 +418,10 @@ def main(argv: list[str] | None = None) -> int:
             off = engine.codec.detokenize(ids[None], gids[None])[0].float().cpu().numpy()
         joined = np.concatenate(stream_decode(engine.codec, ids, gids, 10, 25))
         res["stream_vs_offline_max_abs"] = float(np.abs(joined - off).max())
+        # the LM 8 tokens ahead per step, and all at once: ready chunks merged into windows up to 1024
+        for step in (8, 300):
+            joined = np.concatenate(stream_decode(engine.codec, ids, gids, 10, 25, step=step, max_len=1024))
+            res[f"stream_merged_step{step}_vs_offline_max_abs"] = float(np.abs(joined - off).max())
         if dev == "cuda":
             res["max_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
             res["targets"] = spark_targets(res)
