@@ -255,10 +255,14 @@ def test_cli_speak_and_voices(ckpt, tmp_path, capsys):
     assert main(["voices", "delete", "bob", "--voices-dir", vd]) == 0
 
 
-def test_warm_up_keeps_no_activations_for_backward(engine):
+def test_warm_up_keeps_no_activations_for_backward(engine, monkeypatch):
     """The engine is inference only: running the vocoder at warm-up's shapes (which ran outside no_grad)
     saves nothing for backward. Saved activations were a 5.8 GiB transient at full size on a GPU."""
     import torch
+
+    from voiced.engines.spark import engine as eng_mod
+
+    monkeypatch.setattr(eng_mod, "VOCODER_MERGE_TOKENS", 0)  # merged windows (up to 1024 tokens) take minutes on a CPU
 
     saved = []
 

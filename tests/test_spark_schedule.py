@@ -3,6 +3,8 @@ the GPU between them), and that warm-up runs every shape serving meets."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -13,7 +15,14 @@ from voiced.engines.spark import engine as eng_mod
 from voiced.engines.spark import streaming
 from voiced.engines.spark.bicodec import HOP
 from voiced.engines.spark.engine import SparkTTSEngine
-from voiced.engines.spark.streaming import ChunkPlanner, DecodeJob, decode_jobs, decode_windows
+from voiced.engines.spark.streaming import (
+    ChunkPlanner,
+    DecodeJob,
+    decode_jobs,
+    decode_windows,
+    padded_length,
+    stream_decode,
+)
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +69,7 @@ def test_a_step_does_one_bounded_kind_of_work(engine, monkeypatch):
     monkeypatch.setattr(eng_mod, "PREFILL_STEP_TOKENS", 100)
     reqs = {i: _request(i) for i in range(1, 11)}
     alone = {rid: _run(engine, {rid: reqs[rid]})[0][rid] for rid in (1, 9)}
-    audio, steps = _run(engine, reqs, submit_at={9: 30, 10: 31})
+    audio, steps = _run(engine, reqs, submit_at={9: 16, 10: 17})
     kinds = [s["kind"] for s in steps]
     assert set(kinds) == {"prefill", "decode", "vocode"}
     for s in steps:
@@ -190,6 +199,12 @@ def test_serving_meets_only_shapes_the_warmup_ran(engine, monkeypatch):
 
     monkeypatch.setattr(streaming, "decode_windows", rec_decode)
     monkeypatch.setattr(engine.lm, "prefill_many", rec_prefill)
+    # Merged windows up to 256 tokens, the long padding from 128 (1024 and 256 on a GPU: the CPU takes
+    # minutes to warm those), and every reply may wait to merge (as if far ahead of real time), so that
+    # long windows do come.
+    monkeypatch.setattr(eng_mod, "VOCODER_MERGE_TOKENS", 256)
+    monkeypatch.setattr(streaming, "LONG_PAD_FROM", 128)
+    monkeypatch.setattr(eng_mod, "VOCODER_SLACK_S", -1e9)
     pick = engine._sampler([TTSOptions().top_k])
     assert engine._warm_prefill(pick) == len(prefill) == 512 // 64
     assert engine._warm_vocoder(4, 6) == len(vocoder)
@@ -200,3 +215,119 @@ def test_serving_meets_only_shapes_the_warmup_ran(engine, monkeypatch):
     assert vocoder and prefill
     assert vocoder <= warm_v, vocoder - warm_v
     assert prefill <= warm_p, prefill - warm_p
+    assert max(length for _, length in vocoder) > 128  # merged windows, in the long padding's lengths
+
+
+@pytest.mark.parametrize("radius, first, chunk", [(38, 4, 6), (5, 10, 25), (68, 10, 25)])
+def test_planned_windows_release_every_token_once_within_their_length_cap(radius, first, chunk):
+    """However the tokens arrive (one at a time, 8 per decode step, all at once) and whatever the merge
+    cap, the released ranges tile the utterance in order, each window carries its full context (or
+    stops at the utterance's edges), the first chunk is never merged, and no window is longer than the
+    cap allows (a lone regular chunk always may be)."""
+    n = 400
+    regular = padded_length(max(first + radius, chunk + 2 * radius))
+    for step in (1, 8, n):
+        counts = {}
+        for cap in (0, 128, 256, 1024):
+            planner = ChunkPlanner(radius, first, chunk)
+            windows = []
+            for t in [*range(step, n, step), n]:
+                for w in planner.windows(t, ended=t == n, max_len=cap):
+                    assert w.start == max(0, w.keep_from - radius)
+                    assert w.end == (t if w.final else w.keep_to + radius) and w.end <= t
+                    assert padded_length(w.end - w.start) <= max(cap, regular)
+                    windows.append(w)
+            assert windows[0].keep_from == 0 and windows[0].keep_to == first
+            assert [w.keep_from for w in windows[1:]] == [w.keep_to for w in windows[:-1]]
+            assert windows[-1].keep_to == n and windows[-1].final
+            counts[cap] = len(windows)
+        if step > chunk:  # chunks come ready together: merging makes fewer windows
+            assert counts[1024] <= counts[256] <= counts[128] < counts[0], counts
+        if step == n:  # all ready at once: the cap decides
+            assert counts[1024] < counts[256] < counts[128], counts
+
+
+@torch.no_grad()
+def test_merged_windows_give_the_offline_decode(codec):
+    """Chunks released together in one window (the LM ran ahead) are the same audio, sample for sample
+    within float32 rounding, as chunk-by-chunk streaming and as the whole-utterance decode."""
+    torch.manual_seed(6)
+    ids = torch.randint(0, 8192, (300,))
+    g = torch.randint(0, 4096, (32,))
+    offline = codec.detokenize(ids[None], g[None])[0].numpy()
+    one_by_one = np.concatenate(stream_decode(codec, ids, g, 4, 6))
+    assert np.abs(one_by_one - offline).max() < 1e-4
+    for step, cap in ((8, 256), (40, 1024), (300, 256), (300, 1024)):
+        chunks = stream_decode(codec, ids, g, 4, 6, step=step, max_len=cap)
+        joined = np.concatenate(chunks)
+        assert joined.shape == offline.shape
+        assert np.abs(joined - offline).max() < 1e-4, (step, cap)
+        assert np.abs(joined - one_by_one).max() < 1e-4, (step, cap)
+        assert chunks[0].shape[0] == 4 * HOP and max(c.shape[0] for c in chunks) > 6 * HOP
+
+
+def _stream(engine, reqs: dict[int, TTSRequest]):
+    """Step `reqs` to the end; returns ({id: [chunk samples]}, {id: step of its first audio}, step kinds,
+    the vocoder's work meanwhile)."""
+    before = dataclasses.replace(engine.vocoder_work)
+    got: dict[int, list[np.ndarray]] = {rid: [] for rid in reqs}
+    first_at: dict[int, int] = {}
+    kinds = []
+    for rid, r in reqs.items():
+        engine.submit(rid, r)
+    while engine.has_work():
+        for out in engine.step():
+            assert out.error is None, out.error
+            got[out.request_id].append(out.value.samples)
+            if out.value.samples.size:
+                first_at.setdefault(out.request_id, len(kinds))
+        kinds.append(engine.last_step["kind"])
+    work = {f.name: getattr(engine.vocoder_work, f.name) - getattr(before, f.name)
+            for f in dataclasses.fields(before)}
+    return got, first_at, kinds, work
+
+
+@pytest.mark.slow
+def test_merging_ready_chunks_cuts_vocoder_work_not_audio_or_first_audio(engine, monkeypatch):
+    """Six replies streaming at once, the LM writing 8 tokens a step for each (more than a chunk) and the
+    vocoder behind it (3 windows a step, as 64 replies on a GPU). With the ready chunks of a request
+    merged into one window, the vocoder decodes far fewer tokens for each token of audio it releases, in
+    fewer steps, and the replies finish sooner; when the replies are far ahead of real time their chunks
+    also wait to grow into longer windows, and the LM's steps go back to back: fewer still. Every
+    reply's audio is the same, and every first chunk leaves at the same step."""
+    monkeypatch.setattr(eng_mod, "VOCODER_STEP_WINDOWS", 3)
+    reqs = {i: _request(i, 2.0) for i in range(1, 7)}
+    runs = {}
+    # (merge cap, slack): nobody counts as far ahead of real time (1e9), or everybody does (-1e9)
+    for name, cap, slack in (("plain", 0, 1e9), ("merged", eng_mod.VOCODER_MERGE_TOKENS, 1e9),
+                             ("waiting", eng_mod.VOCODER_MERGE_TOKENS, -1e9)):
+        monkeypatch.setattr(eng_mod, "VOCODER_MERGE_TOKENS", cap)
+        monkeypatch.setattr(eng_mod, "VOCODER_SLACK_S", slack)
+        runs[name] = _stream(engine, reqs)
+    plain = runs["plain"]
+    for name, (got, first_at, kinds, work) in runs.items():
+        for rid in reqs:
+            a = np.concatenate(got[rid])
+            assert a.shape == (100 * HOP,) and got[rid][0].shape == (4 * HOP,)
+            assert np.allclose(a, np.concatenate(plain[0][rid]), atol=1e-4), (name, rid)
+        assert first_at == plain[1], name
+        assert work["audio_tokens"] == 600
+    per_token = {name: run[3]["decoded_tokens"] / run[3]["audio_tokens"] for name, run in runs.items()}
+    assert per_token["waiting"] < per_token["merged"] < 0.6 * per_token["plain"], per_token
+    vocoder_steps = [run[3]["steps"] for run in runs.values()]
+    all_steps = [len(run[2]) for run in runs.values()]
+    assert vocoder_steps == sorted(set(vocoder_steps), reverse=True), vocoder_steps
+    assert all_steps == sorted(set(all_steps), reverse=True), all_steps
+
+
+def test_a_request_alone_is_stepped_the_same_whatever_the_clock(engine, monkeypatch):
+    """Alone, a reply's steps and chunks do not depend on how far ahead of real time it is: the daemon
+    and `voiced speak` give the same audio, chunk for chunk."""
+    req = {1: _request(1, 2.0)}
+    runs = []
+    for slack in (1e9, -1e9):
+        monkeypatch.setattr(eng_mod, "VOCODER_SLACK_S", slack)
+        runs.append(_stream(engine, req))
+    (a, _, kinds_a, _), (b, _, kinds_b, _) = runs
+    assert kinds_a == kinds_b
+    assert [c.tobytes() for c in a[1]] == [c.tobytes() for c in b[1]]

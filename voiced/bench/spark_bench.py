@@ -9,7 +9,9 @@ Measures, in one run and on the same weights:
     in-graph sampling per host sync), greedy and sampled, and at batch 64 (LM only);
   - the engine's packed prefill pass, 1 and 4 prompts, with and without its CUDA graph;
   - the whole engine (LM + BiCodec streaming vocoder) at several concurrencies: audio seconds
-    produced per wall second, first-chunk latency (P50/P90);
+    produced per wall second, first-chunk latency (P50/P90), and the vocoder's work: its steps and the
+    window tokens it decoded per token of audio released (with and without merging ready chunks into
+    one window: --merge-tokens);
   - transformers' generate at the same batch sizes (LM only, no vocoder) for scale.
 Lengths are forced: <|im_end|> is masked so every request speaks exactly --seconds of audio.
 Prints one JSON object.
@@ -18,6 +20,7 @@ Prints one JSON object.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import platform
@@ -244,6 +247,7 @@ def spark_targets(res: dict) -> dict:
 
 def engine_run(engine, concurrency: int, seconds: float, first: int, chunk: int) -> dict:
     from voiced.engines.base import TTSOptions, TTSRequest
+    from voiced.engines.spark import engine as eng_mod
 
     texts = ["The quick brown fox jumps over the lazy dog, and the dog does not seem to mind at all."] * concurrency
     t_submit = time.perf_counter()
@@ -253,6 +257,7 @@ def engine_run(engine, concurrency: int, seconds: float, first: int, chunk: int)
         engine.submit(i, TTSRequest(text, TTSOptions(voice="bench", seed=i, max_seconds=seconds,
                                                      first_chunk_tokens=first, chunk_tokens=chunk)))
     steps = 0
+    work0 = dataclasses.replace(engine.vocoder_work)
     # alone, where the first chunk's time goes: every step until it, and what the step did
     timer = StepTimer(engine, STEP_PARTS["tts"], slow_ms=0.0) if concurrency == 1 else None
     timeline = None
@@ -270,12 +275,20 @@ def engine_run(engine, concurrency: int, seconds: float, first: int, chunk: int)
     sync()
     wall = time.perf_counter() - t_submit
     lat = sorted(first_at.values())
+    work = {f.name: getattr(engine.vocoder_work, f.name) - getattr(work0, f.name)
+            for f in dataclasses.fields(work0)}
+    audio_tokens = max(1, work["audio_tokens"])
     return {
         "concurrency": concurrency, "audio_seconds": samples / 16000, "wall_s": round(wall, 3),
         "audio_s_per_s": round(samples / 16000 / wall, 1), "steps": steps,
         "first_chunk_ms_p50": round(1000 * statistics.median(lat), 1),
         "first_chunk_ms_p90": round(1000 * lat[min(len(lat) - 1, int(0.9 * len(lat)))], 1),
-        "first_chunk_tokens": first, "chunk_tokens": chunk,
+        "first_chunk_tokens": first, "chunk_tokens": chunk, "merge_tokens": eng_mod.VOCODER_MERGE_TOKENS,
+        "vocoder_steps": work["steps"], "vocoder_windows": work["windows"],
+        # window tokens (context included) per token of audio released; `decoded` adds the padding and
+        # repeated batch rows the vocoder computed as well
+        "vocoder_window_tokens_per_audio_token": round(work["window_tokens"] / audio_tokens, 2),
+        "vocoder_decoded_tokens_per_audio_token": round(work["decoded_tokens"] / audio_tokens, 2),
         **({"first_chunk_steps_ms": timeline} if timeline else {}),
     }
 
@@ -291,6 +304,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tiny-cpu", action="store_true", help="dry run on the CPU with tiny random models")
     ap.add_argument("--profile", default=None, help="write a torch.profiler table of one concurrency-16 run here")
     ap.add_argument("--decode-steps", type=int, default=None, help="decode steps per host sync (engine default)")
+    ap.add_argument("--merge-tokens", type=int, nargs="+", default=None,
+                    help="run the engine rows once per value of VOCODER_MERGE_TOKENS (the longest window that "
+                         "merging ready chunks makes; 0: one chunk a window); default: the engine's")
     ap.add_argument("--compile", action="store_true",
                     help="after the batch-1 numbers, torch.compile the decode layers and measure again (and use "
                          "them for everything after)")
@@ -421,6 +437,10 @@ def main(argv: list[str] | None = None) -> int:
         engine.segment_base_s = 1e6
         gl = torch.randint(0, 4096, (32,), generator=g).tolist()
         engine.voices.resolve = lambda name: Voice("bench", "cloned", global_ids=gl)
+        from voiced.engines.spark import engine as eng_mod
+
+        merges = args.merge_tokens or [eng_mod.VOCODER_MERGE_TOKENS]
+        eng_mod.VOCODER_MERGE_TOKENS = max(merges)  # warm-up runs every window length up to the longest
         t0 = time.perf_counter()
         engine.warmup()
         res["graph_capture_s"] = round(time.perf_counter() - t0, 2)
@@ -429,11 +449,14 @@ def main(argv: list[str] | None = None) -> int:
         res["engine"] = []
         for spec in args.chunks.split(";"):
             first, chunk = (int(x) for x in spec.split(","))
-            engine_run(engine, 1, 1.0, first, chunk)  # warm the vocoder shapes
-            for c in args.concurrency:
-                r = engine_run(engine, c, args.seconds, first, chunk)
-                res["engine"].append(r)
-                log.info("engine: %s", r)
+            for merge in merges:
+                eng_mod.VOCODER_MERGE_TOKENS = merge
+                engine_run(engine, 1, 1.0, first, chunk)  # warm the vocoder shapes
+                for c in args.concurrency:
+                    r = engine_run(engine, c, args.seconds, first, chunk)
+                    res["engine"].append(r)
+                    log.info("engine: %s", r)
+        eng_mod.VOCODER_MERGE_TOKENS = max(merges)
         if args.profile:
             res["profile_c16"] = profile_engine(engine, min(16, max_batch), min(args.seconds, 4.0), args.profile)
             log.info("profile: %s", res["profile_c16"])
@@ -446,6 +469,10 @@ def main(argv: list[str] | None = None) -> int:
             off = engine.codec.detokenize(ids[None], gids[None])[0].float().cpu().numpy()
         joined = np.concatenate(stream_decode(engine.codec, ids, gids, 10, 25))
         res["stream_vs_offline_max_abs"] = float(np.abs(joined - off).max())
+        # the LM 8 tokens ahead per step, and all at once: ready chunks merged into windows up to 1024
+        for step in (8, 300):
+            joined = np.concatenate(stream_decode(engine.codec, ids, gids, 10, 25, step=step, max_len=1024))
+            res[f"stream_merged_step{step}_vs_offline_max_abs"] = float(np.abs(joined - off).max())
         if dev == "cuda":
             res["max_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
             res["targets"] = spark_targets(res)

@@ -13,7 +13,10 @@ One `step()` does ONE bounded piece of work, so that the other engines on the st
      each row's tokens and stops a row at its end (tokens sampled past it are dropped);
   - vocode: decode ready windows into AudioChunks, batched across requests, at most
      VOCODER_STEP_WINDOWS windows and VOCODER_STEP_TOKENS padded tokens: first chunks first, then the
-     requests closest to running dry (least audio buffered ahead of real time).
+     requests closest to running dry (least audio buffered ahead of real time). Once every active
+     request has its first audio out, the ready chunks of a request go as one window (up to
+     VOCODER_MERGE_TOKENS), paying the vocoder's context once instead of per chunk, and (several
+     requests in flight) the chunks of a request well ahead of real time wait to grow such a window.
 The kinds take turns (prefill -> decode -> vocode -> prefill ...), skipping a kind with nothing to do;
 a request that has not begun is prefilled at the next step, out of turn (at most every other step).
 
@@ -55,7 +58,18 @@ from .bicodec import HOP, BiCodec, load_bicodec, reference_clip, volume_normaliz
 from .checkpoint import SparkCheckpoint, SpecialTokens, TextTokenizer, load_special_tokens, resolve
 from .qwen2 import Qwen2LM, load_qwen2
 from .sampling import PhaseSampler, candidate_bucket
-from .streaming import BATCH_BUCKETS, ChunkPlanner, DecodeJob, Window, batch_bucket, decode_jobs, padded_length
+from .streaming import (
+    BATCH_BUCKETS,
+    ChunkPlanner,
+    DecodeJob,
+    Window,
+    batch_bucket,
+    decode_jobs,
+    decoded_tokens,
+    longest_fitting,
+    padded_length,
+    window_lengths,
+)
 from .voices import LANGUAGES, Voice, VoiceStore
 
 log = logging.getLogger(__name__)
@@ -79,13 +93,19 @@ PREFILL_STEP_TOKENS = 1024
 PREFILL_BUCKET = 64
 PREFILL_PACK_TOKENS = PREFILL_STEP_TOKENS  # the old name
 # A request whose streamed audio is this far ahead of real time can have its next chunk decoded a
-# vocoder turn later, so that requests still waiting for their first chunk are decoded first.
+# vocoder turn later: so that requests still waiting for their first chunk are decoded first, and
+# (with other requests still being written) so that its ready chunks grow into one longer window.
 VOCODER_SLACK_S = 1.0
 SPEAKER_CACHE = 64  # speaker vectors kept (see SparkTTSEngine._speaker)
 # One vocoder step's work: at most this many windows, and batch bucket x padded window length at most
 # this many tokens (one window always goes, whatever its length).
 VOCODER_STEP_WINDOWS = 16
 VOCODER_STEP_TOKENS = 1024
+# The longest window (padded) that merging consecutive ready chunks of one request makes (0: no merging).
+# Each window pays 2R (~136) tokens of context: a lone 25-token chunk decodes ~161 tokens (176 padded),
+# 35 chunks merged decode 1011 (1024 padded) for 875 released. Merging never applies while an active
+# request still waits for its first audio: the steps on that path stay as short as they were.
+VOCODER_MERGE_TOKENS = 1024
 PHASES = ("prefill", "decode", "vocode")
 _CJK = re.compile(r"[\u3000-\u30ff\u3400-\u9fff\uac00-\ud7af\uff00-\uffef]")
 
@@ -182,6 +202,26 @@ class _Request:
     prompt_tokens: int = 0
     t_first_chunk: float | None = None
     solo: bool = False  # prefilled alone: its group's prefill failed and the culprit is being found
+
+
+@dataclass
+class VocoderWork:
+    """What the vocoder did since the engine started (the benchmark reports the ratios)."""
+
+    steps: int = 0
+    windows: int = 0
+    window_tokens: int = 0  # tokens of the windows decoded (context included)
+    decoded_tokens: int = 0  # what the vocoder computed: window_tokens plus padding and repeated batch rows
+    audio_tokens: int = 0  # tokens whose audio was released
+
+    def add(self, windows: list[Window]) -> dict:
+        """Count one vocoder step's windows; returns that step's counts."""
+        step = {"windows": len(windows), "window_tokens": sum(w.end - w.start for w in windows),
+                "decoded_tokens": decoded_tokens(windows), "audio_tokens": sum(w.keep_to - w.keep_from for w in windows)}
+        self.steps += 1
+        for k, v in step.items():
+            setattr(self, k, getattr(self, k) + v)
+        return step
 
 
 @dataclass
@@ -335,6 +375,7 @@ class SparkTTSEngine:
         self._jumped = False  # the last step was a first prefill taken out of turn (see `step`)
         # What the last step did (tests, profiling): its kind and how much work.
         self.last_step: dict = {}
+        self.vocoder_work = VocoderWork()
         root = Path(voices_dir) if voices_dir else cache_dir() / "voices"
         self.voices = VoiceStore(root, lambda: checkpoint_fingerprint(checkpoint), self._tokenize_reference)
 
@@ -430,9 +471,9 @@ class SparkTTSEngine:
         - packed prefill at every padded length (multiples of PREFILL_BUCKET up to the longest prompt
           the engine accepts; a CUDA graph of each up to PREFILL_STEP_TOKENS), the first-token sampler
           and the speaker vector;
-        - the vocoder at every window length (multiples of 16 up to the longest window of a request
-          with these chunk sizes, default TTSOptions') and every batch bucket a vocoder step can use,
-          plus the end-masked variant.
+        - the vocoder at every window length (`streaming.window_lengths` up to the longest window of a
+          request with these chunk sizes, default TTSOptions', or a merged window) and every batch
+          bucket a vocoder step can use, plus the end-masked variant.
         Nothing to do on the CPU. Skipped while requests are in flight (it uses their cache rows)."""
         if self._active or self._queue or not str(self.device).startswith("cuda"):
             return
@@ -499,14 +540,15 @@ class SparkTTSEngine:
 
     def _warm_vocoder(self, first: int, chunk: int) -> int:
         """Every (batch bucket, padded window length) a vocoder step can decode: windows are at most
-        first + R (the first) or chunk + 2R tokens long, padded to multiples of 16; batches as
-        `_vocode` fills them (at most VOCODER_STEP_WINDOWS, bucket x length within VOCODER_STEP_TOKENS)."""
+        first + R (the first), chunk + 2R tokens long or VOCODER_MERGE_TOKENS (merged chunks), padded
+        as `padded_length` does; batches as `_vocode` fills them (at most VOCODER_STEP_WINDOWS, bucket x
+        length within VOCODER_STEP_TOKENS)."""
         from .streaming import decode_windows
 
         spk = self._speaker([0] * N_GLOBAL)
-        longest = padded_length(max(first + self.radius, chunk + 2 * self.radius))
+        longest = max(first + self.radius, chunk + 2 * self.radius, VOCODER_MERGE_TOKENS)
         count = 0
-        for length in range(16, longest + 1, 16):
+        for length in window_lengths(longest):
             for b in BATCH_BUCKETS:
                 if b > VOCODER_STEP_WINDOWS or (b > 1 and b * length > VOCODER_STEP_TOKENS):
                     break
@@ -570,11 +612,11 @@ class SparkTTSEngine:
             self.last_step = {"kind": None}
             return outputs
         now = time.perf_counter()
-        # Which kind runs depends only on what is pending, never on the clock: a request alone is stepped
-        # the same way (and its windows batched the same way) in the daemon and in `synthesize`.
+        # For a request alone, which kind runs depends only on what is pending, never on the clock: it is
+        # stepped the same way (and its windows batched the same way) in the daemon and in `synthesize`.
         work = {"prefill": any(r.needs_prefill for r in self._active),
                 "decode": any(self._decoding(r) for r in self._active),
-                "vocode": self._vocode_pending()}
+                "vocode": self._vocode_pending(now)}
         if work["vocode"] and work["decode"] and self._first_chunk_decoding():
             # A caller is waiting for the first sound of a reply: its decode steps go back to back,
             # and the others' chunks wait while their audio stays VOCODER_SLACK_S ahead of playback.
@@ -890,13 +932,36 @@ class SparkTTSEngine:
                 return True
         return False
 
-    def _vocode_pending(self) -> bool:
-        """A window is ready, or a sentence ended (its row must move on or be released)."""
-        return any(not r.needs_prefill and (r.segment_done or self._has_window(r)) for r in self._active)
+    def _vocode_pending(self, now: float) -> bool:
+        """A window is ready that need not wait, or a sentence ended (its row must move on or be released)."""
+        return bool(self._vocode_rows(now))
+
+    def _merging(self) -> bool:
+        """Ready chunks of a request go as one window: no active request waits for its first audio (a
+        merged step is longer; the first-audio path keeps the short steps it had)."""
+        return VOCODER_MERGE_TOKENS > 0 and all(r.t_first_chunk is not None for r in self._active)
+
+    def _vocode_rows(self, now: float) -> list[_Request]:
+        """The requests a vocoder step would serve now: those with a window ready or a sentence ended,
+        less those whose chunks can wait (see below)."""
+        rows = [r for r in self._active if not r.needs_prefill and (r.segment_done or self._has_window(r))]
+        if len(self._active) > 1 and self._merging() and any(self._decoding(r) for r in self._active):
+            # Chunks that can wait for a later vocoder turn do: those of a request whose audio is more
+            # than VOCODER_SLACK_S ahead of real time, still being written, and whose ready chunks do
+            # not fill a merged window yet. The LM's steps then go back to back and the window, when it
+            # comes, releases more audio for its context. Never for a request alone: that stays
+            # independent of the clock.
+            rows = [r for r in rows if r.segment_done or self._ahead_s(r, now) <= VOCODER_SLACK_S
+                    or self._fills_merged_window(r)]
+        return rows
+
+    def _fills_merged_window(self, r: _Request) -> bool:
+        w = r.planner.next_window(len(r.semantic), r.segment_done, VOCODER_MERGE_TOKENS)
+        return w is not None and w.keep_to + r.planner.chunk + self.radius <= len(r.semantic)
 
     def _vocode(self, now: float) -> list[EngineOutput]:
         outputs: list[EngineOutput] = []
-        rows = [r for r in self._active if not r.needs_prefill and (r.segment_done or self._has_window(r))]
+        rows = self._vocode_rows(now)
         # Priority: when a request's first chunk is ready, it must not wait behind (or be padded up to)
         # the bulk chunks of long replies: later chunks of requests well ahead of real time wait a step.
         if any(r.t_first_chunk is None and self._has_window(r) for r in rows):
@@ -906,7 +971,9 @@ class SparkTTSEngine:
         rows.sort(key=lambda r: (0, -r.options.priority, self._order.get(r.rid, 0)) if r.t_first_chunk is None
                   else (1, self._ahead_s(r, now), 0))
         emitted_before = [(r, r.planner.emitted) for r in rows if r.planner is not None]
-        # Take windows one per request per round, in that order, while the step's budget lasts.
+        merge = self._merging()
+        # Take windows one per request per round, in that order, while the step's budget lasts; a
+        # merged window takes as much of the budget as the windows already taken leave it.
         taken: dict[int, list[Window]] = {}
         jobs: list[tuple[_Request, DecodeJob]] = []
         ids: dict[int, torch.Tensor] = {}
@@ -916,7 +983,8 @@ class SparkTTSEngine:
             for r in rows:
                 if r.speaker is None or not r.semantic:
                     continue
-                w = r.planner.next_window(len(r.semantic), r.segment_done)
+                cap = min(VOCODER_MERGE_TOKENS, longest_fitting(VOCODER_STEP_TOKENS, len(jobs) + 1)) if merge else 0
+                w = r.planner.next_window(len(r.semantic), r.segment_done, cap)
                 if w is None:
                     continue
                 length = max(longest, padded_length(w.end - w.start))
@@ -941,8 +1009,11 @@ class SparkTTSEngine:
             for r, was in emitted_before:
                 r.planner.emitted = was
             raise
+        if jobs:
+            self.last_step.update(self.vocoder_work.add([j.window for _, j in jobs]))
         self.last_step["windows"] = len(jobs)
         self.last_step["window_rows"] = len(taken)
+        self.last_step["merged"] = merge
         pending: dict[int, list[np.ndarray]] = {}
         for (r, _), a in zip(jobs, audio):
             pending.setdefault(id(r), []).append(a)

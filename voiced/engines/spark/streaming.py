@@ -16,8 +16,13 @@ changes only frames within R of the padding, i.e. at or after b+R-R = b, outside
 that ends at the utterance's true end is padded too, but every time-mixing convolution of the decoder
 then sees zeros past that end (its input is masked there), which is exactly the zero padding the
 unpadded decode applies at that edge. So every call has a bucketed shape: the window length rounded up
-to `PAD_MULTIPLE` and the batch rounded up to one of `BATCH_BUCKETS` (repeating a row), and a GPU meets
-no shape that `SparkTTSEngine.warmup` did not run.
+to `PAD_MULTIPLE` (`LONG_PAD_MULTIPLE` past `LONG_PAD_FROM`) and the batch rounded up to one of
+`BATCH_BUCKETS` (repeating a row), and a GPU meets no shape that `SparkTTSEngine.warmup` did not run.
+
+Each window pays 2R tokens of context for the chunk it releases (a 25-token chunk decodes ~161 tokens at
+R = 68). When the LM has run ahead and several consecutive chunks are ready, the planner can release them
+as one window [a, b) (`max_len`): the context is paid once, and the audio is the same by the argument
+above (the kept frames of any window [a-R, b+R) are the whole-utterance decode's).
 """
 
 from __future__ import annotations
@@ -30,6 +35,11 @@ import torch
 from .bicodec import HOP, BiCodec
 
 PAD_MULTIPLE = 16  # pad batched windows to a multiple of this many tokens: fewer distinct conv shapes
+# Windows longer than LONG_PAD_FROM tokens (merged chunks) pad to a multiple of LONG_PAD_MULTIPLE: up to
+# 1024 tokens that is 28 lengths instead of 64 for warm-up to run, for at most 63 tokens of padding on a
+# window that releases hundreds.
+LONG_PAD_FROM = 256
+LONG_PAD_MULTIPLE = 64
 # Batch sizes a decode call runs at (a batch is padded up to the next one by repeating its first row);
 # larger batches are split into calls of the largest.
 BATCH_BUCKETS = (1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64)
@@ -40,7 +50,24 @@ def batch_bucket(n: int) -> int:
 
 
 def padded_length(n_tokens: int) -> int:
-    return -(-n_tokens // PAD_MULTIPLE) * PAD_MULTIPLE
+    m = PAD_MULTIPLE if n_tokens <= LONG_PAD_FROM else LONG_PAD_MULTIPLE
+    return -(-n_tokens // m) * m
+
+
+def window_lengths(longest: int) -> list[int]:
+    """Every padded window length up to `padded_length(longest)`, shortest first."""
+    out, n = [], PAD_MULTIPLE
+    while n <= padded_length(longest):
+        out.append(n)
+        n = padded_length(n + 1)
+    return out
+
+
+def longest_fitting(budget: int, n_windows: int) -> int:
+    """The longest padded window length at which `n_windows` windows (batch-bucketed) hold at most
+    `budget` tokens; 0 if none does."""
+    b = batch_bucket(n_windows)
+    return max((n for n in window_lengths(budget // b) if b * n <= budget), default=0)
 
 
 @dataclass
@@ -63,7 +90,12 @@ class ChunkPlanner:
         self.chunk = chunk_tokens
         self.emitted = 0  # tokens whose audio has been released
 
-    def next_window(self, n_tokens: int, ended: bool) -> Window | None:
+    def next_window(self, n_tokens: int, ended: bool, max_len: int = 0) -> Window | None:
+        """The next window that can be released with `n_tokens` written, or None.
+
+        max_len: when the next chunk is ready and later ones are too, release them together in one
+        window whose padded length is at most this (0: one chunk a window). The first chunk is never
+        merged: it is what a caller waits for, and a longer window would only delay it."""
         a = self.emitted
         if a >= n_tokens:
             return None
@@ -72,16 +104,21 @@ class ChunkPlanner:
         # one chunk plus its context, so window lengths stay bounded (and warmed up) however far the
         # LM ran ahead of the vocoder.
         b = a + (self.first if a == 0 else self.chunk)
-        if n_tokens >= b + self.radius:
-            return Window(start, a, b, b + self.radius, False)
-        if ended:
-            return Window(start, a, n_tokens, n_tokens, True)
-        return None
+        if n_tokens < b + self.radius:
+            return Window(start, a, n_tokens, n_tokens, True) if ended else None
+        if a > 0 and max_len:
+            if ended and padded_length(n_tokens - start) <= max_len:
+                return Window(start, a, n_tokens, n_tokens, True)  # the rest, in one window
+            while b + self.chunk + self.radius <= n_tokens and \
+                    padded_length(b + self.chunk + self.radius - start) <= max_len:
+                b += self.chunk
+        return Window(start, a, b, b + self.radius, False)
 
-    def windows(self, n_tokens: int, ended: bool) -> list[Window]:
-        """Every window that can be released now, in order (several when the LM ran ahead)."""
+    def windows(self, n_tokens: int, ended: bool, max_len: int = 0) -> list[Window]:
+        """Every window that can be released now, in order (several when the LM ran ahead, fewer
+        and longer with `max_len`: see `next_window`)."""
         out = []
-        while (w := self.next_window(n_tokens, ended)) is not None:
+        while (w := self.next_window(n_tokens, ended, max_len)) is not None:
             out.append(w)
             self.emitted = w.keep_to
         return out
@@ -102,18 +139,30 @@ def decode_jobs(codec: BiCodec, jobs: list[DecodeJob]) -> list[np.ndarray]:
     rounded up to PAD_MULTIPLE), a window that ends at its utterance's true end is masked past that end
     (see the module docstring), and the batch is padded to a bucket."""
     results: list[np.ndarray | None] = [None] * len(jobs)
+    for idxs, length in decode_calls([j.window for j in jobs]):
+        _decode_group(codec, jobs, idxs, length, results)
+    return results  # type: ignore[return-value]
+
+
+def decode_calls(windows: list[Window]) -> list[tuple[list[int], int]]:
+    """How `decode_jobs` splits these windows into calls: (indices, padded length) of each call; a
+    call decodes `batch_bucket(len(indices))` rows of that length."""
     top = BATCH_BUCKETS[-1]
+    calls = []
     # Utterance ends apart from the rest: the last window of a request alone is then decoded the same
     # way whatever chunks of it (or of others) are ready at the same time, so its audio does not
     # depend on how the steps fell (CPU and GPU kernels are not batch-invariant to the last bit).
-    groups = [[i for i, j in enumerate(jobs) if j.window.final == final] for final in (False, True)]
-    for group in groups:
-        if not group:
-            continue
-        length = padded_length(max(jobs[i].window.end - jobs[i].window.start for i in group))
-        for lo in range(0, len(group), top):
-            _decode_group(codec, jobs, group[lo : lo + top], length, results)
-    return results  # type: ignore[return-value]
+    for final in (False, True):
+        group = [i for i, w in enumerate(windows) if w.final == final]
+        if group:
+            length = padded_length(max(windows[i].end - windows[i].start for i in group))
+            calls += [(group[lo : lo + top], length) for lo in range(0, len(group), top)]
+    return calls
+
+
+def decoded_tokens(windows: list[Window]) -> int:
+    """Window tokens the vocoder computes for these windows, padding and repeated rows included."""
+    return sum(batch_bucket(len(idxs)) * length for idxs, length in decode_calls(windows))
 
 
 def _decode_group(codec: BiCodec, jobs: list[DecodeJob], idxs: list[int], length: int, results: list) -> None:
@@ -182,14 +231,16 @@ def _install_end_masks(codec: BiCodec) -> None:
 
 @torch.no_grad()
 def stream_decode(codec: BiCodec, semantic_ids: torch.Tensor, global_ids: torch.Tensor,
-                  first_chunk_tokens: int, chunk_tokens: int, radius: int | None = None) -> list[np.ndarray]:
-    """Feed `semantic_ids [n]` one token at a time, as the LM would, and return the chunks released."""
+                  first_chunk_tokens: int, chunk_tokens: int, radius: int | None = None,
+                  step: int = 1, max_len: int = 0) -> list[np.ndarray]:
+    """Feed `semantic_ids [n]` `step` tokens at a time, as the LM would, and return the chunks released
+    (`max_len`: merge ready chunks into windows up to that length, see `ChunkPlanner.next_window`)."""
     radius = codec.receptive_radius() if radius is None else radius
     planner = ChunkPlanner(radius, first_chunk_tokens, chunk_tokens)
     spk = codec.speaker_vector(global_ids.view(1, -1))[0]
     chunks = []
     n = semantic_ids.shape[0]
-    for t in range(1, n + 1):
-        for w in planner.windows(t, ended=t == n):
+    for t in [*range(step, n, step), n]:
+        for w in planner.windows(t, ended=t == n, max_len=max_len):
             chunks += decode_jobs(codec, [DecodeJob(semantic_ids, spk, w)])
     return chunks
