@@ -14,6 +14,7 @@ from tests.until import until_async
 from voiced import heap
 from voiced.core.scheduler import EngineThread, EngineWorker
 from voiced.engines.base import ASROptions, ASRRequest
+from voiced.metrics import Metrics
 
 pytestmark = pytest.mark.skipif(not heap.available(), reason="malloc_trim is glibc's")
 
@@ -73,6 +74,8 @@ def asr_engine(tmp_path_factory):
 def test_the_engine_thread_trims_when_it_goes_quiet_after_a_wide_batch(asr_engine):
     thread = EngineThread("engines", step_log=10_000)
     thread.trim_after_s = 3600.0  # no trim while the test sets up what it would return
+    metrics = Metrics()
+    thread.on_release = metrics.observe_heap_release  # as the daemon wires it
     asr = EngineWorker(asr_engine, "asr", thread=thread)
     asr.start()
     audio = layout(["Good morning."], lead_s=0.2, tail_s=0.3).audio
@@ -122,6 +125,9 @@ def test_the_engine_thread_trims_when_it_goes_quiet_after_a_wide_batch(asr_engin
         assert events()[mark:][-2:] == [("engines", "trim"), ("engines", "idle")]
         assert thread.widest == 0
         assert thread.last_release is not None and thread.last_release.returned > 48 * MB
+        # ... and an operator sees it: one trim, and what it returned.
+        assert metrics.registry.get_sample_value("voiced_heap_trim_seconds_count") == 1
+        assert metrics.registry.get_sample_value("voiced_heap_returned_bytes_total") == thread.last_release.returned
         thread.call(free_all, held)
     finally:
         thread.stop()
