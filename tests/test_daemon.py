@@ -30,6 +30,7 @@ from tests.daemon_harness import (
 from tests.speech import RATE, layout, phrase, write_wav
 from tests.until import GUARD_S, until, until_async
 from tests.whisper_fixtures import make_openai_checkpoint
+from voiced import heap
 from voiced.audio.ingest import Format
 from voiced.cli import main as voiced_main
 
@@ -132,6 +133,17 @@ def test_fifty_concurrent_sessions_while_one_sends_garbage(daemon):
         tokens.add(tuple(finals[0].transcript.tokens))
     assert len(tokens) == 1  # batched with 49 others, every caller got the same answer for the same audio
     assert daemon.services.asr.engine.active_requests() == 0
+    if heap.available():
+        # Quiet after that wide batch, the daemon hands the heap's freed buffers back to the OS, and counts it.
+        log = daemon.services.asr.thread.step_log
+
+        def trimmed_after_the_batch():
+            entries = list(log)
+            wide = max(i for i, (_, event, ids) in enumerate(entries) if event == "step" and len(ids) > 1)
+            return ("engines", "trim", ()) in entries[wide:]
+
+        until(trimmed_after_the_batch, "the heap trim after the wide batch")
+        assert daemon.services.metrics.registry.get_sample_value("voiced_heap_trim_seconds_count") >= 1
 
 
 def _cfg(**kw):

@@ -72,6 +72,7 @@ class Daemon:
             worker = getattr(self.services, name)
             if worker is not None:
                 worker._on_step = lambda engine, n=name: m.observe_engine(n, engine)
+                worker.thread.on_release = m.observe_heap_release
                 worker.start()  # a no-op for a thread already running (engines sharing one)
 
     async def _set_serving(self, serving: bool) -> None:

@@ -61,6 +61,11 @@ class Metrics:
                                    registry=r)
         self.threads = Gauge("voiced_threads", "Python threads alive in the daemon", registry=r)
         self.threads.set_function(threading.active_count)
+        # Free C-heap memory the engine thread hands back when quiet after a wide batch (voiced.heap).
+        self.heap_returned = Counter("voiced_heap_returned_bytes_total",
+                                     "Resident memory handed back to the OS by heap trims", registry=r)
+        self.heap_trim = Histogram("voiced_heap_trim_seconds", "How long each heap trim took",
+                                   buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25), registry=r)
         r.register(GpuMemoryCollector())
 
     def watch_loop(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -69,6 +74,11 @@ class Metrics:
 
     def observe_engine(self, name: str, engine) -> None:
         self.engine_active.labels(name).set(engine.active_requests())
+
+    def observe_heap_release(self, release) -> None:
+        """A `voiced.heap.Release`; RSS can rise meanwhile (other threads allocate): counted as none."""
+        self.heap_returned.inc(max(0, release.returned))
+        self.heap_trim.observe(release.seconds)
 
     def serve(self, listen: str):
         host, _, port = listen.rpartition(":")

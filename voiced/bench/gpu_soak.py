@@ -14,6 +14,9 @@ until the time is up. Phases:
 2. soak: the callers for `--minutes`, the daemon sampled every `--sample-every` seconds;
 3. idle again: the last sample.
 
+"Idle" is no session open and the heap trimmed after the callers' last batch (voiced.heap; up to
+30 s waited for it).
+
 Each sample: resident memory, open descriptors, OS threads, asyncio tasks of the daemon's loop, sessions
 open, and what PyTorch's allocator holds on the GPU. Per minute of the soak: sessions completed, errors,
 and voice-to-voice as the callers hear it (e2e_bench's clock). Judged as the CPU soak is
@@ -69,6 +72,7 @@ class GpuSoakReport:
     soak: dict = field(default_factory=dict)  # the soak's caller report
     samples: list[GpuSample] = field(default_factory=list)
     daemon_outcomes: dict[str, int] = field(default_factory=dict)  # voiced_sessions_total by outcome
+    heap_trims: dict = field(default_factory=dict)  # the daemon's heap trims (voiced.heap): count, MB, ms
     verdicts: dict[str, str] = field(default_factory=dict)
 
     def judge(self) -> None:
@@ -103,6 +107,7 @@ class GpuSoakReport:
         for m in self.soak.get("minutes", []):
             lines.append(f"minute {m['minute']}: {m['completed']} sessions completed, errors {m['errors'] or 'none'}, "
                          f"voice-to-voice {m['v2v_client_ms']}")
+        lines.append(f"heap trims: {self.heap_trims}")
         lines += [f"{v:<5} {k}" for k, v in self.verdicts.items()]
         return "\n".join(lines)
 
@@ -215,12 +220,26 @@ class Sampler:
                         out[s.labels["outcome"]] += int(s.value)
         return dict(out)
 
-    def wait_idle(self, timeout: float = 120) -> None:
+    def heap_trims(self) -> dict:
+        r = self.server.services.metrics.registry
+        trims = self.trims()
+        return {"trims": trims, "returned_mb": round((r.get_sample_value("voiced_heap_returned_bytes_total") or 0) / 2**20, 1),
+                "mean_ms": round(1000 * r.get_sample_value("voiced_heap_trim_seconds_sum") / trims, 2) if trims else None}
+
+    def trims(self) -> int:
+        """Heap trims so far (voiced.heap: the engine thread's, once quiet after a wide batch)."""
+        return int(self.server.services.metrics.registry.get_sample_value("voiced_heap_trim_seconds_count") or 0)
+
+    def wait_idle(self, trims_before: int, timeout: float = 120) -> None:
+        """No session open, and the heap trimmed since the callers finished (or 30 s given up waiting)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.sample("waiting for idle").active_sessions == 0:
                 break
             time.sleep(0.5)
+        deadline = time.monotonic() + 30
+        while self.trims() <= trims_before and time.monotonic() < deadline:
+            time.sleep(0.2)
         time.sleep(1.0)  # let the last calls' tasks unwind before counting
 
 
@@ -296,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         report.samples.append(sampler.sample("start"))
         report.warmup = run_callers(args, address, args.warmup_seconds, None, [])
-        sampler.wait_idle()
+        sampler.wait_idle(sampler.trims())
         report.samples.append(sampler.sample("after warm-up"))
         seconds = args.minutes * 60
         if args.end_by:
@@ -307,9 +326,10 @@ def main(argv: list[str] | None = None) -> int:
             log.info("--end-by: the soak runs %.1f minutes", report.minutes)
         sampler.t0 = time.monotonic()
         report.soak = run_callers(args, address, seconds, sampler, report.samples)
-        sampler.wait_idle()
+        sampler.wait_idle(sampler.trims())
         report.samples.append(sampler.sample("idle at the end"))
         report.daemon_outcomes = sampler.outcomes()
+        report.heap_trims = sampler.heap_trims()
     finally:
         asyncio.run_coroutine_threadsafe(server.drain_and_stop(grace=0), loop).result(60)
     report.judge()

@@ -12,9 +12,9 @@ after the concurrent phase and once the daemon is idle again. Phases:
 
 1. warm-up: `--warmup` sequential sessions (first-use allocations, caches), then the concurrent phase
    of step 3 once. Batched inference needs larger buffers than one session's, and glibc's heap keeps
-   them after they are freed (a daemon run with MALLOC_MMAP_THRESHOLD_=1048576 hands them back: 10
-   callers left it 35 MB above its start instead of 220), so the baseline is taken after the same
-   concurrent load the end follows; the sample before it is kept in the report too;
+   them after they are freed until the daemon trims it (voiced.heap: once its engines are quiet after
+   a wide batch), so the baseline is taken after the same concurrent load the end follows, and after
+   the daemon's trim; the sample before it is kept in the report too;
 2. sequential: `--sequential` sessions one after another, each streaming the clip as fast as the
    daemon takes it and half-closing, as a caller that hangs up after speaking. Every
    `--transcribe-every`-th is a Converse session that must come back with a final transcript (Whisper,
@@ -82,6 +82,7 @@ class SoakReport:
     warmup_concurrent_completed: int = 0
     concurrent_errors: dict[str, int] = field(default_factory=dict)
     concurrent_summary: dict = field(default_factory=dict)
+    heap_trims: dict = field(default_factory=dict)  # the daemon's heap trims (voiced.heap): count, MB, ms
     samples: list[Sample] = field(default_factory=list)
     verdicts: dict[str, str] = field(default_factory=dict)
 
@@ -113,6 +114,7 @@ class SoakReport:
         lines.append(f"transcripts: {self.transcripts}")
         lines.append(f"concurrent: {self.concurrent_completed}/{self.concurrent}, errors "
                      f"{self.concurrent_errors or 'none'}")
+        lines.append(f"heap trims: {self.heap_trims}")
         lines += [f"{v:<5} {k}" for k, v in self.verdicts.items()]
         return "\n".join(lines)
 
@@ -181,6 +183,21 @@ class DaemonProcess:
         deadline = time.monotonic() + timeout
         while self.metric("voiced_sessions_active") > 0 and time.monotonic() < deadline:
             time.sleep(0.2)
+
+    def settle(self, trims_before: int, timeout: float = 30) -> None:
+        """Idle, and the heap trimmed after the concurrent load (the engine thread trims once it has been
+        quiet a while after a wide batch; an overloaded CPU may still be stepping the sessions' last
+        batch when they end). Gives up after `timeout`: a daemon that does not trim is measured as is."""
+        self.wait_idle()
+        deadline = time.monotonic() + timeout
+        while self.metric("voiced_heap_trim_seconds_count") <= trims_before and time.monotonic() < deadline:
+            time.sleep(0.2)
+        time.sleep(0.5)  # the last calls' tasks unwind
+
+    def heap_trims(self) -> dict:
+        trims = self.metric("voiced_heap_trim_seconds_count")
+        return {"trims": int(trims), "returned_mb": round(self.metric("voiced_heap_returned_bytes_total") / 2**20, 1),
+                "mean_ms": round(1000 * self.metric("voiced_heap_trim_seconds_sum") / trims, 2) if trims else None}
 
     def stop(self) -> int:
         if self.proc.poll() is None:
@@ -291,9 +308,10 @@ def run(args: argparse.Namespace) -> SoakReport:
                                   gap_s=args.concurrent_gap, ramp_s=args.concurrent_ramp,
                                   drain_timeout_s=args.drain_timeout)
                 result = asyncio.run(run_load(Target(daemon.address), clip, warm))
+                trims = daemon.heap_trims()["trims"]  # the callers are done: the trim comes a second later
                 report.warmup_concurrent_completed = result.completed
                 log.info("concurrent warm-up: %d/%d sessions completed", result.completed, args.concurrent)
-                daemon.wait_idle()
+                daemon.settle(trims)
             report.samples.append(daemon.sample("after warm-up", 0))
             t0 = time.monotonic()
             deadline = t0 + args.max_minutes * 60
@@ -322,13 +340,18 @@ def run(args: argparse.Namespace) -> SoakReport:
                               gap_s=args.concurrent_gap, ramp_s=args.concurrent_ramp,
                               drain_timeout_s=args.drain_timeout)
             result = asyncio.run(run_load(Target(daemon.address), clip, load))
+            trims = daemon.heap_trims()["trims"]
             report.concurrent_completed = result.completed
             report.concurrent_errors = dict(result.errors)
             report.concurrent_summary = result.summary()
             report.samples.append(daemon.sample("after concurrent", report.sequential + args.concurrent))
-        daemon.wait_idle()
-        time.sleep(1.0)  # let the last calls' tasks unwind before the final count
+        if args.concurrent:
+            daemon.settle(trims)  # the heap trimmed and the last calls' tasks unwound before the final count
+        else:
+            daemon.wait_idle()
+            time.sleep(1.0)  # let the last calls' tasks unwind before the final count
         report.samples.append(daemon.sample("idle at the end", report.sequential + args.concurrent))
+        report.heap_trims = daemon.heap_trims()
     finally:
         daemon.stop()
     report.judge()

@@ -10,6 +10,10 @@ Engines on one GPU share one thread (`EngineThread`), stepped in a fixed order (
 its steps are short and a caller is waiting on each transcript). Two threads would fight over the
 GIL: a busy TTS thread holds it for most of every 5 ms switch interval, and each of the ASR
 thread's few hundred Python-level operations per step would wait for it.
+
+When the engines go quiet after a batch of more than one request, the thread hands the C heap's
+free memory back to the OS (voiced.heap), so a long-running daemon's RSS does not ratchet up after
+each burst: wide batches free the largest buffers, and glibc keeps them otherwise.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
+from voiced import heap
 from voiced.engines.base import CapacityError, EngineError, EngineFault, EngineOutput, SteppedEngine, fault_output
 
 log = logging.getLogger(__name__)
@@ -45,8 +50,9 @@ class EngineThread:
 
     `step_log=N` keeps the thread's last N events, in the order it did them, as (engine name, event,
     request ids): "submit" and "cancel" when one reaches the engine, "step" with the ids the engine
-    held, "done" when one finished or failed. The scheduling policy is judged from it exactly, as the
-    thread saw it, whatever the machine's load. Off (None) by default.
+    held, "done" when one finished or failed; and, under the thread's own name, "trim" when it handed
+    free heap memory back and "idle" when it went to sleep with nothing to do. The scheduling policy
+    is judged from it exactly, as the thread saw it, whatever the machine's load. Off (None) by default.
     """
 
     def __init__(self, name: str, step_log: int = 0):
@@ -56,6 +62,10 @@ class EngineThread:
         self._thread: threading.Thread | None = None
         self.first_budget_s = FIRST_BUDGET_S
         self.step_log: deque[tuple[str, str, tuple[int, ...]]] | None = deque(maxlen=step_log) if step_log else None
+        self.trim_after_s = TRIM_AFTER_S
+        self.widest = 0  # most requests one engine held in a step since the last trim
+        self.last_release: heap.Release | None = None
+        self.on_release = None  # callback(heap.Release) for metrics; called on this thread
 
     def attach(self, worker: EngineWorker) -> None:
         self.workers.append(worker)
@@ -92,10 +102,35 @@ class EngineThread:
         self._stopped = False
         while not self._stopped:
             if not any(w.engine.has_work() for w in self.workers):
-                self._apply(self.commands.get())  # idle: sleep until a command arrives
+                self._apply(self._wait())  # idle: sleep until a command arrives
             self._drain()
             if not self._stopped:
                 self._step_all()
+
+    def _wait(self):
+        """The next command, however long it takes to come.
+
+        After a batch of more than one request, a quiet spell of `trim_after_s` first hands the C
+        heap's free pages back to the OS (a few ms). Waiting for the quiet keeps it off the hot path: a
+        busy daemon, whose next request comes within the spell, reuses those buffers instead, and the
+        sessions the batch served have ended and freed theirs by then. One request at a time (a batch
+        of one) leaves nothing to trim: resident memory stays flat over thousands of such sessions.
+        """
+        if self.widest > 1:
+            try:
+                return self.commands.get(timeout=self.trim_after_s)
+            except queue.Empty:
+                self.widest = 0
+                self.last_release = heap.release()
+                self._log(self.name, "trim")
+                if self.last_release is not None and self.on_release is not None:
+                    self.on_release(self.last_release)
+        self._log(self.name, "idle")
+        return self.commands.get()
+
+    def _log(self, name: str, event: str, request_ids: tuple[int, ...] = ()) -> None:
+        if self.step_log is not None:
+            self.step_log.append((name, event, request_ids))
 
     def _apply(self, command) -> None:
         worker, kind, request_id, request = command
@@ -141,6 +176,8 @@ class EngineThread:
 
 # How long the first engine (recognition) may step back to back before the others get a step.
 FIRST_BUDGET_S = 0.05
+# How long the engines stay quiet after a wide batch before the thread trims the C heap.
+TRIM_AFTER_S = 1.0
 
 
 class EngineWorker:
@@ -237,11 +274,10 @@ class EngineWorker:
                 self._log("cancel", (request_id,))
 
     def _log(self, event: str, request_ids: tuple[int, ...]) -> None:
-        log_ = self.thread.step_log
-        if log_ is not None:
-            log_.append((self.name, event, request_ids))
+        self.thread._log(self.name, event, request_ids)
 
     def _step(self) -> None:
+        self.thread.widest = max(self.thread.widest, len(self._in_engine))
         if self.thread.step_log is not None:
             self._log("step", tuple(sorted(self._in_engine)))
         while True:
