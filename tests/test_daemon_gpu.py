@@ -253,19 +253,24 @@ def printed_plan(log: str) -> tuple[int, str]:
 def test_the_start_up_memory_plan_is_what_the_gpu_used(daemon):
     """Compares the total of the memory plan printed at start-up for the torch engines (computed from the
     checkpoints and max_batch before loading: weights, caches, what the CUDA graphs keep, cuBLAS
-    workspaces, the largest step transient) with the peak PyTorch's allocator reports after the calls
-    (the torch backend: TensorRT-LLM does not run here). Issue 20 asks for them within 5 %."""
+    workspaces, the largest step transient) with the GPU's peak: the larger of what PyTorch's allocator
+    reports after the calls and the TTS warm-up's phase peaks (the torch backend: TensorRT-LLM does not
+    run here). Issue 20 asks for them within 5 %."""
     planned, table = printed_plan(daemon.log_text())
     mem = daemon.gpu_memory()
     assert "peak_allocated" in mem, "the daemon's metrics report no GPU memory (voiced_gpu_memory_bytes)"
-    peak = mem["peak_allocated"]
+    # The TTS warm-up measures each of its phases' peak (it resets the allocator's peak between them), so
+    # the metric's peak starts after it: the GPU's peak is the larger of the two.
+    warm = re.search(r"TTS warm-up: .*GPU memory peaks ([\d. /]+) MiB", daemon.log_text())
+    assert warm, "the daemon logged no TTS warm-up peaks"
+    warm_peak = max(float(v) for v in warm.group(1).split("/")) * 2**20
+    peak = max(mem["peak_allocated"], warm_peak)
     off = abs(peak - planned) / planned
-    warm = re.search(r"TTS warm-up: .*GPU memory peaks ([\d. /]+) GiB", daemon.log_text())
     assert off <= PLAN_TOLERANCE, (
-        f"the start-up plan totals {planned / 2**20:.1f} MiB but PyTorch's allocator peaked at {peak / 2**20:.1f} MiB "
-        f"after the calls (allocated now {mem['allocated'] / 2**20:.1f}, reserved {mem['reserved'] / 2**20:.1f} MiB; "
-        f"the TTS warm-up's phases peaked at {warm.group(1) if warm else '?'} GiB): off by {off:.1%}, more than "
-        f"{PLAN_TOLERANCE:.0%}\n{table}")
+        f"the start-up plan totals {planned / 2**20:.1f} MiB but the GPU peaked at {peak / 2**20:.1f} MiB (PyTorch's "
+        f"allocator after the calls {mem['peak_allocated'] / 2**20:.1f}, allocated now {mem['allocated'] / 2**20:.1f}, "
+        f"reserved {mem['reserved'] / 2**20:.1f} MiB; the TTS warm-up's phases peaked at {warm.group(1)} MiB): off by "
+        f"{off:.1%}, more than {PLAN_TOLERANCE:.0%}\n{table}")
 
 
 def test_sigterm_ends_the_daemon_cleanly(daemon):

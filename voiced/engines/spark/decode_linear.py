@@ -63,6 +63,18 @@ def _rows_block(m: int) -> int:
 MAX_SPLITS = 8  # `add_norm` reads every partial of a row in one program: more splits cost it more than they give
 
 
+SMEM_BUDGET = 192 * 1024  # of Hopper's 227 KiB a block may use: room for the epilogue's layout conversions
+
+
+def _stages(rows: int, cols: int, itemsize: int, want: int) -> int:
+    """Software-pipeline depth whose tiles fit in shared memory: each stage holds a `[BLOCK_M, BLOCK_K]`
+    input tile and `cols` weight rows of BLOCK_K (float32 activations need twice bf16's room). Triton
+    buffers one stage fewer than this counts; the margin is kept (on the H200 the bf16 depths are the
+    ones measured, and float32 at 64 rows ran out of shared memory at the unchecked depth)."""
+    per_stage = (rows + cols) * BLOCK_K * itemsize
+    return max(1, min(want, SMEM_BUDGET // per_stage))
+
+
 def split_plan(n: int, k: int, block_n: int, sms: int) -> tuple[int, int]:
     """(K per program, programs along K) for a split-K GEMV of N outputs: about two programs per
     multiprocessor (at most MAX_SPLITS along K), each a whole number of BLOCK_K steps."""
@@ -107,7 +119,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, b
     _gemv[(-(-n // block_n), 1, -(-m // bm))](
         x, w, bias if bias is not None else w, out, m, n, k, k, x.stride(0), 0,
         HAS_BIAS=bias is not None, SWIGLU=False, PARTIAL=False, BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=BLOCK_K,
-        IEEE=x.dtype == torch.float32, num_warps=4, num_stages=4)
+        IEEE=x.dtype == torch.float32, num_warps=4, num_stages=_stages(bm, block_n, x.element_size(), 4))
     return out
 
 
@@ -120,7 +132,7 @@ def swiglu_linear(h: torch.Tensor, w_gate_up: torch.Tensor, block_n: int = 64) -
     _gemv[(-(-n // block_n), 1, -(-m // bm))](
         h, w_gate_up, w_gate_up, out, m, n, k, k, h.stride(0), 0,
         HAS_BIAS=False, SWIGLU=True, PARTIAL=False, BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=BLOCK_K,
-        IEEE=h.dtype == torch.float32, num_warps=4, num_stages=3)
+        IEEE=h.dtype == torch.float32, num_warps=4, num_stages=_stages(bm, 2 * block_n, h.element_size(), 3))
     return out
 
 
@@ -134,7 +146,7 @@ def linear_partials(x: torch.Tensor, w: torch.Tensor, block_n: int = 32, sms: in
     _gemv[(-(-n // block_n), splits, -(-m // bm))](
         x, w, w, out, m, n, k, per, x.stride(0), m * n,
         HAS_BIAS=False, SWIGLU=False, PARTIAL=True, BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=BLOCK_K,
-        IEEE=x.dtype == torch.float32, num_warps=4, num_stages=3)
+        IEEE=x.dtype == torch.float32, num_warps=4, num_stages=_stages(bm, block_n, x.element_size(), 3))
     return out
 
 

@@ -502,7 +502,7 @@ class SparkTTSEngine:
         def peak() -> float:
             gib = torch.cuda.max_memory_allocated() / 2**30
             torch.cuda.reset_peak_memory_stats()
-            return round(gib, 2)
+            return round(gib, 4)
 
         peaks.append(peak())
         t1 = time.perf_counter()
@@ -518,8 +518,9 @@ class SparkTTSEngine:
                              "vocoder_shapes": shapes, "vocoder_s": round(t3 - t2, 2),
                              "peak_gib": dict(zip(("decode", "prefill", "vocoder"), peaks))}
         log.info("TTS warm-up: %d decode graphs (%d steps each) in %.1f s, %d prefill lengths (%d graphed) in %.1f s, "
-                 "%d vocoder shapes in %.1f s; GPU memory peaks %.2f / %.2f / %.2f GiB", len(self.lm._step_graphs),
-                 n, t1 - t0, lengths, len(self.lm._prefill_graphs), t2 - t1, shapes, t3 - t2, *peaks)
+                 "%d vocoder shapes in %.1f s; GPU memory peaks %.1f / %.1f / %.1f MiB", len(self.lm._step_graphs),
+                 n, t1 - t0, lengths, len(self.lm._prefill_graphs), t2 - t1, shapes, t3 - t2,
+                 *(p * 1024 for p in peaks))
 
     def _warm_prefill(self, pick) -> int:
         """Every packed length a prefill step can run (the longest prompt `submit` accepts is
