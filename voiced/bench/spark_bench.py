@@ -388,31 +388,21 @@ def main(argv: list[str] | None = None) -> int:
             res["decode_lm_only"].append({"batch": b, "ms_per_step": round(sb * 1000, 3),
                                           "lm_only_audio_s_per_s": round(b / 50 / sb, 1)})
             log.info("engine LM only: %s", res["decode_lm_only"][-1])
-        if lm.fused_linear:
-            # What the GEMV kernels buy: the same step with the projections through cuBLAS, then back.
-            lm.compile_decode(fused_linear=False)
+        # What each GPU-only piece buys: the same compiled step without it (the projections through
+        # cuBLAS; the attention in torch: rope, cache writes, two GEMMs and a softmax), measured the same
+        # way, then back.
+        for present, name, variant in ((lm.fused_linear, "cublas_linear", {"fused_linear": False}),
+                                       (lm.fused_attention, "torch_attention", {"fused_attention": False})):
+            if not present:
+                continue
+            lm.compile_decode(**variant)
             _, t_steps = steps_decode(engine, prompt, n, 50, use_graph=True)
-            res["decode_batch1_compiled"]["engine_steps_graph_ms_per_step_sampled_cublas_linear"] = \
-                round(t_steps * 1000, 3)
+            res["decode_batch1_compiled"][f"engine_steps_graph_ms_per_step_sampled_{name}"] = round(t_steps * 1000, 3)
             for row, b in zip(res["decode_lm_only"], batches):
                 _, sb = steps_decode(engine, prompt, 96, 50, use_graph=True, batch=b)
-                row["ms_per_step_cublas_linear"] = round(sb * 1000, 3)
+                row[f"ms_per_step_{name}"] = round(sb * 1000, 3)
             lm.compile_decode()
-            log.info("cuBLAS projections instead of the GEMV kernels: batch 1 %.3f ms; %s", t_steps * 1000,
-                     res["decode_lm_only"])
-        if lm.fused_attention:
-            # What the Triton attention kernel buys: the same compiled step with the attention in torch
-            # (rope, cache writes, two GEMMs and a softmax), measured the same way, then back.
-            lm.compile_decode(fused_attention=False)
-            _, t_steps = steps_decode(engine, prompt, n, 50, use_graph=True)
-            res["decode_batch1_compiled"]["engine_steps_graph_ms_per_step_sampled_torch_attention"] = \
-                round(t_steps * 1000, 3)
-            for row, b in zip(res["decode_lm_only"], batches):
-                _, sb = steps_decode(engine, prompt, 96, 50, use_graph=True, batch=b)
-                row["ms_per_step_torch_attention"] = round(sb * 1000, 3)
-            lm.compile_decode()
-            log.info("torch attention instead of the kernel: batch 1 %.3f ms; %s", t_steps * 1000,
-                     res["decode_lm_only"])
+            log.info("%s: batch 1 %.3f ms; %s", name, t_steps * 1000, res["decode_lm_only"])
         # --- transformers generate at larger batches (LM only)
         res["transformers_generate"] = []
         for b in args.hf_batches:

@@ -63,15 +63,13 @@ def kernels(rows: int) -> dict:
     r["qkv_cublas"] = graph_us(lambda: F.linear(x, w_qkv, b_qkv))
     r["qkv_gemv"] = graph_us(lambda: dl.linear(x, w_qkv, b_qkv))
     # the output and down projections: cuBLAS's GEMM then torch's add + norm, against split-K + add_norm
-    r["o_cublas"] = graph_us(lambda: F.linear(x, w_o))
-    r["o_gemv_split"] = graph_us(lambda: dl.linear_partials(x, w_o))
-    r["o_gemv_split_add_norm"] = graph_us(lambda: dl.add_norm(dl.linear_partials(x, w_o), resid, ln, 1e-6))
+    for name, inp, w in (("o", x, w_o), ("down", a, w_down)):
+        r[f"{name}_cublas"] = graph_us(lambda: F.linear(inp, w))
+        r[f"{name}_gemv_split"] = graph_us(lambda: dl.linear_partials(inp, w))
+        r[f"{name}_gemv_split_add_norm"] = graph_us(lambda: dl.add_norm(dl.linear_partials(inp, w), resid, ln, 1e-6))
     r["gate_up_cublas_then_swiglu"] = graph_us(lambda: dl.reference_swiglu_linear(x, w_gu))
     for bn in (32, 64):
         r[f"swiglu_gemv_bn{bn}"] = graph_us(lambda: dl.swiglu_linear(x, w_gu, block_n=bn))
-    r["down_cublas"] = graph_us(lambda: F.linear(a, w_down))
-    r["down_gemv_split"] = graph_us(lambda: dl.linear_partials(a, w_down))
-    r["down_gemv_split_add_norm"] = graph_us(lambda: dl.add_norm(dl.linear_partials(a, w_down), resid, ln, 1e-6))
     r["head_cublas"] = graph_us(lambda: F.linear(x, w_head))
     for bn in (64, 128):
         r[f"head_gemv_bn{bn}"] = graph_us(lambda: dl.linear(x, w_head, block_n=bn))
