@@ -50,6 +50,9 @@ def free_all(blocks: list[int]) -> None:
 
 
 def test_release_gives_the_freed_heap_back():
+    # Whatever earlier tests left free in this process's heap goes back first: otherwise the blocks below
+    # could reuse pages that are still resident, and planting them would not show in RSS.
+    heap.release()
     before = heap.rss_bytes()
     held = plant_free_memory()
     try:
