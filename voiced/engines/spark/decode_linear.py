@@ -45,7 +45,10 @@ MAX_ROWS = 64  # the largest batch one program multiplies (the engine's largest 
 
 
 def supported(dtype: torch.dtype, device: torch.device | str) -> bool:
-    return (triton is not None and torch.device(device).type == "cuda"
+    """A CUDA GPU of compute capability 8.0 or newer (what the kernels were built and measured on; older
+    ones keep cuBLAS) with Triton, in one of the activation dtypes the kernels take."""
+    dev = torch.device(device)
+    return (triton is not None and dev.type == "cuda" and torch.cuda.get_device_capability(dev) >= (8, 0)
             and dtype in (torch.bfloat16, torch.float16, torch.float32))
 
 
@@ -63,16 +66,30 @@ def _rows_block(m: int) -> int:
 MAX_SPLITS = 8  # `add_norm` reads every partial of a row in one program: more splits cost it more than they give
 
 
-SMEM_BUDGET = 192 * 1024  # of Hopper's 227 KiB a block may use: room for the epilogue's layout conversions
+SMEM_BUDGET = 192 * 1024  # at most this much of a block's shared memory for the pipeline's tiles
+SMEM_RESERVE = 32 * 1024  # kept free below the device's limit for the epilogue's layout conversions
 
 
-def _stages(rows: int, cols: int, itemsize: int, want: int) -> int:
+@functools.lru_cache(maxsize=8)
+def _smem_limit(index: int) -> int:
+    """Shared memory one block may use on this GPU (227 KiB on Hopper, 163 on A100, 99 on consumer
+    Ampere/Ada), less the reserve; the pipeline budget of `_stages`."""
+    props = torch.cuda.get_device_properties(index)
+    optin = getattr(props, "shared_memory_per_block_optin", 0) or 99 * 1024
+    return max(16 * 1024, min(SMEM_BUDGET, optin - SMEM_RESERVE))
+
+
+def _smem(t: torch.Tensor) -> int:
+    return _smem_limit(t.device.index or 0) if t.is_cuda else SMEM_BUDGET
+
+
+def _stages(rows: int, cols: int, itemsize: int, want: int, budget: int = SMEM_BUDGET) -> int:
     """Software-pipeline depth whose tiles fit in shared memory: each stage holds a `[BLOCK_M, BLOCK_K]`
     input tile and `cols` weight rows of BLOCK_K (float32 activations need twice bf16's room). Triton
     buffers one stage fewer than this counts; the margin is kept (on the H200 the bf16 depths are the
     ones measured, and float32 at 64 rows ran out of shared memory at the unchecked depth)."""
     per_stage = (rows + cols) * BLOCK_K * itemsize
-    return max(1, min(want, SMEM_BUDGET // per_stage))
+    return max(1, min(want, budget // per_stage))
 
 
 def split_plan(n: int, k: int, block_n: int, sms: int) -> tuple[int, int]:
@@ -119,7 +136,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, b
     _gemv[(-(-n // block_n), 1, -(-m // bm))](
         x, w, bias if bias is not None else w, out, m, n, k, k, x.stride(0), 0,
         HAS_BIAS=bias is not None, SWIGLU=False, PARTIAL=False, BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=BLOCK_K,
-        IEEE=x.dtype == torch.float32, num_warps=4, num_stages=_stages(bm, block_n, x.element_size(), 4))
+        IEEE=x.dtype == torch.float32, num_warps=4, num_stages=_stages(bm, block_n, x.element_size(), 4, _smem(x)))
     return out
 
 
@@ -132,7 +149,7 @@ def swiglu_linear(h: torch.Tensor, w_gate_up: torch.Tensor, block_n: int = 64) -
     _gemv[(-(-n // block_n), 1, -(-m // bm))](
         h, w_gate_up, w_gate_up, out, m, n, k, k, h.stride(0), 0,
         HAS_BIAS=False, SWIGLU=True, PARTIAL=False, BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=BLOCK_K,
-        IEEE=h.dtype == torch.float32, num_warps=4, num_stages=_stages(bm, 2 * block_n, h.element_size(), 3))
+        IEEE=h.dtype == torch.float32, num_warps=4, num_stages=_stages(bm, 2 * block_n, h.element_size(), 3, _smem(h)))
     return out
 
 
@@ -146,7 +163,7 @@ def linear_partials(x: torch.Tensor, w: torch.Tensor, block_n: int = 32, sms: in
     _gemv[(-(-n // block_n), splits, -(-m // bm))](
         x, w, w, out, m, n, k, per, x.stride(0), m * n,
         HAS_BIAS=False, SWIGLU=False, PARTIAL=True, BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=BLOCK_K,
-        IEEE=x.dtype == torch.float32, num_warps=4, num_stages=_stages(bm, block_n, x.element_size(), 3))
+        IEEE=x.dtype == torch.float32, num_warps=4, num_stages=_stages(bm, block_n, x.element_size(), 3, _smem(x)))
     return out
 
 
