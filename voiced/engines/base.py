@@ -167,7 +167,7 @@ class TTSOptions:
     top_p: float = 0.95
     max_seconds: float = 30.0  # cap on the audio of one request
     first_chunk_tokens: int = 10  # semantic tokens (20 ms each) before the first audio chunk
-    chunk_tokens: int = 25  # tokens per later chunk (chunks ready together may leave as one)
+    chunk_tokens: int = 25  # tokens per later chunk
     priority: int = 0
 
 
