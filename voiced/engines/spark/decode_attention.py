@@ -81,7 +81,8 @@ def supported(dtype: torch.dtype, device: torch.device | str, dims: tuple) -> bo
 
 
 @functools.lru_cache(maxsize=8)
-def _sm_count(index: int) -> int:
+def sm_count(index: int) -> int:
+    """Multiprocessors of CUDA device `index` (the kernels size their grids to fill them)."""
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
@@ -107,7 +108,7 @@ def triton_attention(qkv: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.
     b = qkv.shape[0]
     group = n_heads // n_kv
     gp = max(16, triton.next_power_of_2(group))
-    sms = sms or (_sm_count(qkv.device.index or 0) if qkv.is_cuda else 1)
+    sms = sms or (sm_count(qkv.device.index or 0) if qkv.is_cuda else 1)
     per, n_splits = split_plan(b, n_kv, kv_len, sms)
     if out is None:
         out = torch.empty(b, n_heads * head_dim, dtype=qkv.dtype, device=qkv.device)
@@ -241,4 +242,4 @@ if triton is not None:
         o = acc / total[:, None]
         tl.store(out_ptr + row * (KV * G * D) + (kvh * G + g)[:, None] * D + d[None, :], o.to(DT), mask=(g < G)[:, None])
 
-__all__ = ["reference", "supported", "triton_attention", "split_plan", "apply_rope"]
+__all__ = ["reference", "supported", "triton_attention", "split_plan", "apply_rope", "sm_count"]

@@ -28,17 +28,12 @@ atomics): a CUDA graph and an eager run of a step give the same bits.
 from __future__ import annotations
 
 import functools
-import importlib
 
 import torch
 import torch.nn.functional as F
 
-# As in decode_attention: Triton comes with torch's CUDA builds, the only place these kernels run.
-try:
-    triton = importlib.import_module("triton")
-    tl = importlib.import_module("triton.language")
-except ImportError:  # pragma: no cover - depends on the install
-    triton = tl = None
+# Triton as decode_attention finds it (it comes with torch's CUDA builds, the only place these run)
+from .decode_attention import sm_count, tl, triton
 
 BLOCK_K = 128  # reduction depth per iteration: one 256-byte row segment of a bf16 weight per thread group
 MAX_ROWS = 64  # the largest batch one program multiplies (the engine's largest batch bucket)
@@ -50,11 +45,6 @@ def supported(dtype: torch.dtype, device: torch.device | str) -> bool:
     dev = torch.device(device)
     return (triton is not None and dev.type == "cuda" and torch.cuda.get_device_capability(dev) >= (8, 0)
             and dtype in (torch.bfloat16, torch.float16, torch.float32))
-
-
-@functools.lru_cache(maxsize=8)
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def _rows_block(m: int) -> int:
@@ -103,7 +93,7 @@ def split_plan(n: int, k: int, block_n: int, sms: int) -> tuple[int, int]:
 
 
 def _sms(t: torch.Tensor) -> int:
-    return _sm_count(t.device.index or 0) if t.is_cuda else 1
+    return sm_count(t.device.index or 0) if t.is_cuda else 1
 
 
 # ------------------------------------------------------------------------------------------- torch
