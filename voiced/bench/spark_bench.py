@@ -178,6 +178,7 @@ def prefill_timing(engine, reps: int = 30) -> list[dict]:
     graph: median ms from the call to the GPU finishing it, over `reps` passes after warm ones, and
     whether the two give the same cache rows and last hidden states bit for bit."""
     from voiced.engines.spark.engine import PREFILL_BUCKET
+    from voiced.engines.spark.qwen2 import padded_to
 
     lm, cuda = engine.lm, str(engine.device).startswith("cuda")
     g = torch.Generator().manual_seed(1)
@@ -186,7 +187,7 @@ def prefill_timing(engine, reps: int = 30) -> list[dict]:
         prompts = [torch.randint(0, 151643, (n,), generator=g).tolist() for n in lengths]
         slots = list(range(len(lengths)))
         row = {"prompts": len(lengths), "tokens": sum(lengths),
-               "padded_to": -(-sum(lengths) // PREFILL_BUCKET) * PREFILL_BUCKET}
+               "padded_to": padded_to(sum(lengths), PREFILL_BUCKET)}
         results = {}
         for graph in ((True, False) if cuda else (False,)):
             times = []

@@ -56,7 +56,7 @@ from voiced.memory_plan import EngineNeed, MemoryPlanError, Need, stream_workspa
 
 from .bicodec import HOP, BiCodec, load_bicodec, reference_clip, volume_normalize
 from .checkpoint import SparkCheckpoint, SpecialTokens, TextTokenizer, load_special_tokens, resolve
-from .qwen2 import Qwen2LM, load_qwen2
+from .qwen2 import Qwen2LM, load_qwen2, padded_to, prefill_io_bytes
 from .sampling import PhaseSampler, candidate_bucket
 from .streaming import (
     BATCH_BUCKETS,
@@ -113,10 +113,6 @@ MERGED_WINDOW_TOKENS = 1024
 VOCODER_MERGE_TOKENS = 0
 PHASES = ("prefill", "decode", "vocode")
 _CJK = re.compile(r"[\u3000-\u30ff\u3400-\u9fff\uac00-\ud7af\uff00-\uffef]")
-
-
-def padded_to(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
 
 
 def split_text(text: str, max_chars: int = MAX_SEGMENT_CHARS) -> list[str]:
@@ -297,9 +293,7 @@ def memory_need(cfg, lm_dtype: torch.dtype, lm_bytes: int, codec_bytes: int, max
     vocoder_bytes: the largest vocoder step's transient (`vocoder_step_bytes`)."""
     kv = 2 * cfg.num_hidden_layers * max_batch * cfg.num_key_value_heads * max_seq_len * cfg.head_dim * lm_dtype.itemsize
     e = lm_dtype.itemsize
-    # the packed prefill's inputs (Qwen2LM's _PrefillIO: ids, segments, positions, slots; last tokens; output)
-    cap = padded_to(max(max_seq_len, PREFILL_STEP_TOKENS) + 64, 64)
-    prefill_io = (4 * cap + max_batch) * 8 + max_batch * cfg.hidden_size * e
+    prefill_io = prefill_io_bytes(cfg, max_batch, max_seq_len, PREFILL_STEP_TOKENS, e)
     items = [Need("LM weights", lm_bytes), Need("BiCodec weights", codec_bytes),
              Need(f"LM KV cache: {max_seq_len} positions x {max_batch} rows", kv),
              Need("rope tables", 2 * max_seq_len * cfg.head_dim * 4),

@@ -336,9 +336,8 @@ class Qwen2LM(nn.Module):
         self._step_graphs.clear()
         self._prefill_graphs.clear()
         self.state = StepState.empty(max_batch, p.device)
-        # room for the longest prompt padded to a 64-token bucket, or the longest graphed pack
-        cap = _bucket_multiple(max(max_seq, self.prefill_graph_tokens) + 64, 64)
-        self._prefill_io = _PrefillIO(cap, max_batch, cfg.hidden_size, p.dtype, p.device)
+        self._prefill_io = _PrefillIO(prefill_capacity(max_seq, self.prefill_graph_tokens), max_batch, cfg.hidden_size,
+                                      p.dtype, p.device)
 
     def move_slot(self, src: int, dst: int, length: int) -> None:
         """Copy one request's cached keys/values to another row (used to keep active rows compact)."""
@@ -639,8 +638,19 @@ class Qwen2LM(nn.Module):
         return self._logits(x)
 
 
-def _bucket_multiple(n: int, multiple: int) -> int:
+def padded_to(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
+
+
+def prefill_capacity(max_seq: int, graph_tokens: int) -> int:
+    """Packed tokens a `_PrefillIO` holds: the longest prompt padded to a 64-token bucket, or the
+    longest graphed pack."""
+    return padded_to(max(max_seq, graph_tokens) + 64, 64)
+
+
+def prefill_io_bytes(cfg: Qwen2Config, max_batch: int, max_seq: int, graph_tokens: int, itemsize: int) -> int:
+    """Device bytes of `setup_cache`'s `_PrefillIO` (ids, segments, positions, slots; last tokens; output)."""
+    return (4 * prefill_capacity(max_seq, graph_tokens) + max_batch) * 8 + max_batch * cfg.hidden_size * itemsize
 
 
 def _bucket(n: int, base: int) -> int:
