@@ -113,8 +113,9 @@ class EngineThread:
         After a batch of more than one request, a quiet spell of `trim_after_s` first hands the C
         heap's free pages back to the OS (tens of ms at most). Waiting for the quiet keeps it off the
         hot path: a busy daemon, whose next request comes within the spell, reuses those buffers
-        instead, and the sessions the batch served have ended and freed theirs by then. One request at a time (a batch
-        of one) leaves nothing to trim: resident memory stays flat over thousands of such sessions.
+        instead, and the sessions the batch served have ended and freed theirs by then. One request at
+        a time (a batch of one) leaves nothing to trim: resident memory stays flat over thousands of
+        such sessions.
         """
         if self.widest > 1:
             try:
