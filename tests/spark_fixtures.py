@@ -115,6 +115,14 @@ def _write_llm(llm: Path, seed: int) -> None:
         for name, p in model.named_parameters():
             if p.ndim == 2:
                 p.normal_(0, 0.3 if "embed" in name else 0.15)
+        # The sentence-end tokens get zero rows (tied: their logit is 0 at every step). The semantic
+        # tokens' logits spread ~N(0, 1.7^2), so an end token never reaches the top 50 a request samples
+        # from by default: every sentence runs to its cap, which the tests that count reply lengths rely
+        # on. With random rows a random LM ended about one reply in 25 early (6 of 160 of a 2 s
+        # sentence), seen as rare door-test failures on slow machines.
+        ends = [BASE_VOCAB + QWEN_SPECIALS.index("<|im_end|>"),
+                BASE_VOCAB + len(QWEN_SPECIALS) + spark_added_tokens().index("<|end_semantic_token|>")]
+        model.model.embed_tokens.weight[ends] = 0
     state = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
     save_file(state, llm / "model.safetensors", metadata={"format": "pt"})
     _write_tokenizer(llm)

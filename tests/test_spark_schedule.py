@@ -24,6 +24,8 @@ from voiced.engines.spark.streaming import (
     stream_decode,
 )
 
+MERGED = eng_mod.VOCODER_MERGE_TOKENS  # the engine's default: merging on
+
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
@@ -299,8 +301,8 @@ def test_merging_ready_chunks_cuts_vocoder_work_not_audio_or_first_audio(engine,
     reqs = {i: _request(i, 2.0) for i in range(1, 7)}
     runs = {}
     # (merge cap, slack): nobody counts as far ahead of real time (1e9), or everybody does (-1e9)
-    for name, cap, slack in (("plain", 0, 1e9), ("merged", eng_mod.MERGED_WINDOW_TOKENS, 1e9),
-                             ("waiting", eng_mod.MERGED_WINDOW_TOKENS, -1e9)):
+    for name, cap, slack in (("plain", 0, 1e9), ("merged", MERGED, 1e9),
+                             ("waiting", MERGED, -1e9)):
         monkeypatch.setattr(eng_mod, "VOCODER_MERGE_TOKENS", cap)
         monkeypatch.setattr(eng_mod, "VOCODER_SLACK_S", slack)
         runs[name] = _stream(engine, reqs)

@@ -105,12 +105,9 @@ VOCODER_STEP_TOKENS = 1024
 # Each window pays 2R (~136) tokens of context: a lone 25-token chunk decodes ~161 tokens (176 padded),
 # 35 chunks merged decode 1011 (1024 padded) for 875 released. Merging never applies while an active
 # request still waits for its first audio: the steps on that path stay as short as they were.
-# Off by default for now: the last full CPU suite of the session that added it (2026-11-23) saw replies
-# come out shorter than asked through the AudioSocket and Wyoming doors (not reproduced alone, not traced
-# to merging), so the path every earlier run passed on stays the default; MERGED_WINDOW_TOKENS is what
-# the benchmarks and the merging tests run.
-MERGED_WINDOW_TOKENS = 1024
-VOCODER_MERGE_TOKENS = 0
+# (It was off for a day: shortened replies in the CPU suite were blamed on it, then traced to the test
+# checkpoint's random LM sampling its end token; see tests/spark_fixtures.py.)
+VOCODER_MERGE_TOKENS = 1024
 PHASES = ("prefill", "decode", "vocode")
 _CJK = re.compile(r"[\u3000-\u30ff\u3400-\u9fff\uac00-\ud7af\uff00-\uffef]")
 
