@@ -71,11 +71,13 @@ def reference(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: tor
 
 
 def supported(dtype: torch.dtype, device: torch.device | str, dims: tuple) -> bool:
-    """Whether `triton_attention` takes this layout: a CUDA device, Triton installed, a head size tl.dot
-    tiles (16..256, a power of two) and at most 16 query heads per KV head."""
+    """Whether `triton_attention` takes this layout: a CUDA GPU of compute capability 8.0 or newer (what
+    the kernel was built and measured on; older ones, a T4 say, keep the torch attention), Triton
+    installed, a head size tl.dot tiles (16..256, a power of two) and at most 16 query heads per KV head."""
     n_heads, n_kv, head_dim = dims
     group = n_heads // n_kv
-    return (triton is not None and torch.device(device).type == "cuda"
+    dev = torch.device(device)
+    return (triton is not None and dev.type == "cuda" and torch.cuda.get_device_capability(dev) >= (8, 0)
             and dtype in (torch.bfloat16, torch.float16, torch.float32)
             and 16 <= head_dim <= 256 and head_dim & (head_dim - 1) == 0 and 1 <= group <= 16)
 
