@@ -167,6 +167,8 @@ class AsteriskCall:
     (type, big-endian payload length), then the payload. 0x01 UUID (16 bytes), 0x10 slin 8 kHz
     little-endian, 0x03 DTMF (one ASCII digit), 0x00 hangup, 0xff error."""
 
+    live: set[AsteriskCall] = set()  # calls not closed yet (`hang_up_leftovers` ends them after a test)
+
     def __init__(self, reader, writer, kind: int = 0x10, rate: int = 8000):
         self.reader, self.writer = reader, writer
         self.kind, self.rate = kind, rate  # 0x10 slin 8 kHz; the channel driver's 0x11..0x18 up to 192 kHz
@@ -174,6 +176,7 @@ class AsteriskCall:
         self.messages: list[tuple[float, int, bytes]] = []  # (arrival time, type, payload)
         self.closed = asyncio.Event()
         self._task = asyncio.create_task(self._read())
+        AsteriskCall.live.add(self)
 
     @classmethod
     async def dial(cls, address: str, call_uuid: uuid.UUID | None = None, send_uuid: bool = True,
@@ -224,9 +227,21 @@ class AsteriskCall:
         return sum(len(p) for _, p in self.audio()) / 2 / self.rate
 
     async def close(self) -> None:
+        AsteriskCall.live.discard(self)
         self.writer.close()
         self._task.cancel()
         await asyncio.gather(self._task, return_exceptions=True)
+
+
+@pytest.fixture(autouse=True)
+async def hang_up_leftovers():
+    """A test that fails midway leaves its calls open, and the daemon serving them: hang them up, so the
+    failure stays that test's and the next one does not wait for a daemon that never goes idle."""
+    yield
+    for call in list(AsteriskCall.live):
+        if not call.writer.is_closing():
+            call.hang_up()
+        await call.close()
 
 
 def slin(audio16k: np.ndarray) -> bytes:

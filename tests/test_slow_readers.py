@@ -32,7 +32,7 @@ from wyoming.tts import Synthesize
 from tests.daemon_harness import daemon_config, start_daemon, wire_audio
 from tests.spark_fixtures import cached_spark_checkpoint
 from tests.speech import layout
-from tests.test_phone_doors import AsteriskCall
+from tests.test_phone_doors import AsteriskCall, hang_up_leftovers  # noqa: F401 (an autouse fixture)
 from tests.whisper_fixtures import make_openai_checkpoint
 from voiced.audio.ingest import Format
 from voiced.doors import calls
