@@ -158,7 +158,7 @@ def test_cloned_voice_prompt_ids_are_pinned(ckpt, transcript, text):
 
 
 def test_multi_sentence_request_keeps_one_speaker(engine, monkeypatch):
-    # The random LM never says <|im_end|>; a tight per-sentence cap ends each sentence instead.
+    # The random LM never ends a sentence (tests/spark_fixtures.py); a tight per-sentence cap ends each one.
     monkeypatch.setattr(engine, "segment_base_s", 0.2)
     monkeypatch.setattr(engine, "segment_s_per_char", 0.01)
     prompts = []
@@ -180,6 +180,28 @@ def test_multi_sentence_request_keeps_one_speaker(engine, monkeypatch):
     g = [sp.global_base + i for i in req.global_ids]
     for p in sent[1:]:  # ...the next ones are spoken with its 32 global tokens
         assert p[0] == sp.task_tts and p[-33:-1] == g
+
+
+def test_a_sentence_the_lm_ends_gives_way_to_the_next(engine, monkeypatch):
+    """The LM ends a sentence by saying <|end_semantic_token|> or <|im_end|> (the tests' random LM never
+    does, see tests/spark_fixtures.py, so it says them here in its place): the sentence's audio stops
+    there, the next sentence starts, and the request ends once with the audio of what was said."""
+    from voiced.engines.spark.engine import PHASE_SEMANTIC
+
+    sp = engine.special
+    says = {0: (12, sp.end_semantic), 1: (7, sp.eos)}  # sentence: (its n-th speech token, the end token)
+    real = engine._advance
+
+    def advance(r, t):
+        if r.rid == 11 and r.phase == PHASE_SEMANTIC and r.seg in says and len(r.semantic) + 1 == says[r.seg][0]:
+            t = says.pop(r.seg)[1]  # once: what the engine makes of it is the test
+        real(r, t)
+
+    monkeypatch.setattr(engine, "_advance", advance)
+    got = run(engine, {11: TTSRequest("Hello there, my friend. How are you doing today?",
+                                      TTSOptions(seed=3, max_seconds=10.0))})[11]
+    assert not says and got[-1].last and sum(c.last for c in got) == 1
+    assert got[-1].tokens == 11 + 6 and len(audio(got)) == (11 + 6) * 320
 
 
 def test_register_voice_once_and_survive_restart(ckpt, engine, tmp_path):
