@@ -69,13 +69,16 @@ test-slow: system-deps $(VENV)/.test-installed
 # packages of .whl (on a GPU machine without network: GPU_PYTHON=python3); empty: this venv.
 # One process per test file (pytest-xdist): most of the time is torch.compile, which is CPU work. Only
 # tests/test_*_gpu.py are collected: the other files import the doors' client libraries, which a bare
-# GPU image lacks.
+# GPU image lacks. The summary names failures only, so that the end of the output, which is often all
+# a remote run brings back, holds their messages; every test's outcome, messages included, goes to
+# GPU_REPORT (JUnit XML; default test-gpu.xml here, or under $OUT where that is set).
 GPU_PYTHON ?=
 GPU_WORKERS ?= 3
+GPU_REPORT ?= $(or $(OUT),$(CURDIR))/test-gpu.xml
 test-gpu: $(if $(GPU_PYTHON),,$(VENV)/.test-installed)
 	PYTHONPATH=$(CURDIR):$(CURDIR)/client$${PYTHONPATH:+:$$PYTHONPATH} \
-		$(or $(GPU_PYTHON),$(BIN)/python) -m pytest -q -m gpu -rA --log-level=INFO \
-		-n $(GPU_WORKERS) --dist loadfile tests/test_*_gpu.py $(ARGS)
+		$(or $(GPU_PYTHON),$(BIN)/python) -m pytest -q -m gpu -rfEs --log-level=INFO \
+		--junit-xml=$(GPU_REPORT) -n $(GPU_WORKERS) --dist loadfile tests/test_*_gpu.py $(ARGS)
 
 # What a GPU machine without network or espeak-ng needs for `make test-gpu`, made on a machine that has
 # both: wheels of the daemon's and the suite's pure-Python / gRPC dependencies for CPython $(GPU_PY)
