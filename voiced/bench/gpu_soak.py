@@ -40,7 +40,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from voiced.bench.soak import RSS_GROWTH_LIMIT_MB, _verdict, process_figures
+from voiced.bench.soak import RSS_GROWTH_LIMIT_MB, _verdict, process_figures, thread_change, thread_names
 from voiced.bench.steps import pct
 
 log = logging.getLogger("voiced.bench.gpu_soak")
@@ -59,6 +59,7 @@ class GpuSample:
     active_sessions: int
     gpu_allocated_mb: float
     gpu_reserved_mb: float
+    thread_names: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -93,7 +94,8 @@ class GpuSoakReport:
                 f"{warm.gpu_allocated_mb:.1f} -> {end.gpu_allocated_mb:.1f} MB ({gpu_growth:+.1f}); reserved "
                 f"{warm.gpu_reserved_mb:.0f} -> {end.gpu_reserved_mb:.0f} MB"),
             "no leaked asyncio tasks": _verdict(end.tasks <= warm.tasks, f"{warm.tasks} -> {end.tasks}"),
-            "no leaked threads": _verdict(end.threads <= warm.threads, f"{warm.threads} -> {end.threads}"),
+            "no leaked threads": _verdict(end.threads <= warm.threads, f"{warm.threads} -> {end.threads} "
+                                                                          f"({thread_change(warm.thread_names, end.thread_names)})"),
             "no leaked descriptors": _verdict(end.fds <= warm.fds, f"{warm.fds} -> {end.fds}"),
             "no session left open": _verdict(end.active_sessions == 0, f"{end.active_sessions} open"),
         }
@@ -207,7 +209,7 @@ class Sampler:
 
             alloc, reserved = torch.cuda.memory_allocated() / 2**20, torch.cuda.memory_reserved() / 2**20
         s = GpuSample(label, round(time.monotonic() - self.t0, 1), round(rss_mb, 1), fds, threads, tasks, int(active),
-                      round(alloc, 1), round(reserved, 1))
+                      round(alloc, 1), round(reserved, 1), thread_names())
         log.info("%s", s)
         return s
 

@@ -62,6 +62,7 @@ class Sample:
     tasks: int
     active_sessions: int
     t: float
+    thread_names: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -99,7 +100,8 @@ class SoakReport:
             f"RSS growth after warm-up < {RSS_GROWTH_LIMIT_MB:.0f} MB": _verdict(
                 growth < RSS_GROWTH_LIMIT_MB, f"{warm.rss_mb:.1f} -> {end.rss_mb:.1f} MB ({growth:+.1f})"),
             "no leaked asyncio tasks": _verdict(end.tasks <= warm.tasks, f"{warm.tasks} -> {end.tasks}"),
-            "no leaked threads": _verdict(end.threads <= warm.threads, f"{warm.threads} -> {end.threads}"),
+            "no leaked threads": _verdict(end.threads <= warm.threads, f"{warm.threads} -> {end.threads} "
+                                                                          f"({thread_change(warm.thread_names, end.thread_names)})"),
             "no leaked descriptors": _verdict(end.fds <= warm.fds, f"{warm.fds} -> {end.fds}"),
             "no session left open": _verdict(end.active_sessions == 0, f"{end.active_sessions} open"),
         }
@@ -128,6 +130,25 @@ def process_figures(pid: int | str = "self") -> tuple[float, int, int]:
     status = Path(f"/proc/{pid}/status").read_text()
     rss_kb = int(re.search(r"^VmRSS:\s+(\d+)", status, re.M).group(1))
     return rss_kb / 1024, len(os.listdir(f"/proc/{pid}/fd")), len(os.listdir(f"/proc/{pid}/task"))
+
+
+def thread_names(pid: int | str = "self") -> dict[str, int]:
+    """A process's OS threads by name (/proc's `comm`: gRPC's and torch's native threads name themselves,
+    Python's are all the interpreter's name), so that a thread left over says whose it is."""
+    names: dict[str, int] = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            name = (task / "comm").read_text().strip()
+        except OSError:  # the thread ended meanwhile
+            continue
+        names[name] = names.get(name, 0) + 1
+    return dict(sorted(names.items()))
+
+
+def thread_change(before: dict[str, int], after: dict[str, int]) -> str:
+    """'+1 default-executo, -1 python' for what changed between two `thread_names`, or 'same names'."""
+    diff = {n: after.get(n, 0) - before.get(n, 0) for n in sorted({*before, *after})}
+    return ", ".join(f"{d:+d} {n}" for n, d in diff.items() if d) or "same names"
 
 
 def free_port() -> int:
@@ -177,7 +198,8 @@ class DaemonProcess:
         rss_mb, fds, threads = process_figures(self.proc.pid)
         return Sample(label=label, sessions_done=done, rss_mb=rss_mb, fds=fds, threads=threads,
                       tasks=int(self.metric("voiced_asyncio_tasks")),
-                      active_sessions=int(self.metric("voiced_sessions_active")), t=time.monotonic())
+                      active_sessions=int(self.metric("voiced_sessions_active")), t=time.monotonic(),
+                      thread_names=thread_names(self.proc.pid))
 
     def wait_idle(self, timeout: float = 60) -> None:
         deadline = time.monotonic() + timeout
