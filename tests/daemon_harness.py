@@ -120,14 +120,15 @@ def session_config(fmt: Format, **kw) -> pb.SessionConfig:
 
 
 def stream_blocking(address: str, requests: list[pb.SessionRequest], method: str = "StreamingRecognize",
-                    metadata=None) -> tuple[list[pb.SessionEvent], grpc.StatusCode, str]:
-    """Send all requests, half-close, collect every event and the final status.
+                    metadata=None, timeout: float | None = None) -> tuple[list[pb.SessionEvent], grpc.StatusCode, str]:
+    """Send all requests, half-close, collect every event and the final status (`timeout`: a deadline
+    for the call, for a test whose failure would otherwise be a call that never ends).
 
     The blocking API on purpose: grpc.aio clients can report INTERNAL instead of the server's
     status when the server ends a call while they are still writing (grpc/grpc#36066).
     """
     with grpc.insecure_channel(address) as channel:
-        call = getattr(pb_grpc.VoicedStub(channel), method)(iter(requests), metadata=metadata)
+        call = getattr(pb_grpc.VoicedStub(channel), method)(iter(requests), metadata=metadata, timeout=timeout)
         events = []
         try:
             for ev in call:

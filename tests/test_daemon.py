@@ -109,6 +109,30 @@ def test_push_to_talk_yields_exactly_the_marked_spans(daemon):
     assert speech == [(S, 200), (E, 1400), (S, 1800), (E, 3000)]
 
 
+def test_a_call_that_fails_while_its_first_event_is_being_sent_gets_its_status(daemon, monkeypatch):
+    """The session fails (here: an error injected the moment the call's first event starts to be written)
+    while that write is in flight: the caller still gets the status. grpc's aio server counts the response
+    headers as sent only once the first write completes; a first write given up midway made it send them
+    again with the status, which gRPC's core refuses, and the caller waited forever for an answer (seen
+    once in CI, in the bad-input catalogue, on a loaded machine)."""
+    from voiced.core.events import ErrorKind, SessionError
+    from voiced.core.session import Session
+
+    real = Session.writing
+
+    async def writing(self, write):
+        error = SessionError(ErrorKind.BAD_INPUT, "failed while the first event was being written")
+        asyncio.get_running_loop().call_soon(self.fail, error)  # runs once the write has started
+        return await real(self, write)
+
+    monkeypatch.setattr(Session, "writing", writing)
+    cfg = session_config(Format("LINEAR16", 16000), segmentation=pb.SegmentationConfig(mode=pb.PUSH_TO_TALK),
+                         recognition=pb.RecognitionConfig(disabled=True))
+    requests = [pb.SessionRequest(config=cfg), pb.SessionRequest(control=pb.Control(talk_start=pb.TalkStart()))]
+    _, code, details = stream_blocking(daemon.address, requests, timeout=GUARD_S)
+    assert (code, details) == (grpc.StatusCode.INVALID_ARGUMENT, "failed while the first event was being written")
+
+
 @pytest.mark.slow
 def test_fifty_concurrent_sessions_while_one_sends_garbage(daemon):
     fmt = Format("LINEAR16", 16000)

@@ -95,6 +95,11 @@ class VoicedService(pb_grpc.VoicedServicer):
                 session = Session(s, spec, conversational)
                 log.info("session %s started (%s, %s %d Hz)", session_id, "Converse" if conversational else
                          "StreamingRecognize", spec.input.encoding, spec.input.sample_rate)
+                # The response headers go now, on their own: grpc's aio server counts them as sent only
+                # once the first write completes, so a first write that `Session.fail` gives up midway
+                # made it send them again with the status, which gRPC's core refuses, and the caller
+                # waited forever for an answer.
+                await context.send_initial_metadata(())
                 async for event in session.run(wire.session_inputs(requests)):
                     await session.writing(context.write(wire.event_to_proto(event, config)))
         except Exception as e:
