@@ -27,6 +27,7 @@ above (the kept frames of any window [a-R, b+R) are the whole-utterance decode's
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -63,9 +64,10 @@ def window_lengths(longest: int) -> list[int]:
     return out
 
 
+@functools.lru_cache(maxsize=256)
 def longest_fitting(budget: int, n_windows: int) -> int:
     """The longest padded window length at which `n_windows` windows (batch-bucketed) hold at most
-    `budget` tokens; 0 if none does."""
+    `budget` tokens; 0 if none does. Cached: a vocoder step asks for every window it takes."""
     b = batch_bucket(n_windows)
     return max((n for n in window_lengths(budget // b) if b * n <= budget), default=0)
 
