@@ -48,6 +48,7 @@ import platform
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -158,6 +159,42 @@ def start_server(args):
     if "http" in addresses:
         addresses["realtime"] = addresses["http"]
     return addresses, server, loop
+
+
+class EngineProfile:
+    """A torch.profiler capture of the engine thread for a few seconds of one level: where each engine
+    step's time goes (host ops, GPU kernels, synchronisations), per engine method (record_function
+    ranges around the StepTimer's parts). Started and stopped on the engine thread itself, between
+    steps, so it records exactly that thread's work."""
+
+    def __init__(self, thread, seconds: float, out_dir: Path, label: str):
+        self.thread, self.seconds, self.out_dir, self.label = thread, seconds, out_dir, label
+        self.prof = None
+
+    def start_after(self, delay_s: float) -> threading.Timer:
+
+        timer = threading.Timer(delay_s, self._run)
+        timer.daemon = True
+        timer.start()
+        return timer
+
+    def _run(self) -> None:
+        import torch
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+        self.prof = profile(activities=activities, record_shapes=False)
+        self.thread.call(self.prof.start)
+        time.sleep(self.seconds)
+        self.thread.call(self.prof.stop)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        averages = self.prof.key_averages()
+        text = "\n\n".join(
+            f"## sorted by {key} ({self.seconds:g} s of {self.label})\n" + averages.table(sort_by=key, row_limit=45)
+            for key in ("cpu_time_total", "self_cpu_time_total", "self_cuda_time_total")
+            if key != "self_cuda_time_total" or torch.cuda.is_available())
+        (self.out_dir / f"profile-{self.label}.txt").write_text(text)
+        log.info("engine profile of %s written to %s", self.label, self.out_dir)
 
 
 class GcPauses:
@@ -435,6 +472,10 @@ def main(argv: list[str] | None = None) -> dict:
                     help="one thread per engine instead of the daemon's shared one (to compare)")
     ap.add_argument("--no-gc-freeze", action="store_true",
                     help="leave start-up objects in the garbage collector's scans (to compare)")
+    ap.add_argument("--profile-level", type=int, nargs="*", default=[], metavar="N",
+                    help="capture a torch.profiler table of the engine thread in the middle of these levels "
+                         "(profile-FRONT-N.txt beside --out)")
+    ap.add_argument("--profile-seconds", type=float, default=3.0)
     ap.add_argument("--tiny-cpu", action="store_true", help="dry run on the CPU with tiny random models")
     ap.add_argument("--front", nargs="+", default=["grpc"], choices=FRONTS,
                     help="the doors to call through, each in turn at every level (default grpc)")
@@ -475,7 +516,14 @@ def main(argv: list[str] | None = None) -> dict:
         cmd = [sys.executable, "-m", "voiced.bench.e2e_bench", "--wav", str(args.wav), "--tiktoken-dir",
                str(args.tiktoken_dir), "--duration", str(args.duration), "--reply-seconds",
                str(args.reply_seconds), "--caller", f"{front}@{addresses[front]}@{n}"]
+        timer = None
+        if n in args.profile_level:
+            profile = EngineProfile(server.services.asr.thread, args.profile_seconds,
+                                    (args.out or Path("e2e.json")).parent, f"{front}-{n}")
+            timer = profile.start_after(args.duration / 2 - args.profile_seconds / 2)
         proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ)
+        if timer is not None:
+            timer.join()
         if proc.returncode != 0:
             return {"error": proc.stderr[-2000:]}
         level = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -38,10 +38,13 @@ class StepTimer:
                 self._wrapped.append((owner, attr))
 
     def _timed(self, name: str, fn):
+        from torch.profiler import record_function  # a named range in a profile (e2e_bench --profile-level)
+
         def run(*a, **kw):
             t0, c0 = time.perf_counter(), time.thread_time()
             try:
-                return fn(*a, **kw)
+                with record_function(name):
+                    return fn(*a, **kw)
             finally:
                 wall, cpu = self._parts.get(name, (0.0, 0.0))
                 self._parts[name] = (wall + (time.perf_counter() - t0) * 1e3, cpu + (time.thread_time() - c0) * 1e3)
