@@ -688,7 +688,7 @@ class SparkTTSEngine:
             outputs.append(self._fault(group[0], error))
             return
         log.warning("prefill of %d requests together failed (%s: %s); prefilling them one by one",
-                    len(group), type(error).__name__, error)
+                    len(group), type(error).__name__, str(error))  # not the error: a kept log record would keep its frames
         for r in group:
             r.solo = True
             r.needs_prefill = True

@@ -446,7 +446,7 @@ class WhisperEngine:
                 log.error("whisper: admitting request %s failed", group[0].rid, exc_info=e)
                 return [fault_output(group[0].rid, "speech recognition", e)]
             log.warning("whisper: admitting %d requests together failed (%s: %s); admitting them one by one",
-                        len(group), type(e).__name__, e)
+                        len(group), type(e).__name__, str(e))  # not e: a kept record would keep its frames' tensors
             for req in group:
                 req.solo = True
                 self._queue[req.rid] = req
