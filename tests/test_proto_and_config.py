@@ -76,3 +76,19 @@ def test_the_readme_config_block_lists_every_key_with_its_default(tmp_path):
     documented = tomllib.loads(block)
     actual = {f.name: dataclasses.asdict(getattr(Config(), f.name)) for f in dataclasses.fields(Config)}
     assert documented == actual, "README's config block is out of date with voiced/config.py"
+
+
+def test_engine_threads_setting_is_checked_and_reaches_the_plan():
+    """`engines.threads` (flag --engine-threads): a typo is refused with the choices; "separate" makes the
+    plan count each engine's step transient, since two threads may step both at once."""
+    from voiced.memory_plan import EngineNeed, Need, plan_table, plan_total
+
+    assert load_config(env={"VOICED_ENGINES_THREADS": "separate"}).engines.threads == "separate"
+    with pytest.raises(ConfigError, match="shared or separate"):
+        load_config(env={"VOICED_ENGINES_THREADS": "both"}).validate()
+    needs = [EngineNeed("Whisper", "whisper_kv_fraction", [Need("weights", 100), Need("encode", 30, transient=True)]),
+             EngineNeed("Spark-TTS", "tts_kv_fraction", [Need("weights", 200), Need("prefill", 50, transient=True),
+                                                         Need("vocoder", 40, transient=True)])]
+    assert plan_total(needs) == 300 + 50
+    assert plan_total(needs, concurrent=True) == 300 + 30 + 50
+    assert "each engine's largest transient" in plan_table(needs, concurrent=True)

@@ -117,6 +117,11 @@ class BargeInConfig:
 @dataclass
 class EnginesConfig:
     dir: str = "engines"  # built TensorRT-LLM engines: <dir>/<model>/ with a manifest.json
+    # "shared": one thread steps both engines, recognition first (voiced.core.scheduler says why);
+    # "separate": a thread each, so one engine's host work overlaps the other's GPU work (measured
+    # ahead at 64-128 callers on an H200, docs/BENCHMARKS.md "Engine threads"; their step
+    # transients may then coexist, and the memory plan counts both).
+    threads: str = "shared"
 
 
 @dataclass
@@ -182,6 +187,8 @@ class Config:
             self.memory.validate()
         except MemoryPlanError as e:
             raise ConfigError(str(e)) from None
+        if self.engines.threads not in ENGINE_THREADS:
+            raise ConfigError(f"engines.threads is {self.engines.threads!r}; use {' or '.join(ENGINE_THREADS)}")
         if self.asr.backend not in BACKENDS or self.tts.backend not in BACKENDS:
             raise ConfigError(f"backend must be one of {', '.join(BACKENDS)}")
         for key in ("server.idle_timeout_s", "server.max_session_s", "agent.reply_timeout_s"):
@@ -198,6 +205,7 @@ class Config:
 
 
 SECTIONS = [f.name for f in dataclasses.fields(Config)]
+ENGINE_THREADS = ("shared", "separate")
 
 
 def _coerce(kind: type, value: Any, where: str) -> Any:

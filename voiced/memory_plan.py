@@ -255,14 +255,16 @@ def _gib(n: int) -> str:
     return f"{n / 2**30:.2f} GiB"
 
 
-def plan_total(needs: list[EngineNeed]) -> int:
+def plan_total(needs: list[EngineNeed], concurrent: bool = False) -> int:
     """What the engines hold together at their peak: everything held, plus the largest step transient
-    (the engines step one after the other on one thread, so their transients never coexist)."""
-    return sum(i.bytes for n in needs for i in n.items if not i.transient) + max(
-        (i.bytes for n in needs for i in n.items if i.transient), default=0)
+    (engines stepped one after the other on one thread never hold theirs at once), or, `concurrent`
+    (a thread each: `engines.threads = "separate"`), each engine's largest transient."""
+    held = sum(i.bytes for n in needs for i in n.items if not i.transient)
+    largest = [max((i.bytes for i in n.items if i.transient), default=0) for n in needs]
+    return held + (sum(largest) if concurrent else max(largest, default=0))
 
 
-def plan_table(needs: list[EngineNeed], free_bytes: int | None = None) -> str:
+def plan_table(needs: list[EngineNeed], free_bytes: int | None = None, concurrent: bool = False) -> str:
     """The torch engines' plan, one row per item in bytes, a subtotal per engine and the total."""
     lines = ["GPU memory plan (torch backend: computed from the checkpoints and max_batch; "
              "the [memory] fractions are caps)",
@@ -272,8 +274,9 @@ def plan_table(needs: list[EngineNeed], free_bytes: int | None = None) -> str:
         for i in n.items:
             lines.append(f"{n.engine:<11}{i.what:<58}{i.bytes:>15,}{i.bytes / 2**20:>10.1f}")
         lines.append(f"{n.engine:<11}{'subtotal (capped by ' + n.setting + ')':<58}{n.total:>15,}{n.total / 2**20:>10.1f}")
-    total = plan_total(needs)
-    lines.append(f"{'total (held + the largest one transient)':<69}{total:>15,}{total / 2**20:>10.1f}")
+    total = plan_total(needs, concurrent)
+    what = "each engine's largest transient" if concurrent else "the largest one transient"
+    lines.append(f"{'total (held + ' + what + ')':<69}{total:>15,}{total / 2**20:>10.1f}")
     if free_bytes is not None:
         lines.append(f"{'free at start':<69}{free_bytes:>15,}{free_bytes / 2**20:>10.1f}")
     return "\n".join(lines)

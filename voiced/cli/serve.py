@@ -31,6 +31,8 @@ def register(sub) -> None:
     p.add_argument("--media-ws", metavar="HOST:PORT", help="open the telephony media-stream WebSocket door there")
     p.add_argument("--wyoming", metavar="tcp://HOST:PORT", help="open the Wyoming (Home Assistant) door there")
     p.add_argument("--http", metavar="HOST:PORT", help="open the HTTP listener there")
+    p.add_argument("--engine-threads", choices=["shared", "separate"],
+                   help="step both engines on one thread (shared, the default) or one each (separate)")
     p.set_defaults(func=run)
 
 
@@ -50,6 +52,7 @@ def overrides(args: argparse.Namespace) -> dict:
         "doors.media_ws": args.media_ws,
         "doors.wyoming": args.wyoming,
         "doors.http": args.http,
+        "engines.threads": args.engine_threads,
     }
     if args.no_tts:
         out["tts.enabled"] = False
@@ -66,6 +69,8 @@ def load_engines(services) -> None:
     # on it too: PyTorch keeps a cuBLAS workspace per (thread, stream), and the memory plan's probe of
     # its size (voiced.memory_plan.stream_workspace_bytes) then makes the one the engines use anyway.
     thread = EngineThread("engines")
+    # engines.threads = "separate": the TTS engine loads, warms and steps on a thread of its own
+    tts_thread = EngineThread("tts") if config.engines.threads == "separate" else thread
     free = _free_gpu(config)
     asr = thread.call(lambda: load_asr(config))
     _log_need(asr)
@@ -74,14 +79,14 @@ def load_engines(services) -> None:
     log.info("ASR: %s on %s (%s backend)", asr.model_name, asr.device, asr.backend)
     engines = [asr]
     if config.tts.enabled:
-        tts = thread.call(lambda: load_tts(config))
+        tts = tts_thread.call(lambda: load_tts(config))
         _log_need(tts)
-        _warm(tts, thread)
-        services.tts = EngineWorker(tts, "tts", thread=thread)
+        _warm(tts, tts_thread)
+        services.tts = EngineWorker(tts, "tts", thread=tts_thread)
         services.voices = tts.voices
         log.info("TTS: %s on %s (%s backend)", tts.model_name, tts.device, tts.backend)
         engines.append(tts)
-    _log_plan(engines, free)
+    _log_plan(engines, free, concurrent=tts_thread is not thread)
     freeze_heap()
 
 
@@ -100,7 +105,7 @@ def _log_need(engine) -> None:
         log.info("%s: planned before loading\n%s", engine.model_name, plan_table([need]))
 
 
-def _log_plan(engines, free: int | None) -> None:
+def _log_plan(engines, free: int | None, concurrent: bool = False) -> None:
     """The torch engines' plan (what `test_daemon_gpu` reads), and beside it what PyTorch's allocator
     holds now and its peak since the TTS warm-up's last phase began."""
     needs = [e.memory_need for e in engines
@@ -111,8 +116,8 @@ def _log_plan(engines, free: int | None) -> None:
 
     from voiced.memory_plan import plan_table, plan_total
 
-    log.info("\n%s\n", plan_table(needs, free))
-    total = plan_total(needs)
+    log.info("\n%s\n", plan_table(needs, free, concurrent))
+    total = plan_total(needs, concurrent)
     used, peak = torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated()
     log.info("GPU memory after warm-up: plan %.1f MiB, allocated %.1f MiB (%+.1f %%), peak %.1f MiB (%+.1f %%)",
              total / 2**20, used / 2**20, 100 * (used - total) / total, peak / 2**20, 100 * (peak - total) / total)
