@@ -282,7 +282,7 @@ JSON = {"Content-Type": "application/json"}
     ("unknown model", 404, "model", "does not exist"),
     ("bad format", 400, "response_format", "json, text, srt, vtt, verbose_json"),
     ("granularity without verbose_json", 400, "timestamp_granularities", "verbose_json"),
-    ("bad language", 400, "language", "unsupported language"),
+    ("bad language", 400, "language", "not a language Whisper knows"),
     ("bad temperature", 400, "temperature", "from 0 to 1"),
     ("json body", 415, None, "multipart/form-data"),
     ("over the limit", 413, "file", "http.max_upload_bytes"),
