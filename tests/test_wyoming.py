@@ -28,7 +28,7 @@ from wyoming.tts import (
     SynthesizeVoice,
 )
 
-from tests.daemon_harness import daemon_config, start_daemon
+from tests.daemon_harness import FAULT_TEXT, daemon_config, engine_fault, start_daemon
 from tests.spark_fixtures import make_spark_checkpoint
 from tests.speech import RATE, layout
 from tests.whisper_fixtures import make_openai_checkpoint
@@ -319,6 +319,30 @@ def test_an_unknown_voice_is_an_error_event_and_ends_that_connection(daemon):
     assert types(events) == ["error"]
     error = Error.from_event(events[0])
     assert "nobody" in error.text and "female" in error.text and error.code in ("bad_input", "not_found")
+
+
+@pytest.mark.parametrize("request_kind", ["transcribe", "synthesize"])
+def test_an_engine_fault_is_the_servers_error_event_without_its_text(daemon, request_kind):
+    pcm = int16_at(RATE, [SENTENCE_1])
+
+    async def ask():
+        async with client(daemon) as c:
+            if request_kind == "transcribe":
+                await c.write_event(Transcribe(language="en").event())
+                await send_audio(c, as_pcm(pcm, 2, 1), RATE, 2, 1)
+            else:
+                await c.write_event(Synthesize(text=SENTENCE_1, voice=SynthesizeVoice(name="male")).event())
+            return await read_until(c, "error", "transcript-stop", "audio-stop")
+
+    engine = daemon.services.asr.engine if request_kind == "transcribe" else daemon.services.tts.engine
+    with engine_fault(engine):
+        events = run(ask())
+    assert types(events)[-1] == "error", types(events)
+    error = Error.from_event(events[-1])
+    assert error.code == "internal" and "server log" in error.text and FAULT_TEXT not in error.text
+    # The fault was the engine's with that request: the next one is served.
+    after = run(ask())
+    assert "error" not in types(after) and types(after)[-1] in ("transcript-stop", "audio-stop"), types(after)
 
 
 # ------------------------------------------------------------------------------ misbehaving callers
