@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from voiced.engines.whisper.ct2 import PARAMETERS, key_map
 from voiced.engines.whisper.model import ModelDims
 from voiced.engines.whisper.tokenizer import ASSETS, LANGUAGES, N_TIMESTAMPS, TIMESTAMP_SECONDS
 
@@ -35,44 +36,21 @@ GELU = 3
 
 
 def ct2_variables(dims: ModelDims, state: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
-    """OpenAI names -> the converter's variable names (float32 arrays, plus the scalars it writes)."""
+    """OpenAI names -> the converter's variable names (float32 arrays, plus the scalars it writes), by
+    the engine's own key map (the reader's inverse)."""
     f = lambda k: state[k].float().numpy()
     out: dict[str, np.ndarray] = {}
-
-    def linear(dst: str, src: str, bias: bool = True):
-        out[f"{dst}/weight"] = f(f"{src}.weight")
-        if bias:
-            out[f"{dst}/bias"] = f(f"{src}.bias")
-
-    def norm(dst: str, src: str):
-        out[f"{dst}/gamma"], out[f"{dst}/beta"] = f(f"{src}.weight"), f(f"{src}.bias")
-
-    def fused(dst: str, srcs: list[str]):
-        out[f"{dst}/weight"] = np.concatenate([f(f"{s}.weight") for s in srcs])
-        out[f"{dst}/bias"] = np.concatenate([f(f"{s}.bias") if f"{s}.bias" in state
-                                             else np.zeros(state[f"{s}.weight"].shape[0], np.float32) for s in srcs])
-
-    for part, n in (("encoder", dims.n_audio_layer), ("decoder", dims.n_text_layer)):
-        for i in range(n):
-            d, s = f"{part}/layer_{i}", f"{part}.blocks.{i}"
-            norm(f"{d}/self_attention/layer_norm", f"{s}.attn_ln")
-            fused(f"{d}/self_attention/linear_0", [f"{s}.attn.query", f"{s}.attn.key", f"{s}.attn.value"])
-            linear(f"{d}/self_attention/linear_1", f"{s}.attn.out")
-            if part == "decoder":
-                norm(f"{d}/attention/layer_norm", f"{s}.cross_attn_ln")
-                linear(f"{d}/attention/linear_0", f"{s}.cross_attn.query")
-                fused(f"{d}/attention/linear_1", [f"{s}.cross_attn.key", f"{s}.cross_attn.value"])
-                linear(f"{d}/attention/linear_2", f"{s}.cross_attn.out")
-            norm(f"{d}/ffn/layer_norm", f"{s}.mlp_ln")
-            linear(f"{d}/ffn/linear_0", f"{s}.mlp.0")
-            linear(f"{d}/ffn/linear_1", f"{s}.mlp.2")
-    linear("encoder/conv1", "encoder.conv1")
-    linear("encoder/conv2", "encoder.conv2")
-    out["encoder/position_encodings/encodings"] = f("encoder.positional_embedding")
-    norm("encoder/layer_norm", "encoder.ln_post")
-    out["decoder/embeddings/weight"] = f("decoder.token_embedding.weight")
-    out["decoder/position_encodings/encodings"] = f("decoder.positional_embedding")
-    norm("decoder/layer_norm", "decoder.ln")
+    for kind, scope, names in key_map(dims.n_audio_layer, dims.n_text_layer):
+        if kind == "tensor":
+            out[scope] = f(names[0])
+        elif kind == "fused":
+            out[f"{scope}/weight"] = np.concatenate([f(f"{n}.weight") for n in names])
+            out[f"{scope}/bias"] = np.concatenate([f(f"{n}.bias") if f"{n}.bias" in state
+                                                   else np.zeros(state[f"{n}.weight"].shape[0], np.float32)
+                                                   for n in names])
+        else:
+            weight, bias = PARAMETERS[kind]
+            out[f"{scope}/{weight}"], out[f"{scope}/{bias}"] = f(f"{names[0]}.weight"), f(f"{names[0]}.bias")
     scalars = {"encoder/num_heads": np.int16(dims.n_audio_head), "decoder/num_heads": np.int16(dims.n_text_head),
                "decoder/activation": np.int8(GELU), "decoder/pre_norm": np.int8(1),
                "decoder/scale_embeddings": np.int8(0), "decoder/alibi": np.int8(0),

@@ -7,12 +7,14 @@ over a real gRPC channel.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 import numpy as np
+import pytest
 from voiced_client.proto import voiced_pb2 as pb
 from voiced_client.proto import voiced_pb2_grpc as pb_grpc
 
@@ -152,3 +154,21 @@ def of_kind(events, kind: str):
 
 
 __all__ = ["FRAME_SAMPLES"]
+
+
+# A fault's own words: what a caller must never read (they name our code, not the request).
+FAULT_TEXT = "injected fault 7f3a9c in the engine's step"
+
+
+@contextlib.contextmanager
+def engine_fault(engine):
+    """A fault inside a running daemon's engine (a bug, a device fault): while the block lasts its step
+    raises, and the scheduler fails each request in flight with EngineFault (voiced.core.scheduler).
+    The engine steps normally again afterwards."""
+
+    def step():
+        raise RuntimeError(FAULT_TEXT)
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(engine, "step", step)
+        yield

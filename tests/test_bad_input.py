@@ -432,7 +432,7 @@ def test_a_wav_header_fuzzer_only_ever_gets_a_result_or_invalid_argument():
     from hypothesis import given
     from hypothesis import strategies as st
 
-    from voiced.core.events import ErrorKind, SessionError
+    from voiced.core.errors import ErrorKind, SessionError
     from voiced.core.speech import decode_clip
 
     u16, u32 = st.integers(0, 0xFFFF), st.integers(0, 0xFFFFFFFF)

@@ -13,7 +13,7 @@ from voiced.audio.ingest import Format
 from voiced.config import Config
 from voiced.core import events as ev
 from voiced.core.agents import AgentRegistry, EndCall
-from voiced.core.events import ErrorKind, SessionError
+from voiced.core.errors import ErrorKind, SessionError, invalid
 from voiced.core.scheduler import EngineWorker
 from voiced.core.services import Services
 from voiced.core.session import Session
@@ -214,7 +214,7 @@ def test_admission_is_one_limit_for_every_door():
             assert full.value.kind is ErrorKind.OVER_CAPACITY and "server.max_sessions" in full.value.message
         with pytest.raises(SessionError):
             async with s.admit("audiosocket"):
-                raise ev.invalid("a malformed frame")
+                raise invalid("a malformed frame")
         assert s.active_sessions == 0
         s.draining = True
         with pytest.raises(SessionError) as draining:

@@ -115,7 +115,7 @@ def test_a_call_that_fails_while_its_first_event_is_being_sent_gets_its_status(d
     headers as sent only once the first write completes; a first write given up midway made it send them
     again with the status, which gRPC's core refuses, and the caller waited forever for an answer (seen
     once in CI, in the bad-input catalogue, on a loaded machine)."""
-    from voiced.core.events import ErrorKind, SessionError
+    from voiced.core.errors import ErrorKind, SessionError
     from voiced.core.session import Session
 
     real = Session.writing

@@ -28,8 +28,8 @@ from tests.daemon_harness import daemon_config, start_daemon, wire_audio
 from tests.speech import layout
 from tests.whisper_fixtures import make_openai_checkpoint
 from voiced.audio.ingest import Format
-from voiced.core.events import ErrorKind
-from voiced.doors.wyoming import parse_address
+from voiced.core.errors import ErrorKind
+from voiced.doors.shared import split_address
 
 HANG_S = 120  # a connection still open this long after the caller's side ended is a hang
 CLEAR = {k.value for k in ErrorKind} - {ErrorKind.INTERNAL.value}
@@ -259,7 +259,7 @@ async def wyoming_replies(data: bytes) -> list:
 
 
 def test_wyoming_framing(daemon, speech16k, daemon_errors):
-    host, port = parse_address(daemon.services.doors["wyoming"])
+    host, port = split_address(daemon.services.doors["wyoming"], scheme="tcp")
 
     @given(st.data())
     def fuzz(data):
@@ -290,7 +290,7 @@ async def wait_idle(d) -> None:
 
 def check_still_serves(d, speech: bytes) -> None:
     """A well-formed Wyoming transcription on the same daemon gets its transcript."""
-    host, port = parse_address(d.services.doors["wyoming"])
+    host, port = split_address(d.services.doors["wyoming"], scheme="tcp")
 
     async def go():
         async with AsyncTcpClient(host, port) as c:

@@ -1,5 +1,6 @@
-"""The daemon's layers, read from its imports: the session core knows no transport, and no module
-imports one above its own layer (so there is no circle)."""
+"""The daemon's layers, read from its imports: the session core knows no transport, no module
+imports one above its own layer, no folder holds a circle of imports, and a door imports no other
+door: what doors share is in voiced/doors/shared.py (protocol helpers) or in voiced/core."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ LAYERS = [
     ("core", ("voiced.core",)),
     ("doors", ("voiced.doors",)),
     ("daemon", ("voiced.daemon",)),
-    ("top", ("voiced.cli", "voiced.bench", "voiced.__main__")),
+    ("bench", ("voiced.bench",)),  # the benchmarks run the daemon; the CLI runs them
+    ("top", ("voiced.cli", "voiced.__main__")),
 ]
 
 
@@ -88,18 +90,91 @@ def test_no_module_imports_from_a_layer_above_its_own():
     assert bad == [], "imports that run up the layers:\n" + "\n".join(bad)
 
 
-def test_no_import_cycles_between_modules():
+SHARED_DOOR_MODULE = "voiced.doors.shared"
+
+
+def import_graph(top_level_only: bool) -> dict[str, set[str]]:
+    """module -> the modules of voiced it imports (the longest known module an import names: a
+    `from m import f` names m.f)."""
     modules = {module_name(p): p for p in sources()}
     graph = {}
     for name, path in modules.items():
+        found = imports(path, top_level_only=top_level_only)
         deps = set()
-        for imported, _ in imports(path, top_level_only=True):
-            # the longest known module the import names (a `from m import f` names m.f)
+        for imported, line in found:
+            children = [m for m, at in found if at == line and m.startswith(imported + ".")]
+            if children and all(m in modules for m in children):
+                continue  # `from voiced.doors import web` takes the module voiced.doors.web, not the package
             while imported and imported not in modules:
                 imported = imported.rpartition(".")[0]
             if imported and imported != name and imported != "voiced":
                 deps.add(imported)
         graph[name] = deps
+    return graph
+
+
+def folder_of(module: str) -> str:
+    path = PKG.parent / Path(*module.split("."))
+    return module if path.is_dir() else module.rpartition(".")[0]
+
+
+def test_no_import_cycles_between_modules():
+    cycles = find_cycles(import_graph(top_level_only=True))
+    assert cycles == [], "import cycles:\n" + "\n".join(cycles)
+
+
+def test_no_import_circle_inside_a_folder():
+    """Counting every import, lazy ones and those under TYPE_CHECKING too: a circle a lazy import
+    closes is still two modules that each need the other (how core/events.py and core/spec.py, and
+    doors/http.py, openai_http.py and realtime.py, were tied)."""
+    graph = import_graph(top_level_only=False)
+    inside = {m: {d for d in deps if folder_of(d) == folder_of(m)} for m, deps in graph.items()}
+    cycles = find_cycles(inside)
+    assert cycles == [], "import circles inside a folder:\n" + "\n".join(cycles)
+
+
+def door_imports_of_other_doors(graph: dict[str, set[str]], doors: set[str]) -> list[str]:
+    """What breaks "a door imports no other door": within voiced/doors, a module other than the shared
+    helper module may be imported by one module only (it is a part of that door), a door the registry
+    names by none, and the registry (the package) by none."""
+    inside = {m: {d for d in deps if d.startswith("voiced.doors")} for m, deps in graph.items()
+              if m.startswith("voiced.doors.")}
+    importers: dict[str, set[str]] = {}
+    for m, deps in inside.items():
+        for d in deps:
+            importers.setdefault(d, set()).add(m)
+    bad = []
+    for d, by in sorted(importers.items()):
+        if d == SHARED_DOOR_MODULE:
+            continue
+        if d == "voiced.doors" or d in doors:
+            bad += [f"{m} imports {d}, a door (or the registry)" for m in sorted(by)]
+        elif len(by) > 1:
+            bad.append(f"{d} is imported by {', '.join(sorted(by))}: what doors share belongs in "
+                       f"{SHARED_DOOR_MODULE} or voiced.core")
+    return bad
+
+
+def test_a_door_imports_no_other_door_but_the_shared_helpers():
+    from voiced.doors import DOORS
+
+    doors = {target.partition(":")[0] for target in DOORS.values()}
+    bad = door_imports_of_other_doors(import_graph(top_level_only=False), doors)
+    assert bad == [], "doors importing doors:\n" + "\n".join(bad)
+
+
+def test_the_door_rule_sees_a_door_importing_a_door():
+    graph = {"voiced.doors.a": {"voiced.doors.shared", "voiced.doors.a_wire"}, "voiced.doors.a_wire": set(),
+             "voiced.doors.b": {"voiced.doors.shared", "voiced.doors.a_wire"},
+             "voiced.doors.c": {"voiced.doors.a"}, "voiced.doors.shared": set()}
+    assert door_imports_of_other_doors(graph, {"voiced.doors.a", "voiced.doors.b", "voiced.doors.c"}) == [
+        "voiced.doors.c imports voiced.doors.a, a door (or the registry)",
+        "voiced.doors.a_wire is imported by voiced.doors.a, voiced.doors.b: what doors share belongs in "
+        "voiced.doors.shared or voiced.core"]
+    assert find_cycles({"x.a": {"x.b"}, "x.b": {"x.a"}, "x.c": set()}) == ["x.a -> x.b -> x.a"]
+
+
+def find_cycles(graph: dict[str, set[str]]) -> list[str]:
     cycles = []
     state: dict[str, int] = {}
 
@@ -115,7 +190,7 @@ def test_no_import_cycles_between_modules():
     for node in sorted(graph):
         if node not in state:
             visit(node, [node])
-    assert cycles == [], "import cycles:\n" + "\n".join(cycles)
+    return cycles
 
 
 def test_the_checks_see_a_forbidden_import(tmp_path):

@@ -14,7 +14,7 @@ from voiced.audio.ingest import Format
 from voiced.config import Config
 from voiced.core import events as ev
 from voiced.core.agents import AgentRegistry
-from voiced.core.events import ErrorKind, SessionError
+from voiced.core.errors import ErrorKind, SessionError
 from voiced.core.services import Services
 from voiced.core.session import Session
 

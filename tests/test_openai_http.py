@@ -15,6 +15,7 @@ import pytest
 from voiced_client.proto import voiced_pb2 as pb
 from voiced_client.proto import voiced_pb2_grpc as pb_grpc
 
+from tests.daemon_harness import FAULT_TEXT, engine_fault
 from tests.http_harness import INPUT_CHARS, REPLY_S, UPLOAD_LIMIT, base_url, make_models, start_http_daemon
 from tests.openai_models import strict
 from tests.speech import layout, write_wav
@@ -282,7 +283,7 @@ JSON = {"Content-Type": "application/json"}
     ("unknown model", 404, "model", "does not exist"),
     ("bad format", 400, "response_format", "json, text, srt, vtt, verbose_json"),
     ("granularity without verbose_json", 400, "timestamp_granularities", "verbose_json"),
-    ("bad language", 400, "language", "unsupported language"),
+    ("bad language", 400, "language", "not a language Whisper knows"),
     ("bad temperature", 400, "temperature", "from 0 to 1"),
     ("json body", 415, None, "multipart/form-data"),
     ("over the limit", 413, "file", "http.max_upload_bytes"),
@@ -350,6 +351,27 @@ def test_failed_requests_leave_nothing_behind(daemon, clip):
         _post(daemon, "/v1/audio/transcriptions", data=_multipart({"model": "x"}, ("a.txt", b"x"))[0],
               headers=_multipart({}, None)[1])
     assert daemon.session_tasks() == [] and daemon.services.active_sessions == 0
+    assert daemon.services.asr.pending == 0 and daemon.services.tts.pending == 0
+
+
+@pytest.mark.parametrize("path, fields", [
+    ("/v1/audio/transcriptions", {"model": "whisper-1"}),
+    ("/v1/audio/transcriptions", {"model": "whisper-1", "stream": "true"}),
+    ("/v1/audio/translations", {"model": "whisper-1", "response_format": "text"}),
+    ("/v1/audio/speech", {"stream_format": "audio"}),
+    ("/v1/audio/speech", {"stream_format": "sse"}),
+])
+def test_an_engine_fault_is_the_servers_error_without_its_text(daemon, clip, path, fields):
+    if path.endswith("speech"):
+        engine, body, headers = daemon.services.tts.engine, _speech(**fields), JSON
+    else:
+        engine, (body, headers) = daemon.services.asr.engine, _multipart(fields, ("a.wav", clip[1].read_bytes()))
+    with engine_fault(engine):
+        status, answer = _post(daemon, path, data=body, headers=headers)
+    assert status == 500, answer
+    assert answer == {"error": {"message": "internal error; the server log has the details", "type": "server_error",
+                                "param": None, "code": "internal"}}
+    assert FAULT_TEXT not in json.dumps(answer)
     assert daemon.services.asr.pending == 0 and daemon.services.tts.pending == 0
 
 

@@ -12,7 +12,15 @@ import grpc
 import pytest
 from voiced_client.proto import voiced_pb2 as pb
 
-from tests.daemon_harness import audio_requests, of_kind, session_config, stream_blocking, wire_audio
+from tests.daemon_harness import (
+    FAULT_TEXT,
+    audio_requests,
+    engine_fault,
+    of_kind,
+    session_config,
+    stream_blocking,
+    wire_audio,
+)
 from tests.http_harness import REPLY_S, base_url, http_config, make_models, start_http_daemon
 from tests.openai_models import server_event
 from tests.speech import layout
@@ -506,3 +514,34 @@ def test_bad_typed_text_gets_errors_and_the_connection_goes_on(daemon):
     said = "".join(d.delta for d in c.of("response.output_audio_transcript.delta"))
     assert said == WAITING
     assert len(c.of("conversation.item.added")) == 2  # the typed item and the reply: nothing bad was added
+
+
+def test_an_engine_fault_is_a_server_error_without_its_text_and_the_connection_goes_on(daemon, speech):
+    data = wire_audio(speech, PCM24)
+
+    async def go(c: Conn):
+        await c.conn.session.update(session=session(turn_detection=None))
+        await c.until("session.updated")
+        with engine_fault(daemon.services.asr.engine):  # the turn's recognition fails
+            await c.send_audio(data, PCM24)
+            await c.conn.input_audio_buffer.commit()
+            heard_fault = await c.until("error")
+        with engine_fault(daemon.services.tts.engine):  # the reply's speech fails
+            await _typed(c, "What time is it?")
+            await c.conn.response.create()
+            spoken_fault = await c.until("error")
+            failed = await c.until("response.done")
+        await c.send_audio(data, PCM24)  # and the connection goes on
+        await c.conn.input_audio_buffer.commit()
+        heard = await c.until("conversation.item.input_audio_transcription.completed")
+        await c.until("response.done")
+        return heard_fault, spoken_fault, failed, heard
+
+    heard_fault, spoken_fault, failed, heard = asyncio.run(connect(daemon, go))
+    assert (heard_fault.error.type, heard_fault.error.code) == ("server_error", "asr_failed")
+    assert (spoken_fault.error.type, spoken_fault.error.code) == ("server_error", "tts_failed")
+    assert failed.response.status == "failed"
+    for text in (heard_fault.error.message, spoken_fault.error.message, json.dumps(failed.response.to_dict())):
+        assert FAULT_TEXT not in text and "RuntimeError" not in text
+    assert "server log" in heard_fault.error.message
+    assert heard.item_id  # the next turn was heard

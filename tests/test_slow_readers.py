@@ -35,8 +35,8 @@ from tests.speech import layout
 from tests.test_phone_doors import AsteriskCall, hang_up_leftovers  # noqa: F401 (an autouse fixture)
 from tests.whisper_fixtures import make_openai_checkpoint
 from voiced.audio.ingest import Format
-from voiced.doors import calls
-from voiced.doors.wyoming import parse_address
+from voiced.doors import shared
+from voiced.doors.shared import split_address
 
 BUDGET = 65536  # server.max_outbound_bytes, at its floor
 PIECE_S = 2.0  # tts.max_seconds: random LMs speak every piece to the cap
@@ -95,7 +95,7 @@ def daemon(tmp_path_factory):
 def patient_last_words(monkeypatch):
     """A door's last message to a caller that stopped reading waits CLOSE_GRACE_S for it to read again;
     the test reads as soon as the door has given up, and this keeps a busy machine's delay harmless."""
-    monkeypatch.setattr(calls, "CLOSE_GRACE_S", HANG_GUARD_S)
+    monkeypatch.setattr(shared, "CLOSE_GRACE_S", HANG_GUARD_S)
 
 
 def over_capacity(d, front: str) -> float:
@@ -233,7 +233,7 @@ async def test_wyoming_synthesis_whose_caller_stops_reading_gives_its_place_back
     before = over_capacity(daemon, "wyoming")
     text = " ".join(f"This is sentence number {i}." for i in range(40))
     asked = 40 * PIECE_S * 16000 * 2
-    host, port = parse_address(daemon.services.doors["wyoming"])
+    host, port = split_address(daemon.services.doors["wyoming"], scheme="tcp")
     reader, writer = await asyncio.open_connection(sock=slow_socket(f"{host}:{port}"), limit=SMALL)
     await async_write_event(Synthesize(text=text).event(), writer)
 

@@ -21,7 +21,7 @@ def fake_engine(root, kind="whisper", version="1.0.0", complete=True):
         (d / part / "config.json").write_text("{}")
         if complete:
             (d / part / "rank0.engine").write_bytes(b"\0")
-    b.Manifest.for_build(opts, "0" * 64, version).write(d)
+    b.manifest_for(opts, "0" * 64, version).write(d)
     return d
 
 

@@ -97,10 +97,10 @@ def test_bad_options_are_refused(kw, message):
 
 def test_manifest_identity_and_differences():
     opts = b.default_options("whisper", "tiny")
-    m1 = b.Manifest.for_build(opts, "a" * 64, "1.0.0")
-    m2 = b.Manifest.for_build(opts, "a" * 64, "1.0.0", steps=[b.BuildStep("x", ("echo",))])
+    m1 = b.manifest_for(opts, "a" * 64, "1.0.0")
+    m2 = b.manifest_for(opts, "a" * 64, "1.0.0", steps=[b.BuildStep("x", ("echo",))])
     assert m1.matches(m2)  # command lines and timings do not count
-    m3 = b.Manifest.for_build(b.default_options("whisper", "tiny", max_batch_size=4), "a" * 64, "1.0.1")
+    m3 = b.manifest_for(b.default_options("whisper", "tiny", max_batch_size=4), "a" * 64, "1.0.1")
     diffs = m3.differences(m1)
     assert "max_batch_size: 8 -> 4" in diffs and "trtllm_version: '1.0.0' -> '1.0.1'" in diffs
 

@@ -28,11 +28,11 @@ from wyoming.tts import (
     SynthesizeVoice,
 )
 
-from tests.daemon_harness import daemon_config, start_daemon
+from tests.daemon_harness import FAULT_TEXT, daemon_config, engine_fault, start_daemon
 from tests.spark_fixtures import make_spark_checkpoint
 from tests.speech import RATE, layout
 from tests.whisper_fixtures import make_openai_checkpoint
-from voiced.doors.wyoming import parse_address
+from voiced.doors.shared import split_address
 
 REPLY_S = 1.0  # every sentence is capped at this: random LMs never stop on their own
 SAMPLES_PER_CHUNK = 1024  # what Home Assistant's satellites send
@@ -62,7 +62,7 @@ def daemon(tmp_path_factory):
 
 
 def client(daemon) -> AsyncTcpClient:
-    host, port = parse_address(daemon.services.doors["wyoming"])
+    host, port = split_address(daemon.services.doors["wyoming"], scheme="tcp")
     return AsyncTcpClient(host, port, read_timeout=READ_TIMEOUT)
 
 
@@ -146,13 +146,13 @@ def types(events) -> list[str]:
     ("127.0.0.1:0", ("127.0.0.1", 0)), ("tcp://[::1]:10300", ("::1", 10300)),
 ])
 def test_the_address_is_tcp_host_and_port(address, expected):
-    assert parse_address(address) == expected
+    assert split_address(address, scheme="tcp") == expected
 
 
 @pytest.mark.parametrize("address", ["unix:///run/wyoming.sock", "tcp://host", "tcp://host:port", "host:1/x"])
 def test_other_addresses_say_what_to_write(address):
-    with pytest.raises(ValueError, match="use tcp://HOST:PORT"):
-        parse_address(address)
+    with pytest.raises(ValueError, match="is not tcp://HOST:PORT"):
+        split_address(address, scheme="tcp")
 
 
 def test_describe_lists_the_model_its_languages_and_every_voice(daemon, tmp_path):
@@ -321,12 +321,36 @@ def test_an_unknown_voice_is_an_error_event_and_ends_that_connection(daemon):
     assert "nobody" in error.text and "female" in error.text and error.code in ("bad_input", "not_found")
 
 
+@pytest.mark.parametrize("request_kind", ["transcribe", "synthesize"])
+def test_an_engine_fault_is_the_servers_error_event_without_its_text(daemon, request_kind):
+    pcm = int16_at(RATE, [SENTENCE_1])
+
+    async def ask():
+        async with client(daemon) as c:
+            if request_kind == "transcribe":
+                await c.write_event(Transcribe(language="en").event())
+                await send_audio(c, as_pcm(pcm, 2, 1), RATE, 2, 1)
+            else:
+                await c.write_event(Synthesize(text=SENTENCE_1, voice=SynthesizeVoice(name="male")).event())
+            return await read_until(c, "error", "transcript-stop", "audio-stop")
+
+    engine = daemon.services.asr.engine if request_kind == "transcribe" else daemon.services.tts.engine
+    with engine_fault(engine):
+        events = run(ask())
+    assert types(events)[-1] == "error", types(events)
+    error = Error.from_event(events[-1])
+    assert error.code == "internal" and "server log" in error.text and FAULT_TEXT not in error.text
+    # The fault was the engine's with that request: the next one is served.
+    after = run(ask())
+    assert "error" not in types(after) and types(after)[-1] in ("transcript-stop", "audio-stop"), types(after)
+
+
 # ------------------------------------------------------------------------------ misbehaving callers
 
 
 async def raw_exchange(daemon, data: bytes) -> list[dict]:
     """Send raw bytes, read what comes back until the server closes: the events' headers (+ data)."""
-    host, port = parse_address(daemon.services.doors["wyoming"])
+    host, port = split_address(daemon.services.doors["wyoming"], scheme="tcp")
     reader, writer = await asyncio.open_connection(host, port)
     writer.write(data)
     await writer.drain()
@@ -443,7 +467,7 @@ def test_a_full_server_refuses_with_an_error_event(daemon):
 def test_drain_stops_accepting_and_lets_the_live_request_finish(tmp_path):
     d = start_daemon(make_openai_checkpoint(tmp_path / "whisper", seed=3), _drain_config())
     door = next(door for door in d.server.doors if door.name == "wyoming")
-    host, port = parse_address(d.services.doors["wyoming"])
+    host, port = split_address(d.services.doors["wyoming"], scheme="tcp")
     x = int16_at(RATE, ["Turn on the kitchen lights."])
 
     async def begin_drain():

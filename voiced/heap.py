@@ -1,4 +1,5 @@
-"""Handing the C heap's free memory back to the operating system.
+"""Handing the C heap's free memory back to the operating system, and keeping start-up's objects out
+of the garbage collector's scans (`freeze_heap`, after the models are loaded and warmed up).
 
 Batched inference on a CPU allocates buffers of tens of MB (the Whisper encoder at batch 10-32) through
 malloc. glibc raises its mmap threshold each time it frees a large mapped block, so the next ones come
@@ -84,3 +85,18 @@ def release() -> Release | None:
     log.debug("heap trim: %.1f MB returned to the OS in %.1f ms (RSS %.1f -> %.1f MB)", done.returned / 2**20,
               done.seconds * 1000, done.rss_before / 2**20, done.rss_after / 2**20)
     return done
+
+
+def freeze_heap() -> None:
+    """Take everything loading and warm-up allocated out of the garbage collector's sight.
+
+    Loading and compiling leave millions of long-lived Python objects (compiled graphs, guards,
+    module trees). Python's full collections scan all of them, while holding the GIL, so each one
+    stalls the event loop and the engine thread together, mid-conversation. Frozen objects are
+    never scanned again; what sessions allocate later is still collected as usual.
+    """
+    import gc
+
+    gc.collect()
+    gc.freeze()
+    log.info("froze %d objects allocated at start-up out of the garbage collector's scans", gc.get_freeze_count())

@@ -148,7 +148,7 @@ def start_server(args):
                         tts=EngineWorker(tts, "tts", thread=tts_thread), voices=tts.voices,
                         agents=AgentRegistry(config.agent))
     if not args.no_gc_freeze:
-        from voiced.cli.serve import freeze_heap
+        from voiced.heap import freeze_heap
 
         freeze_heap()  # as `voiced serve` does after warm-up
     for worker in (services.asr, services.tts):

@@ -40,7 +40,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from voiced.bench.soak import RSS_GROWTH_LIMIT_MB, _verdict, process_figures, thread_change, thread_names
+from voiced.bench.soak import _verdict, process_figures, process_verdicts, thread_names
 from voiced.bench.steps import pct
 
 log = logging.getLogger("voiced.bench.gpu_soak")
@@ -80,24 +80,17 @@ class GpuSoakReport:
         warm = next(s for s in self.samples if s.label == "after warm-up")
         end = self.samples[-1]
         completed, sessions = self.soak.get("completed", 0), self.soak.get("sessions", 0)
-        growth = end.rss_mb - warm.rss_mb
         gpu_growth = end.gpu_allocated_mb - warm.gpu_allocated_mb
         self.verdicts = {
             "every session completed": _verdict(
                 sessions > 0 and completed == sessions and self.warmup.get("completed") == self.warmup.get("sessions"),
                 f"{completed}/{sessions} in the soak, {self.warmup.get('completed')}/{self.warmup.get('sessions')} "
                 f"in the warm-up, errors {self.soak.get('errors') or 'none'}"),
-            f"RSS growth after warm-up < {RSS_GROWTH_LIMIT_MB:.0f} MB": _verdict(
-                growth < RSS_GROWTH_LIMIT_MB, f"{warm.rss_mb:.1f} -> {end.rss_mb:.1f} MB ({growth:+.1f})"),
+            **process_verdicts(warm, end),
             f"GPU memory allocated back to the baseline (within {GPU_GROWTH_LIMIT_MB:.0f} MB)": _verdict(
                 gpu_growth < GPU_GROWTH_LIMIT_MB,
                 f"{warm.gpu_allocated_mb:.1f} -> {end.gpu_allocated_mb:.1f} MB ({gpu_growth:+.1f}); reserved "
                 f"{warm.gpu_reserved_mb:.0f} -> {end.gpu_reserved_mb:.0f} MB"),
-            "no leaked asyncio tasks": _verdict(end.tasks <= warm.tasks, f"{warm.tasks} -> {end.tasks}"),
-            "no leaked threads": _verdict(end.threads <= warm.threads, f"{warm.threads} -> {end.threads} "
-                                                                          f"({thread_change(warm.thread_names, end.thread_names)})"),
-            "no leaked descriptors": _verdict(end.fds <= warm.fds, f"{warm.fds} -> {end.fds}"),
-            "no session left open": _verdict(end.active_sessions == 0, f"{end.active_sessions} open"),
         }
 
     def format(self) -> str:

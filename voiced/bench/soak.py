@@ -90,20 +90,13 @@ class SoakReport:
     def judge(self) -> None:
         warm = next(s for s in self.samples if s.label == "after warm-up")
         end = self.samples[-1]
-        growth = end.rss_mb - warm.rss_mb
         ok = (self.sequential_completed == self.sequential_planned and self.concurrent_completed == self.concurrent
               and self.warmup_concurrent_completed == self.concurrent)
         self.verdicts = {
             "every session completed": _verdict(ok, f"{self.sequential_completed}/{self.sequential_planned} sequential, "
                                                     f"{self.concurrent_completed}/{self.concurrent} concurrent "
                                                     f"({self.warmup_concurrent_completed} in the warm-up)"),
-            f"RSS growth after warm-up < {RSS_GROWTH_LIMIT_MB:.0f} MB": _verdict(
-                growth < RSS_GROWTH_LIMIT_MB, f"{warm.rss_mb:.1f} -> {end.rss_mb:.1f} MB ({growth:+.1f})"),
-            "no leaked asyncio tasks": _verdict(end.tasks <= warm.tasks, f"{warm.tasks} -> {end.tasks}"),
-            "no leaked threads": _verdict(end.threads <= warm.threads, f"{warm.threads} -> {end.threads} "
-                                                                          f"({thread_change(warm.thread_names, end.thread_names)})"),
-            "no leaked descriptors": _verdict(end.fds <= warm.fds, f"{warm.fds} -> {end.fds}"),
-            "no session left open": _verdict(end.active_sessions == 0, f"{end.active_sessions} open"),
+            **process_verdicts(warm, end),
         }
 
     def format(self) -> str:
@@ -123,6 +116,22 @@ class SoakReport:
 
 def _verdict(ok: bool, detail: str) -> str:
     return ("met: " if ok else "MISSED: ") + detail
+
+
+def process_verdicts(warm, end) -> dict[str, str]:
+    """What every soak asks of the daemon's process between its sample after the warm-up and its last
+    (Sample or gpu_soak.GpuSample): memory back near where it was, and no task, thread, descriptor or
+    session left behind."""
+    growth = end.rss_mb - warm.rss_mb
+    return {
+        f"RSS growth after warm-up < {RSS_GROWTH_LIMIT_MB:.0f} MB": _verdict(
+            growth < RSS_GROWTH_LIMIT_MB, f"{warm.rss_mb:.1f} -> {end.rss_mb:.1f} MB ({growth:+.1f})"),
+        "no leaked asyncio tasks": _verdict(end.tasks <= warm.tasks, f"{warm.tasks} -> {end.tasks}"),
+        "no leaked threads": _verdict(end.threads <= warm.threads, f"{warm.threads} -> {end.threads} "
+                                                                      f"({thread_change(warm.thread_names, end.thread_names)})"),
+        "no leaked descriptors": _verdict(end.fds <= warm.fds, f"{warm.fds} -> {end.fds}"),
+        "no session left open": _verdict(end.active_sessions == 0, f"{end.active_sessions} open"),
+    }
 
 
 def process_figures(pid: int | str = "self") -> tuple[float, int, int]:

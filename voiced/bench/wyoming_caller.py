@@ -45,9 +45,9 @@ async def wyoming_caller(address: str, pcm: bytes, start_frame: int, duration_s:
     from voiced.config import Config
     from voiced.core.segmenter import Segmenter, SpeechStarted, Utterance
     from voiced.core.spec import segmentation_for
-    from voiced.doors.wyoming import parse_address
+    from voiced.doors.shared import split_address
 
-    host, port = parse_address(address)
+    host, port = split_address(address, scheme="tcp")
     seg_config = segmentation_for(Config())
     segmenter = Segmenter(seg_config)
     frames = [pcm[i : i + FRAME_BYTES] for i in range(0, len(pcm) - FRAME_BYTES + 1, FRAME_BYTES)]

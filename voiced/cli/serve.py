@@ -63,6 +63,7 @@ def load_engines(services) -> None:
     """Runs on a thread while health says NOT_SERVING."""
     from voiced.core.scheduler import EngineThread, EngineWorker
     from voiced.engines.loader import load_asr, load_tts
+    from voiced.heap import freeze_heap
 
     config = services.config
     # Both engines step on one thread, recognition first (see voiced.core.scheduler for why). They load
@@ -133,21 +134,6 @@ def _warm(engine, thread) -> None:
         t0 = time.perf_counter()
         thread.call(warmup)
         log.info("%s warmed up in %.1f s", engine.model_name, time.perf_counter() - t0)
-
-
-def freeze_heap() -> None:
-    """Take everything loading and warm-up allocated out of the garbage collector's sight.
-
-    Loading and compiling leave millions of long-lived Python objects (compiled graphs, guards,
-    module trees). Python's full collections scan all of them, while holding the GIL, so each one
-    stalls the event loop and the engine thread together, mid-conversation. Frozen objects are
-    never scanned again; what sessions allocate later is still collected as usual.
-    """
-    import gc
-
-    gc.collect()
-    gc.freeze()
-    log.info("froze %d objects allocated at start-up out of the garbage collector's scans", gc.get_freeze_count())
 
 
 def run(args: argparse.Namespace) -> int:

@@ -20,16 +20,8 @@ from dataclasses import dataclass, replace
 
 from voiced.audio.ingest import FrameEncoder, ms
 from voiced.core.agents import AgentError, EndCall
-from voiced.core.events import (
-    AgentTextOut,
-    AudioOut,
-    ErrorKind,
-    NoticeOut,
-    ReplyFinished,
-    ReplyInterrupted,
-    ReplyStarted,
-    SessionError,
-)
+from voiced.core.errors import ErrorKind, SessionError, engine_error
+from voiced.core.events import AgentTextOut, AudioOut, NoticeOut, ReplyFinished, ReplyInterrupted, ReplyStarted
 from voiced.core.spec import check_text, check_user_text
 from voiced.core.speech import check_voice
 from voiced.engines.base import CapacityError, EngineError, TTSRequest
@@ -149,10 +141,11 @@ class Conversation:
                 except asyncio.CancelledError:
                     if reply.reply_id not in self._interrupted:
                         raise  # the session is closing, not a barge-in
-                except Exception as e:  # a bug in one reply must not silence the session
+                except Exception:  # a bug in one reply must not silence the session
                     log.exception("session %s: reply %d failed", sid, reply.reply_id)
                     await self.session.send(NoticeOut(sid, reply.turn_id, "REPLY_FAILED",
-                                                      f"internal error while speaking: {e}"))
+                                                      "internal error while speaking; the server log has the "
+                                                      "details"))
                 if reply.reply_id in self._interrupted:
                     cut_at = self._interrupted.pop(reply.reply_id)
                     await self.session.send(ReplyInterrupted(sid, reply.turn_id, reply.reply_id,
@@ -217,7 +210,7 @@ class Conversation:
             await send(NoticeOut(sid, turn_id, e.code, str(e)))
         except EngineError as e:
             code = "TTS_BUSY" if isinstance(e, CapacityError) else "TTS_FAILED"
-            await send(NoticeOut(sid, turn_id, code, str(e)))
+            await send(NoticeOut(sid, turn_id, code, engine_error(e).message))
 
     async def _texts(self, reply: Reply):
         """The reply's text pieces; an EndCall from the agent (yielded or raised) ends them and marks

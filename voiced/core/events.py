@@ -1,45 +1,17 @@
-"""What a door feeds a session, what a session gives back, and how a session fails.
+"""What a door feeds a session and what a session gives back.
 
 Plain dataclasses: no transport's types. Each door turns its protocol's messages into the input
 events below, feeds them to `Session.run`, and turns the output events into its protocol's
-messages; an error that ends a session is a `SessionError` whose `ErrorKind` each door maps onto
-its own status (gRPC code, HTTP status, WebSocket close code, Wyoming error, AudioSocket error).
+messages; an error that ends a session is a `SessionError` (voiced.core.errors) whose `ErrorKind`
+each door maps onto its own status.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
-from typing import TYPE_CHECKING
 
+from voiced.core.spec import SessionSpec
 from voiced.engines.base import Transcript
-
-if TYPE_CHECKING:  # spec.py imports this module for SessionError
-    from voiced.core.spec import SessionSpec
-
-
-class ErrorKind(str, Enum):
-    BAD_INPUT = "bad_input"  # gRPC INVALID_ARGUMENT, HTTP 400
-    OVER_CAPACITY = "over_capacity"  # RESOURCE_EXHAUSTED, HTTP 429 / WS close 1013
-    UNAVAILABLE = "unavailable"  # loading or draining: UNAVAILABLE, HTTP 503
-    NOT_ENABLED = "not_enabled"  # e.g. TTS off: FAILED_PRECONDITION, HTTP 400/404
-    NOT_FOUND = "not_found"  # unknown voice/model: NOT_FOUND, HTTP 404
-    TIMEOUT = "timeout"  # idle / max length: DEADLINE_EXCEEDED, HTTP 408
-    INTERNAL = "internal"  # INTERNAL, HTTP 500 (message never a traceback)
-
-
-class SessionError(Exception):
-    """Ends a call (or refuses a request); the message is for the caller and says what to fix."""
-
-    def __init__(self, kind: ErrorKind, message: str):
-        super().__init__(message)
-        self.kind = kind
-        self.message = message
-
-
-def invalid(message: str) -> SessionError:
-    return SessionError(ErrorKind.BAD_INPUT, message)
-
 
 # ---------------------------------------------------------------------------- into a session
 # The end of the iterator given to Session.run means the caller hung up / finished sending.

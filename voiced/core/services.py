@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from voiced.config import Config
 from voiced.core.agents import AgentRegistry
-from voiced.core.events import ErrorKind, SessionError
+from voiced.core.errors import ErrorKind, SessionError
 from voiced.core.scheduler import EngineWorker
 from voiced.core.spec import SessionSpec, spec_for
 from voiced.metrics import Metrics

@@ -30,16 +30,15 @@ import numpy as np
 from voiced.audio.ingest import AudioFormatError, FrameDecoder, int16_to_float, ms
 from voiced.core import segmenter
 from voiced.core.conversation import Conversation
+from voiced.core.errors import ErrorKind, SessionError, engine_error, invalid
 from voiced.core.events import (
     DTMF_DIGITS,
     AudioIn,
     Dtmf,
-    ErrorKind,
     HangupOut,
     InputEvent,
     NoticeOut,
     OutputEvent,
-    SessionError,
     Speak,
     SpeechEnded,
     SpeechStarted,
@@ -49,9 +48,8 @@ from voiced.core.events import (
     TalkStart,
     TranscriptOut,
     UserText,
-    invalid,
 )
-from voiced.core.outbound import cost, over_capacity
+from voiced.core.outbound import cost, over_capacity, too_long
 from voiced.core.segmenter import Segmenter, Utterance
 from voiced.core.spec import SessionSpec
 from voiced.core.speech import in_caller_time
@@ -186,10 +184,7 @@ class Session:
         if limits.idle_timeout_s > 0:
             self._idle = loop.call_at(self._last_input + limits.idle_timeout_s, self._check_idle)
         if limits.max_session_s > 0:
-            self._deadline = loop.call_later(limits.max_session_s, self.fail, SessionError(
-                ErrorKind.TIMEOUT,
-                f"the session reached its maximum length of {limits.max_session_s:g} s (server.max_session_s); "
-                "start a new one to go on"))
+            self._deadline = loop.call_later(limits.max_session_s, self.fail, too_long(limits.max_session_s))
 
     def _check_idle(self) -> None:
         limit = self.services.config.server.idle_timeout_s
@@ -213,7 +208,8 @@ class Session:
             # Bad input ends the call at once: nothing more is sent.
             if not isinstance(error, SessionError):
                 log.error("session %s: reader failed", self.spec.session_id, exc_info=error)
-                error = SessionError(ErrorKind.INTERNAL, f"internal error: {type(error).__name__}: {error}")
+                error = SessionError(ErrorKind.INTERNAL, f"internal error ({type(error).__name__}); the server log "
+                                                         "has the details")
             self.fail(error)
             return
 
@@ -342,7 +338,7 @@ class Session:
             except EngineError as e:
                 # The turn is lost, the session is not: say so and go on with the next one.
                 code = "ASR_BUSY" if isinstance(e, CapacityError) else "ASR_FAILED"
-                await self.send(NoticeOut(self.spec.session_id, turn.turn_id, code, str(e)))
+                await self.send(NoticeOut(self.spec.session_id, turn.turn_id, code, engine_error(e).message))
                 continue
             if result.is_hallucination and not self.spec.keep_hallucinations:
                 self.services.metrics.transcripts_dropped.inc()

@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 
 from voiced.audio.ingest import AudioFormatError, Format
 from voiced.config import Config
-from voiced.core.events import invalid
+from voiced.core.errors import invalid
 from voiced.core.segmenter import SegmenterConfig
 from voiced.engines.base import ASROptions, TTSOptions
 
@@ -111,16 +111,27 @@ def check_user_text(text: str, what: str) -> str:
     return cleaned
 
 
-def _check_language(language: str | None, what: str) -> str | None:
-    if not language:
+def check_language(language: str | None, what: str, known: Sequence[str] | None = None) -> str | None:
+    """A caller's language as Whisper names it: a code or a name in any case, with or without a region
+    (`en`, `EN`, `english`, `en-US`, `en_US` -> `en`); None for none (detect it). `known`: the languages
+    the loaded model speaks, when the door checks against them. BAD_INPUT names `what` otherwise."""
+    if not language or not language.strip():
         return None
     from voiced.engines.whisper.tokenizer import normalize_language
 
-    try:
-        return normalize_language(language)
-    except ValueError:
-        raise invalid(f"{what}.language {language!r} is not a language Whisper knows; use a code such as "
-                      "en, de, fr, zh (or leave it empty to detect)") from None
+    code = language.strip().replace("_", "-")
+    for candidate in (code, code.split("-")[0]):
+        try:
+            found = normalize_language(candidate)
+        except ValueError:
+            continue
+        if known is not None and found not in known:
+            break
+        return found
+    if known is not None:
+        raise invalid(f"{what} {language!r} is not a language this model knows; it knows: {', '.join(known)}")
+    raise invalid(f"{what} {language!r} is not a language Whisper knows; use a code such as en, de, fr, zh (or "
+                  "leave it empty to detect)")
 
 
 def _check_finite(value: float | None, name: str) -> float | None:
@@ -149,7 +160,7 @@ def asr_options_for(config: Config, *, language: str | None = None, task: str | 
                         ("compression_ratio_threshold", compression_ratio_threshold)):
         _check_finite(value, f"{what}.{name}")
     return ASROptions(
-        language=_check_language(language, what) or a.language or None,
+        language=check_language(language, f"{what}.language") or a.language or None,
         task=task,
         beam_size=beam,
         initial_prompt=initial_prompt or None,
@@ -230,7 +241,7 @@ def spec_for(
 
     asr = asr if asr is not None else asr_options_for(config)
     if language:
-        asr = replace(asr, language=_check_language(language, "recognition"))
+        asr = replace(asr, language=check_language(language, "recognition.language"))
     tts = tts if tts is not None else tts_options_for(config)
     if voice:
         tts = replace(tts, voice=voice)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import io
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -23,15 +23,13 @@ from voiced.audio.ingest import (
     float_to_int16,
     int16_to_float,
 )
-from voiced.core.events import ErrorKind, SessionError, invalid
+from voiced.core.errors import ErrorKind, SessionError, engine_error, invalid
 from voiced.core.segmenter import Segmenter, SegmenterConfig, Utterance
 from voiced.core.spec import check_format, check_text
 from voiced.engines.base import (
     ASROptions,
     ASRRequest,
-    CapacityError,
     EngineError,
-    EngineFault,
     Transcript,
     TTSOptions,
     TTSRequest,
@@ -53,15 +51,6 @@ class SpeechChunk:
     audio: bytes  # in the requested Format
 
 
-def _engine_error(e: EngineError) -> SessionError:
-    # A full queue is the server's state (the caller may retry); anything else is about the request.
-    if isinstance(e, CapacityError):
-        return SessionError(ErrorKind.OVER_CAPACITY, str(e))
-    if isinstance(e, EngineFault):
-        return SessionError(ErrorKind.INTERNAL, str(e))
-    return SessionError(ErrorKind.BAD_INPUT, str(e))
-
-
 async def synthesize(services, text: str, opts: TTSOptions, fmt: Format = PCM16K) -> AsyncIterator[SpeechChunk]:
     """Speaks `text`, chunk by chunk as the engine writes it. Call `services.check_ready(need_tts=True)`
     first. Raises SessionError (BAD_INPUT, OVER_CAPACITY)."""
@@ -76,7 +65,7 @@ async def synthesize(services, text: str, opts: TTSOptions, fmt: Format = PCM16K
                                   audio=encoder.encode(chunk.samples, last=chunk.last))
                 sent += len(chunk.samples)
     except EngineError as e:
-        raise _engine_error(e) from None
+        raise engine_error(e) from None
 
 
 def check_voice(services, name: str | None, what: str) -> None:
@@ -87,6 +76,46 @@ def check_voice(services, name: str | None, what: str) -> None:
         raise SessionError(ErrorKind.NOT_FOUND, f"{what} {name!r} is not a voice of this server; it has: {names} "
                                                 "(or gender:pitch:speed, e.g. female:high:moderate); add one "
                                                 "from a recording with AddVoice")
+
+
+# A speaking rate -> the preset voices' speed label (the highest rate each label covers).
+SPEED_LEVELS = ((0.6, "very_low"), (0.85, "low"), (1.15, "moderate"), (1.6, "high"), (4.0, "very_high"))
+
+
+async def resolve_voice(services, name: str | None, speed: float = 1.0,
+                        aliases: Mapping[str, str] | None = None) -> str | None:
+    """A caller's voice (None: the server's default) as the engine names it. `aliases` maps a protocol's
+    own voice names onto the server's (a voice of the server by that name comes first); `speed` other
+    than 1 picks a preset's speed label (cloned voices speak at their recording's pace). Raises
+    NOT_FOUND for a voice the server does not have, BAD_INPUT for a speed a cloned voice cannot take."""
+    aliases = aliases or {}
+    name = (name or "").strip() or services.config.tts.voice or None
+    has = getattr(services.voices, "has", None)
+    if speed == 1.0 and name and has is not None and has(name):
+        # A voice of the server by its own name, as gRPC's check takes it: no trip to a thread (which,
+        # under load, waits for the GIL while the engine thread steps) before the request reaches the engine.
+        return name
+
+    def resolve(n):
+        try:
+            return services.voices.resolve(n)
+        except EngineError:
+            return None
+
+    resolved = await asyncio.to_thread(resolve, name)
+    if resolved is None and name in aliases:
+        resolved = await asyncio.to_thread(resolve, aliases[name])
+    if resolved is None:
+        known = [v.name for v in await asyncio.to_thread(list_voices, services)]
+        also = f" (and {', '.join(aliases)}, mapped onto those)" if aliases else ""
+        raise SessionError(ErrorKind.NOT_FOUND, f"unknown voice {name!r}; this server has {', '.join(known)}{also}")
+    if speed == 1.0:
+        return resolved.name
+    if resolved.kind != "preset":
+        raise invalid(f"speed applies to the preset voices; the cloned voice {resolved.name!r} speaks at the pace "
+                      "of its recording")
+    level = next(label for top, label in SPEED_LEVELS if speed <= top)
+    return f"{resolved.gender}:{resolved.pitch}:{level}"
 
 
 def list_voices(services) -> list:
@@ -204,11 +233,26 @@ async def recognize_clip(services, pcm: np.ndarray, opts: ASROptions,
                          keep_hallucinations: bool = False) -> list[tuple[Utterance, Transcript]]:
     """Transcribes a clip from `decode_clip`, one result per utterance (in order); results flagged as
     hallucinations are left out unless `keep_hallucinations`. Raises SessionError."""
+    async with contextlib.aclosing(recognize_clip_stream(services, pcm, opts, keep_hallucinations)) as results:
+        return [r async for r in results]
+
+
+async def recognize_clip_stream(services, pcm: np.ndarray, opts: ASROptions, keep_hallucinations: bool = False
+                                ) -> AsyncIterator[tuple[Utterance, Transcript]]:
+    """`recognize_clip` one utterance at a time, each as soon as it and those before it are ready: every
+    utterance goes to the engine at once (they share its batches), results leave in order. Raises
+    SessionError at the first that fails; closing the iterator early cancels what is left."""
     utterances = split_clip(pcm)
+    jobs = [asyncio.ensure_future(services.asr.run(ASRRequest(int16_to_float(u.audio), opts))) for u in utterances]
     try:
-        results = await asyncio.gather(*(services.asr.run(ASRRequest(int16_to_float(u.audio), opts))
-                                         for u in utterances))
-    except EngineError as e:
-        raise _engine_error(e) from None
-    return [(u, in_caller_time(r, u)) for u, r in zip(utterances, results)
-            if keep_hallucinations or not r.is_hallucination]
+        for u, job in zip(utterances, jobs):
+            try:
+                result = await job
+            except EngineError as e:
+                raise engine_error(e) from None
+            if keep_hallucinations or not result.is_hallucination:
+                yield u, in_caller_time(result, u)
+    finally:
+        for job in jobs:
+            job.cancel()
+        await asyncio.gather(*jobs, return_exceptions=True)

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import importlib
 
+from voiced.doors.shared import DoorError
+
 # name -> "module:Class". `grpc` is always open (server.listen); the others open when their
 # `[doors]` config key is set.
 DOORS: dict[str, str] = {
@@ -24,10 +26,6 @@ DOORS: dict[str, str] = {
     "http": "voiced.doors.http:HttpDoor",
     "wyoming": "voiced.doors.wyoming:WyomingDoor",
 }
-
-
-class DoorError(ValueError):
-    """A configured door that cannot be built; the message says what to do."""
 
 
 def door_class(name: str) -> type:

@@ -28,18 +28,12 @@ import time
 import numpy as np
 
 from voiced.audio.ingest import MAX_RATE, Format, Resampler
-from voiced.core.events import (
-    AudioIn,
-    AudioOut,
-    Dtmf,
-    ErrorKind,
-    HangupOut,
-    ReplyInterrupted,
-    SessionError,
-)
+from voiced.core.calls import CallInputs, LiveCalls, log_event, run_call
+from voiced.core.errors import ErrorKind, SessionError
+from voiced.core.events import AudioIn, AudioOut, Dtmf, HangupOut, ReplyInterrupted
 from voiced.doors import audiosocket_frames as wire
-from voiced.doors.calls import CallInputs, LiveCalls, door_address, last_words, log_event, run_call
 from voiced.doors.pacing import FRAME_S, Pacer
+from voiced.doors.shared import door_address, last_words
 
 log = logging.getLogger(__name__)
 

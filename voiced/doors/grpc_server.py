@@ -23,7 +23,7 @@ from voiced_client.proto import voiced_pb2_grpc as pb_grpc
 import voiced
 from voiced.audio.ingest import MAX_RATE, MIN_RATE, ms
 from voiced.core import speech
-from voiced.core.events import ErrorKind, SessionError, invalid
+from voiced.core.errors import ErrorKind, SessionError, invalid
 from voiced.core.services import Services
 from voiced.core.session import Session
 from voiced.doors import grpc_wire as wire

@@ -14,7 +14,7 @@ from voiced_client.proto import voiced_pb2 as pb
 from voiced.audio.ingest import Format
 from voiced.config import Config
 from voiced.core import events as ev
-from voiced.core.events import invalid
+from voiced.core.errors import invalid
 from voiced.core.spec import SessionSpec, asr_options_for, check_format, segmentation_for, tts_options_for
 from voiced.engines.base import ASROptions, Transcript, TTSOptions
 

@@ -15,82 +15,34 @@ Probes answer as Kubernetes expects: `/healthz` is 200 while the process serves 
 `/readyz` is 200 once the models are loaded and 503 while loading or draining (readiness). Both
 are exempt from the token, as gRPC's health service is.
 
-Every error is OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`, whatever raised
-it (a handler, the core, aiohttp's own 404/405/413); an unexpected exception is logged here and
-the caller gets a generic message, never a traceback.
+Every error is OpenAI's shape (voiced.doors.shared.HttpError), whatever raised it (a handler, the
+core, aiohttp's own 404/405/413); an unexpected exception is logged here and the caller gets a
+generic message, never a traceback.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import logging
-import ssl
 import weakref
 from collections.abc import Iterable
 
 from aiohttp import WSCloseCode, web
 
-from voiced.core.events import ErrorKind, SessionError
+from voiced.core.errors import SessionError
+from voiced.doors.shared import (
+    INTERNAL_MESSAGE,
+    DoorError,
+    HttpError,
+    from_session_error,
+    split_address,
+    tls_context,
+)
 
 log = logging.getLogger(__name__)
 
-# ErrorKind -> (HTTP status, OpenAI error type).
-_KIND_STATUS: dict[ErrorKind, tuple[int, str]] = {
-    ErrorKind.BAD_INPUT: (400, "invalid_request_error"),
-    ErrorKind.NOT_ENABLED: (400, "invalid_request_error"),
-    ErrorKind.NOT_FOUND: (404, "invalid_request_error"),
-    ErrorKind.TIMEOUT: (408, "invalid_request_error"),
-    ErrorKind.OVER_CAPACITY: (429, "server_busy"),
-    ErrorKind.UNAVAILABLE: (503, "server_unavailable"),
-    ErrorKind.INTERNAL: (500, "server_error"),
-}
-_STATUS_TYPE = {401: "invalid_request_error", 404: "invalid_request_error", 405: "invalid_request_error",
-                413: "invalid_request_error", 415: "invalid_request_error", 422: "invalid_request_error"}
 WS_SUBPROTOCOL_TOKEN = "openai-insecure-api-key."  # how a browser, which cannot set headers, sends a token
-
-
-class HttpError(Exception):
-    """An error for the caller, in OpenAI's shape; raise it from any handler."""
-
-    def __init__(self, status: int, message: str, *, code: str | None = None, param: str | None = None,
-                 type: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.code, self.param = status, message, code, param
-        self.type = type or _STATUS_TYPE.get(status, "invalid_request_error" if status < 500 else "server_error")
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-    def response(self) -> web.Response:
-        headers = {"WWW-Authenticate": 'Bearer realm="voiced"'} if self.status == 401 else None
-        return web.json_response(self.body(), status=self.status, headers=headers)
-
-
-def from_session_error(e: SessionError, param: str | None = None) -> HttpError:
-    status, kind_type = _KIND_STATUS.get(e.kind, (500, "server_error"))
-    message = e.message if e.kind is not ErrorKind.INTERNAL else "internal error; the server log has the details"
-    return HttpError(status, message, code=e.kind.value, param=param, type=kind_type)
-
-
-def split_address(address: str, default_port: int = 8080) -> tuple[str, int]:
-    """HOST:PORT (or [v6]:PORT, or :PORT for localhost) -> (host, port)."""
-    host, sep, port = address.rpartition(":")
-    if not sep or not port.isdigit():
-        raise ValueError(f"HTTP address {address!r} is not HOST:PORT (e.g. 127.0.0.1:8080)")
-    host = host.strip("[]") or "127.0.0.1"
-    return host, int(port) if port else default_port
-
-
-def tls_context(cert: str, key: str) -> ssl.SSLContext | None:
-    if not (cert or key):
-        return None
-    if not (cert and key):
-        raise ValueError("TLS needs both server.tls_cert and server.tls_key")
-    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    ctx.load_cert_chain(cert, key)
-    return ctx
 
 
 class HttpListener:
@@ -100,7 +52,10 @@ class HttpListener:
         self.services = services
         self.name = name
         self.address = address
-        self.host, self.port = split_address(address)
+        try:
+            self.host, self.port = split_address(address)
+        except ValueError as e:
+            raise DoorError(f"doors.{name}: {e}") from None
         server = services.config.server
         self._token = f"Bearer {server.auth_token}".encode() if server.auth_token else None
         self._ws_token = (WS_SUBPROTOCOL_TOKEN + server.auth_token) if server.auth_token else None
@@ -179,7 +134,7 @@ class HttpListener:
         except Exception:
             log.exception("%s %s: unexpected error", request.method, request.path)
             self.services.count_error(self.name, "500")
-            return HttpError(500, "internal error; the server log has the details", type="server_error").response()
+            return HttpError(500, INTERNAL_MESSAGE, type="server_error").response()
 
     @web.middleware
     async def _auth(self, request: web.Request, handler):
@@ -245,17 +200,6 @@ class HttpListener:
         sockets = [ws for ws in self._websockets if not ws.closed]
         await asyncio.gather(*(ws.close(code=WSCloseCode.GOING_AWAY, message=b"server shutting down")
                                for ws in sockets), return_exceptions=True)
-
-
-def json_body(text: str) -> dict:
-    """A JSON object from a request body, or a 400 that says what is wrong with it."""
-    try:
-        body = json.loads(text)
-    except ValueError as e:
-        raise HttpError(400, f"the body is not valid JSON ({e})") from None
-    if not isinstance(body, dict):
-        raise HttpError(400, "the body must be a JSON object")
-    return body
 
 
 class HttpDoor(HttpListener):

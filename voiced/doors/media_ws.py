@@ -40,17 +40,10 @@ import time
 from aiohttp import WSMsgType, web
 
 from voiced.audio.ingest import Format
-from voiced.core.events import (
-    DTMF_DIGITS,
-    AudioIn,
-    AudioOut,
-    Dtmf,
-    ErrorKind,
-    HangupOut,
-    ReplyInterrupted,
-    SessionError,
-)
-from voiced.doors.calls import CallInputs, LiveCalls, door_address, last_words, log_event, run_call
+from voiced.core.calls import CallInputs, LiveCalls, log_event, run_call
+from voiced.core.errors import ErrorKind, SessionError
+from voiced.core.events import DTMF_DIGITS, AudioIn, AudioOut, Dtmf, HangupOut, ReplyInterrupted
+from voiced.doors.shared import door_address, last_words, tls_context
 
 log = logging.getLogger(__name__)
 
@@ -149,12 +142,7 @@ class MediaStreamDoor:
         self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
         await self._runner.setup()
         c = self.services.config.server
-        tls = None
-        if c.tls_cert and c.tls_key:  # Twilio connects to wss:// only
-            import ssl
-
-            tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-            tls.load_cert_chain(c.tls_cert, c.tls_key)
+        tls = tls_context(c.tls_cert, c.tls_key)  # Twilio connects to wss:// only
         self._site = web.TCPSite(self._runner, host, port, ssl_context=tls)
         await self._site.start()
         bound = self._runner.addresses[0]

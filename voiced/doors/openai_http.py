@@ -11,8 +11,8 @@ tools) points its base URL at `http://HOST:PORT/v1` and works unchanged:
 
 Model names: the loaded models' own names, or OpenAI's (`whisper-1`, `gpt-4o-transcribe`, ...,
 `tts-1`, `gpt-4o-mini-tts`, ...), which mean the loaded model. Voices: the daemon's presets and
-cloned voices by name; OpenAI's voice names map onto presets (VOICE_ALIASES) unless a cloned
-voice has that name. Everything else a caller can get wrong is an error in OpenAI's shape.
+cloned voices by name; OpenAI's voice names map onto presets (voiced.doors.shared.OPENAI_VOICES)
+unless a cloned voice has that name. Everything else a caller can get wrong is an error in OpenAI's shape.
 """
 
 from __future__ import annotations
@@ -29,13 +29,13 @@ from aiohttp import web
 from aiohttp_sse import sse_response
 
 from voiced.audio.files import ACCEPTED_NAMES, SPEECH_FORMATS, AudioFileError, SpeechEncoder, decode_file
-from voiced.audio.ingest import Format, int16_to_float
+from voiced.audio.ingest import Format
 from voiced.core import speech
-from voiced.core.events import ErrorKind, SessionError
-from voiced.core.spec import asr_options_for, tts_options_for
-from voiced.doors.http import HttpError, from_session_error, json_body
+from voiced.core.errors import ErrorKind, SessionError
+from voiced.core.spec import asr_options_for, check_language, tts_options_for
+from voiced.doors.shared import OPENAI_VOICES, HttpError, from_session_error, json_body
 from voiced.doors.transcripts import RESPONSE_FORMATS, Recognized, render
-from voiced.engines.base import ASROptions, ASRRequest, CapacityError, EngineError, Transcript
+from voiced.engines.base import ASROptions, Transcript
 
 log = logging.getLogger(__name__)
 
@@ -44,13 +44,6 @@ SPEECH_RATE = 24000  # what OpenAI's clients expect: `pcm` is 24 kHz 16-bit mono
 ASR_ALIASES = ("whisper-1", "gpt-4o-transcribe", "gpt-4o-mini-transcribe", "gpt-4o-mini-transcribe-2025-12-15",
                "gpt-transcribe", "gpt-4o-transcribe-diarize")
 TTS_ALIASES = ("tts-1", "tts-1-hd", "gpt-4o-mini-tts", "gpt-4o-mini-tts-2025-12-15")
-# OpenAI's voice names -> the nearest preset (by the voice's published gender and register).
-VOICE_ALIASES = {
-    "alloy": "female", "coral": "female", "nova": "female-high", "shimmer": "female-high", "sage": "female-low",
-    "marin": "female", "ballad": "male-high", "ash": "male", "echo": "male", "fable": "male-high",
-    "onyx": "male-low", "verse": "male", "cedar": "male-low",
-}
-SPEED_LEVELS = ((0.6, "very_low"), (0.85, "low"), (1.15, "moderate"), (1.6, "high"), (4.0, "very_high"))
 WORD_TIMINGS = "words" in {f.name for f in fields(Transcript)}  # the engine reports word times
 # The recognition option that asks for them (named by the word-timing work when it lands).
 WORD_OPTION = next((n for n in ("word_timestamps", "words") if n in {f.name for f in fields(ASROptions)}), None)
@@ -73,47 +66,18 @@ def _bad(message: str, param: str | None = None, code: str = "invalid_value") ->
 
 
 async def resolve_voice(services, voice, speed: float = 1.0) -> str | None:
-    """A request's voice (a name, {"id": name} or None) as the engine names it, or HttpError (404 for an
-    unknown one). OpenAI's voice names map onto presets unless a cloned voice has that name; `speed`
-    other than 1 picks a preset's speed label (cloned voices speak at their recording's pace)."""
+    """A request's voice (a name, {"id": name} or None) as the engine names it (voiced.core.speech), or
+    HttpError: 404 for an unknown one, 400 for a speed the voice cannot take."""
     if isinstance(voice, dict):
         voice = voice.get("id")
     if voice is not None and (not isinstance(voice, str) or not voice.strip()):
         raise _bad("voice must be a voice name (GET /v1/audio/voices)", "voice")
-    name = (voice or "").strip() or services.config.tts.voice or None
-    has = getattr(services.voices, "has", None)
-    if speed == 1.0 and name and has is not None and has(name):
-        # A voice of the server by its own name, as gRPC's check takes it: no trip to a thread (which,
-        # under load, waits for the GIL while the engine thread steps) before the request reaches the engine.
-        return name
-
-    def resolve(n):
-        try:
-            return services.voices.resolve(n)
-        except EngineError:
-            return None
-
-    resolved = await asyncio.to_thread(resolve, name)
-    if resolved is None and name in VOICE_ALIASES:
-        resolved = await asyncio.to_thread(resolve, VOICE_ALIASES[name])
-    if resolved is None:
-        known = [v.name for v in await asyncio.to_thread(speech.list_voices, services)]
-        raise HttpError(404, f"unknown voice {name!r}; this server has {', '.join(known)} "
-                        f"(and OpenAI's {', '.join(VOICE_ALIASES)}, mapped onto those)", param="voice",
-                        code="voice_not_found")
-    if speed == 1.0:
-        return resolved.name
-    if resolved.kind != "preset":
-        raise _bad(f"speed applies to the preset voices; the cloned voice {resolved.name!r} speaks at the pace "
-                   "of its recording", "speed")
-    level = next(label for top, label in SPEED_LEVELS if speed <= top)
-    return f"{resolved.gender}:{resolved.pitch}:{level}"
-
-
-def _engine_error(e: EngineError) -> SessionError:
-    # A full queue is the server's state (retry later); anything else is about the request.
-    kind = ErrorKind.OVER_CAPACITY if isinstance(e, CapacityError) else ErrorKind.BAD_INPUT
-    return SessionError(kind, str(e))
+    try:
+        return await speech.resolve_voice(services, voice, speed, aliases=OPENAI_VOICES)
+    except SessionError as e:
+        not_found = e.kind is ErrorKind.NOT_FOUND
+        raise HttpError(404 if not_found else 400, e.message, param="voice" if not_found else "speed",
+                        code="voice_not_found" if not_found else "invalid_value") from None
 
 
 class OpenAIAudio:
@@ -241,14 +205,10 @@ class OpenAIAudio:
                 t = -1.0
             if not 0.0 <= t <= 1.0:
                 raise _bad("temperature must be a number from 0 to 1", "temperature")
-        language = one("language") or None
-        if language:
-            from voiced.engines.whisper.tokenizer import normalize_language
-
-            try:
-                language = normalize_language(language)
-            except ValueError as e:
-                raise _bad(str(e), "language") from None
+        try:
+            language = check_language(one("language"), "language")
+        except SessionError as e:
+            raise from_session_error(e, "language") from None
         try:
             opts = asr_options_for(self.s.config, language=language, task=task, initial_prompt=one("prompt") or None)
         except SessionError as e:
@@ -269,35 +229,30 @@ class OpenAIAudio:
 
     async def _stream_transcript(self, request: web.Request, pcm, opts) -> web.StreamResponse:
         """`transcript.text.delta` per utterance as its transcript is ready (in order), then `.done`."""
-        utterances = speech.split_clip(pcm)
-        jobs = [asyncio.ensure_future(self.s.asr.run(ASRRequest(int16_to_float(u.audio), opts))) for u in utterances]
-        try:
-            first = await jobs[0] if jobs else None  # errors before the first byte are proper statuses
-        except EngineError as e:
-            for job in jobs:
-                job.cancel()
-            raise from_session_error(_engine_error(e)) from None
-        texts: list[str] = []
-        try:
+        async with contextlib.aclosing(speech.recognize_clip_stream(self.s, pcm, opts)) as results:
+            try:
+                first = await anext(results, None)  # errors before the first byte are proper statuses
+            except SessionError as e:
+                raise from_session_error(e) from None
+            texts: list[str] = []
             async with sse_response(request, allow_all_methods=True, sep="\n") as sse:
-                for i, job in enumerate(jobs):
-                    try:
-                        result = first if i == 0 else await job
-                    except EngineError as e:
-                        err = from_session_error(_engine_error(e))
-                        await sse.send(json.dumps(err.body()))
-                        return sse
-                    text = result.text.strip()
-                    if result.is_hallucination or not text:
-                        continue
-                    delta = text if not texts else " " + text
-                    texts.append(text)
-                    await sse.send(json.dumps({"type": "transcript.text.delta", "delta": delta}))
+                try:
+                    if first is not None:
+                        await self._delta(sse, first[1], texts)
+                        async for _, transcript in results:
+                            await self._delta(sse, transcript, texts)
+                except SessionError as e:
+                    await sse.send(json.dumps(from_session_error(e).body()))
+                    return sse
                 await sse.send(json.dumps({"type": "transcript.text.done", "text": " ".join(texts)}))
             return sse
-        finally:
-            for job in jobs:
-                job.cancel()
+
+    @staticmethod
+    async def _delta(sse, transcript: Transcript, texts: list[str]) -> None:
+        text = transcript.text.strip()
+        if text:
+            await sse.send(json.dumps({"type": "transcript.text.delta", "delta": text if not texts else " " + text}))
+            texts.append(text)
 
     # ------------------------------------------------------------------ speech
 

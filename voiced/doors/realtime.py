@@ -36,12 +36,12 @@ from aiohttp import WSCloseCode, WSMsgType, web
 
 from voiced.audio.ingest import Format
 from voiced.core import events as core
-from voiced.core.events import ErrorKind, SessionError
-from voiced.core.spec import asr_options_for, segmentation_for
+from voiced.core.errors import ErrorKind, SessionError
+from voiced.core.spec import asr_options_for, check_language, segmentation_for
+from voiced.core.speech import resolve_voice
 from voiced.doors import realtime_events as rt
-from voiced.doors.calls import last_words
-from voiced.doors.http import HttpError
 from voiced.doors.realtime_events import EventError, RealtimeConfig, TurnDetection
+from voiced.doors.shared import INTERNAL_MESSAGE, OPENAI_VOICES, HttpError, last_words
 
 log = logging.getLogger(__name__)
 
@@ -210,13 +210,11 @@ class RealtimeConnection:
         if cfg.voice != self.cfg.voice or cfg.speed != self.cfg.speed:
             cfg.voice = await self._voice(cfg, event_id)
         if cfg.language and cfg.language != self.cfg.language:
-            from voiced.engines.whisper.tokenizer import normalize_language
-
+            where = "session.audio.input.transcription.language"
             try:
-                cfg.language = normalize_language(cfg.language)
-            except ValueError as e:
-                raise EventError("invalid_value", str(e), "session.audio.input.transcription.language",
-                                 event_id) from None
+                cfg.language = check_language(cfg.language, where)
+            except SessionError as e:
+                raise EventError("invalid_value", e.message, where, event_id) from None
         self._spec(cfg, event_id)  # validate now: a bad setting is refused before anything changes
         if self.pipeline is not None and cfg != self.cfg:
             await self._stop_pipeline()  # the next audio starts one with the new settings
@@ -227,13 +225,12 @@ class RealtimeConnection:
     async def _voice(self, cfg: RealtimeConfig, event_id) -> str | None:
         if cfg.type == "transcription" or self.s.tts is None:
             return cfg.voice
-        from voiced.doors.openai_http import resolve_voice
-
         try:
-            return await resolve_voice(self.s, cfg.voice, cfg.speed)
-        except HttpError as e:
-            raise EventError(e.code or "invalid_value", e.message, "session.audio.output." + (e.param or "voice"),
-                             event_id) from None
+            return await resolve_voice(self.s, cfg.voice, cfg.speed, aliases=OPENAI_VOICES)
+        except SessionError as e:
+            not_found = e.kind is ErrorKind.NOT_FOUND
+            raise EventError("voice_not_found" if not_found else "invalid_value", e.message,
+                             "session.audio.output." + ("voice" if not_found else "speed"), event_id) from None
 
     async def _append(self, audio: bytes, event_id) -> None:
         if self.cfg.input_format == "audio/pcm":
@@ -354,7 +351,7 @@ class RealtimeConnection:
                 await session.writing(self._on_output(ev))
         except SessionError as e:
             await last_words(self.error(e.kind.value, e.message if e.kind is not ErrorKind.INTERNAL else
-                                        "internal error; the server log has the details", type="server_error"),
+                                        INTERNAL_MESSAGE, type="server_error"),
                              self.transport)
             self._close_after(_CLOSE.get(e.kind, WSCloseCode.INTERNAL_ERROR), e.message)
         except (ConnectionResetError, asyncio.CancelledError):

@@ -15,7 +15,7 @@ import itertools
 import uuid
 from dataclasses import dataclass
 
-from voiced.core.events import SessionError
+from voiced.core.errors import SessionError
 from voiced.core.spec import MAX_TEXT_CHARS, check_user_text, clean_text
 
 CLIENT_EVENTS = (

@@ -23,7 +23,7 @@ Each recognition or synthesis holds one place of `server.max_sessions`. A refusa
 failure is answered with the protocol's `error` event (`code` = the core's ErrorKind) and ends that
 connection only. So does a caller that stops reading: what waits for it is bounded by
 `server.max_outbound_bytes` (a recognition's through its session, a synthesis's through
-voiced.core.outbound), and past it the request ends with `over_capacity`, giving its place back.
+voiced.core.outbound.deliver), and past it the request ends with `over_capacity`, giving its place back.
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
-from urllib.parse import urlsplit
 
 from wyoming.asr import Transcribe, Transcript, TranscriptChunk, TranscriptStart, TranscriptStop
 from wyoming.audio import AudioChunk, AudioStart, AudioStop
@@ -46,38 +45,25 @@ from wyoming.tts import Synthesize, SynthesizeChunk, SynthesizeStart, Synthesize
 import voiced
 from voiced.audio.ingest import RATE, AudioFormatError, Format
 from voiced.audio.pcm import PcmConverter
-from voiced.core.events import AudioIn, ErrorKind, NoticeOut, SessionError, TalkEnd, TalkStart, TranscriptOut, invalid
-from voiced.core.outbound import EVENT_BYTES, Outbound
+from voiced.core.errors import ErrorKind, SessionError, invalid
+from voiced.core.events import AudioIn, NoticeOut, TalkEnd, TalkStart, TranscriptOut
+from voiced.core.outbound import EVENT_BYTES, deliver
 from voiced.core.session import Session
-from voiced.core.spec import segmentation_for, tts_options_for
+from voiced.core.spec import check_language, segmentation_for, tts_options_for
 from voiced.core.speech import list_voices, synthesize
-from voiced.doors.calls import last_words
+from voiced.doors.shared import DoorError, last_words, split_address
 from voiced.text import SentenceBuffer
 
 log = logging.getLogger(__name__)
 
 FRONT = "wyoming"
 PROGRAM = "voiced"
-DEFAULT_HOST = "127.0.0.1"
 PCM16K = Format("LINEAR16", RATE)
 OUT_WIDTH, OUT_CHANNELS = 2, 1  # what the engines' audio leaves as: 16 kHz 16-bit mono
 
 VOICED = ("voiced", "")  # the project publishes no URL yet; the field is required
 WHISPER = ("OpenAI", "https://github.com/openai/whisper")
 SPARK_TTS = ("SparkAudio", "https://github.com/SparkAudio/Spark-TTS")
-
-
-def parse_address(address: str) -> tuple[str, int]:
-    """`tcp://HOST:PORT` (or `HOST:PORT`) -> (host, port); the host defaults to 127.0.0.1."""
-    text = address.strip()
-    parts = urlsplit(text if "://" in text else f"tcp://{text}")
-    try:
-        port = parts.port
-    except ValueError:
-        port = None
-    if parts.scheme != "tcp" or port is None or parts.path not in ("", "/"):
-        raise ValueError(f"wyoming address {address!r}: use tcp://HOST:PORT, e.g. tcp://0.0.0.0:10300")
-    return parts.hostname or DEFAULT_HOST, port
 
 
 # ---------------------------------------------------------------------------- describe -> info
@@ -114,18 +100,6 @@ def build_info(services) -> Info:
     return info
 
 
-def _language(asked: str | None, languages) -> str | None:
-    """A client's language (`en`, `en-US`, `en_US`) -> the model's code; None: the server's default."""
-    if not asked:
-        return None
-    code = asked.strip().replace("_", "-").lower()
-    for candidate in (code, code.split("-")[0]):
-        if candidate in languages:
-            return candidate
-    raise SessionError(ErrorKind.BAD_INPUT, f"language {asked!r} is not one this model knows; "
-                                            f"it knows: {', '.join(languages)}")
-
-
 # ---------------------------------------------------------------------------- the door
 
 
@@ -136,7 +110,10 @@ class WyomingDoor:
 
     def __init__(self, services, address: str):
         self.services = services
-        self.host, self.port = parse_address(address)
+        try:
+            self.host, self.port = split_address(address, scheme="tcp")
+        except ValueError as e:
+            raise DoorError(f"doors.wyoming: {e}") from None
         self.address = ""
         self._server: asyncio.AbstractServer | None = None
         self._connections: dict[asyncio.Task, _Handler] = {}
@@ -289,7 +266,7 @@ class _Handler(AsyncEventHandler):
         if transcribe.name and transcribe.name not in (PROGRAM, asr.model_name):
             raise SessionError(ErrorKind.NOT_FOUND, f"model {transcribe.name!r} is not loaded here; this server "
                                                     f"has {asr.model_name!r}")
-        return _language(transcribe.language, asr.languages)
+        return check_language(transcribe.language, "language", known=list(asr.languages))
 
     def _check_no_audio(self, what: str) -> None:
         if self._recognition is not None and not self._recognition.stopped:
@@ -484,47 +461,30 @@ class _Speech:
         if self._voice is not None:
             name, language = self._voice.name, self._voice.language
         if language and not name:
-            _language(language, s.tts.engine.languages)  # a voice by language: every voice speaks them all
+            # every voice speaks them all: a voice asked for by language is only checked
+            check_language(language, "voice.language", known=list(s.tts.engine.languages))
         return tts_options_for(s.config, voice=name or None)
 
     async def _run(self, after: _Speech | None) -> None:
         await _after(after)
         s = self.services
-        limits = s.config.server
         try:
             s.check_ready(need_tts=True)
             opts = self._options()
             async with s.admit(FRONT):
                 log.info("wyoming %s: synthesize%s (voice %s)", self.handler.peer,
                          " stream" if self.streaming else "", opts.voice or "default")
-                # The audio goes out through a bounded buffer, written by a task of its own: a caller
-                # that stops reading fills it and the synthesis ends (OVER_CAPACITY), freeing the engine
-                # and this place, instead of the write holding both forever. max_session_s bounds
-                # the whole, the caller's reading of what is left at the end included.
-                outbound = Outbound(limits.max_outbound_bytes)
-                writer = asyncio.ensure_future(self._write_out(outbound))
-                try:
-                    await asyncio.wait_for(self._speak(opts, outbound, writer), limits.max_session_s or None)
-                except TimeoutError:
-                    raise SessionError(ErrorKind.TIMEOUT, f"the synthesis and its reading took longer than "
-                                                          f"server.max_session_s ({limits.max_session_s:g} s)") from None
-                finally:
-                    writer.cancel()
-                    await asyncio.gather(writer, return_exceptions=True)
+                # The core's bounds on work without a session: a caller that stops reading ends the
+                # synthesis (OVER_CAPACITY) and max_session_s bounds the whole, freeing the engine and
+                # this place instead of a write holding both forever.
+                await deliver(s.config.server, lambda put: self._speak(opts, put), self.handler.write_event)
         except Exception as e:
             await self.handler.fail(e)
 
-    async def _speak(self, opts, outbound: Outbound, writer: asyncio.Task) -> None:
-        """Every sentence's audio into `outbound` as the engine makes it, then the closing events; returns
-        once the writer has sent them all."""
+    async def _speak(self, opts, put) -> None:
+        """Every sentence's audio to `put` as the engine makes it, then the closing events."""
         s = self.services
         fmt = {"rate": RATE, "width": OUT_WIDTH, "channels": OUT_CHANNELS}
-
-        def put(event, audio: bytes = b"") -> None:
-            if writer.done():
-                writer.result()  # the connection failed: its error ends the synthesis
-            outbound.put(event, EVENT_BYTES + len(audio))
-
         started = False
         sent = 0  # samples
         while (sentence := await self._queue.get()) is not None:
@@ -533,20 +493,15 @@ class _Speech:
             async with contextlib.aclosing(synthesize(s, sentence, opts, PCM16K)) as chunks:
                 async for chunk in chunks:
                     if not started:
-                        put(AudioStart(**fmt, timestamp=0).event())
+                        put(AudioStart(**fmt, timestamp=0).event(), EVENT_BYTES)
                         started = True
                     if chunk.audio:
-                        put(AudioChunk(**fmt, audio=chunk.audio, timestamp=sent * 1000 // RATE).event(), chunk.audio)
+                        put(AudioChunk(**fmt, audio=chunk.audio, timestamp=sent * 1000 // RATE).event(),
+                            EVENT_BYTES + len(chunk.audio))
                         sent += len(chunk.audio) // OUT_WIDTH
         if not started:
-            put(AudioStart(**fmt, timestamp=0).event())  # a stream that carried no text
-        put(AudioStop(timestamp=sent * 1000 // RATE).event())
+            put(AudioStart(**fmt, timestamp=0).event(), EVENT_BYTES)  # a stream that carried no text
+        put(AudioStop(timestamp=sent * 1000 // RATE).event(), EVENT_BYTES)
         if self.streaming:
-            put(SynthesizeStopped().event())
-        outbound.end()
-        await writer
+            put(SynthesizeStopped().event(), EVENT_BYTES)
         log.debug("wyoming %s: spoke %.2f s", self.handler.peer, sent / RATE)
-
-    async def _write_out(self, outbound: Outbound) -> None:
-        async for event in outbound:
-            await self.handler.write_event(event)

@@ -13,7 +13,8 @@ import os
 from pathlib import Path
 
 from voiced.engines.trtllm import versions
-from voiced.engines.trtllm.build import MANIFEST, Manifest, engine_files_present
+from voiced.engines.trtllm.build import engine_files_present
+from voiced.engines.trtllm.manifest import MANIFEST, Manifest
 
 log = logging.getLogger(__name__)
 

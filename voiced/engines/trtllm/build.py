@@ -35,7 +35,6 @@ matches is skipped; the manifest is written last, so an interrupted build never 
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shlex
@@ -44,21 +43,18 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from tqdm import tqdm
 
 from voiced import hub
 from voiced.engines.trtllm import versions
+from voiced.engines.trtllm.manifest import MANIFEST, Manifest
 from voiced.engines.trtllm.whisper_runner import N_FRAMES
 
 log = logging.getLogger(__name__)
 
-MANIFEST = "manifest.json"
-# Bumped when the command lines change for the same options, so engines built before rebuild:
-# 2 = the Whisper encoder's --max_num_tokens and --kv_cache_type paged (issue 16).
-MANIFEST_SCHEMA = 2
 KINDS = ("whisper", "spark-tts")
 
 # OpenAI checkpoints (the URLs carry the file's sha256, as openai-whisper's _MODELS table does).
@@ -234,66 +230,11 @@ def plan_steps(opts: BuildOptions, checkpoint: Path, out_dir: Path, convert_scri
 # ------------------------------------------------------------------------------------- manifest
 
 
-@dataclass
-class Manifest:
-    kind: str
-    model: str
-    checkpoint_sha256: str
-    trtllm_version: str
-    options: dict
-    commands: list[str] = field(default_factory=list)
-    schema: int = MANIFEST_SCHEMA
-    built_at: str = ""
-    build_seconds: float = 0.0
-
-    @classmethod
-    def for_build(cls, opts: BuildOptions, checkpoint_sha256: str, trtllm_version: str,
-                  steps: Sequence[BuildStep] = ()) -> Manifest:
-        return cls(kind=opts.kind, model=opts.model, checkpoint_sha256=checkpoint_sha256,
-                   trtllm_version=trtllm_version, options=asdict(opts),
-                   commands=[s.shell() for s in steps])
-
-    def identity(self) -> dict:
-        """What must match for an existing engine to be reused (paths and timings do not count)."""
-        return {"schema": self.schema, "kind": self.kind, "model": self.model,
-                "checkpoint_sha256": self.checkpoint_sha256, "trtllm_version": self.trtllm_version,
-                "options": self.options}
-
-    def matches(self, other: Manifest) -> bool:
-        return self.identity() == other.identity()
-
-    def differences(self, other: Manifest) -> list[str]:
-        a, b = self.identity(), other.identity()
-        out = []
-        for key in a:
-            if key == "options":
-                for k in sorted(set(a[key]) | set(b[key])):
-                    if a[key].get(k) != b[key].get(k):
-                        out.append(f"{k}: {b[key].get(k)!r} -> {a[key].get(k)!r}")
-            elif a[key] != b[key]:
-                out.append(f"{key}: {b[key]!r} -> {a[key]!r}")
-        return out
-
-    def write(self, engine_dir: Path) -> Path:
-        path = Path(engine_dir) / MANIFEST
-        tmp = path.with_suffix(".json.part")
-        tmp.write_text(json.dumps(asdict(self), indent=2, sort_keys=True) + "\n")
-        os.replace(tmp, path)
-        return path
-
-    @classmethod
-    def read(cls, engine_dir: Path) -> Manifest | None:
-        path = Path(engine_dir) / MANIFEST
-        if not path.is_file():
-            return None
-        try:
-            data = json.loads(path.read_text())
-            return cls(**{k: data[k] for k in ("kind", "model", "checkpoint_sha256", "trtllm_version", "options")},
-                       commands=data.get("commands", []), schema=data.get("schema", 0),
-                       built_at=data.get("built_at", ""), build_seconds=data.get("build_seconds", 0.0))
-        except (ValueError, KeyError, TypeError) as e:
-            log.warning("ignoring unreadable manifest %s: %s", path, e)
-            return None
+def manifest_for(opts: BuildOptions, checkpoint_sha256: str, trtllm_version: str,
+                 steps: Sequence[BuildStep] = ()) -> Manifest:
+    """The manifest of a build with these options (voiced.engines.trtllm.manifest)."""
+    return Manifest(kind=opts.kind, model=opts.model, checkpoint_sha256=checkpoint_sha256,
+                    trtllm_version=trtllm_version, options=asdict(opts), commands=[s.shell() for s in steps])
 
 
 # ------------------------------------------------------------------------------------- where things are
@@ -458,7 +399,7 @@ def build(opts: BuildOptions, *, root: str | os.PathLike | None = None, name: st
     ckpt = fetch_checkpoint(opts, checkpoint)
     log.info("hashing checkpoint %s", ckpt)
     digest = checkpoint_sha256(opts.kind, ckpt)
-    wanted = Manifest.for_build(opts, digest, version)
+    wanted = manifest_for(opts, digest, version)
     have = Manifest.read(engine_dir)
     if have is not None and not force:
         if have.matches(wanted) and engine_files_present(opts.kind, engine_dir):

@@ -450,7 +450,7 @@ def load_whisper_engine(engine_dir: str | Path, plan: MemoryPlan, *, load_order:
     import tensorrt_llm.bindings.executor as tle
     from tensorrt_llm.runtime import ModelRunnerCpp
 
-    from voiced.engines.trtllm.build import Manifest
+    from voiced.engines.trtllm.manifest import Manifest
 
     engine_dir = Path(engine_dir)
     limits = WhisperEngineLimits.from_engine_dir(engine_dir)

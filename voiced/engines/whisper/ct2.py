@@ -235,6 +235,42 @@ def _layer_count(m: Ct2Model, part: str) -> int:
     return len(ids)
 
 
+# A layer's (weight, bias) names in CTranslate2 by kind: linear layers keep PyTorch's, norms are gamma/beta.
+PARAMETERS = {"linear": ("weight", "bias"), "norm": ("gamma", "beta")}
+OPTIONAL_TENSOR = "encoder/position_encodings/encodings"  # older converters left the sinusoids out
+
+
+def key_map(n_audio_layer: int, n_text_layer: int) -> list[tuple[str, str, tuple[str, ...]]]:
+    """Whisper's weights as CTranslate2's converter lays them out: (kind, CTranslate2 scope, OpenAI
+    names). Kinds: "linear" (scope/weight, scope/bias), "norm" (scope/gamma, scope/beta from the
+    OpenAI weight and bias), "fused" (the rows of several projections in scope/weight and one
+    scope/bias, zeros for a key, which has none), "tensor" (one array named by the scope itself).
+    The reader here and the tests' writer (tests/ct2_fixtures.py) both follow it."""
+    out: list[tuple[str, str, tuple[str, ...]]] = []
+    for part, n in (("encoder", n_audio_layer), ("decoder", n_text_layer)):
+        for i in range(n):
+            s, d = f"{part}/layer_{i}", f"{part}.blocks.{i}"
+            out += [("norm", f"{s}/self_attention/layer_norm", (f"{d}.attn_ln",)),
+                    ("fused", f"{s}/self_attention/linear_0", (f"{d}.attn.query", f"{d}.attn.key", f"{d}.attn.value")),
+                    ("linear", f"{s}/self_attention/linear_1", (f"{d}.attn.out",))]
+            if part == "decoder":
+                out += [("norm", f"{s}/attention/layer_norm", (f"{d}.cross_attn_ln",)),
+                        ("linear", f"{s}/attention/linear_0", (f"{d}.cross_attn.query",)),
+                        ("fused", f"{s}/attention/linear_1", (f"{d}.cross_attn.key", f"{d}.cross_attn.value")),
+                        ("linear", f"{s}/attention/linear_2", (f"{d}.cross_attn.out",))]
+            out += [("norm", f"{s}/ffn/layer_norm", (f"{d}.mlp_ln",)),
+                    ("linear", f"{s}/ffn/linear_0", (f"{d}.mlp.0",)),
+                    ("linear", f"{s}/ffn/linear_1", (f"{d}.mlp.2",))]
+    return out + [
+        ("linear", "encoder/conv1", ("encoder.conv1",)), ("linear", "encoder/conv2", ("encoder.conv2",)),
+        ("norm", "encoder/layer_norm", ("encoder.ln_post",)),
+        ("tensor", OPTIONAL_TENSOR, ("encoder.positional_embedding",)),
+        ("tensor", "decoder/embeddings/weight", ("decoder.token_embedding.weight",)),
+        ("tensor", "decoder/position_encodings/encodings", ("decoder.positional_embedding",)),
+        ("norm", "decoder/layer_norm", ("decoder.ln",)),
+    ]
+
+
 def to_openai_state(m: Ct2Model, where: str = "model.bin") -> tuple[ModelDims, dict[str, Tensor], str]:
     """Dimensions, OpenAI-named float weights, and the storage dtype of a Whisper model.bin."""
     if m.spec and m.spec != "WhisperSpec":
@@ -267,46 +303,23 @@ def to_openai_state(m: Ct2Model, where: str = "model.bin") -> tuple[ModelDims, d
         used.update({name, name + "_scale"})
         return t
 
-    def linear(src: str, dst: str, bias: bool = True) -> None:
-        state[f"{dst}.weight"] = take(f"{src}/weight")
-        if bias:
-            state[f"{dst}.bias"] = take(f"{src}/bias")
-
-    def norm(src: str, dst: str) -> None:
-        state[f"{dst}.weight"] = take(f"{src}/gamma")
-        state[f"{dst}.bias"] = take(f"{src}/beta")
-
-    def fused(src: str, dsts: list[str]) -> None:
-        """Split a fused projection row-wise; keys have no bias in Whisper (the converter wrote zeros, and
-        a bias on keys would shift every score of a query equally, which softmax ignores)."""
-        w, b = take(f"{src}/weight"), take(f"{src}/bias")
-        for dst, wi, bi in zip(dsts, w.chunk(len(dsts)), b.chunk(len(dsts))):
-            state[f"{dst}.weight"] = wi
-            if not dst.endswith(".key"):
-                state[f"{dst}.bias"] = bi
-
-    for part, prefix in (("encoder", "encoder"), ("decoder", "decoder")):
-        for i in range(_layer_count(m, part)):
-            s, d = f"{part}/layer_{i}", f"{prefix}.blocks.{i}"
-            norm(f"{s}/self_attention/layer_norm", f"{d}.attn_ln")
-            fused(f"{s}/self_attention/linear_0", [f"{d}.attn.query", f"{d}.attn.key", f"{d}.attn.value"])
-            linear(f"{s}/self_attention/linear_1", f"{d}.attn.out")
-            if part == "decoder":
-                norm(f"{s}/attention/layer_norm", f"{d}.cross_attn_ln")
-                linear(f"{s}/attention/linear_0", f"{d}.cross_attn.query")
-                fused(f"{s}/attention/linear_1", [f"{d}.cross_attn.key", f"{d}.cross_attn.value"])
-                linear(f"{s}/attention/linear_2", f"{d}.cross_attn.out")
-            norm(f"{s}/ffn/layer_norm", f"{d}.mlp_ln")
-            linear(f"{s}/ffn/linear_0", f"{d}.mlp.0")
-            linear(f"{s}/ffn/linear_1", f"{d}.mlp.2")
-    linear("encoder/conv1", "encoder.conv1")
-    linear("encoder/conv2", "encoder.conv2")
-    norm("encoder/layer_norm", "encoder.ln_post")
-    if m.get("encoder/position_encodings/encodings") is not None:  # else model.py computes the sinusoids
-        state["encoder.positional_embedding"] = take("encoder/position_encodings/encodings")
-    state["decoder.token_embedding.weight"] = take("decoder/embeddings/weight")
-    state["decoder.positional_embedding"] = take("decoder/position_encodings/encodings")
-    norm("decoder/layer_norm", "decoder.ln")
+    for kind, scope, names in key_map(_layer_count(m, "encoder"), _layer_count(m, "decoder")):
+        if kind == "tensor":
+            if scope == OPTIONAL_TENSOR and m.get(scope) is None:
+                continue  # model.py computes the sinusoids
+            state[names[0]] = take(scope)
+        elif kind == "fused":
+            # Split row-wise; keys have no bias in Whisper (the converter wrote zeros, and a bias on keys
+            # would shift every score of a query equally, which softmax ignores).
+            w, b = take(f"{scope}/weight"), take(f"{scope}/bias")
+            for dst, wi, bi in zip(names, w.chunk(len(names)), b.chunk(len(names))):
+                state[f"{dst}.weight"] = wi
+                if not dst.endswith(".key"):
+                    state[f"{dst}.bias"] = bi
+        else:
+            weight, bias = PARAMETERS[kind]
+            state[f"{names[0]}.weight"] = take(f"{scope}/{weight}")
+            state[f"{names[0]}.bias"] = take(f"{scope}/{bias}")
 
     # The output projection must be the token embedding (Whisper ties them).
     proj = m.get("decoder/projection/weight")

@@ -1,4 +1,4 @@
-"""What the telephony doors (AudioSocket, media WebSocket) share: one phone call driven through a session.
+"""One phone call driven through a session, as the telephony doors (AudioSocket, media WebSocket) run it.
 
 A phone call is two loops: the caller's side (protocol messages turned into the session's input
 events) and the session's side (output events turned into protocol messages). Either can end the
@@ -9,8 +9,8 @@ hung up hears nothing more, unlike a gRPC caller who only finished sending.
 
 The session's side writes through `Session.writing`: a caller that stops reading blocks the door's
 write, the session's outbound budget fills, and the session ends with OVER_CAPACITY instead of the
-door waiting in its write forever. The door's last words (an error, a close frame) to such a caller
-get `CLOSE_GRACE_S` to leave (`last_words`), then the connection is cut.
+door waiting in its write forever. (The door's last words to such a caller are bounded by
+voiced.doors.shared.last_words.)
 """
 
 from __future__ import annotations
@@ -22,12 +22,10 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 from voiced.core.events import InputEvent, NoticeOut, OutputEvent, Speak, TranscriptOut
 from voiced.core.session import Session
-from voiced.doors import DoorError
 
 log = logging.getLogger(__name__)
 
 INPUT_QUEUE = 250  # 5 s of 20 ms frames: a session that falls further behind slows the socket, not memory
-CLOSE_GRACE_S = 5.0  # for the last message to a caller that may have stopped reading
 
 
 class CallInputs:
@@ -127,19 +125,6 @@ async def run_call(session, inputs: CallInputs, read_caller: Awaitable[None],
         await session.close()
 
 
-async def last_words(write: Awaitable, transport, grace: float | None = None) -> bool:
-    """Await a door's last write to a caller (an error message, a close frame); a caller that does not
-    read within `grace` seconds (default CLOSE_GRACE_S) has its connection cut (`transport.abort()`)
-    instead of holding the door in that write. Returns whether the write went out."""
-    try:
-        await asyncio.wait_for(write, CLOSE_GRACE_S if grace is None else grace)
-        return True
-    except TimeoutError:
-        if transport is not None:
-            transport.abort()
-        return False
-
-
 def unique_id(preferred: str, taken: set[str]) -> str:
     """The call's own id (Asterisk's UUID, Twilio's CallSid) as the session id, so the core's log lines
     carry it; a suffix only when the same id is already live (a dialplan may reuse one UUID)."""
@@ -148,28 +133,3 @@ def unique_id(preferred: str, taken: set[str]) -> str:
         n += 1
         candidate = f"{preferred}-{n}"
     return candidate
-
-
-def split_listen(listen: str) -> tuple[str, int]:
-    """"HOST:PORT" (or ":PORT", "[v6]:PORT") -> (host, port); an empty host is 127.0.0.1."""
-    host, sep, port = listen.rpartition(":")
-    if not sep or not port.isdigit():
-        raise ValueError(f"{listen!r} is not HOST:PORT (e.g. 127.0.0.1:9092)")
-    return host.strip("[]") or "127.0.0.1", int(port)
-
-
-def door_address(services, front: str, agent: str, listen: str) -> tuple[str, int]:
-    """A telephony door's start: its agent must exist and `listen` must be HOST:PORT (DoorError
-    otherwise); returns (host, port)."""
-    check_agent(services, agent, front)
-    try:
-        return split_listen(listen)
-    except ValueError as e:
-        raise DoorError(f"doors.{front}: {e}") from None
-
-
-def check_agent(services, agent: str, front: str) -> None:
-    """A door's configured agent must exist, or every call through it would be refused."""
-    if agent and agent not in services.agents.names():
-        raise DoorError(f"{front}.agent {agent!r} is not an agent of this server; agents: "
-                        f"{', '.join(services.agents.names())}")
