@@ -323,3 +323,19 @@ def test_speaker_vectors_are_computed_once_per_speaker(engine, monkeypatch):
     assert len(calls) == 4
     engine._speaker(ids[0])
     assert len(calls) == 5 and tuple(ids[1]) not in engine._speakers and tuple(ids[2]) in engine._speakers
+
+
+def test_benchmarks_can_force_every_reply_to_its_duration_cap_in_one_random_voice(ckpt, tmp_path):
+    """What the benchmarks run on random weights: `use_random_voice` makes every voice name (a
+    preset, a name nobody registered) one drawn speaker, and `force_reply_lengths` makes each reply
+    speak until its max_seconds, over one sentence or several."""
+    engine = SparkTTSEngine.load(ckpt, device="cpu", max_batch=2, max_seq_len=1024, voices_dir=tmp_path)
+    speaker = engine.use_random_voice(seed=3)
+    assert len(speaker) == 32 and all(0 <= g < 4096 for g in speaker)
+    assert engine.voices.resolve("nobody-registered-this").global_ids == speaker
+    engine.force_reply_lengths()
+    got = run(engine, {1: TTSRequest("Hi.", TTSOptions(seed=1, max_seconds=0.5)),
+                       2: TTSRequest("Yes. No. Maybe.", TTSOptions(voice="male", seed=2, max_seconds=0.3))})
+    for rid, seconds in ((1, 0.5), (2, 0.3)):
+        assert got[rid][-1].last and got[rid][-1].tokens == int(seconds * 50)
+        assert audio(got[rid]).shape[0] == int(seconds * 50) * 320  # 320 samples (20 ms) a token

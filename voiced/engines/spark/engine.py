@@ -24,6 +24,12 @@ Long text is cut into sentences spoken back to back in the same row; a controlla
 speaker (its 32 global tokens) it chose in the first sentence. Rows stay compact (active requests in
 rows 0..n-1): when one leaves, the last row's KV cache moves into the hole, so a decode step always
 runs on a prefix of the cache.
+
+This module holds the step loop and a request's way through it; the rest has a module of its own:
+prompt.py (sentences and the LM's prompt), request.py (the request record, its State, the phases),
+lm_steps.py (decode steps per round trip, packed-prefill sizes), vocoder_schedule.py (when the vocoder
+runs, whom it serves first, which windows it batches: the policy), warmup.py, memory_plan.py (what
+`load` will hold on the GPU) and reference.py (a cloned voice's tokens from its recording).
 """
 
 from __future__ import annotations

@@ -13,6 +13,10 @@ CUDA graph per batch-size bucket serve any mix of requests. One `step()`:
    with one device->host copy; finished requests leave and free their rows.
 
 So requests join and leave between steps, and a cancelled request's rows are free at once.
+
+Beside this module: fast.py (the GPU encoder and decoder step, and their CUDA graphs), language.py
+(language detection), token_choice.py (filtering logits and choosing tokens for a batch), decoding.py
+(the per-request rules).
 """
 
 from __future__ import annotations
@@ -374,7 +378,7 @@ class WhisperEngine:
             if all(self._fast(q) for q in reqs):
                 failed = self._greedy_chunk(self._n, reqs)
             else:
-                failed = choose_tokens(self._decode(self._n), reqs, 0, self.suppress, self.tok.eot, self.cache)
+                failed = self._select(self._decode(self._n), reqs, 0)
         outputs = self._drop(failed) + self._finish()
         try:
             return outputs + self._admit_new()
@@ -392,7 +396,7 @@ class WhisperEngine:
             if admitted is None:
                 return []
             reqs, logits = admitted
-            failed = choose_tokens(logits, reqs, reqs[0].rows[0], self.suppress, self.tok.eot, self.cache)
+            failed = self._select(logits, reqs, reqs[0].rows[0])
         except Exception as e:
             group = self._admitting
             if not group:
@@ -418,6 +422,11 @@ class WhisperEngine:
             self._active.pop(req.rid, None)
         self._release([req for req, _ in failed if req.rows])
         return [fault_output(req.rid, "speech recognition", e) for req, e in failed]
+
+    def _select(self, logits: torch.Tensor, reqs: list[_Active], base: int) -> list[tuple[_Active, Exception]]:
+        """Token choice for `reqs` (row r at logits[r - base]; token_choice.py); returns the requests
+        whose tokens failed (the others have advanced)."""
+        return choose_tokens(logits, reqs, base, self.suppress, self.tok.eot, self.cache)
 
     @staticmethod
     def _fast(req: _Active) -> bool:
