@@ -490,7 +490,6 @@ class SparkTTSEngine:
         return SynthesisResult(audio, SAMPLE_RATE, len(chunks), first, time.perf_counter() - t0,
                                req.total_semantic, req.prompt_tokens, len(req.segments))
 
-
     # ---------------------------------------------------------------------------- internals
 
     def _prompt(self, r: Request, seg: int) -> list[int]:
@@ -612,7 +611,6 @@ class SparkTTSEngine:
         self._release(r)
         return fault_output(r.rid, "speech synthesis", error)
 
-
     def _release(self, r: Request) -> None:
         """Free r's row and keep rows compact: the last active row moves into the hole."""
         self._order.pop(r.rid, None)
@@ -637,7 +635,6 @@ class SparkTTSEngine:
 
     def delete_voice(self, name: str) -> bool:
         return self.voices.delete(name)
-
 
 
 def _has_triton() -> bool:

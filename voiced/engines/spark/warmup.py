@@ -1,11 +1,11 @@
 """The Spark engine's warm-up: run now, on the GPU, every shape serving will meet, so that no request
-pays a first-time cost (torch.compile, CUDA-graph capture, cuDNN / cuBLAS plans)."""
+pays a first-time cost (torch.compile, CUDA-graph capture, cuDNN / cuBLAS plans). `engine` below is
+the SparkTTSEngine (not imported here: it imports this module)."""
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -17,14 +17,11 @@ from .lm_steps import PREFILL_BUCKET
 from .prompt import N_GLOBAL
 from .qwen2 import padded_to
 
-if TYPE_CHECKING:
-    from .engine import SparkTTSEngine
-
 log = logging.getLogger(__name__)
 
 
 @torch.no_grad()
-def warm_up(engine: SparkTTSEngine, first_chunk_tokens: int | None = None, chunk_tokens: int | None = None) -> None:
+def warm_up(engine, first_chunk_tokens: int | None = None, chunk_tokens: int | None = None) -> None:
     """What `SparkTTSEngine.warmup` runs (see there); sets `engine.warmup_stats`."""
     opts = TTSOptions()
     first = first_chunk_tokens or opts.first_chunk_tokens
@@ -64,7 +61,7 @@ def warm_up(engine: SparkTTSEngine, first_chunk_tokens: int | None = None, chunk
              *(p * 1024 for p in peaks))
 
 
-def warm_prefill(engine: SparkTTSEngine, pick) -> int:
+def warm_prefill(engine, pick) -> int:
     """Every packed length a prefill step can run (the longest prompt `submit` accepts is
     max_seq_len - N_GLOBAL - 17 tokens), the first-token sampler and the speaker vector."""
     longest = engine.max_seq_len - N_GLOBAL - 17
@@ -83,7 +80,7 @@ def warm_prefill(engine: SparkTTSEngine, pick) -> int:
     return count
 
 
-def warm_vocoder(engine: SparkTTSEngine, first: int, chunk: int) -> int:
+def warm_vocoder(engine, first: int, chunk: int) -> int:
     """Every (batch bucket, padded window length) a vocoder step can decode
     (`vocoder_schedule.window_shapes`), plus the end-masked variant of each length."""
     spk = engine._speaker([0] * N_GLOBAL)

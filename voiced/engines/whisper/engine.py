@@ -589,7 +589,6 @@ class WhisperEngine:
             model.decoder.write_cross(self.cache, rows, features[source])
             start += len(part)
 
-
     def _admit(self) -> tuple[list[_Active], torch.Tensor] | None:
         """Move queued requests into free rows; returns them and their first-step logits (row order)."""
         chosen = self._choose_admissions()
