@@ -179,8 +179,9 @@ class WhisperEngine:
         self.decode_chunk = max(1, decode_chunk if decode_chunk is not None else (8 if self.is_cuda else 1))
         self._hist_tok = torch.zeros(max_batch, self.decode_chunk, dtype=torch.long, device=model.device)
         self._hist_lp = torch.zeros(max_batch, self.decode_chunk, dtype=torch.float32, device=model.device)
-        # CUDA graphs (fast.CudaGraphs): per batch-size bucket, the encoder, one plain decoder step and
-        # one fused greedy step, all on the engine's own stream (graph captures included).
+        # All of the engine's GPU work runs on one stream of its own, graph captures included (why:
+        # fast.CudaGraphs). CUDA graphs: per batch-size bucket, the encoder, one plain decoder step
+        # and one fused greedy step.
         self.cuda_graphs = cuda_graphs and self.is_cuda
         self.buckets = doubling(max_batch) if self.is_cuda else []
         self._stream: torch.cuda.Stream | None = torch.cuda.Stream(device=model.device) if self.is_cuda else None

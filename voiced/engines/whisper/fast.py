@@ -379,5 +379,8 @@ class DecoderSteps:
         return self.graphs.replay((kind, b), lambda: fn(b), restore=(self.tok, self.pos, self.minleft))
 
     def capture(self, kind: str, b: int) -> None:
+        """Record one step for bucket `b` from the static buffers (also safe mid-stream): the eager runs
+        before the capture write the keys/values the real step will write anyway (same inputs), padded
+        rows touch only free slots, and the buffers a greedy step advances are restored."""
         fn = self.plain if kind == "plain" else self.greedy
         self.graphs.capture((kind, b), lambda: fn(b), restore=(self.tok, self.pos, self.minleft))
