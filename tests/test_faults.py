@@ -134,7 +134,9 @@ def test_a_shared_vocoder_fault_fails_the_newest_reply_and_the_other_loses_no_au
     engine = spark_engine.SparkTTSEngine.load(str(cached_spark_checkpoint(tmp_path_factory)), device="cpu",
                                               max_batch=2, voices_dir=root / "voices")
     poison = TTSOptions(seed=2, max_seconds=0.3, first_chunk_tokens=5, chunk_tokens=5)
-    real_decode = spark_engine.decode_jobs
+    from voiced.engines.spark import vocoder_schedule
+
+    real_decode = vocoder_schedule.decode_jobs
     faults = []
 
     def decode_jobs(codec, jobs):
@@ -143,7 +145,7 @@ def test_a_shared_vocoder_fault_fails_the_newest_reply_and_the_other_loses_no_au
             raise RuntimeError("injected fault in the vocoder")
         return real_decode(codec, jobs)
 
-    monkeypatch.setattr(spark_engine, "decode_jobs", decode_jobs)
+    monkeypatch.setattr(vocoder_schedule, "decode_jobs", decode_jobs)
 
     async def scenario():
         worker = EngineWorker(engine, "tts")

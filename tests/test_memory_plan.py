@@ -123,8 +123,9 @@ def test_the_vocoder_transient_measured_on_meta_is_what_the_step_allocates():
 
     from tests.spark_fixtures import BICODEC_YAML, ROOT_YAML
     from voiced.engines.spark.bicodec import BiCodec, BiCodecConfig
-    from voiced.engines.spark.engine import VOCODER_STEP_TOKENS, VOCODER_STEP_WINDOWS, vocoder_step_bytes
+    from voiced.engines.spark.memory_plan import vocoder_step_bytes
     from voiced.engines.spark.streaming import decode_windows
+    from voiced.engines.spark.vocoder_schedule import VOCODER_STEP_TOKENS, VOCODER_STEP_WINDOWS
     from voiced.memory_plan import peak_live_bytes
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -104,7 +104,7 @@ def test_detokenize_gives_320_samples_per_token(codec, n):
 
 
 def test_tokenize_then_detokenize_espeak_speech(ckpt, codec):
-    from voiced.engines.spark.engine import Wav2Vec2Features
+    from voiced.engines.spark.reference import Wav2Vec2Features
 
     audio = phrase("The quick brown fox jumps over the lazy dog.")
     feats = Wav2Vec2Features(ckpt / "wav2vec2-large-xlsr-53", "cpu")(audio)
@@ -137,7 +137,7 @@ def test_tokenize_then_detokenize_espeak_speech(ckpt, codec):
 def test_wav2vec2_runs_in_fp32_whatever_its_config_names(ckpt, tmp_path):
     """transformers 5 loads a model in the dtype its config.json names; 4.x in fp32. Voice registration
     asks for fp32 itself, as upstream runs it, so its tokens do not depend on the transformers line."""
-    from voiced.engines.spark.engine import Wav2Vec2Features
+    from voiced.engines.spark.reference import Wav2Vec2Features
 
     w2v = tmp_path / "wav2vec2"
     shutil.copytree(ckpt / "wav2vec2-large-xlsr-53", w2v)

@@ -11,7 +11,8 @@ import pytest
 from tests.spark_fixtures import cached_spark_checkpoint
 from tests.speech import phrase
 from voiced.engines.base import AudioChunk, EngineError, TTSEngine, TTSOptions, TTSRequest
-from voiced.engines.spark.engine import SparkTTSEngine, join_transcript, split_text
+from voiced.engines.spark.engine import SparkTTSEngine
+from voiced.engines.spark.prompt import join_transcript, split_text
 
 REF_TEXT = "Hello, my name is Spark and I am testing voice cloning today."
 
@@ -140,7 +141,7 @@ PINNED = {
 @pytest.mark.parametrize("transcript,text", list(PINNED))
 def test_cloned_voice_prompt_ids_are_pinned(ckpt, transcript, text):
     from voiced.engines.spark.checkpoint import TextTokenizer, load_special_tokens
-    from voiced.engines.spark.engine import build_prompt
+    from voiced.engines.spark.prompt import build_prompt
     from voiced.engines.spark.voices import Voice
 
     tok = TextTokenizer(ckpt / "LLM")
@@ -186,7 +187,7 @@ def test_a_sentence_the_lm_ends_gives_way_to_the_next(engine, monkeypatch):
     """The LM ends a sentence by saying <|end_semantic_token|> or <|im_end|> (the tests' random LM never
     does, see tests/spark_fixtures.py, so it says them here in its place): the sentence's audio stops
     there, the next sentence starts, and the request ends once with the audio of what was said."""
-    from voiced.engines.spark.engine import PHASE_SEMANTIC
+    from voiced.engines.spark.request import PHASE_SEMANTIC
 
     sp = engine.special
     says = {0: (12, sp.end_semantic), 1: (7, sp.eos)}  # sentence: (its n-th speech token, the end token)
@@ -282,9 +283,9 @@ def test_warm_up_keeps_no_activations_for_backward(engine, monkeypatch):
     saves nothing for backward. Saved activations were a 5.8 GiB transient at full size on a GPU."""
     import torch
 
-    from voiced.engines.spark import engine as eng_mod
+    from voiced.engines.spark import vocoder_schedule, warmup
 
-    monkeypatch.setattr(eng_mod, "VOCODER_MERGE_TOKENS", 0)  # merged windows (up to 1024 tokens) take minutes on a CPU
+    monkeypatch.setattr(vocoder_schedule, "VOCODER_MERGE_TOKENS", 0)  # merged windows (up to 1024 tokens) take minutes on a CPU
 
     saved = []
 
@@ -294,7 +295,7 @@ def test_warm_up_keeps_no_activations_for_backward(engine, monkeypatch):
 
     assert not any(p.requires_grad for p in (*engine.lm.parameters(), *engine.codec.parameters()))
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        shapes = engine._warm_vocoder(engine.radius // 2, 4)
+        shapes = warmup.warm_vocoder(engine, engine.radius // 2, 4)
     assert shapes > 0 and sum(saved) == 0, f"{len(saved)} tensors ({sum(saved)} bytes) saved for backward"
 
 
@@ -322,3 +323,19 @@ def test_speaker_vectors_are_computed_once_per_speaker(engine, monkeypatch):
     assert len(calls) == 4
     engine._speaker(ids[0])
     assert len(calls) == 5 and tuple(ids[1]) not in engine._speakers and tuple(ids[2]) in engine._speakers
+
+
+def test_benchmarks_can_force_every_reply_to_its_duration_cap_in_one_random_voice(ckpt, tmp_path):
+    """What the benchmarks run on random weights: `use_random_voice` makes every voice name (a
+    preset, a name nobody registered) one drawn speaker, and `force_reply_lengths` makes each reply
+    speak until its max_seconds, over one sentence or several."""
+    engine = SparkTTSEngine.load(ckpt, device="cpu", max_batch=2, max_seq_len=1024, voices_dir=tmp_path)
+    speaker = engine.use_random_voice(seed=3)
+    assert len(speaker) == 32 and all(0 <= g < 4096 for g in speaker)
+    assert engine.voices.resolve("nobody-registered-this").global_ids == speaker
+    engine.force_reply_lengths()
+    got = run(engine, {1: TTSRequest("Hi.", TTSOptions(seed=1, max_seconds=0.5)),
+                       2: TTSRequest("Yes. No. Maybe.", TTSOptions(voice="male", seed=2, max_seconds=0.3))})
+    for rid, seconds in ((1, 0.5), (2, 0.3)):
+        assert got[rid][-1].last and got[rid][-1].tokens == int(seconds * 50)
+        assert audio(got[rid]).shape[0] == int(seconds * 50) * 320  # 320 samples (20 ms) a token

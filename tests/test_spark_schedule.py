@@ -11,8 +11,7 @@ import torch
 
 from tests.spark_fixtures import cached_spark_checkpoint
 from voiced.engines.base import TTSOptions, TTSRequest
-from voiced.engines.spark import engine as eng_mod
-from voiced.engines.spark import streaming
+from voiced.engines.spark import lm_steps, streaming, vocoder_schedule, warmup
 from voiced.engines.spark.bicodec import HOP
 from voiced.engines.spark.engine import SparkTTSEngine
 from voiced.engines.spark.streaming import (
@@ -24,7 +23,7 @@ from voiced.engines.spark.streaming import (
     stream_decode,
 )
 
-MERGED = eng_mod.VOCODER_MERGE_TOKENS  # the engine's default: merging on
+MERGED = vocoder_schedule.VOCODER_MERGE_TOKENS  # the engine's default: merging on
 
 
 @pytest.fixture(scope="module")
@@ -67,8 +66,8 @@ def test_a_step_does_one_bounded_kind_of_work(engine, monkeypatch):
     """8 requests streaming, 2 more arriving mid-stream: no step prefills and vocodes, or decodes and
     vocodes; a vocoder step decodes at most VOCODER_STEP_WINDOWS windows; a prefill step packs at most
     PREFILL_STEP_TOKENS (or one prompt); and the audio is what each request gives alone."""
-    monkeypatch.setattr(eng_mod, "VOCODER_STEP_WINDOWS", 3)
-    monkeypatch.setattr(eng_mod, "PREFILL_STEP_TOKENS", 100)
+    monkeypatch.setattr(vocoder_schedule, "VOCODER_STEP_WINDOWS", 3)
+    monkeypatch.setattr(lm_steps, "PREFILL_STEP_TOKENS", 100)
     reqs = {i: _request(i) for i in range(1, 11)}
     alone = {rid: _run(engine, {rid: reqs[rid]})[0][rid] for rid in (1, 9)}
     audio, steps = _run(engine, reqs, submit_at={9: 16, 10: 17})
@@ -90,7 +89,7 @@ def test_a_step_does_one_bounded_kind_of_work(engine, monkeypatch):
 
 
 def test_vocoder_serves_first_chunks_then_the_requests_closest_to_running_dry(engine, monkeypatch):
-    monkeypatch.setattr(eng_mod, "VOCODER_STEP_WINDOWS", 1)
+    monkeypatch.setattr(vocoder_schedule, "VOCODER_STEP_WINDOWS", 1)
     engine.submit(1, _request(1, 3.0))
     engine.submit(2, _request(2, 3.0))
     order = []
@@ -204,12 +203,12 @@ def test_serving_meets_only_shapes_the_warmup_ran(engine, monkeypatch):
     # Merged windows up to 256 tokens, the long padding from 128 (1024 and 256 on a GPU: the CPU takes
     # minutes to warm those), and every reply may wait to merge (as if far ahead of real time), so that
     # long windows do come.
-    monkeypatch.setattr(eng_mod, "VOCODER_MERGE_TOKENS", 256)
+    monkeypatch.setattr(vocoder_schedule, "VOCODER_MERGE_TOKENS", 256)
     monkeypatch.setattr(streaming, "LONG_PAD_FROM", 128)
-    monkeypatch.setattr(eng_mod, "VOCODER_SLACK_S", -1e9)
+    monkeypatch.setattr(vocoder_schedule, "VOCODER_SLACK_S", -1e9)
     pick = engine._sampler([TTSOptions().top_k])
-    assert engine._warm_prefill(pick) == len(prefill) == 512 // 64
-    assert engine._warm_vocoder(4, 6) == len(vocoder)
+    assert warmup.warm_prefill(engine, pick) == len(prefill) == 512 // 64
+    assert warmup.warm_vocoder(engine, 4, 6) == len(vocoder)
     warm_v, warm_p = set(vocoder), set(prefill)
     vocoder.clear(), prefill.clear()
     reqs = {i: _request(i, 0.5 + 0.3 * i) for i in range(1, 11)}
@@ -297,14 +296,14 @@ def test_merging_ready_chunks_cuts_vocoder_work_not_audio_or_first_audio(engine,
     fewer steps, and the replies finish sooner; when the replies are far ahead of real time their chunks
     also wait to grow into longer windows, and the LM's steps go back to back: fewer still. Every
     reply's audio is the same, and every first chunk leaves at the same step."""
-    monkeypatch.setattr(eng_mod, "VOCODER_STEP_WINDOWS", 3)
+    monkeypatch.setattr(vocoder_schedule, "VOCODER_STEP_WINDOWS", 3)
     reqs = {i: _request(i, 2.0) for i in range(1, 7)}
     runs = {}
     # (merge cap, slack): nobody counts as far ahead of real time (1e9), or everybody does (-1e9)
     for name, cap, slack in (("plain", 0, 1e9), ("merged", MERGED, 1e9),
                              ("waiting", MERGED, -1e9)):
-        monkeypatch.setattr(eng_mod, "VOCODER_MERGE_TOKENS", cap)
-        monkeypatch.setattr(eng_mod, "VOCODER_SLACK_S", slack)
+        monkeypatch.setattr(vocoder_schedule, "VOCODER_MERGE_TOKENS", cap)
+        monkeypatch.setattr(vocoder_schedule, "VOCODER_SLACK_S", slack)
         runs[name] = _stream(engine, reqs)
     plain = runs["plain"]
     for name, (got, first_at, kinds, work) in runs.items():
@@ -328,7 +327,7 @@ def test_a_request_alone_is_stepped_the_same_whatever_the_clock(engine, monkeypa
     req = {1: _request(1, 2.0)}
     runs = []
     for slack in (1e9, -1e9):
-        monkeypatch.setattr(eng_mod, "VOCODER_SLACK_S", slack)
+        monkeypatch.setattr(vocoder_schedule, "VOCODER_SLACK_S", slack)
         runs.append(_stream(engine, req))
     (a, _, kinds_a, _), (b, _, kinds_b, _) = runs
     assert kinds_a == kinds_b

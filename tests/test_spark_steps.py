@@ -103,7 +103,7 @@ def test_candidate_bucket():
 
 
 def test_first_chunks_are_decoded_before_bulk_chunks_of_requests_ahead_of_real_time(ckpt, tmp_path, monkeypatch):
-    from voiced.engines.spark import engine as eng_mod
+    from voiced.engines.spark import vocoder_schedule
     from voiced.engines.spark.engine import SparkTTSEngine
 
     engine = SparkTTSEngine.load(ckpt, device="cpu", max_batch=2, max_seq_len=1024, voices_dir=tmp_path)
@@ -113,7 +113,7 @@ def test_first_chunks_are_decoded_before_bulk_chunks_of_requests_ahead_of_real_t
     steps = 0
     decoded: list[set[int]] = []
     kinds: list[str | None] = []
-    monkeypatch.setattr(eng_mod, "VOCODER_SLACK_S", -1e9)  # request 1 counts as far ahead of real time
+    monkeypatch.setattr(vocoder_schedule, "VOCODER_SLACK_S", -1e9)  # request 1 counts as far ahead of real time
     while engine.has_work():
         if steps == 12:
             engine.submit(2, TTSRequest("Hi.", TTSOptions(seed=2, max_seconds=2.0, first_chunk_tokens=4)))

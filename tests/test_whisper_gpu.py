@@ -125,10 +125,10 @@ def test_fast_decoder_step_is_the_default_and_close_to_the_reference(tmp_path):
         feats = torch.randn(8, 1500, fast.dims.n_audio_state, device="cuda", dtype=fast.dtype)
         for eng in (fast, ref):
             eng.model.decoder.write_cross(eng.cache, torch.arange(8, device="cuda"), feats)
-            eng._tok_buf[:8] = torch.arange(8, device="cuda") + 1000
-            eng._pos_buf[:8] = 0
-        a = fast._plain_step(8).float()
-        b = ref._plain_step(8).float()
+            eng.steps.tok[:8] = torch.arange(8, device="cuda") + 1000
+            eng.steps.pos[:8] = 0
+        a = fast.steps.plain(8).float()
+        b = ref.steps.plain(8).float()
         # Read on the stream that wrote them. The engines' stream is a non-blocking side stream: the
         # default stream does not wait for it, so a difference taken there (as this test once did) can
         # read `b` before its last kernel wrote it (a fresh allocation: zeros), giving max |diff| =

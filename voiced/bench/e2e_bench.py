@@ -130,16 +130,9 @@ def start_server(args):
     else:
         tts = spark_bench.build("cuda", torch.bfloat16, torch.bfloat16, args.tts_batch, 2048, work)
     # Random weights: force what a trained model does (speak until the length cap, in a fixed voice),
-    # as the engine benchmark does: only semantic tokens in the semantic phase, 32 given global tokens.
-    from voiced.engines.spark.engine import PHASE_SEMANTIC
-    from voiced.engines.spark.voices import Voice
-
-    sp = tts.special
-    for t in (sp.eos, sp.end_semantic, sp.start_semantic, sp.end_global):
-        tts._bias[PHASE_SEMANTIC, t] = float("-inf")
-    tts.segment_base_s = 1e6
-    speaker = torch.randint(0, 4096, (32,), generator=torch.Generator().manual_seed(0)).tolist()
-    tts.voices.resolve = lambda name: Voice("bench", "cloned", global_ids=speaker)
+    # as the engine benchmark does.
+    tts.force_reply_lengths()
+    tts.use_random_voice(seed=0)
     if not args.tiny_cpu and os.environ.get("VOICED_SPARK_COMPILE", "1") != "0":
         tts.lm.compile_decode()  # what SparkTTSEngine.load does on CUDA (unless VOICED_SPARK_COMPILE=0)
     tts_thread.call(tts.warmup)

@@ -75,10 +75,10 @@ def main(argv: list[str] | None = None) -> dict:
     from voiced.bench.targets import judge
     from voiced.core.scheduler import EngineThread
     from voiced.engines.base import ASROptions, ASRRequest, TTSOptions, TTSRequest
-    from voiced.engines.spark.engine import PHASE_SEMANTIC, _module_bytes, vocoder_step_bytes
-    from voiced.engines.spark.engine import memory_need as spark_need
-    from voiced.engines.spark.voices import Voice
-    from voiced.engines.whisper.engine import WhisperEngine, tensor_bytes
+    from voiced.engines.footprint import tensor_bytes
+    from voiced.engines.spark.memory_plan import memory_need as spark_need
+    from voiced.engines.spark.memory_plan import vocoder_step_bytes
+    from voiced.engines.whisper.engine import WhisperEngine
     from voiced.engines.whisper.engine import memory_need as whisper_need
     from voiced.engines.whisper.tokenizer import WhisperTokenizer
     from voiced.memory_plan import plan_table, plan_total, stream_workspace_bytes
@@ -133,15 +133,11 @@ def main(argv: list[str] | None = None) -> dict:
     work = Path(tempfile.mkdtemp())
     tts = thread.call(lambda: spark_bench.build(dev, torch.bfloat16, torch.bfloat16, args.tts_batch,
                                                 args.tts_max_seq, work))
-    sp = tts.special
-    for t in (sp.eos, sp.end_semantic, sp.start_semantic, sp.end_global):
-        tts._bias[PHASE_SEMANTIC, t] = float("-inf")
-    tts.segment_base_s = 1e6
-    speaker = torch.randint(0, 4096, (32,), generator=torch.Generator().manual_seed(0)).tolist()
-    tts.voices.resolve = lambda name: Voice("bench", "cloned", global_ids=speaker)
+    tts.force_reply_lengths()
+    tts.use_random_voice(seed=0)
     tts.lm.compile_decode()
-    s_need = spark_need(tts.lm.config, torch.bfloat16, _module_bytes(tts.lm, torch.bfloat16),
-                        _module_bytes(tts.codec, torch.bfloat16), tts.max_batch, tts.max_seq_len, cuda=True,
+    s_need = spark_need(tts.lm.config, torch.bfloat16, tensor_bytes(tts.lm, torch.bfloat16),
+                        tensor_bytes(tts.codec, torch.bfloat16), tts.max_batch, tts.max_seq_len, cuda=True,
                         graphs=tts.use_cuda_graphs, decode_steps=tts.decode_steps, workspace_bytes=workspace,
                         vocoder_bytes=vocoder_step_bytes(tts.codec.config, torch.bfloat16))
     mark("tts_load")

@@ -141,7 +141,7 @@ def steps_decode(engine, prompt: torch.Tensor, n: int, top_k: int, use_graph: bo
     """The engine's decode path (run_steps: `decode_steps` decode+sample steps per host sync, sliced head,
     semantic-phase mask) for `batch` copies of `prompt`; returns row 0's tokens and seconds per step.
     Runs twice and times the second (the first captures the graphs of the KV buckets it crosses)."""
-    from voiced.engines.spark.engine import PHASE_SEMANTIC
+    from voiced.engines.spark.request import PHASE_SEMANTIC
 
     lm, k, dev = engine.lm, engine.decode_steps, prompt.device
     pick = engine._sampler([top_k])
@@ -177,7 +177,7 @@ def prefill_timing(engine, reps: int = 30) -> list[dict]:
     PREFILL_BUCKET) for 1 prompt of 150 tokens and 4 prompts of 120-180, with and without its CUDA
     graph: median ms from the call to the GPU finishing it, over `reps` passes after warm ones, and
     whether the two give the same cache rows and last hidden states bit for bit."""
-    from voiced.engines.spark.engine import PREFILL_BUCKET
+    from voiced.engines.spark.lm_steps import PREFILL_BUCKET
     from voiced.engines.spark.qwen2 import padded_to
 
     lm, cuda = engine.lm, str(engine.device).startswith("cuda")
@@ -248,7 +248,7 @@ def spark_targets(res: dict) -> dict:
 
 def engine_run(engine, concurrency: int, seconds: float, first: int, chunk: int) -> dict:
     from voiced.engines.base import TTSOptions, TTSRequest
-    from voiced.engines.spark import engine as eng_mod
+    from voiced.engines.spark import vocoder_schedule
 
     texts = ["The quick brown fox jumps over the lazy dog, and the dog does not seem to mind at all."] * concurrency
     t_submit = time.perf_counter()
@@ -284,7 +284,7 @@ def engine_run(engine, concurrency: int, seconds: float, first: int, chunk: int)
         "audio_s_per_s": round(samples / 16000 / wall, 1), "steps": steps,
         "first_chunk_ms_p50": round(1000 * statistics.median(lat), 1),
         "first_chunk_ms_p90": round(1000 * lat[min(len(lat) - 1, int(0.9 * len(lat)))], 1),
-        "first_chunk_tokens": first, "chunk_tokens": chunk, "merge_tokens": eng_mod.VOCODER_MERGE_TOKENS,
+        "first_chunk_tokens": first, "chunk_tokens": chunk, "merge_tokens": vocoder_schedule.VOCODER_MERGE_TOKENS,
         "vocoder_steps": work["steps"], "vocoder_windows": work["windows"],
         # window tokens (context included) per token of audio released; `decoded` adds the padding and
         # repeated batch rows the vocoder computed as well
@@ -417,21 +417,12 @@ def main(argv: list[str] | None = None) -> int:
         del hf
         torch.cuda.empty_cache()
         # --- the engine: forced lengths (no <|im_end|>), a cloned-style voice with fixed global tokens
-        from voiced.engines.spark.engine import PHASE_SEMANTIC
-        from voiced.engines.spark.voices import Voice
+        from voiced.engines.spark import vocoder_schedule
 
-        sp = engine.special
-        # forced lengths: in the semantic phase only semantic tokens (random weights would otherwise loop
-        # on a marker token such as <|end_global_token|>, which carries no audio)
-        for t in (sp.eos, sp.end_semantic, sp.start_semantic, sp.end_global):
-            engine._bias[PHASE_SEMANTIC, t] = float("-inf")
-        engine.segment_base_s = 1e6
-        gl = torch.randint(0, 4096, (32,), generator=g).tolist()
-        engine.voices.resolve = lambda name: Voice("bench", "cloned", global_ids=gl)
-        from voiced.engines.spark import engine as eng_mod
-
-        merges = args.merge_tokens or [eng_mod.VOCODER_MERGE_TOKENS]
-        eng_mod.VOCODER_MERGE_TOKENS = max(merges)  # warm-up runs every window length up to the longest
+        engine.force_reply_lengths()
+        gl = engine.use_random_voice(seed=0)
+        merges = args.merge_tokens or [vocoder_schedule.VOCODER_MERGE_TOKENS]
+        vocoder_schedule.VOCODER_MERGE_TOKENS = max(merges)  # warm-up runs every window length up to the longest
         t0 = time.perf_counter()
         engine.warmup()
         res["graph_capture_s"] = round(time.perf_counter() - t0, 2)
@@ -441,13 +432,13 @@ def main(argv: list[str] | None = None) -> int:
         for spec in args.chunks.split(";"):
             first, chunk = (int(x) for x in spec.split(","))
             for merge in merges:
-                eng_mod.VOCODER_MERGE_TOKENS = merge
+                vocoder_schedule.VOCODER_MERGE_TOKENS = merge
                 engine_run(engine, 1, 1.0, first, chunk)  # warm the vocoder shapes
                 for c in args.concurrency:
                     r = engine_run(engine, c, args.seconds, first, chunk)
                     res["engine"].append(r)
                     log.info("engine: %s", r)
-        eng_mod.VOCODER_MERGE_TOKENS = max(merges)
+        vocoder_schedule.VOCODER_MERGE_TOKENS = max(merges)
         if args.profile:
             res["profile_c16"] = profile_engine(engine, min(16, max_batch), min(args.seconds, 4.0), args.profile)
             log.info("profile: %s", res["profile_c16"])

@@ -341,10 +341,10 @@ def equality(report, graphs, eager, audio, opts, args) -> None:
         # (Re-running a step rewrites the same keys/values, so the cache is unchanged.)
         with torch.inference_mode(), graphs.on_stream():
             for b in (1, 16):
-                graphs._tok_buf[:b] = torch.arange(b, device=graphs._tok_buf.device) + 1000
-                graphs._pos_buf[:b] = 5
-                eager_logits = graphs._plain_step(b).clone()
-                graph_logits = graphs._run("plain", b).clone()
+                graphs.steps.tok[:b] = torch.arange(b, device=graphs.steps.tok.device) + 1000
+                graphs.steps.pos[:b] = 5
+                eager_logits = graphs.steps.plain(b).clone()
+                graph_logits = graphs.steps.run("plain", b).clone()
                 report["graphs_equal_eager"][f"step_logits_max_abs_diff_b{b}"] = \
                     (eager_logits - graph_logits).abs().max().item()
     log.info("graphs == eager: %s", report["graphs_equal_eager"])
@@ -357,18 +357,18 @@ def decode_step_ms(eng: WhisperEngine, reps: int = 20) -> dict:
     out = {"path": eng.decoder_path}
     with torch.inference_mode(), eng.on_stream():
         for b in sorted({1, eng.buckets[-1]}):
-            eng._tok_buf[:b] = 1000
-            eng._pos_buf[:b] = 4  # positions advance by one per step: 4 + reps + 1 stays in the context
-            eng._minleft[:b] = reps + 1
-            eng._run("greedy", b)
+            eng.steps.tok[:b] = 1000
+            eng.steps.pos[:b] = 4  # positions advance by one per step: 4 + reps + 1 stays in the context
+            eng.steps.minleft[:b] = reps + 1
+            eng.steps.run("greedy", b)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             for _ in range(reps):
-                eng._run("greedy", b)
+                eng.steps.run("greedy", b)
             end.record()
             torch.cuda.synchronize()
             out[f"b{b}"] = round(start.elapsed_time(end) / reps, 4)
-        for t in (eng._tok_buf, eng._pos_buf, eng._minleft):
+        for t in (eng.steps.tok, eng.steps.pos, eng.steps.minleft):
             t.zero_()
     return out
 
@@ -396,12 +396,12 @@ def probe(eng: WhisperEngine) -> dict:
             torch.backends.cuda.preferred_blas_library(st.get("blas", base_blas))
             res = {}
             with torch.inference_mode(), eng.on_stream():
-                eng._graphs.clear()
+                eng.steps.graphs.clear()
                 for b in (1, 2, 4, 8, 16):
-                    eng._tok_buf[:b] = torch.arange(b, device=dev) + 1000
-                    eng._pos_buf[:b] = 5
-                    e = eng._plain_step(b).clone()
-                    g = eng._run("plain", b).clone()
+                    eng.steps.tok[:b] = torch.arange(b, device=dev) + 1000
+                    eng.steps.pos[:b] = 5
+                    e = eng.steps.plain(b).clone()
+                    g = eng.steps.run("plain", b).clone()
                     res[f"step_b{b}"] = (e - g).abs().max().item()
                 gem = []
                 for M in (1, 2, 4, 8, 16, 32, 64, 128, 256):
@@ -424,7 +424,7 @@ def probe(eng: WhisperEngine) -> dict:
         finally:
             m.allow_fp16_reduced_precision_reduction = base_red
             torch.backends.cuda.preferred_blas_library(base_blas)
-            eng._graphs.clear()
+            eng.steps.graphs.clear()
     return out
 
 
@@ -486,13 +486,13 @@ def diagnose(report, graphs, model, audio, opts, args) -> None:
     eng = graphs
     with torch.inference_mode(), eng.on_stream():
         split["encoder_b1_engine"] = ev_time(lambda: eng._encode_bucket(x1, 1))
-        eng._tok_buf[:1] = 1000
-        eng._pos_buf[:1] = 4
-        eng._minleft[:1] = 100
-        split["greedy_step_b1"] = ev_time(lambda: eng._run("greedy", 1), 31)
+        eng.steps.tok[:1] = 1000
+        eng.steps.pos[:1] = 4
+        eng.steps.minleft[:1] = 100
+        split["greedy_step_b1"] = ev_time(lambda: eng.steps.run("greedy", 1), 31)
         for b in (16, 64, 256):
             if b in eng.buckets:
-                split[f"greedy_step_b{b}"] = ev_time(lambda b=b: eng._run("greedy", b), 8)
+                split[f"greedy_step_b{b}"] = ev_time(lambda b=b: eng.steps.run("greedy", b), 8)
     # Host wall time of the phases inside engine.step() for one request.
     import cProfile
     import pstats

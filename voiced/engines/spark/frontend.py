@@ -5,7 +5,7 @@ prompts in, semantic tokens to streamed audio out.
 `SparkFrontend` is a thin adapter over what SparkTTSEngine itself uses, so both backends speak the
 same prompts and the same sample-exact streamed audio:
 
-- `lm_request(TTSRequest)` -> `SparkLMRequest`: the voice's prompt (`engine.build_prompt`) and the
+- `lm_request(TTSRequest)` -> `SparkLMRequest`: the voice's prompt (`prompt.build_prompt`) and the
   request's sampling options. The runner makes one LM request per TTS request, so the whole text is
   one prompt (the PyTorch engine speaks long text sentence by sentence in the same row instead).
 - `open_stream(TTSRequest)` -> `SparkVocoderStream`: feed it the tokens the LM writes; it releases
@@ -26,20 +26,13 @@ import numpy as np
 import torch
 
 from voiced.engines.base import SAMPLE_RATE, EngineError, TTSOptions, TTSRequest
-from voiced.hub import cache_dir
 
 from .bicodec import BiCodec, load_bicodec
 from .checkpoint import SpecialTokens, TextTokenizer, load_special_tokens, resolve
-from .engine import (
-    N_GLOBAL,
-    TOKENS_PER_SECOND,
-    Wav2Vec2Features,
-    build_prompt,
-    checkpoint_fingerprint,
-    tokenize_reference,
-)
+from .prompt import N_GLOBAL, TOKENS_PER_SECOND, build_prompt
+from .reference import ReferenceTokenizer, voice_store
 from .streaming import ChunkPlanner, DecodeJob, decode_jobs
-from .voices import Voice, VoiceStore
+from .voices import Voice
 
 log = logging.getLogger(__name__)
 
@@ -119,9 +112,8 @@ class SparkFrontend:
         dtype = codec_dtype or (torch.bfloat16 if device.startswith("cuda") else torch.float32)
         self.codec = load_bicodec(ckpt.bicodec_dir, ckpt.root_config, device, dtype)
         self.radius = self.codec.receptive_radius()
-        self._wav2vec2: Wav2Vec2Features | None = None
-        root = Path(voices_dir) if voices_dir else cache_dir() / "voices"
-        self.voices = VoiceStore(root, lambda: checkpoint_fingerprint(ckpt), self._tokenize_reference)
+        self._tokenize_reference = ReferenceTokenizer(self.codec, ckpt, device)  # wav2vec2 on first use
+        self.voices = voice_store(ckpt, self._tokenize_reference, voices_dir)
 
     @classmethod
     def load(cls, model: str | Path, device: str = "cuda", voices_dir: str | Path | None = None) -> SparkFrontend:
@@ -150,9 +142,3 @@ class SparkFrontend:
         voice = self._voice(request)
         return SparkVocoderStream(self.codec, self.device, self.radius, opts,
                                   voice.global_ids if voice.kind == "cloned" else None)
-
-    def _tokenize_reference(self, audio: np.ndarray) -> tuple[list[int], list[int]]:
-        if self._wav2vec2 is None:
-            self._wav2vec2 = Wav2Vec2Features(self.checkpoint.wav2vec2_dir, self.device)
-        return tokenize_reference(self.codec, self._wav2vec2, audio, self.device)
-

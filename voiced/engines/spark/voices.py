@@ -124,6 +124,9 @@ class VoiceStore:
         self._fingerprint = fingerprint  # or a function computing it, called on first need
         self._tokenize = tokenize
         self.tokenize_calls = 0  # how many times registration actually ran the audio tokenizer
+        # When set, every name resolves to this voice (benchmarks on random weights, where no
+        # registered voice exists: see SparkTTSEngine.use_random_voice).
+        self.only: Voice | None = None
 
     @property
     def fingerprint(self) -> str:
@@ -189,6 +192,8 @@ class VoiceStore:
 
     def resolve(self, name: str | None) -> Voice:
         """A voice name (None: the default preset) -> what the prompt needs."""
+        if self.only is not None:
+            return self.only
         name = name or DEFAULT_VOICE
         preset = parse_preset(name)
         if preset is not None:

@@ -13,6 +13,10 @@ CUDA graph per batch-size bucket serve any mix of requests. One `step()`:
    with one device->host copy; finished requests leave and free their rows.
 
 So requests join and leave between steps, and a cancelled request's rows are free at once.
+
+Beside this module: fast.py (the GPU encoder and decoder step, and their CUDA graphs), language.py
+(language detection), token_choice.py (filtering logits and choosing tokens for a batch), decoding.py
+(the per-request rules).
 """
 
 from __future__ import annotations
@@ -36,22 +40,23 @@ from voiced.engines.base import (
     Transcript,
     fault_output,
 )
-from voiced.memory_plan import EngineNeed, MemoryPlanError, Need, stream_workspace_bytes
+from voiced.engines.footprint import DTYPES, check_memory_limit, parse_dtype, tensor_bytes
+from voiced.engines.rows import compaction, doubling, rows_in_budget
+from voiced.memory_plan import EngineNeed, Need, stream_workspace_bytes
 
 from .audio import HOP_LENGTH, N_FFT, N_SAMPLES, log_mel_spectrogram, pad_or_trim
 from .checkpoint import CheckpointError, read_checkpoint
 from .cpu import column_major_embedding_, int8_available, quantize_int8_
 from .decoding import DecodePlan, RequestDecoder, Suppression
-from .fast import FastDecoder, FastEncoder
+from .fast import CudaGraphs, DecoderSteps, FastDecoder, FastEncoder, encoder_pieces
+from .language import detect_languages
 from .model import KVCache, ModelDims, TextDecoder, Whisper
 from .registry import resolve
 from .timing import SegmentSpan, check_heads, default_alignment_heads, official_alignment_heads, word_timings
+from .token_choice import choose_tokens
 from .tokenizer import WhisperTokenizer
 
 log = logging.getLogger(__name__)
-
-NEG_INF = float("-inf")
-DTYPES = ("float16", "fp16", "bfloat16", "bf16", "float32", "fp32")
 
 
 @dataclass
@@ -85,18 +90,6 @@ def build_model(dims: ModelDims, state: dict[str, torch.Tensor], where: str = "c
     return model
 
 
-def tensor_bytes(module: torch.nn.Module, dtype: torch.dtype) -> int:
-    """Bytes of a module's parameters and buffers once moved to `dtype` (floating tensors convert,
-    integer ones keep theirs), counting shared tensors once."""
-    seen, total = set(), 0
-    for t in itertools.chain(module.parameters(), module.buffers()):
-        if id(t) in seen:
-            continue
-        seen.add(id(t))
-        total += t.numel() * (dtype.itemsize if t.is_floating_point() else t.element_size())
-    return total
-
-
 def memory_need(dims: ModelDims, dtype: torch.dtype, weight_bytes: int, max_batch: int, *, cuda: bool,
                 max_encoder_batch: int | None = None, cuda_graphs: bool = True, decode_chunk: int = 8,
                 workspace_bytes: int = 0) -> EngineNeed:
@@ -113,9 +106,9 @@ def memory_need(dims: ModelDims, dtype: torch.dtype, weight_bytes: int, max_batc
     elem = dtype.itemsize
     items.append(Need("mel filterbank", dims.n_mels * (N_FFT // 2 + 1) * 4))
     if cuda_graphs:
-        dec = WhisperEngine._buckets(rows)
+        dec = doubling(rows)
         items.append(Need(f"decoder graphs: logits of batch {dec}", sum(dec) * dims.n_vocab * 4))
-        eb = WhisperEngine._buckets(enc)
+        eb = doubling(enc)
         items.append(Need(f"encoder graphs: audio in, features out, batch {eb}",
                           sum(eb) * (N_SAMPLES * 4 + dims.n_audio_ctx * dims.n_audio_state * elem)))
     items.append(Need("cuBLAS workspace (the engine's stream)", workspace_bytes))
@@ -178,57 +171,32 @@ class WhisperEngine:
         self._stash: list[EngineOutput] = []
         self._order = itertools.count()
         self._private_ids = itertools.count(-1, -1)
-        # Static per-row inputs of a decoder step (and of the fused greedy step: the minimum-length
-        # countdown and the chosen token's log-probability), on the model's device.
-        dev = model.device
-        self._tok_buf = torch.zeros(max_batch, dtype=torch.long, device=dev)
-        self._pos_buf = torch.zeros(max_batch, dtype=torch.long, device=dev)
-        self._minleft = torch.zeros(max_batch, dtype=torch.long, device=dev)
-        self._lp_buf = torch.zeros(max_batch, dtype=torch.float32, device=dev)
+        self._warming = False
+        self._admitting: list[_Active] = []  # the group being admitted (its faults are held to it)
         # Greedy steps between host syncs. On CUDA a sync stalls the queue of kernels, so 8 steps run
         # blind (a row that ends mid-chunk computes a few tokens nobody reads); on the CPU a sync is
         # free and every wasted step costs a full step, so each token is looked at as it comes.
         self.decode_chunk = max(1, decode_chunk if decode_chunk is not None else (8 if self.is_cuda else 1))
-        self._hist_tok = torch.zeros(max_batch, self.decode_chunk, dtype=torch.long, device=dev)
-        self._hist_lp = torch.zeros(max_batch, self.decode_chunk, dtype=torch.float32, device=dev)
-        # CUDA graphs: per batch-size bucket, one plain decoder step and one fused greedy step.
+        self._hist_tok = torch.zeros(max_batch, self.decode_chunk, dtype=torch.long, device=model.device)
+        self._hist_lp = torch.zeros(max_batch, self.decode_chunk, dtype=torch.float32, device=model.device)
+        # All of the engine's GPU work runs on one stream of its own, graph captures included (why:
+        # fast.CudaGraphs). CUDA graphs: per batch-size bucket, the encoder, one plain decoder step
+        # and one fused greedy step.
         self.cuda_graphs = cuda_graphs and self.is_cuda
-        self.buckets = self._buckets(max_batch) if self.is_cuda else []
-        self._graphs: dict[tuple[str, int], tuple[torch.cuda.CUDAGraph, torch.Tensor | None]] = {}
-        self._stream: torch.cuda.Stream | None = None
-        if self.is_cuda:
-            self._host_buf = torch.zeros(3, max_batch, dtype=torch.long).pin_memory()
-            self._pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
-            # All of the engine's GPU work runs on one stream of its own, graph captures included:
-            # cuBLAS keeps a workspace per stream and picks kernels by it, so eager steps and
-            # captured ones only run the same kernels (and give the same bits) on the same stream.
-            self._stream = torch.cuda.Stream(device=dev)
-        # GPU encoder: fused QKV, optional compiled layers; run per batch-size bucket (padded or
-        # split into buckets) so the graph path and the eager path see the same shapes.
-        # compile_encoder None: on for CUDA (fused layer norm / residual / GELU / head layouts:
-        # 165 ms instead of 204 ms per 32 utterances on an H200), compiled per bucket in warmup().
-        compile_encoder = self.is_cuda if compile_encoder is None else compile_encoder
-        self.fast_encoder = (FastEncoder(model.encoder, self.dims.n_mels, attn_backend, compile_encoder)
-                             if self.is_cuda else None)
-        self._enc_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
-        # GPU decoder step: fused self-attention QKV, one function per layer, and (compile_decoder,
-        # on by default with it) that function compiled per batch bucket in warmup(): a step at
-        # batch 1 is ~100 kernels of a few microseconds, and their count, not bandwidth, sets its
-        # time. fast_decoder=False keeps the modules' step (the reference; for comparisons). The CPU
-        # runs the fused step too (fewer ops per step: p50 latency 1073 against 1163 ms per
-        # utterance for tiny.en on our 2-core machine) but never compiles it: its steps attend over
-        # exactly as many positions as needed, a new shape (a recompile) at every step, and a
-        # compiled step measured no faster there (the step is bound by memory traffic, cpu.py).
+        self.buckets = doubling(max_batch) if self.is_cuda else []
+        self._stream: torch.cuda.Stream | None = torch.cuda.Stream(device=model.device) if self.is_cuda else None
+        pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
+        self.fast_encoder = self._fast_encoder(compile_encoder, attn_backend)
+        if self.cuda_graphs:
+            self.fast_encoder.graphs = CudaGraphs(self._stream, pool)
         self.int8 = model.decoder.output_projection is not None  # cpu.quantize_int8_ ran
-        if not self.is_cuda:
-            column_major_embedding_(model.decoder)  # (cpu.py: the logits' memory order)
-        fast_decoder = True if fast_decoder is None else fast_decoder
-        compile_decoder = fast_decoder and self.is_cuda and compile_decoder is not False
-        self.fast_decoder = FastDecoder(model.decoder, compile_decoder) if fast_decoder else None
+        self.fast_decoder = self._fast_decoder(fast_decoder, compile_decoder)
         self._decoder: FastDecoder | TextDecoder = self.fast_decoder or model.decoder
-        self._warming = False
-        self._admitting: list[_Active] = []  # the group being admitted (its faults are held to it)
+        self.steps = DecoderSteps(self._decoder, self.cache, self.dims.n_text_ctx, max_batch, model.device,
+                                  self.suppress.always, tokenizer.eot,
+                                  CudaGraphs(self._stream, pool) if self.cuda_graphs else None)
         if self._stream is not None:
+            self._host_buf = torch.zeros(3, max_batch, dtype=torch.long).pin_memory()
             # The weights (moved, fused), caches and buffers above were queued on the creating thread's
             # stream; kernels on the engine's own stream must not overtake those fills and copies.
             self._stream.wait_stream(torch.cuda.current_stream(model.device))
@@ -237,6 +205,31 @@ class WhisperEngine:
                  ", int8 GEMMs" if self.int8 else "", max_batch,
                  max_batch * KVCache.bytes_per_slot(self.dims, self.dtype) / 2**20, self.cuda_graphs,
                  self.decoder_path)
+
+    def _fast_encoder(self, compile_encoder: bool | None, attn_backend: str | None) -> FastEncoder | None:
+        """GPU encoder: fused QKV, optional compiled layers; run per batch-size bucket (padded or split
+        into buckets) so the graph path and the eager path see the same shapes. compile_encoder None:
+        on for CUDA (fused layer norm / residual / GELU / head layouts: 165 ms instead of 204 ms per 32
+        utterances on an H200), compiled per bucket in warmup()."""
+        if not self.is_cuda:
+            return None
+        compile_encoder = self.is_cuda if compile_encoder is None else compile_encoder
+        return FastEncoder(self.model.encoder, self.dims.n_mels, attn_backend, compile_encoder)
+
+    def _fast_decoder(self, fast_decoder: bool | None, compile_decoder: bool | None) -> FastDecoder | None:
+        """GPU decoder step: fused self-attention QKV, one function per layer, and (compile_decoder,
+        on by default with it) that function compiled per batch bucket in warmup(): a step at batch 1
+        is ~100 kernels of a few microseconds, and their count, not bandwidth, sets its time.
+        fast_decoder=False keeps the modules' step (the reference; for comparisons). The CPU runs the
+        fused step too (fewer ops per step: p50 latency 1073 against 1163 ms per utterance for tiny.en
+        on our 2-core machine) but never compiles it: its steps attend over exactly as many positions
+        as needed, a new shape (a recompile) at every step, and a compiled step measured no faster
+        there (the step is bound by memory traffic, cpu.py)."""
+        if not self.is_cuda:
+            column_major_embedding_(self.model.decoder)  # (cpu.py: the logits' memory order)
+        fast_decoder = True if fast_decoder is None else fast_decoder
+        compile_decoder = fast_decoder and self.is_cuda and compile_decoder is not False
+        return FastDecoder(self.model.decoder, compile_decoder) if fast_decoder else None
 
     # ----------------------------------------------------------------------------------- loading
     @classmethod
@@ -267,37 +260,15 @@ class WhisperEngine:
         model = build_model(dims, ckpt.state, str(path))
         tok = ckpt.tokenizer()
         int8 = dtype == "int8"
-        if int8:
-            if device != "cpu":
-                raise EngineError("dtype int8 is a CPU mode (int8 GEMMs on the CPU); on a GPU use float16")
-            if not int8_available():
-                raise EngineError("dtype int8 needs torch's x86/fbgemm quantized kernels, which this torch build "
-                                  "lacks; use float32")
-            dtype = torch.float32
-        if device.startswith("cuda") and not torch.cuda.is_available():
-            raise EngineError("device 'cuda' was asked for but torch sees no CUDA GPU; use --device cpu")
-        if isinstance(dtype, str):
-            if dtype not in DTYPES:
-                raise EngineError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)} or int8 (CPU)")
-            dtype = {"float16": torch.float16, "fp16": torch.float16, "bfloat16": torch.bfloat16,
-                     "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32}[dtype]
-        dtype = dtype or (torch.float16 if device.startswith("cuda") else torch.float32)
-        rows = max_batch or (64 if device.startswith("cuda") else 8)
-        if kv_cache_bytes is not None:
-            fit = kv_cache_bytes // KVCache.bytes_per_slot(dims, dtype)
-            if fit < 1:
-                raise EngineError(f"a KV-cache budget of {kv_cache_bytes / 2**20:.0f} MiB holds no decoder row; "
-                                  f"one row needs {KVCache.bytes_per_slot(dims, dtype) / 2**20:.1f} MiB")
-            rows = min(rows, int(fit))
-        need = memory_need(dims, dtype, tensor_bytes(model, dtype), rows, cuda=device.startswith("cuda"),
+        dtype = _weights_dtype(dtype, device)
+        cuda = device.startswith("cuda")
+        rows = rows_in_budget(max_batch or (64 if cuda else 8), kv_cache_bytes, KVCache.bytes_per_slot(dims, dtype),
+                              owner="ASR", row="decoder row")
+        need = memory_need(dims, dtype, tensor_bytes(model, dtype), rows, cuda=cuda,
                            max_encoder_batch=max_encoder_batch, cuda_graphs=cuda_graphs,
                            decode_chunk=decode_chunk if decode_chunk is not None else 8,
-                           workspace_bytes=stream_workspace_bytes(device) if device.startswith("cuda") else 0)
-        if memory_limit is not None:  # before anything goes to the GPU
-            try:
-                need.check(*memory_limit)
-            except MemoryPlanError as e:
-                raise EngineError(str(e)) from None
+                           workspace_bytes=stream_workspace_bytes(device) if cuda else 0)
+        check_memory_limit(need, memory_limit)  # before anything goes to the GPU
         model = model.to(device=device, dtype=dtype)
         if int8:
             quantize_int8_(model)
@@ -322,14 +293,6 @@ class WhisperEngine:
         if self.fast_decoder is None:
             return "reference"
         return "fused, compiled" if self.fast_decoder.compiled else "fused"
-
-    @staticmethod
-    def _buckets(max_batch: int) -> list[int]:
-        out, b = [], 1
-        while b < max_batch:
-            out.append(b)
-            b *= 2
-        return out + [max_batch]
 
     # ------------------------------------------------------------------------------ the contract
     def submit(self, request_id: int, request: ASRRequest) -> None:
@@ -461,6 +424,11 @@ class WhisperEngine:
         self._release([req for req, _ in failed if req.rows])
         return [fault_output(req.rid, "speech recognition", e) for req, e in failed]
 
+    def _select(self, logits: torch.Tensor, reqs: list[_Active], base: int) -> list[tuple[_Active, Exception]]:
+        """Token choice for `reqs` (row r at logits[r - base]; token_choice.py); returns the requests
+        whose tokens failed (the others have advanced)."""
+        return choose_tokens(logits, reqs, base, self.suppress, self.tok.eot, self.cache)
+
     @staticmethod
     def _fast(req: _Active) -> bool:
         """Greedy without timestamps: token choice can run on the device, several steps at a time."""
@@ -475,12 +443,12 @@ class WhisperEngine:
         return toks, pos
 
     def _load_inputs(self, n: int, rows: list[list[int]]) -> int:
-        """Copy per-row inputs (token, position[, min-length countdown]) into the static buffers.
+        """Copy per-row inputs (token, position[, min-length countdown]) into the steps' static buffers.
 
         Returns the batch size to run: n on CPU; on GPU, n padded to a bucket (padded rows get
         position 0 of free slots, which nobody reads).
         """
-        bufs = (self._tok_buf, self._pos_buf, self._minleft)[: len(rows)]
+        bufs = (self.steps.tok, self.steps.pos, self.steps.minleft)[: len(rows)]
         if not self.is_cuda:
             for buf, vals in zip(bufs, rows):
                 buf[:n] = torch.tensor(vals)
@@ -502,32 +470,11 @@ class WhisperEngine:
         if not self.is_cuda:
             # CPU: attend only as far as the longest row; no mask when every row is at one position.
             kv_len = max(pos) + 1
-            return self._decoder.step(self._tok_buf[:n], self._pos_buf[:n], self.cache, kv_len,
+            return self._decoder.step(self.steps.tok[:n], self.steps.pos[:n], self.cache, kv_len,
                                       masked=min(pos) != kv_len - 1)
         # GPU: always attend over the whole context with a mask, so the eager path and the graph run
         # the very same kernels.
-        return self._run("plain", b)[:n]
-
-    def _plain_step(self, b: int) -> torch.Tensor:
-        return self._decoder.step(self._tok_buf[:b], self._pos_buf[:b], self.cache, self.dims.n_text_ctx)
-
-    def _greedy_step(self, b: int, kv_len: int | None = None, masked: bool = True) -> None:
-        """Decoder step + greedy choice, all on the device: the chosen tokens become the next
-        step's inputs, positions advance, so steps can follow each other with no host round trip.
-
-        The same filters as the host path: the always-suppressed ids, and no end-of-text while a
-        row's minimum-length countdown is positive; then arg-max and its log-probability.
-        """
-        logits = self._decoder.step(self._tok_buf[:b], self._pos_buf[:b], self.cache,
-                                    kv_len or self.dims.n_text_ctx, masked)
-        logits.masked_fill_(self.suppress.always, NEG_INF)
-        eot = self.tok.eot
-        logits[:, eot] = torch.where(self._minleft[:b] > 0, NEG_INF, logits[:, eot])
-        nxt = logits.argmax(dim=-1)
-        self._lp_buf[:b] = torch.log_softmax(logits, dim=-1).gather(1, nxt[:, None])[:, 0]
-        self._tok_buf[:b] = nxt
-        self._pos_buf[:b] += 1
-        self._minleft[:b] -= 1
+        return self.steps.run("plain", b)[:n]
 
     def _greedy_chunk(self, n: int, reqs: list[_Active]) -> list[tuple[_Active, Exception]]:
         """Up to `decode_chunk` greedy steps for rows 0..n-1 with one host sync at the end.
@@ -547,11 +494,11 @@ class WhisperEngine:
         lo, hi = min(pos), max(pos)
         for k in range(k_max):
             if self.is_cuda:
-                self._run("greedy", b)
+                self.steps.run("greedy", b)
             else:  # as in _decode: exact context length, no mask when rows are aligned
-                self._greedy_step(b, kv_len=hi + k + 1, masked=lo != hi)
-            self._hist_tok[:b, k] = self._tok_buf[:b]
-            self._hist_lp[:b, k] = self._lp_buf[:b]
+                self.steps.greedy(b, kv_len=hi + k + 1, masked=lo != hi)
+            self._hist_tok[:b, k] = self.steps.tok[:b]
+            self._hist_lp[:b, k] = self.steps.lp[:b]
         tok_rows = self._hist_tok[:n, :k_max].tolist()
         lp_rows = self._hist_lp[:n, :k_max].tolist()
         failed = []
@@ -566,37 +513,6 @@ class WhisperEngine:
                 failed.append((q, e))
         return failed
 
-    def _run(self, kind: str, b: int) -> torch.Tensor | None:
-        """Run the plain or fused-greedy step for bucket `b`: replay its graph, or eagerly."""
-        fn = self._plain_step if kind == "plain" else self._greedy_step
-        if not self.cuda_graphs:
-            return fn(b)
-        if (kind, b) not in self._graphs:
-            self._capture(kind, b)
-        graph, out = self._graphs[(kind, b)]
-        graph.replay()
-        return out
-
-    def _capture(self, kind: str, b: int) -> None:
-        """Record one step for bucket `b` from the static buffers (also safe mid-stream).
-
-        Warm-up runs write the keys/values the real step will write anyway (same inputs), padded
-        rows touch only free slots, and the buffers a fused step advances are restored before the
-        capture, which itself executes nothing.
-        """
-        fn = self._plain_step if kind == "plain" else self._greedy_step
-        with self.on_stream():
-            saved = [t.clone() for t in (self._tok_buf, self._pos_buf, self._minleft)]
-            for _ in range(2):  # warm-up on the capture stream (lazy inits happen outside capture)
-                fn(b)
-            for t, v in zip((self._tok_buf, self._pos_buf, self._minleft), saved):
-                t.copy_(v)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool, stream=self._stream):
-                out = fn(b)
-        self._graphs[(kind, b)] = (graph, out)
-        log.debug("captured %s decoder step graph for batch %d", kind, b)
-
     def warmup(self) -> None:
         """Make every shape the engine will run now (only while idle), so no request pays a
         first-time cost: the decoder step (compiled layers and graphs) of every bucket, the encoder
@@ -605,21 +521,22 @@ class WhisperEngine:
         1..max_encoder_batch."""
         if self._n or self._queue or not self.is_cuda:
             return
+        steps = self.steps
         with torch.inference_mode(), self.on_stream():
-            for t in (self._tok_buf, self._pos_buf, self._minleft):
+            for t in (steps.tok, steps.pos, steps.minleft):
                 t.zero_()
             if self.cuda_graphs:
                 for b in self.buckets:
                     for kind in ("plain", "greedy"):
-                        if (kind, b) not in self._graphs:
-                            self._capture(kind, b)
+                        if (kind, b) not in steps.graphs:
+                            steps.capture(kind, b)
             elif self.fast_decoder is not None and self.fast_decoder.compiled:
                 for b in self.buckets:  # compile every bucket's step (the plain and greedy steps share it)
-                    self._plain_step(b)
+                    steps.plain(b)
             for b in self.encoder_buckets():
                 if self.cuda_graphs:
-                    if b not in self._enc_graphs:
-                        self._capture_encoder(b)
+                    if ("encoder", b) not in self.fast_encoder.graphs:
+                        self.fast_encoder.capture(b, self.dtype)
                 else:
                     self._encode_bucket(torch.zeros(b, N_SAMPLES, device=self.model.device), b)
             # Admission at every size: with a language (prefill only) and without (detection first).
@@ -639,46 +556,13 @@ class WhisperEngine:
                 self._warming = False
             torch.cuda.synchronize()
 
-    # ------------------------------------------------------------------------- the GPU encoder
+    # ------------------------------------------------------------------------------ admission
     def encoder_buckets(self) -> list[int]:
-        return self._buckets(self.max_encoder_batch)
-
-    def _enc_pieces(self, n: int) -> list[int]:
-        """Split an admission of n utterances into bucket-sized encoder runs: round up to the next
-        bucket when that pads by at most a quarter, else take the largest bucket that fits."""
-        buckets, out = self.encoder_buckets(), []
-        while n > 0:
-            up = next((b for b in buckets if b >= n), buckets[-1])
-            if up <= n * 1.25 or up == buckets[0]:
-                out.append(up)
-                n -= min(up, n)
-            else:
-                down = max(b for b in buckets if b <= n)
-                out.append(down)
-                n -= down
-        return out
+        return doubling(self.max_encoder_batch)
 
     def _encode_bucket(self, audio: torch.Tensor, b: int) -> torch.Tensor:
         """Features [b, A, D] of audio [b, N_SAMPLES] (padded windows), by graph or eagerly."""
-        if self.cuda_graphs:
-            if b not in self._enc_graphs:
-                self._capture_encoder(b)
-            graph, inp, out = self._enc_graphs[b]
-            inp.copy_(audio)
-            graph.replay()
-            return out
-        return self.fast_encoder(audio, self.dtype)
-
-    def _capture_encoder(self, b: int) -> None:
-        with self.on_stream():
-            inp = torch.zeros(b, N_SAMPLES, device=self.model.device)
-            for _ in range(2):  # compiles (if asked) and makes lazy inits happen outside capture
-                self.fast_encoder(inp, self.dtype)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool, stream=self._stream):
-                out = self.fast_encoder(inp, self.dtype)
-        self._enc_graphs[b] = (graph, inp, out)
-        log.debug("captured encoder graph for batch %d", b)
+        return self.fast_encoder.run(audio, b, self.dtype)
 
     def _encode_into_cache(self, audio: torch.Tensor, chosen: list[_Active]) -> None:
         """Encoder over audio [n, N_SAMPLES] of `chosen`, then every layer's cross keys/values into
@@ -692,7 +576,7 @@ class WhisperEngine:
             model.decoder.write_cross(self.cache, rows, features[source])
             return
         start = 0
-        for b in self._enc_pieces(len(chosen)):
+        for b in encoder_pieces(len(chosen), self.encoder_buckets()):
             part = chosen[start:start + b]
             x = audio[start:start + len(part)]
             if len(part) < b:
@@ -708,8 +592,18 @@ class WhisperEngine:
 
     def _admit(self) -> tuple[list[_Active], torch.Tensor] | None:
         """Move queued requests into free rows; returns them and their first-step logits (row order)."""
-        if not self._queue:
+        chosen = self._choose_admissions()
+        if not chosen:
             return None
+        self._admitting = chosen
+        self._give_rows(chosen)
+        self._encode_into_cache(self._audio(chosen), chosen)
+        self._detect_languages([r for r in chosen if r.dec.plan.language is None])
+        return chosen, self._prefill(chosen)
+
+    def _choose_admissions(self) -> list[_Active]:
+        """Queued requests for the free rows, highest priority first, at most max_encoder_batch; a
+        request marked solo goes in alone."""
         free = self.max_batch - self._n
         chosen: list[_Active] = []
         for req in sorted(self._queue.values(), key=lambda r: (-r.request.options.priority, r.order)):
@@ -720,9 +614,10 @@ class WhisperEngine:
             if req.dec.plan.beam_size <= free:
                 chosen.append(req)
                 free -= req.dec.plan.beam_size
-        if not chosen:
-            return None
-        self._admitting = chosen
+        return chosen
+
+    def _give_rows(self, chosen: list[_Active]) -> None:
+        """Move `chosen` from the queue into rows _n.. (one per beam)."""
         for req in chosen:
             del self._queue[req.rid]
             req.rows = list(range(self._n, self._n + req.dec.plan.beam_size))
@@ -730,27 +625,27 @@ class WhisperEngine:
                 self._owner[r] = (req, j)
             self._n += len(req.rows)
             self._active[req.rid] = req
-        model, tok, dev = self.model, self.tok, self.model.device
-        # Encoder over the new audio, then every layer's cross keys/values into each request's rows.
+
+    def _audio(self, chosen: list[_Active]) -> torch.Tensor:
+        """The requests' audio as padded 30 s windows [n, N_SAMPLES] on the model's device."""
         audio = torch.stack([pad_or_trim(torch.from_numpy(r.request.audio)) for r in chosen])
         if self.is_cuda:
-            audio = audio.pin_memory().to(dev, non_blocking=True)
-        self._encode_into_cache(audio, chosen)
-        # Language detection: the distribution after <|startoftranscript|> alone, over language tokens.
-        detect = [r for r in chosen if r.dec.plan.language is None]
-        if detect:
-            first_rows = torch.tensor([r.rows[0] for r in detect], device=dev)
-            sot = torch.full((len(detect), 1), tok.sot, dtype=torch.long, device=dev)
-            lang_logits = model.decoder.prefill(sot, first_rows, self.cache)[:, 0]
-            only_langs = torch.full_like(lang_logits, NEG_INF)
-            ids = list(tok.language_tokens)
-            only_langs[:, ids] = lang_logits[:, ids]
-            best = only_langs.argmax(dim=-1).tolist()
-            probs = only_langs.softmax(dim=-1)[:, ids].cpu().tolist()
-            for r, b, p in zip(detect, best, probs):
-                r.dec.language_probs = dict(zip(tok.language_codes, p))
-                r.dec.plan.language = tok.language_codes[b - tok.sot - 1]
-        # Prefill the initial tokens, grouped by length (they differ only with prompts).
+            audio = audio.pin_memory().to(self.model.device, non_blocking=True)
+        return audio
+
+    def _detect_languages(self, detect: list[_Active]) -> None:
+        """Language detection (language.py) for the requests that did not give theirs."""
+        if not detect:
+            return
+        found = detect_languages(self.model.decoder, self.tok, self.cache, [r.rows[0] for r in detect])
+        for r, (language, probs) in zip(detect, found):
+            r.dec.language_probs = probs
+            r.dec.plan.language = language
+
+    def _prefill(self, chosen: list[_Active]) -> torch.Tensor:
+        """Prefill the initial tokens of `chosen`, grouped by length (they differ only with prompts);
+        returns the logits of their last positions (row order) and sets each one's no-speech probability."""
+        tok, dev = self.tok, self.model.device
         out = torch.empty(sum(len(r.rows) for r in chosen), self.dims.n_vocab, device=dev)
         base = chosen[0].rows[0]
         groups: dict[int, list[_Active]] = {}
@@ -759,7 +654,7 @@ class WhisperEngine:
         for group in groups.values():
             toks = torch.tensor([r.dec.initial for r in group for _ in r.rows], device=dev)
             grows = [x for r in group for x in r.rows]
-            logits = model.decoder.prefill(toks, torch.tensor(grows, device=dev), self.cache)
+            logits = self.model.decoder.prefill(toks, torch.tensor(grows, device=dev), self.cache)
             sot_idx = torch.tensor([r.dec.sot_index for r in group for _ in r.rows], device=dev)
             at_sot = logits[torch.arange(len(grows), device=dev), sot_idx]
             no_speech = at_sot.softmax(dim=-1)[:, tok.no_speech].tolist()
@@ -768,53 +663,7 @@ class WhisperEngine:
                 r.dec.no_speech_prob = no_speech[k]
                 k += len(r.rows)
             out[torch.tensor(grows, device=dev) - base] = logits[:, -1]
-        return chosen, out
-
-    def _select(self, logits: torch.Tensor, reqs: list[_Active], base: int) -> list[tuple[_Active, Exception]]:
-        """Filter the logits of `reqs` (row r at logits[r - base]), pick tokens, advance them; returns the
-        requests whose tokens failed (the others have advanced)."""
-        dev = logits.device
-        logits.masked_fill_(self.suppress.always, NEG_INF)
-        # The per-request rules, batched: one indexing op for all first steps (no blank / end-of-text
-        # first) and one for all rows still under their minimum length; timestamp rules per request.
-        first = [r - base for q in reqs if q.dec.n_sampled == 0 for r in q.rows]
-        if first:
-            logits[torch.tensor(first, device=dev)[:, None], torch.tensor(self.suppress.blank, device=dev)] = NEG_INF
-        short = [r - base for q in reqs if q.dec.n_sampled < q.dec.plan.min_new_tokens for r in q.rows]
-        if short:
-            logits[torch.tensor(short, device=dev), self.tok.eot] = NEG_INF
-        for req in reqs:
-            if req.dec.plan.timestamps:
-                idx = torch.tensor(req.rows, device=dev) - base
-                sub = logits[idx]
-                req.dec.timestamp_rules(sub)
-                logits[idx] = sub
-        greedy = logits.argmax(dim=-1)
-        logprobs = torch.log_softmax(logits, dim=-1)
-        chosen_lp = logprobs.gather(1, greedy[:, None])[:, 0]
-        beam_tops: dict[int, tuple[list, list]] = {}
-        for k in sorted({r.dec.plan.beam_size for r in reqs if r.dec.plan.beam_size > 1}):
-            rows = [x for r in reqs if r.dec.plan.beam_size == k for x in r.rows]
-            vals, ids = logprobs[torch.tensor(rows, device=dev) - base].topk(k + 1, dim=-1)
-            vals, ids = vals.tolist(), ids.tolist()
-            for i, row in enumerate(rows):
-                beam_tops[row] = (vals[i], ids[i])
-        greedy_l, lp_l = greedy.tolist(), chosen_lp.tolist()
-        failed = []
-        for req in reqs:
-            d = req.dec
-            try:
-                if d.plan.beam_size == 1:
-                    r = req.rows[0] - base
-                    d.update_greedy(greedy_l[r], lp_l[r])
-                else:
-                    src = d.update_beam([beam_tops[r][0] for r in req.rows], [beam_tops[r][1] for r in req.rows])
-                    if not d.done and src != list(range(len(src))):
-                        dst = torch.tensor(req.rows, device=dev)
-                        self.cache.move(dst, dst[torch.tensor(src, device=dev)], self_only=True)
-            except Exception as e:  # this request's tokens: its fault alone
-                failed.append((req, e))
-        return failed
+        return out
 
     def _finish(self) -> list[EngineOutput]:
         """Report finished requests and free their rows."""
@@ -865,14 +714,28 @@ class WhisperEngine:
             for r in req.rows:
                 self._owner[r] = None
             req.rows = []
-        live = self._n - sum(1 for r in range(self._n) if self._owner[r] is None)
-        holes = [r for r in range(live) if self._owner[r] is None]
-        movers = [r for r in range(live, self._n) if self._owner[r] is not None]
-        if holes:
+        occupied = [self._owner[r] is not None for r in range(self._n)]
+        moves = compaction(occupied)
+        if moves:
             dev = self.cache.self_k.device
-            self.cache.move(torch.tensor(holes, device=dev), torch.tensor(movers, device=dev))
-            for h, m in zip(holes, movers):
+            self.cache.move(torch.tensor([h for _, h in moves], device=dev), torch.tensor([m for m, _ in moves], device=dev))
+            for m, h in moves:
                 req, j = self._owner[m]
                 req.rows[j] = h
                 self._owner[h], self._owner[m] = (req, j), None
-        self._n = live
+        self._n = sum(occupied)
+
+
+def _weights_dtype(dtype: torch.dtype | str | None, device: str) -> torch.dtype:
+    """The model's dtype from `load`'s: "int8" (a CPU mode) keeps float32 weights (quantized after)."""
+    if dtype == "int8":
+        if device != "cpu":
+            raise EngineError("dtype int8 is a CPU mode (int8 GEMMs on the CPU); on a GPU use float16")
+        if not int8_available():
+            raise EngineError("dtype int8 needs torch's x86/fbgemm quantized kernels, which this torch build "
+                              "lacks; use float32")
+        dtype = torch.float32
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise EngineError("device 'cuda' was asked for but torch sees no CUDA GPU; use --device cpu")
+    dtype = parse_dtype(dtype, f"one of {', '.join(DTYPES)} or int8 (CPU)")
+    return dtype or (torch.float16 if device.startswith("cuda") else torch.float32)

@@ -13,7 +13,10 @@ per step is what counts there):
   optional `torch.compile` of it serves every layer (fused bias + GELU, residual + layer norm) and
   is compiled once per batch-size bucket at warm-up, never while serving;
 * the encoder's attention backend can be pinned (flash, cuDNN, memory-efficient) with
-  `attn_backend`; the decoder step keeps `decode_attention_kernels`, as the reference step does.
+  `attn_backend`; the decoder step keeps `decode_attention_kernels`, as the reference step does;
+* on a GPU both run as CUDA graphs, one per batch-size bucket (`CudaGraphs`): the encoder through
+  `FastEncoder.run`, the decoder step (this one or the modules') through `DecoderSteps`, which owns
+  the static per-row inputs a graph reads.
 
 Results equal the reference forwards up to fp16 rounding (a different GEMM shape sums in a
 different order, compiled kernels fuse differently), not bit for bit; the engine runs the graph
@@ -30,8 +33,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .audio import log_mel_spectrogram
+from .audio import N_SAMPLES, log_mel_spectrogram
 from .model import Attention, AudioEncoder, KVCache, TextDecoder, decode_attention_kernels
+from .token_choice import greedy_choice
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +110,67 @@ def full_float32_convolutions(on: bool = True):
         cudnn.allow_tf32 = before
 
 
+class CudaGraphs:
+    """CUDA graphs of an engine's steps, one per key (a step's name and its batch bucket), captured on
+    first use on the engine's `stream` into the memory `pool` all of its graphs share. Everything the
+    engine runs goes on that one stream, captures included: cuBLAS keeps a workspace per stream and
+    picks kernels by it, so eager steps and captured ones only run the same kernels (and give the
+    same bits) on the same stream."""
+
+    def __init__(self, stream: torch.cuda.Stream, pool) -> None:
+        self.stream, self.pool = stream, pool
+        self._graphs: dict[tuple[str, int], tuple[torch.cuda.CUDAGraph, Tensor | None]] = {}
+
+    def __contains__(self, key: tuple[str, int]) -> bool:
+        return key in self._graphs
+
+    def __len__(self) -> int:
+        return len(self._graphs)
+
+    def clear(self) -> None:
+        self._graphs.clear()
+
+    def capture(self, key: tuple[str, int], fn, restore: tuple[Tensor, ...] = ()) -> None:
+        """Record `fn()` for `key` (also safe mid-stream): it runs twice on the capture stream first
+        (compiles, if asked, and makes lazy inits happen outside capture); the buffers in `restore`,
+        which those runs advance, are put back before the capture, which itself executes nothing."""
+        with torch.cuda.stream(self.stream):
+            saved = [t.clone() for t in restore]
+            for _ in range(2):
+                fn()
+            for t, v in zip(restore, saved):
+                t.copy_(v)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
+                out = fn()
+        self._graphs[key] = (graph, out)
+        log.debug("captured the %s graph for batch %d", *key)
+
+    def replay(self, key: tuple[str, int], fn, restore: tuple[Tensor, ...] = ()) -> Tensor | None:
+        """Replay `key`'s graph (captured from `fn` first if it has none); returns its output."""
+        if key not in self._graphs:
+            self.capture(key, fn, restore)
+        graph, out = self._graphs[key]
+        graph.replay()
+        return out
+
+
+def encoder_pieces(n: int, buckets: list[int]) -> list[int]:
+    """Split an admission of n utterances into bucket-sized encoder runs: round up to the next
+    bucket when that pads by at most a quarter, else take the largest bucket that fits."""
+    out = []
+    while n > 0:
+        up = next((b for b in buckets if b >= n), buckets[-1])
+        if up <= n * 1.25 or up == buckets[0]:
+            out.append(up)
+            n -= min(up, n)
+        else:
+            down = max(b for b in buckets if b <= n)
+            out.append(down)
+            n -= down
+    return out
+
+
 _BACKENDS = {"flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION", "efficient": "EFFICIENT_ATTENTION",
              "math": "MATH"}
 
@@ -128,6 +193,23 @@ class FastEncoder:
                                 blk.mlp[2].weight, blk.mlp[2].bias))
         self.compiled = compile_layers
         self._layer = compile_static(encoder_layer) if compile_layers else encoder_layer
+        self.graphs: CudaGraphs | None = None  # set by the engine: `run` replays a graph per batch bucket
+        self._inputs: dict[int, Tensor] = {}  # the graphs' static audio input, per batch bucket
+
+    def run(self, audio: Tensor, b: int, dtype: torch.dtype) -> Tensor:
+        """Features [b, A, D] of audio [b, N_SAMPLES] (padded windows), by graph or eagerly."""
+        if self.graphs is None:
+            return self(audio, dtype)
+        if ("encoder", b) not in self.graphs:
+            self.capture(b, dtype)
+        self._inputs[b].copy_(audio)
+        return self.graphs.replay(("encoder", b), None)
+
+    def capture(self, b: int, dtype: torch.dtype) -> None:
+        """Record the encoder for batch bucket b (its input a static buffer `run` copies into)."""
+        with torch.cuda.stream(self.graphs.stream):
+            inp = self._inputs[b] = torch.zeros(b, N_SAMPLES, device=self.enc.conv1.weight.device)
+        self.graphs.capture(("encoder", b), lambda: self(inp, dtype))
 
     def _sdpa_ctx(self) -> contextlib.AbstractContextManager:
         if self.attn_backend is None:
@@ -251,3 +333,54 @@ class FastDecoder:
                 x = self._layer(x, mask, rows, positions, cache.self_k[i], cache.self_v[i], cache.cross_k[i],
                                 cache.cross_v[i], kv_len, self.n_head, *p)
             return dec._logits(x[:, 0])
+
+
+class DecoderSteps:
+    """The decoder's one-token step for rows 0..b-1, from static per-row buffers on the model's device
+    (token, position, minimum-length countdown, the chosen token's log-probability), by a CUDA graph
+    per (step, batch bucket) when `graphs` is given, else eagerly. `decoder` is the fused step
+    (`FastDecoder`) or the modules' (`TextDecoder`):
+
+    - `plain(b)`: logits [b, vocab] out; token choice on the host (`token_choice.choose_tokens`);
+    - `greedy(b)`: the step and the greedy choice on the device (`token_choice.greedy_choice`): the
+      chosen tokens become the next step's inputs and positions advance, so steps can follow each
+      other with no host round trip.
+    """
+
+    def __init__(self, decoder: FastDecoder | TextDecoder, cache: KVCache, n_text_ctx: int, max_batch: int,
+                 device: torch.device, always: Tensor, eot: int, graphs: CudaGraphs | None = None) -> None:
+        self.decoder, self.cache, self.n_text_ctx = decoder, cache, n_text_ctx
+        self.always, self.eot = always, eot
+        self.tok = torch.zeros(max_batch, dtype=torch.long, device=device)
+        self.pos = torch.zeros(max_batch, dtype=torch.long, device=device)
+        self.minleft = torch.zeros(max_batch, dtype=torch.long, device=device)
+        self.lp = torch.zeros(max_batch, dtype=torch.float32, device=device)
+        self.graphs = graphs
+
+    def plain(self, b: int) -> Tensor:
+        """The step over the whole context with a mask (the graph and the eager path run the very same
+        kernels)."""
+        return self.decoder.step(self.tok[:b], self.pos[:b], self.cache, self.n_text_ctx)
+
+    def greedy(self, b: int, kv_len: int | None = None, masked: bool = True) -> None:
+        """Decoder step + greedy choice, all on the device (kv_len / masked: as `TextDecoder.step`;
+        the CPU attends only as far as it must)."""
+        logits = self.decoder.step(self.tok[:b], self.pos[:b], self.cache, kv_len or self.n_text_ctx, masked)
+        nxt, self.lp[:b] = greedy_choice(logits, self.always, self.eot, self.minleft[:b])
+        self.tok[:b] = nxt
+        self.pos[:b] += 1
+        self.minleft[:b] -= 1
+
+    def run(self, kind: str, b: int) -> Tensor | None:
+        """Run the "plain" or "greedy" step for bucket `b`: replay its graph, or eagerly."""
+        fn = self.plain if kind == "plain" else self.greedy
+        if self.graphs is None:
+            return fn(b)
+        return self.graphs.replay((kind, b), lambda: fn(b), restore=(self.tok, self.pos, self.minleft))
+
+    def capture(self, kind: str, b: int) -> None:
+        """Record one step for bucket `b` from the static buffers (also safe mid-stream): the eager runs
+        before the capture write the keys/values the real step will write anyway (same inputs), padded
+        rows touch only free slots, and the buffers a greedy step advances are restored."""
+        fn = self.plain if kind == "plain" else self.greedy
+        self.graphs.capture((kind, b), lambda: fn(b), restore=(self.tok, self.pos, self.minleft))

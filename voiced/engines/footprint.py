@@ -1,0 +1,48 @@
+"""What a torch engine holds on its device, as its `load` computes it before anything goes there: the
+bytes of a module's weights in a dtype, the dtype a setting names, and the check of the computed need
+against the engine's share of the GPU (voiced.memory_plan)."""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from voiced.engines.base import EngineError
+from voiced.memory_plan import EngineNeed, MemoryPlanError
+
+# The dtype names a setting (or a command-line flag) may use.
+DTYPES: dict[str, torch.dtype] = {"float16": torch.float16, "fp16": torch.float16, "bfloat16": torch.bfloat16,
+                                  "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32}
+
+
+def parse_dtype(d: str | torch.dtype | None, choices: str) -> torch.dtype | None:
+    """A dtype from its name (None and torch dtypes pass through); `choices` ends the error's advice."""
+    if d is None or isinstance(d, torch.dtype):
+        return d
+    if d not in DTYPES:
+        raise EngineError(f"unknown dtype {d!r}; use {choices}")
+    return DTYPES[d]
+
+
+def tensor_bytes(module: torch.nn.Module, dtype: torch.dtype) -> int:
+    """Bytes of a module's parameters and buffers once moved to `dtype` (floating tensors convert,
+    integer ones keep theirs), counting shared tensors once. Works on the meta device."""
+    seen, total = set(), 0
+    for t in itertools.chain(module.parameters(), module.buffers()):
+        if id(t) in seen:
+            continue
+        seen.add(id(t))
+        total += t.numel() * (dtype.itemsize if t.is_floating_point() else t.element_size())
+    return total
+
+
+def check_memory_limit(need: EngineNeed, memory_limit: tuple[int, float] | None) -> None:
+    """`load`'s memory_limit, (free GPU bytes, the engine's [memory] fraction): refuse a need above that
+    share with an EngineError naming the setting (nothing has gone to the GPU yet)."""
+    if memory_limit is None:
+        return
+    try:
+        need.check(*memory_limit)
+    except MemoryPlanError as e:
+        raise EngineError(str(e)) from None

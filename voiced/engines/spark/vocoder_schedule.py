@@ -1,0 +1,215 @@
+"""The vocoder's scheduling in the Spark engine: when a vocoder turn is due, which requests it serves
+and in what order, which windows of theirs it decodes together, and the shapes warm-up must run.
+
+Policy (the engine's `step` asks, `_vocode` emits what `decode` returns):
+  - first chunks first: a request still waiting for its first sound is served before (and never
+    padded up to) the bulk chunks of long replies; then the requests closest to running dry (least
+    audio buffered ahead of real time);
+  - a turn decodes at most VOCODER_STEP_WINDOWS windows and VOCODER_STEP_TOKENS padded tokens (batch
+    bucket x longest padded window), one window always;
+  - merging: once every active request has its first audio out, the ready chunks of a request go as
+    one window (up to VOCODER_MERGE_TOKENS), paying the vocoder's context once instead of per chunk,
+    and (several requests in flight) the chunks of a request well ahead of real time wait to grow
+    such a window;
+  - urgency: while a request decodes toward its first chunk, a vocoder turn runs only for work that
+    cannot wait (a first chunk ready, a sentence ended, a request within VOCODER_SLACK_S of running dry).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from voiced.engines.base import SAMPLE_RATE
+
+from .bicodec import BiCodec
+from .request import Request, State
+from .streaming import (
+    BATCH_BUCKETS,
+    DecodeJob,
+    Window,
+    batch_bucket,
+    decode_jobs,
+    decoded_tokens,
+    longest_fitting,
+    padded_length,
+    window_lengths,
+)
+
+# A request whose streamed audio is this far ahead of real time can have its next chunk decoded a
+# vocoder turn later: so that requests still waiting for their first chunk are decoded first, and
+# (with other requests still being written) so that its ready chunks grow into one longer window.
+VOCODER_SLACK_S = 1.0
+# One vocoder step's work: at most this many windows, and batch bucket x padded window length at most
+# this many tokens (one window always goes, whatever its length).
+VOCODER_STEP_WINDOWS = 16
+VOCODER_STEP_TOKENS = 1024
+# The longest window (padded) that merging consecutive ready chunks of one request makes (0: no merging).
+# Each window pays 2R (~136) tokens of context: a lone 25-token chunk decodes ~161 tokens (176 padded),
+# 35 chunks merged decode 1011 (1024 padded) for 875 released. Merging never applies while an active
+# request still waits for its first audio: the steps on that path stay as short as they were.
+# (It was off for a day: shortened replies in the CPU suite were blamed on it, then traced to the test
+# checkpoint's random LM sampling its end token; see tests/spark_fixtures.py.)
+VOCODER_MERGE_TOKENS = 1024
+
+
+@dataclass
+class VocoderWork:
+    """What the vocoder did since the engine started (the benchmark reports the ratios)."""
+
+    steps: int = 0
+    windows: int = 0
+    window_tokens: int = 0  # tokens of the windows decoded (context included)
+    decoded_tokens: int = 0  # what the vocoder computed: window_tokens plus padding and repeated batch rows
+    audio_tokens: int = 0  # tokens whose audio was released
+
+    def add(self, windows: list[Window]) -> dict:
+        """Count one vocoder step's windows; returns that step's counts."""
+        step = {"windows": len(windows), "window_tokens": sum(w.end - w.start for w in windows),
+                "decoded_tokens": decoded_tokens(windows), "audio_tokens": sum(w.keep_to - w.keep_from for w in windows)}
+        self.steps += 1
+        for k, v in step.items():
+            setattr(self, k, getattr(self, k) + v)
+        return step
+
+
+def ahead_s(r: Request, now: float) -> float:
+    """Seconds of r's audio already sent beyond real time (since its first chunk); -inf before it."""
+    if r.t_first_chunk is None:
+        return float("-inf")
+    return r.offset / SAMPLE_RATE - (now - r.t_first_chunk)
+
+
+def has_window(r: Request) -> bool:
+    return (r.planner is not None and r.speaker is not None and bool(r.semantic)
+            and r.planner.next_window(len(r.semantic), r.sentence_over) is not None)
+
+
+def merging(active: list[Request]) -> bool:
+    """Ready chunks of a request go as one window: no active request waits for its first audio (a
+    merged step is longer; the first-audio path keeps the short steps it had)."""
+    return VOCODER_MERGE_TOKENS > 0 and all(r.t_first_chunk is not None for r in active)
+
+
+def first_chunk_decoding(active: list[Request]) -> bool:
+    """Some request is still decoding toward its first chunk (no window of it is ready yet)."""
+    return any(r.t_first_chunk is None and r.state is State.DECODING and not has_window(r) for r in active)
+
+
+def urgent(active: list[Request], now: float) -> bool:
+    """Vocoder work that cannot wait: a first chunk is ready, a sentence ended (its row must move
+    on), or a request's audio is within VOCODER_SLACK_S of running dry at the caller."""
+    for r in active:
+        if r.state is State.PREFILL:
+            continue
+        if r.sentence_over:
+            return True
+        if has_window(r) and (r.t_first_chunk is None or ahead_s(r, now) <= VOCODER_SLACK_S):
+            return True
+    return False
+
+
+def window_shapes(first: int, chunk: int, radius: int) -> list[tuple[int, int]]:
+    """Every (batch bucket, padded window length) a vocoder step can decode: windows are at most
+    first + R (the first), chunk + 2R tokens long or VOCODER_MERGE_TOKENS (merged chunks), padded
+    as `padded_length` does; batches as `VocoderSchedule.decode` fills them (at most
+    VOCODER_STEP_WINDOWS, bucket x length within VOCODER_STEP_TOKENS)."""
+    longest = max(first + radius, chunk + 2 * radius, VOCODER_MERGE_TOKENS)
+    out = []
+    for length in window_lengths(longest):
+        for b in BATCH_BUCKETS:
+            if b > VOCODER_STEP_WINDOWS or (b > 1 and b * length > VOCODER_STEP_TOKENS):
+                break
+            out.append((b, length))
+    return out
+
+
+class VocoderSchedule:
+    """Chooses and decodes the windows of one vocoder turn (see the module's policy)."""
+
+    def __init__(self, codec: BiCodec, device: str, radius: int) -> None:
+        self.codec, self.device, self.radius = codec, device, radius
+        self.work = VocoderWork()
+
+    def ready_rows(self, active: list[Request], now: float) -> list[Request]:
+        """The requests a vocoder step would serve now: those with a window ready that need not wait, or
+        a sentence ended (its row must move on or be released). Built once per step (~0.1 ms at 64
+        requests on the host) and handed to `decode` when that step vocodes."""
+        rows = [r for r in active if r.state is not State.PREFILL and (r.sentence_over or has_window(r))]
+        if len(active) > 1 and merging(active) and any(r.state is State.DECODING for r in active):
+            # Chunks that can wait for a later vocoder turn do: those of a request whose audio is more
+            # than VOCODER_SLACK_S ahead of real time, still being written, and whose ready chunks do
+            # not fill a merged window yet. The LM's steps then go back to back and the window, when it
+            # comes, releases more audio for its context. Never for a request alone: that stays
+            # independent of the clock.
+            rows = [r for r in rows if r.sentence_over or ahead_s(r, now) <= VOCODER_SLACK_S
+                    or self._fills_merged_window(r)]
+        return rows
+
+    def _fills_merged_window(self, r: Request) -> bool:
+        w = r.planner.next_window(len(r.semantic), r.sentence_over, VOCODER_MERGE_TOKENS)
+        return w is not None and w.keep_to + r.planner.chunk + self.radius <= len(r.semantic)
+
+    def decode(self, rows: list[Request], now: float, order: dict[int, int], active: list[Request],
+               last_step: dict) -> tuple[list[Request], dict[int, list[np.ndarray]]]:
+        """Decode this turn's windows of `rows` (`order`: arrival per request id; `last_step` gets the
+        turn's counts). Returns the rows in the order served and the audio of each (by id(row)), its
+        planner advanced past what was decoded. On a failure nothing has advanced."""
+        # Priority: when a request's first chunk is ready, it must not wait behind (or be padded up to)
+        # the bulk chunks of long replies: later chunks of requests well ahead of real time wait a step.
+        if any(r.t_first_chunk is None and has_window(r) for r in rows):
+            rows = [r for r in rows if r.t_first_chunk is None or r.sentence_over
+                    or ahead_s(r, now) <= VOCODER_SLACK_S]
+        # First chunks first (higher priority, then arrival), then the requests closest to running dry.
+        rows.sort(key=lambda r: (0, -r.options.priority, order.get(r.rid, 0)) if r.t_first_chunk is None
+                  else (1, ahead_s(r, now), 0))
+        emitted_before = [(r, r.planner.emitted) for r in rows if r.planner is not None]
+        merge = merging(active)
+        # Take windows one per request per round, in that order, while the step's budget lasts; a
+        # merged window takes as much of the budget as the windows already taken leave it.
+        taken: dict[int, list[Window]] = {}
+        jobs: list[tuple[Request, DecodeJob]] = []
+        ids: dict[int, torch.Tensor] = {}
+        longest, full = 0, False
+        while not full:
+            progress = False
+            for r in rows:
+                if r.speaker is None or not r.semantic:
+                    continue
+                cap = min(VOCODER_MERGE_TOKENS, longest_fitting(VOCODER_STEP_TOKENS, len(jobs) + 1)) if merge else 0
+                w = r.planner.next_window(len(r.semantic), r.sentence_over, cap)
+                if w is None:
+                    continue
+                length = max(longest, padded_length(w.end - w.start))
+                if jobs and (len(jobs) >= VOCODER_STEP_WINDOWS
+                             or batch_bucket(len(jobs) + 1) * length > VOCODER_STEP_TOKENS):
+                    full = True
+                    break
+                r.planner.emitted = w.keep_to
+                longest = length
+                if id(r) not in ids:
+                    ids[id(r)] = torch.tensor(r.semantic, dtype=torch.long).to(self.device, non_blocking=True)
+                jobs.append((r, DecodeJob(ids[id(r)], r.speaker, w)))
+                taken.setdefault(id(r), []).append(w)
+                progress = True
+            if not progress:
+                break
+        try:
+            audio = decode_jobs(self.codec, [j for _, j in jobs]) if jobs else []
+        except BaseException:
+            # One vocoder pass for every window: no request can be blamed, so nothing may have
+            # advanced (the scheduler drops one and steps again): the windows go back.
+            for r, was in emitted_before:
+                r.planner.emitted = was
+            raise
+        if jobs:
+            last_step.update(self.work.add([j.window for _, j in jobs]))
+        last_step["windows"] = len(jobs)
+        last_step["window_rows"] = len(taken)
+        last_step["merged"] = merge
+        pending: dict[int, list[np.ndarray]] = {}
+        for (r, _), a in zip(jobs, audio):
+            pending.setdefault(id(r), []).append(a)
+        return rows, pending

@@ -1,0 +1,95 @@
+"""The Spark engine's warm-up: run now, on the GPU, every shape serving will meet, so that no request
+pays a first-time cost (torch.compile, CUDA-graph capture, cuDNN / cuBLAS plans). `engine` below is
+the SparkTTSEngine (not imported here: it imports this module)."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from voiced.engines.base import TTSOptions
+from voiced.engines.rows import doubling
+
+from . import streaming, vocoder_schedule
+from .lm_steps import PREFILL_BUCKET
+from .prompt import N_GLOBAL
+from .qwen2 import padded_to
+
+log = logging.getLogger(__name__)
+
+
+@torch.no_grad()
+def warm_up(engine, first_chunk_tokens: int | None = None, chunk_tokens: int | None = None) -> None:
+    """What `SparkTTSEngine.warmup` runs (see there); sets `engine.warmup_stats`."""
+    opts = TTSOptions()
+    first = first_chunk_tokens or opts.first_chunk_tokens
+    chunk = chunk_tokens or opts.chunk_tokens
+    lm = engine.lm
+    t0 = time.perf_counter()
+    peaks = []  # GPU memory peak of each phase (the memory plan must leave room for the highest)
+    torch.cuda.reset_peak_memory_stats()
+    pick = engine._sampler([opts.top_k])
+    n = engine.decode_steps
+    for b in doubling(engine.max_batch, 1):
+        for kv in doubling(engine.max_seq_len, 256):
+            lm.run_steps(pick, b, n, max_pos=max(0, kv - n), use_graph=engine.use_cuda_graphs)
+    torch.cuda.synchronize()
+
+    def peak() -> float:
+        gib = torch.cuda.max_memory_allocated() / 2**30
+        torch.cuda.reset_peak_memory_stats()
+        return round(gib, 4)
+
+    peaks.append(peak())
+    t1 = time.perf_counter()
+    lengths = warm_prefill(engine, pick)
+    peaks.append(peak())
+    t2 = time.perf_counter()
+    shapes = warm_vocoder(engine, first, chunk)
+    peaks.append(peak())
+    t3 = time.perf_counter()
+    engine.warmup_stats = {"decode_graphs": len(lm._step_graphs), "decode_s": round(t1 - t0, 2),
+                           "prefill_lengths": lengths, "prefill_graphs": len(lm._prefill_graphs),
+                           "prefill_s": round(t2 - t1, 2),
+                           "vocoder_shapes": shapes, "vocoder_s": round(t3 - t2, 2),
+                           "peak_gib": dict(zip(("decode", "prefill", "vocoder"), peaks))}
+    log.info("TTS warm-up: %d decode graphs (%d steps each) in %.1f s, %d prefill lengths (%d graphed) in %.1f s, "
+             "%d vocoder shapes in %.1f s; GPU memory peaks %.1f / %.1f / %.1f MiB", len(lm._step_graphs),
+             n, t1 - t0, lengths, len(lm._prefill_graphs), t2 - t1, shapes, t3 - t2,
+             *(p * 1024 for p in peaks))
+
+
+def warm_prefill(engine, pick) -> int:
+    """Every packed length a prefill step can run (the longest prompt `submit` accepts is
+    max_seq_len - N_GLOBAL - 17 tokens), the first-token sampler and the speaker vector."""
+    longest = engine.max_seq_len - N_GLOBAL - 17
+    lm = engine.lm
+    count = 0
+    for n in range(PREFILL_BUCKET, min(engine.max_seq_len, padded_to(longest, PREFILL_BUCKET)) + 1, PREFILL_BUCKET):
+        # as `_prefill_fresh` sends prompts; on a GPU this captures the graph of each length graphed
+        h = lm.prefill_many([[0] * n], [0], pad_to=PREFILL_BUCKET, use_graph=engine.use_cuda_graphs)
+        count += 1
+    engine._load_state()
+    engine._first_tok[:1] = pick(lm, h[:1], lm.state, slice(0, 1))
+    engine._first_tok.tolist()
+    engine._speaker([0] * N_GLOBAL)
+    if str(engine.device).startswith("cuda"):
+        torch.cuda.synchronize()
+    return count
+
+
+def warm_vocoder(engine, first: int, chunk: int) -> int:
+    """Every (batch bucket, padded window length) a vocoder step can decode
+    (`vocoder_schedule.window_shapes`), plus the end-masked variant of each length."""
+    spk = engine._speaker([0] * N_GLOBAL)
+    shapes = vocoder_schedule.window_shapes(first, chunk, engine.radius)
+    for i, (b, length) in enumerate(shapes):
+        ids = torch.zeros(b, length, dtype=torch.long, device=engine.device)
+        streaming.decode_windows(engine.codec, ids, spk[None].repeat(b, 1), [length] * b).float().cpu()
+        if i + 1 == len(shapes) or shapes[i + 1][1] != length:  # the last bucket of this length
+            streaming.decode_windows(engine.codec, ids[:1], spk[None], [length - 1]).float().cpu()  # end-masked
+    if str(engine.device).startswith("cuda"):
+        torch.cuda.synchronize()
+    return len(shapes)
