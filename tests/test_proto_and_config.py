@@ -84,7 +84,7 @@ def test_engine_threads_setting_is_checked_and_reaches_the_plan():
     from voiced.memory_plan import EngineNeed, Need, plan_table, plan_total
 
     assert load_config(env={"VOICED_ENGINES_THREADS": "separate"}).engines.threads == "separate"
-    with pytest.raises(ConfigError, match="shared or separate"):
+    with pytest.raises(ConfigError, match="auto, shared, separate"):
         load_config(env={"VOICED_ENGINES_THREADS": "both"}).validate()
     needs = [EngineNeed("Whisper", "whisper_kv_fraction", [Need("weights", 100), Need("encode", 30, transient=True)]),
              EngineNeed("Spark-TTS", "tts_kv_fraction", [Need("weights", 200), Need("prefill", 50, transient=True),

@@ -118,10 +118,11 @@ class BargeInConfig:
 class EnginesConfig:
     dir: str = "engines"  # built TensorRT-LLM engines: <dir>/<model>/ with a manifest.json
     # "shared": one thread steps both engines, recognition first (voiced.core.scheduler says why);
-    # "separate": a thread each, so one engine's host work overlaps the other's GPU work (measured
-    # ahead at 64-128 callers on an H200, docs/BENCHMARKS.md "Engine threads"; their step
-    # transients may then coexist, and the memory plan counts both).
-    threads: str = "shared"
+    # "separate": a thread each, so one engine's host work and syncs overlap the other's GPU work
+    # (ahead at 16, 64 and 128 callers on an H200, docs/BENCHMARKS.md "Engine threads"; their step
+    # transients may then coexist, and the memory plan counts both). "auto": separate on a GPU,
+    # shared on the CPU (where two threads would only fight over the same cores).
+    threads: str = "auto"
 
 
 @dataclass
@@ -188,7 +189,7 @@ class Config:
         except MemoryPlanError as e:
             raise ConfigError(str(e)) from None
         if self.engines.threads not in ENGINE_THREADS:
-            raise ConfigError(f"engines.threads is {self.engines.threads!r}; use {' or '.join(ENGINE_THREADS)}")
+            raise ConfigError(f"engines.threads is {self.engines.threads!r}; use {', '.join(ENGINE_THREADS)}")
         if self.asr.backend not in BACKENDS or self.tts.backend not in BACKENDS:
             raise ConfigError(f"backend must be one of {', '.join(BACKENDS)}")
         for key in ("server.idle_timeout_s", "server.max_session_s", "agent.reply_timeout_s"):
@@ -205,7 +206,7 @@ class Config:
 
 
 SECTIONS = [f.name for f in dataclasses.fields(Config)]
-ENGINE_THREADS = ("shared", "separate")
+ENGINE_THREADS = ("auto", "shared", "separate")
 
 
 def _coerce(kind: type, value: Any, where: str) -> Any:

@@ -147,7 +147,7 @@ def serve(args) -> dict:
 
     ns = argparse.Namespace(asr_dims="tiny-random", tiktoken_dir=find_tiktoken_file("multilingual.tiktoken").parent,
                             asr_tokens=8, asr_batch=8, tts_batch=8, reply_seconds=args.reply_seconds,
-                            first_chunk_tokens=10, chunk_tokens=25, separate_threads=False, no_gc_freeze=False,
+                            first_chunk_tokens=10, chunk_tokens=25, engine_threads="auto", no_gc_freeze=False,
                             tiny_cpu=True, front=["grpc", "realtime"])
     events: dict[str, list[dict]] = {"grpc": [], "http": []}
     intercepts: list[float] = []

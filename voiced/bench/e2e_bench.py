@@ -118,7 +118,7 @@ def start_server(args):
     asr = WhisperEngine(model, tok, model_name=f"{args.asr_dims} (random)", max_batch=args.asr_batch,
                         cuda_graphs=True)
     # as `voiced serve` does: warm up on the thread that will step the engine (EngineThread.call)
-    if args.separate_threads:
+    if engine_threads(args) == "separate":
         asr_thread, tts_thread = EngineThread("asr"), EngineThread("tts")
     else:
         asr_thread = tts_thread = EngineThread("engines")
@@ -152,6 +152,13 @@ def start_server(args):
     if "http" in addresses:
         addresses["realtime"] = addresses["http"]
     return addresses, server, loop
+
+
+def engine_threads(args) -> str:
+    """The engine threading this run uses, resolved as `voiced serve` resolves engines.threads."""
+    if args.engine_threads != "auto":
+        return args.engine_threads
+    return "shared" if args.tiny_cpu else "separate"
 
 
 class EngineProfile:
@@ -461,8 +468,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--first-chunk-tokens", type=int, default=10)
     ap.add_argument("--chunk-tokens", type=int, default=25)
     ap.add_argument("--out", type=Path, default=None)
-    ap.add_argument("--separate-threads", action="store_true",
-                    help="one thread per engine instead of the daemon's shared one (to compare)")
+    ap.add_argument("--engine-threads", choices=["auto", "shared", "separate"], default="auto",
+                    help="as the daemon's engines.threads: one thread per engine or one for both (auto: "
+                         "separate on a GPU, shared with --tiny-cpu)")
     ap.add_argument("--no-gc-freeze", action="store_true",
                     help="leave start-up objects in the garbage collector's scans (to compare)")
     ap.add_argument("--profile-level", type=int, nargs="*", default=[], metavar="N",
@@ -494,7 +502,7 @@ def main(argv: list[str] | None = None) -> dict:
     result = {"bench": "e2e", "gpu": "cpu (dry run)" if args.tiny_cpu else torch.cuda.get_device_name(), "torch": torch.__version__,
               "python": platform.python_version(), "asr_dims": args.asr_dims, "asr_tokens": args.asr_tokens,
               "reply_seconds": args.reply_seconds, "first_chunk_tokens": args.first_chunk_tokens,
-              "engine_threads": "separate" if args.separate_threads else "shared",
+              "engine_threads": engine_threads(args),
               "gc_freeze": not args.no_gc_freeze, "duration_s": args.duration, "startup_s": startup_s,
               "date": time.strftime("%Y-%m-%d"), "fronts": {}, "saturation": {}}
     serving_peak = 0.0

@@ -296,9 +296,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from voiced.bench import e2e_bench
 
-    # start_server reads the e2e benchmark's options; the soak has the same ones (separate threads and
+    # start_server reads the e2e benchmark's options; the soak has the same ones (engine threads and
     # gc freezing as `voiced serve` does them).
-    args.front, args.separate_threads, args.no_gc_freeze = ["grpc"], False, False
+    args.front, args.engine_threads, args.no_gc_freeze = ["grpc"], "auto", False
     addresses, server, loop = e2e_bench.start_server(args)
     address = addresses["grpc"]
     report = GpuSoakReport(command=[sys.executable, "-m", "voiced.bench.gpu_soak", *(argv or sys.argv[1:])],

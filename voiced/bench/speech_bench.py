@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> dict:
     server_args = argparse.Namespace(
         asr_dims="tiny-random" if args.tiny_cpu else args.asr_dims, tiktoken_dir=args.tiktoken_dir,
         asr_tokens=8, asr_batch=8, tts_batch=args.tts_batch, reply_seconds=args.reply_seconds,
-        first_chunk_tokens=args.first_chunk_tokens, chunk_tokens=args.chunk_tokens, separate_threads=False,
+        first_chunk_tokens=args.first_chunk_tokens, chunk_tokens=args.chunk_tokens, engine_threads="auto",
         no_gc_freeze=False, tiny_cpu=args.tiny_cpu, front=["grpc", "realtime"])  # realtime: the HTTP listener
     addresses, server, loop = e2e_bench.start_server(server_args)
     grpc_address, http_address = addresses["grpc"], addresses["http"]

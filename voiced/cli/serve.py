@@ -31,8 +31,9 @@ def register(sub) -> None:
     p.add_argument("--media-ws", metavar="HOST:PORT", help="open the telephony media-stream WebSocket door there")
     p.add_argument("--wyoming", metavar="tcp://HOST:PORT", help="open the Wyoming (Home Assistant) door there")
     p.add_argument("--http", metavar="HOST:PORT", help="open the HTTP listener there")
-    p.add_argument("--engine-threads", choices=["shared", "separate"],
-                   help="step both engines on one thread (shared, the default) or one each (separate)")
+    p.add_argument("--engine-threads", choices=["auto", "shared", "separate"],
+                   help="step both engines on one thread (shared) or one each (separate); auto (the default): "
+                        "separate on a GPU, shared on the CPU")
     p.set_defaults(func=run)
 
 
@@ -70,9 +71,10 @@ def load_engines(services) -> None:
     # on it too: PyTorch keeps a cuBLAS workspace per (thread, stream), and the memory plan's probe of
     # its size (voiced.memory_plan.stream_workspace_bytes) then makes the one the engines use anyway.
     thread = EngineThread("engines")
-    # engines.threads = "separate": the TTS engine loads, warms and steps on a thread of its own
-    tts_thread = EngineThread("tts") if config.engines.threads == "separate" else thread
     free = _free_gpu(config)
+    # engines.threads = "separate" ("auto" on a GPU): the TTS engine loads, warms and steps on a thread of its own
+    separate = config.engines.threads == "separate" or (config.engines.threads == "auto" and free is not None)
+    tts_thread = EngineThread("tts") if separate else thread
     asr = thread.call(lambda: load_asr(config))
     _log_need(asr)
     _warm(asr, thread)
