@@ -382,8 +382,11 @@ class Session:
 
     # ------------------------------------------------------------------ recognition
 
-    async def _recognize(self, audio: np.ndarray, priority: int, final: bool = True) -> Transcript:
+    async def _recognize(self, audio: np.ndarray, priority: int, final: bool = True,
+                         words: bool = False) -> Transcript:
         opts = self.spec.asr
+        if words and not opts.word_timestamps:
+            opts = replace(opts, word_timestamps=True)  # the end-of-turn rule reads the last word's probability
         if opts.priority != priority or (opts.word_timestamps and not final):
             # Interim results are replaced within a second: no word timings for them.
             opts = replace(opts, priority=priority, word_timestamps=opts.word_timestamps and final)
@@ -406,6 +409,8 @@ class Session:
                 log.debug("session %s turn %d: dropped %r as a hallucination", self.spec.session_id,
                           turn.turn_id, result.text)
                 continue
+            if result.words and not self.spec.asr.word_timestamps:
+                result = replace(result, words=[])  # read by the end-of-turn rule, not asked for
             latency = time.monotonic() - turn.ended_at
             self.services.metrics.asr_latency.observe(latency)
             u = turn.utterance
@@ -440,7 +445,7 @@ class Session:
         self._cancel_interim()  # the transcript below supersedes it
         audio = self.segmenter.current_audio()
         turn_id = self.turn_id
-        transcript = self.spawn(self._recognize(audio, priority=1), f"asr-{turn_id}-pause")
+        transcript = self.spawn(self._recognize(audio, priority=1, words=True), f"asr-{turn_id}-pause")
         pause = Pause(turn_id, audio, transcript, evidence=turns.Evidence(text=self._interim_text))
         self._pause = pause
         pause.detect = self.spawn(self._detect(pause), f"turn-{turn_id}")
@@ -465,7 +470,7 @@ class Session:
         except EngineError:
             return  # no words: the silence bound ends the turn; the final transcript reports the error
         text = "" if result.is_hallucination and not self.spec.keep_hallucinations else result.text
-        pause.evidence = replace(pause.evidence, text=text, fresh=True)
+        pause.evidence = replace(pause.evidence, text=turns.judged_text(text, result.words), fresh=True)
         log.debug("session %s turn %d pause: p=%s text=%r wait %d ms", self.spec.session_id, pause.turn_id,
                   p if p is None else f"{p:.2f}", text, pause.evidence.wait_ms(self.bounds))
         if (self.conversation is not None and text.strip()
