@@ -113,7 +113,8 @@ class Session:
         self.segmenter = Segmenter(replace(seg, keep_audio=spec.recognize))
         self._pause: Pause | None = None
         self._interim_text: str | None = None  # the latest interim decode's text of this turn
-        self._voiced_ms = 0  # how long the caller has talked in the current turn (segmenter.voiced_ms)
+        self._voiced_ms = 0  # the current turn's longest burst of talk (segmenter.voiced_ms)
+        self._over_reply = False  # a reply was being spoken during the current turn
         # Unbounded as a queue, bounded in bytes: `send` never blocks a producer (an engine's
         # output, the reader), and a caller who stops reading ends the call at the budget.
         self.outbox: asyncio.Queue = asyncio.Queue()
@@ -339,9 +340,10 @@ class Session:
 
     def _speaking(self) -> None:
         """The caller is speaking (called on every such frame)."""
-        self._voiced_ms = self.segmenter.voiced_ms
+        self._voiced_ms = max(self._voiced_ms, self.segmenter.voiced_ms)  # the turn's longest burst
         if self.conversation is not None:
-            self.conversation.caller_speaking(self._voiced_ms)
+            self._over_reply = self._over_reply or self.conversation.speaking()
+            self.conversation.caller_speaking(self.segmenter.voiced_ms)
         if self.spec.interim_results and self.spec.recognize and self._pause is None:
             self._maybe_interim()
 
@@ -352,6 +354,7 @@ class Session:
                 self._next_interim = self.services.config.asr.interim_interval_ms
                 self._interim_text = None
                 self._voiced_ms = 0
+                self._over_reply = False
                 await self.send(SpeechStarted(self.spec.session_id, self.turn_id, ms(ev.offset)))
             elif isinstance(ev, segmenter.Paused):
                 self._start_pause()
@@ -363,8 +366,7 @@ class Session:
                 self._cancel_interim()
                 self.services.metrics.utterances_total.inc()
                 turn = Turn(self.turn_id, ev, time.monotonic())
-                turn.backchannel = (self.conversation is not None and self.conversation.speaking()
-                                    and self._voiced_ms < self.spec.barge_in_min_speech_ms)
+                turn.backchannel = self._over_reply and self._voiced_ms < self.spec.barge_in_min_speech_ms
                 pause, self._pause = self._pause, None
                 if pause is not None:
                     # The turn ended in this pause (no voiced frame since): the transcript started at
