@@ -74,7 +74,8 @@ class SegmenterConfig:
             raise ValueError(f"vad_aggressiveness {self.vad_aggressiveness} is outside 0..3")
         for name, lo, hi in (
             ("pre_roll_ms", 0, 2000),
-            ("hangover_ms", FRAME_MS, 10000),
+            # With pause_ms (smart), hangover_ms is the detector's upper bound: up to low eagerness's 8 s.
+            ("hangover_ms", FRAME_MS, 10000 if self.pause_ms else 5000),
             ("min_speech_ms", FRAME_MS, 5000),
             ("max_utterance_ms", 1000, MAX_WINDOW_MS),
         ):

@@ -462,7 +462,7 @@ class Session:
             p = (await loop.run_in_executor(None, self.turn_model.predict, [clip]))[0]
         except Exception:  # the model is an aid: without its answer the words and the silence decide
             log.exception("session %s: the end-of-turn model failed", self.spec.session_id)
-            p = None
+            p = 0.0  # "unsure": finished words then wait `unsure_ms`, not the upper bound
         pause.evidence = replace(pause.evidence, p_complete=p)
         await self._maybe_end_turn()
         if self._pause is not pause:
