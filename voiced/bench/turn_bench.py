@@ -1,0 +1,437 @@
+"""`voiced bench turns`: how each end-of-turn detector treats callers who pause and callers who finish.
+
+The bench makes its own turn set (voiced.bench.turn_set: espeak-ng sentences from templates, half of
+them paused 0.3-2 s where a sentence cannot end, several voices and rates, noise, keypad tones or hold
+music after the speech), or reads one made before (`--set DIR`). Each WAV knows where its speech
+really ends and where its pauses are.
+
+Detectors:
+- `silence`: the daemon's segmenter ending a turn after 500 ms of silence (`turn_detection="silence"`);
+- `smart:EAGERNESS` (low, medium, high): the daemon's own detector (`turn_detection="smart"`);
+- `smart-turn`: Smart Turn v3 alone as Pipecat runs it (a reference run in this process over the same
+  audio, voiced.bench.turn_reference): the VAD stops after 0.2 s of silence, Smart Turn reads the
+  turn's last 8 s; "complete" ends the turn, "incomplete" waits for more speech or a 3 s fallback;
+  timed with the model's real inference time on this machine. The VAD is the daemon's (webrtcvad with
+  its loudness gate), not Silero as in Pipecat.
+
+The daemon's detectors are measured live: every caller is streamed through gRPC Converse in real time
+(20 ms frames, paced against the clock, `--concurrency` callers at once), to a daemon the bench starts
+(`voiced serve --no-tts` with `--asr-model`, echo agent) or one given with `--server`. A turn ends
+when the daemon says SPEECH_ENDED; the bench notes when each event arrives.
+
+What it reports for each detector, as LiveKit's eot-bench does:
+- paused callers cut off: a turn ended before the caller's real end of speech (a paused sentence
+  answered in halves); finished callers cut off likewise (a turn ended inside a sentence);
+- end-of-turn latency p50 / p90: from the real end of speech (the last sound of the voice, as the
+  caller's frames carry it: a sample at the end of a 20 ms frame is sent with that frame) to the first
+  turn end after it; a turn still open when the caller's audio runs out (`--tail` seconds after the
+  speech) ends when the caller hangs up: that caller is counted `unended` and its latency, a lower
+  bound, stays in the figures;
+- the final transcripts each caller got (to see what a cut-off turn was answered with).
+
+    voiced bench turns --asr-model tiny.en-pypi --out turns.json
+    voiced bench turns --set DIR --server 127.0.0.1:50051 --detectors silence smart:low smart:high
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import platform
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from voiced.bench.report import emit
+from voiced.bench.steps import pct
+from voiced.bench.turn_set import RATE, TurnCaller, make_set, read_set
+
+log = logging.getLogger("voiced.bench.turns")
+FRAME_S = 0.02
+EAGERNESS = ("low", "medium", "high")
+DEFAULT_DETECTORS = ["silence", "smart-turn", "smart:medium"]
+
+
+@dataclass
+class Outcome:
+    """What one caller saw: every turn end and final transcript, in the caller's audio time (seconds
+    of audio spoken when the event arrived)."""
+
+    turn_ends: list[float] = field(default_factory=list)
+    finals: list[tuple[float, str]] = field(default_factory=list)
+    error: str = ""
+
+
+def judge(caller: TurnCaller, outcome: Outcome) -> dict:
+    """A caller's verdict: cut off (a turn ended before the real end of speech) and the end-of-turn
+    latency in ms (the first turn end after the real end; None when none came)."""
+    end = caller.speech_end_s
+    before = [t for t in outcome.turn_ends if t < end]
+    after = [t for t in outcome.turn_ends if t >= end]
+    # A turn still open when the audio runs out ends with the call (the caller hangs up): its latency
+    # is a lower bound, counted as such and marked.
+    unended = not after or after[0] >= caller.duration_s - FRAME_S
+    return {"name": caller.name, "kind": caller.kind, "style": caller.style, "tail": caller.tail,
+            "cut_off": bool(before), "eot_ms": round((after[0] - end) * 1000, 1) if after else None,
+            "unended": unended,
+            "turn_ends_s": [round(t, 3) for t in outcome.turn_ends],
+            "finals": [text for _, text in outcome.finals], **({"error": outcome.error} if outcome.error else {})}
+
+
+def summarize(detector: str, verdicts: list[dict]) -> dict:
+    paused = [v for v in verdicts if v["kind"] == "paused"]
+    finished = [v for v in verdicts if v["kind"] == "finished"]
+    eot = [v["eot_ms"] for v in verdicts if v["eot_ms"] is not None]
+    return {
+        "detector": detector,
+        "callers": len(verdicts),
+        "paused_cut_off": sum(v["cut_off"] for v in paused),
+        "paused": len(paused),
+        "paused_cut_off_pct": round(100 * sum(v["cut_off"] for v in paused) / len(paused), 1) if paused else None,
+        "finished_cut_off": sum(v["cut_off"] for v in finished),
+        "finished": len(finished),
+        "eot_ms": pct(eot),
+        "eot_finished_ms": pct([v["eot_ms"] for v in finished if v["eot_ms"] is not None]),
+        "unended": sum(v["unended"] for v in verdicts),
+        "errors": sum(bool(v.get("error")) for v in verdicts),
+        "per_caller": verdicts,
+    }
+
+
+def table(rows: list[dict]) -> str:
+    head = ("| detector | paused callers cut off | finished cut off | end of turn p50 | p90 | unended |\n"
+            "|---|---|---|---|---|---|\n")
+    lines = []
+    for r in rows:
+        if "skipped" in r:
+            lines.append(f"| {r['detector']} | skipped: {r['skipped']} | | | | |")
+            continue
+        e = r["eot_ms"]
+        lat = (f"{e['p50']:.0f} ms", f"{e['p90']:.0f} ms") if e["n"] else ("-", "-")
+        lines.append(f"| {r['detector']} | {r['paused_cut_off']} of {r['paused']} ({r['paused_cut_off_pct']:.0f} %) | "
+                     f"{r['finished_cut_off']} of {r['finished']} | {lat[0]} | {lat[1]} | {r['unended']} |")
+    return head + "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------- live callers
+
+
+def segmentation(detector: str):
+    """The SegmentationConfig a caller sends for a daemon detector; ValueError where this build's
+    protocol has no such setting."""
+    from voiced_client.proto import voiced_pb2 as pb
+
+    if detector == "silence":
+        seg = pb.SegmentationConfig(hangover_ms=500)
+        mode, eagerness = "silence", None
+    else:
+        mode, eagerness = "smart", detector.split(":", 1)[1]
+        seg = pb.SegmentationConfig()
+    fields = pb.SegmentationConfig.DESCRIPTOR.fields_by_name
+    if "turn_detection" not in fields:
+        if mode == "silence":
+            return seg  # a daemon from before turn detection: silence is all it does
+        raise ValueError("this protocol's SegmentationConfig has no turn_detection")
+    _set(seg, "turn_detection", mode)
+    if eagerness is not None:
+        if "eagerness" not in fields:
+            raise ValueError("this protocol's SegmentationConfig has no eagerness")
+        _set(seg, "eagerness", eagerness)
+    return seg
+
+
+def _set(message, name: str, value: str) -> None:
+    """Set a string or enum field by its value's name ("smart" -> SMART or TURN_DETECTION_SMART)."""
+    f = message.DESCRIPTOR.fields_by_name[name]
+    if f.enum_type is None:
+        setattr(message, name, value)
+        return
+    for v in f.enum_type.values:
+        if v.name.lower() == value or v.name.lower().endswith("_" + value):
+            setattr(message, name, v.number)
+            return
+    raise ValueError(f"{f.enum_type.name} has no value for {value!r}")
+
+
+async def stream_caller(address: str, pcm: bytes, seg, tail_s: float = 0.0) -> Outcome:
+    """One caller through Converse in real time: its audio as 20 ms frames paced against the clock,
+    then half-close and wait for the call to end."""
+    import grpc
+    from voiced_client.proto import voiced_pb2 as pb
+    from voiced_client.proto import voiced_pb2_grpc as pb_grpc
+
+    frame = int(FRAME_S * RATE) * 2
+    frames = [pcm[i: i + frame] for i in range(0, len(pcm), frame)]
+    fmt = pb.AudioFormat(encoding=pb.LINEAR16, sample_rate_hz=RATE)
+    cfg = pb.SessionConfig(input_format=fmt, segmentation=seg, recognition=pb.RecognitionConfig(language="en"),
+                           barge_in=pb.BargeInConfig(enabled=False), agent=pb.AgentConfig(name="echo"))
+    out = Outcome()
+    sent: list[float] = []  # when each frame went
+
+    def audio_time(now: float) -> float:
+        """The caller's audio time at `now`: the last frame sent ends its audio, the clock runs on."""
+        n = len(sent)
+        return n * FRAME_S + (now - sent[-1]) if sent else 0.0
+
+    async with grpc.aio.insecure_channel(address) as channel:
+        call = pb_grpc.VoicedStub(channel).Converse()
+        await call.write(pb.SessionRequest(config=cfg))
+
+        async def read():
+            async for ev in call:
+                kind, now = ev.WhichOneof("event"), time.monotonic()
+                if kind == "speech" and ev.speech.type == pb.SpeechActivity.SPEECH_ENDED:
+                    out.turn_ends.append(audio_time(now))
+                elif kind == "transcript" and ev.transcript.is_final and ev.transcript.text.strip():
+                    out.finals.append((audio_time(now), ev.transcript.text.strip()))
+
+        reader = asyncio.create_task(read())
+        t0 = time.monotonic()
+        try:
+            for n, f in enumerate(frames):
+                await asyncio.sleep(max(0.0, t0 + n * FRAME_S - time.monotonic()))
+                await call.write(pb.SessionRequest(audio=f))
+                sent.append(time.monotonic())
+            await asyncio.sleep(tail_s)
+            await call.done_writing()
+            await asyncio.wait_for(reader, 120)
+        except Exception as e:  # one caller's failure is that caller's; the others still count
+            reader.cancel()
+            out.error = f"{type(e).__name__}: {str(e)[:200]}"
+    return out
+
+
+def load_pcm(directory: Path, caller: TurnCaller) -> bytes:
+    from voiced_client.wavio import read_wav
+
+    samples, rate = read_wav(directory / caller.audio)
+    if rate != RATE:
+        raise ValueError(f"{caller.audio}: {rate} Hz; the turn set is 16 kHz")
+    return samples.astype("<i2").tobytes()
+
+
+async def run_live(address: str, directory: Path, callers: list[TurnCaller], detector: str,
+                   concurrency: int) -> list[dict]:
+    seg = segmentation(detector)
+    gate = asyncio.Semaphore(concurrency)
+
+    async def one(c: TurnCaller) -> dict:
+        async with gate:
+            outcome = await stream_caller(address, load_pcm(directory, c), seg)
+            v = judge(c, outcome)
+            log.info("%s %s (%s, %s): cut off %s, end of turn %s ms, %s", detector, c.name, c.kind, c.tail,
+                     v["cut_off"], v["eot_ms"], v["finals"])
+            return v
+
+    return list(await asyncio.gather(*(one(c) for c in callers)))
+
+
+# ----------------------------------------------------------------------------------- the daemon
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServedDaemon:
+    """`voiced serve` in a child process, until `stop`: its log in `log_path`."""
+
+    def __init__(self, asr_model: str, device: str | None, log_path: Path, extra: list[str]):
+        self.address = f"127.0.0.1:{free_port()}"
+        cmd = [sys.executable, "-m", "voiced", "serve", "--listen", self.address, "--asr-model", asr_model,
+               "--no-tts", "--agent", "echo", *(["--device", device] if device else []), *extra]
+        self.log_path = log_path
+        self._log = open(log_path, "w")
+        log.info("starting the daemon: %s (log: %s)", " ".join(cmd), log_path)
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=os.environ.copy())
+
+    def wait_ready(self, timeout_s: float) -> None:
+        import grpc
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        deadline = time.monotonic() + timeout_s
+        with grpc.insecure_channel(self.address) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"the daemon exited with status {self.proc.returncode} while starting:\n"
+                                       f"{self.log_path.read_text()[-2000:]}")
+                try:
+                    status = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=2).status
+                    if status == health_pb2.HealthCheckResponse.SERVING:
+                        return
+                except grpc.RpcError:
+                    pass
+                time.sleep(0.5)
+        raise RuntimeError(f"the daemon was not serving after {timeout_s:.0f} s (log: {self.log_path})")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+
+# ----------------------------------------------------------------------------------- driver
+
+
+def parse_detectors(names: list[str]) -> list[str]:
+    out = []
+    for name in names:
+        if name == "smart":
+            name = "smart:medium"
+        if name not in ("silence", "smart-turn") and not (name.startswith("smart:")
+                                                          and name.split(":", 1)[1] in EAGERNESS):
+            raise ValueError(f"unknown detector {name!r}: use silence, smart-turn, smart:low, smart:medium "
+                             "or smart:high")
+        out.append(name)
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(prog="voiced bench turns", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--set", type=Path, default=None, help="a turn set made before (its manifest.jsonl); "
+                    "default: make one (--n, --seed, --tail) in a temporary folder, or in --keep-set")
+    ap.add_argument("--keep-set", type=Path, default=None, help="make the set in this folder and keep it")
+    ap.add_argument("--n", type=int, default=16, help="callers in a made set, half finished, half paused")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tail", type=float, default=4.0, help="seconds of audio after the speech in a made set")
+    ap.add_argument("--detectors", nargs="+", default=DEFAULT_DETECTORS,
+                    help="silence, smart-turn, smart:low, smart:medium, smart:high (default: %(default)s)")
+    ap.add_argument("--server", default=None, help="a running daemon's gRPC address (default: start one)")
+    ap.add_argument("--asr-model", default="tiny.en-pypi", help="the started daemon's Whisper model")
+    ap.add_argument("--device", default=None, help="the started daemon's --device")
+    ap.add_argument("--serve-arg", action="append", default=[], help="one more `voiced serve` argument (repeat)")
+    ap.add_argument("--smart-turn-model", default=None,
+                    help="Smart Turn v3 ONNX file or model name for the smart-turn reference (default: the "
+                         "first one pulled)")
+    ap.add_argument("--concurrency", type=int, default=4, help="callers streamed at once")
+    ap.add_argument("--start-timeout", type=float, default=600.0, help="seconds to wait for the daemon to serve")
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    try:
+        detectors = parse_detectors(args.detectors)
+        if args.concurrency < 1:
+            raise ValueError(f"--concurrency must be at least 1, not {args.concurrency}")
+    except ValueError as e:
+        ap.error(str(e))
+
+    t_start = time.monotonic()
+    tmp = None
+    if args.set is not None:
+        directory, callers = args.set, read_set(args.set)
+    else:
+        directory = args.keep_set or Path(tmp := tempfile.mkdtemp(prefix="voiced-turns-"))
+        log.info("making %d callers in %s", args.n, directory)
+        try:
+            callers = make_set(directory, args.n, seed=args.seed, tail_s=args.tail)
+        except (ValueError, RuntimeError) as e:
+            ap.error(str(e))
+    result = {"bench": "turns", "date": time.strftime("%Y-%m-%d"), "machine": machine(), "python":
+              platform.python_version(), "set": str(args.set or "made"), "callers": len(callers),
+              "paused": sum(c.kind == "paused" for c in callers), "seed": args.seed,
+              "audio_s": round(sum(c.duration_s for c in callers), 1), "detectors": []}
+
+    live = [d for d in detectors if d != "smart-turn"]
+    daemon = None
+    try:
+        if "smart-turn" in detectors:
+            result["detectors"].append(reference_row(args.smart_turn_model, directory, callers))
+        if live:
+            address = args.server
+            if address is None:
+                daemon = ServedDaemon(args.asr_model, args.device, Path(directory) / "daemon.log", args.serve_arg)
+                daemon.wait_ready(args.start_timeout)
+                address = daemon.address
+                result["asr_model"] = args.asr_model
+            result["server"] = args.server or "started by the bench"
+            for d in live:
+                try:
+                    segmentation(d)
+                except ValueError as e:
+                    result["detectors"].append({"detector": d, "skipped": str(e)})
+                    log.warning("%s: skipped (%s)", d, e)
+                    continue
+                t0 = time.monotonic()
+                verdicts = asyncio.run(run_live(address, directory, callers, d, args.concurrency))
+                row = summarize(d, verdicts)
+                row["wall_s"] = round(time.monotonic() - t0, 1)
+                result["detectors"].append(row)
+    finally:
+        if daemon is not None:
+            daemon.stop()
+        if tmp is not None:
+            import shutil
+
+            shutil.rmtree(tmp, ignore_errors=True)
+    order = {d: i for i, d in enumerate(detectors)}
+    result["detectors"].sort(key=lambda r: order[r["detector"]])
+    result["table"] = table(result["detectors"])
+    result["wall_s"] = round(time.monotonic() - t_start, 1)
+    print(result["table"], file=sys.stderr)
+    emit(result, args.out)
+    return result
+
+
+def reference_row(model: str | None, directory: Path, callers: list[TurnCaller]) -> dict:
+    from voiced.bench.turn_reference import run_reference
+
+    try:
+        from voiced.engines import smart_turn
+    except ImportError:
+        return {"detector": "smart-turn", "skipped": "this build has no Smart Turn engine (voiced.engines.smart_turn)"}
+    try:
+        path = smart_turn.resolve(model) if model else smart_turn.find()
+    except Exception as e:
+        return {"detector": "smart-turn", "skipped": str(e)}
+    if path is None:
+        return {"detector": "smart-turn", "skipped": "no Smart Turn model pulled (voiced models pull smart-turn-v3-pypi)"}
+    t0 = time.monotonic()
+    st = smart_turn.load_smart_turn(path)
+    st.predict([np.zeros(RATE, np.float32)])  # first-call set-up is not a caller's inference time
+    verdicts, inference = [], []
+    for c in callers:
+        from voiced_client.wavio import read_wav
+
+        samples, _ = read_wav(directory / c.audio)
+        outcome, times = run_reference(st, samples.astype(np.float32) / 32768)
+        inference += times
+        verdicts.append(judge(c, outcome))
+    row = summarize("smart-turn", verdicts)
+    row["model"] = str(path)
+    row["inference_ms"] = pct(inference)
+    row["wall_s"] = round(time.monotonic() - t0, 1)
+    return row
+
+
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{cpu}, {os.cpu_count()} cores"
+
+
+if __name__ == "__main__":
+    main()
