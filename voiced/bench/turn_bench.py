@@ -107,6 +107,14 @@ def summarize(detector: str, verdicts: list[dict]) -> dict:
     }
 
 
+def turn_targets(row: dict) -> dict:
+    """Issue 25's targets for our detector on this set."""
+    from voiced.bench.targets import judge
+
+    return judge({"issue25_paused_cut_off_pct": row["paused_cut_off_pct"],
+                  "issue25_eot_p50_ms": row["eot_ms"].get("p50"), "issue25_eot_p90_ms": row["eot_ms"].get("p90")})
+
+
 def table(rows: list[dict]) -> str:
     head = ("| detector | paused callers cut off | finished cut off | end of turn p50 | p90 | unended |\n"
             "|---|---|---|---|---|---|\n")
@@ -244,6 +252,28 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_serving(address: str, timeout_s: float, check=lambda: None) -> bool:
+    """Whether the daemon at `address` says SERVING (grpc.health.v1) within `timeout_s`; `check` runs
+    between tries (it raises to give up)."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while True:
+            check()
+            try:
+                status = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=2).status
+                if status == health_pb2.HealthCheckResponse.SERVING:
+                    return True
+            except grpc.RpcError:
+                pass
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.5)
+
+
 class ServedDaemon:
     """`voiced serve` in a child process, until `stop`: its log in `log_path`."""
 
@@ -257,24 +287,13 @@ class ServedDaemon:
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=os.environ.copy())
 
     def wait_ready(self, timeout_s: float) -> None:
-        import grpc
-        from grpc_health.v1 import health_pb2, health_pb2_grpc
+        def exited() -> None:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the daemon exited with status {self.proc.returncode} while starting:\n"
+                                   f"{self.log_path.read_text()[-2000:]}")
 
-        deadline = time.monotonic() + timeout_s
-        with grpc.insecure_channel(self.address) as channel:
-            stub = health_pb2_grpc.HealthStub(channel)
-            while time.monotonic() < deadline:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"the daemon exited with status {self.proc.returncode} while starting:\n"
-                                       f"{self.log_path.read_text()[-2000:]}")
-                try:
-                    status = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=2).status
-                    if status == health_pb2.HealthCheckResponse.SERVING:
-                        return
-                except grpc.RpcError:
-                    pass
-                time.sleep(0.5)
-        raise RuntimeError(f"the daemon was not serving after {timeout_s:.0f} s (log: {self.log_path})")
+        if not wait_serving(self.address, timeout_s, exited):
+            raise RuntimeError(f"the daemon was not serving after {timeout_s:.0f} s (log: {self.log_path})")
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -312,6 +331,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--n", type=int, default=16, help="callers in a made set, half finished, half paused")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tail", type=float, default=4.0, help="seconds of audio after the speech in a made set")
+    ap.add_argument("--pauses", type=float, nargs=2, default=[0.3, 2.0], metavar=("MIN", "MAX"),
+                    help="a made set's pause lengths, seconds (default 0.3 2)")
+    ap.add_argument("--tails", nargs="+", default=None, metavar="KIND",
+                    help="what follows the speech in a made set: silence noise dtmf music (default: all, "
+                         "silence twice as often)")
     ap.add_argument("--detectors", nargs="+", default=DEFAULT_DETECTORS,
                     help="silence, smart-turn, smart:low, smart:medium, smart:high (default: %(default)s)")
     ap.add_argument("--server", default=None, help="a running daemon's gRPC address (default: start one)")
@@ -336,12 +360,15 @@ def main(argv: list[str] | None = None) -> dict:
     t_start = time.monotonic()
     tmp = None
     if args.set is not None:
+        if not (args.set / "manifest.jsonl").is_file():
+            ap.error(f"--set {args.set}: no manifest.jsonl there (make one with --keep-set DIR)")
         directory, callers = args.set, read_set(args.set)
     else:
         directory = args.keep_set or Path(tmp := tempfile.mkdtemp(prefix="voiced-turns-"))
         log.info("making %d callers in %s", args.n, directory)
         try:
-            callers = make_set(directory, args.n, seed=args.seed, tail_s=args.tail)
+            callers = make_set(directory, args.n, seed=args.seed, tail_s=args.tail, min_pause_s=args.pauses[0],
+                               max_pause_s=args.pauses[1], tails=args.tails)
         except (ValueError, RuntimeError) as e:
             ap.error(str(e))
     result = {"bench": "turns", "date": time.strftime("%Y-%m-%d"), "machine": machine(), "python":
@@ -356,6 +383,8 @@ def main(argv: list[str] | None = None) -> dict:
             result["detectors"].append(reference_row(args.smart_turn_model, directory, callers))
         if live:
             address = args.server
+            if address is not None and not wait_serving(address, 10):
+                raise RuntimeError(f"--server {address}: no voiced daemon serving there")
             if address is None:
                 daemon = ServedDaemon(args.asr_model, args.device, Path(directory) / "daemon.log", args.serve_arg)
                 daemon.wait_ready(args.start_timeout)
@@ -373,7 +402,11 @@ def main(argv: list[str] | None = None) -> dict:
                 verdicts = asyncio.run(run_live(address, directory, callers, d, args.concurrency))
                 row = summarize(d, verdicts)
                 row["wall_s"] = round(time.monotonic() - t0, 1)
+                if d.startswith("smart:"):
+                    row["targets"] = turn_targets(row)
                 result["detectors"].append(row)
+    except RuntimeError as e:  # no daemon, a daemon that would not start: one clear line, nothing left running
+        raise SystemExit(f"voiced bench turns: error: {e}") from None
     finally:
         if daemon is not None:
             daemon.stop()

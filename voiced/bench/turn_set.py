@@ -159,14 +159,17 @@ class Plan:
     lead_s: float
 
 
-def plan(n: int, seed: int = 0, *, min_pause_s: float = 0.3, max_pause_s: float = 2.0) -> list[Plan]:
-    """`n` callers, alternately finished and paused, each with its sentence, voice, rate and tail."""
+def plan(n: int, seed: int = 0, *, min_pause_s: float = 0.3, max_pause_s: float = 2.0,
+         tails: list[str] | None = None) -> list[Plan]:
+    """`n` callers, alternately finished and paused, each with its sentence, voice, rate and tail
+    (drawn from `tails`, default TAILS)."""
     rng = np.random.default_rng(seed)
+    tails = tails or TAILS
     out = []
     for i in range(n):
         marked = sentence(rng)
         voice, rate = VOICES[int(rng.integers(len(VOICES)))], RATES[int(rng.integers(len(RATES)))]
-        tail = TAILS[int(rng.integers(len(TAILS)))]
+        tail = tails[int(rng.integers(len(tails)))]
         lead = float(rng.uniform(0.3, 0.7))
         if i % 2 == 0:
             out.append(Plan(f"turn-{i + 1:03d}", "finished", marked, [plain(marked)], voice, rate, "whole", tail,
@@ -292,7 +295,7 @@ def render(p: Plan, tail_s: float, rng: np.random.Generator) -> tuple[np.ndarray
 
 
 def make_set(directory: Path, n: int = 24, *, seed: int = 0, tail_s: float = 4.0, min_pause_s: float = 0.3,
-             max_pause_s: float = 2.0) -> list[TurnCaller]:
+             max_pause_s: float = 2.0, tails: list[str] | None = None) -> list[TurnCaller]:
     """Write `n` callers' WAVs and `manifest.jsonl` into `directory` (created); returns them."""
     from voiced_client.wavio import write_wav
 
@@ -301,10 +304,15 @@ def make_set(directory: Path, n: int = 24, *, seed: int = 0, tail_s: float = 4.0
     if not 0.1 <= min_pause_s <= max_pause_s:
         raise ValueError(f"pauses of {min_pause_s}-{max_pause_s} s: the shortest must be 0.1 s or more and "
                          "at most the longest")
+    unknown = sorted(set(tails or []) - set(TAILS))
+    if unknown:
+        raise ValueError(f"unknown tail {', '.join(unknown)}: use {', '.join(sorted(set(TAILS)))}")
+    if tail_s < 0.5:
+        raise ValueError(f"a tail of {tail_s} s leaves no time for a turn to end; give 0.5 s or more")
     directory.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed + 1)
     callers = []
-    for p in plan(n, seed, min_pause_s=min_pause_s, max_pause_s=max_pause_s):
+    for p in plan(n, seed, min_pause_s=min_pause_s, max_pause_s=max_pause_s, tails=tails):
         audio, caller = render(p, tail_s, rng)
         write_wav(directory / caller.audio, audio, RATE)
         callers.append(caller)
