@@ -328,7 +328,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--set", type=Path, default=None, help="a turn set made before (its manifest.jsonl); "
                     "default: make one (--n, --seed, --tail) in a temporary folder, or in --keep-set")
     ap.add_argument("--keep-set", type=Path, default=None, help="make the set in this folder and keep it")
-    ap.add_argument("--n", type=int, default=16, help="callers in a made set, half finished, half paused")
+    ap.add_argument("--n", type=int, default=24, help="callers in a made set, half finished, half paused")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tail", type=float, default=4.0, help="seconds of audio after the speech in a made set")
     ap.add_argument("--pauses", type=float, nargs=2, default=[0.3, 2.0], metavar=("MIN", "MAX"),
@@ -444,9 +444,9 @@ def reference_row(model: str | None, directory: Path, callers: list[TurnCaller])
         from voiced_client.wavio import read_wav
 
         samples, _ = read_wav(directory / c.audio)
-        outcome, times = run_reference(st, samples.astype(np.float32) / 32768)
+        ends, times = run_reference(st, samples.astype(np.float32) / 32768)
         inference += times
-        verdicts.append(judge(c, outcome))
+        verdicts.append(judge(c, Outcome(turn_ends=ends)))
     row = summarize("smart-turn", verdicts)
     row["model"] = str(path)
     row["inference_ms"] = pct(inference)

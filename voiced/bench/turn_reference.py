@@ -32,23 +32,23 @@ FALLBACK_S = 3.0
 THRESHOLD = 0.5
 
 
-def run_reference(model, audio: np.ndarray):
+def run_reference(model, audio: np.ndarray) -> tuple[list[float], list[float]]:
     """Turn ends (caller's audio time, seconds) for one caller's float32 16 kHz audio, and the model's
     inference time of each call (ms). `model.predict(clips) -> [probability complete]`."""
-    from voiced.bench.turn_bench import Outcome
     from voiced.core.segmenter import Segmenter, SegmenterConfig, SpeechEnded, SpeechStarted
 
     seg = Segmenter(SegmenterConfig(hangover_ms=int(VAD_STOP_S * 1000), min_speech_ms=int(VAD_START_S * 1000),
                                     keep_audio=False))
     pcm = np.clip(audio * 32768, -32768, 32767).astype(np.int16)
-    out, inference = Outcome(), []
+    ends: list[float] = []
+    inference: list[float] = []
     turn_start: int | None = None  # sample where the open turn's audio starts
     fallback_at: float | None = None  # audio time at which the open turn ends for lack of speech
     n_frames = len(pcm) // FRAME_SAMPLES
     for n in range(n_frames):
         now = (n + 1) * FRAME_SAMPLES / RATE  # the frame is complete
         if fallback_at is not None and now >= fallback_at:
-            out.turn_ends.append(fallback_at)
+            ends.append(fallback_at)
             turn_start = fallback_at = None
         for ev in seg.push(pcm[n * FRAME_SAMPLES: (n + 1) * FRAME_SAMPLES]):
             if isinstance(ev, SpeechStarted):
@@ -62,10 +62,10 @@ def run_reference(model, audio: np.ndarray):
                 ms = (time.perf_counter() - t0) * 1000
                 inference.append(ms)
                 if p > THRESHOLD:
-                    out.turn_ends.append(now + ms / 1000)
+                    ends.append(now + ms / 1000)
                     turn_start = fallback_at = None
                 else:
                     fallback_at = now + FALLBACK_S
     if turn_start is not None:  # the caller hangs up: the turn ends with the call
-        out.turn_ends.append(n_frames * FRAME_SAMPLES / RATE)
-    return out, inference
+        ends.append(n_frames * FRAME_SAMPLES / RATE)
+    return ends, inference
