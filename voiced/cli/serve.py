@@ -24,6 +24,11 @@ def register(sub) -> None:
     p.add_argument("--device", help="auto, cpu, cuda or cuda:N for both models (default auto)")
     p.add_argument("--backend", choices=["auto", "torch", "trtllm"], help="engine backend for both models")
     p.add_argument("--no-tts", action="store_true", help="listening only: no speech synthesis (transcription users)")
+    p.add_argument("--turn-detection", choices=["smart", "silence"], help="how a caller's turn ends: smart (the "
+                   "default, where the end-of-turn model is: the words, the model and the silence decide at each "
+                   "short pause) or silence (segmentation.hangover_ms of it)")
+    p.add_argument("--turn-eagerness", choices=["low", "medium", "high"], help="smart turn detection: how soon "
+                   "it answers; waits at most 8 / 4 / 2 s of silence (default medium)")
     p.add_argument("--agent", help="default agent for sessions that name none: echo, openai, client or a plug-in")
     p.add_argument("--max-sessions", type=int, help="concurrent streaming sessions before RESOURCE_EXHAUSTED")
     p.add_argument("--metrics-listen", help="serve Prometheus metrics on HOST:PORT (default: off)")
@@ -44,6 +49,8 @@ def overrides(args: argparse.Namespace) -> dict:
         "asr.backend": args.backend,
         "tts.backend": args.backend,
         "agent.default": args.agent,
+        "segmentation.turn_detection": args.turn_detection,
+        "segmentation.eagerness": args.turn_eagerness,
         "server.max_sessions": args.max_sessions,
         "server.metrics_listen": args.metrics_listen,
         "doors.audiosocket": args.audiosocket,
@@ -59,7 +66,7 @@ def overrides(args: argparse.Namespace) -> dict:
 def load_engines(services) -> None:
     """Runs on a thread while health says NOT_SERVING."""
     from voiced.core.scheduler import EngineThread, EngineWorker
-    from voiced.engines.loader import load_asr, load_tts
+    from voiced.engines.loader import load_asr, load_tts, load_turn_model
 
     config = services.config
     # Both engines step on one thread, recognition first (see voiced.core.scheduler for why). They load
@@ -72,6 +79,7 @@ def load_engines(services) -> None:
     _warm(asr, thread)
     services.asr = EngineWorker(asr, "asr", thread=thread)
     log.info("ASR: %s on %s (%s backend)", asr.model_name, asr.device, asr.backend)
+    services.turn_model = load_turn_model(config)
     engines = [asr]
     if config.tts.enabled:
         tts = thread.call(lambda: load_tts(config))

@@ -8,6 +8,11 @@ Telephone callers also press keys: an agent with `on_dtmf(digit)` gets each DTMF
 it the same way (an IVR menu is an agent plug-in). Either method can end the call by yielding (or
 raising) `EndCall`: what it said before is spoken, then the session hangs up.
 
+An agent whose answer has no side effect may declare `speculative = True` and give `rollback()`,
+which forgets the last reply it was asked for (its history, its state): the conversation then asks it
+while the caller's turn is not yet confirmed and, if the caller goes on speaking, closes that reply's
+stream and calls `rollback()` (voiced.core.conversation). An agent that books, buys or sends must not.
+
 - `echo`: says back what it heard (needs nothing; the default).
 - `openai`: any OpenAI-compatible `/v1/chat/completions` streaming endpoint (vLLM, llama.cpp,
   TensorRT-LLM's server, OpenAI itself), with per-session history and a system prompt.
@@ -53,11 +58,18 @@ class EndCall(Exception):
 class Agent(Protocol):
     def reply(self, text: str) -> AsyncIterator[str | EndCall]: ...
 
+    # Optional: `speculative = True` with `def rollback(self) -> None` (module docstring).
+
     # Optional: `async def on_dtmf(self, digit: str) -> AsyncIterator[str | EndCall]`, a key the
     # caller pressed ("0"-"9", "*", "#", "A"-"D"). Agents without it never hear keys.
 
 
 class EchoAgent:
+    speculative = True  # it keeps nothing
+
+    def rollback(self) -> None:
+        pass
+
     async def reply(self, text: str) -> AsyncIterator[str]:
         yield text.strip()
 
@@ -69,9 +81,19 @@ class OpenAIAgent:
         self.config = config
         self.history: list[dict[str, str]] = [{"role": "system", "content": system_prompt}] if system_prompt else []
         self._client = client
+        self._before_last: list[dict[str, str]] | None = None  # the history before the last reply
+
+    # A chat completion changes nothing but this history, so a reply can be asked early and forgotten.
+    speculative = True
+
+    def rollback(self) -> None:
+        """Forget the last reply: the question and whatever part of the answer it kept."""
+        if self._before_last is not None:
+            self.history, self._before_last = self._before_last, None
 
     async def reply(self, text: str) -> AsyncIterator[str]:
         c = self.config
+        self._before_last = list(self.history)
         self.history.append({"role": "user", "content": text})
         body = {"model": c.openai_model, "messages": self.history, "stream": True}
         headers = {"Authorization": f"Bearer {c.openai_api_key}"} if c.openai_api_key else {}

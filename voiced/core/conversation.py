@@ -4,10 +4,18 @@ Each final transcript, each piece of typed user text (UserText), and each DTMF k
 take them) goes to the session's agent; each piece of its answer is spoken with the session's voice,
 and the audio leaves in the caller's output format chunk by chunk while the TTS engine is still
 writing it (a server without TTS sends the answer's text alone). Replies are spoken one
-after another. Caller speech that lasts at least the barge-in minimum cancels the reply in flight
-at once: its TTS request is cancelled (freeing its batch slot), no further chunk of it is sent, and
-ReplyInterrupted says how much audio went out. An agent that ends the call gets its last words
-spoken; then the session emits HangupOut and ends.
+after another. Caller speech that lasts at least the barge-in minimum (`barge_in.min_speech_ms`,
+counted to the caller's last voiced frame) cancels the reply in flight at once: its TTS request is
+cancelled (freeing its batch slot), no further chunk of it is sent, and ReplyInterrupted says how much
+audio went out. Shorter speech over a reply, a backchannel ("mm-hmm", "okay", a cough), does not stop
+it, and its transcript is not answered. An agent that ends the call gets its last words spoken; then
+the session emits HangupOut and ends.
+
+Speculative replies: while smart turn detection waits out a pause whose words look finished, an agent
+that declares it safe (`speculative = True`: answering has no side effect, and `rollback()` forgets a
+reply) is asked already, and its answer is spoken into a holding list. The instant the turn is
+confirmed with the same words, what is held goes out and the reply goes on live; if the caller speaks
+again first, it is cancelled and rolled back, and nothing of it reaches the caller.
 """
 
 from __future__ import annotations
@@ -46,6 +54,42 @@ class Reply:
     question: str = ""
     digit: str | None = None  # a DTMF key for the agent's on_dtmf
     end_call: str | None = None  # set when the agent ended the call in this reply: the reason
+    held: Held | None = None  # a speculative reply: what it sends waits here until the turn is confirmed
+    task: asyncio.Task | None = None  # a speculative reply's task, already running
+
+
+class Held:
+    """A speculative reply's output, held back until the turn it answers is confirmed."""
+
+    def __init__(self, send):
+        self._send = send  # the session's
+        self._events: list = []
+        self.released = asyncio.Event()
+        self.released_at = 0.0
+
+    async def send(self, event) -> None:
+        if self.released.is_set():
+            await self._send(event)
+        else:
+            self._events.append(event)
+
+    async def release(self, ended_at: float, metrics) -> None:
+        """Send what is held, in order; the latencies it carries are counted from the confirmed end of
+        the turn (what the caller waited), not from the pause."""
+        self.released_at = time.monotonic()
+        texts = audios = 0
+        for event in self._events:
+            if isinstance(event, AgentTextOut) and texts == 0:
+                texts += 1
+                event = replace(event, latency_ms=_since(ended_at))
+                metrics.agent_latency.observe(event.latency_ms / 1000)
+            elif isinstance(event, AudioOut) and audios == 0:
+                audios += 1
+                event = replace(event, latency_ms=_since(ended_at))
+                metrics.voice_to_voice.observe(event.latency_ms / 1000)
+            await self._send(event)
+        self._events.clear()
+        self.released.set()
 
 
 class Conversation:
@@ -68,16 +112,60 @@ class Conversation:
         self._sent_samples = 0  # of the current reply, in the caller's output format and rate
         self._reply_ids = 0
         self._interrupted: dict[int, int] = {}  # reply id -> caller audio time (ms) of the cut
+        self._speculation: Reply | None = None  # a reply prepared during a pause (module docstring)
 
     def tasks(self) -> list[asyncio.Task]:
-        return [t for t in (self._worker, self._current) if t is not None and not t.done()]
+        spec = self._speculation.task if self._speculation is not None else None
+        return [t for t in (self._worker, self._current, spec) if t is not None and not t.done()]
 
     # ------------------------------------------------------------------ inputs
 
     async def on_transcript(self, turn, transcript) -> None:
         if self.agent is None:
             return  # client-driven: the caller decides what to say
+        if turn.backchannel:
+            log.debug("session %s turn %d: %r over the reply is a backchannel, not answered",
+                      self.spec.session_id, turn.turn_id, transcript.text)
+            await self.cancel_speculation()
+            return
+        spec = self._speculation
+        if spec is not None and spec.turn_id == turn.turn_id and spec.question == transcript.text:
+            self._speculation = None
+            spec.ended_at = turn.ended_at
+            self._reply_ids = spec.reply_id
+            self._queue.put_nowait(spec)
+            self._start_worker()
+            return
+        await self.cancel_speculation()
         self._enqueue(Reply(self._next_id(), turn.turn_id, turn.ended_at, question=transcript.text))
+
+    def speculate(self, turn_id: int, text: str) -> None:
+        """Prepare the answer to `text` while the turn's end is not yet confirmed (module docstring):
+        only for an agent that declares it safe, and only when nothing else is being said."""
+        if (self.agent is None or not getattr(self.agent, "speculative", False) or self.speaking()
+                or not self._queue.empty() or self._speculation is not None):
+            return
+        reply = Reply(self._reply_ids + 1, turn_id, None, question=text)  # the id it takes if confirmed
+        reply.held = Held(self.session.send)
+        reply.task = asyncio.create_task(self._speak(reply), name=f"reply-{reply.reply_id}-speculative")
+        self._speculation = reply
+
+    async def cancel_speculation(self) -> None:
+        """The caller spoke again (or the turn's words differ): drop the prepared reply, unsent, and
+        let the agent forget it."""
+        reply, self._speculation = self._speculation, None
+        if reply is None:
+            return
+        reply.task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await reply.task  # the agent's own clean-up runs before it rolls back
+        rollback = getattr(self.agent, "rollback", None)
+        if rollback is not None:
+            rollback()
+
+    def speaking(self) -> bool:
+        """A reply is being spoken (or played out) now."""
+        return self._current is not None and not self._current.done()
 
     async def on_text(self, text: str) -> None:
         """Typed user text: answered by the agent on the same path as a final transcript."""
@@ -103,7 +191,8 @@ class Conversation:
         self._enqueue(Reply(self._next_id(), self.session.turn_id, None, digit=digit))
 
     def caller_speaking(self, speech_ms: int) -> None:
-        """Called for every frame of caller speech; barge-in once it lasts long enough."""
+        """Called for every frame of caller speech with how long the caller has talked (to the last
+        voiced frame); barge-in once it lasts long enough."""
         if (self.spec.barge_in and speech_ms >= self.spec.barge_in_min_speech_ms
                 and self._current is not None and not self._current.done()):
             self.services.metrics.barge_ins.inc()
@@ -125,7 +214,18 @@ class Conversation:
         return self._reply_ids
 
     def _enqueue(self, reply: Reply) -> None:
+        if self._speculation is not None:
+            # Something else is to be said first; the prepared reply would take its id. (Rare: a
+            # control or a key during the pause. The reply is asked again once the turn ends.)
+            spec, self._speculation = self._speculation, None
+            spec.task.cancel()
+            rollback = getattr(self.agent, "rollback", None)
+            if rollback is not None:
+                spec.task.add_done_callback(lambda _: rollback())
         self._queue.put_nowait(reply)
+        self._start_worker()
+
+    def _start_worker(self) -> None:
         if self._worker is None:
             self._worker = self.session.spawn(self._speak_replies(), "replies")
 
@@ -142,8 +242,12 @@ class Conversation:
             reply = await self._queue.get()
             try:
                 self._current_reply = reply
-                self._sent_samples = 0
-                self._current = asyncio.create_task(self._speak(reply), name=f"reply-{reply.reply_id}")
+                if reply.task is not None:  # a speculative reply, confirmed: out with what it holds
+                    self._current = reply.task
+                    await reply.held.release(reply.ended_at, self.services.metrics)
+                else:
+                    self._sent_samples = 0
+                    self._current = asyncio.create_task(self._speak(reply), name=f"reply-{reply.reply_id}")
                 try:
                     await self._current
                 except asyncio.CancelledError:
@@ -169,7 +273,9 @@ class Conversation:
         return ms(self._sent_samples, self.spec.output.sample_rate)
 
     async def _speak(self, reply: Reply) -> None:
-        send = self.session.send
+        send = reply.held.send if reply.held is not None else self.session.send
+        if reply.held is not None:
+            self._sent_samples = 0  # speculation runs only while no other reply is being spoken
         sid, turn_id, reply_id = self.spec.session_id, reply.turn_id, reply.reply_id
         started = False
         sequence = 0
@@ -208,6 +314,9 @@ class Conversation:
                         sequence += 1
                         self._sent_samples += len(data) // self.spec.output.bytes_per_sample
             if started:
+                if reply.held is not None:
+                    await reply.held.released.wait()  # playback starts when the caller gets it
+                    first_sent = max(first_sent or 0.0, reply.held.released_at) if first_sent else None
                 # Audio leaves faster than real time; the caller is still hearing the reply until
                 # it has played, so the reply (and barge-in on it) lasts until then.
                 if first_sent is not None:

@@ -8,6 +8,12 @@ words are not clipped) and the hangover after the last voiced frame (last words 
 Speech longer than `max_utterance_ms` is split into back-to-back utterances, since Whisper sees at
 most 30 s at a time.
 
+With `pause_ms` set (smart turn detection, voiced.core.turns) the segmenter also reports a short
+pause: `Paused` once unvoiced frames reach `pause_ms` while in speech, and `Resumed` on the next voiced
+frame after it. It stays in speech through the pause; the turn ends when whoever decides it calls
+`end_turn()` (as `talk_end()` ends a push-to-talk span), or at `hangover_ms` of silence, which is then
+the upper bound.
+
 PUSH_TO_TALK mode ignores the VAD: utterances are exactly the spans between `talk_start()` and
 `talk_end()`.
 
@@ -46,15 +52,24 @@ class SegmenterConfig:
     max_utterance_ms: int = MAX_WINDOW_MS
     max_gap_ms: int = 60  # unvoiced frames tolerated inside the start trigger
     keep_audio: bool = True  # False: events only (no transcription), nothing is buffered
+    # How a turn ends in AUTO mode (voiced.core.turns): "silence" (hangover_ms of it) or "smart" (the
+    # end-of-turn detector decides at each short pause, within the eagerness's bound).
+    turn_detection: str = "silence"
+    eagerness: str = "medium"  # smart: low | medium | high
+    pause_ms: int = 0  # > 0: report Paused/Resumed after this much silence in speech (set by the session)
 
     def validate(self) -> None:
         if self.mode not in ("auto", "push_to_talk"):
             raise ValueError(f"segmentation mode {self.mode!r}: use auto or push_to_talk")
+        if self.turn_detection not in ("silence", "smart"):
+            raise ValueError(f"turn_detection {self.turn_detection!r}: use smart or silence")
+        if self.eagerness not in ("low", "medium", "high"):
+            raise ValueError(f"eagerness {self.eagerness!r}: use low, medium or high")
         if not 0 <= self.vad_aggressiveness <= 3:
             raise ValueError(f"vad_aggressiveness {self.vad_aggressiveness} is outside 0..3")
         for name, lo, hi in (
             ("pre_roll_ms", 0, 2000),
-            ("hangover_ms", FRAME_MS, 5000),
+            ("hangover_ms", FRAME_MS, 10000),
             ("min_speech_ms", FRAME_MS, 5000),
             ("max_utterance_ms", 1000, MAX_WINDOW_MS),
         ):
@@ -73,6 +88,16 @@ class SpeechStarted:
 @dataclass
 class SpeechEnded:
     offset: int  # sample where the end was decided (last voiced frame + hangover in AUTO)
+
+
+@dataclass
+class Paused:
+    offset: int  # sample where the short pause was noticed (pause_ms after the last voiced frame)
+
+
+@dataclass
+class Resumed:
+    offset: int  # sample where speech came back after a Paused
 
 
 @dataclass
@@ -109,6 +134,8 @@ class Segmenter:
         self._last_voiced = -1
         # AUTO end trigger
         self._silence_run = 0
+        self._paused = False  # Paused reported, no voiced frame since
+        self._last_voiced_end = 0  # sample after the current speech's last voiced frame
         self._max_frames = frames_for(config.max_utterance_ms)
 
     @property
@@ -131,6 +158,10 @@ class Segmenter:
         if not self.in_speech:
             return []
         return self._finish(self.offset)
+
+    def end_turn(self) -> list:
+        """End the speech in progress here (the end-of-turn detector decided), as talk_end does."""
+        return self.talk_end()
 
     # ------------------------------------------------------------------ frames
 
@@ -190,16 +221,28 @@ class Segmenter:
         self._candidate = None
         self._candidate_frames = []
         self._silence_run = 0
+        self._last_voiced_end = (self._last_voiced + 1) * FRAME_SAMPLES
         return [SpeechStarted(self.speech_start)]
 
     def _in_speech(self, frame: np.ndarray, voiced: bool) -> list:
         self._collect(frame)
-        self._silence_run = 0 if voiced else self._silence_run + 1
+        out = []
+        if voiced:
+            self._silence_run = 0
+            self._last_voiced_end = self.offset
+            if self._paused:
+                self._paused = False
+                out.append(Resumed(self.offset - FRAME_SAMPLES))
+        else:
+            self._silence_run += 1
+            if self.config.pause_ms and not self._paused and self._silence_run * FRAME_MS >= self.config.pause_ms:
+                self._paused = True
+                out.append(Paused(self.offset))
         if self._silence_run * FRAME_MS >= self.config.hangover_ms:
-            return self._finish(self.offset)
+            return out + self._finish(self.offset)
         if self._count >= self._max_frames:
-            return self._split(self.offset)
-        return []
+            return out + self._split(self.offset)
+        return out
 
     def _finish(self, end: int) -> list:
         audio = np.concatenate(self._frames) if self._frames else np.zeros(0, dtype=np.int16)
@@ -208,6 +251,7 @@ class Segmenter:
         self._frames = []
         self._count = 0
         self._silence_run = 0
+        self._paused = False
         self._pre_roll.clear()
         return [SpeechEnded(end), utterance]
 
@@ -230,5 +274,21 @@ class Segmenter:
 
     @property
     def speech_ms(self) -> int:
-        """How long the current speech has lasted (0 when silent); barge-in reads this."""
+        """How long the current speech has lasted (0 when silent), its trailing silence included."""
         return (self.offset - self.speech_start) * 1000 // RATE if self.in_speech else 0
+
+    @property
+    def voiced_ms(self) -> int:
+        """From the start of the current speech to the end of its last voiced frame (0 when silent):
+        how long the caller has been talking, pauses inside included, trailing silence not. Barge-in
+        reads this, so a short "mm-hmm" or a cough followed by silence never counts as long speech."""
+        if not self.in_speech:
+            return 0
+        if self.config.mode == "push_to_talk":
+            return self.speech_ms  # no VAD: the span is what the caller held the button for
+        return max(0, self._last_voiced_end - self.speech_start) * 1000 // RATE
+
+    @property
+    def silence_ms(self) -> int:
+        """The silence so far inside the current speech (since its last voiced frame)."""
+        return self._silence_run * FRAME_MS if self.in_speech else 0

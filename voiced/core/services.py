@@ -38,6 +38,7 @@ class Services:
     asr: EngineWorker | None = None
     tts: EngineWorker | None = None
     voices: object | None = None  # the TTS engine's voice store (list/add/delete)
+    turn_model: object | None = None  # the end-of-turn model (voiced.engines.smart_turn.SmartTurn); None: silence
     agents: AgentRegistry = field(default_factory=AgentRegistry)
     ready: bool = False
     draining: bool = False

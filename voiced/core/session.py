@@ -9,6 +9,14 @@ A session is a few asyncio tasks joined by queues:
        │                                               │
        └──────────── events ──▶ outbox ◀── emitter (final transcripts, in turn order)
 
+End of turn: with `segmentation.turn_detection = "smart"` (and the end-of-turn model loaded), the
+segmenter reports each short pause inside speech; the session then starts the turn's final
+transcript on the audio so far and asks the audio model, feeds both to voice.core.turns, and ends
+the turn (`Segmenter.end_turn`) as soon as the evidence and the silence so far say the caller is done.
+Speech coming back cancels all of it, and nothing of it has reached the caller: the transcript is
+sent, and the conversation answers, only once the turn is confirmed. For agents that declare it safe,
+the conversation prepares the reply during the pause (voiced.core.conversation).
+
 Limits every door gets (config `[server]`): a caller that sends nothing for `idle_timeout_s`, or
 whose call lasts `max_session_s`, is ended with TIMEOUT; responses waiting for a caller that does
 not read them are bounded by `max_outbound_bytes`, and past it the session ends with OVER_CAPACITY
@@ -28,7 +36,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from voiced.audio.ingest import AudioFormatError, FrameDecoder, int16_to_float, ms
-from voiced.core import segmenter
+from voiced.core import segmenter, turns
 from voiced.core.conversation import Conversation
 from voiced.core.events import (
     DTMF_DIGITS,
@@ -68,6 +76,18 @@ class Turn:
     utterance: Utterance
     ended_at: float  # monotonic time the end of speech was detected
     task: asyncio.Task | None = None  # the recognition of this turn
+    backchannel: bool = False  # short speech over a reply ("mm-hmm", a cough): transcribed, not answered
+
+
+@dataclass
+class Pause:
+    """A short pause inside a turn (smart turn detection): what is being worked out about it."""
+
+    turn_id: int
+    audio: np.ndarray  # the turn so far
+    transcript: asyncio.Task  # its final transcript if the turn ends here
+    detect: asyncio.Task | None = None
+    evidence: turns.Evidence = turns.Evidence()
 
 
 class Session:
@@ -77,8 +97,23 @@ class Session:
         self.conversational = conversational
         self.turn_id = 0
         self.decoder = FrameDecoder(spec.input)
+        seg = spec.segmentation
+        self.turn_model = None  # the end-of-turn model, when this session's turns are decided by it
+        if seg.mode == "auto" and seg.turn_detection == "smart":
+            self.turn_model = services.turn_model if spec.recognize else None
+            if self.turn_model is None:
+                # No model on this server (it said so once at start), or no words to read: silence.
+                seg = replace(seg, turn_detection="silence")
+                self.spec = spec = replace(spec, segmentation=seg)
+        self.bounds = turns.bounds(seg.eagerness)
+        if self.turn_model is not None:
+            # The segmenter reports the short pause; its hangover becomes the upper bound.
+            seg = replace(seg, pause_ms=turns.PAUSE_MS, hangover_ms=self.bounds.max_ms)
         # Speech events only: the segmenter need not keep the audio.
-        self.segmenter = Segmenter(replace(spec.segmentation, keep_audio=spec.recognize))
+        self.segmenter = Segmenter(replace(seg, keep_audio=spec.recognize))
+        self._pause: Pause | None = None
+        self._interim_text: str | None = None  # the latest interim decode's text of this turn
+        self._voiced_ms = 0  # how long the caller has talked in the current turn (segmenter.voiced_ms)
         # Unbounded as a queue, bounded in bytes: `send` never blocks a producer (an engine's
         # output, the reader), and a caller who stops reading ends the call at the budget.
         self.outbox: asyncio.Queue = asyncio.Queue()
@@ -258,6 +293,8 @@ class Session:
                         await self._segment_events(events)
                     if self.segmenter.in_speech:
                         self._speaking()
+                        if self._pause is not None:
+                            await self._maybe_end_turn()
             else:
                 await self._control(item)
         self._reading_done = True
@@ -302,9 +339,10 @@ class Session:
 
     def _speaking(self) -> None:
         """The caller is speaking (called on every such frame)."""
+        self._voiced_ms = self.segmenter.voiced_ms
         if self.conversation is not None:
-            self.conversation.caller_speaking(self.segmenter.speech_ms)
-        if self.spec.interim_results and self.spec.recognize:
+            self.conversation.caller_speaking(self._voiced_ms)
+        if self.spec.interim_results and self.spec.recognize and self._pause is None:
             self._maybe_interim()
 
     async def _segment_events(self, events: list) -> None:
@@ -312,14 +350,33 @@ class Session:
             if isinstance(ev, segmenter.SpeechStarted):
                 self.turn_id += 1
                 self._next_interim = self.services.config.asr.interim_interval_ms
+                self._interim_text = None
+                self._voiced_ms = 0
                 await self.send(SpeechStarted(self.spec.session_id, self.turn_id, ms(ev.offset)))
+            elif isinstance(ev, segmenter.Paused):
+                self._start_pause()
+            elif isinstance(ev, segmenter.Resumed):
+                await self._cancel_pause()
             elif isinstance(ev, segmenter.SpeechEnded):
                 await self.send(SpeechEnded(self.spec.session_id, self.turn_id, ms(ev.offset)))
             elif isinstance(ev, Utterance):
                 self._cancel_interim()
                 self.services.metrics.utterances_total.inc()
                 turn = Turn(self.turn_id, ev, time.monotonic())
-                if self.spec.recognize and len(ev.audio):
+                turn.backchannel = (self.conversation is not None and self.conversation.speaking()
+                                    and self._voiced_ms < self.spec.barge_in_min_speech_ms)
+                pause, self._pause = self._pause, None
+                if pause is not None:
+                    # The turn ended in this pause (no voiced frame since): the transcript started at
+                    # the pause is this turn's, unless it failed.
+                    if pause.detect is not None and pause.detect is not asyncio.current_task():
+                        pause.detect.cancel()
+                    if not (pause.transcript.done() and (pause.transcript.cancelled()
+                                                         or pause.transcript.exception() is not None)):
+                        turn.task = pause.transcript
+                    elif self.conversation is not None:
+                        await self.conversation.cancel_speculation()
+                if turn.task is None and self.spec.recognize and len(ev.audio):
                     turn.task = self.spawn(self._recognize(ev.audio, priority=1), f"asr-{turn.turn_id}")
                 await self._turns.put(turn)
 
@@ -370,10 +427,70 @@ class Session:
             except EngineError:
                 return  # an interim result is best effort; the final one reports errors
             if self.turn_id == turn_id and self.segmenter.in_speech and not result.is_hallucination:
+                self._interim_text = result.text
                 await self.send(TranscriptOut(self.spec.session_id, turn_id, result, is_final=False,
                                               start_ms=ms(start), end_ms=ms(self.segmenter.offset)))
 
         self._interim = self.spawn(interim(), f"interim-{turn_id}")
+
+    # ------------------------------------------------------------------ end of turn (smart)
+
+    def _start_pause(self) -> None:
+        """A short pause in speech: start the turn's transcript and the detector on the audio so far."""
+        self._cancel_interim()  # the transcript below supersedes it
+        audio = self.segmenter.current_audio()
+        turn_id = self.turn_id
+        transcript = self.spawn(self._recognize(audio, priority=1), f"asr-{turn_id}-pause")
+        pause = Pause(turn_id, audio, transcript, evidence=turns.Evidence(text=self._interim_text))
+        self._pause = pause
+        pause.detect = self.spawn(self._detect(pause), f"turn-{turn_id}")
+
+    async def _detect(self, pause: Pause) -> None:
+        """Gather the evidence on this pause as it arrives (the audio model's answer, then the fresh
+        transcript), end the turn as soon as it says so, and start the speculative reply."""
+        loop = asyncio.get_running_loop()
+        clip = int16_to_float(pause.audio)
+        try:
+            # onnxruntime releases the GIL: the model runs beside the loop, not in it.
+            p = (await loop.run_in_executor(None, self.turn_model.predict, [clip]))[0]
+        except Exception:  # the model is an aid: without its answer the words and the silence decide
+            log.exception("session %s: the end-of-turn model failed", self.spec.session_id)
+            p = None
+        pause.evidence = replace(pause.evidence, p_complete=p)
+        await self._maybe_end_turn()
+        if self._pause is not pause:
+            return
+        try:
+            result = await asyncio.shield(pause.transcript)
+        except EngineError:
+            return  # no words: the silence bound ends the turn; the final transcript reports the error
+        text = "" if result.is_hallucination and not self.spec.keep_hallucinations else result.text
+        pause.evidence = replace(pause.evidence, text=text, fresh=True)
+        log.debug("session %s turn %d pause: p=%s text=%r wait %d ms", self.spec.session_id, pause.turn_id,
+                  p if p is None else f"{p:.2f}", text, pause.evidence.wait_ms(self.bounds))
+        if (self.conversation is not None and text.strip()
+                and pause.evidence.wait_ms(self.bounds) < self.bounds.max_ms):
+            self.conversation.speculate(pause.turn_id, text)
+        await self._maybe_end_turn()
+
+    async def _maybe_end_turn(self) -> None:
+        pause = self._pause
+        if pause is None or not self.segmenter.in_speech or pause.turn_id != self.turn_id:
+            return
+        if pause.evidence.ends(self.segmenter.silence_ms, self.bounds):
+            await self._segment_events(self.segmenter.end_turn())
+
+    async def _cancel_pause(self) -> None:
+        """Speech came back: nothing worked out in the pause may reach the caller."""
+        pause, self._pause = self._pause, None
+        if pause is None:
+            return
+        for task in (pause.detect, pause.transcript):
+            if task is not None:
+                task.cancel()
+        if self.conversation is not None:
+            await self.conversation.cancel_speculation()
+        self._next_interim = self.segmenter.speech_ms + self.services.config.asr.interim_interval_ms
 
     def _cancel_interim(self) -> None:
         if self._interim is not None and not self._interim.done():

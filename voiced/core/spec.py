@@ -57,7 +57,8 @@ def _pick(value, default):
 
 def segmentation_for(config: Config, *, mode: str = "auto", vad_aggressiveness: int | None = None,
                      pre_roll_ms: int | None = None, hangover_ms: int | None = None,
-                     min_speech_ms: int | None = None, max_utterance_ms: int | None = None) -> SegmenterConfig:
+                     min_speech_ms: int | None = None, max_utterance_ms: int | None = None,
+                     turn_detection: str | None = None, eagerness: str | None = None) -> SegmenterConfig:
     """The config's segmentation defaults with the given overrides (None: the default), validated."""
     d = config.segmentation
     seg = SegmenterConfig(
@@ -67,6 +68,8 @@ def segmentation_for(config: Config, *, mode: str = "auto", vad_aggressiveness: 
         hangover_ms=_pick(hangover_ms, d.hangover_ms),
         min_speech_ms=_pick(min_speech_ms, d.min_speech_ms),
         max_utterance_ms=_pick(max_utterance_ms, d.max_utterance_ms),
+        turn_detection=turn_detection or d.turn_detection,
+        eagerness=eagerness or d.eagerness,
     )
     return _check_segmentation(seg)
 

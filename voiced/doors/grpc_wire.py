@@ -22,6 +22,12 @@ _ENCODING_NAMES = {pb.LINEAR16: "LINEAR16", pb.MULAW: "MULAW", pb.ALAW: "ALAW"}
 _ENCODING_VALUES = {v: k for k, v in _ENCODING_NAMES.items()}
 _TASKS = {pb.TASK_UNSPECIFIED: "transcribe", pb.TRANSCRIBE: "transcribe", pb.TRANSLATE: "translate"}
 _MODES = {pb.SEGMENTATION_MODE_UNSPECIFIED: "auto", pb.AUTO: "auto", pb.PUSH_TO_TALK: "push_to_talk"}
+_TURN_DETECTION = {pb.TURN_DETECTION_UNSPECIFIED: None, pb.TURN_DETECTION_SMART: "smart",
+                   pb.TURN_DETECTION_SILENCE: "silence"}
+_TURN_DETECTION_VALUES = {v: k for k, v in _TURN_DETECTION.items() if v}
+_EAGERNESS = {pb.EAGERNESS_UNSPECIFIED: None, pb.EAGERNESS_LOW: "low", pb.EAGERNESS_MEDIUM: "medium",
+              pb.EAGERNESS_HIGH: "high"}
+_EAGERNESS_VALUES = {v: k for k, v in _EAGERNESS.items() if v}
 
 
 # ---------------------------------------------------------------------------- settings in
@@ -73,10 +79,17 @@ def session_spec(cfg: pb.SessionConfig, services, session_id: str, conversationa
     mode = _MODES.get(seg.mode)
     if mode is None:
         raise invalid(f"segmentation.mode {seg.mode} is unknown; use AUTO or PUSH_TO_TALK")
+    if seg.turn_detection not in _TURN_DETECTION:
+        raise invalid(f"segmentation.turn_detection {seg.turn_detection} is unknown; use TURN_DETECTION_SMART or "
+                      "TURN_DETECTION_SILENCE")
+    if seg.eagerness not in _EAGERNESS:
+        raise invalid(f"segmentation.eagerness {seg.eagerness} is unknown; use EAGERNESS_LOW, EAGERNESS_MEDIUM or "
+                      "EAGERNESS_HIGH")
     segmentation = segmentation_for(
         services.config, mode=mode, vad_aggressiveness=_opt(seg, "vad_aggressiveness"),
         pre_roll_ms=_opt(seg, "pre_roll_ms"), hangover_ms=_opt(seg, "hangover_ms"),
         min_speech_ms=_opt(seg, "min_speech_ms"), max_utterance_ms=_opt(seg, "max_utterance_ms"),
+        turn_detection=_TURN_DETECTION[seg.turn_detection], eagerness=_EAGERNESS[seg.eagerness],
     )
     rec = cfg.recognition
     if conversational and rec.disabled:
@@ -102,6 +115,8 @@ def effective_config(cfg: pb.SessionConfig, spec: SessionSpec) -> pb.SessionConf
     eff.segmentation.mode = pb.PUSH_TO_TALK if s.mode == "push_to_talk" else pb.AUTO
     for name in ("vad_aggressiveness", "pre_roll_ms", "hangover_ms", "min_speech_ms", "max_utterance_ms"):
         setattr(eff.segmentation, name, getattr(s, name))
+    eff.segmentation.turn_detection = _TURN_DETECTION_VALUES[s.turn_detection]
+    eff.segmentation.eagerness = _EAGERNESS_VALUES[s.eagerness]
     eff.recognition.language = spec.asr.language or ""
     eff.recognition.beam_size = spec.asr.beam_size
     eff.recognition.task = pb.TRANSLATE if spec.asr.task == "translate" else pb.TRANSCRIBE

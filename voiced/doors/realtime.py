@@ -7,7 +7,8 @@ Behind it runs one core Session, conversational, or transcription-only for `?int
 
 How the interface maps onto the daemon:
 - `turn_detection` server_vad: the session's segmenter finds the turns (threshold -> webrtcvad's
-  aggressiveness, prefix_padding_ms -> pre-roll, silence_duration_ms -> hangover); null: the client's
+  aggressiveness, prefix_padding_ms -> pre-roll, silence_duration_ms -> hangover); semantic_vad: smart
+  turn detection (voiced.core.turns) at its eagerness (auto: medium); null: the client's
   `input_audio_buffer.commit` ends a turn (push-to-talk) and `clear` drops what was appended since.
 - Partial transcripts (`conversation.item.input_audio_transcription.delta`) come when
   `audio.input.transcription.model` names a streaming model (anything but whisper-1).
@@ -106,7 +107,9 @@ class RealtimeConnection:
         self.model = model or "voiced"
         self.ids = rt.Ids()
         c = services.config.segmentation
-        self.vad_defaults = TurnDetection(threshold=(c.vad_aggressiveness + 0.5) / 4,
+        smart = c.turn_detection == "smart" and services.turn_model is not None
+        self.vad_defaults = TurnDetection(type="semantic_vad" if smart else "server_vad", eagerness=c.eagerness,
+                                          threshold=(c.vad_aggressiveness + 0.5) / 4,
                                           prefix_padding_ms=c.pre_roll_ms, silence_duration_ms=c.hangover_ms)
         self.cfg = RealtimeConfig(type="transcription" if transcription else "realtime",
                                   turn_detection=self.vad_defaults, voice=services.config.tts.voice or None)
@@ -318,7 +321,9 @@ class RealtimeConnection:
                 seg = segmentation_for(self.s.config, mode="push_to_talk")
             else:
                 seg = segmentation_for(self.s.config, vad_aggressiveness=rt.vad_aggressiveness(td.threshold),
-                                       pre_roll_ms=td.prefix_padding_ms, hangover_ms=td.silence_duration_ms)
+                                       pre_roll_ms=td.prefix_padding_ms, hangover_ms=td.silence_duration_ms,
+                                       turn_detection="smart" if td.type == "semantic_vad" else "silence",
+                                       eagerness=td.eagerness)
             asr = asr_options_for(self.s.config, language=cfg.language, initial_prompt=cfg.prompt)
             return self.s.spec(front=FRONT, input=Format(enc_in, rate_in), output=Format(enc_out, rate_out),
                                voice=cfg.voice, system_prompt=cfg.instructions, segmentation=seg, asr=asr,

@@ -139,12 +139,15 @@ def user_text(item: dict, event_id: str | None, waiting_chars: int = 0) -> str:
 
 @dataclass
 class TurnDetection:
-    """server_vad's settings (None fields: the daemon's default)."""
+    """server_vad's or semantic_vad's settings (None fields: the daemon's default). server_vad ends a turn
+    on silence; semantic_vad is the daemon's smart turn detection (voiced.core.turns) at `eagerness`."""
 
     threshold: float | None = None
     prefix_padding_ms: int | None = None
     silence_duration_ms: int | None = None
     interrupt_response: bool = True
+    type: str = "server_vad"  # or "semantic_vad"
+    eagerness: str = "medium"  # semantic_vad: low | medium | high ("auto" is medium)
 
 
 @dataclass
@@ -244,13 +247,20 @@ def _turn_detection(td, defaults: TurnDetection, event_id) -> TurnDetection | No
     if not isinstance(td, dict):
         raise EventError("invalid_type", f"{where} must be an object or null", where, event_id)
     kind = td.get("type")
-    if kind != "server_vad":
-        raise EventError("invalid_value", f"{where}.type {kind!r} is not served; use server_vad, "
+    if kind not in ("server_vad", "semantic_vad"):
+        raise EventError("invalid_value", f"{where}.type {kind!r} is not served; use server_vad, semantic_vad, "
                          "or null to end turns with input_audio_buffer.commit", f"{where}.type", event_id)
     if td.get("create_response") is False:
         raise EventError("invalid_value", f"{where}.create_response false is not served: every turn is answered "
                          "(use intent=transcription for transcripts only)", f"{where}.create_response", event_id)
-    out = TurnDetection(defaults.threshold, defaults.prefix_padding_ms, defaults.silence_duration_ms)
+    out = TurnDetection(defaults.threshold, defaults.prefix_padding_ms, defaults.silence_duration_ms,
+                        type=kind, eagerness=defaults.eagerness)
+    if kind == "semantic_vad" and td.get("eagerness") is not None:
+        eagerness = td["eagerness"]
+        if eagerness not in ("low", "medium", "high", "auto"):
+            raise EventError("invalid_value", f"{where}.eagerness must be low, medium, high or auto",
+                             f"{where}.eagerness", event_id)
+        out.eagerness = "medium" if eagerness == "auto" else eagerness
     for key, low, high in (("threshold", 0.0, 1.0), ("prefix_padding_ms", 0, 2000), ("silence_duration_ms", 100, 5000)):
         value = td.get(key)
         if value is None:
@@ -276,6 +286,8 @@ def session_object(cfg: RealtimeConfig, *, model: str, asr_model: str) -> dict:
     inp["turn_detection"] = None if td is None else {
         "type": "server_vad", "threshold": td.threshold, "prefix_padding_ms": td.prefix_padding_ms,
         "silence_duration_ms": td.silence_duration_ms, "create_response": True,
+        "interrupt_response": td.interrupt_response} if td.type == "server_vad" else {
+        "type": "semantic_vad", "eagerness": td.eagerness, "create_response": True,
         "interrupt_response": td.interrupt_response}
     transcription = {"model": cfg.transcription_model or asr_model}
     if cfg.language:

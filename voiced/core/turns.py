@@ -1,0 +1,159 @@
+"""End-of-turn detection: has the caller finished, or only paused?
+
+Fixed silence (`turn_detection = "silence"`: `hangover_ms` of it ends the turn) makes every caller
+wait that long for a reply, and still cuts off anyone who pauses longer mid-sentence ("a table for
+... four people"). `turn_detection = "smart"` decides at each short pause from three things, because
+none of them decides well alone (issue 25: on espeak-ng speech an audio model hears a falling voice
+before every pause, and Whisper puts a full stop on half a sentence):
+
+- the words: the transcript of the turn so far. A text that ends on a word that cannot end an
+  English sentence (an article, preposition, conjunction, auxiliary or modal verb, possessive or
+  determiner, "to"), on a filler (um, uh), on a trailing comma or dash, or on a number being
+  dictated, is not finished, whatever punctuation Whisper put after it;
+- the audio: Smart Turn v3's probability that the turn is complete (voiced.engines.smart_turn);
+- the silence so far: each verdict sets how much silence ends the turn, and `max_ms` of silence
+  always ends it.
+
+| verdict                                                  | silence that ends the turn          |
+|----------------------------------------------------------|-------------------------------------|
+| nothing known yet (the transcript is not ready)           | `max_ms`                            |
+| the words are not finished                               | `max_ms`                            |
+| the words are finished and the audio agrees (p >= 0.5)   | `complete_ms` (the short pause)     |
+| the words are finished, the audio is unsure; no words    | `unsure_ms`                         |
+
+Eagerness sets the three (OpenAI's semantic_vad waits at most 8 / 4 / 2 s at low / medium / high).
+People pause mid-sentence for up to about 2 s, so at medium an unfinished text waits 4 s.
+
+Text from an earlier (interim) decode is used while the fresh one is not ready, but only to keep a
+turn open: a stale transcript may lack the last words, so it can never end a turn early.
+
+Nothing here does I/O: the session feeds it the evidence and asks, on each frame of a pause, whether
+the turn is over (`Evidence.wait_ms` is a lookup).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+PAUSE_MS = 200  # the short pause at which the detector runs (Pipecat's VAD stop is 0.2 s)
+COMPLETE_P = 0.5  # Smart Turn's own threshold
+
+
+@dataclass(frozen=True)
+class Bounds:
+    complete_ms: int  # silence that ends a finished turn the audio model agrees with
+    unsure_ms: int  # ... a finished turn the audio model doubts, or one with no words
+    max_ms: int  # silence that always ends a turn
+
+
+EAGERNESS = {
+    "low": Bounds(complete_ms=500, unsure_ms=1500, max_ms=8000),
+    "medium": Bounds(complete_ms=PAUSE_MS, unsure_ms=600, max_ms=4000),
+    "high": Bounds(complete_ms=PAUSE_MS, unsure_ms=400, max_ms=2000),
+}
+
+
+def bounds(eagerness: str) -> Bounds:
+    try:
+        return EAGERNESS[eagerness]
+    except KeyError:
+        raise ValueError(f"eagerness {eagerness!r}: use low, medium or high") from None
+
+
+# Closed-class English words after which a sentence cannot end (open-class words, nouns, verbs,
+# adjectives, can always end one). Listed whole, by class; where a class also ends real sentences,
+# the exception is the rule's, not a word's:
+# - stranded prepositions and wh-words end questions ("Where are you from?"): not after a question mark;
+# - bare auxiliaries, subject pronouns and "to" end short answers ("Yes, I do.", "So do I.",
+#   "I'd love to."): only in a text longer than three words, or one that opens with an auxiliary
+#   (a question still waiting for its verb or object: "Can I have").
+ARTICLES = {"a", "an", "the"}
+POSSESSIVES = {"my", "your", "our", "their", "its", "whose", "every", "very"}  # never without a noun after
+CONJUNCTIONS = {"and", "or", "but", "nor", "because", "although", "unless", "whereas", "if", "whether", "than",
+                "plus", "cause", "cuz"}
+FILLERS = {"um", "uh", "umm", "uhm", "uhh", "er", "erm", "ah", "hmm", "mm", "em"}
+CONTRACTIONS = {  # a contracted verb cannot end a sentence ("Yes, it is." but never "Yes, it's.")
+    "i'm", "you're", "we're", "they're", "he's", "she's", "it's", "i'll", "you'll", "we'll", "they'll",
+    "he'll", "she'll", "it'll", "i'd", "you'd", "we'd", "they'd", "he'd", "she'd", "i've", "you've",
+    "we've", "they've", "there's", "that's", "what's", "where's", "who's", "here's", "let's", "gonna",
+    "wanna", "gotta",
+}
+PREPOSITIONS = {
+    "to", "for", "of", "with", "at", "from", "into", "onto", "about", "between", "among", "amongst", "during",
+    "toward", "towards", "upon", "via", "per", "like", "across", "against", "despite", "except", "until",
+    "till", "in", "on", "regarding", "concerning", "versus", "within", "throughout", "beneath", "unlike",
+}
+WH_WORDS = {"when", "where", "which", "who", "whom", "how", "why", "what"}
+AUXILIARIES = {
+    "am", "is", "are", "was", "were", "be", "been", "being", "have", "has", "had", "do", "does", "did",
+    "will", "would", "shall", "should", "can", "could", "may", "might", "must", "ought",
+}
+SUBJECTS = {"i", "we", "they", "he", "she"}
+NUMBER_WORDS = {
+    "zero", "oh", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "eleven",
+    "twelve", "thirteen", "fourteen", "fifteen", "sixteen", "seventeen", "eighteen", "nineteen", "twenty",
+    "thirty", "forty", "fifty", "sixty", "seventy", "eighty", "ninety", "hundred", "thousand", "double",
+    "triple",
+}
+ALWAYS_OPEN = ARTICLES | POSSESSIVES | CONJUNCTIONS | FILLERS | CONTRACTIONS
+SHORT_ANSWER_WORDS = 3
+
+_WORD = re.compile(r"[a-z0-9]+(?:'[a-z0-9]+)*")
+_TRAILING_PUNCT = re.compile(r"[\s.!?\"')\]]+$")
+
+
+def _is_number(word: str) -> bool:
+    return word.isdigit() or word in NUMBER_WORDS
+
+
+def unfinished(text: str) -> bool:
+    """Whether the words end where an English sentence cannot (see the word classes above): a
+    function word, a filler, a trailing comma/dash/ellipsis, or a number being read out."""
+    stripped = text.strip().replace("’", "'")
+    body = _TRAILING_PUNCT.sub("", stripped.lower())
+    if not body:
+        return False
+    if stripped.endswith(("...", "…")) or body[-1] in ",;:-–—":
+        return True
+    words = _WORD.findall(body)
+    if not words:
+        return False
+    last, question = words[-1], stripped.endswith("?")
+    if last in ALWAYS_OPEN:
+        return True
+    if (last in PREPOSITIONS or last in WH_WORDS) and not question:
+        return True
+    if last in AUXILIARIES | SUBJECTS | {"to"} and (len(words) > SHORT_ANSWER_WORDS or words[0] in AUXILIARIES):
+        return True
+    # A number being read out: a run of digits ("4572", "45-72"), or numbers after numbers ("four
+    # five", "4, 5"); a single number ("a table for two") ends a sentence.
+    if last.isdigit() and len(last) >= 3:
+        return True
+    return _is_number(last) and len(words) >= 2 and _is_number(words[-2])
+
+
+@dataclass(frozen=True)
+class Evidence:
+    """What is known about the turn at a pause; each part None until it arrives."""
+
+    p_complete: float | None = None  # the audio model's probability that the turn is complete
+    text: str | None = None  # the transcript of the turn so far
+    fresh: bool = False  # `text` covers the audio up to this pause (else: an earlier interim decode)
+
+    def wait_ms(self, b: Bounds) -> int:
+        """The silence after which this turn ends (module docstring's table)."""
+        if self.text is None:
+            return b.max_ms
+        if unfinished(self.text):
+            return b.max_ms
+        if not self.fresh:
+            return b.max_ms  # a stale text may lack the last words: it only keeps a turn open
+        if not self.text.strip():
+            return b.unsure_ms  # no words (a cough, a noise): no reason to hold the line long
+        if self.p_complete is None:
+            return b.max_ms  # the audio model's answer is a few ms away; wait for it
+        return b.complete_ms if self.p_complete >= COMPLETE_P else b.unsure_ms
+
+    def ends(self, silence_ms: int, b: Bounds) -> bool:
+        return silence_ms >= self.wait_ms(b)
