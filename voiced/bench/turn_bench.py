@@ -103,6 +103,12 @@ def summarize(detector: str, verdicts: list[dict]) -> dict:
         "eot_finished_ms": pct([v["eot_ms"] for v in finished if v["eot_ms"] is not None]),
         "unended": sum(v["unended"] for v in verdicts),
         "errors": sum(bool(v.get("error")) for v in verdicts),
+        # What follows the speech matters to a VAD (hold music is sound): the figures per tail
+        "by_tail": {tail: {"callers": len(vs), "paused_cut_off": sum(v["cut_off"] for v in vs if v["kind"] == "paused"),
+                           "paused": sum(v["kind"] == "paused" for v in vs), "unended": sum(v["unended"] for v in vs),
+                           "eot_ms": pct([v["eot_ms"] for v in vs if v["eot_ms"] is not None])}
+                    for tail in sorted({v["tail"] for v in verdicts})
+                    for vs in [[v for v in verdicts if v["tail"] == tail]]},
         "per_caller": verdicts,
     }
 
@@ -330,7 +336,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--keep-set", type=Path, default=None, help="make the set in this folder and keep it")
     ap.add_argument("--n", type=int, default=24, help="callers in a made set, half finished, half paused")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--tail", type=float, default=4.0, help="seconds of audio after the speech in a made set")
+    ap.add_argument("--tail", type=float, default=4.5, help="seconds of audio after the speech in a made set")
     ap.add_argument("--pauses", type=float, nargs=2, default=[0.3, 2.0], metavar=("MIN", "MAX"),
                     help="a made set's pause lengths, seconds (default 0.3 2)")
     ap.add_argument("--tails", nargs="+", default=None, metavar="KIND",

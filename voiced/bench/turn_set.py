@@ -294,7 +294,7 @@ def render(p: Plan, tail_s: float, rng: np.random.Generator) -> tuple[np.ndarray
     return audio, caller
 
 
-def make_set(directory: Path, n: int = 24, *, seed: int = 0, tail_s: float = 4.0, min_pause_s: float = 0.3,
+def make_set(directory: Path, n: int = 24, *, seed: int = 0, tail_s: float = 4.5, min_pause_s: float = 0.3,
              max_pause_s: float = 2.0, tails: list[str] | None = None) -> list[TurnCaller]:
     """Write `n` callers' WAVs and `manifest.jsonl` into `directory` (created); returns them."""
     from voiced_client.wavio import write_wav
