@@ -82,13 +82,13 @@ def test_bench_turns_counts_paused_callers_cut_off_by_silence_and_times_the_end_
     # Pauses longer than the silence detector's 500 ms: every paused caller must be cut off by it.
     proc = subprocess.run([sys.executable, "-m", "voiced", "bench", "turns", "--n", "4", "--seed", "3",
                            "--tail", "1.5", "--pauses", "0.9", "1.4", "--tails", "silence", "--keep-set",
-                           str(tmp_path / "set"), "--detectors", "silence", "smart-turn", "--asr-model", str(model),
+                           str(tmp_path / "set"), "--detectors", "silence", "smart-turn", "smart:medium", "--asr-model", str(model),
                            "--device", "cpu", "--concurrency", "4", "--out", str(out)],
                           capture_output=True, text=True, env=env(), timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
     rows = {r["detector"]: r for r in result["detectors"]}
-    assert list(rows) == ["silence", "smart-turn"]
+    assert list(rows) == ["silence", "smart-turn", "smart:medium"]
     assert "| silence |" in result["table"] and "| smart-turn |" in result["table"]
     assert "| silence |" in proc.stderr  # the table is printed for a person, the JSON for a program
 
@@ -102,6 +102,10 @@ def test_bench_turns_counts_paused_callers_cut_off_by_silence_and_times_the_end_
             assert not v["cut_off"] and len(v["finals"]) == 1, v
             assert 480 <= v["eot_ms"] <= 1000, v
     assert silence["eot_ms"]["n"] == 4 and silence["unended"] == 0
+
+    smart = rows["smart:medium"]  # ours, measured like the silence detector, judged against issue 25
+    assert (smart["callers"], smart["errors"], smart["eot_ms"]["n"]) == (4, 0, 4), smart
+    assert {"issue25_paused_cut_off_pct", "issue25_eot_p50_ms", "issue25_eot_p90_ms"} <= set(smart["targets"])
 
     st = rows["smart-turn"]
     assert st["callers"] == 4 and st["inference_ms"]["n"] >= 4

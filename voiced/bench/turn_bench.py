@@ -11,8 +11,9 @@ Detectors:
 - `smart-turn`: Smart Turn v3 alone as Pipecat runs it (a reference run in this process over the same
   audio, voiced.bench.turn_reference): the VAD stops after 0.2 s of silence, Smart Turn reads the
   turn's last 8 s; "complete" ends the turn, "incomplete" waits for more speech or a 3 s fallback;
-  timed with the model's real inference time on this machine. The VAD is the daemon's (webrtcvad with
-  its loudness gate), not Silero as in Pipecat.
+  timed with the model's real inference time on this machine (its CPU time). The VAD is the daemon's
+  (webrtcvad with its loudness gate), not Silero as in Pipecat: webrtcvad hears hold music as speech,
+  where a VAD trained against music may not.
 
 The daemon's detectors are measured live: every caller is streamed through gRPC Converse in real time
 (20 ms frames, paced against the clock, `--concurrency` callers at once), to a daemon the bench starts
@@ -377,7 +378,8 @@ def main(argv: list[str] | None = None) -> dict:
                                max_pause_s=args.pauses[1], tails=args.tails)
         except (ValueError, RuntimeError) as e:
             ap.error(str(e))
-    result = {"bench": "turns", "date": time.strftime("%Y-%m-%d"), "machine": machine(), "python":
+    result = {"bench": "turns", "date": time.strftime("%Y-%m-%d"), "machine": machine(),
+              "load_average_at_start": os.getloadavg()[0], "python":
               platform.python_version(), "set": str(args.set or "made"), "callers": len(callers),
               "paused": sum(c.kind == "paused" for c in callers), "seed": args.seed,
               "audio_s": round(sum(c.duration_s for c in callers), 1), "detectors": []}
@@ -424,6 +426,7 @@ def main(argv: list[str] | None = None) -> dict:
     result["detectors"].sort(key=lambda r: order[r["detector"]])
     result["table"] = table(result["detectors"])
     result["wall_s"] = round(time.monotonic() - t_start, 1)
+    result["load_average_at_end"] = os.getloadavg()[0]  # a shared machine's load slows every detector
     print(result["table"], file=sys.stderr)
     emit(result, args.out)
     return result
@@ -445,17 +448,19 @@ def reference_row(model: str | None, directory: Path, callers: list[TurnCaller])
     t0 = time.monotonic()
     st = smart_turn.load_smart_turn(path)
     st.predict([np.zeros(RATE, np.float32)])  # first-call set-up is not a caller's inference time
-    verdicts, inference = [], []
+    verdicts, inference, wall = [], [], []
     for c in callers:
         from voiced_client.wavio import read_wav
 
         samples, _ = read_wav(directory / c.audio)
-        ends, times = run_reference(st, samples.astype(np.float32) / 32768)
-        inference += times
+        ends, cpu, clock = run_reference(st, samples.astype(np.float32) / 32768)
+        inference += cpu
+        wall += clock
         verdicts.append(judge(c, Outcome(turn_ends=ends)))
     row = summarize("smart-turn", verdicts)
     row["model"] = str(path)
-    row["inference_ms"] = pct(inference)
+    row["inference_ms"] = pct(inference)  # CPU time: what the decisions are dated with
+    row["inference_wall_ms"] = pct(wall)
     row["wall_s"] = round(time.monotonic() - t0, 1)
     return row
 

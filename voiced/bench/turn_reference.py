@@ -14,7 +14,10 @@ Here the VAD is the daemon's segmenter (webrtcvad with its loudness gate and key
 0.2 s hangover and Pipecat's 0.2 s start, not Silero; the run is offline over the caller's WAV, frame by
 frame, and each decision is dated at the end of the 20 ms frame that triggered it plus the model's
 inference time measured here, on this machine's CPU (the clock `voiced.bench.turn_bench` times the
-daemon's detectors with).
+daemon's detectors with). The inference time is the CPU time this process spent on it (features and
+model), not the wall clock: on a shared machine other programs' load would otherwise be counted as the
+model's (the wall time is reported beside it). On a machine of its own the wall time is no longer: the
+feature extraction's threads make it shorter.
 """
 
 from __future__ import annotations
@@ -32,9 +35,10 @@ FALLBACK_S = 3.0
 THRESHOLD = 0.5
 
 
-def run_reference(model, audio: np.ndarray) -> tuple[list[float], list[float]]:
+def run_reference(model, audio: np.ndarray) -> tuple[list[float], list[float], list[float]]:
     """Turn ends (caller's audio time, seconds) for one caller's float32 16 kHz audio, and the model's
-    inference time of each call (ms). `model.predict(clips) -> [probability complete]`."""
+    inference time of each call: CPU ms (what the decisions are dated with) and wall-clock ms.
+    `model.predict(clips) -> [probability complete]`."""
     from voiced.core.segmenter import Segmenter, SegmenterConfig, SpeechEnded, SpeechStarted
 
     seg = Segmenter(SegmenterConfig(hangover_ms=int(VAD_STOP_S * 1000), min_speech_ms=int(VAD_START_S * 1000),
@@ -42,6 +46,7 @@ def run_reference(model, audio: np.ndarray) -> tuple[list[float], list[float]]:
     pcm = np.clip(audio * 32768, -32768, 32767).astype(np.int16)
     ends: list[float] = []
     inference: list[float] = []
+    wall: list[float] = []
     turn_start: int | None = None  # sample where the open turn's audio starts
     fallback_at: float | None = None  # audio time at which the open turn ends for lack of speech
     n_frames = len(pcm) // FRAME_SAMPLES
@@ -57,10 +62,11 @@ def run_reference(model, audio: np.ndarray) -> tuple[list[float], list[float]]:
                     turn_start = max(0, ev.offset - int(PRE_SPEECH_S * RATE))
             elif isinstance(ev, SpeechEnded) and turn_start is not None:
                 clip = audio[turn_start: (n + 1) * FRAME_SAMPLES]
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 p = model.predict([clip])[0]
-                ms = (time.perf_counter() - t0) * 1000
+                ms = (time.process_time() - c0) * 1000
                 inference.append(ms)
+                wall.append((time.perf_counter() - t0) * 1000)
                 if p > THRESHOLD:
                     ends.append(now + ms / 1000)
                     turn_start = fallback_at = None
@@ -68,4 +74,4 @@ def run_reference(model, audio: np.ndarray) -> tuple[list[float], list[float]]:
                     fallback_at = now + FALLBACK_S
     if turn_start is not None:  # the caller hangs up: the turn ends with the call
         ends.append(n_frames * FRAME_SAMPLES / RATE)
-    return ends, inference
+    return ends, inference, wall
