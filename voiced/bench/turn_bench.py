@@ -7,6 +7,7 @@ really ends and where its pauses are.
 
 Detectors:
 - `silence`: the daemon's segmenter ending a turn after 500 ms of silence (`turn_detection="silence"`);
+  `silence:MS` after MS ms (`hangover_ms`: LiveKit's eot-bench quotes VAD-only at 300 and 600 ms);
 - `smart:EAGERNESS` (low, medium, high): the daemon's own detector (`turn_detection="smart"`);
 - `smart-turn`: Smart Turn v3 alone as Pipecat runs it (a reference run in this process over the same
   audio, voiced.bench.turn_reference): the VAD stops after 0.2 s of silence, Smart Turn reads the
@@ -145,8 +146,8 @@ def segmentation(detector: str):
     protocol has no such setting."""
     from voiced_client.proto import voiced_pb2 as pb
 
-    if detector == "silence":
-        seg = pb.SegmentationConfig(hangover_ms=500)
+    if detector.startswith("silence"):
+        seg = pb.SegmentationConfig(hangover_ms=int(detector.partition(":")[2] or 500))
         mode, eagerness = "silence", None
     else:
         mode, eagerness = "smart", detector.split(":", 1)[1]
@@ -321,10 +322,12 @@ def parse_detectors(names: list[str]) -> list[str]:
     for name in names:
         if name == "smart":
             name = "smart:medium"
-        if name not in ("silence", "smart-turn") and not (name.startswith("smart:")
-                                                          and name.split(":", 1)[1] in EAGERNESS):
-            raise ValueError(f"unknown detector {name!r}: use silence, smart-turn, smart:low, smart:medium "
-                             "or smart:high")
+        kind, _, arg = name.partition(":")
+        if kind == "silence" and arg and not (arg.isdigit() and 20 <= int(arg) <= 5000):
+            raise ValueError(f"{name}: silence:MS takes 20..5000 ms")
+        if name != "smart-turn" and kind != "silence" and not (kind == "smart" and arg in EAGERNESS):
+            raise ValueError(f"unknown detector {name!r}: use silence, silence:MS, smart-turn, smart:low, "
+                             "smart:medium or smart:high")
         out.append(name)
     return out
 
@@ -344,7 +347,8 @@ def main(argv: list[str] | None = None) -> dict:
                     help="what follows the speech in a made set: silence noise dtmf music (default: all, "
                          "silence twice as often)")
     ap.add_argument("--detectors", nargs="+", default=DEFAULT_DETECTORS,
-                    help="silence, smart-turn, smart:low, smart:medium, smart:high (default: %(default)s)")
+                    help="silence, silence:MS, smart-turn, smart:low, smart:medium, smart:high "
+                         "(default: %(default)s)")
     ap.add_argument("--server", default=None, help="a running daemon's gRPC address (default: start one)")
     ap.add_argument("--asr-model", default="tiny.en-pypi", help="the started daemon's Whisper model")
     ap.add_argument("--device", default=None, help="the started daemon's --device")
