@@ -22,6 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from voiced.config import load_config
 from voiced.engines import provision as prov
+from voiced.engines import smart_turn
 from voiced.engines.spark import checkpoint as spark
 from voiced.engines.whisper import registry
 from voiced.hub import DownloadError, ModelNotFoundError
@@ -37,6 +38,7 @@ def offline(monkeypatch, tmp_path):
     monkeypatch.setenv("VOICED_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(registry, "_OPENAI_BASE", CLOSED)
     monkeypatch.setattr(spark, "HF_URL", CLOSED + "/{path}")
+    monkeypatch.setattr(smart_turn, "HF_URL", CLOSED + "/{path}")
     monkeypatch.setenv("PIP_NO_INDEX", "1")
     monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path / "no-wheels"))
     return tmp_path / "cache"

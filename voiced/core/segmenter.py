@@ -38,6 +38,11 @@ MAX_WINDOW_MS = 30000  # Whisper's window
 SILENCE_SWING = 0.006 * 32768
 
 
+# A silence this long inside speech separates two bursts of talk ("okay ... yeah"): barge-in measures
+# each burst on its own (Silero VAD's default minimum silence, which LiveKit's interruption uses).
+BURST_GAP_MS = 550
+
+
 def _loud(frame: np.ndarray) -> bool:
     return int(frame.max()) - int(frame.min()) > SILENCE_SWING
 
@@ -69,7 +74,8 @@ class SegmenterConfig:
             raise ValueError(f"vad_aggressiveness {self.vad_aggressiveness} is outside 0..3")
         for name, lo, hi in (
             ("pre_roll_ms", 0, 2000),
-            ("hangover_ms", FRAME_MS, 10000),
+            # With pause_ms (smart), hangover_ms is the detector's upper bound: up to low eagerness's 8 s.
+            ("hangover_ms", FRAME_MS, 10000 if self.pause_ms else 5000),
             ("min_speech_ms", FRAME_MS, 5000),
             ("max_utterance_ms", 1000, MAX_WINDOW_MS),
         ):
@@ -136,6 +142,7 @@ class Segmenter:
         self._silence_run = 0
         self._paused = False  # Paused reported, no voiced frame since
         self._last_voiced_end = 0  # sample after the current speech's last voiced frame
+        self._burst_start = 0  # sample where the current burst of talk began (voiced_ms)
         self._max_frames = frames_for(config.max_utterance_ms)
 
     @property
@@ -222,12 +229,15 @@ class Segmenter:
         self._candidate_frames = []
         self._silence_run = 0
         self._last_voiced_end = (self._last_voiced + 1) * FRAME_SAMPLES
+        self._burst_start = self.speech_start
         return [SpeechStarted(self.speech_start)]
 
     def _in_speech(self, frame: np.ndarray, voiced: bool) -> list:
         self._collect(frame)
         out = []
         if voiced:
+            if self._silence_run * FRAME_MS >= BURST_GAP_MS:
+                self._burst_start = self.offset - FRAME_SAMPLES
             self._silence_run = 0
             self._last_voiced_end = self.offset
             if self._paused:
@@ -279,14 +289,15 @@ class Segmenter:
 
     @property
     def voiced_ms(self) -> int:
-        """From the start of the current speech to the end of its last voiced frame (0 when silent):
-        how long the caller has been talking, pauses inside included, trailing silence not. Barge-in
-        reads this, so a short "mm-hmm" or a cough followed by silence never counts as long speech."""
+        """How long the caller has been talking in the current burst (0 when silent): from its first
+        voiced frame to its last, short gaps inside included, trailing silence not; a silence of
+        BURST_GAP_MS starts a new burst. Barge-in reads this, so a short "mm-hmm" or a cough, or a few of
+        them seconds apart, never count as long speech."""
         if not self.in_speech:
             return 0
         if self.config.mode == "push_to_talk":
             return self.speech_ms  # no VAD: the span is what the caller held the button for
-        return max(0, self._last_voiced_end - self.speech_start) * 1000 // RATE
+        return max(0, self._last_voiced_end - self._burst_start) * 1000 // RATE
 
     @property
     def silence_ms(self) -> int:

@@ -113,7 +113,8 @@ class Session:
         self.segmenter = Segmenter(replace(seg, keep_audio=spec.recognize))
         self._pause: Pause | None = None
         self._interim_text: str | None = None  # the latest interim decode's text of this turn
-        self._voiced_ms = 0  # how long the caller has talked in the current turn (segmenter.voiced_ms)
+        self._voiced_ms = 0  # the current turn's longest burst of talk (segmenter.voiced_ms)
+        self._over_reply = False  # a reply was being spoken during the current turn
         # Unbounded as a queue, bounded in bytes: `send` never blocks a producer (an engine's
         # output, the reader), and a caller who stops reading ends the call at the budget.
         self.outbox: asyncio.Queue = asyncio.Queue()
@@ -339,9 +340,10 @@ class Session:
 
     def _speaking(self) -> None:
         """The caller is speaking (called on every such frame)."""
-        self._voiced_ms = self.segmenter.voiced_ms
+        self._voiced_ms = max(self._voiced_ms, self.segmenter.voiced_ms)  # the turn's longest burst
         if self.conversation is not None:
-            self.conversation.caller_speaking(self._voiced_ms)
+            self._over_reply = self._over_reply or self.conversation.speaking()
+            self.conversation.caller_speaking(self.segmenter.voiced_ms)
         if self.spec.interim_results and self.spec.recognize and self._pause is None:
             self._maybe_interim()
 
@@ -352,6 +354,7 @@ class Session:
                 self._next_interim = self.services.config.asr.interim_interval_ms
                 self._interim_text = None
                 self._voiced_ms = 0
+                self._over_reply = False
                 await self.send(SpeechStarted(self.spec.session_id, self.turn_id, ms(ev.offset)))
             elif isinstance(ev, segmenter.Paused):
                 self._start_pause()
@@ -363,8 +366,7 @@ class Session:
                 self._cancel_interim()
                 self.services.metrics.utterances_total.inc()
                 turn = Turn(self.turn_id, ev, time.monotonic())
-                turn.backchannel = (self.conversation is not None and self.conversation.speaking()
-                                    and self._voiced_ms < self.spec.barge_in_min_speech_ms)
+                turn.backchannel = self._over_reply and self._voiced_ms < self.spec.barge_in_min_speech_ms
                 pause, self._pause = self._pause, None
                 if pause is not None:
                     # The turn ended in this pause (no voiced frame since): the transcript started at
@@ -382,8 +384,11 @@ class Session:
 
     # ------------------------------------------------------------------ recognition
 
-    async def _recognize(self, audio: np.ndarray, priority: int, final: bool = True) -> Transcript:
+    async def _recognize(self, audio: np.ndarray, priority: int, final: bool = True,
+                         words: bool = False) -> Transcript:
         opts = self.spec.asr
+        if words and not opts.word_timestamps:
+            opts = replace(opts, word_timestamps=True)  # the end-of-turn rule reads the last word's probability
         if opts.priority != priority or (opts.word_timestamps and not final):
             # Interim results are replaced within a second: no word timings for them.
             opts = replace(opts, priority=priority, word_timestamps=opts.word_timestamps and final)
@@ -406,6 +411,8 @@ class Session:
                 log.debug("session %s turn %d: dropped %r as a hallucination", self.spec.session_id,
                           turn.turn_id, result.text)
                 continue
+            if result.words and not self.spec.asr.word_timestamps:
+                result = replace(result, words=[])  # read by the end-of-turn rule, not asked for
             latency = time.monotonic() - turn.ended_at
             self.services.metrics.asr_latency.observe(latency)
             u = turn.utterance
@@ -440,7 +447,7 @@ class Session:
         self._cancel_interim()  # the transcript below supersedes it
         audio = self.segmenter.current_audio()
         turn_id = self.turn_id
-        transcript = self.spawn(self._recognize(audio, priority=1), f"asr-{turn_id}-pause")
+        transcript = self.spawn(self._recognize(audio, priority=1, words=True), f"asr-{turn_id}-pause")
         pause = Pause(turn_id, audio, transcript, evidence=turns.Evidence(text=self._interim_text))
         self._pause = pause
         pause.detect = self.spawn(self._detect(pause), f"turn-{turn_id}")
@@ -455,7 +462,7 @@ class Session:
             p = (await loop.run_in_executor(None, self.turn_model.predict, [clip]))[0]
         except Exception:  # the model is an aid: without its answer the words and the silence decide
             log.exception("session %s: the end-of-turn model failed", self.spec.session_id)
-            p = None
+            p = 0.0  # "unsure": finished words then wait `unsure_ms`, not the upper bound
         pause.evidence = replace(pause.evidence, p_complete=p)
         await self._maybe_end_turn()
         if self._pause is not pause:
@@ -465,7 +472,7 @@ class Session:
         except EngineError:
             return  # no words: the silence bound ends the turn; the final transcript reports the error
         text = "" if result.is_hallucination and not self.spec.keep_hallucinations else result.text
-        pause.evidence = replace(pause.evidence, text=text, fresh=True)
+        pause.evidence = replace(pause.evidence, text=turns.judged_text(text, result.words), fresh=True)
         log.debug("session %s turn %d pause: p=%s text=%r wait %d ms", self.spec.session_id, pause.turn_id,
                   p if p is None else f"{p:.2f}", text, pause.evidence.wait_ms(self.bounds))
         if (self.conversation is not None and text.strip()

@@ -24,7 +24,8 @@ before every pause, and Whisper puts a full stop on half a sentence):
 Eagerness sets the three (OpenAI's semantic_vad waits at most 8 / 4 / 2 s at low / medium / high).
 People pause mid-sentence for up to about 2 s, so at medium an unfinished text waits 4 s.
 
-Text from an earlier (interim) decode is used while the fresh one is not ready, but only to keep a
+The words are read with their probabilities: a doubtful last word (under `DOUBTFUL_P`) does not make
+unfinished words finished (`judged_text`). Text from an earlier (interim) decode is used while the fresh one is not ready, but only to keep a
 turn open: a stale transcript may lack the last words, so it can never end a turn early.
 
 Nothing here does I/O: the session feeds it the evidence and asks, on each frame of a pause, whether
@@ -38,6 +39,9 @@ from dataclasses import dataclass
 
 PAUSE_MS = 200  # the short pause at which the detector runs (Pipecat's VAD stop is 0.2 s)
 COMPLETE_P = 0.5  # Smart Turn's own threshold
+# Whisper fills a pause with a likely word ("a table for you.", "through to her?") that it is unsure
+# of: a last word under this probability is judged without it too.
+DOUBTFUL_P = 0.5
 
 
 @dataclass(frozen=True)
@@ -131,6 +135,16 @@ def unfinished(text: str) -> bool:
     if last.isdigit() and len(last) >= 3:
         return True
     return _is_number(last) and len(words) >= 2 and _is_number(words[-2])
+
+
+def judged_text(text: str, words: list) -> str:
+    """The text the rule judges: `text`, or, when its last word (voiced.engines.base.Word) is doubtful
+    and the words before it are unfinished, those words. A doubt only ever keeps a turn open."""
+    if words and words[-1].probability < DOUBTFUL_P:
+        before = " ".join(w.word for w in words[:-1])
+        if unfinished(before):
+            return before
+    return text
 
 
 @dataclass(frozen=True)
