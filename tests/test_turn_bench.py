@@ -101,6 +101,7 @@ def test_bench_turns_counts_paused_callers_cut_off_by_silence_and_times_the_end_
         else:  # one turn, ended 500 ms of silence after the real end (plus the frame and the hop)
             assert not v["cut_off"] and len(v["finals"]) == 1, v
             assert 480 <= v["eot_ms"] <= 1000, v
+            assert v["reply_ms"] >= v["eot_ms"], v  # the echo agent answers the turn once it has ended
     assert silence["eot_ms"]["n"] == 4 and silence["unended"] == 0
 
     smart = rows["smart:medium"]  # ours, measured like the silence detector, judged against issue 25

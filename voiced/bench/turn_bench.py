@@ -29,6 +29,9 @@ What it reports for each detector, as LiveKit's eot-bench does:
   turn end after it; a turn still open when the caller's audio runs out (`--tail` seconds after the
   speech) ends when the caller hangs up: that caller is counted `unended` and its latency, a lower
   bound, stays in the figures;
+- reply p50 / p90 (daemon detectors): from the real end of speech to the first text of the reply that
+  follows it (the echo agent: the end of turn plus the final transcript, where a speculative reply
+  has not already prepared it);
 - the final transcripts each caller got (to see what a cut-off turn was answered with).
 
     voiced bench turns --asr-model tiny.en-pypi --out turns.json
@@ -70,6 +73,7 @@ class Outcome:
 
     turn_ends: list[float] = field(default_factory=list)
     finals: list[tuple[float, str]] = field(default_factory=list)
+    replies: list[float] = field(default_factory=list)  # when each reply's first text arrived (the echo agent answering a turn)
     error: str = ""
 
 
@@ -82,9 +86,10 @@ def judge(caller: TurnCaller, outcome: Outcome) -> dict:
     # A turn still open when the audio runs out ends with the call (the caller hangs up): its latency
     # is a lower bound, counted as such and marked.
     unended = not after or after[0] >= caller.duration_s - FRAME_S
+    replies = [t for t in outcome.replies if t >= end]
     return {"name": caller.name, "kind": caller.kind, "style": caller.style, "tail": caller.tail,
             "cut_off": bool(before), "eot_ms": round((after[0] - end) * 1000, 1) if after else None,
-            "unended": unended,
+            "unended": unended, "reply_ms": round((replies[0] - end) * 1000, 1) if replies else None,
             "turn_ends_s": [round(t, 3) for t in outcome.turn_ends],
             "finals": [text for _, text in outcome.finals], **({"error": outcome.error} if outcome.error else {})}
 
@@ -103,6 +108,7 @@ def summarize(detector: str, verdicts: list[dict]) -> dict:
         "finished": len(finished),
         "eot_ms": pct(eot),
         "eot_finished_ms": pct([v["eot_ms"] for v in finished if v["eot_ms"] is not None]),
+        "reply_ms": pct([v["reply_ms"] for v in verdicts if v.get("reply_ms") is not None]),
         "unended": sum(v["unended"] for v in verdicts),
         "errors": sum(bool(v.get("error")) for v in verdicts),
         # What follows the speech matters to a VAD (hold music is sound): the figures per tail
@@ -124,17 +130,20 @@ def turn_targets(row: dict) -> dict:
 
 
 def table(rows: list[dict]) -> str:
-    head = ("| detector | paused callers cut off | finished cut off | end of turn p50 | p90 | unended |\n"
-            "|---|---|---|---|---|---|\n")
+    head = ("| detector | paused callers cut off | finished cut off | end of turn p50 | p90 | unended | reply p50 | p90 |\n"
+            "|---|---|---|---|---|---|---|---|\n")
     lines = []
     for r in rows:
         if "skipped" in r:
-            lines.append(f"| {r['detector']} | skipped: {r['skipped']} | | | | |")
+            lines.append(f"| {r['detector']} | skipped: {r['skipped']} | | | | | | |")
             continue
-        e = r["eot_ms"]
-        lat = (f"{e['p50']:.0f} ms", f"{e['p90']:.0f} ms") if e["n"] else ("-", "-")
+
+        def p(f: dict) -> str:
+            return f"{f['p50']:.0f} ms | {f['p90']:.0f} ms" if f.get("n") else "- | -"
+
         lines.append(f"| {r['detector']} | {r['paused_cut_off']} of {r['paused']} ({r['paused_cut_off_pct']:.0f} %) | "
-                     f"{r['finished_cut_off']} of {r['finished']} | {lat[0]} | {lat[1]} | {r['unended']} |")
+                     f"{r['finished_cut_off']} of {r['finished']} | {p(r['eot_ms'])} | {r['unended']} | "
+                     f"{p(r.get('reply_ms', {}))} |")
     return head + "\n".join(lines)
 
 
@@ -192,6 +201,7 @@ async def stream_caller(address: str, pcm: bytes, seg, tail_s: float = 0.0) -> O
                            barge_in=pb.BargeInConfig(enabled=False), agent=pb.AgentConfig(name="echo"))
     out = Outcome()
     sent: list[float] = []  # when each frame went
+    answered: set[int] = set()  # turns whose reply has begun
 
     def audio_time(now: float) -> float:
         """The caller's audio time at `now`: the last frame sent ends its audio, the clock runs on."""
@@ -209,6 +219,9 @@ async def stream_caller(address: str, pcm: bytes, seg, tail_s: float = 0.0) -> O
                     out.turn_ends.append(audio_time(now))
                 elif kind == "transcript" and ev.transcript.is_final and ev.transcript.text.strip():
                     out.finals.append((audio_time(now), ev.transcript.text.strip()))
+                elif kind == "agent_text" and ev.turn_id not in answered:  # a reply's first piece
+                    answered.add(ev.turn_id)
+                    out.replies.append(audio_time(now))
 
         reader = asyncio.create_task(read())
         t0 = time.monotonic()
@@ -244,8 +257,8 @@ async def run_live(address: str, directory: Path, callers: list[TurnCaller], det
         async with gate:
             outcome = await stream_caller(address, load_pcm(directory, c), seg)
             v = judge(c, outcome)
-            log.info("%s %s (%s, %s): cut off %s, end of turn %s ms, %s", detector, c.name, c.kind, c.tail,
-                     v["cut_off"], v["eot_ms"], v["finals"])
+            log.info("%s %s (%s, %s): cut off %s, end of turn %s ms, reply %s ms, %s", detector, c.name, c.kind,
+                     c.tail, v["cut_off"], v["eot_ms"], v["reply_ms"], v["finals"])
             return v
 
     return list(await asyncio.gather(*(one(c) for c in callers)))
