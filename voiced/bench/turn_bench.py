@@ -187,7 +187,7 @@ def _set(message, name: str, value: str) -> None:
     raise ValueError(f"{f.enum_type.name} has no value for {value!r}")
 
 
-async def stream_caller(address: str, pcm: bytes, seg, tail_s: float = 0.0) -> Outcome:
+async def stream_caller(address: str, pcm: bytes, seg) -> Outcome:
     """One caller through Converse in real time: its audio as 20 ms frames paced against the clock,
     then half-close and wait for the call to end."""
     import grpc
@@ -230,8 +230,7 @@ async def stream_caller(address: str, pcm: bytes, seg, tail_s: float = 0.0) -> O
                 await asyncio.sleep(max(0.0, t0 + n * FRAME_S - time.monotonic()))
                 await call.write(pb.SessionRequest(audio=f))
                 sent.append(time.monotonic())
-            await asyncio.sleep(tail_s)
-            await call.done_writing()
+            await call.done_writing()  # the caller hangs up when its audio (the tail included) is sent
             await asyncio.wait_for(reader, 120)
         except Exception as e:  # one caller's failure is that caller's; the others still count
             reader.cancel()
