@@ -77,6 +77,23 @@ def test_the_evidence_sets_how_much_silence_ends_the_turn():
         turns.bounds("eager")
 
 
+def test_a_doubtful_last_word_where_the_voice_had_stopped_is_judged_without_it():
+    from voiced.engines.base import Word
+
+    def words(*spec):
+        return [Word(w, start, start + 0.2, p) for w, start, p in spec]
+
+    filled = words(("send", 0.5, 0.9), ("it", 0.7, 0.9), ("over", 0.9, 0.95), ("to", 1.1, 0.9), ("them.", 1.5, 0.4))
+    assert turns.judged_text("Send it over to them.", filled, speech_end_s=1.45) == "send it over to"
+    # Heard while the voice was still going, the same doubt is only a doubt: the words stand.
+    assert turns.judged_text("Send it over to them.", filled, speech_end_s=1.9) == "Send it over to them."
+    sure = words(("to", 1.1, 0.9), ("them.", 1.5, 0.9))
+    assert turns.judged_text("to them.", sure, speech_end_s=1.45) == "to them."
+    finished_before = words(("that", 0.5, 0.9), ("works", 0.9, 0.9), ("well.", 1.5, 0.3))
+    assert turns.judged_text("That works well.", finished_before, 1.45) == "That works well."  # nothing open
+    assert turns.judged_text("Thank you.", [], 1.0) == "Thank you."
+
+
 # ------------------------------------------------------------------------------------ the segmenter
 
 

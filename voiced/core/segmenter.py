@@ -300,6 +300,11 @@ class Segmenter:
         return max(0, self._last_voiced_end - self._burst_start) * 1000 // RATE
 
     @property
+    def voiced_end(self) -> int:
+        """The sample after the current speech's last voiced frame."""
+        return self._last_voiced_end
+
+    @property
     def silence_ms(self) -> int:
         """The silence so far inside the current speech (since its last voiced frame)."""
         return self._silence_run * FRAME_MS if self.in_speech else 0

@@ -85,6 +85,7 @@ class Pause:
 
     turn_id: int
     audio: np.ndarray  # the turn so far
+    speech_end_s: float  # where in `audio` the voice stopped
     transcript: asyncio.Task  # its final transcript if the turn ends here
     detect: asyncio.Task | None = None
     evidence: turns.Evidence = turns.Evidence()
@@ -448,7 +449,8 @@ class Session:
         audio = self.segmenter.current_audio()
         turn_id = self.turn_id
         transcript = self.spawn(self._recognize(audio, priority=1, words=True), f"asr-{turn_id}-pause")
-        pause = Pause(turn_id, audio, transcript, evidence=turns.Evidence(text=self._interim_text))
+        speech_end_s = (self.segmenter.voiced_end - (self.segmenter.offset - len(audio))) / segmenter.RATE
+        pause = Pause(turn_id, audio, speech_end_s, transcript, evidence=turns.Evidence(text=self._interim_text))
         self._pause = pause
         pause.detect = self.spawn(self._detect(pause), f"turn-{turn_id}")
 
@@ -472,9 +474,9 @@ class Session:
         except EngineError:
             return  # no words: the silence bound ends the turn; the final transcript reports the error
         text = "" if result.is_hallucination and not self.spec.keep_hallucinations else result.text
-        pause.evidence = replace(pause.evidence, text=turns.judged_text(text, result.words), fresh=True)
+        pause.evidence = replace(pause.evidence, text=turns.judged_text(text, result.words, pause.speech_end_s), fresh=True)
         log.debug("session %s turn %d pause: p=%s text=%r wait %d ms", self.spec.session_id, pause.turn_id,
-                  p if p is None else f"{p:.2f}", text, pause.evidence.wait_ms(self.bounds))
+                  f"{p:.2f}", text, pause.evidence.wait_ms(self.bounds))
         if (self.conversation is not None and text.strip()
                 and pause.evidence.wait_ms(self.bounds) < self.bounds.max_ms):
             self.conversation.speculate(pause.turn_id, text)

@@ -24,8 +24,8 @@ before every pause, and Whisper puts a full stop on half a sentence):
 Eagerness sets the three (OpenAI's semantic_vad waits at most 8 / 4 / 2 s at low / medium / high).
 People pause mid-sentence for up to about 2 s, so at medium an unfinished text waits 4 s.
 
-The words are read with their probabilities: a doubtful last word (under `DOUBTFUL_P`) does not make
-unfinished words finished (`judged_text`). Text from an earlier (interim) decode is used while the fresh one is not ready, but only to keep a
+The words are read with their probabilities and times: a doubtful last word placed after the voice
+stopped does not make unfinished words finished (`judged_text`). Text from an earlier (interim) decode is used while the fresh one is not ready, but only to keep a
 turn open: a stale transcript may lack the last words, so it can never end a turn early.
 
 Nothing here does I/O: the session feeds it the evidence and asks, on each frame of a pause, whether
@@ -39,9 +39,10 @@ from dataclasses import dataclass
 
 PAUSE_MS = 200  # the short pause at which the detector runs (Pipecat's VAD stop is 0.2 s)
 COMPLETE_P = 0.5  # Smart Turn's own threshold
-# Whisper fills a pause with a likely word ("a table for you.", "through to her?") that it is unsure
-# of: a last word under this probability is judged without it too.
+# Whisper fills a pause with a likely word ("a table for you.") that it is unsure of and that its own
+# timing puts where the caller had already stopped: such a last word is judged without it too.
 DOUBTFUL_P = 0.5
+ALIGN_SLACK_S = 0.1  # word times come from cross-attention: this close to the end of speech is "at it"
 
 
 @dataclass(frozen=True)
@@ -137,10 +138,11 @@ def unfinished(text: str) -> bool:
     return _is_number(last) and len(words) >= 2 and _is_number(words[-2])
 
 
-def judged_text(text: str, words: list) -> str:
+def judged_text(text: str, words: list, speech_end_s: float) -> str:
     """The text the rule judges: `text`, or, when its last word (voiced.engines.base.Word) is doubtful
-    and the words before it are unfinished, those words. A doubt only ever keeps a turn open."""
-    if words and words[-1].probability < DOUBTFUL_P:
+    (under DOUBTFUL_P) and starts where the voice had already stopped (`speech_end_s`, in the same
+    clip's seconds), and the words before it are unfinished, those words. A doubt only keeps a turn open."""
+    if words and words[-1].probability < DOUBTFUL_P and words[-1].start_s >= speech_end_s - ALIGN_SLACK_S:
         before = " ".join(w.word for w in words[:-1])
         if unfinished(before):
             return before
