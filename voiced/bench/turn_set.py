@@ -280,6 +280,7 @@ def render(p: Plan, tail_s: float, rng: np.random.Generator) -> tuple[np.ndarray
     rms = float(np.sqrt(np.mean(speech[np.abs(speech) > LOUD] ** 2)))
     if p.tail in ("dtmf", "music"):
         start = end + int(rng.uniform(0.2, 0.5) * RATE)  # the caller stops, then the line plays it
+    if p.tail in ("dtmf", "music") and len(audio) - start >= RATE // 10:  # (a short tail may leave no room)
         sound = key_presses if p.tail == "dtmf" else hold_music
         x = sound((len(audio) - start) / RATE, rng)
         level = 0.7 if p.tail == "dtmf" else 0.4  # hold music sits under the speech's level
