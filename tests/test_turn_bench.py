@@ -112,3 +112,16 @@ def test_bench_turns_counts_paused_callers_cut_off_by_silence_and_times_the_end_
     assert st["callers"] == 4 and st["inference_ms"]["n"] >= 4
     # Pipecat's VAD stops 0.2 s after the voice: no turn ends sooner than that after the real end
     assert all(v["eot_ms"] is not None and v["eot_ms"] >= 190 for v in st["per_caller"]), st["per_caller"]
+
+
+def test_the_same_seed_makes_the_same_set_tones_and_music_included(tmp_path):
+    need_espeak()
+    from voiced.bench import turn_set
+
+    a = turn_set.make_set(tmp_path / "a", 4, seed=5, tail_s=1.0, tails=["dtmf", "music"])
+    turn_set._note.cache_clear(), turn_set._key_tone.cache_clear()  # sox runs again, as in another process
+    b = turn_set.make_set(tmp_path / "b", 4, seed=5, tail_s=1.0, tails=["dtmf", "music"])
+    assert a == b and {c.tail for c in a} == {"dtmf", "music"}
+    for c in a:
+        assert (tmp_path / "a" / c.audio).read_bytes() == (tmp_path / "b" / c.audio).read_bytes(), c.name
+    assert turn_set.make_set(tmp_path / "c", 4, seed=6, tail_s=1.0) != a  # another seed, other callers

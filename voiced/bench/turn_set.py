@@ -199,8 +199,10 @@ def _render(args: list[str], tool: str = "espeak-ng") -> np.ndarray:
     _need(tool)
     with tempfile.TemporaryDirectory() as tmp:
         wav = str(Path(tmp) / "x.wav")
-        cmd = [tool, *args, "-w", wav] if tool == "espeak-ng" else [tool, "-n", "-r", str(RATE), "-c", "1", "-b",
-                                                                    "16", wav, *args]
+        # sox: -R seeds its random generators the same every run (pluck's noise) and -D turns dither off,
+        # so a seed gives the same set
+        cmd = [tool, *args, "-w", wav] if tool == "espeak-ng" else [tool, "-R", "-D", "-n", "-r", str(RATE), "-c",
+                                                                    "1", "-b", "16", wav, *args]
         subprocess.run(cmd, check=True, capture_output=True)
         return load_16k(wav).astype(np.float32)
 
