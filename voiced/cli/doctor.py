@@ -80,6 +80,17 @@ def run(args: argparse.Namespace) -> int:
         else:
             _line(False, f"{label} {name}", f"not found; get it with `voiced models pull {pull}`")
             problems += 1
+    if config.segmentation.turn_detection == "smart":
+        from voiced.engines import smart_turn
+
+        turn_model = smart_turn.find(cache) if not config.segmentation.turn_model else None
+        if turn_model or config.segmentation.turn_model:
+            _line(True, "end-of-turn model", str(turn_model or config.segmentation.turn_model))
+        else:
+            _line(None, "end-of-turn model", f"not in the cache yet (turns end on silence until it is): `voiced serve` "
+                  f"fetches it on first run (or `voiced models pull {smart_turn.HUB_NAME}`)")
+    else:
+        _line(None, "turn detection", "silence (segmentation.turn_detection)")
     engines = Path(config.engines.dir)
     built = sorted(p.name for p in engines.glob("*/manifest.json")) if engines.is_dir() else []
     _line(None, "TensorRT-LLM engines", ", ".join(built) if built else f"none under {engines}")
