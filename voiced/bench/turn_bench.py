@@ -91,7 +91,8 @@ def judge(caller: TurnCaller, outcome: Outcome) -> dict:
             "cut_off": bool(before), "eot_ms": round((after[0] - end) * 1000, 1) if after else None,
             "unended": unended, "reply_ms": round((replies[0] - end) * 1000, 1) if replies else None,
             "turn_ends_s": [round(t, 3) for t in outcome.turn_ends],
-            "finals": [text for _, text in outcome.finals], **({"error": outcome.error} if outcome.error else {})}
+            "finals": [text for _, text in outcome.finals], "finals_s": [round(t, 3) for t, _ in outcome.finals],
+            "replies_s": [round(t, 3) for t in outcome.replies], **({"error": outcome.error} if outcome.error else {})}
 
 
 def summarize(detector: str, verdicts: list[dict]) -> dict:
