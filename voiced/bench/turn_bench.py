@@ -12,9 +12,8 @@ Detectors:
 - `smart-turn`: Smart Turn v3 alone as Pipecat runs it (a reference run in this process over the same
   audio, voiced.bench.turn_reference): the VAD stops after 0.2 s of silence, Smart Turn reads the
   turn's last 8 s; "complete" ends the turn, "incomplete" waits for more speech or a 3 s fallback;
-  timed with the model's real inference time on this machine (its CPU time). The VAD is the daemon's
-  (webrtcvad with its loudness gate), not Silero as in Pipecat: webrtcvad hears hold music as speech,
-  where a VAD trained against music may not.
+  timed with the model's real inference time on this machine (its CPU time). Its VAD is Pipecat's
+  Silero set-up (`--reference-vad webrtc`: the daemon's webrtcvad instead).
 
 The daemon's detectors are measured live: every caller is streamed through gRPC Converse in real time
 (20 ms frames, paced against the clock, `--concurrency` callers at once), to a daemon the bench starts
@@ -369,6 +368,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--smart-turn-model", default=None,
                     help="Smart Turn v3 ONNX file or model name for the smart-turn reference (default: the "
                          "first one pulled)")
+    ap.add_argument("--reference-vad", choices=["silero", "webrtc"], default="silero",
+                    help="the smart-turn reference's VAD: Silero as Pipecat runs it (pulled once from the pipecat-ai "
+                         "wheel), or the daemon's webrtcvad")
     ap.add_argument("--concurrency", type=int, default=4, help="callers streamed at once")
     ap.add_argument("--start-timeout", type=float, default=600.0, help="seconds to wait for the daemon to serve")
     ap.add_argument("--out", type=Path, default=None)
@@ -405,7 +407,7 @@ def main(argv: list[str] | None = None) -> dict:
     daemon = None
     try:
         if "smart-turn" in detectors:
-            result["detectors"].append(reference_row(args.smart_turn_model, directory, callers))
+            result["detectors"].append(reference_row(args.smart_turn_model, directory, callers, args.reference_vad))
         if live:
             address = args.server
             if address is not None and not wait_serving(address, 10):
@@ -449,8 +451,8 @@ def main(argv: list[str] | None = None) -> dict:
     return result
 
 
-def reference_row(model: str | None, directory: Path, callers: list[TurnCaller]) -> dict:
-    from voiced.bench.turn_reference import run_reference
+def reference_row(model: str | None, directory: Path, callers: list[TurnCaller], vad: str = "silero") -> dict:
+    from voiced.bench.turn_reference import SileroVad, WebrtcVad, run_reference, silero_path
 
     try:
         from voiced.engines import smart_turn
@@ -465,17 +467,26 @@ def reference_row(model: str | None, directory: Path, callers: list[TurnCaller])
     t0 = time.monotonic()
     st = smart_turn.load_smart_turn(path)
     st.predict([np.zeros(RATE, np.float32)])  # first-call set-up is not a caller's inference time
+    if vad == "silero":
+        try:
+            silero = silero_path()
+        except Exception as e:
+            return {"detector": "smart-turn", "skipped": f"Silero VAD: {e}"}
+        make_vad = lambda: SileroVad(silero)  # noqa: E731
+    else:
+        make_vad = WebrtcVad
     verdicts, inference, wall = [], [], []
     for c in callers:
         from voiced_client.wavio import read_wav
 
         samples, _ = read_wav(directory / c.audio)
-        ends, cpu, clock = run_reference(st, samples.astype(np.float32) / 32768)
+        ends, cpu, clock = run_reference(st, samples.astype(np.float32) / 32768, make_vad())
         inference += cpu
         wall += clock
         verdicts.append(judge(c, Outcome(turn_ends=ends)))
     row = summarize("smart-turn", verdicts)
     row["model"] = str(path)
+    row["vad"] = vad
     row["inference_ms"] = pct(inference)  # CPU time: what the decisions are dated with
     row["inference_wall_ms"] = pct(wall)
     row["wall_s"] = round(time.monotonic() - t0, 1)
