@@ -98,8 +98,10 @@ def test_the_e2e_sweep_measures_every_level_on_one_daemon_and_refines_the_satura
     for n, lv in result["levels"].items():
         assert lv["callers"] == int(n)
         assert (lv["failed_callers"], lv["notices"], lv["unanswered"]) == ({}, {}, 0), lv
-        for figure in ("v2v_client_ms", "first_audio_ms", "asr_ms", "tts_first_chunk_ms", "rtf"):
+        for figure in ("v2v_client_ms", "v2v_real_end_ms", "first_audio_ms", "asr_ms", "tts_first_chunk_ms", "rtf"):
             assert lv[figure]["n"] >= int(n) and {"p50", "p90", "p99"} <= set(lv[figure]), (n, figure)
+        # from the caller's real end of speech: the same replies, timed from no later than the detected end
+        assert lv["v2v_real_end_ms"]["p50"] >= lv["v2v_client_ms"]["p50"], lv
     sat = result["saturation"]["grpc"]
     assert (sat["capacity"], sat["first_over"], sat["levels"], sat["limit_ms"]) == (0, 1, [1, 2], 0.0)
     assert result["startup_s"] > 0 and result["duration_s"] == 2.0

@@ -16,7 +16,9 @@ The figures above are the daemon's own (gRPC events carry them). `--front grpc a
 runs every level through each named door in turn (same daemon, same engines; barge-in off, as on
 gRPC) and reports, for every door, v2v_client_ms: voice-to-voice as the caller hears it, from the
 daemon detecting the end of speech to the first reply audio arriving (voiced.bench.phone_callers
-says how the caller knows that moment), and door_overhead_ms: each door's v2v_client_ms p50/p95 minus
+says how the caller knows that moment), v2v_real_end_ms: the same reply timed from the caller's real
+end of speech (the last sound it sent before that moment: the first figure plus the wait for the end of
+the turn; gRPC, AudioSocket and media WebSocket callers), and door_overhead_ms: each door's v2v_client_ms p50/p95 minus
 gRPC's. AudioSocket callers send slin16 (type 0x12, the very samples gRPC callers send); media
 WebSocket callers send mu-law 8 kHz as Twilio does. Realtime callers (OpenAI's events over
 /v1/realtime, audio/pcm at 24 kHz) time voice-to-voice from the door's `speech_stopped` event to the
@@ -414,7 +416,7 @@ async def callers(address: str, wav: Path, sessions: int, duration_s: float, rep
     pcm = samples.astype("<i2").tobytes()
     n_frames = len(pcm) // 640
     out = {k: [] for k in ("asr_ms", "agent_ms", "first_audio_ms", "tts_first_chunk_ms", "rtf", "late_ms", "notices",
-                           "v2v_client_ms", "asr_client_ms", "unmatched_replies", "unanswered")}
+                           "v2v_client_ms", "v2v_real_end_ms", "asr_client_ms", "unmatched_replies", "unanswered")}
 
     def caller(k: int):
         start = (n_frames * k) // sessions

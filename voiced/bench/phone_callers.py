@@ -9,6 +9,12 @@ within a network hop of the daemon's own. Replies are matched to utterances in o
 in the benchmark, and every utterance gets one reply), so the same figure is measured the same way
 for gRPC, AudioSocket and the media WebSocket, and their difference is each door's overhead.
 
+Voice-to-voice from the caller's real end of speech (`v2v_real_end_ms`) adds the time the daemon took
+to decide the turn was over: the caller also notes the last sound it sent before each decided end (a
+sample louder than voiced.bench.turn_set.LOUD, dated as if spoken when its 20 ms frame went out), and
+times the same reply from there. That is the voice's real end for a WAV that is quiet between
+utterances, as espeak-ng's are; over a noisy WAV it falls on the noise and equals the other figure.
+
 Where each door's reply starts: gRPC, the audio chunk with sequence 0; AudioSocket, every
 `reply_seconds` of frames (the benchmark forces each reply to that length); the media WebSocket, the
 first `media` after our previous reply's `mark`.
@@ -41,14 +47,21 @@ class EndOfSpeech:
         self._decoder = FrameDecoder(fmt or Format("LINEAR16", 16000))
         self._segmenter = Segmenter(segmentation_for(Config()))
         self._utterance = Utterance
-        self.ends: collections.deque[float] = collections.deque()  # send times not yet matched to a reply
+        # (decided, real end) send times of utterance ends not yet matched to a reply
+        self.ends: collections.deque[tuple[float, float]] = collections.deque()
         self.utterances = 0
+        self._last_sound = 0.0  # when the last loud sample was spoken
 
     def sent(self, data: bytes, at: float) -> None:
+        from voiced.bench.turn_set import LOUD
+
         for frame in self._decoder.feed(data):
+            loud = np.nonzero(np.abs(frame) > LOUD * 32768)[0]
+            if len(loud):
+                self._last_sound = at - (len(frame) - 1 - int(loud[-1])) / 16000
             for event in self._segmenter.push(frame):
                 if isinstance(event, self._utterance) and len(event.audio):
-                    self.ends.append(at)
+                    self.ends.append((at, min(self._last_sound, at)))
                     self.utterances += 1
 
     def finished(self, at: float) -> None:
@@ -57,12 +70,14 @@ class EndOfSpeech:
             self._segmenter.push(frame)
         for event in self._segmenter.flush():
             if isinstance(event, self._utterance) and len(event.audio):
-                self.ends.append(at)
+                self.ends.append((at, min(self._last_sound, at)))
                 self.utterances += 1
 
     def reply_started(self, out: dict, at: float) -> None:
         if self.ends:
-            out["v2v_client_ms"].append((at - self.ends.popleft()) * 1000)
+            decided, real_end = self.ends.popleft()
+            out["v2v_client_ms"].append((at - decided) * 1000)
+            out.setdefault("v2v_real_end_ms", []).append((at - real_end) * 1000)
         else:
             out["unmatched_replies"].append(1)
 

@@ -41,6 +41,14 @@ TARGETS = {
     "issue15_v2v_p99_ms_64": Target("voice-to-voice as heard p99, 64 callers", 400, "ms", issue=15),
     "issue15_first_chunk_p50_ms_1": Target("first audio chunk p50, 1 caller", 70, "ms", issue=15),
     "issue15_first_chunk_p50_ms_16": Target("first audio chunk p50, 16 callers", 110, "ms", issue=15),
+    # issue 25: end of turn on `voiced bench turns`' set, and voice-to-voice from the caller's real end of speech (the e2e bench's v2v_real_end_ms)
+    "issue25_paused_cut_off_pct": Target("pausing callers cut off", 5, "%", issue=25),
+    "issue25_eot_p50_ms": Target("end of turn after the real end of speech p50", 250, "ms", issue=25),
+    "issue25_eot_p90_ms": Target("end of turn after the real end of speech p90", 700, "ms", issue=25),
+    "issue25_v2v_real_end_p50_ms_16": Target("voice-to-voice from the real end of speech p50, 16 callers", 350, "ms",
+                                             issue=25),
+    "issue25_v2v_real_end_p99_ms_16": Target("voice-to-voice from the real end of speech p99, 16 callers", 600, "ms",
+                                             issue=25),
 }
 
 # The end-to-end targets, each read from one level of `voiced bench e2e`: (figure, quantile, callers).
@@ -55,6 +63,8 @@ E2E_LEVEL_TARGETS = {
     "issue15_v2v_p99_ms_64": ("v2v_client_ms", "p99", 64),
     "issue15_first_chunk_p50_ms_1": ("tts_first_chunk_ms", "p50", 1),
     "issue15_first_chunk_p50_ms_16": ("tts_first_chunk_ms", "p50", 16),
+    "issue25_v2v_real_end_p50_ms_16": ("v2v_real_end_ms", "p50", 16),
+    "issue25_v2v_real_end_p99_ms_16": ("v2v_real_end_ms", "p99", 16),
 }
 
 

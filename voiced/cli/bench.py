@@ -11,6 +11,9 @@
     voiced bench speech --tiktoken-dir DIR          /v1/audio/speech's first byte next to gRPC Synthesize's (JSON)
     voiced bench memory --tiktoken-dir DIR          both engines' GPU memory: the printed plan against the
                                                     allocator, warm-up and serving peaks (JSON); --trace
+    voiced bench turns [--asr-model tiny.en-pypi]   end of turn: paused callers cut off and end-of-turn latency
+                                                    after the real end of speech, per detector (silence 500 ms,
+                                                    Smart Turn alone as Pipecat runs it, ours); runs on a CPU
     voiced bench plot RESULT.json... --out DIR      each e2e figure against the number of callers, issue 15's
                                                     targets and the saturation point marked (PNG and SVG)
 Each sub-command's own options: `voiced bench whisper --help`, and so on.
@@ -23,7 +26,7 @@ import argparse
 SUITES = {"whisper": "voiced.bench.whisper_bench", "spark": "voiced.bench.spark_bench",
           "spark-kernels": "voiced.bench.spark_kernels",
           "e2e": "voiced.bench.e2e_bench", "speech": "voiced.bench.speech_bench",
-          "memory": "voiced.bench.memory_bench", "plot": "voiced.bench.plot"}
+          "memory": "voiced.bench.memory_bench", "turns": "voiced.bench.turn_bench", "plot": "voiced.bench.plot"}
 
 
 def register(sub) -> None:

@@ -1,0 +1,509 @@
+"""`voiced bench turns`: how each end-of-turn detector treats callers who pause and callers who finish.
+
+The bench makes its own turn set (voiced.bench.turn_set: espeak-ng sentences from templates, half of
+them paused 0.3-2 s where a sentence cannot end, several voices and rates, noise, keypad tones or hold
+music after the speech), or reads one made before (`--set DIR`). Each WAV knows where its speech
+really ends and where its pauses are.
+
+Detectors:
+- `silence`: the daemon's segmenter ending a turn after 500 ms of silence (`turn_detection="silence"`);
+  `silence:MS` after MS ms (`hangover_ms`: LiveKit's eot-bench quotes VAD-only at 300 and 600 ms);
+- `smart:EAGERNESS` (low, medium, high): the daemon's own detector (`turn_detection="smart"`);
+- `smart-turn`: Smart Turn v3 alone as Pipecat runs it (a reference run in this process over the same
+  audio, voiced.bench.turn_reference): the VAD stops after 0.2 s of silence, Smart Turn reads the
+  turn's last 8 s; "complete" ends the turn, "incomplete" waits for more speech or a 3 s fallback;
+  timed with the model's real inference time on this machine (its CPU time). Its VAD is Pipecat's
+  Silero set-up (`--reference-vad webrtc`: the daemon's webrtcvad instead).
+
+The daemon's detectors are measured live: every caller is streamed through gRPC Converse in real time
+(20 ms frames, paced against the clock, `--concurrency` callers at once), to a daemon the bench starts
+(`voiced serve --no-tts` with `--asr-model`, echo agent) or one given with `--server`. A turn ends
+when the daemon says SPEECH_ENDED; the bench notes when each event arrives.
+
+What it reports for each detector, as LiveKit's eot-bench does:
+- paused callers cut off: a turn ended before the caller's real end of speech (a paused sentence
+  answered in halves); finished callers cut off likewise (a turn ended inside a sentence);
+- end-of-turn latency p50 / p90: from the real end of speech (the last sound of the voice, as the
+  caller's frames carry it: a sample at the end of a 20 ms frame is sent with that frame) to the first
+  turn end after it; a turn still open when the caller's audio runs out (`--tail` seconds after the
+  speech) ends when the caller hangs up: that caller is counted `unended` and its latency, a lower
+  bound, stays in the figures;
+- reply p50 / p90 (daemon detectors): from the real end of speech to the first text of the reply that
+  follows it (the echo agent: the end of turn plus the final transcript, where a speculative reply
+  has not already prepared it);
+- the final transcripts each caller got (to see what a cut-off turn was answered with).
+
+    voiced bench turns --asr-model tiny.en-pypi --out turns.json
+    voiced bench turns --set DIR --server 127.0.0.1:50051 --detectors silence smart:low smart:high
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import platform
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from voiced.bench.report import emit
+from voiced.bench.steps import pct
+from voiced.bench.turn_set import RATE, TurnCaller, make_set, read_set
+
+log = logging.getLogger("voiced.bench.turns")
+FRAME_S = 0.02
+EAGERNESS = ("low", "medium", "high")
+DEFAULT_DETECTORS = ["silence", "smart-turn", "smart:medium"]
+
+
+@dataclass
+class Outcome:
+    """What one caller saw: every turn end and final transcript, in the caller's audio time (seconds
+    of audio spoken when the event arrived)."""
+
+    turn_ends: list[float] = field(default_factory=list)
+    finals: list[tuple[float, str]] = field(default_factory=list)
+    replies: list[float] = field(default_factory=list)  # when each reply's first text arrived (the echo agent answering a turn)
+    error: str = ""
+
+
+def judge(caller: TurnCaller, outcome: Outcome) -> dict:
+    """A caller's verdict: cut off (a turn ended before the real end of speech) and the end-of-turn
+    latency in ms (the first turn end after the real end; None when none came)."""
+    end = caller.speech_end_s
+    before = [t for t in outcome.turn_ends if t < end]
+    after = [t for t in outcome.turn_ends if t >= end]
+    # A turn still open when the audio runs out ends with the call (the caller hangs up): its latency
+    # is a lower bound, counted as such and marked.
+    unended = not after or after[0] >= caller.duration_s - FRAME_S
+    replies = [t for t in outcome.replies if t >= end]
+    return {"name": caller.name, "kind": caller.kind, "style": caller.style, "tail": caller.tail,
+            "cut_off": bool(before), "eot_ms": round((after[0] - end) * 1000, 1) if after else None,
+            "unended": unended, "reply_ms": round((replies[0] - end) * 1000, 1) if replies else None,
+            "turn_ends_s": [round(t, 3) for t in outcome.turn_ends],
+            "finals": [text for _, text in outcome.finals], "finals_s": [round(t, 3) for t, _ in outcome.finals],
+            "replies_s": [round(t, 3) for t in outcome.replies], **({"error": outcome.error} if outcome.error else {})}
+
+
+def summarize(detector: str, verdicts: list[dict]) -> dict:
+    paused = [v for v in verdicts if v["kind"] == "paused"]
+    finished = [v for v in verdicts if v["kind"] == "finished"]
+    eot = [v["eot_ms"] for v in verdicts if v["eot_ms"] is not None]
+    return {
+        "detector": detector,
+        "callers": len(verdicts),
+        "paused_cut_off": sum(v["cut_off"] for v in paused),
+        "paused": len(paused),
+        "paused_cut_off_pct": round(100 * sum(v["cut_off"] for v in paused) / len(paused), 1) if paused else None,
+        "finished_cut_off": sum(v["cut_off"] for v in finished),
+        "finished": len(finished),
+        "eot_ms": pct(eot),
+        "eot_finished_ms": pct([v["eot_ms"] for v in finished if v["eot_ms"] is not None]),
+        "reply_ms": pct([v["reply_ms"] for v in verdicts if v.get("reply_ms") is not None]),
+        "unended": sum(v["unended"] for v in verdicts),
+        "errors": sum(bool(v.get("error")) for v in verdicts),
+        # What follows the speech matters to a VAD (hold music is sound): the figures per tail
+        "by_tail": {tail: {"callers": len(vs), "paused_cut_off": sum(v["cut_off"] for v in vs if v["kind"] == "paused"),
+                           "paused": sum(v["kind"] == "paused" for v in vs), "unended": sum(v["unended"] for v in vs),
+                           "eot_ms": pct([v["eot_ms"] for v in vs if v["eot_ms"] is not None])}
+                    for tail in sorted({v["tail"] for v in verdicts})
+                    for vs in [[v for v in verdicts if v["tail"] == tail]]},
+        "per_caller": verdicts,
+    }
+
+
+def turn_targets(row: dict) -> dict:
+    """Issue 25's targets for our detector on this set."""
+    from voiced.bench.targets import judge
+
+    return judge({"issue25_paused_cut_off_pct": row["paused_cut_off_pct"],
+                  "issue25_eot_p50_ms": row["eot_ms"].get("p50"), "issue25_eot_p90_ms": row["eot_ms"].get("p90")})
+
+
+def table(rows: list[dict]) -> str:
+    head = ("| detector | paused callers cut off | finished cut off | end of turn p50 | p90 | unended | reply p50 | p90 |\n"
+            "|---|---|---|---|---|---|---|---|\n")
+    lines = []
+    for r in rows:
+        if "skipped" in r:
+            lines.append(f"| {r['detector']} | skipped: {r['skipped']} | | | | | | |")
+            continue
+
+        def p(f: dict) -> str:
+            return f"{f['p50']:.0f} ms | {f['p90']:.0f} ms" if f.get("n") else "- | -"
+
+        lines.append(f"| {r['detector']} | {r['paused_cut_off']} of {r['paused']} ({r['paused_cut_off_pct']:.0f} %) | "
+                     f"{r['finished_cut_off']} of {r['finished']} | {p(r['eot_ms'])} | {r['unended']} | "
+                     f"{p(r.get('reply_ms', {}))} |")
+    return head + "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------- live callers
+
+
+def segmentation(detector: str):
+    """The SegmentationConfig a caller sends for a daemon detector; ValueError where this build's
+    protocol has no such setting."""
+    from voiced_client.proto import voiced_pb2 as pb
+
+    if detector.startswith("silence"):
+        seg = pb.SegmentationConfig(hangover_ms=int(detector.partition(":")[2] or 500))
+        mode, eagerness = "silence", None
+    else:
+        mode, eagerness = "smart", detector.split(":", 1)[1]
+        seg = pb.SegmentationConfig()
+    fields = pb.SegmentationConfig.DESCRIPTOR.fields_by_name
+    if "turn_detection" not in fields:
+        if mode == "silence":
+            return seg  # a daemon from before turn detection: silence is all it does
+        raise ValueError("this protocol's SegmentationConfig has no turn_detection")
+    _set(seg, "turn_detection", mode)
+    if eagerness is not None:
+        if "eagerness" not in fields:
+            raise ValueError("this protocol's SegmentationConfig has no eagerness")
+        _set(seg, "eagerness", eagerness)
+    return seg
+
+
+def _set(message, name: str, value: str) -> None:
+    """Set a string or enum field by its value's name ("smart" -> SMART or TURN_DETECTION_SMART)."""
+    f = message.DESCRIPTOR.fields_by_name[name]
+    if f.enum_type is None:
+        setattr(message, name, value)
+        return
+    for v in f.enum_type.values:
+        if v.name.lower() == value or v.name.lower().endswith("_" + value):
+            setattr(message, name, v.number)
+            return
+    raise ValueError(f"{f.enum_type.name} has no value for {value!r}")
+
+
+async def stream_caller(address: str, pcm: bytes, seg) -> Outcome:
+    """One caller through Converse in real time: its audio as 20 ms frames paced against the clock,
+    then half-close and wait for the call to end."""
+    import grpc
+    from voiced_client.proto import voiced_pb2 as pb
+    from voiced_client.proto import voiced_pb2_grpc as pb_grpc
+
+    frame = int(FRAME_S * RATE) * 2
+    frames = [pcm[i: i + frame] for i in range(0, len(pcm), frame)]
+    fmt = pb.AudioFormat(encoding=pb.LINEAR16, sample_rate_hz=RATE)
+    cfg = pb.SessionConfig(input_format=fmt, segmentation=seg, recognition=pb.RecognitionConfig(language="en"),
+                           barge_in=pb.BargeInConfig(enabled=False), agent=pb.AgentConfig(name="echo"))
+    out = Outcome()
+    sent: list[float] = []  # when each frame went
+    answered: set[int] = set()  # turns whose reply has begun
+
+    def audio_time(now: float) -> float:
+        """The caller's audio time at `now`: the last frame sent ends its audio, the clock runs on."""
+        n = len(sent)
+        return n * FRAME_S + (now - sent[-1]) if sent else 0.0
+
+    async with grpc.aio.insecure_channel(address) as channel:
+        call = pb_grpc.VoicedStub(channel).Converse()
+        await call.write(pb.SessionRequest(config=cfg))
+
+        async def read():
+            async for ev in call:
+                kind, now = ev.WhichOneof("event"), time.monotonic()
+                if kind == "speech" and ev.speech.type == pb.SpeechActivity.SPEECH_ENDED:
+                    out.turn_ends.append(audio_time(now))
+                elif kind == "transcript" and ev.transcript.is_final and ev.transcript.text.strip():
+                    out.finals.append((audio_time(now), ev.transcript.text.strip()))
+                elif kind == "agent_text" and ev.turn_id not in answered:  # a reply's first piece
+                    answered.add(ev.turn_id)
+                    out.replies.append(audio_time(now))
+
+        reader = asyncio.create_task(read())
+        t0 = time.monotonic()
+        try:
+            for n, f in enumerate(frames):
+                await asyncio.sleep(max(0.0, t0 + n * FRAME_S - time.monotonic()))
+                await call.write(pb.SessionRequest(audio=f))
+                sent.append(time.monotonic())
+            await call.done_writing()  # the caller hangs up when its audio (the tail included) is sent
+            await asyncio.wait_for(reader, 120)
+        except Exception as e:  # one caller's failure is that caller's; the others still count
+            reader.cancel()
+            out.error = f"{type(e).__name__}: {str(e)[:200]}"
+    return out
+
+
+def load_pcm(directory: Path, caller: TurnCaller) -> bytes:
+    from voiced_client.wavio import read_wav
+
+    samples, rate = read_wav(directory / caller.audio)
+    if rate != RATE:
+        raise ValueError(f"{caller.audio}: {rate} Hz; the turn set is 16 kHz")
+    return samples.astype("<i2").tobytes()
+
+
+async def run_live(address: str, directory: Path, callers: list[TurnCaller], detector: str,
+                   concurrency: int) -> list[dict]:
+    seg = segmentation(detector)
+    gate = asyncio.Semaphore(concurrency)
+
+    async def one(c: TurnCaller) -> dict:
+        async with gate:
+            outcome = await stream_caller(address, load_pcm(directory, c), seg)
+            v = judge(c, outcome)
+            log.info("%s %s (%s, %s): cut off %s, end of turn %s ms, reply %s ms, %s", detector, c.name, c.kind,
+                     c.tail, v["cut_off"], v["eot_ms"], v["reply_ms"], v["finals"])
+            return v
+
+    return list(await asyncio.gather(*(one(c) for c in callers)))
+
+
+# ----------------------------------------------------------------------------------- the daemon
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_serving(address: str, timeout_s: float, check=lambda: None) -> bool:
+    """Whether the daemon at `address` says SERVING (grpc.health.v1) within `timeout_s`; `check` runs
+    between tries (it raises to give up)."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while True:
+            check()
+            try:
+                status = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=2).status
+                if status == health_pb2.HealthCheckResponse.SERVING:
+                    return True
+            except grpc.RpcError:
+                pass
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.5)
+
+
+class ServedDaemon:
+    """`voiced serve` in a child process, until `stop`: its log in `log_path`."""
+
+    def __init__(self, asr_model: str, device: str | None, log_path: Path, extra: list[str]):
+        self.address = f"127.0.0.1:{free_port()}"
+        cmd = [sys.executable, "-m", "voiced", "serve", "--listen", self.address, "--asr-model", asr_model,
+               "--no-tts", "--agent", "echo", *(["--device", device] if device else []), *extra]
+        self.log_path = log_path
+        self._log = open(log_path, "w")
+        log.info("starting the daemon: %s (log: %s)", " ".join(cmd), log_path)
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=os.environ.copy())
+
+    def wait_ready(self, timeout_s: float) -> None:
+        def exited() -> None:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the daemon exited with status {self.proc.returncode} while starting:\n"
+                                   f"{self.log_path.read_text()[-2000:]}")
+
+        if not wait_serving(self.address, timeout_s, exited):
+            raise RuntimeError(f"the daemon was not serving after {timeout_s:.0f} s (log: {self.log_path})")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+
+# ----------------------------------------------------------------------------------- driver
+
+
+def parse_detectors(names: list[str]) -> list[str]:
+    out = []
+    for name in names:
+        if name == "smart":
+            name = "smart:medium"
+        kind, _, arg = name.partition(":")
+        if kind == "silence" and arg and not (arg.isdigit() and 20 <= int(arg) <= 5000):
+            raise ValueError(f"{name}: silence:MS takes 20..5000 ms")
+        if name != "smart-turn" and kind != "silence" and not (kind == "smart" and arg in EAGERNESS):
+            raise ValueError(f"unknown detector {name!r}: use silence, silence:MS, smart-turn, smart:low, "
+                             "smart:medium or smart:high")
+        out.append(name)
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(prog="voiced bench turns", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--set", type=Path, default=None, help="a turn set made before (its manifest.jsonl); "
+                    "default: make one (--n, --seed, --tail) in a temporary folder, or in --keep-set")
+    ap.add_argument("--keep-set", type=Path, default=None, help="make the set in this folder and keep it")
+    ap.add_argument("--n", type=int, default=24, help="callers in a made set, half finished, half paused")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tail", type=float, default=4.5, help="seconds of audio after the speech in a made set")
+    ap.add_argument("--pauses", type=float, nargs=2, default=[0.3, 2.0], metavar=("MIN", "MAX"),
+                    help="a made set's pause lengths, seconds (default 0.3 2)")
+    ap.add_argument("--tails", nargs="+", default=None, metavar="KIND",
+                    help="what follows the speech in a made set: silence noise dtmf music (default: all, "
+                         "silence twice as often)")
+    ap.add_argument("--detectors", nargs="+", default=DEFAULT_DETECTORS,
+                    help="silence, silence:MS, smart-turn, smart:low, smart:medium, smart:high "
+                         "(default: %(default)s)")
+    ap.add_argument("--server", default=None, help="a running daemon's gRPC address (default: start one)")
+    ap.add_argument("--asr-model", default="tiny.en-pypi", help="the started daemon's Whisper model")
+    ap.add_argument("--device", default=None, help="the started daemon's --device")
+    ap.add_argument("--serve-arg", action="append", default=[], help="one more `voiced serve` argument (repeat)")
+    ap.add_argument("--smart-turn-model", default=None,
+                    help="Smart Turn v3 ONNX file or model name for the smart-turn reference (default: the "
+                         "first one pulled)")
+    ap.add_argument("--reference-vad", choices=["silero", "webrtc"], default="silero",
+                    help="the smart-turn reference's VAD: Silero as Pipecat runs it (pulled once from the pipecat-ai "
+                         "wheel), or the daemon's webrtcvad")
+    ap.add_argument("--concurrency", type=int, default=4, help="callers streamed at once")
+    ap.add_argument("--start-timeout", type=float, default=600.0, help="seconds to wait for the daemon to serve")
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    try:
+        detectors = parse_detectors(args.detectors)
+        if args.concurrency < 1:
+            raise ValueError(f"--concurrency must be at least 1, not {args.concurrency}")
+    except ValueError as e:
+        ap.error(str(e))
+
+    t_start = time.monotonic()
+    tmp = None
+    if args.set is not None:
+        if not (args.set / "manifest.jsonl").is_file():
+            ap.error(f"--set {args.set}: no manifest.jsonl there (make one with --keep-set DIR)")
+        directory, callers = args.set, read_set(args.set)
+    else:
+        directory = args.keep_set or Path(tmp := tempfile.mkdtemp(prefix="voiced-turns-"))
+        log.info("making %d callers in %s", args.n, directory)
+        try:
+            callers = make_set(directory, args.n, seed=args.seed, tail_s=args.tail, min_pause_s=args.pauses[0],
+                               max_pause_s=args.pauses[1], tails=args.tails)
+        except (ValueError, RuntimeError) as e:
+            ap.error(str(e))
+    result = {"bench": "turns", "date": time.strftime("%Y-%m-%d"), "machine": machine(),
+              "load_average_at_start": os.getloadavg()[0], "python":
+              platform.python_version(), "set": str(args.set or "made"), "callers": len(callers),
+              "paused": sum(c.kind == "paused" for c in callers), "seed": args.seed,
+              "audio_s": round(sum(c.duration_s for c in callers), 1), "detectors": []}
+
+    live = [d for d in detectors if d != "smart-turn"]
+    daemon = None
+    try:
+        if "smart-turn" in detectors:
+            result["detectors"].append(reference_row(args.smart_turn_model, directory, callers, args.reference_vad))
+        if live:
+            address = args.server
+            if address is not None and not wait_serving(address, 10):
+                raise RuntimeError(f"--server {address}: no voiced daemon serving there")
+            if address is None:
+                daemon = ServedDaemon(args.asr_model, args.device, Path(directory) / "daemon.log", args.serve_arg)
+                daemon.wait_ready(args.start_timeout)
+                address = daemon.address
+                result["asr_model"] = args.asr_model
+            result["server"] = args.server or "started by the bench"
+            for d in live:
+                try:
+                    segmentation(d)
+                except ValueError as e:
+                    result["detectors"].append({"detector": d, "skipped": str(e)})
+                    log.warning("%s: skipped (%s)", d, e)
+                    continue
+                t0 = time.monotonic()
+                verdicts = asyncio.run(run_live(address, directory, callers, d, args.concurrency))
+                row = summarize(d, verdicts)
+                row["wall_s"] = round(time.monotonic() - t0, 1)
+                if d.startswith("smart:"):
+                    row["targets"] = turn_targets(row)
+                result["detectors"].append(row)
+    except RuntimeError as e:  # no daemon, a daemon that would not start: one clear line, nothing left running
+        raise SystemExit(f"voiced bench turns: error: {e}") from None
+    finally:
+        if daemon is not None:
+            daemon.stop()
+        if tmp is not None:
+            import shutil
+
+            shutil.rmtree(tmp, ignore_errors=True)
+    order = {d: i for i, d in enumerate(detectors)}
+    result["detectors"].sort(key=lambda r: order[r["detector"]])
+    result["table"] = table(result["detectors"])
+    result["wall_s"] = round(time.monotonic() - t_start, 1)
+    result["load_average_at_end"] = os.getloadavg()[0]  # a shared machine's load slows every detector
+    print(result["table"], file=sys.stderr)
+    emit(result, args.out)
+    return result
+
+
+def reference_row(model: str | None, directory: Path, callers: list[TurnCaller], vad: str = "silero") -> dict:
+    from voiced.bench.turn_reference import SileroVad, WebrtcVad, run_reference, silero_path
+
+    try:
+        from voiced.engines import smart_turn
+    except ImportError:
+        return {"detector": "smart-turn", "skipped": "this build has no Smart Turn engine (voiced.engines.smart_turn)"}
+    try:
+        path = smart_turn.resolve(model) if model else smart_turn.find()
+    except Exception as e:
+        return {"detector": "smart-turn", "skipped": str(e)}
+    if path is None:
+        return {"detector": "smart-turn", "skipped": "no Smart Turn model pulled (voiced models pull smart-turn-v3-pypi)"}
+    t0 = time.monotonic()
+    st = smart_turn.load_smart_turn(path)
+    st.predict([np.zeros(RATE, np.float32)])  # first-call set-up is not a caller's inference time
+    if vad == "silero":
+        try:
+            silero = silero_path()
+        except Exception as e:
+            return {"detector": "smart-turn", "skipped": f"Silero VAD: {e}"}
+        make_vad = lambda: SileroVad(silero)  # noqa: E731
+    else:
+        make_vad = WebrtcVad
+    verdicts, inference, wall = [], [], []
+    for c in callers:
+        from voiced_client.wavio import read_wav
+
+        samples, _ = read_wav(directory / c.audio)
+        ends, cpu, clock = run_reference(st, samples.astype(np.float32) / 32768, make_vad())
+        inference += cpu
+        wall += clock
+        verdicts.append(judge(c, Outcome(turn_ends=ends)))
+    row = summarize("smart-turn", verdicts)
+    row["model"] = str(path)
+    row["vad"] = vad
+    row["inference_ms"] = pct(inference)  # CPU time: what the decisions are dated with
+    row["inference_wall_ms"] = pct(wall)
+    row["wall_s"] = round(time.monotonic() - t0, 1)
+    return row
+
+
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{cpu}, {os.cpu_count()} cores"
+
+
+if __name__ == "__main__":
+    main()
