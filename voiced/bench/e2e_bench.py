@@ -470,6 +470,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--first-chunk-tokens", type=int, default=10)
     ap.add_argument("--chunk-tokens", type=int, default=25)
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--merge-policy", choices=["batch", "step"], default=None,
+                    help="the Spark engine's VOCODER_MERGE_POLICY for this run (voiced.engines.spark.vocoder_schedule)")
     ap.add_argument("--engine-threads", choices=["auto", "shared", "separate"], default="auto",
                     help="as the daemon's engines.threads: one thread per engine or one for both (auto: "
                          "separate on a GPU, shared with --tiny-cpu)")
@@ -495,6 +497,10 @@ def main(argv: list[str] | None = None) -> dict:
 
     import torch
 
+    if args.merge_policy:
+        from voiced.engines.spark import vocoder_schedule
+
+        vocoder_schedule.VOCODER_MERGE_POLICY = args.merge_policy
     t_start = time.monotonic()
     addresses, server, loop = start_server(args)
     startup_s = round(time.monotonic() - t_start, 1)
@@ -504,7 +510,7 @@ def main(argv: list[str] | None = None) -> dict:
     result = {"bench": "e2e", "gpu": "cpu (dry run)" if args.tiny_cpu else torch.cuda.get_device_name(), "torch": torch.__version__,
               "python": platform.python_version(), "asr_dims": args.asr_dims, "asr_tokens": args.asr_tokens,
               "reply_seconds": args.reply_seconds, "first_chunk_tokens": args.first_chunk_tokens,
-              "engine_threads": engine_threads(args),
+              "engine_threads": engine_threads(args), "merge_policy": args.merge_policy or "default",
               "gc_freeze": not args.no_gc_freeze, "duration_s": args.duration, "startup_s": startup_s,
               "date": time.strftime("%Y-%m-%d"), "fronts": {}, "saturation": {}}
     serving_peak = 0.0
