@@ -3,7 +3,16 @@
 openai-whisper's reference: `whisper.timing.add_word_timestamps` (what `transcribe(...,
 word_timestamps=True)` runs after decoding a window) on the same checkpoint, the same window
 features and the same decoded segments. Tiny random checkpoints here; the real tiny.en weights in
-test_whisper_real.py.
+test_whisper_words_real.py.
+
+Word probabilities: both sides compute the same thing (the float32 softmax of the forced pass's
+logits over the text tokens, the token's entry, the float64 mean over a word's tokens); where they
+differ is the forward pass before it, in float32 with other kernels (our SDPA and fused
+projections, openai-whisper's explicit attention, BLAS blocking that changes with the thread
+count), so the logits agree only to float32 rounding, which these random models' sharp attention
+amplifies. The probabilities are therefore compared within a tolerance derived from float32
+arithmetic on the model at hand (`float32_spread`: how far they move when every weight and input
+moves by float32's unit roundoff), not one picked from a run.
 """
 
 from __future__ import annotations
@@ -15,7 +24,7 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from whisper_fixtures import make_openai_checkpoint, openai_reference_model, speech, tiny_dims
+from whisper_fixtures import float32_spread, make_openai_checkpoint, openai_reference_model, speech, tiny_dims
 
 from voiced.engines.base import ASROptions, ASRRequest
 from voiced.engines.whisper import timing
@@ -89,8 +98,9 @@ def models(tmp_path_factory, multilingual: bool, seed: int, boost: float):
     return _models[key]
 
 
-def reference_words(ref_model, engine, audio, result, segments):
-    """openai-whisper's add_word_timestamps over `segments` [(start, end, tokens)] of this window."""
+def reference_words(ref_model, engine, audio, result, segments, mel=None):
+    """openai-whisper's add_word_timestamps over `segments` [(start, end, tokens)] of this window
+    (`mel`: its features, by default the window's own)."""
     import whisper.tokenizer as wt
     from whisper.timing import add_word_timestamps
 
@@ -101,16 +111,29 @@ def reference_words(ref_model, engine, audio, result, segments):
     tok = wt.get_tokenizer(engine.dims.multilingual, num_languages=ref_model.num_languages,
                            language=result.language, task="transcribe")
     segs = [{"seek": 0, "start": s, "end": e, "tokens": t} for s, e, t in segments]
-    add_word_timestamps(segments=segs, model=ref_model, tokenizer=tok, mel=window_features(audio, engine.dims.n_mels),
+    mel = window_features(audio, engine.dims.n_mels) if mel is None else mel
+    add_word_timestamps(segments=segs, model=ref_model, tokenizer=tok, mel=mel,
                         num_frames=len(audio) // 160, last_speech_timestamp=0.0)
     return [w for s in segs for w in s["words"]]
 
 
-def assert_same_words(ours, theirs):
+def probability_tolerance(ref_model, engine, audio, result, segments) -> float:
+    """3 x the largest float32 spread of a word probability here (see the module's docstring):
+    each side lies within about one spread of the exact value, plus margin for a spread
+    estimated from a few draws."""
+    from voiced.engines.whisper.audio import window_features
+
+    def probs(model, mel):
+        return [w["probability"] for w in reference_words(model, engine, audio, result, segments, mel)]
+
+    return 3 * float(float32_spread(ref_model, window_features(audio, engine.dims.n_mels), probs).max()) + 1e-6
+
+
+def assert_same_words(ours, theirs, prob_tol):
     assert [w.word for w in ours] == [w["word"].strip() for w in theirs]
     for a, b in zip(ours, theirs):
         assert abs(a.start_s - b["start"]) <= 0.02 and abs(a.end_s - b["end"]) <= 0.02, (a, b)
-        assert a.probability == pytest.approx(b["probability"], rel=2e-3, abs=1e-4)  # float32 sums in another order
+        assert abs(a.probability - b["probability"]) <= prob_tol, (a, b, prob_tol)
 
 
 @pytest.mark.parametrize("multilingual,seed,boost,beam", [(True, 0, 3.0, 1), (False, 4, 3.0, 1), (True, 1, 2.0, 3)])
@@ -123,8 +146,9 @@ def test_word_times_equal_openai_whisper(tmp_path_factory, audio, multilingual, 
     r = engine.transcribe(ASRRequest(audio, opts))
     assert r.tokens == plain.tokens  # asking for words changes no token
     assert len(r.words) >= 10
-    theirs = reference_words(ref, engine, audio, r, [(0.0, (len(audio) // 160) / 100, r.tokens)])
-    assert_same_words(r.words, theirs)
+    segments = [(0.0, (len(audio) // 160) / 100, r.tokens)]
+    theirs = reference_words(ref, engine, audio, r, segments)
+    assert_same_words(r.words, theirs, probability_tolerance(ref, engine, audio, r, segments))
     ends = [w.end_s for w in r.words]
     assert ends == sorted(ends) and 0.0 <= r.words[0].start_s and ends[-1] <= len(audio) / 16000 + 0.02
 
@@ -134,8 +158,9 @@ def test_word_times_with_segment_timestamps_equal_openai_whisper(tmp_path_factor
     r = engine.transcribe(ASRRequest(audio, ASROptions(language="en", timestamps=True, word_timestamps=True,
                                                        max_new_tokens=40)))
     assert r.segments and r.words
-    theirs = reference_words(ref, engine, audio, r, [(s.start, s.end, s.tokens) for s in r.segments])
-    assert_same_words(r.words, theirs)
+    segments = [(s.start, s.end, s.tokens) for s in r.segments]
+    theirs = reference_words(ref, engine, audio, r, segments)
+    assert_same_words(r.words, theirs, probability_tolerance(ref, engine, audio, r, segments))
 
 
 def test_words_of_several_requests_in_one_batch(tmp_path_factory, audio):

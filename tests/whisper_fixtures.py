@@ -130,6 +130,39 @@ def openai_reference_model(checkpoint: str | Path):
     return model.eval()
 
 
+# float32's unit roundoff: a float32 result is the exact result on data moved by about this much.
+FLOAT32_U = 2.0**-24
+
+
+def float32_spread(model, mel: torch.Tensor, quantity, draws: int = 3, seed: int = 0) -> np.ndarray:
+    """How far float32 arithmetic lets `quantity(model, mel)` (an array of floats) move: the largest
+    deviation, per element over `draws` draws, when every weight of `model` and every input value
+    are multiplied by (1 + FLOAT32_U * N(0, 1)).
+
+    Why that measures it: a float32 matrix product or sum, in any order and with any blocking, equals
+    the exact one on inputs moved by about its length x FLOAT32_U in the worst case and by about
+    sqrt(length) x FLOAT32_U in practice (rounding errors of random sign). Moving every input by
+    FLOAT32_U moves each dot product by the same sqrt(length) x FLOAT32_U, so two float32
+    computations of one quantity that sum in different orders (threads, SIMD width, SDPA or not)
+    land within a small multiple of this spread of each other. The tiny random checkpoints'
+    sharp attention amplifies rounding a lot (a word probability moves ~1 % here), real weights
+    little; measuring it on the model at hand gives each a tolerance it actually guarantees.
+    """
+    import copy
+
+    base = np.asarray(quantity(model, mel), dtype=np.float64)
+    g = torch.Generator().manual_seed(seed)
+    worst = np.zeros_like(base)
+    for _ in range(draws):
+        moved = copy.deepcopy(model)
+        with torch.no_grad():
+            for p in moved.parameters():
+                p.mul_(1 + FLOAT32_U * torch.randn(p.shape, generator=g))
+        x = mel * (1 + FLOAT32_U * torch.randn(mel.shape, generator=g))
+        worst = np.maximum(worst, np.abs(np.asarray(quantity(moved, x), dtype=np.float64) - base))
+    return worst
+
+
 def speech(text: str, directory: str | Path, voice: str = "en", speed: int = 175) -> np.ndarray:
     """`text` spoken by espeak-ng, as 16 kHz mono float32 (written through a real WAV file; rendered
     beforehand where espeak-ng is missing, see tests/speech.py)."""
