@@ -11,8 +11,8 @@ differ is the forward pass before it, in float32 with other kernels (our SDPA an
 projections, openai-whisper's explicit attention, BLAS blocking that changes with the thread
 count), so the logits agree only to float32 rounding, which these random models' sharp attention
 amplifies. The probabilities are therefore compared within a tolerance derived from float32
-arithmetic on the model at hand (`float32_spread`: how far they move when every weight and input
-moves by float32's unit roundoff), not one picked from a run.
+arithmetic on the model at hand (`whisper_fixtures.assert_float32_close`: 3 x how far they move when
+every weight and input moves by float32's unit roundoff), not one picked from a run.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from whisper_fixtures import float32_spread, make_openai_checkpoint, openai_reference_model, speech, tiny_dims
+from whisper_fixtures import assert_float32_close, make_openai_checkpoint, openai_reference_model, speech, tiny_dims
 
 from voiced.engines.base import ASROptions, ASRRequest
 from voiced.engines.whisper import timing
@@ -117,23 +117,19 @@ def reference_words(ref_model, engine, audio, result, segments, mel=None):
     return [w for s in segs for w in s["words"]]
 
 
-def probability_tolerance(ref_model, engine, audio, result, segments) -> float:
-    """3 x the largest float32 spread of a word probability here (see the module's docstring):
-    each side lies within about one spread of the exact value, plus margin for a spread
-    estimated from a few draws."""
+def assert_same_words(ours, theirs, ref_model, engine, audio, result, segments):
+    """Same words, times within a frame, probabilities equal as far as float32 determines them."""
     from voiced.engines.whisper.audio import window_features
+
+    assert [w.word for w in ours] == [w["word"].strip() for w in theirs]
+    for a, b in zip(ours, theirs):
+        assert abs(a.start_s - b["start"]) <= 0.02 and abs(a.end_s - b["end"]) <= 0.02, (a, b)
 
     def probs(model, mel):
         return [w["probability"] for w in reference_words(model, engine, audio, result, segments, mel)]
 
-    return 3 * float(float32_spread(ref_model, window_features(audio, engine.dims.n_mels), probs).max()) + 1e-6
-
-
-def assert_same_words(ours, theirs, prob_tol):
-    assert [w.word for w in ours] == [w["word"].strip() for w in theirs]
-    for a, b in zip(ours, theirs):
-        assert abs(a.start_s - b["start"]) <= 0.02 and abs(a.end_s - b["end"]) <= 0.02, (a, b)
-        assert abs(a.probability - b["probability"]) <= prob_tol, (a, b, prob_tol)
+    assert_float32_close([w.probability for w in ours], [w["probability"] for w in theirs], ref_model,
+                         window_features(audio, engine.dims.n_mels), probs, floor=1e-4)
 
 
 @pytest.mark.parametrize("multilingual,seed,boost,beam", [(True, 0, 3.0, 1), (False, 4, 3.0, 1), (True, 1, 2.0, 3)])
@@ -148,7 +144,7 @@ def test_word_times_equal_openai_whisper(tmp_path_factory, audio, multilingual, 
     assert len(r.words) >= 10
     segments = [(0.0, (len(audio) // 160) / 100, r.tokens)]
     theirs = reference_words(ref, engine, audio, r, segments)
-    assert_same_words(r.words, theirs, probability_tolerance(ref, engine, audio, r, segments))
+    assert_same_words(r.words, theirs, ref, engine, audio, r, segments)
     ends = [w.end_s for w in r.words]
     assert ends == sorted(ends) and 0.0 <= r.words[0].start_s and ends[-1] <= len(audio) / 16000 + 0.02
 
@@ -160,7 +156,7 @@ def test_word_times_with_segment_timestamps_equal_openai_whisper(tmp_path_factor
     assert r.segments and r.words
     segments = [(s.start, s.end, s.tokens) for s in r.segments]
     theirs = reference_words(ref, engine, audio, r, segments)
-    assert_same_words(r.words, theirs, probability_tolerance(ref, engine, audio, r, segments))
+    assert_same_words(r.words, theirs, ref, engine, audio, r, segments)
 
 
 def test_words_of_several_requests_in_one_batch(tmp_path_factory, audio):
