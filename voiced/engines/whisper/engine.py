@@ -45,7 +45,14 @@ from .decoding import DecodePlan, RequestDecoder, Suppression
 from .fast import FastDecoder, FastEncoder
 from .model import KVCache, ModelDims, TextDecoder, Whisper
 from .registry import resolve
-from .timing import SegmentSpan, check_heads, default_alignment_heads, official_alignment_heads, word_timings
+from .timing import (
+    SegmentSpan,
+    check_heads,
+    default_alignment_heads,
+    fit_to_pauses,
+    official_alignment_heads,
+    word_timings,
+)
 from .tokenizer import WhisperTokenizer
 
 log = logging.getLogger(__name__)
@@ -855,7 +862,7 @@ class WhisperEngine:
         else:
             spans = [SegmentSpan(0.0, frames * HOP_LENGTH / SAMPLE_RATE, text)]
         per_segment = word_timings(tok, plan.language or "en", spans, scores, token_probs, n, frames)
-        return [w for seg in per_segment for w in seg]
+        return fit_to_pauses([w for seg in per_segment for w in seg], req.request.audio)
 
     def _release(self, leaving: list[_Active]) -> None:
         """Free the rows of `leaving` and pack the live rows back to 0..n-1."""
