@@ -2,7 +2,8 @@
 
 openai-whisper's reference: `whisper.timing.add_word_timestamps` (what `transcribe(...,
 word_timestamps=True)` runs after decoding a window) on the same checkpoint, the same window
-features and the same decoded segments. Tiny random checkpoints here; the real tiny.en weights in
+features and the same decoded segments, then fitted to the audio's pauses as ours are
+(`timing.fit_to_pauses`, a step openai-whisper does not have; tested on its own below). Tiny random checkpoints here; the real tiny.en weights in
 test_whisper_words_real.py.
 
 Word probabilities: both sides compute the same thing (the float32 softmax of the forced pass's
@@ -26,7 +27,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from whisper_fixtures import assert_float32_close, make_openai_checkpoint, openai_reference_model, speech, tiny_dims
 
-from voiced.engines.base import ASROptions, ASRRequest
+from voiced.engines.base import ASROptions, ASRRequest, Word
 from voiced.engines.whisper import timing
 from voiced.engines.whisper.engine import WhisperEngine
 
@@ -80,6 +81,45 @@ def test_words_split_at_spaces_and_punctuation():
     assert "".join(words) == "こんにちは世界" and all("\ufffd" not in w for w in words)
 
 
+def _bursts(spans: list[tuple[float, float]], total: float, noise_db: float | None = None) -> np.ndarray:
+    """A 220 Hz tone during each (start, end) span, silence (or noise) between."""
+    rng = np.random.default_rng(0)
+    t = np.arange(int(total * 16000)) / 16000
+    audio = np.zeros_like(t)
+    for a, b in spans:
+        on = (t >= a) & (t < b)
+        audio[on] = 0.3 * np.sin(2 * np.pi * 220 * t[on])
+    if noise_db is not None:
+        audio += 0.3 / np.sqrt(2) * 10 ** (-noise_db / 20) * rng.standard_normal(len(t))
+    return audio.astype(np.float32)
+
+
+@pytest.mark.parametrize("noise_db", [None, 25.0], ids=["clean", "noisy"])
+def test_boundaries_move_into_the_pause_between_words(noise_db):
+    # Three "words" with pauses between them; the alignment's times tile the audio, boundaries late.
+    audio = _bursts([(0.4, 0.8), (0.95, 1.3), (1.5, 1.9)], 2.3, noise_db)
+    words = [Word("a", 0.0, 1.02, 0.9), Word("b", 1.02, 1.6, 0.8), Word("c", 1.6, 2.3, 0.7)]
+    got = timing.fit_to_pauses(words, audio)
+    want = [(0.4, 0.8), (0.95, 1.3), (1.5, 1.9)]
+    assert [w.word for w in got] == ["a", "b", "c"] and [w.probability for w in got] == [0.9, 0.8, 0.7]
+    for w, (a, b) in zip(got, want):
+        assert abs(w.start_s - a) <= 0.011 and abs(w.end_s - b) <= 0.011, (w, a, b)
+
+
+def test_no_pause_no_move():
+    audio = _bursts([(0.3, 1.5)], 1.8)  # one sound throughout: the boundaries stay where they were
+    words = [Word("a", 0.3, 0.72, 1.0), Word("b", 0.72, 1.1, 1.0), Word("c", 1.1, 1.5, 1.0)]
+    assert timing.fit_to_pauses(words, audio) == words
+    # a pause farther than PAUSE_REACH_S from the boundary is another word's business
+    audio = _bursts([(0.3, 0.9), (1.0, 1.8)], 2.0)
+    words = [Word("a", 0.3, 0.5, 1.0), Word("b", 0.5, 1.8, 1.0)]
+    assert timing.fit_to_pauses(words, audio) == words
+    # a silence shorter than PAUSE_MIN_S (a stop's closure) is no pause
+    audio = _bursts([(0.3, 0.9), (0.92, 1.5)], 1.5)
+    words = [Word("a", 0.3, 0.95, 1.0), Word("b", 0.95, 1.5, 1.0)]
+    assert timing.fit_to_pauses(words, audio) == words
+
+
 # ------------------------------------------------------------------- the engine vs openai-whisper
 @pytest.fixture(scope="module")
 def audio(tmp_path_factory):
@@ -114,7 +154,9 @@ def reference_words(ref_model, engine, audio, result, segments, mel=None):
     mel = window_features(audio, engine.dims.n_mels) if mel is None else mel
     add_word_timestamps(segments=segs, model=ref_model, tokenizer=tok, mel=mel,
                         num_frames=len(audio) // 160, last_speech_timestamp=0.0)
-    return [w for s in segs for w in s["words"]]
+    words = [w for s in segs for w in s["words"]]
+    fitted = timing.fit_to_pauses([Word(w["word"], w["start"], w["end"], w["probability"]) for w in words], audio)
+    return [{**w, "start": f.start_s, "end": f.end_s} for w, f in zip(words, fitted)]
 
 
 def assert_same_words(ours, theirs, ref_model, engine, audio, result, segments):
