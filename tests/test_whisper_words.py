@@ -193,12 +193,22 @@ def test_word_times_equal_openai_whisper(tmp_path_factory, audio, multilingual, 
 
 def test_word_times_with_segment_timestamps_equal_openai_whisper(tmp_path_factory, audio):
     engine, ref = models(tmp_path_factory, True, 1, 2.0)
-    r = engine.transcribe(ASRRequest(audio, ASROptions(language="en", timestamps=True, word_timestamps=True,
-                                                       max_new_tokens=40)))
-    assert r.segments and r.words
-    segments = [(s.start, s.end, s.tokens) for s in r.segments]
+    opts = ASROptions(language="en", timestamps=True, max_new_tokens=40)
+    plain = engine.transcribe(ASRRequest(audio, opts))
+    opts.word_timestamps = True
+    r = engine.transcribe(ASRRequest(audio, opts))
+    assert r.segments and r.words and r.tokens == plain.tokens
+    segments = [(s.start, s.end, s.tokens) for s in plain.segments]  # the decoder's own segment times
     theirs = reference_words(ref, engine, audio, r, segments)
     assert_same_words(r.words, theirs, ref, engine, audio, r, segments)
+    # As in openai-whisper's transcribe(): each segment now spans its words (what subtitles show).
+    k = 0
+    for seg, before in zip(r.segments, plain.segments):
+        n = len(engine.tok.decode(seg.tokens).split())  # (words of this English text: space-separated)
+        assert seg.tokens == before.tokens and n
+        assert (seg.start, seg.end) == (r.words[k].start_s, r.words[k + n - 1].end_s)
+        k += n
+    assert k == len(r.words)
 
 
 def test_words_of_several_requests_in_one_batch(tmp_path_factory, audio):

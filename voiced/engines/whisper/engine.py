@@ -862,7 +862,16 @@ class WhisperEngine:
         else:
             spans = [SegmentSpan(0.0, frames * HOP_LENGTH / SAMPLE_RATE, text)]
         per_segment = word_timings(tok, plan.language or "en", spans, scores, token_probs, n, frames)
-        return fit_to_pauses([w for seg in per_segment for w in seg], req.request.audio)
+        words = fit_to_pauses([w for seg in per_segment for w in seg], req.request.audio)
+        if plan.timestamps and result.segments:
+            # As openai-whisper's transcribe() does with word timestamps on: a segment runs from its
+            # first word's start to its last word's end (what srt/vtt subtitles show).
+            k = 0
+            for seg, seg_words in zip(result.segments, per_segment):
+                if seg_words:
+                    seg.start, seg.end = words[k].start_s, words[k + len(seg_words) - 1].end_s
+                k += len(seg_words)
+        return words
 
     def _release(self, leaving: list[_Active]) -> None:
         """Free the rows of `leaving` and pack the live rows back to 0..n-1."""
