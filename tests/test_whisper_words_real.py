@@ -10,12 +10,14 @@ mu-law phone line.
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from tests.real_whisper import tiny_en_dir
+from tests.whisper_fixtures import assert_float32_close
 from voiced.engines.base import ASROptions, ASRRequest
 
 whisper = pytest.importorskip("whisper")
@@ -55,6 +57,14 @@ def phone_line(audio: np.ndarray) -> np.ndarray:
     return to_16k(decode_pcm(line(audio), "MULAW").astype(np.float32) / 32768.0, 8000)
 
 
+def _probabilities(model, mel, *, tok, tokens, n):
+    from whisper.timing import add_word_timestamps
+
+    segs = [{"seek": 0, "start": 0.0, "end": n / 100, "tokens": tokens}]
+    add_word_timestamps(segments=segs, model=model, tokenizer=tok, mel=mel, num_frames=n, last_speech_timestamp=0.0)
+    return [w["probability"] for w in segs[0]["words"]]
+
+
 @pytest.mark.parametrize("phone", [False, True], ids=["clean", "phone"])
 def test_word_times_equal_openai_whisper_on_tiny_en(pair, phone):
     import whisper.tokenizer as wt
@@ -85,7 +95,9 @@ def test_word_times_equal_openai_whisper_on_tiny_en(pair, phone):
         assert [w.word for w in ours.words] == [w["word"].strip() for w in want]
         for a, b in zip(ours.words, want):
             assert abs(a.start_s - b["start"]) <= 0.02 and abs(a.end_s - b["end"]) <= 0.02, (a, b)
-            assert a.probability == pytest.approx(b["probability"], abs=1e-3)
+        # float32 forward passes with other kernels: equal as far as float32 determines them
+        assert_float32_close([w.probability for w in ours.words], [w["probability"] for w in want], ref, mel,
+                             partial(_probabilities, tok=tok, tokens=ours.tokens, n=len(audio) // 160), floor=1e-4)
         # and they are words of the sentence, in order, inside the audio
         assert "".join(w.word for w in ours.words) == ours.text.replace(" ", "")
         assert all(x.end_s <= y.start_s + 1e-9 for x, y in zip(ours.words, ours.words[1:]))
