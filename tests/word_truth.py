@@ -173,8 +173,10 @@ def openai_model(engine):
 
 def openai_words(model, audio: np.ndarray) -> list[tuple[str, float, float]]:
     """What `whisper --word_timestamps True` gives: openai-whisper's transcribe() with its defaults."""
+    import torch
     import whisper
 
+    torch.manual_seed(0)  # its temperature fallback samples: the same draws every run
     r = whisper.transcribe(model, audio, language="en", word_timestamps=True, fp16=False, verbose=None)
     return [(w["word"].strip(), w["start"], w["end"]) for s in r["segments"] for w in s["words"]]
 
