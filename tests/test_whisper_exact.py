@@ -2,6 +2,11 @@
 
 openai-whisper decodes with its own model class loaded from our `.pt` file; transformers loads our
 Hugging Face directory. Same weights, same audio (espeak-ng speech), same tokens expected.
+
+Scores (average log-probability, no-speech and language probabilities, logits) come from float32
+forward passes with other kernels on each side, so they agree only to float32 rounding, which the
+random models' sharp attention amplifies: they are compared with `assert_float32_close` (a
+tolerance derived from float32 arithmetic on the model at hand), not a tolerance picked from a run.
 """
 
 from __future__ import annotations
@@ -14,7 +19,14 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from whisper_fixtures import make_hf_checkpoint, make_openai_checkpoint, openai_reference_model, speech
+from whisper_fixtures import (
+    assert_float32_close,
+    assert_same_scores,
+    make_hf_checkpoint,
+    make_openai_checkpoint,
+    openai_reference_model,
+    speech,
+)
 
 whisper = pytest.importorskip("whisper")
 from whisper import DecodingOptions
@@ -64,12 +76,13 @@ def ours(engine, audio, **opts):
     return engine.transcribe(ASRRequest(audio, ASROptions(**opts)))
 
 
-def assert_same(ours_t, ref):
+def assert_same(ours_t, ref, model, audio, n_mels, **opts):
+    """Same tokens and text; scores equal as far as float32 determines them. `model`, `opts`:
+    openai-whisper's model and the options `ref_decode` ran with."""
     assert ours_t.tokens == ref.tokens
     assert ours_t.text == ref.text
-    assert ours_t.avg_logprob == pytest.approx(ref.avg_logprob, abs=1e-4)
-    assert ours_t.no_speech_prob == pytest.approx(ref.no_speech_prob, rel=1e-3, abs=1e-6)
-    assert ours_t.compression_ratio == pytest.approx(ref.compression_ratio)
+    assert ours_t.compression_ratio == pytest.approx(ref.compression_ratio)  # of the same text
+    assert_same_scores(ours_t, ref, model, window_features(audio, n_mels), **opts)
 
 
 GREEDY_CASES = [  # n_mels, multilingual, seed, eot_boost
@@ -83,9 +96,10 @@ def test_greedy_tokens_identical_to_openai_whisper(ckpt_dir, audio, n_mels, mult
     engine, ref = pair(ckpt_dir, n_mels=n_mels, multilingual=multilingual, seed=seed, eot_boost=boost)
     for name in ("en", "long") if not multilingual else ("en", "de", "long"):
         lang = "en" if not multilingual else TEXTS[name][0]
-        r = ref_decode(ref, audio[name], n_mels, language=lang, without_timestamps=True, sample_len=48)
+        opts = dict(language=lang, without_timestamps=True, sample_len=48)
+        r = ref_decode(ref, audio[name], n_mels, **opts)
         o = ours(engine, audio[name], language=lang, max_new_tokens=48)
-        assert_same(o, r)
+        assert_same(o, r, ref, audio[name], n_mels, **opts)
         assert o.language == r.language
     # the test must be able to fail: different audio gives different tokens
     a = ours(engine, audio["en"], language="en", max_new_tokens=48).tokens
@@ -110,10 +124,12 @@ def test_language_detection_matches(ckpt_dir, audio, n_mels, seed):
         expected = max(probs, key=probs.get)
         o = ours(engine, audio[name], max_new_tokens=24)
         assert o.language == expected
-        assert o.language_probs[expected] == pytest.approx(probs[expected], abs=1e-4)
+        assert_float32_close(o.language_probs[expected], probs[expected], ref, mel,
+                             lambda m, x, e=expected: whisper.detect_language(m, x)[1][e], floor=1e-4)
         assert len(o.language_probs) == (100 if n_mels == 128 else 99)
-        r = ref_decode(ref, audio[name], n_mels, without_timestamps=True, sample_len=24)  # language=None
-        assert_same(o, r)
+        opts = dict(without_timestamps=True, sample_len=24)  # language=None
+        r = ref_decode(ref, audio[name], n_mels, **opts)
+        assert_same(o, r, ref, audio[name], n_mels, **opts)
         seen.add(o.language)
     assert len(seen) >= 1
 
@@ -124,19 +140,20 @@ def test_language_detection_matches(ckpt_dir, audio, n_mels, seed):
 def test_beam_search_matches(ckpt_dir, audio, beam, n_mels, multilingual, seed, boost):
     engine, ref = pair(ckpt_dir, n_mels=n_mels, multilingual=multilingual, seed=seed, eot_boost=boost)
     for name in ("en", "long"):
-        r = ref_decode(ref, audio[name], n_mels, language="en", beam_size=beam, without_timestamps=True, sample_len=32)
+        opts = dict(language="en", beam_size=beam, without_timestamps=True, sample_len=32)
+        r = ref_decode(ref, audio[name], n_mels, **opts)
         o = ours(engine, audio[name], language="en", beam_size=beam, max_new_tokens=32)
-        assert_same(o, r)
+        assert_same(o, r, ref, audio[name], n_mels, **opts)
 
 
 @pytest.mark.parametrize("n_mels,multilingual,seed,boost", [(80, True, 1, 10.0), (128, True, 2, 0.0), (80, False, 4, 6.0)])
 def test_timestamps_match(ckpt_dir, audio, n_mels, multilingual, seed, boost):
     engine, ref = pair(ckpt_dir, n_mels=n_mels, multilingual=multilingual, seed=seed, eot_boost=boost)
     for beam in (1, 2):
-        r = ref_decode(ref, audio["en"], n_mels, language="en", beam_size=beam if beam > 1 else None,
-                       without_timestamps=False, sample_len=40)
+        opts = dict(language="en", beam_size=beam if beam > 1 else None, without_timestamps=False, sample_len=40)
+        r = ref_decode(ref, audio["en"], n_mels, **opts)
         o = ours(engine, audio["en"], language="en", beam_size=beam, timestamps=True, max_new_tokens=40)
-        assert_same(o, r)
+        assert_same(o, r, ref, audio["en"], n_mels, **opts)
         tb = engine.tok.timestamp_begin
         assert o.tokens[0] >= tb  # the rules force a timestamp first
         assert o.segments, "timestamps on: at least one segment"
@@ -147,14 +164,16 @@ def test_timestamps_match(ckpt_dir, audio, n_mels, multilingual, seed, boost):
 def test_prompt_and_translate_match(ckpt_dir, audio):
     engine, ref = pair(ckpt_dir, n_mels=80, multilingual=True, seed=0, eot_boost=0.0)
     prompt = "Names: Anneliese, Bartholomew, Quentin."
-    r = ref_decode(ref, audio["de"], 80, language="de", prompt=prompt, without_timestamps=True, sample_len=30)
+    opts = dict(language="de", prompt=prompt, without_timestamps=True, sample_len=30)
+    r = ref_decode(ref, audio["de"], 80, **opts)
     o = ours(engine, audio["de"], language="de", initial_prompt=prompt, max_new_tokens=30)
-    assert_same(o, r)
+    assert_same(o, r, ref, audio["de"], 80, **opts)
     plain = ours(engine, audio["de"], language="de", max_new_tokens=30)
     assert plain.tokens != o.tokens  # the prompt really reached the decoder
-    r = ref_decode(ref, audio["de"], 80, language="de", task="translate", without_timestamps=True, sample_len=30)
+    opts = dict(language="de", task="translate", without_timestamps=True, sample_len=30)
+    r = ref_decode(ref, audio["de"], 80, **opts)
     o = ours(engine, audio["de"], language="de", task="translate", max_new_tokens=30)
-    assert_same(o, r)
+    assert_same(o, r, ref, audio["de"], 80, **opts)
 
 
 # ------------------------------------------------------------------------------------ transformers
@@ -167,18 +186,26 @@ def test_logits_match_transformers(tmp_path, audio, n_mels, multilingual, seed):
     mel = window_features(audio["en"], n_mels)[None]
     tok = engine.tok
     tokens = torch.tensor([tok.sot_sequence("en", "transcribe") + [tok.no_timestamps] + tok.encode(" Hello world, this is")])
+    def hf_logits(m, x):
+        with torch.inference_mode():
+            return m(input_features=x, decoder_input_ids=tokens).logits.numpy()
+
+    def hf_features(m, x):
+        with torch.inference_mode():
+            return m.model.encoder(x).last_hidden_state.numpy()
+
     with torch.inference_mode():
         expected = hf(input_features=mel, decoder_input_ids=tokens).logits
         model = engine.model
         feats = model.encoder(mel)
-        assert torch.allclose(feats, hf.model.encoder(mel).last_hidden_state, atol=1e-4)
+        assert_float32_close(feats, hf.model.encoder(mel).last_hidden_state, hf, mel, hf_features, floor=1e-4)
         cache = model.allocate_cache(1)
         slots = torch.tensor([0])
         model.decoder.write_cross(cache, slots, feats)
         got = model.decoder.prefill(tokens, slots, cache)
-        # Same kernels (SDPA, fp32) on both sides: agreement to float32 rounding. (The tiny models'
-        # sharp attention amplifies rounding: a float64 run differs from both by up to ~1e-2.)
-        assert (got - expected).abs().max().item() < 1e-4
+        # SDPA in float32 on both sides, other projections and blocking: agreement to float32 rounding,
+        # which the tiny models' sharp attention amplifies (a float64 run differs by up to ~1e-2).
+        assert_float32_close(got, expected, hf, mel, hf_logits, floor=1e-4)
         assert torch.equal(got.argmax(-1), expected.argmax(-1))
         # One incremental step from the cache equals the full-sequence logits of the last position.
         t = tokens.shape[1]
@@ -186,7 +213,7 @@ def test_logits_match_transformers(tmp_path, audio, n_mels, multilingual, seed):
         model.decoder.write_cross(cache2, slots, feats)
         model.decoder.prefill(tokens[:, :-1], slots, cache2)
         step = model.decoder.step(tokens[:, -1], torch.tensor([t - 1]), cache2, kv_len=t, masked=True)
-        assert (step - expected[:, -1]).abs().max().item() < 1e-4
+        assert_float32_close(step, expected[:, -1], hf, mel, lambda m, x: hf_logits(m, x)[:, -1], floor=1e-4)
 
 
 def test_hf_directory_and_openai_file_decode_identically(tmp_path, audio):

@@ -130,6 +130,85 @@ def openai_reference_model(checkpoint: str | Path):
     return model.eval()
 
 
+# float32's unit roundoff: a float32 result is the exact result on data moved by about this much.
+FLOAT32_U = 2.0**-24
+
+
+def float32_spread(model, inputs: torch.Tensor, quantity, draws: int = 3, seed: int = 0) -> np.ndarray:
+    """How far float32 arithmetic lets `quantity(model, inputs)` (floats) move: the largest deviation,
+    per element over `draws` draws, when every weight of `model` and every input value are
+    multiplied by (1 + FLOAT32_U * N(0, 1)).
+
+    Why that measures it: a float32 matrix product or sum, in any order and with any blocking, equals
+    the exact one on inputs moved by about its length x FLOAT32_U in the worst case and by about
+    sqrt(length) x FLOAT32_U in practice (rounding errors of random sign). Moving every input by
+    FLOAT32_U moves each dot product by the same sqrt(length) x FLOAT32_U, so two float32
+    computations of one quantity that sum in different orders (threads, SIMD width, SDPA or not)
+    land within a small multiple of this spread of each other. The tiny random checkpoints'
+    sharp attention amplifies rounding a lot (a word probability moves ~1 % here), real weights
+    little; measuring it on the model at hand gives each a tolerance it actually guarantees.
+    """
+    import copy
+
+    base = np.asarray(quantity(model, inputs), dtype=np.float64)
+    g = torch.Generator().manual_seed(seed)
+    worst = np.zeros_like(base)
+    for _ in range(draws):
+        moved = copy.deepcopy(model)
+        with torch.no_grad():
+            for p in moved.parameters():
+                p.mul_(1 + FLOAT32_U * torch.randn(p.shape, generator=g))
+        x = inputs * (1 + FLOAT32_U * torch.randn(inputs.shape, generator=g))
+        worst = np.maximum(worst, np.abs(np.asarray(quantity(moved, x), dtype=np.float64) - base))
+    return worst
+
+
+def assert_float32_close(got, want, model, inputs: torch.Tensor, quantity, floor: float) -> None:
+    """`got` equals `want` (floats or arrays of them, computed in float32 by other kernels or in
+    another order) as far as float32 arithmetic determines them: their largest difference is at
+    most 3 x `float32_spread(model, inputs, quantity)` (each lies within about one spread of the
+    exact value; the margin covers a spread estimated from a few draws). `quantity(model, inputs)`
+    recomputes `want`. A difference under `floor` passes without measuring the spread (it costs
+    forward passes); `floor` must be far below what a wrong computation would give.
+    """
+    diff = float(np.max(np.abs(np.asarray(got, dtype=np.float64) - np.asarray(want, dtype=np.float64))))
+    if diff <= floor:
+        return
+    tol = 3 * float(np.max(float32_spread(model, inputs, quantity)))
+    assert diff <= tol, f"differ by {diff:.3g}, more than float32 allows here ({tol:.3g}): {got} vs {want}"
+
+
+def forced_scores(tokens: list[int], language: str, **decoding_options):
+    """A `quantity` for `float32_spread`: (model, mel) -> [the mean log-probability of `tokens` and
+    <|endoftext|> (openai-whisper's avg_logprob), <|nospeech|>'s probability at <|startoftranscript|>],
+    with `tokens` forced after the initial tokens openai-whisper's decode uses for those options.
+    (Without its logit filters: they change how far the log-probabilities move by little.)"""
+    import whisper
+    from whisper.decoding import DecodingTask
+
+    def scores(model, mel):
+        task = DecodingTask(model, whisper.DecodingOptions(fp16=False, **{**decoding_options, "language": language}))
+        prefix, tok = list(task.initial_tokens), task.tokenizer
+        forced = torch.tensor([prefix + list(tokens) + [tok.eot]])
+        with torch.no_grad():
+            logits = model(mel[None], forced)[0].float()
+        lp = logits[len(prefix) - 1:-1].log_softmax(-1).gather(1, forced[0, len(prefix):, None])
+        return [lp.mean().item(), logits[task.sot_index].softmax(-1)[tok.no_speech].item()]
+
+    return scores
+
+
+def assert_same_scores(got, want, model, mel: torch.Tensor, **decoding_options) -> None:
+    """Transcripts `got` and `want` (ours or openai-whisper's DecodingResult) of the same tokens have
+    the same avg_logprob and no_speech_prob as far as float32 determines them on `model`
+    (openai-whisper's class); `decoding_options`: openai-whisper's options for the decode."""
+    options = {k: v for k, v in decoding_options.items() if k != "language"}  # the language `want` has
+    scores = forced_scores(list(want.tokens), want.language, **options)
+    assert_float32_close(got.avg_logprob, want.avg_logprob, model, mel, lambda m, x: scores(m, x)[0], floor=1e-4)
+    assert_float32_close(got.no_speech_prob, want.no_speech_prob, model, mel, lambda m, x: scores(m, x)[1],
+                         floor=1e-3 * want.no_speech_prob + 1e-6)
+
+
 def speech(text: str, directory: str | Path, voice: str = "en", speed: int = 175) -> np.ndarray:
     """`text` spoken by espeak-ng, as 16 kHz mono float32 (written through a real WAV file; rendered
     beforehand where espeak-ng is missing, see tests/speech.py)."""

@@ -52,7 +52,14 @@ from .fast import CudaGraphs, DecoderSteps, FastDecoder, FastEncoder, encoder_pi
 from .language import detect_languages
 from .model import KVCache, ModelDims, TextDecoder, Whisper
 from .registry import resolve
-from .timing import SegmentSpan, check_heads, default_alignment_heads, official_alignment_heads, word_timings
+from .timing import (
+    SegmentSpan,
+    check_heads,
+    default_alignment_heads,
+    fit_to_pauses,
+    official_alignment_heads,
+    word_timings,
+)
 from .token_choice import choose_tokens
 from .tokenizer import WhisperTokenizer
 
@@ -704,7 +711,16 @@ class WhisperEngine:
         else:
             spans = [SegmentSpan(0.0, frames * HOP_LENGTH / SAMPLE_RATE, text)]
         per_segment = word_timings(tok, plan.language or "en", spans, scores, token_probs, n, frames)
-        return [w for seg in per_segment for w in seg]
+        words = fit_to_pauses([w for seg in per_segment for w in seg], req.request.audio)
+        if plan.timestamps and result.segments:
+            # As openai-whisper's transcribe() does with word timestamps on: a segment runs from its
+            # first word's start to its last word's end (what srt/vtt subtitles show).
+            k = 0
+            for seg, seg_words in zip(result.segments, per_segment):
+                if seg_words:
+                    seg.start, seg.end = words[k].start_s, words[k + len(seg_words) - 1].end_s
+                k += len(seg_words)
+        return words
 
     def _release(self, leaving: list[_Active]) -> None:
         """Free the rows of `leaving` and pack the live rows back to 0..n-1."""

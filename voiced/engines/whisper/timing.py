@@ -13,7 +13,16 @@ few "alignment heads", whose attention follows the audio, gives a token x audio-
    Thai, Lao, Burmese and Cantonese), a word lasting from its first token's frame to the next word's;
 5. openai-whisper's clean-ups: words at sentence ends no longer than twice the median word, opening
    punctuation joined to the next word and closing punctuation to the previous one, first/last words
-   of a segment held to the segment's own timestamps when they run long after a pause.
+   of a segment held to the segment's own timestamps when they run long after a pause;
+6. the words fitted to the audio's pauses (`fit_to_pauses`), which openai-whisper does not do.
+
+Steps 1-5 give openai-whisper's times (tests hold them to its `add_word_timestamps` within a frame).
+Against speech whose word boundaries are known (tests/word_truth.py) those times run late: the
+path tiles the audio, so a word lasts until the next one starts, through any pause after it, and
+the first word starts at 0 s however much silence leads; and a word's tokens draw the heads'
+attention most ~60 % into the word, so the path crosses from one word to the next ~60 ms after the
+next one's onset. Step 6 moves each boundary between two words into the pause between them when
+the audio has one near it, and trims silence off every word's ends.
 
 Each word's probability is the mean over its tokens of the token's probability among text tokens.
 
@@ -40,6 +49,17 @@ from .model import ModelDims
 from .tokenizer import WhisperTokenizer
 
 SECONDS_PER_FRAME = 0.02  # one encoder position: 2 mel frames of 10 ms
+SAMPLE_RATE = 16000
+LOUDNESS_HOP = 160  # 10 ms: the mel frame
+# Silence (fit_to_pauses): a 10 ms frame this far below the utterance's loud frames (its 99th
+# percentile: a click does not set it) or, in noise, no more than this far above its quiet frames
+# (5th percentile) counts as silent.
+SILENCE_BELOW_PEAK_DB = 40.0
+SILENCE_ABOVE_FLOOR_DB = 10.0
+# A pause: at least this much silence in a row (shorter silences are stop closures inside words),
+# at most this far from where the attention put the boundary (its typical error, ~2x the lag).
+PAUSE_MIN_S = 0.04
+PAUSE_REACH_S = 0.2
 MEDIAN_FILTER_WIDTH = 7
 PREPEND_PUNCTUATION = "\"'“¿([{-"
 APPEND_PUNCTUATION = "\"'.。,，!！?？:：”)]}、"
@@ -325,3 +345,58 @@ def word_timings(tok: WhisperTokenizer, language: str, segments: list[SegmentSpa
         # Milliseconds are plenty (frames are 20 ms) and keep sums like 1.4799999999999995 out of results.
         out.append([Word(w.strip(), round(s, 3), round(e, 3), p) for w, s, e, p in words])
     return out
+
+
+# ------------------------------------------------------------------------- the audio's pauses
+def silent_frames(audio: np.ndarray) -> np.ndarray:
+    """Per 10 ms frame of 16 kHz audio: whether it is silent (see SILENCE_BELOW_PEAK_DB)."""
+    n = len(audio) // LOUDNESS_HOP
+    if n == 0:
+        return np.zeros(0, dtype=bool)
+    x = np.asarray(audio[: n * LOUDNESS_HOP], dtype=np.float64).reshape(n, LOUDNESS_HOP)
+    db = 10 * np.log10(np.mean(x * x, axis=1) + 1e-10)
+    peak, floor = np.percentile(db, 99), np.percentile(db, 5)
+    return db < max(peak - SILENCE_BELOW_PEAK_DB, floor + SILENCE_ABOVE_FLOOR_DB)
+
+
+def _pauses(silent: np.ndarray) -> list[tuple[float, float]]:
+    """(start, end) in seconds of each run of silent frames at least PAUSE_MIN_S long."""
+    edges = np.diff(np.concatenate([[0], silent.astype(np.int8), [0]]))
+    starts, ends = np.nonzero(edges == 1)[0], np.nonzero(edges == -1)[0]
+    step = LOUDNESS_HOP / SAMPLE_RATE
+    return [(a * step, b * step) for a, b in zip(starts, ends) if (b - a) * step >= PAUSE_MIN_S - 1e-9]
+
+
+def fit_to_pauses(words: list[Word], audio: np.ndarray) -> list[Word]:
+    """`words` (times in seconds from the start of `audio`, in order) fitted to the audio's pauses:
+
+    - a boundary between two words moves into the pause nearest to it, when one lies within
+      PAUSE_REACH_S: the first word then ends where the pause starts and the second starts where
+      it ends (unless that would leave either word no time);
+    - then each word's ends are trimmed to its first and last audible frame (when it has one):
+      silence before the first word and after the last, and pauses too short to count, are
+      nobody's word.
+
+    Speech without pauses keeps its times (only the ends of the utterance are trimmed).
+    """
+    if not words:
+        return words
+    silent = silent_frames(audio)
+    pauses = _pauses(silent)
+    spans = [[w.start_s, w.end_s] for w in words]
+    for k in range(len(spans) - 1):
+        lo, hi = spans[k][1], spans[k + 1][0]  # the boundary (an interval when the clean-ups left a gap)
+        near = [(max(0.0, a - hi, lo - b), a, b) for a, b in pauses]
+        near = [x for x in near if x[0] <= PAUSE_REACH_S]
+        if not near:
+            continue
+        _, a, b = min(near)
+        if a > spans[k][0] and b < spans[k + 1][1]:
+            spans[k][1], spans[k + 1][0] = a, b
+    step = LOUDNESS_HOP / SAMPLE_RATE
+    for span in spans:
+        i, j = int(round(span[0] / step)), int(round(span[1] / step))
+        audible = np.nonzero(~silent[i:j])[0]
+        if len(audible):
+            span[0], span[1] = (i + audible[0]) * step, (i + audible[-1] + 1) * step
+    return [Word(w.word, round(a, 3), round(b, 3), w.probability) for w, (a, b) in zip(words, spans)]
