@@ -456,11 +456,15 @@ class SparkTTSEngine:
         ints[6].fill_(1)
         floats.fill_(1.0)
         top = self.max_seq_len - 1
-        for r in self._active:
-            o, i = r.options, r.slot
-            ints[0, i], ints[1, i], ints[2, i] = r.last, min(r.pos, top), r.steps
-            ints[3, i], ints[4, i], ints[5, i], ints[6, i] = r.phase, len(r.global_ids), r.seed, int(o.top_k)
-            floats[0, i], floats[1, i] = float(o.temperature), float(o.top_p)
+        if self._active:
+            # One host tensor per kind, written in one indexed copy: element by element it was ~700
+            # dispatcher calls at 64 rows (3.7 ms of the TTS thread's host time per decode step, H200 profile).
+            slots = [r.slot for r in self._active]
+            ints[:, slots] = torch.tensor(
+                [[r.last, min(r.pos, top), r.steps, r.phase, len(r.global_ids), r.seed, int(r.options.top_k)]
+                 for r in self._active], dtype=ints.dtype).T
+            floats[:, slots] = torch.tensor(
+                [[float(r.options.temperature), float(r.options.top_p)] for r in self._active], dtype=floats.dtype).T
         self.lm.state.load(ints, floats)
 
     # ----------------------------------------------------------------------- one-shot helper
