@@ -216,3 +216,38 @@ def test_a_cancelled_request_frees_its_slot(served, alone):
     for rid in (1, 3, 4):
         assert got[rid].tokens == alone[rid].tokens, f"request {rid}: {token_difference(got[rid].tokens, alone[rid].tokens)}"
     assert len(got[5].tokens) == 50, f"the request admitted into the freed row wrote {len(got[5].tokens)} of 50 tokens"
+
+
+def test_vocoder_graphs_replay_the_eager_decode_exactly(ckpt, served, tmp_path):
+    """Vocoder CUDA graphs (off by default: `vocoder_graphs=True`, VOICED_SPARK_VOCODER_GRAPHS=1): every
+    shape warm-up ran is captured, and a replay gives the eager window decode bit for bit, plain and
+    end-masked (one graph serves both: an all-true mask keeps its input exactly); the four replies, each
+    alone and greedy, stream the same tokens and audio as the served engine without them."""
+    from voiced.engines.spark import streaming, vocoder_schedule
+
+    graphed = SparkTTSEngine.load(ckpt, device="cuda", max_batch=MAX_BATCH, max_seq_len=MAX_SEQ,
+                                  voices_dir=tmp_path, vocoder_graphs=True)
+    assert graphed.vocoder_graphs
+    graphed.warmup()
+    graphs = graphed.codec._graphs
+    opts = TTSOptions()
+    shapes = vocoder_schedule.window_shapes(opts.first_chunk_tokens, opts.chunk_tokens, graphed.radius)
+    assert set(graphs.graphs) == set(shapes)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    spk = graphed._speaker(torch.randint(0, 4096, (32,), generator=torch.Generator().manual_seed(1)).tolist())
+    for b, length in (shapes[0], shapes[len(shapes) // 2], shapes[-1]):
+        ids = torch.randint(0, 8192, (b, length), device="cuda", generator=gen)
+        for valid in ([length] * b, [length - 5] + [length] * (b - 1)):
+            replayed = streaming.decode_windows(graphed.codec, ids, spk[None].repeat(b, 1), valid).clone()
+            graphed.codec._graphs = None
+            try:
+                eager = streaming.decode_windows(graphed.codec, ids, spk[None].repeat(b, 1), valid)
+            finally:
+                graphed.codec._graphs = graphs
+            assert torch.equal(replayed, eager), (b, length, valid)
+    reqs = requests(top_k=1)
+    got = {rid: run(graphed, {rid: r})[rid] for rid, r in reqs.items()}
+    for rid, r in reqs.items():
+        want = run(served, {rid: r})[rid]
+        assert got[rid].tokens == want.tokens, rid
+        assert got[rid].audio.shape == want.audio.shape and np.array_equal(got[rid].audio, want.audio), rid

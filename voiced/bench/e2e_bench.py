@@ -131,6 +131,7 @@ def start_server(args):
         tts = spark_bench.build("cpu", torch.float32, torch.float32, args.tts_batch, 2048, work, tiny=True)
     else:
         tts = spark_bench.build("cuda", torch.bfloat16, torch.bfloat16, args.tts_batch, 2048, work)
+        tts.vocoder_graphs = args.vocoder_graphs  # captured by the warm-up below
     # Random weights: force what a trained model does (speak until the length cap, in a fixed voice),
     # as the engine benchmark does.
     tts.force_reply_lengths()
@@ -470,6 +471,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--first-chunk-tokens", type=int, default=10)
     ap.add_argument("--chunk-tokens", type=int, default=25)
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--vocoder-graphs", action="store_true",
+                    help="replay the vocoder's window decodes from CUDA graphs (voiced.engines.spark.vocoder_graphs)")
     ap.add_argument("--merge-policy", choices=["batch", "step"], default=None,
                     help="the Spark engine's VOCODER_MERGE_POLICY for this run (voiced.engines.spark.vocoder_schedule)")
     ap.add_argument("--engine-threads", choices=["auto", "shared", "separate"], default="auto",
@@ -511,6 +514,7 @@ def main(argv: list[str] | None = None) -> dict:
               "python": platform.python_version(), "asr_dims": args.asr_dims, "asr_tokens": args.asr_tokens,
               "reply_seconds": args.reply_seconds, "first_chunk_tokens": args.first_chunk_tokens,
               "engine_threads": engine_threads(args), "merge_policy": args.merge_policy or "default",
+              "vocoder_graphs": args.vocoder_graphs,
               "gc_freeze": not args.no_gc_freeze, "duration_s": args.duration, "startup_s": startup_s,
               "date": time.strftime("%Y-%m-%d"), "fronts": {}, "saturation": {}}
     serving_peak = 0.0

@@ -112,7 +112,8 @@ class SparkTTSEngine:
     def __init__(self, checkpoint: SparkCheckpoint, lm: Qwen2LM, codec: BiCodec, tokenizer: TextTokenizer,
                  special: SpecialTokens, *, device: str, max_batch: int, max_seq_len: int,
                  voices_dir: str | Path | None = None, use_cuda_graphs: bool = True,
-                 model_name: str = "Spark-TTS-0.5B", decode_steps: int = DECODE_STEPS) -> None:
+                 model_name: str = "Spark-TTS-0.5B", decode_steps: int = DECODE_STEPS,
+                 vocoder_graphs: bool = False) -> None:
         self.checkpoint = checkpoint
         # Inference only: with parameters that require grad, every forward run outside no_grad (warm-up
         # ran the vocoder so) records an autograd graph that keeps each activation alive until the output
@@ -124,6 +125,8 @@ class SparkTTSEngine:
         self.model_name = model_name
         self.max_batch, self.max_seq_len = max_batch, max_seq_len
         self.use_cuda_graphs = use_cuda_graphs and str(device).startswith("cuda")
+        # The vocoder's window decodes replayed from CUDA graphs captured at warm-up (vocoder_graphs.py).
+        self.vocoder_graphs = vocoder_graphs and self.use_cuda_graphs
         self.radius = codec.receptive_radius()
         self.segment_base_s, self.segment_s_per_char = SEGMENT_BASE_S, SEGMENT_S_PER_CHAR
         if decode_steps < 1:
@@ -162,7 +165,8 @@ class SparkTTSEngine:
              dtype: str | torch.dtype | None = None, max_batch: int = 16, voices_dir: str | Path | None = None,
              kv_cache_bytes: int | None = None, max_seq_len: int = 4096, codec_dtype: str | torch.dtype | None = None,
              use_cuda_graphs: bool = True, decode_steps: int = DECODE_STEPS,
-             compile_lm: bool | None = None, memory_limit: tuple[int, float] | None = None) -> SparkTTSEngine:
+             compile_lm: bool | None = None, memory_limit: tuple[int, float] | None = None,
+             vocoder_graphs: bool | None = None) -> SparkTTSEngine:
         """Load a Spark-TTS-0.5B directory (or the cached model by name).
 
         dtype: the LM's (default bf16 on GPU, fp32 on CPU; fp16 is refused: it overflows in this LM).
@@ -172,6 +176,9 @@ class SparkTTSEngine:
             environment sets VOICED_SPARK_COMPILE=0. Tokens match the uncompiled path up to bf16 rounding.
         memory_limit: (free GPU bytes, the [memory] tts_kv_fraction): the computed need (`memory_plan.plan`) is
             checked against that share before anything goes to the GPU; above it, an EngineError naming the setting.
+        vocoder_graphs: replay the vocoder's window decodes from CUDA graphs captured at warm-up (one host call
+            instead of ~400 launches a vocoder turn). Default: off, unless the environment sets
+            VOICED_SPARK_VOCODER_GRAPHS=1 (not yet measured on a GPU as the default).
         """
         ckpt = resolve(name_or_path)
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -188,7 +195,10 @@ class SparkTTSEngine:
                                lm_dtype, kv_cache_bytes)
         if rows < max_batch:
             log.info("TTS KV budget fits %d concurrent requests (asked for %d)", rows, max_batch)
-        need = plan(ckpt, device, lm_dtype, c_dtype, rows, max_seq_len, use_cuda_graphs, decode_steps)
+        if vocoder_graphs is None:
+            vocoder_graphs = os.environ.get("VOICED_SPARK_VOCODER_GRAPHS", "0") == "1"
+        vocoder_graphs = vocoder_graphs and cuda and use_cuda_graphs
+        need = plan(ckpt, device, lm_dtype, c_dtype, rows, max_seq_len, use_cuda_graphs, decode_steps, vocoder_graphs)
         check_memory_limit(need, memory_limit)  # before anything goes to the GPU
         lm = load_qwen2(ckpt.llm_dir, device, lm_dtype)
         if lm.config.vocab_size < special.semantic_base + special.n_semantic:
@@ -200,7 +210,7 @@ class SparkTTSEngine:
             lm.compile_decode()
         engine = cls(ckpt, lm, codec, tokenizer, special, device=device, max_batch=rows, max_seq_len=max_seq_len,
                      voices_dir=voices_dir, use_cuda_graphs=use_cuda_graphs, model_name=ckpt.root.name,
-                     decode_steps=decode_steps)
+                     decode_steps=decode_steps, vocoder_graphs=vocoder_graphs)
         engine.memory_need = need
         return engine
 

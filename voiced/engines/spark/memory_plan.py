@@ -49,9 +49,11 @@ def vocoder_step_bytes(codec_config, dtype: torch.dtype) -> int:
 
 def memory_need(cfg, lm_dtype: torch.dtype, lm_bytes: int, codec_bytes: int, max_batch: int, max_seq_len: int, *,
                 cuda: bool, graphs: bool = True, decode_steps: int = DECODE_STEPS, workspace_bytes: int = 0,
-                vocoder_bytes: int = 0) -> EngineNeed:
+                vocoder_bytes: int = 0, vocoder_graph_bytes: int = 0) -> EngineNeed:
     """What `SparkTTSEngine.load(...)` with these settings holds on its device (see voiced.memory_plan).
-    vocoder_bytes: the largest vocoder step's transient (`vocoder_step_bytes`)."""
+    vocoder_bytes: the largest vocoder step's transient (`vocoder_step_bytes`); vocoder_graph_bytes: with
+    vocoder graphs on, their inputs and outputs (`vocoder_graphs.held_bytes`), and their pool then holds
+    the largest step's activations for good instead of as a transient."""
     kv = max_batch * kv_row_bytes(cfg, max_seq_len, lm_dtype)
     e = lm_dtype.itemsize
     prefill_io = prefill_io_bytes(cfg, max_batch, max_seq_len, PREFILL_STEP_TOKENS, e)
@@ -80,14 +82,18 @@ def memory_need(cfg, lm_dtype: torch.dtype, lm_bytes: int, codec_bytes: int, max
     else:
         items.append(Need(f"step transient, estimated (prefill of {longest} tokens)", prefill_bytes(cfg, longest, e),
                           transient=True))
-    if vocoder_bytes:
+    if vocoder_graph_bytes:
+        items.append(Need("vocoder graphs: their pool (the largest step's activations), inputs and outputs",
+                          vocoder_bytes + vocoder_graph_bytes))
+    elif vocoder_bytes:
         items.append(Need(f"step transient: vocoder, {vocoder_schedule.VOCODER_STEP_TOKENS} window tokens",
                           vocoder_bytes, transient=True))
     return EngineNeed("Spark-TTS", "tts_kv_fraction", items)
 
 
 def plan(ckpt: SparkCheckpoint, device: str, lm_dtype: torch.dtype, codec_dtype: torch.dtype, max_batch: int,
-         max_seq_len: int, use_cuda_graphs: bool = True, decode_steps: int = DECODE_STEPS) -> EngineNeed:
+         max_seq_len: int, use_cuda_graphs: bool = True, decode_steps: int = DECODE_STEPS,
+         vocoder_graphs: bool = False) -> EngineNeed:
     """The engine's memory need from the checkpoint's configs alone (max_batch: the rows it will hold,
     after any KV-cache budget)."""
     cfg = Qwen2Config.from_json(ckpt.llm_dir / "config.json")
@@ -96,7 +102,19 @@ def plan(ckpt: SparkCheckpoint, device: str, lm_dtype: torch.dtype, codec_dtype:
         lm_bytes = tensor_bytes(Qwen2LM(cfg), lm_dtype)
         codec_bytes = tensor_bytes(BiCodec(codec_cfg), codec_dtype)
     cuda = str(device).startswith("cuda")
+    graph_bytes = 0
+    if cuda and vocoder_graphs:
+        from voiced.engines.base import TTSOptions
+
+        from .vocoder_graphs import held_bytes
+
+        with torch.device("meta"):
+            radius = BiCodec(codec_cfg).receptive_radius()
+        opts = TTSOptions()  # warm-up captures the shapes of the default chunk sizes
+        shapes = vocoder_schedule.window_shapes(opts.first_chunk_tokens, opts.chunk_tokens, radius)
+        graph_bytes = held_bytes(shapes, codec_cfg.speaker_out_dim, codec_dtype.itemsize)
     return memory_need(cfg, lm_dtype, lm_bytes, codec_bytes, max_batch, max_seq_len, cuda=cuda,
                        graphs=use_cuda_graphs, decode_steps=decode_steps,
                        workspace_bytes=stream_workspace_bytes(device) if cuda else 0,
-                       vocoder_bytes=vocoder_step_bytes(codec_cfg, codec_dtype) if cuda else 0)
+                       vocoder_bytes=vocoder_step_bytes(codec_cfg, codec_dtype) if cuda else 0,
+                       vocoder_graph_bytes=graph_bytes)

@@ -191,6 +191,11 @@ def decode_windows(codec: BiCodec, ids: torch.Tensor, spk: torch.Tensor, valid: 
     """`codec.decode(ids [B, L], spk)`, where row b's utterance ends after `valid[b]` tokens: past that
     the input of every time-mixing convolution is zeroed, as the decode of the unpadded row pads it."""
     length = ids.shape[1]
+    graphs = getattr(codec, "_graphs", None)  # voiced.engines.spark.vocoder_graphs, where the engine turned them on
+    if graphs is not None:
+        out = graphs.decode(ids, spk, valid)
+        if out is not None:
+            return out
     if min(valid) >= length:
         return codec.decode(ids, spk)
     _install_end_masks(codec)

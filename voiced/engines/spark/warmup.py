@@ -90,6 +90,13 @@ def warm_vocoder(engine, first: int, chunk: int) -> int:
         streaming.decode_windows(engine.codec, ids, spk[None].repeat(b, 1), [length] * b).float().cpu()
         if i + 1 == len(shapes) or shapes[i + 1][1] != length:  # the last bucket of this length
             streaming.decode_windows(engine.codec, ids[:1], spk[None], [length - 1]).float().cpu()  # end-masked
+    if getattr(engine, "vocoder_graphs", False):
+        from .vocoder_graphs import VocoderGraphs
+
+        graphs = getattr(engine.codec, "_graphs", None) or VocoderGraphs(engine.codec)
+        for b, length in shapes:
+            graphs.capture(b, length)
+        engine.codec._graphs = graphs  # streaming.decode_windows replays them from now on
     if str(engine.device).startswith("cuda"):
         torch.cuda.synchronize()
     return len(shapes)
