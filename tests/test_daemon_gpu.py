@@ -237,17 +237,27 @@ def test_health_is_serving_after_the_calls(daemon):
     assert daemon.health() == SERVING
 
 
-PLAN_TOTAL = re.compile(r"^total \(held \+ the largest one transient\)\s+(?P<bytes>[\d,]+)\s", re.M)
+PLAN_TOTAL = re.compile(r"^total \(held \+ (?P<what>the largest one transient|each engine's largest transient)\)"
+                        r"\s+(?P<bytes>[\d,]+)\s", re.M)
+PLAN_TRANSIENT = re.compile(r"^(?P<engine>\S+)\s+.*transient.*?\s(?P<bytes>[\d,]+)\s+[\d.]+$", re.M)
 
 
-def printed_plan(log: str) -> tuple[int, str]:
-    """The total (bytes) of the torch engines' memory plan `voiced serve` logs at start-up, and the table."""
+def printed_plan(log: str) -> tuple[int, int, str]:
+    """The total (bytes) of the torch engines' memory plan `voiced serve` logs at start-up, what of it
+    allows for both engines' step transients at once (engines on a thread each; 0 on one thread), and
+    the table."""
     at = log.rfind("GPU memory plan (torch backend")  # the last: both engines (each also logs its own)
     assert at >= 0, "the daemon printed no GPU memory plan for its torch engines at start-up"
     block = log[at:].split("\n\n")[0]
     m = PLAN_TOTAL.search(block)
     assert m, f"no total row in the printed plan:\n{block}"
-    return int(m.group("bytes").replace(",", "")), block
+    both = 0
+    if m.group("what").startswith("each"):
+        largest: dict[str, int] = {}
+        for t in PLAN_TRANSIENT.finditer(block):
+            largest[t.group("engine")] = max(largest.get(t.group("engine"), 0), int(t.group("bytes").replace(",", "")))
+        both = min(largest.values(), default=0)
+    return int(m.group("bytes").replace(",", "")), both, block
 
 
 def test_the_start_up_memory_plan_is_what_the_gpu_used(daemon):
@@ -255,8 +265,10 @@ def test_the_start_up_memory_plan_is_what_the_gpu_used(daemon):
     checkpoints and max_batch before loading: weights, caches, what the CUDA graphs keep, cuBLAS
     workspaces, the largest step transient) with the GPU's peak: the larger of what PyTorch's allocator
     reports after the calls and the TTS warm-up's phase peaks (the torch backend: TensorRT-LLM does not
-    run here). Issue 20 asks for them within 5 %."""
-    planned, table = printed_plan(daemon.log_text())
+    run here). Issue 20 asks for them within 5 %. With an engine thread each (on a GPU by default) the
+    plan also allows for both engines' step transients at once, which these one-at-a-time calls need not
+    reach: the peak is then held to the plan less the smaller engine's transient, up to the plan."""
+    planned, both, table = printed_plan(daemon.log_text())
     mem = daemon.gpu_memory()
     assert "peak_allocated" in mem, "the daemon's metrics report no GPU memory (voiced_gpu_memory_bytes)"
     # The TTS warm-up measures each of its phases' peak (it resets the allocator's peak between them), so
@@ -265,7 +277,7 @@ def test_the_start_up_memory_plan_is_what_the_gpu_used(daemon):
     assert warm, "the daemon logged no TTS warm-up peaks"
     warm_peak = max(float(v) for v in warm.group(1).split("/")) * 2**20
     peak = max(mem["peak_allocated"], warm_peak)
-    off = abs(peak - planned) / planned
+    off = max(0.0, peak - planned, planned - both - peak) / planned
     assert off <= PLAN_TOLERANCE, (
         f"the start-up plan totals {planned / 2**20:.1f} MiB but the GPU peaked at {peak / 2**20:.1f} MiB (PyTorch's "
         f"allocator after the calls {mem['peak_allocated'] / 2**20:.1f}, allocated now {mem['allocated'] / 2**20:.1f}, "

@@ -473,6 +473,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--vocoder-graphs", action="store_true",
                     help="replay the vocoder's window decodes from CUDA graphs (voiced.engines.spark.vocoder_graphs)")
+    ap.add_argument("--switch-interval-ms", type=float, default=None,
+                    help="sys.setswitchinterval for the daemon's process (Python's default: 5 ms)")
     ap.add_argument("--merge-policy", choices=["batch", "step"], default=None,
                     help="the Spark engine's VOCODER_MERGE_POLICY for this run (voiced.engines.spark.vocoder_schedule)")
     ap.add_argument("--engine-threads", choices=["auto", "shared", "separate"], default="auto",
@@ -500,6 +502,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     import torch
 
+    if args.switch_interval_ms:
+        sys.setswitchinterval(args.switch_interval_ms / 1e3)
     if args.merge_policy:
         from voiced.engines.spark import vocoder_schedule
 
@@ -514,7 +518,7 @@ def main(argv: list[str] | None = None) -> dict:
               "python": platform.python_version(), "asr_dims": args.asr_dims, "asr_tokens": args.asr_tokens,
               "reply_seconds": args.reply_seconds, "first_chunk_tokens": args.first_chunk_tokens,
               "engine_threads": engine_threads(args), "merge_policy": args.merge_policy or "default",
-              "vocoder_graphs": args.vocoder_graphs,
+              "vocoder_graphs": args.vocoder_graphs, "switch_interval_s": sys.getswitchinterval(),
               "gc_freeze": not args.no_gc_freeze, "duration_s": args.duration, "startup_s": startup_s,
               "date": time.strftime("%Y-%m-%d"), "fronts": {}, "saturation": {}}
     serving_peak = 0.0
