@@ -28,6 +28,19 @@ The words are read with their probabilities and times: a doubtful last word plac
 stopped does not make unfinished words finished (`judged_text`). Text from an earlier (interim) decode is used while the fresh one is not ready, but only to keep a
 turn open: a stale transcript may lack the last words, so it can never end a turn early.
 
+When the pause begins: the session starts the transcript (the slow part: ~20 ms on a GPU, a few
+hundred on a CPU) after `PAUSE_MS` of silence, before the shortest wait (`complete_ms`) is up, so
+that on a GPU the verdict is ready when that wait ends and on a CPU it comes the instant the decode
+returns. The audio model hears the turn up to the voice's end with `MODEL_SILENCE_MS` of digital
+silence after it, whatever the line plays after the voice (noise, tones, music: it was trained on
+turns followed by silence).
+
+A line that keeps sounding after the voice (hold music; anything the VAD keeps calling speech) never
+gives a pause. There the words decide when the caller stopped: the session decodes the turn every
+`WORDS_EVERY_MS` while the VAD hears sound, and once the words have not changed over `STALL_MS` more
+audio (`Heard.stalled`), the caller stopped talking where those words ended: that is a pause, judged
+as any other, its silence counted from there.
+
 Nothing here does I/O: the session feeds it the evidence and asks, on each frame of a pause, whether
 the turn is over (`Evidence.wait_ms` is a lookup).
 """
@@ -37,7 +50,11 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-PAUSE_MS = 200  # the short pause at which the detector runs (Pipecat's VAD stop is 0.2 s)
+PAUSE_MS = 100  # silence at which the pause's transcript and the audio model start
+SHORT_MS = 200  # the shortest silence that ends a turn (Pipecat's VAD stop is 0.2 s)
+MODEL_SILENCE_MS = 200  # the silence the audio model hears after the voice
+WORDS_EVERY_MS = 400  # decode this often while the VAD hears sound (the words show when it stopped)
+STALL_MS = 300  # words unchanged over this much more audio: the caller has stopped talking
 COMPLETE_P = 0.5  # Smart Turn's own threshold
 # Whisper fills a pause with a likely word ("a table for you.") that it is unsure of and that its own
 # timing puts where the caller had already stopped: such a last word is judged without it too.
@@ -54,8 +71,8 @@ class Bounds:
 
 EAGERNESS = {
     "low": Bounds(complete_ms=500, unsure_ms=1500, max_ms=8000),
-    "medium": Bounds(complete_ms=PAUSE_MS, unsure_ms=600, max_ms=4000),
-    "high": Bounds(complete_ms=PAUSE_MS, unsure_ms=400, max_ms=2000),
+    "medium": Bounds(complete_ms=SHORT_MS, unsure_ms=600, max_ms=4000),
+    "high": Bounds(complete_ms=SHORT_MS, unsure_ms=400, max_ms=2000),
 }
 
 
@@ -136,6 +153,34 @@ def unfinished(text: str) -> bool:
     if last.isdigit() and len(last) >= 3:
         return True
     return _is_number(last) and len(words) >= 2 and _is_number(words[-2])
+
+
+def words_of(text: str) -> tuple[str, ...]:
+    """The words of a transcript, for comparing two decodes (case and punctuation ignored)."""
+    return tuple(_WORD.findall(text.lower().replace("’", "'")))
+
+
+@dataclass(frozen=True)
+class Heard:
+    """The words of the turn as the latest decode has them, and since when they have not changed."""
+
+    words: tuple[str, ...]
+    since: int  # the audio end (a stream sample) of the first decode that had these words
+    voice_end: int  # where the voice stopped saying them, as far as known (a stream sample)
+    latest: int = 0  # the audio end of the latest decode with them
+
+    def heard(self, words: tuple[str, ...], audio_end: int, voice_end: int) -> Heard:
+        """After one more decode of the turn (decodes may return out of order: the older is ignored)."""
+        if audio_end <= self.latest:
+            return self
+        if words != self.words:
+            return Heard(words, audio_end, voice_end, audio_end)
+        return Heard(self.words, self.since, min(self.voice_end, voice_end), audio_end)
+
+    def stalled(self, rate: int = 16000) -> bool:
+        """The transcript stopped growing: the same words over STALL_MS more audio (and some words:
+        a line that sounds before anyone speaks is not a turn)."""
+        return bool(self.words) and (self.latest - self.since) * 1000 >= STALL_MS * rate
 
 
 def judged_text(text: str, words: list, speech_end_s: float) -> str:
