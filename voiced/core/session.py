@@ -127,7 +127,7 @@ class Session:
         self._pause: Pause | None = None
         self._interim_text: str | None = None  # the latest interim decode's text of this turn
         self._heard = turns.Heard((), 0, 0)  # smart: the turn's words, and since when unchanged
-        # smart: sound came back after a pause; decode until it shows new words or stops (`_words`)
+        # smart: sound came back after a pause; decode the turn until it ends (`_words`)
         self._checking = False
         self._voiced_ms = 0  # the current turn's longest burst of talk (segmenter.voiced_ms)
         self._over_reply = False  # a reply was being spoken during the current turn
@@ -497,11 +497,8 @@ class Session:
     async def _words(self, result: Transcript, audio: np.ndarray, audio_end: int, voice_end: int) -> None:
         """An interim decode of the turn (smart): new words cancel a pause the words found; words that
         stopped changing while the VAD still hears sound open one."""
-        before = self._heard.words
         self._heard_words(result, audio, audio_end, voice_end)
         heard, pause = self._heard, self._pause
-        if heard.words != before and before:
-            self._checking = False  # new words: the caller is talking again, and interims are optional again
         if pause is not None and pause.stalled and heard.words != pause.words:
             await self._cancel_pause()  # the caller is talking again
             return
@@ -562,10 +559,14 @@ class Session:
             pause.decode_s = time.monotonic() - pause.opened
         text = "" if result.is_hallucination and not self.spec.keep_hallucinations else result.text
         pause.evidence = replace(pause.evidence, text=turns.judged_text(text, result.words, pause.speech_end_s),
-                                 fresh=True)
+                                 fresh=True, doubtful=bool(text.strip() and result.words
+                                                           and result.words[-1].probability < turns.DOUBTFUL_P))
         log.debug("session %s turn %d pause%s: p=%s text=%r (last word p=%s) wait %d ms", self.spec.session_id,
                   pause.turn_id, " (words stopped)" if pause.stalled else "", f"{p:.2f}", text,
                   f"{result.words[-1].probability:.2f}" if result.words else "-", pause.evidence.wait_ms(self.bounds))
+        log.debug("session %s turn %d pause words (voice ended at %.2f s): %s", self.spec.session_id, pause.turn_id,
+                  pause.speech_end_s, " ".join(f"{w.word}[{w.start_s:.2f}-{w.end_s:.2f} p{w.probability:.2f}]"
+                                               for w in result.words))
         if (self.conversation is not None and text.strip()
                 and pause.evidence.wait_ms(self.bounds) < self.bounds.max_ms):
             self.conversation.speculate(pause.turn_id, text)
@@ -613,7 +614,7 @@ class Session:
         # transcript goes on (`_watch_words`), and the turn is decoded until the words say (`_words`),
         # first as soon as a decode can show whether they stopped.
         self._checking = True
-        self._next_interim = self.segmenter.speech_ms + turns.STALL_MS
+        self._next_interim = (pause.audio_end - self.segmenter.speech_start) * 1000 // segmenter.RATE + turns.STALL_MS
 
     def _cancel_interim(self) -> None:
         if self._interim is not None and not self._interim.done():

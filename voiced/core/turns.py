@@ -20,9 +20,13 @@ before every pause, and Whisper puts a full stop on half a sentence):
 | the words are not finished                               | `max_ms`                            |
 | the words are finished and the audio agrees (p >= 0.5)   | `complete_ms` (the short pause)     |
 | the words are finished, the audio is unsure; no words    | `unsure_ms`                         |
+| the words look finished but Whisper doubts the last one  | `doubt_ms`                          |
 
-Eagerness sets the three (OpenAI's semantic_vad waits at most 8 / 4 / 2 s at low / medium / high).
-People pause mid-sentence for up to about 2 s, so at medium an unfinished text waits 4 s.
+Eagerness sets the four (OpenAI's semantic_vad waits at most 8 / 4 / 2 s at low / medium / high).
+People pause mid-sentence for up to about 2 s, so at medium an unfinished text waits 4 s, and a text
+whose last word Whisper doubts (probability under DOUBTFUL_P) waits that 2 s: such a word is often
+one Whisper made up from the end of half a sentence ("I will care, Kevin." for "I will cancel the"),
+and a full stop after it says nothing.
 
 The words are read with their probabilities and times: a doubtful last word placed after the voice
 stopped does not make unfinished words finished (`judged_text`). Text from an earlier (interim) decode is used while the fresh one is not ready, but only to keep a
@@ -66,13 +70,14 @@ ALIGN_SLACK_S = 0.1  # word times come from cross-attention: this close to the e
 class Bounds:
     complete_ms: int  # silence that ends a finished turn the audio model agrees with
     unsure_ms: int  # ... a finished turn the audio model doubts, or one with no words
+    doubt_ms: int  # ... words that look finished but whose last word Whisper doubts
     max_ms: int  # silence that always ends a turn
 
 
 EAGERNESS = {
-    "low": Bounds(complete_ms=500, unsure_ms=1500, max_ms=8000),
-    "medium": Bounds(complete_ms=SHORT_MS, unsure_ms=600, max_ms=4000),
-    "high": Bounds(complete_ms=SHORT_MS, unsure_ms=400, max_ms=2000),
+    "low": Bounds(complete_ms=500, unsure_ms=1500, doubt_ms=3200, max_ms=8000),
+    "medium": Bounds(complete_ms=SHORT_MS, unsure_ms=600, doubt_ms=2200, max_ms=4000),
+    "high": Bounds(complete_ms=SHORT_MS, unsure_ms=400, doubt_ms=1200, max_ms=2000),
 }
 
 
@@ -86,7 +91,9 @@ def bounds(eagerness: str) -> Bounds:
 # Closed-class English words after which a sentence cannot end (open-class words, nouns, verbs,
 # adjectives, can always end one). Listed whole, by class; where a class also ends real sentences,
 # the exception is the rule's, not a word's:
-# - stranded prepositions and wh-words end questions ("Where are you from?"): not after a question mark;
+# - wh-words end questions ("Can you tell me why?"), and so do prepositions stranded by one ("Where are
+#   you from?", "Who did you go with?"): a question that asks no wh-word does not end on a preposition
+#   (Whisper puts a question mark on anything that opens with an auxiliary: "Is it open after?");
 # - bare auxiliaries, subject pronouns and "to" end short answers ("Yes, I do.", "So do I.",
 #   "I'd love to."): only in a text longer than three words, or one that opens with an auxiliary
 #   (a question still waiting for its verb or object: "Can I have").
@@ -144,7 +151,9 @@ def unfinished(text: str) -> bool:
     last, question = words[-1], stripped.endswith("?")
     if last in ALWAYS_OPEN:
         return True
-    if (last in PREPOSITIONS or last in WH_WORDS) and not question:
+    if last in WH_WORDS and not question:
+        return True
+    if last in PREPOSITIONS and not (question and WH_WORDS.intersection(words[:-1])):
         return True
     if last in AUXILIARIES | SUBJECTS | {"to"} and (len(words) > SHORT_ANSWER_WORDS or words[0] in AUXILIARIES):
         return True
@@ -201,6 +210,7 @@ class Evidence:
     p_complete: float | None = None  # the audio model's probability that the turn is complete
     text: str | None = None  # the transcript of the turn so far
     fresh: bool = False  # `text` covers the audio up to this pause (else: an earlier interim decode)
+    doubtful: bool = False  # Whisper's probability of the last word is under DOUBTFUL_P
 
     def wait_ms(self, b: Bounds) -> int:
         """The silence after which this turn ends (module docstring's table)."""
@@ -214,7 +224,8 @@ class Evidence:
             return b.unsure_ms  # no words (a cough, a noise): no reason to hold the line long
         if self.p_complete is None:
             return b.max_ms  # the audio model's answer is a few ms away; wait for it
-        return b.complete_ms if self.p_complete >= COMPLETE_P else b.unsure_ms
+        wait = b.complete_ms if self.p_complete >= COMPLETE_P else b.unsure_ms
+        return max(wait, b.doubt_ms) if self.doubtful else wait
 
     def ends(self, silence_ms: int, b: Bounds) -> bool:
         return silence_ms >= self.wait_ms(b)
