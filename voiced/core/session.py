@@ -129,6 +129,7 @@ class Session:
         self._heard = turns.Heard((), 0, 0)  # smart: the turn's words, and since when unchanged
         # smart: sound came back after a pause; decode the turn until it ends (`_words`)
         self._checking = False
+        self._sound_since = 0  # smart: the stream sample where the current sound began (speech or not)
         self._voiced_ms = 0  # the current turn's longest burst of talk (segmenter.voiced_ms)
         self._over_reply = False  # a reply was being spoken during the current turn
         # Unbounded as a queue, bounded in bytes: `send` never blocks a producer (an engine's
@@ -370,6 +371,7 @@ class Session:
                 self._interim_text = None
                 self._heard = turns.Heard((), 0, 0)
                 self._checking = False
+                self._sound_since = ev.offset
                 self._voiced_ms = 0
                 self._over_reply = False
                 await self.send(SpeechStarted(self.spec.session_id, self.turn_id, ms(ev.offset)))
@@ -377,6 +379,7 @@ class Session:
                 if self._pause is None:  # (a pause the words found already holds the turn)
                     self._start_pause()
             elif isinstance(ev, segmenter.Resumed):
+                self._sound_since = ev.offset
                 if self._pause is not None and not self._pause.stalled:
                     await self._cancel_pause()
             elif isinstance(ev, segmenter.SpeechEnded):
@@ -504,6 +507,8 @@ class Session:
             return
         if pause is not None or not heard.stalled() or self.segmenter.silence_ms >= turns.PAUSE_MS:
             return  # (a silence is a pause of the segmenter's already)
+        if (audio_end - self._sound_since) * 1000 < turns.STALL_MS * segmenter.RATE:
+            return  # the sound that followed is too short yet to have shown a word if it was speech
         done = asyncio.get_running_loop().create_future()
         done.set_result(result)
         self._open_pause(Pause(self.turn_id, audio, audio_end, heard.voice_end, done, words=heard.words,
@@ -614,7 +619,7 @@ class Session:
         # transcript goes on (`_watch_words`), and the turn is decoded until the words say (`_words`),
         # first as soon as a decode can show whether they stopped.
         self._checking = True
-        self._next_interim = (pause.audio_end - self.segmenter.speech_start) * 1000 // segmenter.RATE + turns.STALL_MS
+        self._next_interim = self.segmenter.speech_ms + turns.STALL_MS
 
     def _cancel_interim(self) -> None:
         if self._interim is not None and not self._interim.done():
