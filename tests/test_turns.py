@@ -43,6 +43,8 @@ MEDIUM = turns.bounds("medium")
     "By tomorrow the invoice will have been.",  # auxiliary, a long text
     "Please update the address on my.",  # possessive
     "Her reference is 88213.",  # a digit sequence
+    "My pin is 1234",  # digits, not a time of day (nothing asks for one)
+    "The code is at 1299",  # not a time
     "The code is nine one four seven.",  # numbers read out
     "I was wondering, um.",  # filler
     "So what I need is,",  # trailing comma
@@ -58,7 +60,7 @@ def test_text_that_cannot_end_an_english_sentence_is_unfinished(text):
     "Thanks, that's everything.", "Could you repeat that?", "Where is the parcel coming from?",
     "Yes, we are.", "No, it isn't.", "I'll have the soup.", "We need a room for three.", "Goodbye.",
     "Please send it to Berlin.", "That works for me.", "", "Okay.", "Who did you travel with?",
-    "Can you tell me why?",
+    "Can you tell me why?", "The train leaves at 945.", "Could we meet after 1230?",
 ])
 def test_text_that_can_end_a_sentence_is_finished(text):
     assert not unfinished(text)

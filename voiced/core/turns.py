@@ -136,6 +136,19 @@ def _is_number(word: str) -> bool:
     return word.isdigit() or word in NUMBER_WORDS
 
 
+TIME_WORDS = {"at", "after", "before", "until", "till", "by", "from", "around", "about", "since", "past"}
+
+
+def _clock_time(words: list[str]) -> bool:
+    """The last word is a time of day written as digits after a word that asks for one ("at 730",
+    "after 1115"): H:MM or HH:MM without the colon."""
+    last = words[-1]
+    if len(words) < 2 or words[-2] not in TIME_WORDS or len(last) not in (3, 4):
+        return False
+    hours, minutes = int(last[:-2]), int(last[-2:])
+    return 0 <= hours <= 23 and minutes < 60
+
+
 def unfinished(text: str) -> bool:
     """Whether the words end where an English sentence cannot (see the word classes above): a
     function word, a filler, a trailing comma/dash/ellipsis, or a number being read out."""
@@ -158,9 +171,10 @@ def unfinished(text: str) -> bool:
     if last in AUXILIARIES | SUBJECTS | {"to"} and (len(words) > SHORT_ANSWER_WORDS or words[0] in AUXILIARIES):
         return True
     # A number being read out: a run of digits ("4572", "45-72"), or numbers after numbers ("four
-    # five", "4, 5"); a single number ("a table for two") ends a sentence.
+    # five", "4, 5"); a single number ("a table for two") ends a sentence, and so does a clock time
+    # ("at 730": Whisper writes "seven thirty" so).
     if last.isdigit() and len(last) >= 3:
-        return True
+        return not _clock_time(words)
     return _is_number(last) and len(words) >= 2 and _is_number(words[-2])
 
 
