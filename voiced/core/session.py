@@ -582,6 +582,8 @@ class Session:
         if pause is None or not self.segmenter.in_speech or pause.turn_id != self.turn_id:
             return
         silence_ms = (self.segmenter.offset - pause.voice_end) * 1000 // segmenter.RATE
+        if pause.stalled and not pause.evidence.fresh:
+            return  # sound goes on: only the words can end it (their verdict is a few ms away)
         if pause.evidence.ends(silence_ms, self.bounds):
             self._turn_timing(pause, silence_ms)
             await self._segment_events(self.segmenter.end_turn())
