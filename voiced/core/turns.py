@@ -24,13 +24,14 @@ before every pause, and Whisper puts a full stop on half a sentence):
 
 Eagerness sets the four (OpenAI's semantic_vad waits at most 8 / 4 / 2 s at low / medium / high).
 People pause mid-sentence for up to about 2 s, so at medium an unfinished text waits 4 s, and a text
-whose last word Whisper doubts (probability under DOUBTFUL_P) waits that 2 s: such a word is often
+whose last word Whisper doubts (probability under DOUBTFUL_P) waits that 2 s and the time to hear the
+voice come back (the segmenter's RESUME_MS and the VAD's onset): 2.2 s. Such a word is often
 one Whisper made up from the end of half a sentence ("I will care, Kevin." for "I will cancel the"),
 and a full stop after it says nothing.
 
 The words are read with their probabilities and times: a doubtful last word placed after the voice
-stopped does not make unfinished words finished (`judged_text`). Text from an earlier (interim) decode is used while the fresh one is not ready, but only to keep a
-turn open: a stale transcript may lack the last words, so it can never end a turn early.
+stopped does not make unfinished words finished (`judged_text`). Text from an earlier (interim)
+decode is used while the fresh one is not ready, but only to keep a turn open: a stale transcript may lack the last words, so it can never end a turn early.
 
 When the pause begins: the session starts the transcript (the slow part: ~20 ms on a GPU, a few
 hundred on a CPU) after `PAUSE_MS` of silence, before the shortest wait (`complete_ms`) is up, so
@@ -40,10 +41,12 @@ silence after it, whatever the line plays after the voice (noise, tones, music: 
 turns followed by silence).
 
 A line that keeps sounding after the voice (hold music; anything the VAD keeps calling speech) never
-gives a pause. There the words decide when the caller stopped: the session decodes the turn every
-`WORDS_EVERY_MS` while the VAD hears sound, and once the words have not changed over `STALL_MS` more
-audio (`Heard.stalled`), the caller stopped talking where those words ended: that is a pause, judged
-as any other, its silence counted from there.
+gives a pause, or only a short one before it starts. There the words decide when the caller stopped:
+after a pause that sound followed, the session decodes the turn every `WORDS_EVERY_MS`, and once the
+words have not changed over `STALL_MS` more audio (`Heard.stalled`) and the sound has lasted that long
+(a caller who has just resumed has no new word yet), the caller stopped talking where those words
+ended: that is a pause, judged as any other, its silence counted from there; new words cancel it.
+(Where Whisper drops words a caller said after a long pause, this takes them for such a sound.)
 
 Nothing here does I/O: the session feeds it the evidence and asks, on each frame of a pause, whether
 the turn is over (`Evidence.wait_ms` is a lookup).
