@@ -43,11 +43,14 @@ MEDIUM = turns.bounds("medium")
     "By tomorrow the invoice will have been.",  # auxiliary, a long text
     "Please update the address on my.",  # possessive
     "Her reference is 88213.",  # a digit sequence
+    "My pin is 1234",  # digits, not a time of day (nothing asks for one)
+    "The code is at 1299",  # not a time
     "The code is nine one four seven.",  # numbers read out
     "I was wondering, um.",  # filler
     "So what I need is,",  # trailing comma
     "And then the driver said...",  # ellipsis
     "Can we",  # a question still waiting for its verb
+    "Can you send the invoice to?",  # a question mark, but no wh-word stranded the preposition
 ])
 def test_text_that_cannot_end_an_english_sentence_is_unfinished(text):
     assert unfinished(text)
@@ -56,7 +59,8 @@ def test_text_that_cannot_end_an_english_sentence_is_unfinished(text):
 @pytest.mark.parametrize("text", [
     "Thanks, that's everything.", "Could you repeat that?", "Where is the parcel coming from?",
     "Yes, we are.", "No, it isn't.", "I'll have the soup.", "We need a room for three.", "Goodbye.",
-    "Please send it to Berlin.", "That works for me.", "", "Okay.",
+    "Please send it to Berlin.", "That works for me.", "", "Okay.", "Who did you travel with?",
+    "Can you tell me why?", "The train leaves at 945.", "Could we meet after 1230?",
 ])
 def test_text_that_can_end_a_sentence_is_finished(text):
     assert not unfinished(text)
@@ -68,6 +72,9 @@ def test_the_evidence_sets_how_much_silence_ends_the_turn():
     assert Evidence(0.9, "Book a table for.", fresh=True).wait_ms(b) == b.max_ms  # unfinished words win
     assert Evidence(0.9, "Book a table for two.", fresh=True).wait_ms(b) == b.complete_ms
     assert Evidence(0.1, "Book a table for two.", fresh=True).wait_ms(b) == b.unsure_ms
+    # a last word Whisper doubts: the full stop after it is no evidence of an end
+    assert Evidence(0.9, "I will care, Kevin.", fresh=True, doubtful=True).wait_ms(b) == b.doubt_ms
+    assert b.complete_ms < b.unsure_ms < b.doubt_ms < b.max_ms
     assert Evidence(0.9, "Book a table for two.", fresh=False).wait_ms(b) == b.max_ms  # a stale text only waits
     assert Evidence(None, "Book a table for two.", fresh=True).wait_ms(b) == b.max_ms
     assert Evidence(0.9, "", fresh=True).wait_ms(b) == b.unsure_ms  # a noise with no words
@@ -92,6 +99,22 @@ def test_a_doubtful_last_word_where_the_voice_had_stopped_is_judged_without_it()
     finished_before = words(("that", 0.5, 0.9), ("works", 0.9, 0.9), ("well.", 1.5, 0.3))
     assert turns.judged_text("That works well.", finished_before, 1.45) == "That works well."  # nothing open
     assert turns.judged_text("Thank you.", [], 1.0) == "Thank you."
+
+
+def test_words_that_stopped_changing_over_more_audio_are_a_pause():
+    ms = RATE // 1000
+    heard = turns.Heard((), 0, 0)
+    heard = heard.heard(turns.words_of("Please hold the"), 1000 * ms, 1000 * ms)
+    heard = heard.heard(turns.words_of("Please hold the line."), 1400 * ms, 1350 * ms)
+    assert not heard.stalled()  # new words: the caller is talking
+    later = heard.heard(turns.words_of("please hold the line"), 1400 * ms + turns.STALL_MS * ms, 2000 * ms)
+    assert later.stalled()  # the same words (case and punctuation aside) over STALL_MS more audio
+    assert later.voice_end == 1350 * ms  # dated where the words were first all there
+    assert not heard.heard(heard.words, 1400 * ms + (turns.STALL_MS - 20) * ms, 2000 * ms).stalled()
+    # an older decode that returns late changes nothing
+    assert later.heard(turns.words_of("Please"), 900 * ms, 900 * ms) == later
+    # sound with no words at all is not a turn that stopped
+    assert not turns.Heard((), 0, 0).heard((), 5000 * ms, 5000 * ms).stalled()
 
 
 # ------------------------------------------------------------------------------------ the segmenter
@@ -126,6 +149,32 @@ def test_the_segmenter_reports_a_short_pause_and_the_turn_ends_from_outside():
     utterance = next(e for _, e in events if isinstance(e, Utterance))
     ended = next(e for _, e in events if isinstance(e, SpeechEnded))
     assert utterance.end == ended.offset == pauses[1].offset  # ended at the second pause, not the bound
+
+
+def _line(text: str, tail: str, seconds: float, seed: int = 7, voice: str = "en-gb") -> tuple[np.ndarray, float]:
+    """A caller saying `text` on a line that then plays `tail` (noise throughout, keypad tones or hold
+    music after the voice) for `seconds`, made as the turn bench makes its callers (its sentences are
+    its own); the audio and where the voice ends, in seconds."""
+    from voiced.bench.turn_set import Plan, render
+
+    plan = Plan("t", "finished", text, [text], voice, 170, "whole", tail, 0.0, 0.5)
+    audio, caller = render(plan, seconds, np.random.default_rng(seed))
+    return audio, caller.speech_end_s
+
+
+@pytest.mark.parametrize("tail,voice", [("noise", "en-gb"), ("noise", "en-us+f2"), ("dtmf", "en-gb"),
+                                        ("dtmf", "en-us")])
+def test_a_line_s_own_sound_after_the_voice_does_not_hold_the_pause_open(tail, voice):
+    # On a noisy line webrtcvad hears the voice go on 100-200 ms after it stopped; a keypad tone's
+    # edges are speech to it
+    audio, end_s = _line("The invoice went out on the third of June.", tail, 3.0, seed=11, voice=voice)
+    seg = Segmenter(SegmenterConfig(turn_detection="smart", pause_ms=turns.PAUSE_MS, hangover_ms=4000))
+    events = [e for f in _frames(audio) for e in seg.push(f)]
+    after_voice = [e for e in events if isinstance(e, (Paused, Resumed)) and e.offset / RATE > end_s - 0.02]
+    # one pause, as soon after the voice as on a quiet line, and nothing resumes it: the detector
+    # has its silence
+    assert [type(e) for e in after_voice] == [Paused], after_voice
+    assert after_voice[0].offset / RATE * 1000 - end_s * 1000 <= turns.PAUSE_MS + 40
 
 
 def test_voiced_ms_counts_to_the_last_voiced_frame():
@@ -266,6 +315,24 @@ def test_a_finished_sentence_ends_well_within_the_bound(daemon, sentence):
     # 2-core CPU, more on a loaded one) and at most the model's doubt later, not at the 4 s bound an
     # unfinished text waits for.
     assert turns.PAUSE_MS <= after_speech_ms < MEDIUM.max_ms - 500, after_speech_ms
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tail", ["music", "dtmf"])
+def test_a_finished_sentence_followed_by_hold_music_or_keypad_tones_ends_its_turn(daemon, tail):
+    # Hold music: webrtcvad hears speech throughout, so no pause ever comes; the words stop changing.
+    # Keypad tones: not speech (voiced.audio.dtmf), their edges do not resume the pause.
+    audio, end_s = _line("I would like to pay my electricity bill.", tail, MEDIUM.max_ms / 1000 + 2.0)
+    requests = paced(converse("spy"), audio)
+    events, code, details = stream_blocking(daemon.address, requests, "Converse")
+    assert code == grpc.StatusCode.OK, details
+    [final] = finals(events)[:1]
+    assert "electricity" in final.text.lower(), final.text
+    ended = [e.speech.offset_ms for e in of_kind(events, "speech") if e.speech.type == pb.SpeechActivity.SPEECH_ENDED]
+    after_speech_ms = ended[0] - end_s * 1000
+    # Ended while the line still played, by the detector (the transcript and, at most, Whisper's doubt
+    # later), not at the 4 s bound an unfinished text waits for, nor never (before: never).
+    assert after_speech_ms < MEDIUM.max_ms - 500, after_speech_ms
 
 
 @pytest.mark.slow

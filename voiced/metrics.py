@@ -46,6 +46,15 @@ class Metrics:
             "voiced_voice_to_voice_seconds", "End of speech detected to the first reply audio sent",
             buckets=LATENCY_BUCKETS, registry=r,
         )
+        # Smart turn detection: where the time between the short pause and the end of a turn goes.
+        self.turn_decode = Histogram(
+            "voiced_turn_decode_seconds", "Short pause noticed to its transcript ready (the words the end-of-turn "
+            "rule reads)", buckets=LATENCY_BUCKETS, registry=r,
+        )
+        self.turn_decision = Histogram(
+            "voiced_turn_decision_seconds", "End-of-turn evidence ready (transcript and audio model) to the turn "
+            "ended: the rule's own wait", buckets=LATENCY_BUCKETS, registry=r,
+        )
         self.barge_ins = Counter("voiced_barge_ins_total", "Replies interrupted by the caller", registry=r)
         self.engine_active = Gauge(
             "voiced_engine_active_requests", "Requests queued or in a batch slot", ["engine"], registry=r

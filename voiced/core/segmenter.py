@@ -12,7 +12,11 @@ With `pause_ms` set (smart turn detection, voiced.core.turns) the segmenter also
 pause: `Paused` once unvoiced frames reach `pause_ms` while in speech, and `Resumed` on the next voiced
 frame after it. It stays in speech through the pause; the turn ends when whoever decides it calls
 `end_turn()` (as `talk_end()` ends a push-to-talk span), or at `hangover_ms` of silence, which is then
-the upper bound.
+the upper bound. Two cheap rules keep a line's own sounds from holding a pause open there (a turn
+that ends on a noisy line, or with keypad tones after it): inside speech a frame is voiced only when
+it is also well above the line's noise floor (the quietest frame of the last `FLOOR_FRAMES`; stationary
+noise that webrtcvad calls speech sits at that floor), and after silence speech comes back only once
+voiced frames add up to `RESUME_MS` (a tone's edge, a click, a burst of noise is one or two frames).
 
 PUSH_TO_TALK mode ignores the VAD: utterances are exactly the spans between `talk_start()` and
 `talk_end()`.
@@ -41,6 +45,10 @@ SILENCE_SWING = 0.006 * 32768
 # A silence this long inside speech separates two bursts of talk ("okay ... yeah"): barge-in measures
 # each burst on its own (Silero VAD's default minimum silence, which LiveKit's interruption uses).
 BURST_GAP_MS = 550
+# Smart turn detection (pause_ms > 0) only, inside speech:
+FLOOR_FRAMES = 100  # the noise floor is the quietest 20 ms frame of the last 2 s
+FLOOR_RATIO = 8.0  # ... and a voiced frame must carry 9 dB more energy than it
+RESUME_MS = 60  # voiced frames (gaps up to max_gap_ms between them) that end a silence
 
 
 def _loud(frame: np.ndarray) -> bool:
@@ -143,6 +151,12 @@ class Segmenter:
         self._paused = False  # Paused reported, no voiced frame since
         self._last_voiced_end = 0  # sample after the current speech's last voiced frame
         self._burst_start = 0  # sample where the current burst of talk began (voiced_ms)
+        # smart: the noise floor (a monotonic deque of (frame index, energy): its head is the window's
+        # minimum) and the voiced frames that may end a silence
+        self._floor: deque[tuple[int, float]] = deque()
+        self._resume = 0  # voiced frames counted since the silence began
+        self._resume_from = 0  # sample where they began
+        self._resume_gap = 0  # unvoiced frames since the last of them
         self._max_frames = frames_for(config.max_utterance_ms)
 
     @property
@@ -186,6 +200,8 @@ class Segmenter:
         voiced = self._vad.is_speech(frame.tobytes(), RATE) and _loud(frame) and not dtmf.is_tone(frame)
         index = self._frame_index
         self._frame_index += 1
+        if self.config.pause_ms:
+            voiced = self._above_floor(frame, index) and voiced
         if self.in_speech:
             return self._in_speech(frame, voiced)
         return self._in_silence(frame, voiced, index)
@@ -195,6 +211,19 @@ class Segmenter:
         if self.in_speech:
             return self._finish(self.offset)
         return []
+
+    def _above_floor(self, frame: np.ndarray, index: int) -> bool:
+        """Track the noise floor with this frame; whether the frame stands out of it (always before
+        speech starts: the start trigger is the same in both modes)."""
+        x = frame.astype(np.float32)
+        energy = float(np.dot(x, x))
+        floor = self._floor
+        while floor and floor[-1][1] >= energy:
+            floor.pop()
+        floor.append((index, energy))
+        if floor[0][0] <= index - FLOOR_FRAMES:
+            floor.popleft()
+        return not self.in_speech or energy > FLOOR_RATIO * floor[0][1]
 
     def _in_silence(self, frame: np.ndarray, voiced: bool, index: int) -> list:
         if voiced:
@@ -235,6 +264,8 @@ class Segmenter:
     def _in_speech(self, frame: np.ndarray, voiced: bool) -> list:
         self._collect(frame)
         out = []
+        if self.config.pause_ms and self._silence_run:
+            voiced = self._resuming(voiced)
         if voiced:
             if self._silence_run * FRAME_MS >= BURST_GAP_MS:
                 self._burst_start = self.offset - FRAME_SAMPLES
@@ -242,7 +273,7 @@ class Segmenter:
             self._last_voiced_end = self.offset
             if self._paused:
                 self._paused = False
-                out.append(Resumed(self.offset - FRAME_SAMPLES))
+                out.append(Resumed(self._resume_from if self.config.pause_ms else self.offset - FRAME_SAMPLES))
         else:
             self._silence_run += 1
             if self.config.pause_ms and not self._paused and self._silence_run * FRAME_MS >= self.config.pause_ms:
@@ -254,6 +285,24 @@ class Segmenter:
             return out + self._split(self.offset)
         return out
 
+    def _resuming(self, voiced: bool) -> bool:
+        """After silence inside speech (smart): whether speech is back, i.e. voiced frames have added up
+        to RESUME_MS with gaps no longer than max_gap_ms; until then they count as silence."""
+        if not voiced:
+            if self._resume:
+                self._resume_gap += 1
+                if self._resume_gap * FRAME_MS > self.config.max_gap_ms:
+                    self._resume = 0
+            return False
+        if not self._resume:
+            self._resume_from = self.offset - FRAME_SAMPLES
+        self._resume += 1
+        self._resume_gap = 0
+        if self._resume * FRAME_MS < RESUME_MS:
+            return False
+        self._resume = 0
+        return True
+
     def _finish(self, end: int) -> list:
         audio = np.concatenate(self._frames) if self._frames else np.zeros(0, dtype=np.int16)
         utterance = Utterance(audio=audio, start=self.speech_start, end=end)
@@ -262,6 +311,7 @@ class Segmenter:
         self._count = 0
         self._silence_run = 0
         self._paused = False
+        self._resume = 0
         self._pre_roll.clear()
         return [SpeechEnded(end), utterance]
 

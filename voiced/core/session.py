@@ -15,7 +15,10 @@ transcript on the audio so far and asks the audio model, feeds both to voice.cor
 the turn (`Segmenter.end_turn`) as soon as the evidence and the silence so far say the caller is done.
 Speech coming back cancels all of it, and nothing of it has reached the caller: the transcript is
 sent, and the conversation answers, only once the turn is confirmed. For agents that declare it safe,
-the conversation prepares the reply during the pause (voiced.core.conversation).
+the conversation prepares the reply during the pause (voiced.core.conversation). While the VAD hears
+sound the session also decodes the turn every `turns.WORDS_EVERY_MS`; when the words stop changing
+(hold music after the voice, which the VAD calls speech) that is a pause too, dated where the words
+ended (`turns.Heard`), and new words cancel it as speech coming back cancels a pause.
 
 Limits every door gets (config `[server]`): a caller that sends nothing for `idle_timeout_s`, or
 whose call lasts `max_session_s`, is ended with TIMEOUT; responses waiting for a caller that does
@@ -83,10 +86,21 @@ class Pause:
 
     turn_id: int
     audio: np.ndarray  # the turn so far
-    speech_end_s: float  # where in `audio` the voice stopped
-    transcript: asyncio.Task  # its final transcript if the turn ends here
+    audio_end: int  # the stream sample where `audio` ends
+    voice_end: int  # the stream sample where the voice stopped (the silence is counted from there)
+    transcript: asyncio.Future  # its final transcript if the turn ends here
+    words: tuple[str, ...] = ()  # (stalled) the words that stopped changing
+    stalled: bool = False  # found by the words (the VAD still hears sound), not by a silence
     detect: asyncio.Task | None = None
     evidence: turns.Evidence = turns.Evidence()
+    opened: float = 0.0  # monotonic time the pause was noticed
+    decode_s: float | None = None  # how long its transcript took (0: it was there already)
+    model_s: float | None = None  # how long the audio model took
+
+    @property
+    def speech_end_s(self) -> float:
+        """Where in `audio` the voice stopped."""
+        return (self.voice_end - (self.audio_end - len(self.audio))) / segmenter.RATE
 
 
 class Session:
@@ -112,6 +126,10 @@ class Session:
         self.segmenter = Segmenter(replace(seg, keep_audio=spec.recognize))
         self._pause: Pause | None = None
         self._interim_text: str | None = None  # the latest interim decode's text of this turn
+        self._heard = turns.Heard((), 0, 0)  # smart: the turn's words, and since when unchanged
+        # smart: sound came back after a pause; decode the turn until it ends (`_words`)
+        self._checking = False
+        self._sound_since = 0  # smart: the stream sample where the current sound began (speech or not)
         self._voiced_ms = 0  # the current turn's longest burst of talk (segmenter.voiced_ms)
         self._over_reply = False  # a reply was being spoken during the current turn
         # Unbounded as a queue, bounded in bytes: `send` never blocks a producer (an engine's
@@ -341,22 +359,29 @@ class Session:
         if self.conversation is not None:
             self._over_reply = self._over_reply or self.conversation.speaking()
             self.conversation.caller_speaking(self.segmenter.voiced_ms)
-        if self.spec.interim_results and self.spec.recognize and self._pause is None:
+        if ((self.spec.interim_results or self._checking) and self.spec.recognize
+                and (self._pause is None or self._pause.stalled)):
             self._maybe_interim()
 
     async def _segment_events(self, events: list) -> None:
         for ev in events:
             if isinstance(ev, segmenter.SpeechStarted):
                 self.turn_id += 1
-                self._next_interim = self.services.config.asr.interim_interval_ms
+                self._next_interim = self._interim_every()
                 self._interim_text = None
+                self._heard = turns.Heard((), 0, 0)
+                self._checking = False
+                self._sound_since = ev.offset
                 self._voiced_ms = 0
                 self._over_reply = False
                 await self.send(SpeechStarted(self.spec.session_id, self.turn_id, ms(ev.offset)))
             elif isinstance(ev, segmenter.Paused):
-                self._start_pause()
+                if self._pause is None:  # (a pause the words found already holds the turn)
+                    self._start_pause()
             elif isinstance(ev, segmenter.Resumed):
-                await self._cancel_pause()
+                self._sound_since = ev.offset
+                if self._pause is not None and not self._pause.stalled:
+                    await self._cancel_pause()
             elif isinstance(ev, segmenter.SpeechEnded):
                 await self.send(SpeechEnded(self.spec.session_id, self.turn_id, ms(ev.offset)))
             elif isinstance(ev, Utterance):
@@ -386,9 +411,10 @@ class Session:
         opts = self.spec.asr
         if words and not opts.word_timestamps:
             opts = replace(opts, word_timestamps=True)  # the end-of-turn rule reads the last word's probability
-        if opts.priority != priority or (opts.word_timestamps and not final):
-            # Interim results are replaced within a second: no word timings for them.
-            opts = replace(opts, priority=priority, word_timestamps=opts.word_timestamps and final)
+        if opts.priority != priority or (opts.word_timestamps and not final and not words):
+            # Interim results are replaced within a second: no word timings for them (unless the
+            # end-of-turn rule reads them).
+            opts = replace(opts, priority=priority, word_timestamps=words or (opts.word_timestamps and final))
         return await self.services.asr.run(ASRRequest(int16_to_float(audio), opts))
 
     async def _emit_transcripts(self) -> None:
@@ -419,23 +445,74 @@ class Session:
             if self.conversation is not None and result.text.strip() and not result.is_hallucination:
                 await self.conversation.on_transcript(turn, result)
 
+    def _interim_every(self) -> int:
+        every = self.services.config.asr.interim_interval_ms
+        return min(every, turns.WORDS_EVERY_MS) if self._checking else every
+
     def _maybe_interim(self) -> None:
         if self.segmenter.speech_ms < self._next_interim or (self._interim and not self._interim.done()):
             return
-        self._next_interim = self.segmenter.speech_ms + self.services.config.asr.interim_interval_ms
+        self._next_interim = self.segmenter.speech_ms + self._interim_every()
         turn_id, start, audio = self.turn_id, self.segmenter.speech_start, self.segmenter.current_audio()
+        audio_end, voice_end = self.segmenter.offset, self.segmenter.voiced_end
+        smart = self.turn_model is not None
 
         async def interim():
             try:
-                result = await self._recognize(audio, priority=0, final=False)
+                # Smart: with word times (where the words end dates a pause the words find).
+                result = await self._recognize(audio, priority=0, final=False, words=smart)
             except EngineError:
                 return  # an interim result is best effort; the final one reports errors
-            if self.turn_id == turn_id and self.segmenter.in_speech and not result.is_hallucination:
+            if self.turn_id != turn_id or not self.segmenter.in_speech:
+                return
+            if smart:
+                await self._words(result, audio, audio_end, voice_end)
+            if not result.is_hallucination:
                 self._interim_text = result.text
-                await self.send(TranscriptOut(self.spec.session_id, turn_id, result, is_final=False,
-                                              start_ms=ms(start), end_ms=ms(self.segmenter.offset)))
+                if self.spec.interim_results:
+                    await self.send(TranscriptOut(self.spec.session_id, turn_id, replace(result, words=[]),
+                                                  is_final=False, start_ms=ms(start),
+                                                  end_ms=ms(self.segmenter.offset)))
 
         self._interim = self.spawn(interim(), f"interim-{turn_id}")
+
+    # ------------------------------------------------------------------ the words (smart)
+
+    def _heard_words(self, result: Transcript, audio: np.ndarray, audio_end: int, voice_end: int) -> None:
+        """One more decode of the current turn: note its words, and where they end."""
+        text = "" if result.is_hallucination else result.text
+        if result.words:  # the last word's end (cross-attention times: give it a little slack)
+            said = audio_end - len(audio) + int((result.words[-1].end_s + turns.ALIGN_SLACK_S) * segmenter.RATE)
+            voice_end = min(voice_end, max(said, 0))
+        self._heard = self._heard.heard(turns.words_of(text), audio_end, voice_end)
+
+    def _watch_words(self, task: asyncio.Task, turn_id: int, audio: np.ndarray, audio_end: int,
+                     voice_end: int) -> None:
+        """A pause's transcript counts among the turn's decodes too, even if speech came back (or
+        sound the VAD calls speech: hold music right after the voice)."""
+        def done(t: asyncio.Task) -> None:
+            if (not t.cancelled() and t.exception() is None and self.turn_id == turn_id
+                    and self.segmenter.in_speech):
+                self._heard_words(t.result(), audio, audio_end, voice_end)
+
+        task.add_done_callback(done)
+
+    async def _words(self, result: Transcript, audio: np.ndarray, audio_end: int, voice_end: int) -> None:
+        """An interim decode of the turn (smart): new words cancel a pause the words found; words that
+        stopped changing while the VAD still hears sound open one."""
+        self._heard_words(result, audio, audio_end, voice_end)
+        heard, pause = self._heard, self._pause
+        if pause is not None and pause.stalled and heard.words != pause.words:
+            await self._cancel_pause()  # the caller is talking again
+            return
+        if pause is not None or not heard.stalled() or self.segmenter.silence_ms >= turns.PAUSE_MS:
+            return  # (a silence is a pause of the segmenter's already)
+        if (audio_end - self._sound_since) * 1000 < turns.STALL_MS * segmenter.RATE:
+            return  # the sound that followed is too short yet to have shown a word if it was speech
+        done = asyncio.get_running_loop().create_future()
+        done.set_result(result)
+        self._open_pause(Pause(self.turn_id, audio, audio_end, heard.voice_end, done, words=heard.words,
+                               stalled=True, decode_s=0.0))
 
     # ------------------------------------------------------------------ end of turn (smart)
 
@@ -443,24 +520,38 @@ class Session:
         """A short pause in speech: start the turn's transcript and the detector on the audio so far."""
         self._cancel_interim()  # the transcript below supersedes it
         audio = self.segmenter.current_audio()
-        turn_id = self.turn_id
+        turn_id, audio_end, voice_end = self.turn_id, self.segmenter.offset, self.segmenter.voiced_end
         transcript = self.spawn(self._recognize(audio, priority=1, words=True), f"asr-{turn_id}-pause")
-        speech_end_s = (self.segmenter.voiced_end - (self.segmenter.offset - len(audio))) / segmenter.RATE
-        pause = Pause(turn_id, audio, speech_end_s, transcript, evidence=turns.Evidence(text=self._interim_text))
+        self._watch_words(transcript, turn_id, audio, audio_end, voice_end)
+        self._open_pause(Pause(turn_id, audio, audio_end, voice_end, transcript,
+                               evidence=turns.Evidence(text=self._interim_text)))
+
+    def _open_pause(self, pause: Pause) -> None:
+        pause.opened = time.monotonic()
         self._pause = pause
-        pause.detect = self.spawn(self._detect(pause), f"turn-{turn_id}")
+        pause.detect = self.spawn(self._detect(pause), f"turn-{pause.turn_id}")
+
+    def _model_clip(self, pause: Pause) -> np.ndarray:
+        """What the audio model hears: the turn up to the voice's end, then MODEL_SILENCE_MS of silence
+        (whatever the line played after it: noise, tones, music)."""
+        keep = min(len(pause.audio), max(0, pause.voice_end - (pause.audio_end - len(pause.audio))))
+        clip = np.zeros(keep + turns.MODEL_SILENCE_MS * segmenter.RATE // 1000, dtype=np.float32)
+        clip[:keep] = int16_to_float(pause.audio[:keep])
+        return clip
 
     async def _detect(self, pause: Pause) -> None:
         """Gather the evidence on this pause as it arrives (the audio model's answer, then the fresh
         transcript), end the turn as soon as it says so, and start the speculative reply."""
         loop = asyncio.get_running_loop()
-        clip = int16_to_float(pause.audio)
+        clip = self._model_clip(pause)
+        t0 = time.monotonic()
         try:
             # onnxruntime releases the GIL: the model runs beside the loop, not in it.
             p = (await loop.run_in_executor(None, self.turn_model.predict, [clip]))[0]
         except Exception:  # the model is an aid: without its answer the words and the silence decide
             log.exception("session %s: the end-of-turn model failed", self.spec.session_id)
             p = 0.0  # "unsure": finished words then wait `unsure_ms`, not the upper bound
+        pause.model_s = time.monotonic() - t0
         pause.evidence = replace(pause.evidence, p_complete=p)
         await self._maybe_end_turn()
         if self._pause is not pause:
@@ -469,10 +560,18 @@ class Session:
             result = await asyncio.shield(pause.transcript)
         except EngineError:
             return  # no words: the silence bound ends the turn; the final transcript reports the error
+        if pause.decode_s is None:
+            pause.decode_s = time.monotonic() - pause.opened
         text = "" if result.is_hallucination and not self.spec.keep_hallucinations else result.text
-        pause.evidence = replace(pause.evidence, text=turns.judged_text(text, result.words, pause.speech_end_s), fresh=True)
-        log.debug("session %s turn %d pause: p=%s text=%r wait %d ms", self.spec.session_id, pause.turn_id,
-                  f"{p:.2f}", text, pause.evidence.wait_ms(self.bounds))
+        pause.evidence = replace(pause.evidence, text=turns.judged_text(text, result.words, pause.speech_end_s),
+                                 fresh=True, doubtful=bool(text.strip() and result.words
+                                                           and result.words[-1].probability < turns.DOUBTFUL_P))
+        log.debug("session %s turn %d pause%s: p=%s text=%r (last word p=%s) wait %d ms", self.spec.session_id,
+                  pause.turn_id, " (words stopped)" if pause.stalled else "", f"{p:.2f}", text,
+                  f"{result.words[-1].probability:.2f}" if result.words else "-", pause.evidence.wait_ms(self.bounds))
+        log.debug("session %s turn %d pause words (voice ended at %.2f s): %s", self.spec.session_id, pause.turn_id,
+                  pause.speech_end_s, " ".join(f"{w.word}[{w.start_s:.2f}-{w.end_s:.2f} p{w.probability:.2f}]"
+                                               for w in result.words))
         if (self.conversation is not None and text.strip()
                 and pause.evidence.wait_ms(self.bounds) < self.bounds.max_ms):
             self.conversation.speculate(pause.turn_id, text)
@@ -482,20 +581,47 @@ class Session:
         pause = self._pause
         if pause is None or not self.segmenter.in_speech or pause.turn_id != self.turn_id:
             return
-        if pause.evidence.ends(self.segmenter.silence_ms, self.bounds):
+        silence_ms = (self.segmenter.offset - pause.voice_end) * 1000 // segmenter.RATE
+        if pause.stalled and not pause.evidence.fresh:
+            return  # sound goes on: only the words can end it (their verdict is a few ms away)
+        if pause.evidence.ends(silence_ms, self.bounds):
+            self._turn_timing(pause, silence_ms)
             await self._segment_events(self.segmenter.end_turn())
+
+    def _turn_timing(self, pause: Pause, silence_ms: int) -> None:
+        """Where an ended turn's time went: the decode (ASR speed: ~20 ms on a GPU, hundreds on a CPU),
+        the audio model, and the rule's own wait after both (the silence bound)."""
+        now = time.monotonic()
+        decode = pause.decode_s if pause.decode_s is not None else now - pause.opened
+        ready = max(decode, pause.model_s or 0.0)
+        metrics = self.services.metrics
+        metrics.turn_decode.observe(decode)
+        metrics.turn_decision.observe(max(0.0, now - pause.opened - ready))
+        log.debug("session %s turn %d ended %d ms after the voice%s: pause noticed at %d ms, decode %.0f ms, "
+                  "audio model %.0f ms, then the rule waited %.0f ms", self.spec.session_id, pause.turn_id,
+                  silence_ms, " (words stopped)" if pause.stalled else "",
+                  (pause.audio_end - pause.voice_end) * 1000 // segmenter.RATE, decode * 1000,
+                  (pause.model_s or 0.0) * 1000, max(0.0, now - pause.opened - ready) * 1000)
 
     async def _cancel_pause(self) -> None:
         """Speech came back: nothing worked out in the pause may reach the caller."""
         pause, self._pause = self._pause, None
         if pause is None:
             return
-        for task in (pause.detect, pause.transcript):
-            if task is not None:
-                task.cancel()
+        if pause.detect is not None:
+            pause.detect.cancel()
         if self.conversation is not None:
             await self.conversation.cancel_speculation()
-        self._next_interim = self.segmenter.speech_ms + self.services.config.asr.interim_interval_ms
+        if pause.stalled:
+            return
+        if (self.segmenter.offset - pause.voice_end) * 1000 < turns.SHORT_MS * segmenter.RATE:
+            pause.transcript.cancel()  # a gap between words, not a pause
+            return
+        # A pause, then sound: was that the caller, or something the VAD calls speech (hold music)? Its
+        # transcript goes on (`_watch_words`), and the turn is decoded until the words say (`_words`),
+        # first as soon as a decode can show whether they stopped.
+        self._checking = True
+        self._next_interim = self.segmenter.speech_ms + turns.STALL_MS
 
     def _cancel_interim(self) -> None:
         if self._interim is not None and not self._interim.done():

@@ -20,13 +20,33 @@ before every pause, and Whisper puts a full stop on half a sentence):
 | the words are not finished                               | `max_ms`                            |
 | the words are finished and the audio agrees (p >= 0.5)   | `complete_ms` (the short pause)     |
 | the words are finished, the audio is unsure; no words    | `unsure_ms`                         |
+| the words look finished but Whisper doubts the last one  | `doubt_ms`                          |
 
-Eagerness sets the three (OpenAI's semantic_vad waits at most 8 / 4 / 2 s at low / medium / high).
-People pause mid-sentence for up to about 2 s, so at medium an unfinished text waits 4 s.
+Eagerness sets the four (OpenAI's semantic_vad waits at most 8 / 4 / 2 s at low / medium / high).
+People pause mid-sentence for up to about 2 s, so at medium an unfinished text waits 4 s, and a text
+whose last word Whisper doubts (probability under DOUBTFUL_P) waits that 2 s and the time to hear the
+voice come back (the segmenter's RESUME_MS and the VAD's onset): 2.2 s. Such a word is often
+one Whisper made up from the end of half a sentence ("I will care, Kevin." for "I will cancel the"),
+and a full stop after it says nothing.
 
 The words are read with their probabilities and times: a doubtful last word placed after the voice
-stopped does not make unfinished words finished (`judged_text`). Text from an earlier (interim) decode is used while the fresh one is not ready, but only to keep a
-turn open: a stale transcript may lack the last words, so it can never end a turn early.
+stopped does not make unfinished words finished (`judged_text`). Text from an earlier (interim)
+decode is used while the fresh one is not ready, but only to keep a turn open: a stale transcript may lack the last words, so it can never end a turn early.
+
+When the pause begins: the session starts the transcript (the slow part: ~20 ms on a GPU, a few
+hundred on a CPU) after `PAUSE_MS` of silence, before the shortest wait (`complete_ms`) is up, so
+that on a GPU the verdict is ready when that wait ends and on a CPU it comes the instant the decode
+returns. The audio model hears the turn up to the voice's end with `MODEL_SILENCE_MS` of digital
+silence after it, whatever the line plays after the voice (noise, tones, music: it was trained on
+turns followed by silence).
+
+A line that keeps sounding after the voice (hold music; anything the VAD keeps calling speech) never
+gives a pause, or only a short one before it starts. There the words decide when the caller stopped:
+after a pause that sound followed, the session decodes the turn every `WORDS_EVERY_MS`, and once the
+words have not changed over `STALL_MS` more audio (`Heard.stalled`) and the sound has lasted that long
+(a caller who has just resumed has no new word yet), the caller stopped talking where those words
+ended: that is a pause, judged as any other, its silence counted from there; new words cancel it.
+(Where Whisper drops words a caller said after a long pause, this takes them for such a sound.)
 
 Nothing here does I/O: the session feeds it the evidence and asks, on each frame of a pause, whether
 the turn is over (`Evidence.wait_ms` is a lookup).
@@ -37,7 +57,11 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-PAUSE_MS = 200  # the short pause at which the detector runs (Pipecat's VAD stop is 0.2 s)
+PAUSE_MS = 100  # silence at which the pause's transcript and the audio model start
+SHORT_MS = 200  # the shortest silence that ends a turn (Pipecat's VAD stop is 0.2 s)
+MODEL_SILENCE_MS = 200  # the silence the audio model hears after the voice
+WORDS_EVERY_MS = 400  # decode this often while the VAD hears sound (the words show when it stopped)
+STALL_MS = 300  # words unchanged over this much more audio: the caller has stopped talking
 COMPLETE_P = 0.5  # Smart Turn's own threshold
 # Whisper fills a pause with a likely word ("a table for you.") that it is unsure of and that its own
 # timing puts where the caller had already stopped: such a last word is judged without it too.
@@ -49,13 +73,14 @@ ALIGN_SLACK_S = 0.1  # word times come from cross-attention: this close to the e
 class Bounds:
     complete_ms: int  # silence that ends a finished turn the audio model agrees with
     unsure_ms: int  # ... a finished turn the audio model doubts, or one with no words
+    doubt_ms: int  # ... words that look finished but whose last word Whisper doubts
     max_ms: int  # silence that always ends a turn
 
 
 EAGERNESS = {
-    "low": Bounds(complete_ms=500, unsure_ms=1500, max_ms=8000),
-    "medium": Bounds(complete_ms=PAUSE_MS, unsure_ms=600, max_ms=4000),
-    "high": Bounds(complete_ms=PAUSE_MS, unsure_ms=400, max_ms=2000),
+    "low": Bounds(complete_ms=500, unsure_ms=1500, doubt_ms=3200, max_ms=8000),
+    "medium": Bounds(complete_ms=SHORT_MS, unsure_ms=600, doubt_ms=2200, max_ms=4000),
+    "high": Bounds(complete_ms=SHORT_MS, unsure_ms=400, doubt_ms=1200, max_ms=2000),
 }
 
 
@@ -69,7 +94,9 @@ def bounds(eagerness: str) -> Bounds:
 # Closed-class English words after which a sentence cannot end (open-class words, nouns, verbs,
 # adjectives, can always end one). Listed whole, by class; where a class also ends real sentences,
 # the exception is the rule's, not a word's:
-# - stranded prepositions and wh-words end questions ("Where are you from?"): not after a question mark;
+# - wh-words end questions ("Can you tell me why?"), and so do prepositions stranded by one ("Where are
+#   you from?", "Who did you go with?"): a question that asks no wh-word does not end on a preposition
+#   (Whisper puts a question mark on anything that opens with an auxiliary: "Is it open after?");
 # - bare auxiliaries, subject pronouns and "to" end short answers ("Yes, I do.", "So do I.",
 #   "I'd love to."): only in a text longer than three words, or one that opens with an auxiliary
 #   (a question still waiting for its verb or object: "Can I have").
@@ -112,6 +139,19 @@ def _is_number(word: str) -> bool:
     return word.isdigit() or word in NUMBER_WORDS
 
 
+TIME_WORDS = {"at", "after", "before", "until", "till", "by", "from", "around", "about", "since", "past"}
+
+
+def _clock_time(words: list[str]) -> bool:
+    """The last word is a time of day written as digits after a word that asks for one ("at 730",
+    "after 1115"): H:MM or HH:MM without the colon."""
+    last = words[-1]
+    if len(words) < 2 or words[-2] not in TIME_WORDS or len(last) not in (3, 4):
+        return False
+    hours, minutes = int(last[:-2]), int(last[-2:])
+    return 0 <= hours <= 23 and minutes < 60
+
+
 def unfinished(text: str) -> bool:
     """Whether the words end where an English sentence cannot (see the word classes above): a
     function word, a filler, a trailing comma/dash/ellipsis, or a number being read out."""
@@ -127,15 +167,46 @@ def unfinished(text: str) -> bool:
     last, question = words[-1], stripped.endswith("?")
     if last in ALWAYS_OPEN:
         return True
-    if (last in PREPOSITIONS or last in WH_WORDS) and not question:
+    if last in WH_WORDS and not question:
+        return True
+    if last in PREPOSITIONS and not (question and WH_WORDS.intersection(words[:-1])):
         return True
     if last in AUXILIARIES | SUBJECTS | {"to"} and (len(words) > SHORT_ANSWER_WORDS or words[0] in AUXILIARIES):
         return True
     # A number being read out: a run of digits ("4572", "45-72"), or numbers after numbers ("four
-    # five", "4, 5"); a single number ("a table for two") ends a sentence.
+    # five", "4, 5"); a single number ("a table for two") ends a sentence, and so does a clock time
+    # ("at 730": Whisper writes "seven thirty" so).
     if last.isdigit() and len(last) >= 3:
-        return True
+        return not _clock_time(words)
     return _is_number(last) and len(words) >= 2 and _is_number(words[-2])
+
+
+def words_of(text: str) -> tuple[str, ...]:
+    """The words of a transcript, for comparing two decodes (case and punctuation ignored)."""
+    return tuple(_WORD.findall(text.lower().replace("’", "'")))
+
+
+@dataclass(frozen=True)
+class Heard:
+    """The words of the turn as the latest decode has them, and since when they have not changed."""
+
+    words: tuple[str, ...]
+    since: int  # the audio end (a stream sample) of the first decode that had these words
+    voice_end: int  # where the voice stopped saying them, as far as known (a stream sample)
+    latest: int = 0  # the audio end of the latest decode with them
+
+    def heard(self, words: tuple[str, ...], audio_end: int, voice_end: int) -> Heard:
+        """After one more decode of the turn (decodes may return out of order: the older is ignored)."""
+        if audio_end <= self.latest:
+            return self
+        if words != self.words:
+            return Heard(words, audio_end, voice_end, audio_end)
+        return Heard(self.words, self.since, min(self.voice_end, voice_end), audio_end)
+
+    def stalled(self, rate: int = 16000) -> bool:
+        """The transcript stopped growing: the same words over STALL_MS more audio (and some words:
+        a line that sounds before anyone speaks is not a turn)."""
+        return bool(self.words) and (self.latest - self.since) * 1000 >= STALL_MS * rate
 
 
 def judged_text(text: str, words: list, speech_end_s: float) -> str:
@@ -156,6 +227,7 @@ class Evidence:
     p_complete: float | None = None  # the audio model's probability that the turn is complete
     text: str | None = None  # the transcript of the turn so far
     fresh: bool = False  # `text` covers the audio up to this pause (else: an earlier interim decode)
+    doubtful: bool = False  # Whisper's probability of the last word is under DOUBTFUL_P
 
     def wait_ms(self, b: Bounds) -> int:
         """The silence after which this turn ends (module docstring's table)."""
@@ -169,7 +241,8 @@ class Evidence:
             return b.unsure_ms  # no words (a cough, a noise): no reason to hold the line long
         if self.p_complete is None:
             return b.max_ms  # the audio model's answer is a few ms away; wait for it
-        return b.complete_ms if self.p_complete >= COMPLETE_P else b.unsure_ms
+        wait = b.complete_ms if self.p_complete >= COMPLETE_P else b.unsure_ms
+        return max(wait, b.doubt_ms) if self.doubtful else wait
 
     def ends(self, silence_ms: int, b: Bounds) -> bool:
         return silence_ms >= self.wait_ms(b)
