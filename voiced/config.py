@@ -130,8 +130,10 @@ class EnginesConfig:
     # "separate": a thread each, so one engine's host work and syncs overlap the other's GPU work
     # (ahead at 16, 64 and 128 callers on an H200, docs/BENCHMARKS.md "Engine threads"; their step
     # transients may then coexist, and the memory plan counts both). "auto": separate on a GPU,
-    # shared on the CPU (where two threads would only fight over the same cores).
-    threads: str = "auto"
+    # shared on the CPU (where two threads would only fight over the same cores). The default stays
+    # shared until the GPU suite's memory-plan check passes with a thread each (the TTS warm-up's
+    # prefill phase peaked 18 MiB over the plan there, not yet explained).
+    threads: str = "shared"
 
 
 @dataclass
