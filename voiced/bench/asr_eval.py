@@ -33,6 +33,8 @@ from pathlib import Path
 
 import numpy as np
 
+from voiced.bench.report import cpu_model
+
 log = logging.getLogger(__name__)
 
 AUDIO_EXTENSIONS = (".wav", ".flac", ".mp3", ".ogg", ".opus", ".m4a", ".webm")
@@ -274,14 +276,7 @@ def evaluate(utts: list[Utterance], systems: list[System], repeats: int = 1, pro
 def machine() -> dict:
     import torch
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    cpu = cpu_model()
     try:
         load = os.getloadavg()[0]
     except OSError:

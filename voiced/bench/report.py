@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import platform
 from pathlib import Path
 
 
@@ -11,3 +12,14 @@ def emit(result: dict, out: Path | None) -> None:
     print(text)
     if out:
         Path(out).write_text(text + "\n")
+
+
+def cpu_model() -> str:
+    """The processor's model name (Linux's /proc/cpuinfo), else what `platform` knows."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()

@@ -288,9 +288,9 @@ def make_clip(args: argparse.Namespace, directory: Path) -> Path:
 def machine() -> dict:
     import platform
 
-    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                  if line.startswith("model name")), platform.processor())
-    return {"cpu": model, "cores": os.cpu_count(), "python": platform.python_version(),
+    from voiced.bench.report import cpu_model
+
+    return {"cpu": cpu_model(), "cores": os.cpu_count(), "python": platform.python_version(),
             "date": time.strftime("%Y-%m-%d %H:%M %Z")}
 
 

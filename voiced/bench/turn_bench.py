@@ -55,7 +55,7 @@ from pathlib import Path
 
 import numpy as np
 
-from voiced.bench.report import emit
+from voiced.bench.report import cpu_model, emit
 from voiced.bench.steps import pct
 from voiced.bench.turn_set import RATE, TurnCaller, make_set, read_set
 
@@ -494,15 +494,7 @@ def reference_row(model: str | None, directory: Path, callers: list[TurnCaller],
 
 
 def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{cpu}, {os.cpu_count()} cores"
+    return f"{cpu_model()}, {os.cpu_count()} cores"
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from voiced.bench.speech_set import RATE, add_noise
+from voiced.bench.speech_set import RATE, VOICES, add_noise
 
 # Words after which an English sentence does not end (what a pause may follow).
 ARTICLES = {"the", "a", "an", "my", "our", "your"}
@@ -82,7 +82,6 @@ TEMPLATES = [
     "Is there a pharmacy near | {place} that is open after | {time}?",
     "{subj} {aux} | meet {person} at | {place} {when}.",
 ]
-VOICES = ["en-us", "en-gb", "en-us+f2", "en-gb-x-rp", "en-us+m3", "en-gb-scotland", "en-us+f4", "en-029"]
 RATES = [140, 155, 170, 185]
 TAILS = ["silence", "silence", "noise", "dtmf", "music"]  # what follows the speech, drawn in this proportion
 LOUD = 0.01  # |sample| above this is sound (espeak-ng is digital silence between words)
