@@ -83,6 +83,13 @@ def load_engines(services) -> None:
     separate = config.engines.threads == "separate" or (config.engines.threads == "auto" and free is not None)
     tts_thread = EngineThread("tts") if separate else thread
     asr = thread.call(lambda: load_asr(config))
+    if separate and getattr(asr, "memory_need", None) is not None and str(asr.device).startswith("cuda"):
+        from voiced.memory_plan import Need, stream_workspace_bytes
+
+        # The plan's workspace probe ran on this thread's default stream: one thread stepping both engines
+        # has Spark-TTS use that workspace; with a thread each nothing does, and it is held all the same.
+        asr.memory_need.items.append(Need("cuBLAS workspace (this thread's default stream: engines on a thread each)",
+                                          stream_workspace_bytes(str(asr.device))))
     _log_need(asr)
     _warm(asr, thread)
     services.asr = EngineWorker(asr, "asr", thread=thread)
