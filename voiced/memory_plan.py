@@ -289,12 +289,14 @@ def stream_workspace_bytes(device: str) -> int:
     """Bytes PyTorch allocates per (thread, stream) pair that runs cuBLAS / cuBLASLt (its workspace, kept
     for the life of the process), measured once. Call it on the thread and stream that will run the
     engines' eager work, so the workspace it makes is one that would be made anyway."""
-    if device in _WORKSPACE:
-        return _WORKSPACE[device]
     import torch
     import torch.nn.functional as F
 
     dev = torch.device(device)
+    # "cuda" and "cuda:0" are one device: probing it twice would leave a second workspace behind
+    key = f"{dev.type}:{torch.cuda.current_device() if dev.index is None else dev.index}"
+    if key in _WORKSPACE:
+        return _WORKSPACE[key]
     x = torch.ones(32, 32, device=dev, dtype=torch.bfloat16)
     xf = torch.ones(32, 32, device=dev)
     bias = torch.ones(32, device=dev, dtype=torch.bfloat16)
@@ -303,8 +305,8 @@ def stream_workspace_bytes(device: str) -> int:
     out = (F.linear(x, x, bias), xf @ xf, torch.bmm(x[None], x[None]))
     torch.cuda.synchronize(dev)
     del out
-    _WORKSPACE[device] = max(0, torch.cuda.memory_allocated(dev) - before)
-    return _WORKSPACE[device]
+    _WORKSPACE[key] = max(0, torch.cuda.memory_allocated(dev) - before)
+    return _WORKSPACE[key]
 
 
 def peak_live_bytes(fn) -> int:
