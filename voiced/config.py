@@ -130,10 +130,8 @@ class EnginesConfig:
     # "separate": a thread each, so one engine's host work and syncs overlap the other's GPU work
     # (ahead at 16, 64 and 128 callers on an H200, docs/BENCHMARKS.md "Engine threads"; their step
     # transients may then coexist, and the memory plan counts both). "auto": separate on a GPU,
-    # shared on the CPU (where two threads would only fight over the same cores). The default stays
-    # shared until the memory plan counts what a thread each adds: the TTS thread's own cuBLAS
-    # workspace (33 MiB on the H200; the GPU suite's plan check read 8.6 % over with it).
-    threads: str = "shared"
+    # shared on the CPU (where two threads would only fight over the same cores), the default.
+    threads: str = "auto"
 
 
 @dataclass

@@ -477,9 +477,9 @@ def main(argv: list[str] | None = None) -> dict:
                     help="sys.setswitchinterval for the daemon's process (Python's default: 5 ms)")
     ap.add_argument("--merge-policy", choices=["batch", "step"], default=None,
                     help="the Spark engine's VOCODER_MERGE_POLICY for this run (voiced.engines.spark.vocoder_schedule)")
-    ap.add_argument("--engine-threads", choices=["auto", "shared", "separate"], default="shared",
-                    help="as the daemon's engines.threads (default shared): one thread for both engines or one "
-                         "each (auto: separate on a GPU, shared with --tiny-cpu)")
+    ap.add_argument("--engine-threads", choices=["auto", "shared", "separate"], default="auto",
+                    help="as the daemon's engines.threads: one thread for both engines or one each (auto, the "
+                         "default: separate on a GPU, shared with --tiny-cpu)")
     ap.add_argument("--no-gc-freeze", action="store_true",
                     help="leave start-up objects in the garbage collector's scans (to compare)")
     ap.add_argument("--profile-level", type=int, nargs="*", default=[], metavar="N",

@@ -37,7 +37,7 @@ def register(sub) -> None:
     p.add_argument("--wyoming", metavar="tcp://HOST:PORT", help="open the Wyoming (Home Assistant) door there")
     p.add_argument("--http", metavar="HOST:PORT", help="open the HTTP listener there")
     p.add_argument("--engine-threads", choices=["auto", "shared", "separate"],
-                   help="step both engines on one thread (shared, the default) or one each (separate); auto: "
+                   help="step both engines on one thread (shared) or one each (separate); auto (the default): "
                         "separate on a GPU, shared on the CPU")
     p.set_defaults(func=run)
 
