@@ -83,7 +83,7 @@ def memory_need(cfg, lm_dtype: torch.dtype, lm_bytes: int, codec_bytes: int, max
         items.append(Need(f"step transient, estimated (prefill of {longest} tokens)", prefill_bytes(cfg, longest, e),
                           transient=True))
     if vocoder_graph_bytes:
-        items.append(Need("vocoder graphs: their pool (the largest step's activations), inputs and outputs",
+        items.append(Need("vocoder graphs: one step's activations, inputs and outputs (a lower bound)",
                           vocoder_bytes + vocoder_graph_bytes))
     elif vocoder_bytes:
         items.append(Need(f"step transient: vocoder, {vocoder_schedule.VOCODER_STEP_TOKENS} window tokens",

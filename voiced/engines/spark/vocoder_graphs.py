@@ -8,12 +8,13 @@ Every shape a vocoder turn decodes is one that warm-up runs (`vocoder_schedule.w
 graphs are captured there and serving never captures. One graph serves the plain and the end-masked
 decode of its shape: it always applies the end mask, from a static `valid` buffer; a row whose window
 does not end its utterance has valid == length, where the mask keeps every sample
-(`torch.where(True, x, 0)` is x, exactly). The graphs share one memory pool: what each capture
-allocates and frees is reused by the next; what stays is each graph's static inputs and output
-(`held_bytes`).
+(`torch.where(True, x, 0)` is x, exactly). The graphs share one memory pool.
 
-Off by default (`SparkTTSEngine(vocoder_graphs=True)`, `voiced bench e2e --vocoder-graphs`) until
-measured on a GPU (tests/test_spark_gpu.py compares replay against the eager decode).
+Off by default (`SparkTTSEngine(vocoder_graphs=True)`, VOICED_SPARK_VOCODER_GRAPHS=1, `voiced bench e2e
+--vocoder-graphs`). Measured on an H200 (docs/BENCHMARKS.md, issue 26): replay equals the eager decode bit
+for bit, and the TTS's first chunk at 128 callers fell from 607 to 170 ms p50; but the 91 captures held
+~1 GiB, far more than `held_bytes` (inputs, outputs and one step's activations) plans for, so the
+memory plan under-counts them until what each capture keeps is measured and planned.
 """
 
 from __future__ import annotations
@@ -82,7 +83,7 @@ class VocoderGraphs:
 
 
 def held_bytes(shapes: list[tuple[int, int]], speaker_dim: int, itemsize: int) -> int:
-    """What the graphs of these (batch, length) shapes keep allocated: inputs and output of each (the
-    activations of a capture go back to the shared pool for the next)."""
+    """The graphs' inputs and output of each of these (batch, length) shapes. A lower bound: on an H200 the
+    captures held ~4x more (module docstring)."""
     return sum(b * length * 8 + b * speaker_dim * itemsize + b * 16 + b * length * HOP * itemsize
                for b, length in shapes)
