@@ -298,6 +298,7 @@ def test_a_sentence_paused_where_it_cannot_end_is_one_turn(daemon):
     assert SPY.asked == [final.text]  # answered once, the whole sentence
     [reply] = [e.agent_text.text for e in of_kind(events, "agent_text")]
     assert reply == f"You said: {final.text.strip()}"
+    assert_turn_ends_before_its_answer(events)
 
 
 @pytest.mark.slow
@@ -315,6 +316,18 @@ def test_a_finished_sentence_ends_well_within_the_bound(daemon, sentence):
     # 2-core CPU, more on a loaded one) and at most the model's doubt later, not at the 4 s bound an
     # unfinished text waits for.
     assert turns.PAUSE_MS <= after_speech_ms < MEDIUM.max_ms - 500, after_speech_ms
+    assert_turn_ends_before_its_answer(events)
+
+
+def assert_turn_ends_before_its_answer(events) -> None:
+    """What a speculative reply prepared in the pause (the spy agent is speculative) reaches the caller
+    only after the turn's end: SPEECH_ENDED, then the final transcript, then the agent's text."""
+    kinds = [e.WhichOneof("event") for e in events]
+    ended = next(i for i, e in enumerate(events)
+                 if kinds[i] == "speech" and e.speech.type == pb.SpeechActivity.SPEECH_ENDED)
+    final = next(i for i, e in enumerate(events) if kinds[i] == "transcript" and e.transcript.is_final)
+    answer = kinds.index("agent_text")
+    assert ended < final < answer, kinds
 
 
 @pytest.mark.slow
