@@ -104,7 +104,7 @@ def load_engines(services) -> None:
         services.voices = tts.voices
         log.info("TTS: %s on %s (%s backend)", tts.model_name, tts.device, tts.backend)
         engines.append(tts)
-    _log_plan(engines, free, concurrent=tts_thread is not thread)
+    _log_plan(engines, free, concurrent=separate)
     freeze_heap()
 
 

@@ -186,7 +186,7 @@ class Conversation:
         """Called for every frame of caller speech with how long the caller has talked (to the last
         voiced frame); barge-in once it lasts long enough."""
         if (self.spec.barge_in and speech_ms >= self.spec.barge_in_min_speech_ms
-                and self._current is not None and not self._current.done()):
+                and self.speaking()):
             self.services.metrics.barge_ins.inc()
             # Cancel synchronously, on this very frame: no chunk is sent after this point.
             self._cancel_current()
@@ -224,7 +224,7 @@ class Conversation:
     def _cancel_current(self) -> None:
         # Cancelling the task stops it at its current await, so not one more chunk of this reply
         # reaches the outbox; ReplyInterrupted follows once the task has unwound.
-        if self._current is not None and not self._current.done() and self._current_reply is not None:
+        if self.speaking() and self._current_reply is not None:
             self._interrupted[self._current_reply.reply_id] = ms(self.session.segmenter.offset)
             self._current.cancel()
 

@@ -273,7 +273,7 @@ class Segmenter:
             self._last_voiced_end = self.offset
             if self._paused:
                 self._paused = False
-                out.append(Resumed(self._resume_from if self.config.pause_ms else self.offset - FRAME_SAMPLES))
+                out.append(Resumed(self._resume_from))  # _paused is set only with pause_ms
         else:
             self._silence_run += 1
             if self.config.pause_ms and not self._paused and self._silence_run * FRAME_MS >= self.config.pause_ms:

@@ -566,14 +566,15 @@ class Session:
         pause.evidence = replace(pause.evidence, text=turns.judged_text(text, result.words, pause.speech_end_s),
                                  fresh=True, doubtful=bool(text.strip() and result.words
                                                            and result.words[-1].probability < turns.DOUBTFUL_P))
-        log.debug("session %s turn %d pause%s: p=%s text=%r (last word p=%s) wait %d ms", self.spec.session_id,
-                  pause.turn_id, " (words stopped)" if pause.stalled else "", f"{p:.2f}", text,
-                  f"{result.words[-1].probability:.2f}" if result.words else "-", pause.evidence.wait_ms(self.bounds))
-        log.debug("session %s turn %d pause words (voice ended at %.2f s): %s", self.spec.session_id, pause.turn_id,
-                  pause.speech_end_s, " ".join(f"{w.word}[{w.start_s:.2f}-{w.end_s:.2f} p{w.probability:.2f}]"
-                                               for w in result.words))
-        if (self.conversation is not None and text.strip()
-                and pause.evidence.wait_ms(self.bounds) < self.bounds.max_ms):
+        wait_ms = pause.evidence.wait_ms(self.bounds)
+        if log.isEnabledFor(logging.DEBUG):  # the arguments cost more than the line, at every pause
+            log.debug("session %s turn %d pause%s: p=%s text=%r (last word p=%s) wait %d ms", self.spec.session_id,
+                      pause.turn_id, " (words stopped)" if pause.stalled else "", f"{p:.2f}", text,
+                      f"{result.words[-1].probability:.2f}" if result.words else "-", wait_ms)
+            log.debug("session %s turn %d pause words (voice ended at %.2f s): %s", self.spec.session_id,
+                      pause.turn_id, pause.speech_end_s,
+                      " ".join(f"{w.word}[{w.start_s:.2f}-{w.end_s:.2f} p{w.probability:.2f}]" for w in result.words))
+        if self.conversation is not None and text.strip() and wait_ms < self.bounds.max_ms:
             self.conversation.speculate(pause.turn_id, text)
         await self._maybe_end_turn()
 

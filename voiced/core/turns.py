@@ -54,6 +54,7 @@ the turn is over (`Evidence.wait_ms` is a lookup).
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 
@@ -152,6 +153,7 @@ def _clock_time(words: list[str]) -> bool:
     return 0 <= hours <= 23 and minutes < 60
 
 
+@functools.lru_cache(maxsize=64)  # a pause asks for the same few texts on every 20 ms frame it lasts
 def unfinished(text: str) -> bool:
     """Whether the words end where an English sentence cannot (see the word classes above): a
     function word, a filler, a trailing comma/dash/ellipsis, or a number being read out."""
