@@ -64,7 +64,7 @@ from .bicodec import BiCodec, load_bicodec
 from .checkpoint import SparkCheckpoint, SpecialTokens, TextTokenizer, load_special_tokens, resolve
 from .lm_steps import DECODE_STEPS, PREFILL_BUCKET
 from .memory_plan import plan, rows_for_budget
-from .prompt import N_GLOBAL, TOKENS_PER_SECOND, build_prompt, split_text
+from .prompt import N_GLOBAL, TOKENS_PER_SECOND, build_prompt, longest_prompt, split_text
 from .qwen2 import Qwen2Config, Qwen2LM, load_qwen2
 from .reference import ReferenceTokenizer, voice_store
 from .request import PHASE_GLOBAL, PHASE_SEMANTIC, Request, State, phase_bias, semantic_phase_markers
@@ -272,7 +272,7 @@ class SparkTTSEngine:
         req = Request(request_id, opts, voice, segments, seed,
                       max_semantic=max(1, int(opts.max_seconds * TOKENS_PER_SECOND)), t_submit=time.perf_counter())
         longest = max(len(self._prompt(req, i)) for i in range(len(segments)))
-        if longest + N_GLOBAL + 16 >= self.max_seq_len:
+        if longest > longest_prompt(self.max_seq_len):
             raise EngineError(f"the prompt needs {longest} tokens but the engine holds {self.max_seq_len} per request; "
                               "use a shorter reference recording for this voice or shorter text")
         self._order[request_id] = next(self._arrival)

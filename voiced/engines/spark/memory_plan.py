@@ -14,7 +14,7 @@ from . import vocoder_schedule
 from .bicodec import BiCodec, BiCodecConfig
 from .checkpoint import SparkCheckpoint
 from .lm_steps import DECODE_STEPS, PREFILL_BUCKET, PREFILL_STEP_TOKENS, prefill_bytes
-from .prompt import N_GLOBAL
+from .prompt import longest_prompt
 from .qwen2 import Qwen2Config, Qwen2LM, padded_to, prefill_io_bytes
 
 
@@ -69,7 +69,7 @@ def memory_need(cfg, lm_dtype: torch.dtype, lm_bytes: int, codec_bytes: int, max
         items.append(Need(f"decode graphs ({n}): sampled tokens", n * max_batch * decode_steps * 8))
     items.append(Need("cuBLAS workspaces (the default stream, the capture stream)", 2 * workspace_bytes))
     # The longest prefill: a pack of PREFILL_STEP_TOKENS, or one prompt as long as submit accepts.
-    longest = max(PREFILL_STEP_TOKENS, min(max_seq_len, padded_to(max_seq_len - N_GLOBAL - 17, PREFILL_BUCKET)))
+    longest = max(PREFILL_STEP_TOKENS, min(max_seq_len, padded_to(longest_prompt(max_seq_len), PREFILL_BUCKET)))
     if graphs:
         # Every graph of the LM allocates from one pool (Qwen2LM.graph_pool), which keeps the largest
         # graph's activations for good: a packed prefill of PREFILL_STEP_TOKENS (a decode step's are far

@@ -12,6 +12,12 @@ from .voices import Voice
 
 TOKENS_PER_SECOND = SAMPLE_RATE // HOP  # 50 semantic tokens per second of speech
 N_GLOBAL = 32  # a speaker is 32 global tokens
+def longest_prompt(max_seq_len: int) -> int:
+    """The longest prompt an engine holding `max_seq_len` positions a request accepts: room is left for
+    the speaker's global tokens and the first semantic tokens."""
+    return max_seq_len - N_GLOBAL - 17
+
+
 MAX_SEGMENT_CHARS = 300  # longer sentences are cut at commas / spaces: the LM was trained on short utterances
 _CJK = re.compile(r"[\u3000-\u30ff\u3400-\u9fff\uac00-\ud7af\uff00-\uffef]")
 

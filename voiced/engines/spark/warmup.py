@@ -14,7 +14,7 @@ from voiced.engines.rows import doubling
 
 from . import streaming, vocoder_schedule
 from .lm_steps import PREFILL_BUCKET
-from .prompt import N_GLOBAL
+from .prompt import N_GLOBAL, longest_prompt
 from .qwen2 import padded_to
 
 log = logging.getLogger(__name__)
@@ -62,9 +62,9 @@ def warm_up(engine, first_chunk_tokens: int | None = None, chunk_tokens: int | N
 
 
 def warm_prefill(engine, pick) -> int:
-    """Every packed length a prefill step can run (the longest prompt `submit` accepts is
-    max_seq_len - N_GLOBAL - 17 tokens), the first-token sampler and the speaker vector."""
-    longest = engine.max_seq_len - N_GLOBAL - 17
+    """Every packed length a prefill step can run (up to the longest prompt `submit` accepts,
+    `prompt.longest_prompt`), the first-token sampler and the speaker vector."""
+    longest = longest_prompt(engine.max_seq_len)
     lm = engine.lm
     count = 0
     for n in range(PREFILL_BUCKET, min(engine.max_seq_len, padded_to(longest, PREFILL_BUCKET)) + 1, PREFILL_BUCKET):

@@ -45,12 +45,12 @@ import torch.nn.functional as F
 
 from voiced.engines.base import Word
 
+from .audio import HOP_LENGTH, SAMPLE_RATE
 from .model import ModelDims
 from .tokenizer import WhisperTokenizer
 
 SECONDS_PER_FRAME = 0.02  # one encoder position: 2 mel frames of 10 ms
-SAMPLE_RATE = 16000
-LOUDNESS_HOP = 160  # 10 ms: the mel frame
+LOUDNESS_HOP = HOP_LENGTH  # 10 ms: the mel frame
 # Silence (fit_to_pauses): a 10 ms frame this far below the utterance's loud frames (its 99th
 # percentile: a click does not set it) or, in noise, no more than this far above its quiet frames
 # (5th percentile) counts as silent.
