@@ -44,9 +44,6 @@ import asyncio
 import logging
 import os
 import platform
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -56,6 +53,7 @@ from pathlib import Path
 import numpy as np
 
 from voiced.bench.report import cpu_model, emit
+from voiced.bench.soak import DaemonProcess
 from voiced.bench.steps import pct
 from voiced.bench.turn_set import RATE, TurnCaller, make_set, read_set
 
@@ -266,12 +264,6 @@ async def run_live(address: str, directory: Path, callers: list[TurnCaller], det
 # ----------------------------------------------------------------------------------- the daemon
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def wait_serving(address: str, timeout_s: float, check=lambda: None) -> bool:
     """Whether the daemon at `address` says SERVING (grpc.health.v1) within `timeout_s`; `check` runs
     between tries (it raises to give up)."""
@@ -292,38 +284,6 @@ def wait_serving(address: str, timeout_s: float, check=lambda: None) -> bool:
             if time.monotonic() >= deadline:
                 return False
             time.sleep(0.5)
-
-
-class ServedDaemon:
-    """`voiced serve` in a child process, until `stop`: its log in `log_path`."""
-
-    def __init__(self, asr_model: str, device: str | None, log_path: Path, extra: list[str]):
-        self.address = f"127.0.0.1:{free_port()}"
-        cmd = [sys.executable, "-m", "voiced", "serve", "--listen", self.address, "--asr-model", asr_model,
-               "--no-tts", "--agent", "echo", *(["--device", device] if device else []), *extra]
-        self.log_path = log_path
-        self._log = open(log_path, "w")
-        log.info("starting the daemon: %s (log: %s)", " ".join(cmd), log_path)
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=os.environ.copy())
-
-    def wait_ready(self, timeout_s: float) -> None:
-        def exited() -> None:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the daemon exited with status {self.proc.returncode} while starting:\n"
-                                   f"{self.log_path.read_text()[-2000:]}")
-
-        if not wait_serving(self.address, timeout_s, exited):
-            raise RuntimeError(f"the daemon was not serving after {timeout_s:.0f} s (log: {self.log_path})")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
 
 
 # ----------------------------------------------------------------------------------- driver
@@ -413,8 +373,11 @@ def main(argv: list[str] | None = None) -> dict:
             if address is not None and not wait_serving(address, 10):
                 raise RuntimeError(f"--server {address}: no voiced daemon serving there")
             if address is None:
-                daemon = ServedDaemon(args.asr_model, args.device, Path(directory) / "daemon.log", args.serve_arg)
-                daemon.wait_ready(args.start_timeout)
+                serve = ["--asr-model", args.asr_model, "--no-tts", "--agent", "echo",
+                         *(["--device", args.device] if args.device else []), *args.serve_arg]
+                daemon = DaemonProcess(serve, Path(directory) / "daemon.log")  # as the soak starts one
+                log.info("starting the daemon: %s (log: %s)", " ".join(daemon.command), daemon._log.name)
+                daemon.wait_serving(args.start_timeout)
                 address = daemon.address
                 result["asr_model"] = args.asr_model
             result["server"] = args.server or "started by the bench"
@@ -432,8 +395,12 @@ def main(argv: list[str] | None = None) -> dict:
                 if d.startswith("smart:"):
                     row["targets"] = turn_targets(row)
                 result["detectors"].append(row)
-    except RuntimeError as e:  # no daemon, a daemon that would not start: one clear line, nothing left running
-        raise SystemExit(f"voiced bench turns: error: {e}") from None
+    except (RuntimeError, TimeoutError) as e:  # no daemon, one that would not start: one clear line, nothing left running
+        said = ""
+        if daemon is not None:  # its log goes with the set's folder: the end of it here
+            daemon._log.flush()
+            said = "\n" + Path(daemon._log.name).read_text()[-2000:]
+        raise SystemExit(f"voiced bench turns: error: {e}{said}") from None
     finally:
         if daemon is not None:
             daemon.stop()
