@@ -149,40 +149,15 @@ def table(rows: list[dict]) -> str:
 
 
 def segmentation(detector: str):
-    """The SegmentationConfig a caller sends for a daemon detector; ValueError where this build's
-    protocol has no such setting."""
+    """The SegmentationConfig a caller sends for a daemon detector ("silence[:MS]", "smart:EAGERNESS");
+    ValueError for an eagerness the protocol does not name."""
     from voiced_client.proto import voiced_pb2 as pb
 
     if detector.startswith("silence"):
-        seg = pb.SegmentationConfig(hangover_ms=int(detector.partition(":")[2] or 500))
-        mode, eagerness = "silence", None
-    else:
-        mode, eagerness = "smart", detector.split(":", 1)[1]
-        seg = pb.SegmentationConfig()
-    fields = pb.SegmentationConfig.DESCRIPTOR.fields_by_name
-    if "turn_detection" not in fields:
-        if mode == "silence":
-            return seg  # a daemon from before turn detection: silence is all it does
-        raise ValueError("this protocol's SegmentationConfig has no turn_detection")
-    _set(seg, "turn_detection", mode)
-    if eagerness is not None:
-        if "eagerness" not in fields:
-            raise ValueError("this protocol's SegmentationConfig has no eagerness")
-        _set(seg, "eagerness", eagerness)
-    return seg
-
-
-def _set(message, name: str, value: str) -> None:
-    """Set a string or enum field by its value's name ("smart" -> SMART or TURN_DETECTION_SMART)."""
-    f = message.DESCRIPTOR.fields_by_name[name]
-    if f.enum_type is None:
-        setattr(message, name, value)
-        return
-    for v in f.enum_type.values:
-        if v.name.lower() == value or v.name.lower().endswith("_" + value):
-            setattr(message, name, v.number)
-            return
-    raise ValueError(f"{f.enum_type.name} has no value for {value!r}")
+        return pb.SegmentationConfig(hangover_ms=int(detector.partition(":")[2] or 500),
+                                     turn_detection=pb.TURN_DETECTION_SILENCE)
+    eagerness = pb.Eagerness.Value("EAGERNESS_" + detector.split(":", 1)[1].upper())
+    return pb.SegmentationConfig(turn_detection=pb.TURN_DETECTION_SMART, eagerness=eagerness)
 
 
 async def stream_caller(address: str, pcm: bytes, seg) -> Outcome:
@@ -420,11 +395,8 @@ def main(argv: list[str] | None = None) -> dict:
 
 def reference_row(model: str | None, directory: Path, callers: list[TurnCaller], vad: str = "silero") -> dict:
     from voiced.bench.turn_reference import SileroVad, WebrtcVad, run_reference, silero_path
+    from voiced.engines import smart_turn
 
-    try:
-        from voiced.engines import smart_turn
-    except ImportError:
-        return {"detector": "smart-turn", "skipped": "this build has no Smart Turn engine (voiced.engines.smart_turn)"}
     try:
         path = smart_turn.resolve(model) if model else smart_turn.find()
     except Exception as e:
