@@ -17,7 +17,15 @@ import numpy as np
 import pytest
 from voiced_client.proto import voiced_pb2 as pb
 
-from tests.daemon_harness import frames_of, of_kind, session_config, start_daemon, stream_blocking, wire_audio
+from tests.daemon_harness import (
+    audio_requests,
+    frames_of,
+    of_kind,
+    session_config,
+    start_daemon,
+    stream_blocking,
+    wire_audio,
+)
 from tests.real_whisper import tiny_en_dir
 from tests.speech import RATE, phrase
 from tests.turn_model import smart_turn_path
@@ -436,8 +444,7 @@ def _paused_audio() -> np.ndarray:
 ])
 def test_grpc_segmentation_config_sets_the_turn_detection(daemon, setting, effective, turns_heard):
     data = wire_audio(_paused_audio(), L16)
-    requests = [pb.SessionRequest(config=session_config(L16, segmentation=setting))]
-    requests += [pb.SessionRequest(audio=f) for f in frames_of(data, L16)]  # as fast as it goes
+    requests = audio_requests(session_config(L16, segmentation=setting), data, L16)  # as fast as it goes
     events, code, details = stream_blocking(daemon.address, requests)
     assert code == grpc.StatusCode.OK, details
     seg = of_kind(events, "started")[0].started.effective_config.segmentation
@@ -452,7 +459,7 @@ def test_a_server_without_the_model_serves_silence(daemon):
     try:
         data = wire_audio(_paused_audio(), L16)
         cfg = session_config(L16, segmentation=pb.SegmentationConfig(turn_detection=pb.TURN_DETECTION_SMART))
-        requests = [pb.SessionRequest(config=cfg)] + [pb.SessionRequest(audio=f) for f in frames_of(data, L16)]
+        requests = audio_requests(cfg, data, L16)
         events, code, details = stream_blocking(daemon.address, requests)
     finally:
         daemon.services.turn_model = model
