@@ -13,8 +13,9 @@ kind of step, on the CPU: the engines are built from small random checkpoints in
   excluded). Calls made inside a counted call are not counted again.
 - readbacks: `.tolist()`, `.item()`, `.cpu()`, `int()/float()/bool()` of a tensor: on a GPU, each waits
   for the stream.
-- list->device: `torch.tensor(data, device=...)` and `.to(device)` without `non_blocking`: on a GPU
-  a synchronous copy from pageable memory, which waits for the stream too.
+- list->device: `torch.tensor(data, device=...)` and `.to(device)` of a host tensor that is not
+  pinned, `non_blocking` or not: on a GPU a copy from pageable memory, which first waits for the
+  stream too.
 - cpu ms: this thread's CPU time per call of the kind (tiny models: mostly the host's own overhead).
 
 Rows named "network: ..." are the forward passes that run as CUDA graphs on a GPU (one replay call
@@ -62,8 +63,8 @@ class StepCounter(TorchFunctionMode):
                 s["readbacks"] += 1
             elif name == "tensor" and kwargs.get("device") is not None and not kwargs.get("pin_memory"):
                 s["list_to_device"] += 1
-            elif name == "to" and not kwargs.get("non_blocking") and (
-                    "device" in kwargs or any(isinstance(a, (str, torch.device)) for a in args[1:])):
+            elif name == "to" and ("device" in kwargs or any(isinstance(a, (str, torch.device)) for a in args[1:])) \
+                    and args[0].device.type == "cpu" and not args[0].is_pinned():
                 s["list_to_device"] += 1
         return func(*args, **kwargs)
 
