@@ -94,8 +94,7 @@ class SparkVocoderStream:
         windows = self.planner.windows(len(self.semantic), ended=ended)
         if not windows:
             return []
-        ids = torch.tensor(self.semantic, dtype=torch.long, device=self.device)
-        return decode_jobs(self.codec, [DecodeJob(ids, self.speaker, w) for w in windows])
+        return decode_jobs(self.codec, [DecodeJob(self.semantic, self.speaker, w) for w in windows])
 
 
 class SparkFrontend:

@@ -28,10 +28,13 @@ above (the kept frames of any window [a-R, b+R) are the whole-utterance decode's
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from voiced.engines.rows import to_device
 
 from .bicodec import HOP, BiCodec
 
@@ -128,7 +131,9 @@ class ChunkPlanner:
 
 @dataclass
 class DecodeJob:
-    tokens: torch.Tensor  # [n] all semantic ids of the utterance so far (long, on the codec's device)
+    # All semantic ids of the utterance so far, on the host (a list, an array or a CPU tensor): a call's
+    # windows are cut and padded there and reach the device in one copy.
+    tokens: Sequence[int] | np.ndarray | torch.Tensor
     speaker: torch.Tensor  # [C] speaker vector
     window: Window
 
@@ -168,19 +173,21 @@ def decoded_tokens(windows: list[Window]) -> int:
 
 
 def _decode_group(codec: BiCodec, jobs: list[DecodeJob], idxs: list[int], length: int, results: list) -> None:
-    """Decode jobs `idxs` as one call of bucketed batch, every window padded to `length`."""
-    rows, valid = [], []
-    for i in idxs:
+    """Decode jobs `idxs` as one call of bucketed batch, every window padded to `length` with zeros
+    and the batch with copies of its first row. The ids are laid out on the host and sent in one copy
+    (per window, a slice and a pad on the device were a few torch calls each and a synchronous copy
+    per request)."""
+    b = batch_bucket(len(idxs))
+    ids = np.zeros((b, length), dtype=np.int64)
+    valid = []
+    for row, i in enumerate(idxs):
         w = jobs[i].window
-        seg = jobs[i].tokens[w.start : w.end]
-        if seg.shape[0] < length:
-            seg = torch.cat([seg, seg.new_zeros(length - seg.shape[0])])
-        rows.append(seg)
+        ids[row, : w.end - w.start] = jobs[i].tokens[w.start : w.end]
         valid.append(w.end - w.start if w.final else length)
-    spk = [jobs[i].speaker for i in idxs]
-    pad = batch_bucket(len(idxs)) - len(idxs)
-    rows, spk, valid = rows + rows[:1] * pad, spk + spk[:1] * pad, valid + valid[:1] * pad
-    wav = decode_windows(codec, torch.stack(rows), torch.stack(spk), valid).float().cpu().numpy()
+    ids[len(idxs):] = ids[0]
+    valid += valid[:1] * (b - len(idxs))
+    spk = torch.stack([jobs[i].speaker for i in idxs] + [jobs[idxs[0]].speaker] * (b - len(idxs)))
+    wav = decode_windows(codec, to_device(ids, spk.device), spk, valid).float().cpu().numpy()
     for row, i in enumerate(idxs):
         w = jobs[i].window
         a, b = (w.keep_from - w.start) * HOP, (w.keep_to - w.start) * HOP
@@ -199,7 +206,7 @@ def decode_windows(codec: BiCodec, ids: torch.Tensor, spk: torch.Tensor, valid: 
     if min(valid) >= length:
         return codec.decode(ids, spk)
     _install_end_masks(codec)
-    codec._window_valid = (torch.tensor(valid, dtype=torch.long).to(ids.device, non_blocking=True), length)
+    codec._window_valid = (to_device(valid, ids.device), length, {})
     try:
         return codec.decode(ids, spk)
     finally:
@@ -211,18 +218,21 @@ def _end_mask_hook(codec: BiCodec):
         state = codec._window_valid
         if state is None:
             return None
-        valid, length = state
+        valid, length, masks = state
         x = args[0]
         t = x.shape[-1]  # t = length * (the layer's samples per token), exactly: every layer keeps that ratio
-        keep = torch.arange(t, device=x.device)[None, None, :] < (valid * t // length)[:, None, None]
-        return (torch.where(keep, x, x.new_zeros(())), *args[1:])
+        keep = masks.get(t)
+        if keep is None:  # made once per rate and call, not per convolution: ~30 of them share 5 rates
+            keep = masks[t] = torch.arange(t, device=x.device)[None, None, :] < (valid * t // length)[:, None, None]
+        return (torch.where(keep, x, 0.0), *args[1:])
 
     return hook
 
 
 def _install_end_masks(codec: BiCodec) -> None:
     """Pre-hooks on the decode path's time-mixing convolutions (kernel > 1, transposed); no-ops unless
-    `codec._window_valid` is set (by `decode_windows`)."""
+    `codec._window_valid` is set (by `decode_windows`: the valid lengths on the device, the padded
+    length, and the masks made so far in this call, by time steps)."""
     if getattr(codec, "_end_masks_installed", False):
         return
     hook = _end_mask_hook(codec)

@@ -38,7 +38,7 @@ class _Graph:
         _install_end_masks(codec)
 
         def run() -> torch.Tensor:
-            codec._window_valid = (self.valid, length)
+            codec._window_valid = (self.valid, length, {})
             try:
                 return codec.decode(self.ids, self.spk)
             finally:

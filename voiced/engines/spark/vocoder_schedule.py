@@ -20,7 +20,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 from voiced.engines.base import SAMPLE_RATE
 
@@ -184,7 +183,6 @@ class VocoderSchedule:
         # merged window takes as much of the budget as the windows already taken leave it.
         taken: dict[int, list[Window]] = {}
         jobs: list[tuple[Request, DecodeJob]] = []
-        ids: dict[int, torch.Tensor] = {}
         longest, full = 0, False
         while not full:
             progress = False
@@ -202,9 +200,7 @@ class VocoderSchedule:
                     break
                 r.planner.emitted = w.keep_to
                 longest = length
-                if id(r) not in ids:
-                    ids[id(r)] = torch.tensor(r.semantic, dtype=torch.long).to(self.device, non_blocking=True)
-                jobs.append((r, DecodeJob(ids[id(r)], r.speaker, w)))
+                jobs.append((r, DecodeJob(r.semantic, r.speaker, w)))  # the ids stay on the host (decode_jobs)
                 taken.setdefault(id(r), []).append(w)
                 progress = True
             if not progress:
