@@ -114,10 +114,10 @@ def _instrument_engine(services) -> None:
 
     def traced_prefill(outputs):
         t = time.monotonic()
-        fresh = prefill_fresh(outputs)
-        for r, _ in fresh:
+        fresh, hidden = prefill_fresh(outputs)
+        for r in fresh:
             by_id.get(r.rid, {}).setdefault("prefill", t)
-        return fresh
+        return fresh, hidden
 
     engine.submit, engine._prefill_fresh = traced_submit, traced_prefill
 

@@ -56,7 +56,7 @@ from voiced.engines.base import (
     fault_output,
 )
 from voiced.engines.footprint import check_memory_limit, parse_dtype
-from voiced.engines.rows import compaction
+from voiced.engines.rows import compaction, to_device
 from voiced.memory_plan import EngineNeed
 
 from . import lm_steps, vocoder_schedule
@@ -141,10 +141,12 @@ class SparkTTSEngine:
         self._vocab_lo, self._vocab_hi = int(allowed.min()), int(allowed.max()) + 1
         self._samplers: dict[int, PhaseSampler] = {}
         self._speakers: dict[tuple[int, ...], torch.Tensor] = {}  # _speaker's cache, oldest first
-        self._first_tok = torch.zeros(max_batch, dtype=torch.long, device=device)
         pin = str(device).startswith("cuda")
+        # The decode state's host side (StepState's field order), written through numpy views: filling
+        # it costs no torch call per row or field, then two copies send it (`_load_state`).
         self._host_ints = torch.zeros(7, max_batch, dtype=torch.long, pin_memory=pin)
         self._host_floats = torch.zeros(2, max_batch, dtype=torch.float32, pin_memory=pin)
+        self._ints_np, self._floats_np = self._host_ints.numpy(), self._host_floats.numpy()
         self._queue: list[Request] = []
         self._active: list[Request] = []  # index == cache row
         self._arrival = itertools.count()
@@ -350,20 +352,24 @@ class SparkTTSEngine:
 
         This is where a request joins the batch, so its faults are held to the requests prefilled: one
         alone fails; a group goes back to be prefilled one by one (see `_prefill_failed`)."""
-        fresh = self._prefill_fresh(outputs)
+        fresh, hidden = self._prefill_fresh(outputs)
         if not fresh or not self._active:
             return
         try:
             pick = self._sampler([r.options.top_k for r in self._active])
             self._load_state()
-            for r, h in fresh:  # first token of each new segment, from its prompt's last hidden state
-                self._first_tok[r.slot : r.slot + 1] = pick(self.lm, h[None], self.lm.state, slice(r.slot, r.slot + 1))
-            first = self._first_tok.tolist()  # the step's one sync
+            # The first token of each new segment, from its prompt's last hidden state: one sampler call
+            # for all of them (row by row it was ~150 torch calls a request), on their rows of the state:
+            # a slice when they are consecutive (new requests take the rows at the end), else an index.
+            slots = [r.slot for r in fresh]
+            consecutive = slots == list(range(slots[0], slots[0] + len(slots)))
+            rows = slice(slots[0], slots[0] + len(slots)) if consecutive else to_device(slots, self.device)
+            first = pick(self.lm, hidden, self.lm.state, rows).tolist()  # the step's one sync
         except Exception as e:
-            self._prefill_failed([r for r, _ in fresh], e, outputs)
+            self._prefill_failed(fresh, e, outputs)
             return
-        for r, token in [(r, first[r.slot]) for r, _ in fresh]:  # slots move when one fails
-            if r.slot < 0:
+        for r, token in list(zip(fresh, first)):
+            if r.slot < 0:  # released meanwhile: another request's fault moved nothing of it
                 continue
             try:
                 self._advance(r, token)
@@ -410,9 +416,10 @@ class SparkTTSEngine:
                 outputs.append(self._fault(r, e))
         self.last_step["decoded_rows"] = len(rows)
 
-    def _prefill_fresh(self, outputs: list[EngineOutput]) -> list[tuple[Request, torch.Tensor]]:
+    def _prefill_fresh(self, outputs: list[EngineOutput]) -> tuple[list[Request], torch.Tensor | None]:
         """Prefill rows that start a segment, highest priority first, packed into one pass of at most
-        PREFILL_STEP_TOKENS (at least one prompt); returns (request, last hidden state)."""
+        PREFILL_STEP_TOKENS (at least one prompt); returns the requests and their prompts' last hidden
+        states [n, C] (None when there were none)."""
         waiting = sorted((r for r in self._active if r.state is State.PREFILL),
                          key=lambda r: (-r.options.priority, self._order.get(r.rid, 0)))
         group: list[tuple[Request, list[int]]] = []
@@ -434,7 +441,7 @@ class SparkTTSEngine:
                 log.exception("prefill failed for request %s", r.rid)
                 outputs.append(self._fault(r, e))
         if not group:
-            return []
+            return [], None
         try:
             # the ids go as they are: the LM packs them into one host block, sent in one copy
             hidden = self.lm.prefill_many([ids for _, ids in group], [r.slot for r, _ in group],
@@ -442,9 +449,9 @@ class SparkTTSEngine:
         except Exception as e:
             log.error("prefill failed for requests %s", [r.rid for r, _ in group], exc_info=e)
             self._prefill_failed([r for r, _ in group], e, outputs)
-            return []
+            return [], None
         self.last_step["prefill_tokens"] = size
-        return [(r, hidden[j]) for j, (r, _) in enumerate(group)]
+        return [r for r, _ in group], hidden
 
     def _sampler(self, top_ks: list[int]) -> PhaseSampler:
         """The in-graph sampler for a batch with these top_k values (one per candidate bucket)."""
@@ -461,21 +468,21 @@ class SparkTTSEngine:
     def _load_state(self) -> None:
         """Write every active row's decode inputs and sampler state to the device (two copies).
         Rows past the active ones are padding for the graph's batch bucket: greedy, position 0."""
-        ints, floats = self._host_ints, self._host_floats
-        ints.zero_()
-        ints[6].fill_(1)
-        floats.fill_(1.0)
+        ints, floats = self._ints_np, self._floats_np
+        ints[:] = 0
+        ints[6] = 1
+        floats[:] = 1.0
         top = self.max_seq_len - 1
         if self._active:
-            # One host tensor per kind, written in one indexed copy: element by element it was ~700
-            # dispatcher calls at 64 rows (3.7 ms of the TTS thread's host time per decode step, H200 profile).
+            # numpy, not torch: element by element it was ~700 dispatcher calls at 64 rows (3.7 ms of the
+            # TTS thread's host time per decode step, H200 profile), then ~10 torch calls, now none.
             slots = [r.slot for r in self._active]
-            ints[:, slots] = torch.tensor(
+            ints[:, slots] = np.array(
                 [[r.last, min(r.pos, top), r.steps, r.phase, len(r.global_ids), r.seed, int(r.options.top_k)]
                  for r in self._active], dtype=ints.dtype).T
-            floats[:, slots] = torch.tensor(
+            floats[:, slots] = np.array(
                 [[float(r.options.temperature), float(r.options.top_p)] for r in self._active], dtype=floats.dtype).T
-        self.lm.state.load(ints, floats)
+        self.lm.state.load(self._host_ints, self._host_floats)
 
     # ----------------------------------------------------------------------- one-shot helper
 

@@ -329,9 +329,12 @@ class Qwen2LM(nn.Module):
     def setup_cache(self, max_batch: int, max_seq: int) -> None:
         cfg = self.config
         p = self.lm_head.weight
-        shape = (max_batch, cfg.num_key_value_heads, max_seq, cfg.head_dim)
-        self.k_caches = [torch.zeros(shape, dtype=p.dtype, device=p.device) for _ in range(cfg.num_hidden_layers)]
-        self.v_caches = [torch.zeros(shape, dtype=p.dtype, device=p.device) for _ in range(cfg.num_hidden_layers)]
+        shape = (cfg.num_hidden_layers, max_batch, cfg.num_key_value_heads, max_seq, cfg.head_dim)
+        # Every layer's cache is a view of one block per K and V, so moving a row (`move_slot`) is one
+        # copy for all layers instead of one per layer.
+        self._k_all = torch.zeros(shape, dtype=p.dtype, device=p.device)
+        self._v_all = torch.zeros(shape, dtype=p.dtype, device=p.device)
+        self.k_caches, self.v_caches = list(self._k_all.unbind(0)), list(self._v_all.unbind(0))
         cos, sin = rope_tables(cfg, max_seq, p.device)
         self.rope_cos, self.rope_sin = cos, sin
         self.max_batch, self.max_seq = max_batch, max_seq
@@ -346,9 +349,8 @@ class Qwen2LM(nn.Module):
         """Copy one request's cached keys/values to another row (used to keep active rows compact)."""
         if src == dst or length <= 0:
             return
-        for k, v in zip(self.k_caches, self.v_caches):
-            k[dst, :, :length].copy_(k[src, :, :length])
-            v[dst, :, :length].copy_(v[src, :, :length])
+        self._k_all[:, dst, :, :length] = self._k_all[:, src, :, :length]
+        self._v_all[:, dst, :, :length] = self._v_all[:, src, :, :length]
 
     # ---------------------------------------------------------------- forward
 

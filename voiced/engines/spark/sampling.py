@@ -154,17 +154,23 @@ class PhaseSampler:
             return decode_linear.linear(h.contiguous(), w, block_n=128).float()
         return torch.nn.functional.linear(h, w).float()
 
-    def __call__(self, lm, h: torch.Tensor, st, rows: slice) -> torch.Tensor:
+    def __call__(self, lm, h: torch.Tensor, st, rows: slice | torch.Tensor) -> torch.Tensor:
         """Sample for `h [n, C]` (final-normed hidden of `st`'s rows `rows`); advances those rows'
-        tokens, steps, phase and global count in place; returns the ids `[n]`."""
+        tokens, steps, phase and global count; returns the ids `[n]`. `rows`: a slice (the decode
+        steps; updated in place through views), or an index tensor (the first tokens of prompts
+        prefilled together, whose rows need not be consecutive: gathered, then written back)."""
         phase = st.phase[rows]
         logits = self.logits(lm, h) + self.bias[phase]
-        tok = (compiled_sample() if lm.compiled else sample)(logits, st.temperature[rows], st.top_k[rows], st.top_p[rows], st.seeds[rows], st.steps[rows],
+        steps = st.steps[rows]
+        tok = (compiled_sample() if lm.compiled else sample)(logits, st.temperature[rows], st.top_k[rows], st.top_p[rows], st.seeds[rows], steps,
                      candidates=self.candidates, id_offset=self.lo)
         in_from = phase == self.from_phase
         n_global = st.n_global[rows]
         n_global.add_((in_from & (tok >= self.g_lo) & (tok < self.g_hi)).long())
         phase.copy_(torch.where(in_from & (n_global >= self.n_needed), torch.full_like(phase, self.to_phase), phase))
-        st.steps[rows].add_(1)
-        st.tokens[rows].copy_(tok)
+        steps.add_(1)
+        if isinstance(rows, slice):
+            st.tokens[rows].copy_(tok)
+        else:
+            st.phase[rows], st.n_global[rows], st.steps[rows], st.tokens[rows] = phase, n_global, steps, tok
         return tok

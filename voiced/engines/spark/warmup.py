@@ -10,7 +10,7 @@ import time
 import torch
 
 from voiced.engines.base import TTSOptions
-from voiced.engines.rows import doubling
+from voiced.engines.rows import doubling, to_device
 
 from . import streaming, vocoder_schedule
 from .lm_steps import PREFILL_BUCKET
@@ -72,8 +72,9 @@ def warm_prefill(engine, pick) -> int:
         h = lm.prefill_many([[0] * n], [0], pad_to=PREFILL_BUCKET, use_graph=engine.use_cuda_graphs)
         count += 1
     engine._load_state()
-    engine._first_tok[:1] = pick(lm, h[:1], lm.state, slice(0, 1))
-    engine._first_tok.tolist()
+    # the first-token sampler as `_prefill_step` calls it: on consecutive rows, and on scattered ones
+    pick(lm, h[:1], lm.state, slice(0, 1)).tolist()
+    pick(lm, h[:1].expand(2, -1), lm.state, to_device([0, 1], engine.device)).tolist()
     engine._speaker([0] * N_GLOBAL)
     if str(engine.device).startswith("cuda"):
         torch.cuda.synchronize()
