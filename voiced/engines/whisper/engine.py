@@ -41,10 +41,10 @@ from voiced.engines.base import (
     fault_output,
 )
 from voiced.engines.footprint import DTYPES, check_memory_limit, parse_dtype, tensor_bytes
-from voiced.engines.rows import compaction, doubling, rows_in_budget
+from voiced.engines.rows import compaction, doubling, rows_in_budget, to_device
 from voiced.memory_plan import EngineNeed, Need, stream_workspace_bytes
 
-from .audio import HOP_LENGTH, N_FFT, N_SAMPLES, log_mel_spectrogram, pad_or_trim
+from .audio import HOP_LENGTH, N_FFT, N_SAMPLES, log_mel_spectrogram
 from .checkpoint import CheckpointError, read_checkpoint
 from .cpu import column_major_embedding_, int8_available, quantize_int8_
 from .decoding import DecodePlan, RequestDecoder, Suppression
@@ -106,7 +106,7 @@ def memory_need(dims: ModelDims, dtype: torch.dtype, weight_bytes: int, max_batc
              Need(f"KV cache: self {dims.n_text_ctx} + cross {dims.n_audio_ctx} positions x {rows} rows",
                   rows * KVCache.bytes_per_slot(dims, dtype)),
              # token, position, min-length countdown, log-prob, chunk history; the suppression mask
-             Need("step buffers", rows * (3 * 8 + 4 + decode_chunk * 12) + dims.n_vocab)]
+             Need("step buffers", rows * (3 * 8 + 4 + decode_chunk * 16) + dims.n_vocab)]
     if not cuda:
         return EngineNeed("Whisper", "whisper_kv_fraction", items)
     enc = min(max_encoder_batch or 16, rows)
@@ -184,8 +184,9 @@ class WhisperEngine:
         # blind (a row that ends mid-chunk computes a few tokens nobody reads); on the CPU a sync is
         # free and every wasted step costs a full step, so each token is looked at as it comes.
         self.decode_chunk = max(1, decode_chunk if decode_chunk is not None else (8 if self.is_cuda else 1))
-        self._hist_tok = torch.zeros(max_batch, self.decode_chunk, dtype=torch.long, device=model.device)
-        self._hist_lp = torch.zeros(max_batch, self.decode_chunk, dtype=torch.float32, device=model.device)
+        # Each greedy step's token and log-probability, [row, step, (token, log-prob)], read back in one
+        # copy per chunk. float64 holds both exactly (token ids < 2**53, float32 log-probabilities).
+        self._hist = torch.zeros(max_batch, self.decode_chunk, 2, dtype=torch.float64, device=model.device)
         # All of the engine's GPU work runs on one stream of its own, graph captures included (why:
         # fast.CudaGraphs). CUDA graphs: per batch-size bucket, the encoder, one plain decoder step
         # and one fused greedy step.
@@ -202,8 +203,12 @@ class WhisperEngine:
         self.steps = DecoderSteps(self._decoder, self.cache, self.dims.n_text_ctx, max_batch, model.device,
                                   self.suppress.always, tokenizer.eot,
                                   CudaGraphs(self._stream, pool) if self.cuda_graphs else None)
+        # The host side of `steps.inputs`, written through numpy (no torch call per value): pinned on
+        # CUDA and sent in one copy; on the CPU the steps' block itself.
+        self._host_inputs = (torch.zeros(3, max_batch, dtype=torch.long, pin_memory=True) if self.is_cuda
+                             else self.steps.inputs)
+        self._host_np = self._host_inputs.numpy()
         if self._stream is not None:
-            self._host_buf = torch.zeros(3, max_batch, dtype=torch.long).pin_memory()
             # The weights (moved, fused), caches and buffers above were queued on the creating thread's
             # stream; kernels on the engine's own stream must not overtake those fills and copies.
             self._stream.wait_stream(torch.cuda.current_stream(model.device))
@@ -455,19 +460,15 @@ class WhisperEngine:
         Returns the batch size to run: n on CPU; on GPU, n padded to a bucket (padded rows get
         position 0 of free slots, which nobody reads).
         """
-        bufs = (self.steps.tok, self.steps.pos, self.steps.minleft)[: len(rows)]
-        if not self.is_cuda:
-            for buf, vals in zip(bufs, rows):
-                buf[:n] = torch.tensor(vals)
+        k = len(rows)
+        self._host_np[:k, :n] = rows
+        if not self.is_cuda:  # the host block is the steps' own
             return n
         b = next(x for x in self.buckets if x >= n)
-        # Through a pinned staging buffer: reusing it is safe, the previous step's copy finished
-        # before that step read its results back.
-        host = self._host_buf
-        host.zero_()
-        for i, (buf, vals) in enumerate(zip(bufs, rows)):
-            host[i, :n] = torch.tensor(vals)
-            buf[:b].copy_(host[i, :b], non_blocking=True)
+        self._host_np[:k, n:b] = 0
+        # Reusing the pinned block is safe: the previous step's copy out of it finished before that
+        # step read its results back.
+        self.steps.inputs[:k, :b].copy_(self._host_inputs[:k, :b], non_blocking=True)
         return b
 
     def _decode(self, n: int) -> torch.Tensor:
@@ -499,21 +500,22 @@ class WhisperEngine:
                    for r in range(n)]
         b = self._load_inputs(n, [toks, pos, minleft])
         lo, hi = min(pos), max(pos)
+        # Views made once per chunk, not per step: every torch call from Python is a GIL round trip.
+        tok, lp, hist_tok, hist_lp = self.steps.tok[:b], self.steps.lp[:b], self._hist[:b, :, 0], self._hist[:b, :, 1]
         for k in range(k_max):
             if self.is_cuda:
                 self.steps.run("greedy", b)
             else:  # as in _decode: exact context length, no mask when rows are aligned
                 self.steps.greedy(b, kv_len=hi + k + 1, masked=lo != hi)
-            self._hist_tok[:b, k] = self.steps.tok[:b]
-            self._hist_lp[:b, k] = self.steps.lp[:b]
-        tok_rows = self._hist_tok[:n, :k_max].tolist()
-        lp_rows = self._hist_lp[:n, :k_max].tolist()
+            hist_tok[:, k] = tok
+            hist_lp[:, k] = lp
+        rows = self._hist[:n, :k_max].tolist()  # the chunk's one sync
         failed = []
         for q in reqs:
             r = q.rows[0]
             try:
-                for t, lp in zip(tok_rows[r], lp_rows[r]):
-                    q.dec.update_greedy(t, lp)
+                for t, lp in rows[r]:
+                    q.dec.update_greedy(int(t), lp)
                     if q.dec.done:
                         break
             except Exception as e:  # this request's tokens: its fault alone
@@ -577,10 +579,7 @@ class WhisperEngine:
         model, dev = self.model, self.model.device
         if not self.is_cuda:
             mel = log_mel_spectrogram(audio, self.dims.n_mels).to(self.dtype)
-            features = model.encoder(mel)
-            source = torch.tensor([i for i, r in enumerate(chosen) for _ in r.rows], device=dev)
-            rows = torch.tensor([x for r in chosen for x in r.rows], device=dev)
-            model.decoder.write_cross(self.cache, rows, features[source])
+            self._write_cross(model.encoder(mel), chosen)
             return
         start = 0
         for b in encoder_pieces(len(chosen), self.encoder_buckets()):
@@ -592,10 +591,19 @@ class WhisperEngine:
                 features = torch.zeros(b, self.dims.n_audio_ctx, self.dims.n_audio_state, dtype=self.dtype, device=dev)
             else:
                 features = self._encode_bucket(x, b)
-            source = torch.tensor([i for i, r in enumerate(part) for _ in r.rows], device=dev)
-            rows = torch.tensor([x for r in part for x in r.rows], device=dev)
-            model.decoder.write_cross(self.cache, rows, features[source])
+            self._write_cross(features, part)
             start += len(part)
+
+    def _write_cross(self, features: torch.Tensor, part: list[_Active]) -> None:
+        """Every layer's cross keys/values of `features` [>= len(part), A, D] into the rows of `part`
+        (feature i for each of request i's beams). The indices go to the device without a sync."""
+        dev = self.model.device
+        rows = [x for r in part for x in r.rows]
+        if len(rows) == len(part):  # one row each (no beams): the features in order, as a view
+            features = features[:len(part)]
+        else:
+            features = features[to_device([i for i, r in enumerate(part) for _ in r.rows], dev)]
+        self.model.decoder.write_cross(self.cache, to_device(rows, dev), features)
 
     def _admit(self) -> tuple[list[_Active], torch.Tensor] | None:
         """Move queued requests into free rows; returns them and their first-step logits (row order)."""
@@ -634,10 +642,15 @@ class WhisperEngine:
             self._active[req.rid] = req
 
     def _audio(self, chosen: list[_Active]) -> torch.Tensor:
-        """The requests' audio as padded 30 s windows [n, N_SAMPLES] on the model's device."""
-        audio = torch.stack([pad_or_trim(torch.from_numpy(r.request.audio)) for r in chosen])
+        """The requests' audio as padded 30 s windows [n, N_SAMPLES] on the model's device: laid out on
+        the host through numpy (no torch call per request), in pinned memory on CUDA, sent in one copy.
+        `submit` refused anything longer than a window, so each is only padded."""
+        audio = torch.zeros(len(chosen), N_SAMPLES, pin_memory=self.is_cuda)
+        host = audio.numpy()
+        for i, r in enumerate(chosen):
+            host[i, :r.request.audio.shape[0]] = r.request.audio
         if self.is_cuda:
-            audio = audio.pin_memory().to(self.model.device, non_blocking=True)
+            audio = audio.to(self.model.device, non_blocking=True)
         return audio
 
     def _detect_languages(self, detect: list[_Active]) -> None:
@@ -653,23 +666,30 @@ class WhisperEngine:
         """Prefill the initial tokens of `chosen`, grouped by length (they differ only with prompts);
         returns the logits of their last positions (row order) and sets each one's no-speech probability."""
         tok, dev = self.tok, self.model.device
-        out = torch.empty(sum(len(r.rows) for r in chosen), self.dims.n_vocab, device=dev)
         base = chosen[0].rows[0]
         groups: dict[int, list[_Active]] = {}
         for r in chosen:
             groups.setdefault(len(r.dec.start(r.dec.plan.language)), []).append(r)
+        # One group (no prompts: the usual case) holds the rows base.. in order: its logits are the answer.
+        out = None if len(groups) == 1 else torch.empty(sum(len(r.rows) for r in chosen), self.dims.n_vocab, device=dev)
         for group in groups.values():
-            toks = torch.tensor([r.dec.initial for r in group for _ in r.rows], device=dev)
+            toks = to_device([r.dec.initial for r in group for _ in r.rows], dev)
             grows = [x for r in group for x in r.rows]
-            logits = self.model.decoder.prefill(toks, torch.tensor(grows, device=dev), self.cache)
-            sot_idx = torch.tensor([r.dec.sot_index for r in group for _ in r.rows], device=dev)
-            at_sot = logits[torch.arange(len(grows), device=dev), sot_idx]
+            logits = self.model.decoder.prefill(toks, to_device(grows, dev), self.cache)
+            sot = {r.dec.sot_index for r in group}
+            if len(sot) == 1:
+                at_sot = logits[:, sot.pop()]
+            else:
+                sot_idx = to_device([r.dec.sot_index for r in group for _ in r.rows], dev)
+                at_sot = logits.gather(1, sot_idx[:, None, None].expand(-1, 1, logits.shape[-1]))[:, 0]
             no_speech = at_sot.softmax(dim=-1)[:, tok.no_speech].tolist()
             k = 0
             for r in group:
                 r.dec.no_speech_prob = no_speech[k]
                 k += len(r.rows)
-            out[torch.tensor(grows, device=dev) - base] = logits[:, -1]
+            if out is None:
+                return logits[:, -1]
+            out[to_device([g - base for g in grows], dev)] = logits[:, -1]
         return out
 
     def _finish(self) -> list[EngineOutput]:
@@ -700,11 +720,11 @@ class WhisperEngine:
                         len(text), self.dims.n_text_ctx)
             return []
         dev = self.model.device
-        logits, scores = self.model.decoder.alignment_pass(torch.tensor(forced, device=dev), req.rows[0],
+        logits, scores = self.model.decoder.alignment_pass(to_device(forced, dev), req.rows[0],
                                                            self.cache, self.alignment_heads)
         n = len(prefix)
         probs = logits[n - 1:n - 1 + len(text), :tok.eot].softmax(dim=-1)
-        token_probs = probs[torch.arange(len(text), device=dev), torch.tensor(text, device=dev)].tolist()
+        token_probs = probs.gather(1, to_device(text, dev)[:, None])[:, 0].tolist()
         frames = req.request.audio.shape[0] // HOP_LENGTH
         if plan.timestamps and result.segments:
             spans = [SegmentSpan(s.start, s.end, s.tokens) for s in result.segments]
@@ -734,7 +754,7 @@ class WhisperEngine:
         moves = compaction(occupied)
         if moves:
             dev = self.cache.self_k.device
-            self.cache.move(torch.tensor([h for _, h in moves], device=dev), torch.tensor([m for m, _ in moves], device=dev))
+            self.cache.move(to_device([h for _, h in moves], dev), to_device([m for m, _ in moves], dev))
             for m, h in moves:
                 req, j = self._owner[m]
                 req.rows[j] = h

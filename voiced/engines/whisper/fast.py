@@ -351,9 +351,10 @@ class DecoderSteps:
                  device: torch.device, always: Tensor, eot: int, graphs: CudaGraphs | None = None) -> None:
         self.decoder, self.cache, self.n_text_ctx = decoder, cache, n_text_ctx
         self.always, self.eot = always, eot
-        self.tok = torch.zeros(max_batch, dtype=torch.long, device=device)
-        self.pos = torch.zeros(max_batch, dtype=torch.long, device=device)
-        self.minleft = torch.zeros(max_batch, dtype=torch.long, device=device)
+        # Token, position and minimum-length countdown are rows of one block, so the host writes all
+        # of a step's inputs with one copy (`WhisperEngine._load_inputs`).
+        self.inputs = torch.zeros(3, max_batch, dtype=torch.long, device=device)
+        self.tok, self.pos, self.minleft = self.inputs.unbind(0)
         self.lp = torch.zeros(max_batch, dtype=torch.float32, device=device)
         self.graphs = graphs
 

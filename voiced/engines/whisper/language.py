@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from voiced.engines.rows import to_device
+
 from .decoding import NEG_INF
 from .model import KVCache, TextDecoder
 from .tokenizer import WhisperTokenizer
@@ -16,10 +18,12 @@ def detect_languages(decoder: TextDecoder, tok: WhisperTokenizer, cache: KVCache
     the probability of every language."""
     dev = cache.self_k.device
     sot = torch.full((len(rows), 1), tok.sot, dtype=torch.long, device=dev)
-    lang_logits = decoder.prefill(sot, torch.tensor(rows, device=dev), cache)[:, 0]
+    lang_logits = decoder.prefill(sot, to_device(rows, dev), cache)[:, 0]
     only_langs = torch.full_like(lang_logits, NEG_INF)
-    ids = list(tok.language_tokens)
-    only_langs[:, ids] = lang_logits[:, ids]
-    best = only_langs.argmax(dim=-1).tolist()
-    probs = only_langs.softmax(dim=-1)[:, ids].cpu().tolist()
-    return [(tok.language_codes[b - tok.sot - 1], dict(zip(tok.language_codes, p))) for b, p in zip(best, probs)]
+    lo, hi = tok.language_tokens[0], tok.language_tokens[-1] + 1  # consecutive ids: a slice, no index tensor
+    only_langs[:, lo:hi] = lang_logits[:, lo:hi]
+    best = only_langs.argmax(dim=-1)
+    probs = only_langs.softmax(dim=-1)[:, lo:hi]
+    # One copy back: each row's probabilities, then its best id (float32 holds ids < 2**24 exactly).
+    host = torch.cat([probs, best[:, None].to(probs.dtype)], dim=1).tolist()
+    return [(tok.language_codes[int(h[-1]) - tok.sot - 1], dict(zip(tok.language_codes, h[:-1]))) for h in host]

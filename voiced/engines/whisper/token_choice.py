@@ -10,6 +10,8 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
+from voiced.engines.rows import to_device
+
 from .decoding import NEG_INF, RequestDecoder, Suppression
 from .model import KVCache
 
@@ -35,35 +37,50 @@ def choose_tokens(logits: Tensor, reqs: list[Rows], base: int, suppress: Suppres
                   cache: KVCache) -> list[tuple[Rows, Exception]]:
     """Filter the logits of `reqs` (row r at logits[r - base]), pick tokens, advance them (a beam
     request's reordered beams move their self-attention caches); returns the requests whose tokens
-    failed (the others have advanced)."""
+    failed (the others have advanced).
+
+    Row indices reach the device without a sync (`rows.to_device`), and everything the host reads
+    (greedy tokens, their log-probabilities, the beams' candidates) comes back in one copy: float64
+    holds the ids and the float32 log-probabilities exactly."""
     dev = logits.device
     logits.masked_fill_(suppress.always, NEG_INF)
     # The per-request rules, batched: one indexing op for all first steps (no blank / end-of-text
     # first) and one for all rows still under their minimum length; timestamp rules per request.
     first = [r - base for q in reqs if q.dec.n_sampled == 0 for r in q.rows]
     if first:
-        logits[torch.tensor(first, device=dev)[:, None], torch.tensor(suppress.blank, device=dev)] = NEG_INF
+        logits[to_device([[r] for r in first], dev), to_device(suppress.blank, dev)] = NEG_INF
     short = [r - base for q in reqs if q.dec.n_sampled < q.dec.plan.min_new_tokens for r in q.rows]
     if short:
-        logits[torch.tensor(short, device=dev), eot] = NEG_INF
+        logits[to_device(short, dev), eot] = NEG_INF
     for req in reqs:
         if req.dec.plan.timestamps:
-            idx = torch.tensor(req.rows, device=dev) - base
+            idx = to_device([r - base for r in req.rows], dev)
             sub = logits[idx]
             req.dec.timestamp_rules(sub)
             logits[idx] = sub
     greedy = logits.argmax(dim=-1)
     logprobs = torch.log_softmax(logits, dim=-1)
     chosen_lp = logprobs.gather(1, greedy[:, None])[:, 0]
-    beam_tops: dict[int, tuple[list, list]] = {}
+    parts = [greedy.double(), chosen_lp.double()]
+    beams = []  # (beam size, its rows)
     for k in sorted({r.dec.plan.beam_size for r in reqs if r.dec.plan.beam_size > 1}):
         rows = [x for r in reqs if r.dec.plan.beam_size == k for x in r.rows]
-        vals, ids = logprobs[torch.tensor(rows, device=dev) - base].topk(k + 1, dim=-1)
-        vals, ids = vals.tolist(), ids.tolist()
+        vals, ids = logprobs[to_device([x - base for x in rows], dev)].topk(k + 1, dim=-1)
+        parts += [vals.double().flatten(), ids.double().flatten()]
+        beams.append((k, rows))
+    host = torch.cat(parts).tolist()  # the step's one sync
+    n = greedy.shape[0]
+    greedy_l, lp_l, at = [int(t) for t in host[:n]], host[n:2 * n], 2 * n
+    beam_tops: dict[int, tuple[list, list]] = {}
+    for k, rows in beams:
+        size = len(rows) * (k + 1)
+        vals, ids = host[at:at + size], host[at + size:at + 2 * size]
+        at += 2 * size
         for i, row in enumerate(rows):
-            beam_tops[row] = (vals[i], ids[i])
-    greedy_l, lp_l = greedy.tolist(), chosen_lp.tolist()
+            beam_tops[row] = (vals[i * (k + 1):(i + 1) * (k + 1)], [int(t) for t in ids[i * (k + 1):(i + 1) * (k + 1)]])
     failed = []
+    moves_to: list[int] = []
+    moves_from: list[int] = []
     for req in reqs:
         d = req.dec
         try:
@@ -73,8 +90,10 @@ def choose_tokens(logits: Tensor, reqs: list[Rows], base: int, suppress: Suppres
             else:
                 src = d.update_beam([beam_tops[r][0] for r in req.rows], [beam_tops[r][1] for r in req.rows])
                 if not d.done and src != list(range(len(src))):
-                    dst = torch.tensor(req.rows, device=dev)
-                    cache.move(dst, dst[torch.tensor(src, device=dev)], self_only=True)
+                    moves_to += req.rows
+                    moves_from += [req.rows[s] for s in src]
         except Exception as e:  # this request's tokens: its fault alone
             failed.append((req, e))
+    if moves_to:  # every reordered request's beams in one move (their rows are disjoint)
+        cache.move(to_device(moves_to, dev), to_device(moves_from, dev), self_only=True)
     return failed
