@@ -553,8 +553,7 @@ class SparkTTSEngine:
         key = tuple(global_ids)
         spk = self._speakers.pop(key, None)
         if spk is None:
-            g = torch.tensor([global_ids], dtype=torch.long, device=self.device)
-            spk = self.codec.speaker_vector(g)[0]
+            spk = self.codec.speaker_vector(to_device([global_ids], self.device))[0]
         self._speakers[key] = spk  # most recent last
         while len(self._speakers) > SPEAKER_CACHE:
             del self._speakers[next(iter(self._speakers))]

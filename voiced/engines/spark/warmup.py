@@ -72,9 +72,14 @@ def warm_prefill(engine, pick) -> int:
         h = lm.prefill_many([[0] * n], [0], pad_to=PREFILL_BUCKET, use_graph=engine.use_cuda_graphs)
         count += 1
     engine._load_state()
-    # the first-token sampler as `_prefill_step` calls it: on consecutive rows, and on scattered ones
-    pick(lm, h[:1], lm.state, slice(0, 1)).tolist()
-    pick(lm, h[:1].expand(2, -1), lm.state, to_device([0, 1], engine.device)).tolist()
+    # The first-token sampler as `_prefill_step` calls it, for every number of prompts a step can
+    # prefill, on consecutive rows and on scattered ones: the head's GEMV kernel is specialised per
+    # row-count class and the compiled sampler per input layout, and serving must compile nothing.
+    for m in range(1, engine.max_batch + 1):
+        hm = h[:1].expand(m, -1).contiguous()
+        pick(lm, hm, lm.state, slice(0, m)).tolist()
+        if m > 1:
+            pick(lm, hm, lm.state, to_device(list(range(m)), engine.device)).tolist()
     engine._speaker([0] * N_GLOBAL)
     if str(engine.device).startswith("cuda"):
         torch.cuda.synchronize()
