@@ -408,8 +408,8 @@ class WhisperEngine:
             admitted = self._admit()
             if admitted is None:
                 return []
-            reqs, logits = admitted
-            failed = self._select(logits, reqs, reqs[0].rows[0])
+            reqs, logits, no_speech = admitted
+            failed = self._select(logits, reqs, reqs[0].rows[0], no_speech)
         except Exception as e:
             group = self._admitting
             if not group:
@@ -436,10 +436,12 @@ class WhisperEngine:
         self._release([req for req, _ in failed if req.rows])
         return [fault_output(req.rid, "speech recognition", e) for req, e in failed]
 
-    def _select(self, logits: torch.Tensor, reqs: list[_Active], base: int) -> list[tuple[_Active, Exception]]:
-        """Token choice for `reqs` (row r at logits[r - base]; token_choice.py); returns the requests
-        whose tokens failed (the others have advanced)."""
-        return choose_tokens(logits, reqs, base, self.suppress, self.tok.eot, self.cache)
+    def _select(self, logits: torch.Tensor, reqs: list[_Active], base: int,
+                no_speech: torch.Tensor | None = None) -> list[tuple[_Active, Exception]]:
+        """Token choice for `reqs` (row r at logits[r - base]; token_choice.py; an admission's no-speech
+        probabilities come back with the tokens); returns the requests whose tokens failed (the others
+        have advanced)."""
+        return choose_tokens(logits, reqs, base, self.suppress, self.tok.eot, self.cache, no_speech)
 
     @staticmethod
     def _fast(req: _Active) -> bool:
@@ -605,8 +607,9 @@ class WhisperEngine:
             features = features[to_device([i for i, r in enumerate(part) for _ in r.rows], dev)]
         self.model.decoder.write_cross(self.cache, to_device(rows, dev), features)
 
-    def _admit(self) -> tuple[list[_Active], torch.Tensor] | None:
-        """Move queued requests into free rows; returns them and their first-step logits (row order)."""
+    def _admit(self) -> tuple[list[_Active], torch.Tensor, torch.Tensor] | None:
+        """Move queued requests into free rows; returns them, their first-step logits and their no-speech
+        probabilities (row order)."""
         chosen = self._choose_admissions()
         if not chosen:
             return None
@@ -614,7 +617,7 @@ class WhisperEngine:
         self._give_rows(chosen)
         self._encode_into_cache(self._audio(chosen), chosen)
         self._detect_languages([r for r in chosen if r.dec.plan.language is None])
-        return chosen, self._prefill(chosen)
+        return chosen, *self._prefill(chosen)
 
     def _choose_admissions(self) -> list[_Active]:
         """Queued requests for the free rows, highest priority first, at most max_encoder_batch; a
@@ -662,16 +665,19 @@ class WhisperEngine:
             r.dec.language_probs = probs
             r.dec.plan.language = language
 
-    def _prefill(self, chosen: list[_Active]) -> torch.Tensor:
+    def _prefill(self, chosen: list[_Active]) -> tuple[torch.Tensor, torch.Tensor]:
         """Prefill the initial tokens of `chosen`, grouped by length (they differ only with prompts);
-        returns the logits of their last positions (row order) and sets each one's no-speech probability."""
+        returns the logits of their last positions and the no-speech probability at
+        <|startoftranscript|>, both in row order, on the device (read back with the tokens: `_select`)."""
         tok, dev = self.tok, self.model.device
         base = chosen[0].rows[0]
         groups: dict[int, list[_Active]] = {}
         for r in chosen:
             groups.setdefault(len(r.dec.start(r.dec.plan.language)), []).append(r)
-        # One group (no prompts: the usual case) holds the rows base.. in order: its logits are the answer.
-        out = None if len(groups) == 1 else torch.empty(sum(len(r.rows) for r in chosen), self.dims.n_vocab, device=dev)
+        # One group (no prompts: the usual case) holds the rows base.. in order: its results are the answer.
+        n = sum(len(r.rows) for r in chosen)
+        out = None if len(groups) == 1 else torch.empty(n, self.dims.n_vocab, device=dev)
+        no_speech = None if len(groups) == 1 else torch.empty(n, device=dev)
         for group in groups.values():
             toks = to_device([r.dec.initial for r in group for _ in r.rows], dev)
             grows = [x for r in group for x in r.rows]
@@ -682,15 +688,13 @@ class WhisperEngine:
             else:
                 sot_idx = to_device([r.dec.sot_index for r in group for _ in r.rows], dev)
                 at_sot = logits.gather(1, sot_idx[:, None, None].expand(-1, 1, logits.shape[-1]))[:, 0]
-            no_speech = at_sot.softmax(dim=-1)[:, tok.no_speech].tolist()
-            k = 0
-            for r in group:
-                r.dec.no_speech_prob = no_speech[k]
-                k += len(r.rows)
+            group_no_speech = at_sot.softmax(dim=-1)[:, tok.no_speech]
             if out is None:
-                return logits[:, -1]
-            out[to_device([g - base for g in grows], dev)] = logits[:, -1]
-        return out
+                return logits[:, -1], group_no_speech
+            at = to_device([g - base for g in grows], dev)
+            out[at] = logits[:, -1]
+            no_speech[at] = group_no_speech
+        return out, no_speech
 
     def _finish(self) -> list[EngineOutput]:
         """Report finished requests and free their rows."""

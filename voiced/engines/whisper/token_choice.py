@@ -34,14 +34,15 @@ def greedy_choice(logits: Tensor, always: Tensor, eot: int, minleft: Tensor) -> 
 
 
 def choose_tokens(logits: Tensor, reqs: list[Rows], base: int, suppress: Suppression, eot: int,
-                  cache: KVCache) -> list[tuple[Rows, Exception]]:
+                  cache: KVCache, no_speech: Tensor | None = None) -> list[tuple[Rows, Exception]]:
     """Filter the logits of `reqs` (row r at logits[r - base]), pick tokens, advance them (a beam
     request's reordered beams move their self-attention caches); returns the requests whose tokens
-    failed (the others have advanced).
+    failed (the others have advanced). `no_speech` (an admission's, row r at no_speech[r - base]) is
+    set on each request's decoder.
 
     Row indices reach the device without a sync (`rows.to_device`), and everything the host reads
-    (greedy tokens, their log-probabilities, the beams' candidates) comes back in one copy: float64
-    holds the ids and the float32 log-probabilities exactly."""
+    (greedy tokens, their log-probabilities, the beams' candidates, the no-speech probabilities)
+    comes back in one copy: float64 holds the ids and the float32 values exactly."""
     dev = logits.device
     logits.masked_fill_(suppress.always, NEG_INF)
     # The per-request rules, batched: one indexing op for all first steps (no blank / end-of-text
@@ -68,6 +69,8 @@ def choose_tokens(logits: Tensor, reqs: list[Rows], base: int, suppress: Suppres
         vals, ids = logprobs[to_device([x - base for x in rows], dev)].topk(k + 1, dim=-1)
         parts += [vals.double().flatten(), ids.double().flatten()]
         beams.append((k, rows))
+    if no_speech is not None:
+        parts.append(no_speech.double())
     host = torch.cat(parts).tolist()  # the step's one sync
     n = greedy.shape[0]
     greedy_l, lp_l, at = [int(t) for t in host[:n]], host[n:2 * n], 2 * n
@@ -78,6 +81,9 @@ def choose_tokens(logits: Tensor, reqs: list[Rows], base: int, suppress: Suppres
         at += 2 * size
         for i, row in enumerate(rows):
             beam_tops[row] = (vals[i * (k + 1):(i + 1) * (k + 1)], [int(t) for t in ids[i * (k + 1):(i + 1) * (k + 1)]])
+    if no_speech is not None:
+        for req in reqs:
+            req.dec.no_speech_prob = host[at + req.rows[0] - base]
     failed = []
     moves_to: list[int] = []
     moves_from: list[int] = []
