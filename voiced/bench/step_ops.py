@@ -214,9 +214,11 @@ def measure(name: str, batch: int, workdir: Path, size: float) -> dict:
         rows[label] = {"n": n, "calls": round(s["calls"] / n, 1), "readbacks": round(s["readbacks"] / n, 2),
                        "list_to_device": round(s["list_to_device"] / n, 2),
                        "cpu_ms": round(times.get(label, {}).get("cpu_ms", 0.0) / n, 3)}
-    total = {k: sum(s[k] for s in counts.values()) for k in ("calls", "readbacks", "list_to_device")}
+    fields = ("calls", "readbacks", "list_to_device")
+    total = {k: sum(s[k] for s in counts.values()) for k in fields}
+    host = {k: sum(s[k] for label, s in counts.items() if not label.startswith("network")) for k in fields}
     return {"engine": name, "batch": batch, "steps": steps, "per_step": {k: round(v / steps, 1) for k, v in total.items()},
-            "kinds": rows}
+            "host_per_step": {k: round(v / steps, 1) for k, v in host.items()}, "kinds": rows}
 
 
 def table(results: list[dict]) -> str:
@@ -228,9 +230,10 @@ def table(results: list[dict]) -> str:
                 continue
             lines.append(f"| {res['engine']} | {res['batch']} | {label} | {r['n']} | {r['calls']} | {r['readbacks']} | "
                          f"{r['list_to_device']} | {r['cpu_ms']} |")
-        p = res["per_step"]
-        lines.append(f"| {res['engine']} | {res['batch']} | **all, per step** ({res['steps']} steps) | | "
-                     f"{p['calls']} | {p['readbacks']} | {p['list_to_device']} | |")
+        for key, what in (("host_per_step", "host side (no network rows), per step"), ("per_step", "all, per step")):
+            p = res[key]
+            lines.append(f"| {res['engine']} | {res['batch']} | **{what}** ({res['steps']} steps) | | "
+                         f"{p['calls']} | {p['readbacks']} | {p['list_to_device']} | |")
     return "\n".join(lines)
 
 
