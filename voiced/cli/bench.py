@@ -16,6 +16,9 @@
                                                     Smart Turn alone as Pipecat runs it, ours); runs on a CPU
     voiced bench plot RESULT.json... --out DIR      each e2e figure against the number of callers, issue 15's
                                                     targets and the saturation point marked (PNG and SVG)
+    voiced bench step-ops [--batches 1 16 64]       torch calls, readbacks and list->device copies per kind of
+                                                    engine step, both engines on the CPU (a checkout: the tests'
+                                                    random checkpoints)
 Each sub-command's own options: `voiced bench whisper --help`, and so on.
 """
 
@@ -26,7 +29,8 @@ import argparse
 SUITES = {"whisper": "voiced.bench.whisper_bench", "spark": "voiced.bench.spark_bench",
           "spark-kernels": "voiced.bench.spark_kernels",
           "e2e": "voiced.bench.e2e_bench", "speech": "voiced.bench.speech_bench",
-          "memory": "voiced.bench.memory_bench", "turns": "voiced.bench.turn_bench", "plot": "voiced.bench.plot"}
+          "memory": "voiced.bench.memory_bench", "turns": "voiced.bench.turn_bench", "plot": "voiced.bench.plot",
+          "step-ops": "voiced.bench.step_ops"}
 
 
 def register(sub) -> None:
