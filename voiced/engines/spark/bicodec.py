@@ -283,9 +283,23 @@ class Snake1d(nn.Module):
     def __init__(self, channels: int) -> None:
         super().__init__()
         self.alpha = nn.Parameter(torch.ones(1, channels, 1))
+        self._inverse: tuple[tuple, torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + (self.alpha + 1e-9).reciprocal() * torch.sin(self.alpha * x).pow(2)
+        return x + self.inverse_alpha() * torch.sin(self.alpha * x).pow(2)
+
+    def inverse_alpha(self) -> torch.Tensor:
+        """1 / (alpha + 1e-9), the same bits as computing it in every call, computed once per value of
+        alpha: the eager vocoder's host time is its number of torch calls (29 Snakes, ~60 calls a
+        decode). The key (the parameter, its version, device, dtype) changes with every load or move;
+        reading it calls no torch function. A normal tensor even under inference mode, so that a later
+        forward with autograd on may save it."""
+        a = self.alpha
+        key = (id(a), a._version, a.device, a.dtype)
+        if self._inverse is None or self._inverse[0] != key:
+            with torch.inference_mode(False), torch.no_grad():
+                self._inverse = (key, (a + 1e-9).reciprocal())
+        return self._inverse[1]
 
 
 class ResidualUnit(nn.Module):
