@@ -58,7 +58,7 @@ class Level:
     completed: int
     errors: dict[str, int]
     lateness_p99_ms: float  # the load generator's own lateness: large means its figures are not to be trusted
-    load_avg: float  # the machine's 1-minute load average at the end of the window
+    load_avg: float  # the machine's 1-minute load average as the level ended (other jobs share the cores)
 
 
 def process_ticks(pid: int) -> int:
