@@ -67,3 +67,53 @@ def test_key_presses_between_phrases_do_not_become_speech():
     events = [e for f in frames(a) for e in seg.push(f)] + seg.flush()
     assert sum(isinstance(e, SpeechStarted) for e in events) == 2
     assert sum(isinstance(e, Utterance) for e in events) == 2
+
+
+def reference_key(frame: np.ndarray, rate: int = RATE) -> str | None:
+    """The rule as first written (a complex basis per trimmed length, the twist in dB): `dtmf.key` is
+    its cheaper form, and must give the same key for every frame."""
+    x = np.asarray(frame, dtype=np.float64)
+    loud = np.flatnonzero(np.abs(x) > dtmf.EDGE * np.abs(x).max(initial=0.0))
+    if len(loud) and (loud[0] > 0 or loud[-1] < len(x) - 1):
+        if loud[-1] + 1 - loud[0] < dtmf.MIN_SPAN_MS * rate // 1000:
+            return None
+        x = x[loud[0]: loud[-1] + 1]
+    energy = float(x @ x)
+    if energy <= 0.0:
+        return None
+    t = np.arange(len(x)) / rate
+    basis = np.exp(-2j * np.pi * np.array(dtmf.LOW + dtmf.HIGH)[:, None] * t)
+    power = 2.0 * np.abs(basis @ x) ** 2 / len(x)
+    lo, hi = int(np.argmax(power[:4])), int(np.argmax(power[4:]))
+    p_lo, p_hi = power[lo], power[4 + hi]
+    if (p_lo + p_hi) < dtmf.TONE_SHARE * energy or min(p_lo, p_hi) <= 0.0:
+        return None
+    if abs(10.0 * np.log10(p_lo / p_hi)) > dtmf.MAX_TWIST_DB:
+        return None
+    return dtmf.KEYS[lo][hi]
+
+
+def test_key_gives_the_reference_rules_answer_frame_by_frame():
+    rng = np.random.default_rng(0)
+    speech = np.concatenate([phrase("Please call me back tomorrow morning."), phrase("Seven apples and three oranges.")])
+    clips = [speech, heard_audio(wire_audio(speech, PHONE), PHONE), 0.1 * rng.standard_normal(RATE).astype(np.float32)]
+    for i, k in enumerate("0123456789*#ABCD"):
+        # Edges anywhere in a frame, twist near its bound, speech or noise under the tone near the share's.
+        lead = np.zeros(int(rng.integers(0, 2 * FRAME_SAMPLES)), np.float32)
+        t = tone(k, 0.07 + 0.01 * i, level=0.05 + 0.02 * i, phase=i * 1e-3)
+        clips.append(np.concatenate([lead, t, lead]))
+        under = speech[: len(t)] * (0.2 + 0.05 * i) + 0.02 * i * rng.standard_normal(len(t)).astype(np.float32)
+        clips.append(t + under)
+        row = next(r for r, keys in enumerate(dtmf.KEYS) if k in keys)
+        f1, f2 = dtmf.LOW[row], dtmf.HIGH[dtmf.KEYS[row].index(k)]
+        s = np.arange(FRAME_SAMPLES * 4) / RATE
+        for db in (7.9, 8.1):
+            clips.append((0.2 * np.sin(2 * np.pi * f1 * s) + 0.2 * 10 ** (-db / 20) * np.sin(2 * np.pi * f2 * s))
+                         .astype(np.float32))
+    seen = set()
+    for x in clips:
+        for f in frames(x):
+            want = reference_key(f)
+            assert dtmf.key(f) == want
+            seen.add(want)
+    assert None in seen and len(seen) > 10  # tones and not-tones both met

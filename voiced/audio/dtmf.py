@@ -8,7 +8,7 @@ its energy sits at the strongest frequency of each group, at comparable levels (
 speech, whose energy spreads over many harmonics and formants, does not do for 20 ms.
 
 The energy at each of the eight frequencies is the squared magnitude of the frame's Fourier sum at
-that exact frequency (Goertzel's quantity), computed as one small matrix product.
+that exact frequency (Goertzel's quantity), computed as one small real matrix product.
 """
 
 from __future__ import annotations
@@ -26,36 +26,50 @@ TONE_SHARE = 0.8
 MAX_TWIST_DB = 8.0
 EDGE = 0.1  # samples under a tenth of the frame's peak before the first / after the last louder one are cut
 MIN_SPAN_MS = 5
+TWIST = 10.0 ** (MAX_TWIST_DB / 10.0)  # the same bound as a power ratio
 
 
 @lru_cache(maxsize=4)
 def _basis(n: int, rate: int) -> np.ndarray:
-    t = np.arange(n) / rate
-    f = np.array(LOW + HIGH)[:, None]
-    return np.exp(-2j * np.pi * f * t)  # [8, n]
+    """cos and sin of each frequency over an n-sample frame: [16, n], X(f) = cos @ x - i sin @ x."""
+    w = 2 * np.pi * np.array(LOW + HIGH)[:, None] * (np.arange(n) / rate)
+    return np.concatenate([np.cos(w), np.sin(w)])
 
 
 def key(frame: np.ndarray, rate: int = 16000) -> str | None:
-    """The key whose tone fills `frame` (int16 or float samples), or None for anything else."""
+    """The key whose tone fills `frame` (int16 or float samples), or None for anything else.
+
+    The segmenter asks this of every voiced frame of speech, 50 times a second per caller, on the event
+    loop: so one basis per frame length (a trimmed frame uses a slice of it, since where the time origin
+    sits only turns X(f) by a unit phase and |X(f)| is what is judged) and no more array passes than the
+    rule needs."""
     x = np.asarray(frame, dtype=np.float64)
+    n = len(x)
+    if not n:
+        return None
+    a = np.abs(x)
+    loud = a > EDGE * a.max()
+    first = int(loud.argmax())
+    if not loud[first]:
+        return None  # silence
+    last = n - 1 - int(loud[::-1].argmax())
+    basis = _basis(n, rate)
     # A tone that starts or stops inside the frame: judge the part that sounds (a frame that is half
     # silence would otherwise put only half its length into the tone's share).
-    loud = np.flatnonzero(np.abs(x) > EDGE * np.abs(x).max(initial=0.0))
-    if len(loud) and (loud[0] > 0 or loud[-1] < len(x) - 1):
-        if loud[-1] + 1 - loud[0] < MIN_SPAN_MS * rate // 1000:
+    if first > 0 or last < n - 1:
+        if last + 1 - first < MIN_SPAN_MS * rate // 1000:
             return None
-        x = x[loud[0]: loud[-1] + 1]
+        x, basis = x[first: last + 1], basis[:, first: last + 1]
     energy = float(x @ x)
-    if energy <= 0.0:
-        return None
     # A tone of amplitude a over n samples puts |X(f)|^2 = (a n / 2)^2 at its frequency and has
     # energy a^2 n / 2: its share of the frame's energy is 2 |X(f)|^2 / (n * energy).
-    power = 2.0 * np.abs(_basis(len(x), rate) @ x) ** 2 / len(x)
-    lo, hi = int(np.argmax(power[:4])), int(np.argmax(power[4:]))
-    p_lo, p_hi = power[lo], power[4 + hi]
+    y = basis @ x
+    power = (2.0 / len(x)) * (y[:8] ** 2 + y[8:] ** 2)
+    lo, hi = int(power[:4].argmax()), int(power[4:].argmax())
+    p_lo, p_hi = float(power[lo]), float(power[4 + hi])
     if (p_lo + p_hi) < TONE_SHARE * energy or min(p_lo, p_hi) <= 0.0:
         return None
-    if abs(10.0 * np.log10(p_lo / p_hi)) > MAX_TWIST_DB:
+    if max(p_lo, p_hi) > TWIST * min(p_lo, p_hi):
         return None
     return KEYS[lo][hi]
 

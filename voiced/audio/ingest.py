@@ -19,6 +19,7 @@ FRAME_MS = 20
 FRAME_SAMPLES = RATE * FRAME_MS // 1000  # 320
 MIN_RATE, MAX_RATE = 8000, 48000
 ENCODINGS = ("LINEAR16", "MULAW", "ALAW")
+_LINEAR16 = np.dtype("<i2")  # little-endian on the wire (parsed once: a dtype string costs on every frame)
 
 
 class AudioFormatError(ValueError):
@@ -54,7 +55,8 @@ def decode_pcm(data: bytes, encoding: str) -> np.ndarray:
                 f"LINEAR16 audio must be whole 16-bit samples, got a message of {len(data)} bytes "
                 "(an odd length); send an even number of bytes in every audio message"
             )
-        return np.frombuffer(data, dtype="<i2").astype(np.int16, copy=False)
+        pcm = np.frombuffer(data, dtype=_LINEAR16)
+        return pcm if pcm.dtype.isnative else pcm.astype(np.int16)
     if encoding == "MULAW":
         return g711.mulaw_decode(data)
     if encoding == "ALAW":

@@ -54,6 +54,7 @@ import threading
 import time
 from pathlib import Path
 
+from voiced.bench.gil_profile import GilProfile
 from voiced.bench.report import emit
 from voiced.bench.saturation import next_level, saturation
 from voiced.bench.steps import STEP_PARTS, StepTimer, pct
@@ -486,6 +487,9 @@ def main(argv: list[str] | None = None) -> dict:
                     help="capture a torch.profiler table of the engine thread in the middle of these levels "
                          "(profile-FRONT-N.txt beside --out)")
     ap.add_argument("--profile-seconds", type=float, default=3.0)
+    ap.add_argument("--gil-profile-level", type=int, nargs="*", default=[], metavar="N",
+                    help="sample which thread holds the GIL with py-spy in the middle of these levels (the "
+                         "level's 'gil' entry; raw stacks gil-FRONT-N-*.txt beside --out)")
     ap.add_argument("--tiny-cpu", action="store_true", help="dry run on the CPU with tiny random models")
     ap.add_argument("--front", nargs="+", default=["grpc"], choices=FRONTS,
                     help="the doors to call through, each in turn at every level (default grpc)")
@@ -538,13 +542,21 @@ def main(argv: list[str] | None = None) -> dict:
             profile = EngineProfile(server.services.asr.thread, args.profile_seconds,
                                     (args.out or Path("e2e.json")).parent, f"{front}-{n}")
             timer = profile.start_after(args.duration / 2 - args.profile_seconds / 2)
+        gil = None
+        if n in args.gil_profile_level:
+            gil = GilProfile(os.getpid(), args.profile_seconds, (args.out or Path("e2e.json")).parent, f"{front}-{n}")
+            gil_timer = gil.start_after(max(0.0, args.duration / 2 - args.profile_seconds))
         proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ)
         if timer is not None:
             timer.join()
+        if gil is not None and gil_timer is not None:
+            gil_timer.join()
         if proc.returncode != 0:
             return {"error": proc.stderr[-2000:]}
         level = json.loads(proc.stdout.strip().splitlines()[-1])
         level["asr_steps"] = server.services.asr.stats.steps
+        if gil is not None:
+            level["gil"] = gil.summary
         level["gc"] = gc_pauses.take()
         level["step_ms"] = {w.name: w.engine.step.take() for w in (server.services.asr, server.services.tts)}
         memory = gpu_memory(f"{front}, {n} callers", args)

@@ -169,13 +169,14 @@ def free_port() -> int:
 class DaemonProcess:
     """`voiced serve` in a child process, and what /proc and /metrics say about it."""
 
-    def __init__(self, args: list[str], log_path: Path):
+    def __init__(self, args: list[str], log_path: Path, cwd: Path | None = None, env: dict | None = None):
+        """`cwd` and `env`: to run another source tree's daemon (voiced.bench.frame_cost compares two)."""
         self.port, self.metrics_port = free_port(), free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.command = [sys.executable, "-m", "voiced", "serve", "--listen", self.address,
                         "--metrics-listen", f"127.0.0.1:{self.metrics_port}", *args]
         self._log = open(log_path, "w")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(self.command, stdout=self._log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(self.command, stdout=self._log, stderr=subprocess.STDOUT, cwd=cwd, env=env)
 
     def wait_serving(self, timeout: float) -> None:
         import grpc

@@ -14,6 +14,9 @@
     voiced bench turns [--asr-model tiny.en-pypi]   end of turn: paused callers cut off and end-of-turn latency
                                                     after the real end of speech, per detector (silence 500 ms,
                                                     Smart Turn alone as Pipecat runs it, ours); runs on a CPU
+    voiced bench frames [--sessions 16 32 64]       the daemon's CPU per incoming 20 ms caller frame (process and
+                                                    event-loop thread), N real-time callers; --tree OLD --tree NEW
+                                                    alternates two source trees in one run; runs on a CPU
     voiced bench plot RESULT.json... --out DIR      each e2e figure against the number of callers, issue 15's
                                                     targets and the saturation point marked (PNG and SVG)
     voiced bench step-ops [--batches 1 16 64]       torch calls, readbacks and list->device copies per kind of
@@ -29,8 +32,8 @@ import argparse
 SUITES = {"whisper": "voiced.bench.whisper_bench", "spark": "voiced.bench.spark_bench",
           "spark-kernels": "voiced.bench.spark_kernels",
           "e2e": "voiced.bench.e2e_bench", "speech": "voiced.bench.speech_bench",
-          "memory": "voiced.bench.memory_bench", "turns": "voiced.bench.turn_bench", "plot": "voiced.bench.plot",
-          "step-ops": "voiced.bench.step_ops"}
+          "memory": "voiced.bench.memory_bench", "turns": "voiced.bench.turn_bench", "frames": "voiced.bench.frame_cost",
+          "plot": "voiced.bench.plot", "step-ops": "voiced.bench.step_ops"}
 
 
 def register(sub) -> None:

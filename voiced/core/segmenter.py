@@ -52,7 +52,8 @@ RESUME_MS = 60  # voiced frames (gaps up to max_gap_ms between them) that end a 
 
 
 def _loud(frame: np.ndarray) -> bool:
-    return int(frame.max()) - int(frame.min()) > SILENCE_SWING
+    # (The ufuncs' own reductions: ndarray.max/min go through two Python wrappers each.)
+    return int(np.maximum.reduce(frame)) - int(np.minimum.reduce(frame)) > SILENCE_SWING
 
 
 @dataclass
