@@ -17,9 +17,11 @@ def to_device(values: Sequence, device: torch.device | str) -> torch.Tensor:
     memory, which first waits for everything queued on the stream: in issue 26's profile the Whisper
     admission spun ~75 ms there behind the encoder. Pinned memory and a non-blocking copy instead; the
     caching host allocator reuses the pinned block only after that copy has run."""
-    cuda = torch.device(device).type == "cuda"
-    t = torch.tensor(values, dtype=torch.long, pin_memory=cuda)
-    return t.to(device, non_blocking=True) if cuda else t
+    t = torch.tensor(values, dtype=torch.long)
+    if torch.device(device).type != "cuda":
+        return t
+    # pin_memory() copies into a pinned block; torch.tensor(..., pin_memory=True) refuses numpy input.
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def doubling(top: int, start: int = 1) -> list[int]:
