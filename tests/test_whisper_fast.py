@@ -212,8 +212,8 @@ def test_prefills_padded_pass_writes_what_the_prefill_writes():
 
 
 def test_prefill_graphs_are_counted_in_the_memory_need():
-    """The prefill graphs' inputs, outputs and pool transients enter the engine's memory need on a GPU
-    only when they are on, and nothing changes on the CPU."""
+    """The prefill graphs' inputs and outputs (held) and capture transients (a step transient) enter the
+    engine's memory need on a GPU only when they are on, and nothing changes on the CPU."""
     dims = tiny_dims(n_mels=80)
     kw = dict(dtype=torch.float16, weight_bytes=1000, max_batch=64, max_encoder_batch=16)
     off, on = (memory_need(dims, cuda=True, prefill_graphs=p, **kw) for p in (False, True))
@@ -221,5 +221,8 @@ def test_prefill_graphs_are_counted_in_the_memory_need():
     assert [n.what.split(":")[0] for n in added] == ["prefill graphs", "prefill graphs"]
     assert sum(n.bytes for n in added) == sum(n.bytes for n in prefill_graph_needs(dims, 2, [1, 2, 4, 8, 16]))
     assert all(n.bytes > 16 * dims.n_vocab * 4 for n in added)
+    # the capture transients come from the graph pool's reuse of the encoder's: no growth of the total
+    # beyond the held inputs and outputs while the admission's own transient is the larger
+    assert on.total - off.total == sum(n.bytes for n in added if not n.transient)
     cpu = [memory_need(dims, cuda=False, prefill_graphs=p, **kw).items for p in (False, True)]
     assert cpu[0] == cpu[1]

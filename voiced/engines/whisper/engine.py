@@ -136,11 +136,17 @@ def prefill_graph_needs(dims: ModelDims, elem: int, buckets: list[int]) -> list[
     - per graph, its static outputs (the last position's float32 logits [b, vocab] and the no-speech
       probabilities [b]): one graph per row bucket for each of the two prompt lengths serving meets
       (the SOT sequence with and without <|notimestamps|>; warm-up admits both at every size);
-    - the graph pool's share of the largest capture's transients, which a private pool keeps
-      reserved (the eager allocator cannot reuse them), counted in full although that pool may reuse
-      blocks the encoder captures freed: the logits [b, T, vocab] in the model's dtype and as float32,
-      each layer's cross keys and values gathered for b rows [b, audio positions, width], and the
-      softmax at <|startoftranscript|> [b, vocab] float32 (activations of T positions are negligible).
+    - the largest capture's transients: the logits [b, T, vocab] in the model's dtype and as float32,
+      a layer's cross keys and values gathered for b rows [b, audio positions, width] (freed layer by
+      layer), and the softmax at <|startoftranscript|> [b, vocab] float32 (the activations of T
+      positions are negligible). They come out of the engine's graph pool, which keeps what it reserves
+      from the eager allocator; but by then that pool holds the blocks freed by the encoder capture of
+      the same bucket (captured first: warm-up captures every encoder bucket before any admission, and
+      an admission encodes before it prefills), whose activations ([b, audio positions, 4 x width] for
+      the MLP alone) are larger, so as a rule the prefill captures reserve nothing new. They are counted
+      as a step transient: the plan keeps room for the largest of those, which the admission's eager
+      transient already exceeds, so the plan's total grows by the held item alone. Whether the pool
+      reuses as argued is what tests/test_daemon_gpu.py's plan check with the setting on would show.
     """
     rows, t = buckets[-1], PREFILL_GRAPH_TOKENS
     outputs = 2 * sum(buckets) * (dims.n_vocab + 1) * 4
@@ -148,7 +154,7 @@ def prefill_graph_needs(dims: ModelDims, elem: int, buckets: list[int]) -> list[
                         + dims.n_vocab * 4)
     return [Need(f"prefill graphs: inputs, last logits out, batch {buckets} x 2 prompt lengths",
                  rows * (1 + t) * 8 + outputs),
-            Need(f"prefill graphs: the pool's capture transients (batch {rows})", transient)]
+            Need(f"prefill graphs: the largest capture's transients (batch {rows})", transient, transient=True)]
 
 
 def _official_heads(name: str, dims: ModelDims) -> list[tuple[int, int]] | None:
