@@ -450,5 +450,6 @@ class Prefills:
         """The pass a graph records: rows 0..b-1 of the static block, t tokens each."""
         with decode_attention_kernels(True):
             logits = self.decoder.prefill(self.tokens[:b, :t], self.slots[:b], self.cache)
-        # The last position's logits copied out, so a graph holds [b, vocab] and not [b, t, vocab].
-        return logits[:, -1].clone(), logits[:, 0].softmax(dim=-1)[:, self.no_speech]
+        # Copies, not views: a graph's outputs keep their storage alive, and views would keep the
+        # [b, t, vocab] logits and the [b, vocab] softmax (memory_need counts [b, vocab] + [b]).
+        return logits[:, -1].clone(), logits[:, 0].softmax(dim=-1)[:, self.no_speech].clone()
