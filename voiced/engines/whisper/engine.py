@@ -248,11 +248,11 @@ class WhisperEngine:
             # The weights (moved, fused), caches and buffers above were queued on the creating thread's
             # stream; kernels on the engine's own stream must not overtake those fills and copies.
             self._stream.wait_stream(torch.cuda.current_stream(model.device))
-        log.info("whisper engine %s on %s (%s%s): %d slots, %.1f MiB of KV cache, cuda graphs %s, decoder step %s",
-                 model_name, self.device, str(self.dtype).replace("torch.", ""),
+        log.info("whisper engine %s on %s (%s%s): %d slots, %.1f MiB of KV cache, cuda graphs %s (prefill %s), "
+                 "decoder step %s", model_name, self.device, str(self.dtype).replace("torch.", ""),
                  ", int8 GEMMs" if self.int8 else "", max_batch,
                  max_batch * KVCache.bytes_per_slot(self.dims, self.dtype) / 2**20, self.cuda_graphs,
-                 self.decoder_path)
+                 "graphed" if self.prefills is not None else "eager", self.decoder_path)
 
     def _fast_encoder(self, compile_encoder: bool | None, attn_backend: str | None) -> FastEncoder | None:
         """GPU encoder: fused QKV, optional compiled layers; run per batch-size bucket (padded or split
