@@ -18,8 +18,8 @@ from whisper_fixtures import assert_float32_close, make_openai_checkpoint, rando
 
 from voiced.engines.base import ASROptions, ASRRequest
 from voiced.engines.whisper.audio import N_SAMPLES, log_mel_spectrogram
-from voiced.engines.whisper.engine import WhisperEngine, build_model
-from voiced.engines.whisper.fast import SMALL_BATCH, FastDecoder, FastEncoder
+from voiced.engines.whisper.engine import WhisperEngine, build_model, memory_need, prefill_graph_needs
+from voiced.engines.whisper.fast import SMALL_BATCH, FastDecoder, FastEncoder, Prefills
 from voiced.engines.whisper.model import KVCache
 
 
@@ -175,3 +175,54 @@ def test_compiled_decoder_layer_traces_as_one_graph():
         got = fast.step(tokens, pos, fast_cache, 448)
     assert (got - ref).abs().max().item() <= 1e-3 * ref.abs().max().item()
     assert (ref_cache.self_k - fast_cache.self_k).abs().max().item() <= 1e-3
+
+
+def test_prefills_padded_pass_writes_what_the_prefill_writes():
+    """`Prefills` (the pass the admission's prefill graphs record, here run eagerly) pads a group to its
+    bucket by repeating the last row: in float32 on the CPU its last logits, no-speech probabilities and
+    self-cache rows equal `TextDecoder.prefill`'s of the unpadded group (to float32 rounding: the
+    padded group's GEMMs have other shapes), and no other slot is written.
+    (Graph replay against this pass, bit for bit: tests/test_whisper_gpu.py.)"""
+    dims, model, cache = _decoder_fixture(slots=8)
+    dec = model.decoder
+    no_speech = dims.n_vocab - 1510  # any id: the probability is read at one vocabulary column
+    prefills = Prefills(dec, cache, [1, 2, 4, 8], no_speech)
+    g = torch.Generator().manual_seed(1)
+    for slots in ([5], [6, 1, 3], [0, 7, 2, 4, 6]):  # padded to 1, 4 and 8 rows
+        for t in (1, 3, 4):
+            tokens = torch.randint(0, dims.n_vocab, (len(slots), t), generator=g)
+            tokens[:, 0] = dims.n_vocab - 1  # position 0 stands for <|startoftranscript|>
+            with torch.inference_mode():
+                for k in (cache.self_k, cache.self_v):
+                    k.zero_()
+                last, ns = prefills.run(tokens.tolist(), slots)
+                got = cache.self_k.clone(), cache.self_v.clone()
+                for k in (cache.self_k, cache.self_v):
+                    k.zero_()
+                ref = dec.prefill(tokens, torch.tensor(slots), cache)
+            # float32 rounding apart at most (a padded group is a GEMM of another shape)
+            close = dict(rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(last, ref[:, -1], **close)
+            torch.testing.assert_close(ns, ref[:, 0].softmax(dim=-1)[:, no_speech], **close)
+            torch.testing.assert_close(got, (cache.self_k, cache.self_v), **close)
+            others = [s for s in range(8) if s not in slots]
+            assert not got[0][:, others].any() and not got[1][:, others].any(), (slots, t)
+            assert prefills.covers(t, {0}, len(slots)) and not prefills.covers(t, {1}, len(slots))
+    assert not prefills.covers(5, {0}, 1) and not prefills.covers(3, {0}, 9)
+
+
+def test_prefill_graphs_are_counted_in_the_memory_need():
+    """The prefill graphs' inputs and outputs (held) and capture transients (a step transient) enter the
+    engine's memory need on a GPU only when they are on, and nothing changes on the CPU."""
+    dims = tiny_dims(n_mels=80)
+    kw = dict(dtype=torch.float16, weight_bytes=1000, max_batch=64, max_encoder_batch=16)
+    off, on = (memory_need(dims, cuda=True, prefill_graphs=p, **kw) for p in (False, True))
+    added = [n for n in on.items if n.what not in {m.what for m in off.items}]
+    assert [n.what.split(":")[0] for n in added] == ["prefill graphs", "prefill graphs"]
+    assert sum(n.bytes for n in added) == sum(n.bytes for n in prefill_graph_needs(dims, 2, [1, 2, 4, 8, 16]))
+    assert all(n.bytes > 16 * dims.n_vocab * 4 for n in added)
+    # the capture transients come from the graph pool's reuse of the encoder's: no growth of the total
+    # beyond the held inputs and outputs while the admission's own transient is the larger
+    assert on.total - off.total == sum(n.bytes for n in added if not n.transient)
+    cpu = [memory_need(dims, cuda=False, prefill_graphs=p, **kw).items for p in (False, True)]
+    assert cpu[0] == cpu[1]

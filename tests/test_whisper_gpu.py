@@ -1,5 +1,6 @@
 """GPU-only checks of the Whisper engine (skipped without CUDA): CUDA graphs against eager steps in
-float16 and bfloat16, and the float32 GPU path against openai-whisper. Tiny random checkpoints in
+float16 and bfloat16 (decoder steps, encoder, the admission's prefill), and the float32 GPU path
+against openai-whisper. Tiny random checkpoints in
 OpenAI's format; espeak-ng speech (rendered beforehand where espeak-ng is missing: tests/speech.py)."""
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from whisper_fixtures import make_openai_checkpoint, openai_reference_model, spe
 from tests.gpu_phrases import BATCH, REFERENCE, WHISPER
 from voiced.engines.base import ASROptions, ASRRequest
 from voiced.engines.whisper.engine import WhisperEngine
+from voiced.engines.whisper.fast import Prefills
+from voiced.engines.whisper.model import decode_attention_kernels
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -159,3 +162,108 @@ def test_float32_gpu_path_equals_openai_whisper(tmp_path, n_mels, seed):
         ours[name] = engine.transcribe(ASRRequest(audio, ASROptions(language=name, max_new_tokens=48))).tokens
     assert ours == theirs, "GPU float32 vs openai-whisper:\n" + differences(ours, theirs, "ours", "openai-whisper")
     assert ours["en"] != ours["de"], "different audio must give different tokens"
+
+
+# (cache slots, prompt length) of the prefill graph checks on 16 rows with encoder buckets 1, 2, 4, 8:
+# single rows, scattered slots padded to a bucket (3 -> 4, 5 -> 8), and every bucket boundary (1, 2, 4,
+# 8 rows, no padding), with the SOT sequence with (4 tokens) and without (3) <|notimestamps|>.
+PREFILL_CASES = [([5], 4), ([0], 3), ([15], 4), ([9, 2, 14], 4), ([3, 11, 6, 0, 13], 3), ([12, 4], 4),
+                 ([1, 7, 10, 2], 3), ([14, 0, 9, 5, 3, 12, 8, 6], 4)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["float16", "bfloat16"])
+def test_prefill_graph_is_the_eager_prefill_bit_for_bit(tmp_path, dtype):
+    """The admission's prefill replayed from its CUDA graph (`Prefills` with graphs, captured on first
+    use and replayed on a second group of the same shape) against the same padded pass launched without
+    a graph: last-position logits, no-speech probabilities and every layer's self keys/values of all 16
+    slots, exactly equal; at a bucket boundary (no padding) also against `TextDecoder.prefill` itself.
+    Cross keys/values of every slot are random and different, so a row reading another slot's audio
+    shows."""
+    ckpt = make_openai_checkpoint(tmp_path, n_mels=128, seed=7)
+    eng = WhisperEngine.load(ckpt, device="cuda", dtype=dtype, max_batch=16, max_encoder_batch=8, prefill_graphs=True)
+    assert eng.prefills is not None and eng.prefills.graphs is not None and eng.encoder_buckets() == [1, 2, 4, 8]
+    cache, dec, tok = eng.cache, eng.model.decoder, eng.tok
+    eager = Prefills(dec, cache, eng.encoder_buckets(), tok.no_speech)  # the same pass, no graph
+    g = torch.Generator().manual_seed(0)
+    torch.cuda.synchronize()  # the caches were zeroed on the default stream; all below runs on the engine's
+    with torch.inference_mode(), eng.on_stream():
+        feats = torch.randn(16, eng.dims.n_audio_ctx, eng.dims.n_audio_state, generator=g).to("cuda", dtype)
+        dec.write_cross(cache, torch.arange(16, device="cuda"), feats)
+
+        def pass_of(prefills: Prefills, tokens: list[list[int]], slots: list[int]):
+            cache.self_k.zero_()
+            cache.self_v.zero_()
+            last, ns = prefills.run(tokens, slots)
+            return last.clone(), ns.clone(), cache.self_k.clone(), cache.self_v.clone()
+
+        for slots, t in PREFILL_CASES:
+            n = len(slots)
+            b = next(x for x in eng.encoder_buckets() if x >= n)
+            for seed in (0, 1):  # the first group captures (t, b)'s graph, the second replays it on other inputs
+                langs = torch.randint(0, len(tok.language_codes), (n,), generator=g).tolist()
+                tokens = [tok.sot_sequence(tok.language_codes[i], "transcribe") + [tok.no_timestamps] * (t == 4)
+                          for i in langs]
+                assert all(len(x) == t for x in tokens)
+                got = pass_of(eng.prefills, tokens, slots)
+                assert (f"prefill {t}", b) in eng.prefills.graphs
+                want = pass_of(eager, tokens, slots)
+                what = f"{n} row(s) in slots {slots} (bucket {b}), {t} tokens, group {seed}"
+                for name, x, y in zip(("last logits", "no-speech", "self keys", "self values"), got, want):
+                    assert torch.equal(x, y), f"{what}: {name} differ, max |diff| {(x - y).abs().max().item():.3g}"
+                assert got[0].abs().sum() > 0 and got[2][:, slots, :t].abs().sum() > 0
+                others = [s for s in range(16) if s not in slots]
+                assert not got[2][:, others].any() and not got[3][:, others].any(), f"{what}: other slots written"
+                if n == b:  # no padding: the very call the engine makes with the graphs off (same kernels)
+                    cache.self_k.zero_()
+                    cache.self_v.zero_()
+                    with decode_attention_kernels(True):
+                        logits = dec.prefill(torch.tensor(tokens, device="cuda"), torch.tensor(slots, device="cuda"),
+                                             cache)
+                    ref = (logits[:, -1], logits[:, 0].softmax(dim=-1)[:, tok.no_speech], cache.self_k, cache.self_v)
+                    for name, x, y in zip(("last logits", "no-speech", "self keys", "self values"), got, ref):
+                        assert torch.equal(x, y), f"{what}, TextDecoder.prefill: {name} differ"
+    # one graph per (prompt length, bucket) the cases meet, no more
+    assert len(eng.prefills.graphs) == len({(t, next(x for x in (1, 2, 4, 8) if x >= len(s))) for s, t in PREFILL_CASES})
+
+
+def mixed_admissions(eng: WhisperEngine, clips: list[np.ndarray]) -> dict[int, list[int]]:
+    """Admissions that mix prompt lengths in one group: with and without timestamps (two graphed
+    prefills in one admission), a text prompt (its prefill eager) and language detection."""
+    opts = [ASROptions(language="en", max_new_tokens=16), ASROptions(language="en", timestamps=True, max_new_tokens=16),
+            ASROptions(language=None, max_new_tokens=16), ASROptions(language="en", initial_prompt="Hello there.",
+                                                                     max_new_tokens=16)]
+    for i, o in enumerate(opts):
+        eng.submit(100 + i, ASRRequest(clips[i % len(clips)], o))
+    out: dict[int, list[int]] = {}
+    while eng.has_work():
+        out.update({o.request_id: o.value.tokens for o in eng.step()})
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["float16", "bfloat16"])
+def test_prefill_graphs_serve_the_same_tokens(tmp_path, clips, dtype):
+    """The served engine (warmed up) with the prefill graphs on decodes the same greedy tokens as with
+    them off: single requests, requests joining and leaving a running batch, and admissions mixing
+    prompt lengths. Warm-up captured every prefill graph serving met (serving captured none)."""
+    ckpt = make_openai_checkpoint(tmp_path, n_mels=128, seed=4)
+    kw = dict(device="cuda", dtype=dtype, max_batch=8, max_encoder_batch=4)
+    on = WhisperEngine.load(ckpt, prefill_graphs=True, **kw)
+    off = WhisperEngine.load(ckpt, prefill_graphs=False, **kw)
+    assert on.prefills is not None and off.prefills is None
+    on.warmup()
+    off.warmup()
+    warm = len(on.prefills.graphs)
+    assert warm == 2 * len(on.encoder_buckets()), "warm-up: a graph per encoder bucket for both prompt lengths"
+    o = ASROptions(language="en", max_new_tokens=24, min_new_tokens=24)
+    single_on = {i: on.transcribe(ASRRequest(c, o)).tokens for i, c in enumerate(clips)}
+    single_off = {i: off.transcribe(ASRRequest(c, o)).tokens for i, c in enumerate(clips)}
+    assert single_on == single_off, "single requests, prefill graphs on vs off:\n" + differences(
+        single_on, single_off, "on", "off")
+    batch_on, batch_off = joining_and_leaving(on, clips), joining_and_leaving(off, clips)
+    assert sorted(batch_on) == [0, 1, 2, 3]
+    assert batch_on == batch_off, "joining/leaving, prefill graphs on vs off:\n" + differences(
+        batch_on, batch_off, "on", "off")
+    mixed_on, mixed_off = mixed_admissions(on, clips), mixed_admissions(off, clips)
+    assert mixed_on == mixed_off, "mixed admissions, prefill graphs on vs off:\n" + differences(
+        mixed_on, mixed_off, "on", "off")
+    assert len(on.prefills.graphs) == warm, "serving captured a prefill graph warm-up had not"

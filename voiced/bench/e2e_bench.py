@@ -119,7 +119,7 @@ def start_server(args):
     dev = "cpu" if args.tiny_cpu else "cuda"
     model = whisper_bench.random_model(dims, dev, torch.float32 if args.tiny_cpu else torch.float16)
     asr = WhisperEngine(model, tok, model_name=f"{args.asr_dims} (random)", max_batch=args.asr_batch,
-                        cuda_graphs=True)
+                        cuda_graphs=True, prefill_graphs=getattr(args, "prefill_graphs", False))  # (other benches' namespaces lack it)
     # as `voiced serve` does: warm up on the thread that will step the engine (EngineThread.call)
     if engine_threads(args) == "separate":
         asr_thread, tts_thread = EngineThread("asr"), EngineThread("tts")
@@ -474,6 +474,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--vocoder-graphs", action="store_true",
                     help="replay the vocoder's window decodes from CUDA graphs (voiced.engines.spark.vocoder_graphs)")
+    ap.add_argument("--prefill-graphs", action="store_true",
+                    help="replay the Whisper admission's decoder prefill from CUDA graphs (voiced.engines.whisper.fast"
+                         ".Prefills; what VOICED_WHISPER_PREFILL_GRAPHS=1 turns on for `voiced serve`)")
     ap.add_argument("--switch-interval-ms", type=float, default=None,
                     help="sys.setswitchinterval for the daemon's process (Python's default: 5 ms)")
     ap.add_argument("--merge-policy", choices=["batch", "step"], default=None,
@@ -522,7 +525,7 @@ def main(argv: list[str] | None = None) -> dict:
               "python": platform.python_version(), "asr_dims": args.asr_dims, "asr_tokens": args.asr_tokens,
               "reply_seconds": args.reply_seconds, "first_chunk_tokens": args.first_chunk_tokens,
               "engine_threads": engine_threads(args), "merge_policy": args.merge_policy or "default",
-              "vocoder_graphs": args.vocoder_graphs, "switch_interval_s": sys.getswitchinterval(),
+              "vocoder_graphs": args.vocoder_graphs, "prefill_graphs": args.prefill_graphs, "switch_interval_s": sys.getswitchinterval(),
               "gc_freeze": not args.no_gc_freeze, "duration_s": args.duration, "startup_s": startup_s,
               "date": time.strftime("%Y-%m-%d"), "fronts": {}, "saturation": {}}
     serving_peak = 0.0

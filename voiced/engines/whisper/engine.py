@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,7 +49,7 @@ from .audio import HOP_LENGTH, N_FFT, N_SAMPLES, log_mel_spectrogram
 from .checkpoint import CheckpointError, read_checkpoint
 from .cpu import column_major_embedding_, int8_available, quantize_int8_
 from .decoding import DecodePlan, RequestDecoder, Suppression
-from .fast import CudaGraphs, DecoderSteps, FastDecoder, FastEncoder, encoder_pieces
+from .fast import PREFILL_GRAPH_TOKENS, CudaGraphs, DecoderSteps, FastDecoder, FastEncoder, Prefills, encoder_pieces
 from .language import detect_languages
 from .model import KVCache, ModelDims, TextDecoder, Whisper
 from .registry import resolve
@@ -99,7 +100,7 @@ def build_model(dims: ModelDims, state: dict[str, torch.Tensor], where: str = "c
 
 def memory_need(dims: ModelDims, dtype: torch.dtype, weight_bytes: int, max_batch: int, *, cuda: bool,
                 max_encoder_batch: int | None = None, cuda_graphs: bool = True, decode_chunk: int = 8,
-                workspace_bytes: int = 0) -> EngineNeed:
+                workspace_bytes: int = 0, prefill_graphs: bool = False) -> EngineNeed:
     """What `WhisperEngine(...)` with these settings holds on its device (see voiced.memory_plan)."""
     rows = max_batch
     items = [Need("weights", weight_bytes),
@@ -118,12 +119,42 @@ def memory_need(dims: ModelDims, dtype: torch.dtype, weight_bytes: int, max_batc
         eb = doubling(enc)
         items.append(Need(f"encoder graphs: audio in, features out, batch {eb}",
                           sum(eb) * (N_SAMPLES * 4 + dims.n_audio_ctx * dims.n_audio_state * elem)))
+        if prefill_graphs:
+            items += prefill_graph_needs(dims, elem, eb)
     items.append(Need("cuBLAS workspace (the engine's stream)", workspace_bytes))
     # One admission of `enc` utterances: their audio on the device, the features gathered per row and
     # one layer's cross key (or value) projection, and the prefill's float32 logits (with softmax).
     items.append(Need(f"largest step transient, estimated (admitting {enc})",
                       enc * (N_SAMPLES * 4 + 2 * dims.n_audio_ctx * dims.n_text_state * elem + 3 * 4 * dims.n_vocab), transient=True))
     return EngineNeed("Whisper", "whisper_kv_fraction", items)
+
+
+def prefill_graph_needs(dims: ModelDims, elem: int, buckets: list[int]) -> list[Need]:
+    """What the admission's prefill graphs (fast.Prefills) hold, counted from what they allocate:
+
+    - the static input block, [rows, slot + PREFILL_GRAPH_TOKENS tokens] int64;
+    - per graph, its static outputs (the last position's float32 logits [b, vocab] and the no-speech
+      probabilities [b]): one graph per row bucket for each of the two prompt lengths serving meets
+      (the SOT sequence with and without <|notimestamps|>; warm-up admits both at every size);
+    - the largest capture's transients: the logits [b, T, vocab] in the model's dtype and as float32,
+      a layer's cross keys and values gathered for b rows [b, audio positions, width] (freed layer by
+      layer), and the softmax at <|startoftranscript|> [b, vocab] float32 (the activations of T
+      positions are negligible). They come out of the engine's graph pool, which keeps what it reserves
+      from the eager allocator; but by then that pool holds the blocks freed by the encoder capture of
+      the same bucket (captured first: warm-up captures every encoder bucket before any admission, and
+      an admission encodes before it prefills), whose activations ([b, audio positions, 4 x width] for
+      the MLP alone) are larger, so as a rule the prefill captures reserve nothing new. They are counted
+      as a step transient: the plan keeps room for the largest of those, which the admission's eager
+      transient already exceeds, so the plan's total grows by the held item alone. Whether the pool
+      reuses as argued is what tests/test_daemon_gpu.py's plan check with the setting on would show.
+    """
+    rows, t = buckets[-1], PREFILL_GRAPH_TOKENS
+    outputs = 2 * sum(buckets) * (dims.n_vocab + 1) * 4
+    transient = rows * (t * dims.n_vocab * (elem + 4) + 2 * dims.n_audio_ctx * dims.n_text_state * elem
+                        + dims.n_vocab * 4)
+    return [Need(f"prefill graphs: inputs, last logits out, batch {buckets} x 2 prompt lengths",
+                 rows * (1 + t) * 8 + outputs),
+            Need(f"prefill graphs: the largest capture's transients (batch {rows})", transient, transient=True)]
 
 
 def _official_heads(name: str, dims: ModelDims) -> list[tuple[int, int]] | None:
@@ -148,7 +179,7 @@ class WhisperEngine:
                  max_queue: int | None = None, decode_chunk: int | None = None,
                  compile_encoder: bool | None = None, attn_backend: str | None = None,
                  fast_decoder: bool | None = None, compile_decoder: bool | None = None,
-                 alignment_heads: list[tuple[int, int]] | None = None):
+                 alignment_heads: list[tuple[int, int]] | None = None, prefill_graphs: bool = False):
         if tokenizer.n_vocab != model.dims.n_vocab:
             raise CheckpointError(f"tokenizer has {tokenizer.n_vocab} tokens but the model {model.dims.n_vocab}")
         self.model = model.eval().requires_grad_(False)
@@ -203,6 +234,11 @@ class WhisperEngine:
         self.steps = DecoderSteps(self._decoder, self.cache, self.dims.n_text_ctx, max_batch, model.device,
                                   self.suppress.always, tokenizer.eot,
                                   CudaGraphs(self._stream, pool) if self.cuda_graphs else None)
+        # The admission's prefill of SOT sequences as one graph replay per (prompt length, encoder bucket)
+        # instead of ~25 torch calls per layer (fast.Prefills); off by default until measured on a GPU.
+        self.prefills = (Prefills(model.decoder, self.cache, self.encoder_buckets(), tokenizer.no_speech,
+                                  CudaGraphs(self._stream, pool))
+                         if prefill_graphs and self.cuda_graphs else None)
         # The host side of `steps.inputs`, written through numpy (no torch call per value): pinned on
         # CUDA and sent in one copy; on the CPU the steps' block itself.
         self._host_inputs = (torch.zeros(3, max_batch, dtype=torch.long, pin_memory=True) if self.is_cuda
@@ -212,11 +248,11 @@ class WhisperEngine:
             # The weights (moved, fused), caches and buffers above were queued on the creating thread's
             # stream; kernels on the engine's own stream must not overtake those fills and copies.
             self._stream.wait_stream(torch.cuda.current_stream(model.device))
-        log.info("whisper engine %s on %s (%s%s): %d slots, %.1f MiB of KV cache, cuda graphs %s, decoder step %s",
-                 model_name, self.device, str(self.dtype).replace("torch.", ""),
+        log.info("whisper engine %s on %s (%s%s): %d slots, %.1f MiB of KV cache, cuda graphs %s (prefill %s), "
+                 "decoder step %s", model_name, self.device, str(self.dtype).replace("torch.", ""),
                  ", int8 GEMMs" if self.int8 else "", max_batch,
                  max_batch * KVCache.bytes_per_slot(self.dims, self.dtype) / 2**20, self.cuda_graphs,
-                 self.decoder_path)
+                 "graphed" if self.prefills is not None else "eager", self.decoder_path)
 
     def _fast_encoder(self, compile_encoder: bool | None, attn_backend: str | None) -> FastEncoder | None:
         """GPU encoder: fused QKV, optional compiled layers; run per batch-size bucket (padded or split
@@ -251,7 +287,7 @@ class WhisperEngine:
              decode_chunk: int | None = None, cache_root: Path | None = None,
              compile_encoder: bool | None = None, attn_backend: str | None = None,
              fast_decoder: bool | None = None, compile_decoder: bool | None = None,
-             memory_limit: tuple[int, float] | None = None) -> WhisperEngine:
+             memory_limit: tuple[int, float] | None = None, prefill_graphs: bool | None = None) -> WhisperEngine:
         """Load an official name (from the model cache), an OpenAI `.pt`, a Hugging Face or a
         CTranslate2 (faster-whisper) directory.
 
@@ -264,8 +300,13 @@ class WhisperEngine:
         None meaning on for CUDA; fast_decoder: the fused decoder step, None meaning on (see __init__).
         memory_limit: (free GPU bytes, the [memory] whisper_kv_fraction): the computed need
         (`memory_need`) is checked against that share before the weights go to the GPU; a need above it
-        is refused (EngineError naming the setting).
+        is refused (EngineError naming the setting). prefill_graphs: replay the admission's decoder prefill
+        (SOT sequences, encoder-batch buckets) from CUDA graphs captured at warm-up; None reads
+        VOICED_WHISPER_PREFILL_GRAPHS=1 (off by default: not yet measured on a GPU).
         """
+        if prefill_graphs is None:
+            prefill_graphs = os.environ.get("VOICED_WHISPER_PREFILL_GRAPHS", "0") == "1"
+        prefill_graphs = prefill_graphs and cuda_graphs and device.startswith("cuda")
         path = resolve(name_or_path, cache_root)
         ckpt = read_checkpoint(path)
         dims = ckpt.dims
@@ -279,7 +320,8 @@ class WhisperEngine:
         need = memory_need(dims, dtype, tensor_bytes(model, dtype), rows, cuda=cuda,
                            max_encoder_batch=max_encoder_batch, cuda_graphs=cuda_graphs,
                            decode_chunk=decode_chunk if decode_chunk is not None else 8,
-                           workspace_bytes=stream_workspace_bytes(device) if cuda else 0)
+                           workspace_bytes=stream_workspace_bytes(device) if cuda else 0,
+                           prefill_graphs=prefill_graphs)
         check_memory_limit(need, memory_limit)  # before anything goes to the GPU
         model = model.to(device=device, dtype=dtype)
         if int8:
@@ -289,7 +331,7 @@ class WhisperEngine:
         engine = cls(model, tok, model_name=name, max_batch=rows, max_encoder_batch=max_encoder_batch,
                      cuda_graphs=cuda_graphs, max_queue=max_queue, decode_chunk=decode_chunk,
                      compile_encoder=compile_encoder, attn_backend=attn_backend, fast_decoder=fast_decoder,
-                     compile_decoder=compile_decoder, alignment_heads=heads)
+                     compile_decoder=compile_decoder, alignment_heads=heads, prefill_graphs=prefill_graphs)
         engine.memory_need = need
         engine.checkpoint_format = ckpt.format
         return engine
@@ -529,7 +571,8 @@ class WhisperEngine:
         first-time cost: the decoder step (compiled layers and graphs) of every bucket, the encoder
         (compiled layers and graphs) of every encoder batch bucket, and the admission work (cross
         keys/values, language detection and prefill, token choice) for every admission size
-        1..max_encoder_batch."""
+        1..max_encoder_batch, which also captures the prefill graphs (when on) of every encoder bucket
+        for both prompt lengths serving meets (with and without <|notimestamps|>)."""
         if self._n or self._queue or not self.is_cuda:
             return
         steps = self.steps
@@ -678,21 +721,24 @@ class WhisperEngine:
         n = sum(len(r.rows) for r in chosen)
         out = None if len(groups) == 1 else torch.empty(n, self.dims.n_vocab, device=dev)
         no_speech = None if len(groups) == 1 else torch.empty(n, device=dev)
-        for group in groups.values():
-            toks = to_device([r.dec.initial for r in group for _ in r.rows], dev)
+        for length, group in groups.items():
             grows = [x for r in group for x in r.rows]
-            logits = self.model.decoder.prefill(toks, to_device(grows, dev), self.cache)
             sot = {r.dec.sot_index for r in group}
-            if len(sot) == 1:
-                at_sot = logits[:, sot.pop()]
+            if self.prefills is not None and self.prefills.covers(length, sot, len(grows)):
+                last, group_no_speech = self.prefills.run([r.dec.initial for r in group for _ in r.rows], grows)
             else:
-                sot_idx = to_device([r.dec.sot_index for r in group for _ in r.rows], dev)
-                at_sot = logits.gather(1, sot_idx[:, None, None].expand(-1, 1, logits.shape[-1]))[:, 0]
-            group_no_speech = at_sot.softmax(dim=-1)[:, tok.no_speech]
+                toks = to_device([r.dec.initial for r in group for _ in r.rows], dev)
+                logits = self.model.decoder.prefill(toks, to_device(grows, dev), self.cache)
+                if len(sot) == 1:
+                    at_sot = logits[:, sot.pop()]
+                else:
+                    sot_idx = to_device([r.dec.sot_index for r in group for _ in r.rows], dev)
+                    at_sot = logits.gather(1, sot_idx[:, None, None].expand(-1, 1, logits.shape[-1]))[:, 0]
+                last, group_no_speech = logits[:, -1], at_sot.softmax(dim=-1)[:, tok.no_speech]
             if out is None:
-                return logits[:, -1], group_no_speech
+                return last, group_no_speech
             at = to_device([g - base for g in grows], dev)
-            out[at] = logits[:, -1]
+            out[at] = last
             no_speech[at] = group_no_speech
         return out, no_speech
 
