@@ -111,6 +111,19 @@ def test_a_number_read_out_ends_early_only_where_the_audio_and_the_decoder_agree
     assert Evidence(0.99, number + ".", fresh=False, end_p=0.99).wait_ms(b) == b.max_ms  # stale
 
 
+def test_a_doubted_last_word_is_one_whisper_may_have_made_up_not_one_it_heard():
+    from voiced.engines.base import Word
+
+    made_up = [Word("I", 0.3, 0.5, 0.9), Word("will", 0.5, 0.8, 0.9), Word("care,", 0.9, 1.0, 0.3),
+               Word("Kevin.", 1.10, 1.12, 0.05)]
+    assert turns.doubted(made_up, speech_end_s=1.26)  # a sliver of sound at the pause's edge
+    # A number Whisper heard for over a second and spelled unsure of: the words are what was said.
+    heard = [Word("ends", 2.6, 2.9, 0.9), Word("in", 2.9, 3.1, 0.9), Word("77880", 3.18, 4.82, 0.44)]
+    assert not turns.doubted(heard, speech_end_s=5.28)
+    assert not turns.doubted([Word("Kevin.", 1.10, 1.12, 0.9)], speech_end_s=1.26)  # a sure word
+    assert not turns.doubted([], speech_end_s=1.0)
+
+
 def test_a_doubtful_last_word_where_the_voice_had_stopped_is_judged_without_it():
     from voiced.engines.base import Word
 

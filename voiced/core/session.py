@@ -570,8 +570,7 @@ class Session:
         text = "" if result.is_hallucination and not self.spec.keep_hallucinations else result.text
         judged = turns.judged_text(text, result.words, pause.speech_end_s)
         pause.evidence = replace(pause.evidence, text=judged, fresh=True,
-                                 doubtful=bool(text.strip() and result.words
-                                               and result.words[-1].probability < turns.DOUBTFUL_P),
+                                 doubtful=bool(text.strip()) and turns.doubted(result.words, pause.speech_end_s),
                                  # Whisper's end-of-text follows its whole text, not the words judged without
                                  # their last one
                                  end_p=result.end_prob if judged == text else None)

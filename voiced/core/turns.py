@@ -33,9 +33,9 @@ before every pause, and Whisper puts a full stop on half a sentence):
 A number read out ("... ends in four five | seven two") is the one unfinished ending that also ends
 sentences: no rule on the words knows whether more digits come, so alone it waits the bound. Where
 Smart Turn hears a finished turn and Whisper, too, would end the text there (END_P), it waits
-`unsure_ms` instead. On the turn sets' espeak-ng callers the two together released 2 of 6 finished
-readings and none of 3 paused ones, where either alone released paused ones too (Smart Turn called
-2 of those complete, and the decoder's end-of-text passed 0.5 on 1). The same agreement does not
+`unsure_ms` instead. On the bench's espeak-ng callers (seeds 0-2, real tiny.en) the two together
+released 3 of 8 finished readings (one to its doubt wait) and none of 3 paused ones, where either alone
+would have released one of the paused ones (each a different one). The same agreement does not
 shorten a doubted last word's wait: there both are as sure on a made-up word at a pause ("I will
 care, Kevin.": Smart Turn 0.91, end-of-text 0.99) as on a finished sentence.
 
@@ -44,7 +44,14 @@ People pause mid-sentence for up to about 2 s, so at medium an unfinished text w
 whose last word Whisper doubts (probability under DOUBTFUL_P) waits that 2 s and the time to hear the
 voice come back (the segmenter's RESUME_MS and the VAD's onset): 2.2 s. Such a word is often
 one Whisper made up from the end of half a sentence ("I will care, Kevin." for "I will cancel the"),
-and a full stop after it says nothing.
+and a full stop after it says nothing. But a doubted word that began HEARD_S or more before the voice
+stopped is one Whisper heard and spelled unsure of (a name, a number read out, a word in espeak-ng's odd
+vowels), not one it made up: its cross-attention placed it on half a second of the caller's sound, where
+a word made up at a pause gets the sliver of sound at the pause's edge. Such a word is no doubt
+(`doubted`). On the bench's espeak-ng sets (real tiny.en, the last word at every pause and every real end
+with probability under DOUBTFUL_P), the made-up words at pauses began 50-430 ms before the voice stopped
+in seed 0, where HEARD_S was chosen; on seeds 1 and 2 it cleared the doubt of 4 of 7 finished sentences
+and of 1 of 9 paused ones (a 0.05-probability word in a run of made-up names).
 
 The words are read with their probabilities and times: a doubtful last word placed after the voice
 stopped does not make unfinished words finished (`judged_text`). Text from an earlier (interim)
@@ -86,6 +93,7 @@ END_P = 0.5  # Whisper's end-of-text probability at which the decoder says the t
 # timing puts where the caller had already stopped: such a last word is judged without it too.
 DOUBTFUL_P = 0.5
 ALIGN_SLACK_S = 0.1  # word times come from cross-attention: this close to the end of speech is "at it"
+HEARD_S = 0.5  # a last word that began this long before the voice stopped was heard, not made up
 
 
 @dataclass(frozen=True)
@@ -244,6 +252,13 @@ class Heard:
         return bool(self.words) and (self.latest - self.since) * 1000 >= STALL_MS * rate
 
 
+def doubted(words: list, speech_end_s: float) -> bool:
+    """Whether Whisper doubts the last word (voiced.engines.base.Word) as one it may have made up: its
+    probability is under DOUBTFUL_P and it began less than HEARD_S before the voice stopped
+    (`speech_end_s`, in the same clip's seconds)."""
+    return bool(words) and words[-1].probability < DOUBTFUL_P and words[-1].start_s > speech_end_s - HEARD_S
+
+
 def judged_text(text: str, words: list, speech_end_s: float) -> str:
     """The text the rule judges: `text`, or, when its last word (voiced.engines.base.Word) is doubtful
     (under DOUBTFUL_P) and starts where the voice had already stopped (`speech_end_s`, in the same
@@ -262,7 +277,7 @@ class Evidence:
     p_complete: float | None = None  # the audio model's probability that the turn is complete
     text: str | None = None  # the transcript of the turn so far
     fresh: bool = False  # `text` covers the audio up to this pause (else: an earlier interim decode)
-    doubtful: bool = False  # Whisper's probability of the last word is under DOUBTFUL_P
+    doubtful: bool = False  # Whisper doubts the last word, as one it may have made up (`doubted`)
     end_p: float | None = None  # Whisper's probability of end-of-text after `text` (None: not known)
 
     def wait_ms(self, b: Bounds) -> int:
