@@ -101,7 +101,7 @@ def test_a_number_read_out_ends_early_only_where_the_audio_and_the_decoder_agree
     assert turns.reading_number("Please call me back on 7 2 8 3") and turns.reading_number("My pin is 1234.")
     assert not turns.reading_number("Book a table for.") and not turns.reading_number("A table for two.")
     number = "Please call me back on 7 2 8 3"
-    assert Evidence(0.9, number, fresh=True, end_p=0.7).wait_ms(b) == b.unsure_ms  # both say it is over
+    assert Evidence(0.9, number, fresh=True, end_p=0.7).wait_ms(b) == b.doubt_ms  # both say it is over
     assert Evidence(0.9, number, fresh=True, end_p=0.4).wait_ms(b) == b.max_ms  # Whisper expects more digits
     assert Evidence(0.2, number, fresh=True, end_p=0.9).wait_ms(b) == b.max_ms  # the voice sounds unfinished
     assert Evidence(0.9, number, fresh=True).wait_ms(b) == b.max_ms  # no end-of-text known: the words decide

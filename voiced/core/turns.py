@@ -23,7 +23,7 @@ before every pause, and Whisper puts a full stop on half a sentence):
 |----------------------------------------------------------|-------------------------------------|
 | nothing known yet (the transcript is not ready)           | `max_ms`                            |
 | the words are not finished                               | `max_ms`                            |
-| ... but only as a number read out, and the audio and the  | `unsure_ms`                         |
+| ... but only as a number read out, and the audio and the  | `doubt_ms`                          |
 |     decoder both say the turn is complete                |                                     |
 | the words are finished, the audio and the decoder agree  | `complete_ms` (the short pause)     |
 | the words are finished, the audio is unsure, or the      | `unsure_ms`                         |
@@ -33,9 +33,11 @@ before every pause, and Whisper puts a full stop on half a sentence):
 A number read out ("... ends in four five | seven two") is the one unfinished ending that also ends
 sentences: no rule on the words knows whether more digits come, so alone it waits the bound. Where
 Smart Turn hears a finished turn and Whisper, too, would end the text there (END_P), it waits
-`unsure_ms` instead. On the bench's espeak-ng callers (seeds 0-2, real tiny.en) the two together
-released 3 of 8 finished readings (one to its doubt wait) and none of 3 paused ones, where either alone
-would have released one of the paused ones (each a different one). The same agreement does not
+`doubt_ms` instead (at medium 2.2 s, long enough for the pause between two groups of digits). On the
+bench's espeak-ng callers (seeds 0-2, real tiny.en, decoded offline) the two together agreed on 3 of 8
+finished readings and none of 3 paused ones, where either alone would have released one of the paused
+ones; live, one paused reading passed them both (end-of-text 0.48 offline, over 0.5 in the daemon), so
+the wait stays as long as a doubt's, not `unsure_ms`. The same agreement does not
 shorten a doubted last word's wait: there both are as sure on a made-up word at a pause ("I will
 care, Kevin.": Smart Turn 0.91, end-of-text 0.99) as on a finished sentence.
 
@@ -288,7 +290,7 @@ class Evidence:
             return b.max_ms  # a stale text may lack the last words: it only keeps a turn open
         if unfinished(self.text):
             if reading_number(self.text) and self._audio_says_complete() and self._decoder_says_over():
-                return max(b.unsure_ms, b.doubt_ms) if self.doubtful else b.unsure_ms
+                return b.doubt_ms  # long enough for the pause between two groups of digits
             return b.max_ms
         if not self.text.strip():
             return b.unsure_ms  # no words (a cough, a noise): no reason to hold the line long
