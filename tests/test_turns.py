@@ -90,6 +90,10 @@ def test_the_evidence_sets_how_much_silence_ends_the_turn():
     assert Evidence(0.9, "Book a table for two", fresh=True, end_p=0.3).wait_ms(b) == b.unsure_ms
     assert Evidence(0.9, "Book a table for two.", fresh=True, end_p=0.98).wait_ms(b) == b.complete_ms
     assert Evidence(0.1, "Book a table for two.", fresh=True, end_p=0.98).wait_ms(b) == b.unsure_ms
+    # A pause the words found while the line still sounds: Whisper must not expect more words
+    assert Evidence(0.4, "I am calling because the payment", fresh=True, end_p=0.2, sounding=True).wait_ms(b) == \
+        b.max_ms
+    assert Evidence(0.9, "Please hold the line.", fresh=True, end_p=0.95, sounding=True).wait_ms(b) == b.complete_ms
     assert [turns.bounds(e).max_ms for e in ("low", "medium", "high")] == [8000, 4000, 2000]
     assert b.max_ms > 2000  # people pause mid-sentence for up to about 2 s
     with pytest.raises(ValueError, match="eagerness"):

@@ -569,7 +569,7 @@ class Session:
             pause.decode_s = time.monotonic() - pause.opened
         text = "" if result.is_hallucination and not self.spec.keep_hallucinations else result.text
         judged = turns.judged_text(text, result.words, pause.speech_end_s)
-        pause.evidence = replace(pause.evidence, text=judged, fresh=True,
+        pause.evidence = replace(pause.evidence, text=judged, fresh=True, sounding=pause.stalled,
                                  doubtful=bool(text.strip()) and turns.doubted(result.words, pause.speech_end_s),
                                  # Whisper's end-of-text follows its whole text, not the words judged without
                                  # their last one

@@ -72,7 +72,10 @@ after a pause that sound followed, the session decodes the turn every `WORDS_EVE
 words have not changed over `STALL_MS` more audio (`Heard.stalled`) and the sound has lasted that long
 (a caller who has just resumed has no new word yet), the caller stopped talking where those words
 ended: that is a pause, judged as any other, its silence counted from there; new words cancel it.
-(Where Whisper drops words a caller said after a long pause, this takes them for such a sound.)
+(Where Whisper drops words a caller said after a long pause, this takes them for such a sound.) There,
+with no silence to go on, Whisper's end-of-text must agree: where it expects more words the sound is
+taken for the caller's next word (seen live: "I am calling because the payment", end-of-text 0.21, the
+same in two decodes while the caller said "failed"), and only new words or the bound end the pause.
 
 Nothing here does I/O: the session feeds it the evidence and asks, on each frame of a pause, whether
 the turn is over (`Evidence.wait_ms` is a lookup).
@@ -281,6 +284,7 @@ class Evidence:
     fresh: bool = False  # `text` covers the audio up to this pause (else: an earlier interim decode)
     doubtful: bool = False  # Whisper doubts the last word, as one it may have made up (`doubted`)
     end_p: float | None = None  # Whisper's probability of end-of-text after `text` (None: not known)
+    sounding: bool = False  # a pause the words found: the line still sounds (the VAD calls it speech)
 
     def wait_ms(self, b: Bounds) -> int:
         """The silence after which this turn ends (module docstring's table)."""
@@ -294,6 +298,10 @@ class Evidence:
             return b.max_ms
         if not self.text.strip():
             return b.unsure_ms  # no words (a cough, a noise): no reason to hold the line long
+        if self.sounding and self.end_p is not None and not self._decoder_says_over():
+            # No silence, only words that stopped changing, and Whisper expects more of them: the sound
+            # is likelier the caller's next word, not yet decoded, than music (new words end this pause)
+            return b.max_ms
         if self.p_complete is None:
             return b.max_ms  # the audio model's answer is a few ms away; wait for it
         agree = self._audio_says_complete() and (self.end_p is None or self._decoder_says_over())
