@@ -107,6 +107,31 @@ def test_the_e2e_sweep_measures_every_level_on_one_daemon_and_refines_the_satura
     assert result["startup_s"] > 0 and result["duration_s"] == 2.0
 
 
+@pytest.mark.slow
+def test_the_e2e_bench_with_a_real_whisper_decides_turns_with_the_smart_detector(tmp_path):
+    from tests.real_whisper import CACHE, tiny_en_dir
+    from tests.speech import layout, write_wav
+    from tests.turn_model import smart_turn_path
+
+    smart_turn_path()  # pulled into the test cache, where the bench finds it as `voiced serve` does
+    wav = tmp_path / "speech.wav"
+    write_wav(wav, layout(["What time does the shop open tomorrow?", "Thank you very much."], lead_s=0.3, gap_s=2.5,
+                          tail_s=2.5).audio)
+    out = tmp_path / "e2e.json"
+    proc = subprocess.run([sys.executable, "-m", "voiced.bench.e2e_bench", "--tiny-cpu", "--asr-model", str(tiny_en_dir()),
+                           "--wav", str(wav), "--sessions", "1", "--duration", "8", "--reply-seconds", "0.3",
+                           "--asr-batch", "4", "--out", str(out)],
+                          capture_output=True, text=True, env={**env(), "VOICED_CACHE": str(CACHE)}, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert (result["asr_model"], result["turn_detection"]) == (str(tiny_en_dir()), "smart")
+    [level] = result["levels"].values()
+    assert (level["failed_callers"], level["notices"]) == ({}, {}), level
+    assert level["asr_ms"]["n"] == 2, level  # each sentence one turn, one final transcript
+    assert level["v2v_real_end_ms"]["n"] >= 1, level  # voice-to-voice from the caller's real end of speech
+    assert level["v2v_real_end_ms"]["p50"] >= level["v2v_client_ms"]["p50"], level
+
+
 def test_bench_plot_draws_every_figure_against_callers_with_targets_and_saturation(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     import matplotlib.image

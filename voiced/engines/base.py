@@ -128,6 +128,9 @@ class Transcript:
     segments: list[Segment] = field(default_factory=list)
     language_probs: dict[str, float] | None = None
     words: list[Word] = field(default_factory=list)  # only when ASROptions.word_timestamps
+    # The probability Whisper gives end-of-text right after the text (how sure it is nothing more was
+    # said): read off the word-timing pass, so None without word timings or where a backend lacks it.
+    end_prob: float | None = None
 
 
 @runtime_checkable

@@ -751,7 +751,7 @@ class WhisperEngine:
             try:
                 result = req.dec.result(req.seconds)
                 if req.request.options.word_timestamps and result.tokens and not self._warming:
-                    result.words = self._words(req, result)
+                    result.words, result.end_prob = self._words(req, result)
                 outputs.append(EngineOutput(req.rid, result, True))
             except Exception as e:  # turning this request's tokens into text or word times: its fault alone
                 log.error("whisper: request %s failed", req.rid, exc_info=e)
@@ -759,8 +759,9 @@ class WhisperEngine:
         self._release(finished)
         return outputs
 
-    def _words(self, req: _Active, result: Transcript) -> list:
-        """Word timings of a finished request (its rows still hold its audio's cross keys/values)."""
+    def _words(self, req: _Active, result: Transcript) -> tuple[list, float | None]:
+        """Word timings of a finished request (its rows still hold its audio's cross keys/values), and
+        the probability of end-of-text after its text (the same forced pass has the logits for it)."""
         tok, plan = self.tok, req.dec.plan
         text = [t for t in result.tokens if t < tok.eot]
         prefix = [*tok.sot_sequence(plan.language, plan.task), tok.no_timestamps]
@@ -768,13 +769,15 @@ class WhisperEngine:
         if len(forced) > self.dims.n_text_ctx:  # only with max_new_tokens near the whole text context
             log.warning("no word timings: %d text tokens do not fit the decoder's %d positions with the prompt",
                         len(text), self.dims.n_text_ctx)
-            return []
+            return [], None
         dev = self.model.device
         logits, scores = self.model.decoder.alignment_pass(to_device(forced, dev), req.rows[0],
                                                            self.cache, self.alignment_heads)
         n = len(prefix)
         probs = logits[n - 1:n - 1 + len(text), :tok.eot].softmax(dim=-1)
         token_probs = probs.gather(1, to_device(text, dev)[:, None])[:, 0].tolist()
+        # Over the text tokens and end-of-text (timestamps and other specials cannot follow here).
+        end_prob = float(logits[n - 1 + len(text), :tok.eot + 1].float().softmax(dim=-1)[tok.eot])
         frames = req.request.audio.shape[0] // HOP_LENGTH
         if plan.timestamps and result.segments:
             spans = [SegmentSpan(s.start, s.end, s.tokens) for s in result.segments]
@@ -790,7 +793,7 @@ class WhisperEngine:
                 if seg_words:
                     seg.start, seg.end = words[k].start_s, words[k + len(seg_words) - 1].end_s
                 k += len(seg_words)
-        return words
+        return words, end_prob
 
     def _release(self, leaving: list[_Active]) -> None:
         """Free the rows of `leaving` and pack the live rows back to 0..n-1."""
