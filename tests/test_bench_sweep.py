@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from voiced.bench.saturation import next_level, saturation
@@ -130,6 +131,11 @@ def test_the_e2e_bench_with_a_real_whisper_decides_turns_with_the_smart_detector
     assert level["asr_ms"]["n"] == 2, level  # each sentence one turn, one final transcript
     assert level["v2v_real_end_ms"]["n"] >= 1, level  # voice-to-voice from the caller's real end of speech
     assert level["v2v_real_end_ms"]["p50"] >= level["v2v_client_ms"]["p50"], level
+    # Each reply is timed from its own turn's end, told by the daemon's SPEECH_ENDED: a smart detector ends
+    # turns before the caller's copy of the silence rule would, and a reply paired with the previous
+    # turn's end reads seconds (seen on the H100: 4.9 s, every first reply unmatched).
+    assert (level["unmatched_replies"], level["unanswered"]) == (0, 0), level
+    assert level["v2v_real_end_ms"]["p99"] < 2500, level  # under the gap between the two sentences
 
 
 def test_bench_plot_draws_every_figure_against_callers_with_targets_and_saturation(tmp_path, capsys):
@@ -167,3 +173,32 @@ def test_bench_plot_draws_every_figure_against_callers_with_targets_and_saturati
                  "TTS first chunk", "real-time factor", "GPU memory", "errors per level", "issue 15 target",
                  "p99 ≤ 400", "p50 ≤ 130", "saturates: 24 callers", "saturation limit (p99 500 ms)"):
         assert text in svg, text
+
+
+def test_a_callers_clock_times_a_reply_from_the_turn_the_daemon_ended_not_from_its_own_silence_rule():
+    from voiced.bench.phone_callers import EndOfSpeech
+    from voiced.bench.turn_set import LOUD
+
+    rate, frame = 16000, 320
+    t = np.arange(frame) / rate
+    voice = (0.3 * 32767 * np.sin(2 * np.pi * 220 * t)).astype(np.int16).tobytes()
+    quiet = bytes(2 * frame)
+    assert 0.3 > LOUD
+    clock = EndOfSpeech(door_decides=True)
+    at = 0.0
+    for _ in range(50):  # 1 s of voice, then 200 ms of silence: a smart detector's end, short of the 500 ms rule's
+        at += 0.02
+        clock.sent(voice, at)
+    last_sound = at
+    for _ in range(10):
+        at += 0.02
+        clock.sent(quiet, at)
+    clock.decided(at)  # SPEECH_ENDED arrives
+    out = {"v2v_client_ms": [], "v2v_real_end_ms": [], "unmatched_replies": []}
+    clock.reply_started(out, at + 0.1)
+    assert out["unmatched_replies"] == []
+    assert out["v2v_client_ms"] == [pytest.approx(100.0)]
+    assert out["v2v_real_end_ms"] == [pytest.approx(300.0, abs=1.0)]  # from the voice's last sample
+    clock.finished(at + 1.0)
+    assert not clock.ends and clock.utterances == 1  # the daemon's end is the only one counted
+    assert last_sound < at

@@ -309,7 +309,13 @@ async def one_caller(address: str, pcm: bytes, start_frame: int, duration_s: flo
             async for ev in call:
                 kind = ev.WhichOneof("event")
                 now = time.monotonic()
-                if kind == "transcript" and ev.transcript.is_final:
+                if kind == "started" and ev.started.effective_config.segmentation.turn_detection == pb.TURN_DETECTION_SMART:
+                    # The caller's own copy of the segmenter only knows silence: the daemon's SPEECH_ENDED
+                    # says when a smart detector ended the turn (the real end stays the last sound sent).
+                    clock.door_decides = True
+                elif kind == "speech" and ev.speech.type == pb.SpeechActivity.SPEECH_ENDED and clock.door_decides:
+                    clock.decided(now)
+                elif kind == "transcript" and ev.transcript.is_final:
                     out["asr_ms"].append(ev.transcript.latency_ms)
                 elif kind == "agent_text" and ev.agent_text.latency_ms > 0:
                     out["agent_ms"].append(ev.agent_text.latency_ms)

@@ -36,9 +36,13 @@ FRAME_S = 0.02
 
 
 class EndOfSpeech:
-    """The daemon's segmenter run over the caller's own frames: when each utterance ends."""
+    """When each of the caller's utterances ended: as decided, and as really spoken (its last sound).
 
-    def __init__(self, fmt=None):
+    A door that tells the caller (gRPC's SPEECH_ENDED) gives the decision itself (`decided`); for the
+    others the daemon's own segmenter runs over the caller's frames, which is their decision only with
+    silence turn detection (the default of `Config()`): a smart detector ends turns sooner."""
+
+    def __init__(self, fmt=None, door_decides: bool = False):
         from voiced.audio.ingest import Format, FrameDecoder
         from voiced.config import Config
         from voiced.core.segmenter import Segmenter, Utterance
@@ -51,6 +55,7 @@ class EndOfSpeech:
         self.ends: collections.deque[tuple[float, float]] = collections.deque()
         self.utterances = 0
         self._last_sound = 0.0  # when the last loud sample was spoken
+        self.door_decides = door_decides
 
     def sent(self, data: bytes, at: float) -> None:
         from voiced.bench.turn_set import LOUD
@@ -59,13 +64,22 @@ class EndOfSpeech:
             loud = np.nonzero(np.abs(frame) > LOUD * 32768)[0]
             if len(loud):
                 self._last_sound = at - (len(frame) - 1 - int(loud[-1])) / 16000
+            if self.door_decides:
+                continue
             for event in self._segmenter.push(frame):
                 if isinstance(event, self._utterance) and len(event.audio):
                     self.ends.append((at, min(self._last_sound, at)))
                     self.utterances += 1
 
+    def decided(self, at: float) -> None:
+        """The door said the utterance ended (received at `at`); its real end is the last sound sent."""
+        self.ends.append((at, min(self._last_sound, at)))
+        self.utterances += 1
+
     def finished(self, at: float) -> None:
         """The caller finished sending (gRPC's half-close): the daemon ends the utterance in progress."""
+        if self.door_decides:
+            return  # its SPEECH_ENDED, if any, still arrives and is counted by `decided`
         for frame in self._decoder.flush():
             self._segmenter.push(frame)
         for event in self._segmenter.flush():
