@@ -249,7 +249,9 @@ def test_prefill_graphs_serve_the_same_tokens(tmp_path, clips, dtype):
     kw = dict(device="cuda", dtype=dtype, max_batch=8, max_encoder_batch=4)
     on = WhisperEngine.load(ckpt, prefill_graphs=True, **kw)
     off = WhisperEngine.load(ckpt, prefill_graphs=False, **kw)
-    assert on.prefills is not None and off.prefills is None
+    # Off, the prefill runs the same padded pass eagerly (an unpadded one rounds differently: with it this
+    # test saw a bf16 near-tie flip at token 10 of 16 on the H100).
+    assert on.prefills.graphs is not None and off.prefills is not None and off.prefills.graphs is None
     on.warmup()
     off.warmup()
     warm = len(on.prefills.graphs)

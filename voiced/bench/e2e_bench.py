@@ -141,7 +141,7 @@ def start_server(args):
         tok = WhisperTokenizer.load(dims.multilingual, dims.num_languages, [args.tiktoken_dir])
         model = whisper_bench.random_model(dims, dev, torch.float32 if args.tiny_cpu else torch.float16)
         asr = WhisperEngine(model, tok, model_name=f"{args.asr_dims} (random)", max_batch=args.asr_batch,
-                            cuda_graphs=True, prefill_graphs=getattr(args, "prefill_graphs", False))  # (other benches' namespaces lack it)
+                            cuda_graphs=True, prefill_graphs=ON_OFF.get(getattr(args, "prefill_graphs", None)))
     # as `voiced serve` does: warm up on the thread that will step the engine (EngineThread.call)
     if engine_threads(args) == "separate":
         asr_thread, tts_thread = EngineThread("asr"), EngineThread("tts")
@@ -178,6 +178,9 @@ def start_server(args):
     if "http" in addresses:
         addresses["realtime"] = addresses["http"]
     return addresses, server, loop
+
+
+ON_OFF = {"on": True, "off": False}  # a flag's word; None leaves the engine's default
 
 
 def engine_threads(args) -> str:
@@ -506,9 +509,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--vocoder-graphs", action="store_true",
                     help="replay the vocoder's window decodes from CUDA graphs (voiced.engines.spark.vocoder_graphs)")
-    ap.add_argument("--prefill-graphs", action="store_true",
-                    help="replay the Whisper admission's decoder prefill from CUDA graphs (voiced.engines.whisper.fast"
-                         ".Prefills; what VOICED_WHISPER_PREFILL_GRAPHS=1 turns on for `voiced serve`)")
+    ap.add_argument("--prefill-graphs", choices=["on", "off"], default=None,
+                    help="the Whisper admission's decoder prefill from CUDA graphs (voiced.engines.whisper.fast.Prefills);"
+                         " default: as `voiced serve` (on, unless VOICED_WHISPER_PREFILL_GRAPHS=0)")
     ap.add_argument("--switch-interval-ms", type=float, default=None,
                     help="sys.setswitchinterval for the daemon's process (Python's default: 5 ms)")
     ap.add_argument("--merge-policy", choices=["batch", "step"], default=None,
@@ -560,7 +563,7 @@ def main(argv: list[str] | None = None) -> dict:
               "asr_model": args.asr_model or "random", "turn_detection": "smart" if args.asr_model else "silence",
               "reply_seconds": args.reply_seconds, "first_chunk_tokens": args.first_chunk_tokens,
               "engine_threads": engine_threads(args), "merge_policy": args.merge_policy or "default",
-              "vocoder_graphs": args.vocoder_graphs, "prefill_graphs": args.prefill_graphs, "switch_interval_s": sys.getswitchinterval(),
+              "vocoder_graphs": args.vocoder_graphs, "prefill_graphs": args.prefill_graphs or "default", "switch_interval_s": sys.getswitchinterval(),
               "gc_freeze": not args.no_gc_freeze, "duration_s": args.duration, "startup_s": startup_s,
               "date": time.strftime("%Y-%m-%d"), "fronts": {}, "saturation": {}}
     serving_peak = 0.0

@@ -205,8 +205,9 @@ def main(argv: list[str] | None = None) -> dict:
                     help="decoder steps through the modules (TextDecoder.step), not the fused GPU step")
     ap.add_argument("--no-compile-decoder", dest="compile_decoder", action="store_const", const=False, default=None,
                     help="don't torch.compile the fused decoder step's layers (the engine's default on CUDA)")
-    ap.add_argument("--prefill-graphs", action="store_true",
-                    help="replay the admission's decoder prefill from CUDA graphs (fast.Prefills; the graph engine only)")
+    ap.add_argument("--prefill-graphs", choices=["on", "off"], default=None,
+                    help="the admission's decoder prefill from CUDA graphs (fast.Prefills; the graph engine only); "
+                         "default: the engine's (on, unless VOICED_WHISPER_PREFILL_GRAPHS=0)")
     ap.add_argument("--attn-backend", default=None, choices=["flash", "cudnn", "efficient"],
                     help="pin the encoder's attention kernel")
     ap.add_argument("--diagnose", action="store_true",
@@ -241,7 +242,7 @@ def main(argv: list[str] | None = None) -> dict:
     opts = ASROptions(language="en", max_new_tokens=args.tokens, min_new_tokens=args.tokens)
     audio = test_audio(max(args.throughput_utts, args.hf_throughput_utts, 16))
     fast = dict(compile_encoder=args.compile_encoder, attn_backend=args.attn_backend, fast_decoder=args.fast_decoder,
-                compile_decoder=args.compile_decoder, prefill_graphs=args.prefill_graphs)
+                compile_decoder=args.compile_decoder, prefill_graphs={"on": True, "off": False}.get(args.prefill_graphs))
     report.update(fast)
     if args.probe_only:
         eng = WhisperEngine(model, tok, model_name=args.dims, max_batch=16, max_encoder_batch=1, **fast)

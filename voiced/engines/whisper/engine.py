@@ -78,6 +78,12 @@ class _Active:
     solo: bool = False  # admitted alone: its group's admission failed and the culprit is being found
 
 
+def prefill_graphs_default() -> bool:
+    """The admission's prefill from CUDA graphs on a GPU: on unless VOICED_WHISPER_PREFILL_GRAPHS=0 (issue 26:
+    measured on an H100 with the other host-side changes, 128 callers' final transcript p50 236 -> 72 ms)."""
+    return os.environ.get("VOICED_WHISPER_PREFILL_GRAPHS", "1") != "0"
+
+
 def build_model(dims: ModelDims, state: dict[str, torch.Tensor], where: str = "checkpoint") -> Whisper:
     model = Whisper(dims)
     own = model.state_dict()
@@ -179,7 +185,7 @@ class WhisperEngine:
                  max_queue: int | None = None, decode_chunk: int | None = None,
                  compile_encoder: bool | None = None, attn_backend: str | None = None,
                  fast_decoder: bool | None = None, compile_decoder: bool | None = None,
-                 alignment_heads: list[tuple[int, int]] | None = None, prefill_graphs: bool = False):
+                 alignment_heads: list[tuple[int, int]] | None = None, prefill_graphs: bool | None = None):
         if tokenizer.n_vocab != model.dims.n_vocab:
             raise CheckpointError(f"tokenizer has {tokenizer.n_vocab} tokens but the model {model.dims.n_vocab}")
         self.model = model.eval().requires_grad_(False)
@@ -234,11 +240,15 @@ class WhisperEngine:
         self.steps = DecoderSteps(self._decoder, self.cache, self.dims.n_text_ctx, max_batch, model.device,
                                   self.suppress.always, tokenizer.eot,
                                   CudaGraphs(self._stream, pool) if self.cuda_graphs else None)
-        # The admission's prefill of SOT sequences as one graph replay per (prompt length, encoder bucket)
-        # instead of ~25 torch calls per layer (fast.Prefills); off by default until measured on a GPU.
+        # On a GPU the admission's prefill of SOT sequences runs padded to its encoder bucket (fast.Prefills),
+        # graphed or not, so that the graph and the eager pass run the very same kernels (an unpadded pass
+        # rounds differently, enough to flip a bf16 near-tie); the graph is one replay per (prompt length,
+        # bucket) instead of ~25 torch calls per layer.
+        if prefill_graphs is None:
+            prefill_graphs = prefill_graphs_default()
         self.prefills = (Prefills(model.decoder, self.cache, self.encoder_buckets(), tokenizer.no_speech,
-                                  CudaGraphs(self._stream, pool))
-                         if prefill_graphs and self.cuda_graphs else None)
+                                  CudaGraphs(self._stream, pool) if prefill_graphs and self.cuda_graphs else None)
+                         if self.is_cuda else None)
         # The host side of `steps.inputs`, written through numpy (no torch call per value): pinned on
         # CUDA and sent in one copy; on the CPU the steps' block itself.
         self._host_inputs = (torch.zeros(3, max_batch, dtype=torch.long, pin_memory=True) if self.is_cuda
@@ -252,7 +262,7 @@ class WhisperEngine:
                  "decoder step %s", model_name, self.device, str(self.dtype).replace("torch.", ""),
                  ", int8 GEMMs" if self.int8 else "", max_batch,
                  max_batch * KVCache.bytes_per_slot(self.dims, self.dtype) / 2**20, self.cuda_graphs,
-                 "graphed" if self.prefills is not None else "eager", self.decoder_path)
+                 "graphed" if self.prefills is not None and self.prefills.graphs is not None else "eager", self.decoder_path)
 
     def _fast_encoder(self, compile_encoder: bool | None, attn_backend: str | None) -> FastEncoder | None:
         """GPU encoder: fused QKV, optional compiled layers; run per batch-size bucket (padded or split
@@ -301,11 +311,11 @@ class WhisperEngine:
         memory_limit: (free GPU bytes, the [memory] whisper_kv_fraction): the computed need
         (`memory_need`) is checked against that share before the weights go to the GPU; a need above it
         is refused (EngineError naming the setting). prefill_graphs: replay the admission's decoder prefill
-        (SOT sequences, encoder-batch buckets) from CUDA graphs captured at warm-up; None reads
-        VOICED_WHISPER_PREFILL_GRAPHS=1 (off by default: not yet measured on a GPU).
+        (SOT sequences, encoder-batch buckets) from CUDA graphs captured at warm-up; None: on, unless
+        VOICED_WHISPER_PREFILL_GRAPHS=0.
         """
         if prefill_graphs is None:
-            prefill_graphs = os.environ.get("VOICED_WHISPER_PREFILL_GRAPHS", "0") == "1"
+            prefill_graphs = prefill_graphs_default()
         prefill_graphs = prefill_graphs and cuda_graphs and device.startswith("cuda")
         path = resolve(name_or_path, cache_root)
         ckpt = read_checkpoint(path)
