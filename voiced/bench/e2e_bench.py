@@ -108,7 +108,8 @@ def start_server(args):
     config.server.listen = "127.0.0.1:0"
     config.server.max_sessions = 1000
     config.asr.language = "en"
-    if args.asr_model is None:
+    asr_model = getattr(args, "asr_model", None)  # (other benches' namespaces lack the options they don't use)
+    if asr_model is None:
         config.asr.max_new_tokens = args.asr_tokens
         config.asr.no_speech_threshold, config.asr.logprob_threshold = 1.0, -1e9  # random weights: keep all
         config.asr.compression_ratio_threshold = 1e9
@@ -124,12 +125,12 @@ def start_server(args):
 
     dev = "cpu" if args.tiny_cpu else "cuda"
     turn_model = None
-    if args.asr_model is not None:
+    if asr_model is not None:
         # A real Whisper, loaded as `voiced serve` loads it, whose words the smart end-of-turn rule reads;
         # with random weights the words are noise and turns end on silence (no end-of-turn model).
         from voiced.engines import loader
 
-        config.asr.model, config.asr.device, config.asr.max_batch = args.asr_model, dev, args.asr_batch
+        config.asr.model, config.asr.device, config.asr.max_batch = asr_model, dev, args.asr_batch
         asr = loader.load_asr(config)
         config.segmentation.turn_detection = "smart"
         turn_model = loader.load_turn_model(config)
