@@ -528,7 +528,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--profile-seconds", type=float, default=3.0)
     ap.add_argument("--gil-profile-level", type=int, nargs="*", default=[], metavar="N",
                     help="sample which thread holds the GIL with py-spy in the middle of these levels (the "
-                         "level's 'gil' entry; raw stacks gil-FRONT-N-*.txt beside --out)")
+                         "level's 'gil' entry; raw stacks gil-OUT-FRONT-N-*.txt beside --out)")
     ap.add_argument("--tiny-cpu", action="store_true", help="dry run on the CPU with tiny random models")
     ap.add_argument("--front", nargs="+", default=["grpc"], choices=FRONTS,
                     help="the doors to call through, each in turn at every level (default grpc)")
@@ -586,7 +586,8 @@ def main(argv: list[str] | None = None) -> dict:
             timer = profile.start_after(args.duration / 2 - args.profile_seconds / 2)
         gil = None
         if n in args.gil_profile_level:
-            gil = GilProfile(os.getpid(), args.profile_seconds, (args.out or Path("e2e.json")).parent, f"{front}-{n}")
+            out = args.out or Path("e2e.json")  # raw stacks named after the run: two runs may share a folder
+            gil = GilProfile(os.getpid(), args.profile_seconds, out.parent, f"{out.stem}-{front}-{n}")
             gil_timer = gil.start_after(max(0.0, args.duration / 2 - args.profile_seconds))
         proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ)
         if timer is not None:
