@@ -142,7 +142,7 @@ def start_server(args):
         tok = WhisperTokenizer.load(dims.multilingual, dims.num_languages, [args.tiktoken_dir])
         model = whisper_bench.random_model(dims, dev, torch.float32 if args.tiny_cpu else torch.float16)
         asr = WhisperEngine(model, tok, model_name=f"{args.asr_dims} (random)", max_batch=args.asr_batch,
-                            cuda_graphs=True, prefill_graphs=ON_OFF.get(getattr(args, "prefill_graphs", None)))
+                            cuda_graphs=True, prefill_graphs=whisper_bench.ON_OFF.get(getattr(args, "prefill_graphs", None)))
     # as `voiced serve` does: warm up on the thread that will step the engine (EngineThread.call)
     if engine_threads(args) == "separate":
         asr_thread, tts_thread = EngineThread("asr"), EngineThread("tts")
@@ -179,9 +179,6 @@ def start_server(args):
     if "http" in addresses:
         addresses["realtime"] = addresses["http"]
     return addresses, server, loop
-
-
-ON_OFF = {"on": True, "off": False}  # a flag's word; None leaves the engine's default
 
 
 def engine_threads(args) -> str:

@@ -74,7 +74,8 @@ class GilProfile:
     `delay_s` after `start_after`; raw files and a summary land in `out_dir`."""
 
     def __init__(self, pid: int, seconds: float, out_dir: Path, label: str):
-        self.pid, self.seconds, self.out_dir, self.label = pid, seconds, out_dir, label
+        self.pid, self.out_dir, self.label = pid, out_dir, label
+        self.duration_s = max(1, round(seconds))  # py-spy records whole seconds
         self.summary: dict = {}
 
     def start_after(self, delay_s: float) -> threading.Timer | None:
@@ -89,7 +90,7 @@ class GilProfile:
     def _record(self, mode: str) -> Path:
         out = self.out_dir / f"gil-{self.label}-{mode}.txt"
         cmd = ["py-spy", "record", f"--{mode}", "--nonblocking", "--threads", "--rate", str(RATE_HZ),
-               "--duration", str(max(1, round(self.seconds))), "--format", "raw", "--output", str(out),
+               "--duration", str(self.duration_s), "--format", "raw", "--output", str(out),
                "--pid", str(self.pid)]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
@@ -103,7 +104,7 @@ class GilProfile:
         if held.exists():
             self.summary = summarise(held)
             # Samples taken while some thread held the lock, of all the samples the capture asked for.
-            self.summary["held_fraction"] = round(self.summary["samples"] / (RATE_HZ * self.seconds), 3)
+            self.summary["held_fraction"] = round(self.summary["samples"] / (RATE_HZ * self.duration_s), 3)
         if every.exists():
             self.summary["every_thread"] = summarise(every)["threads"]
         log.info("GIL profile of %s written to %s", self.label, self.out_dir)

@@ -43,6 +43,8 @@ from voiced.engines.whisper.tokenizer import WhisperTokenizer
 
 log = logging.getLogger("whisper_bench")
 
+ON_OFF = {"on": True, "off": False}  # an engine option's flag word; None leaves the engine's default
+
 DIMS = {
     "large-v3-turbo": ModelDims(n_mels=128, n_audio_ctx=1500, n_audio_state=1280, n_audio_head=20, n_audio_layer=32,
                                 n_vocab=51866, n_text_ctx=448, n_text_state=1280, n_text_head=20, n_text_layer=4),
@@ -242,7 +244,7 @@ def main(argv: list[str] | None = None) -> dict:
     opts = ASROptions(language="en", max_new_tokens=args.tokens, min_new_tokens=args.tokens)
     audio = test_audio(max(args.throughput_utts, args.hf_throughput_utts, 16))
     fast = dict(compile_encoder=args.compile_encoder, attn_backend=args.attn_backend, fast_decoder=args.fast_decoder,
-                compile_decoder=args.compile_decoder, prefill_graphs={"on": True, "off": False}.get(args.prefill_graphs))
+                compile_decoder=args.compile_decoder, prefill_graphs=ON_OFF.get(args.prefill_graphs))
     report.update(fast)
     if args.probe_only:
         eng = WhisperEngine(model, tok, model_name=args.dims, max_batch=16, max_encoder_batch=1, **fast)

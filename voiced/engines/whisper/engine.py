@@ -151,8 +151,8 @@ def prefill_graph_needs(dims: ModelDims, elem: int, buckets: list[int]) -> list[
       an admission encodes before it prefills), whose activations ([b, audio positions, 4 x width] for
       the MLP alone) are larger, so as a rule the prefill captures reserve nothing new. They are counted
       as a step transient: the plan keeps room for the largest of those, which the admission's eager
-      transient already exceeds, so the plan's total grows by the held item alone. Whether the pool
-      reuses as argued is what tests/test_daemon_gpu.py's plan check with the setting on would show.
+      transient already exceeds, so the plan's total grows by the held item alone
+      (tests/test_daemon_gpu.py's plan check passed with the graphs on: H100, 2026-11-27).
     """
     rows, t = buckets[-1], PREFILL_GRAPH_TOKENS
     outputs = 2 * sum(buckets) * (dims.n_vocab + 1) * 4
