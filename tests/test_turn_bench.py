@@ -125,3 +125,85 @@ def test_the_same_seed_makes_the_same_set_tones_and_music_included(tmp_path):
     for c in a:
         assert (tmp_path / "a" / c.audio).read_bytes() == (tmp_path / "b" / c.audio).read_bytes(), c.name
     assert turn_set.make_set(tmp_path / "c", 4, seed=6, tail_s=1.0) != a  # another seed, other callers
+
+
+# ----------------------------------------------------------------------------------- the offline replay
+
+
+def _one_caller_set(directory: Path, kind: str, parts: list[str], pause_s: float = 1.0, tail_s: float = 2.0):
+    """A turn set of one caller (the set maker's own rendering: espeak-ng, a split pause)."""
+    from voiced_client.wavio import write_wav
+
+    from voiced.bench import turn_set
+
+    p = turn_set.Plan("turn-001", kind, " | ".join(parts), parts, "en-us", 155, "split" if kind == "paused" else "whole",
+                      "silence", pause_s, 0.4)
+    audio, caller = turn_set.render(p, tail_s, np.random.default_rng(0))
+    directory.mkdir(parents=True, exist_ok=True)
+    write_wav(directory / caller.audio, audio, turn_set.RATE)
+    return caller
+
+
+def test_the_replayed_silence_rule_cuts_off_a_long_pause_and_ends_a_finished_turn_500_ms_after_the_voice(tmp_path):
+    need_espeak()
+    from voiced.bench.turn_replay import replay_detector
+
+    finished = _one_caller_set(tmp_path, "finished", ["Please send the report to the main office."])
+    paused = _one_caller_set(tmp_path / "p", "paused", ["Please send the report to", "the main office."], pause_s=0.9)
+    row = replay_detector("silence", tmp_path, [finished], store=None, decode_ms=30, model_ms=60)
+    (v,) = row["per_caller"]
+    # webrtcvad hears the voice a frame or two past its last sample; the turn ends 500 ms after that
+    assert not v["cut_off"] and 500 <= v["eot_ms"] <= 560, v
+    row = replay_detector("silence:500", tmp_path / "p", [paused], store=None, decode_ms=30, model_ms=60)
+    (v,) = row["per_caller"]
+    assert v["cut_off"] and len(v["turn_ends_s"]) == 2, v  # answered in halves: the 0.9 s pause ended a turn
+    assert row["paused_cut_off"] == 1 and row["eot_ms"]["n"] == 1
+
+
+def test_the_replay_keeps_a_caller_who_pauses_after_for_on_the_line_and_caches_the_evidence(tmp_path):
+    """Real tiny.en and Smart Turn: "I would like to book a table for ... four people on Monday." is one
+    turn in the replay of smart:medium with a GPU's decode time; a second replay decodes nothing."""
+    need_espeak()
+    from voiced.bench.turn_replay import EvidenceStore, replay_detector
+    from voiced.engines import smart_turn
+
+    model = tiny_en_dir()
+    smart_turn.pull(smart_turn.PYPI_NAME, CACHE)
+    st = smart_turn.resolve(smart_turn.PYPI_NAME, CACHE)
+    caller = _one_caller_set(tmp_path, "paused", ["I would like to book a table for", "four people on Monday."],
+                             pause_s=1.2)
+    cache = tmp_path / "evidence.json"
+    store = EvidenceStore(cache, str(model), "cpu", str(st))
+    row = replay_detector("smart:medium", tmp_path, [caller], store, decode_ms=30, model_ms=60)
+    store.save()
+    (v,) = row["per_caller"]
+    assert not v["cut_off"] and len(v["turn_ends_s"]) == 1, v
+    assert v["eot_ms"] is not None and v["eot_ms"] < 4000 and not v["unended"], v  # ended before the bound
+    # the pause after "for" was a decision point, and the rule kept the turn open there
+    first = v["decisions"][0]
+    assert first["voice_end_s"] < caller.pauses[0][1] and "for" in first["text"].lower(), v["decisions"]
+    assert store.decodes >= 1 and cache.is_file()
+
+    again = EvidenceStore(cache, str(model), "cpu", str(st))  # re-judging: all from the file
+    assert replay_detector("smart:medium", tmp_path, [caller], again, 30, 60)["per_caller"][0]["turn_ends_s"] == \
+        v["turn_ends_s"]
+    assert (again.decodes, again.predictions) == (0, 0)
+
+
+def test_bench_turns_offline_prints_the_table_for_a_set(tmp_path):
+    need_espeak()
+    from dataclasses import asdict
+
+    from voiced.bench import turn_set
+
+    caller = _one_caller_set(tmp_path / "set", "finished", ["We have been waiting for two days for the contract."])
+    (tmp_path / "set" / "manifest.jsonl").write_text(json.dumps(asdict(caller)) + "\n")
+    out = tmp_path / "r.json"
+    proc = subprocess.run([sys.executable, "-m", "voiced", "bench", "turns", "--offline", "--set", str(tmp_path / "set"),
+                           "--detectors", "silence", "silence:300", "--out", str(out)],
+                          capture_output=True, text=True, env=env(), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert result["offline"] and "| silence:300 |" in proc.stderr and turn_set.read_set(tmp_path / "set") == [caller]
+    rows = {r["detector"]: r for r in result["detectors"]}
+    assert 300 <= rows["silence:300"]["eot_ms"]["p50"] <= 360 and 500 <= rows["silence"]["eot_ms"]["p50"] <= 560

@@ -612,3 +612,18 @@ def test_a_missing_model_falls_back_to_silence_with_its_log_line(tmp_path, monke
         assert provision.provision_turn_model() is None
     [line] = [r.getMessage() for r in caplog.records if "turn detection" in r.getMessage()]
     assert "`voiced models pull smart-turn-v3`" in line and "smart-turn-v3-pypi" in line
+
+
+def test_a_pause_decode_is_bounded_by_what_its_audio_can_say():
+    """A hallucinated loop at a pause ("namba namba ...") stops after a few dozen tokens, not at the
+    model's 224; real speech (<= ~10 tokens a second) is never cut; a lower configured limit stays."""
+    from voiced.core.session import DECODE_TOKENS_MIN, recognition_options
+    from voiced.engines.base import ASROptions
+
+    second = 16000
+    pause = recognition_options(ASROptions(language="en"), int(2.5 * second), priority=1, words=True)
+    assert pause.word_timestamps and pause.max_new_tokens == 40  # 16 a second of audio
+    assert recognition_options(ASROptions(), second // 2, 0, final=False, words=True).max_new_tokens == DECODE_TOKENS_MIN
+    assert recognition_options(ASROptions(max_new_tokens=20), 10 * second, 1).max_new_tokens == 20
+    # a whole 30 s window may use the model's own limit
+    assert recognition_options(ASROptions(), 30 * second, 1).max_new_tokens >= 224

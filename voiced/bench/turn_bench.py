@@ -35,6 +35,12 @@ What it reports for each detector, as LiveKit's eot-bench does:
 
     voiced bench turns --asr-model tiny.en-pypi --out turns.json
     voiced bench turns --set DIR --server 127.0.0.1:50051 --detectors silence smart:low smart:high
+
+`--offline` replays the detectors instead (voiced.bench.turn_replay: the session's segmenter, engines and
+rule, no daemon; the evidence ready `--decode-ms` after each pause, cached beside the set), for judging
+a change to the rule in seconds:
+
+    voiced bench turns --offline --set DIR --asr-model tiny.en-pypi --decode-ms 30 --out replay.json
 """
 
 from __future__ import annotations
@@ -139,7 +145,8 @@ def table(rows: list[dict]) -> str:
         def p(f: dict) -> str:
             return f"{f['p50']:.0f} ms | {f['p90']:.0f} ms" if f.get("n") else "- | -"
 
-        lines.append(f"| {r['detector']} | {r['paused_cut_off']} of {r['paused']} ({r['paused_cut_off_pct']:.0f} %) | "
+        share = "" if r["paused_cut_off_pct"] is None else f" ({r['paused_cut_off_pct']:.0f} %)"  # (a set of no paused callers)
+        lines.append(f"| {r['detector']} | {r['paused_cut_off']} of {r['paused']}{share} | "
                      f"{r['finished_cut_off']} of {r['finished']} | {p(r['eot_ms'])} | {r['unended']} | "
                      f"{p(r.get('reply_ms', {}))} |")
     return head + "\n".join(lines)
@@ -308,6 +315,16 @@ def main(argv: list[str] | None = None) -> dict:
                          "wheel), or the daemon's webrtcvad")
     ap.add_argument("--concurrency", type=int, default=4, help="callers streamed at once")
     ap.add_argument("--start-timeout", type=float, default=600.0, help="seconds to wait for the daemon to serve")
+    ap.add_argument("--offline", action="store_true",
+                    help="replay the detectors offline (voiced.bench.turn_replay): no daemon, the evidence decoded "
+                         "once and cached, ready --decode-ms after each pause")
+    ap.add_argument("--decode-ms", type=float, default=30.0,
+                    help="--offline: the pause's transcript is ready this long after the pause is noticed "
+                         "(default 30: a GPU's)")
+    ap.add_argument("--model-ms", type=float, default=60.0,
+                    help="--offline: Smart Turn's answer comes this long after it (default 60: its CPU time)")
+    ap.add_argument("--evidence", type=Path, default=None,
+                    help="--offline: the evidence cache (default: replay-evidence-MODEL.json in the set's folder)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -315,6 +332,10 @@ def main(argv: list[str] | None = None) -> dict:
         detectors = parse_detectors(args.detectors)
         if not detectors and args.keep_set is None:
             raise ValueError("--detectors with none named only makes a set: give --keep-set DIR")
+        if args.offline and not detectors:
+            raise ValueError("--offline replays detectors: name some")
+        if args.offline and (args.decode_ms < 0 or args.model_ms < 0):
+            raise ValueError("--decode-ms and --model-ms are times: 0 or more")
         if args.concurrency < 1:
             raise ValueError(f"--concurrency must be at least 1, not {args.concurrency}")
     except ValueError as e:
@@ -338,6 +359,21 @@ def main(argv: list[str] | None = None) -> dict:
             log.info("made %d callers (%.0f s of audio) in %s", len(callers), sum(c.duration_s for c in callers),
                      directory)
             return {"bench": "turns", "set": str(directory), "callers": len(callers), "seed": args.seed}
+    if args.offline:
+        from voiced.bench.turn_replay import run_offline
+
+        try:
+            result = run_offline(args, directory, callers, detectors)
+        finally:
+            if tmp is not None:
+                import shutil
+
+                shutil.rmtree(tmp, ignore_errors=True)
+        result["seed"] = args.seed
+        result["wall_s"] = round(time.monotonic() - t_start, 1)
+        print(result["table"], file=sys.stderr)
+        emit(result, args.out)
+        return result
     result = {"bench": "turns", "date": time.strftime("%Y-%m-%d"), "machine": machine(),
               "load_average_at_start": os.getloadavg()[0], "python":
               platform.python_version(), "set": str(args.set or "made"), "callers": len(callers),

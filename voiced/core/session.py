@@ -61,10 +61,10 @@ from voiced.core.events import (
     UserText,
 )
 from voiced.core.outbound import cost, over_capacity, too_long
-from voiced.core.segmenter import Segmenter, Utterance
+from voiced.core.segmenter import Segmenter, SegmenterConfig, Utterance
 from voiced.core.spec import SessionSpec
 from voiced.core.speech import in_caller_time
-from voiced.engines.base import ASRRequest, CapacityError, EngineError, Transcript
+from voiced.engines.base import ASROptions, ASRRequest, CapacityError, EngineError, Transcript
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +103,73 @@ class Pause:
         return (self.voice_end - (self.audio_end - len(self.audio))) / segmenter.RATE
 
 
+# A decode of a turn cannot need more tokens than its audio can say: English speech runs at ~3-6 tokens a
+# second (fast speech, numbers and punctuation ~10), so this many a second of audio, never fewer than
+# DECODE_TOKENS_MIN, never truncates a caller's words, and stops a hallucinated loop ("namba namba ...",
+# seen on a GPU at a pause) after a few dozen tokens instead of at the model's limit (224 for Whisper):
+# that loop made one pause's decode take 272 ms where ~20 were expected.
+DECODE_TOKENS_PER_S = 16
+DECODE_TOKENS_MIN = 32
+
+
+def decode_token_cap(samples: int, configured: int | None) -> int | None:
+    """`max_new_tokens` for a decode of `samples` of audio: the audio's bound, or `configured` (the
+    config's, None: the model's limit) where that is lower."""
+    cap = max(DECODE_TOKENS_MIN, -(-samples * DECODE_TOKENS_PER_S // segmenter.RATE))
+    return cap if configured is None else min(cap, configured)
+
+
+def recognition_options(opts: ASROptions, samples: int, priority: int, final: bool = True,
+                        words: bool = False) -> ASROptions:
+    """The options of one of the session's decodes (the replay, voiced.bench.turn_replay, uses them too):
+    `samples` of audio, at `priority`; `final`: the turn's transcript (else an interim one); `words`:
+    the end-of-turn rule reads the last word's probability and time, so word timings are on."""
+    if words and not opts.word_timestamps:
+        opts = replace(opts, word_timestamps=True)
+    if opts.priority != priority or (opts.word_timestamps and not final and not words):
+        # Interim results are replaced within a second: no word timings for them (unless the
+        # end-of-turn rule reads them).
+        opts = replace(opts, priority=priority, word_timestamps=words or (opts.word_timestamps and final))
+    cap = decode_token_cap(samples, opts.max_new_tokens)
+    return opts if cap == opts.max_new_tokens else replace(opts, max_new_tokens=cap)
+
+
+def smart_segmentation(seg: SegmenterConfig, bounds: turns.Bounds) -> SegmenterConfig:
+    """Smart turn detection's segmenter: it reports the short pause; its hangover is the upper bound."""
+    return replace(seg, pause_ms=turns.PAUSE_MS, hangover_ms=bounds.max_ms)
+
+
+def model_clip(audio: np.ndarray, audio_end: int, voice_end: int) -> np.ndarray:
+    """What the audio model hears of a pause: the turn (`audio`, int16, ending at stream sample
+    `audio_end`) up to the voice's end, then MODEL_SILENCE_MS of silence (whatever the line played after
+    it: noise, tones, music)."""
+    keep = min(len(audio), max(0, voice_end - (audio_end - len(audio))))
+    clip = np.zeros(keep + turns.MODEL_SILENCE_MS * segmenter.RATE // 1000, dtype=np.float32)
+    clip[:keep] = int16_to_float(audio[:keep])
+    return clip
+
+
+def heard_after(heard: turns.Heard, result: Transcript, samples: int, audio_end: int,
+                voice_end: int) -> turns.Heard:
+    """The turn's words after one more decode of it (`samples` of audio ending at `audio_end`)."""
+    text = "" if result.is_hallucination else result.text
+    if result.words:  # the last word's end (cross-attention times: give it a little slack)
+        said = audio_end - samples + int((result.words[-1].end_s + turns.ALIGN_SLACK_S) * segmenter.RATE)
+        voice_end = min(voice_end, max(said, 0))
+    return heard.heard(turns.words_of(text), audio_end, voice_end)
+
+
+def pause_evidence(evidence: turns.Evidence, result: Transcript, speech_end_s: float, stalled: bool,
+                   keep_hallucinations: bool = False) -> tuple[turns.Evidence, str]:
+    """The evidence once a pause's transcript is in (and the text as Whisper wrote it)."""
+    text = "" if result.is_hallucination and not keep_hallucinations else result.text
+    judged = turns.judged_text(text, result.words, speech_end_s)
+    return replace(evidence, text=judged, fresh=True, sounding=stalled,
+                   doubtful=bool(text.strip()) and turns.doubted(result.words, speech_end_s),
+                   # Whisper's end-of-text follows its whole text, not the words judged without their last one
+                   end_p=result.end_prob if judged == text else None), text
+
+
 class Session:
     def __init__(self, services, spec: SessionSpec, conversational: bool):
         self.services = services
@@ -120,8 +187,7 @@ class Session:
                 self.spec = spec = replace(spec, segmentation=seg)
         self.bounds = turns.bounds(seg.eagerness)
         if self.turn_model is not None:
-            # The segmenter reports the short pause; its hangover becomes the upper bound.
-            seg = replace(seg, pause_ms=turns.PAUSE_MS, hangover_ms=self.bounds.max_ms)
+            seg = smart_segmentation(seg, self.bounds)
         # Speech events only: the segmenter need not keep the audio.
         self.segmenter = Segmenter(replace(seg, keep_audio=spec.recognize))
         self._pause: Pause | None = None
@@ -413,13 +479,7 @@ class Session:
 
     async def _recognize(self, audio: np.ndarray, priority: int, final: bool = True,
                          words: bool = False) -> Transcript:
-        opts = self.spec.asr
-        if words and not opts.word_timestamps:
-            opts = replace(opts, word_timestamps=True)  # the end-of-turn rule reads the last word's probability
-        if opts.priority != priority or (opts.word_timestamps and not final and not words):
-            # Interim results are replaced within a second: no word timings for them (unless the
-            # end-of-turn rule reads them).
-            opts = replace(opts, priority=priority, word_timestamps=words or (opts.word_timestamps and final))
+        opts = recognition_options(self.spec.asr, len(audio), priority, final, words)
         return await self.services.asr.run(ASRRequest(int16_to_float(audio), opts))
 
     async def _emit_transcripts(self) -> None:
@@ -485,11 +545,7 @@ class Session:
 
     def _heard_words(self, result: Transcript, audio: np.ndarray, audio_end: int, voice_end: int) -> None:
         """One more decode of the current turn: note its words, and where they end."""
-        text = "" if result.is_hallucination else result.text
-        if result.words:  # the last word's end (cross-attention times: give it a little slack)
-            said = audio_end - len(audio) + int((result.words[-1].end_s + turns.ALIGN_SLACK_S) * segmenter.RATE)
-            voice_end = min(voice_end, max(said, 0))
-        self._heard = self._heard.heard(turns.words_of(text), audio_end, voice_end)
+        self._heard = heard_after(self._heard, result, len(audio), audio_end, voice_end)
 
     def _watch_words(self, task: asyncio.Task, turn_id: int, audio: np.ndarray, audio_end: int,
                      voice_end: int) -> None:
@@ -537,12 +593,8 @@ class Session:
         pause.detect = self.spawn(self._detect(pause), f"turn-{pause.turn_id}")
 
     def _model_clip(self, pause: Pause) -> np.ndarray:
-        """What the audio model hears: the turn up to the voice's end, then MODEL_SILENCE_MS of silence
-        (whatever the line played after it: noise, tones, music)."""
-        keep = min(len(pause.audio), max(0, pause.voice_end - (pause.audio_end - len(pause.audio))))
-        clip = np.zeros(keep + turns.MODEL_SILENCE_MS * segmenter.RATE // 1000, dtype=np.float32)
-        clip[:keep] = int16_to_float(pause.audio[:keep])
-        return clip
+        """What the audio model hears (`model_clip`)."""
+        return model_clip(pause.audio, pause.audio_end, pause.voice_end)
 
     async def _detect(self, pause: Pause) -> None:
         """Gather the evidence on this pause as it arrives (the audio model's answer, then the fresh
@@ -567,13 +619,8 @@ class Session:
             return  # no words: the silence bound ends the turn; the final transcript reports the error
         if pause.decode_s is None:
             pause.decode_s = time.monotonic() - pause.opened
-        text = "" if result.is_hallucination and not self.spec.keep_hallucinations else result.text
-        judged = turns.judged_text(text, result.words, pause.speech_end_s)
-        pause.evidence = replace(pause.evidence, text=judged, fresh=True, sounding=pause.stalled,
-                                 doubtful=bool(text.strip()) and turns.doubted(result.words, pause.speech_end_s),
-                                 # Whisper's end-of-text follows its whole text, not the words judged without
-                                 # their last one
-                                 end_p=result.end_prob if judged == text else None)
+        pause.evidence, text = pause_evidence(pause.evidence, result, pause.speech_end_s, pause.stalled,
+                                              self.spec.keep_hallucinations)
         wait_ms = pause.evidence.wait_ms(self.bounds)
         if log.isEnabledFor(logging.DEBUG):  # the arguments cost more than the line, at every pause
             log.debug("session %s turn %d pause%s: p=%s text=%r (last word p=%s, end-of-text p=%s) wait %d ms",

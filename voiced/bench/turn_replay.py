@@ -1,0 +1,413 @@
+"""`voiced bench turns --offline`: the end-of-turn detectors replayed over a turn set, without a daemon.
+
+The live bench (voiced.bench.turn_bench) streams each caller through a daemon in real time; there the
+figures are mostly the decode's time and the machine's load (on a shared 2-core CPU tiny.en's decode
+of the turn so far takes 0.3-1.5 s). This replay asks what the rule decides when the evidence is ready
+a fixed `--decode-ms` after the pause began (e.g. 30 ms, a GPU's), so that a change to the rule
+(voiced.core.turns) can be judged in seconds and the same on every machine.
+
+For each caller, frame by frame (20 ms), it runs what the session runs (voiced.core.session):
+- the session's own segmenter (voiced.core.segmenter, configured by `session.smart_segmentation`),
+  whose Paused / Resumed / SpeechStarted events are the decision points the daemon sees;
+- at each short pause, the transcript of the turn so far through the real Whisper engine with the
+  session's own options (`session.recognition_options`: word timings, the token cap), and Smart Turn's
+  probability on the session's clip (`session.model_clip`); the evidence is built by
+  `session.pause_evidence` and judged by `turns.Evidence.wait_ms` (the rule itself, not a copy);
+- after a pause that sound followed, the decodes of the turn every `turns.WORDS_EVERY_MS` and the
+  words-stall pause (`turns.Heard`, `session.heard_after`), as the session's `_words` opens one;
+- a turn ends where the rule says, or at the segmenter's bound; a turn ended inside a sentence
+  makes the rest a new turn (its own pauses, its own decodes), as in the daemon.
+
+Times: the transcript of a pause is ready `decode_ms` after the pause was noticed, Smart Turn's
+answer `model_ms` after it (the session waits for the model first, then the transcript), each interim
+decode `decode_ms` after it started; a turn ends at the first frame (or evidence) at which the rule's
+wait has passed. What it leaves out: the decode time's spread and queueing (several callers sharing a
+GPU, decodes that return late under load), the network, and Whisper's numerics on another device
+(the cache holds what this machine's engine wrote: fp32 on a CPU, fp16 on a GPU may differ on a word).
+
+The evidence (each decode's text, word probabilities and times, end-of-text probability, and each
+Smart Turn probability) is cached per set and model in a JSON file beside the set (`--evidence`), keyed
+by the audio it was computed on: re-judging a set after a change to the rule costs no decode, and a
+change that ends turns elsewhere decodes only the new clips.
+
+    voiced bench turns --offline --set SET --asr-model tiny.en-pypi --decode-ms 30 --out replay.json
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import numpy as np
+
+from voiced.bench.turn_bench import FRAME_S, Outcome, judge, summarize, table, turn_targets
+from voiced.bench.turn_set import RATE, TurnCaller
+from voiced.core import segmenter as seg_mod
+from voiced.core import session as ses
+from voiced.core import turns
+from voiced.engines.base import ASROptions, ASRRequest, Transcript, Word
+
+log = logging.getLogger("voiced.bench.turns")
+FRAME = int(FRAME_S * RATE)
+
+
+# ----------------------------------------------------------------------------------- the evidence
+
+
+class EvidenceStore:
+    """Transcripts and Smart Turn probabilities, computed once (engines loaded on first need) and kept
+    in a JSON file."""
+
+    def __init__(self, path: Path | None, asr_model: str, device: str = "cpu", smart_turn_model: str | None = None):
+        self.path, self.asr_model, self.device, self.smart_turn_model = path, asr_model, device, smart_turn_model
+        self.data: dict = {"asr_model": asr_model, "transcripts": {}, "p_complete": {}}
+        if path is not None and path.is_file():
+            self.data = json.loads(path.read_text())
+        self._asr = self._turn_model = None
+        self.decodes = self.predictions = 0  # computed in this run (not from the file)
+        self.decode_s = 0.0
+
+    def asr(self):
+        if self._asr is None:
+            from voiced.engines.whisper.engine import WhisperEngine
+
+            self._asr = WhisperEngine.load(self.asr_model, device=self.device, max_batch=4)
+        return self._asr
+
+    def turn_model(self):
+        if self._turn_model is None:
+            from voiced.engines import smart_turn
+
+            path = smart_turn.resolve(self.smart_turn_model) if self.smart_turn_model else smart_turn.find()
+            if path is None:
+                raise RuntimeError("no Smart Turn model pulled (voiced models pull smart-turn-v3-pypi)")
+            self._turn_model = smart_turn.load_smart_turn(path)
+            self.data["smart_turn"] = str(Path(path).name)
+        return self._turn_model
+
+    def transcript(self, caller: str, audio: np.ndarray, audio_end: int, opts: ASROptions) -> Transcript:
+        key = f"{caller}:{audio_end - len(audio)}:{audio_end}:{opts.max_new_tokens}:{int(opts.word_timestamps)}"
+        hit = self.data["transcripts"].get(key)
+        if hit is None:
+            t0 = time.perf_counter()
+            r = self.asr().transcribe(ASRRequest(audio.astype(np.float32) / 32768.0, opts))
+            self.decode_s += time.perf_counter() - t0
+            self.decodes += 1
+            hit = {"text": r.text, "hallucination": bool(r.is_hallucination), "end_prob": r.end_prob,
+                   "tokens": len(r.tokens),
+                   "words": [[w.word, round(float(w.start_s), 3), round(float(w.end_s), 3),
+                              round(float(w.probability), 4)] for w in r.words]}
+            self.data["transcripts"][key] = hit
+        return Transcript(text=hit["text"], language="en", tokens=[], avg_logprob=0.0, no_speech_prob=0.0,
+                          compression_ratio=0.0, is_hallucination=hit["hallucination"],
+                          words=[Word(w, s, e, p) for w, s, e, p in hit["words"]], end_prob=hit["end_prob"])
+
+    def p_complete(self, caller: str, clip: np.ndarray, key: str) -> float:
+        key = f"{caller}:{key}"
+        p = self.data["p_complete"].get(key)
+        if p is None:
+            p = round(float(self.turn_model().predict([clip])[0]), 4)
+            self.predictions += 1
+            self.data["p_complete"][key] = p
+        return p
+
+    def save(self) -> None:
+        if self.path is not None:
+            tmp = self.path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(self.data))
+            os.replace(tmp, self.path)
+
+
+# ----------------------------------------------------------------------------------- the session, replayed
+
+
+@dataclass
+class _Pause:
+    turn_id: int
+    audio: np.ndarray
+    audio_end: int
+    voice_end: int
+    opened: int  # stream sample (time) it was noticed
+    stalled: bool = False
+    words: tuple[str, ...] = ()
+    result: Transcript | None = None
+    p: float | None = None
+    evidence: turns.Evidence = turns.Evidence()
+    transcript_cancelled: bool = False
+    log: dict = field(default_factory=dict)
+
+    @property
+    def speech_end_s(self) -> float:
+        return (self.voice_end - (self.audio_end - len(self.audio))) / RATE
+
+
+class CallerReplay:
+    """One caller through one smart detector: the session's pause handling (voiced.core.session) with
+    the evidence from `store` and fixed latencies."""
+
+    def __init__(self, caller: TurnCaller, pcm: np.ndarray, eagerness: str, store: EvidenceStore,
+                 asr: ASROptions, decode_ms: float, model_ms: float):
+        self.c, self.pcm, self.store, self.asr = caller, pcm, store, asr
+        self.bounds = turns.bounds(eagerness)
+        cfg = seg_mod.SegmenterConfig(turn_detection="smart", eagerness=eagerness)
+        self.seg = seg_mod.Segmenter(ses.smart_segmentation(cfg, self.bounds))
+        self.decode = int(decode_ms * RATE / 1000)
+        self.model = int(model_ms * RATE / 1000)
+        self.turn_id = 0
+        self.pause: _Pause | None = None
+        self.heard = turns.Heard((), 0, 0)
+        self.checking = False
+        self.sound_since = 0
+        self.next_interim = 0
+        self.interim: dict | None = None  # the decode in flight
+        self.pending: list[tuple[int, int, str, object]] = []  # (time, order, kind, what)
+        self._order = 0
+        self.ends: list[float] = []
+        self.decisions: list[dict] = []
+        self.interims = 0
+
+    # -- plumbing
+    def _at(self, t: int, kind: str, what) -> None:
+        self._order += 1
+        self.pending.append((t, self._order, kind, what))
+
+    def _every(self) -> int:
+        return min(1000, turns.WORDS_EVERY_MS) if self.checking else 1000  # config.asr.interim_interval_ms
+
+    def run(self) -> list[float]:
+        n_frames = len(self.pcm) // FRAME
+        for n in range(n_frames):
+            now = (n + 1) * FRAME
+            self._complete_until(now)
+            events = self.seg.push(self.pcm[n * FRAME: now])
+            if events:
+                self._events(events, now)
+            if self.seg.in_speech:
+                if self.checking and (self.pause is None or self.pause.stalled):
+                    self._maybe_interim(now)
+                if self.pause is not None:
+                    self._maybe_end(now)
+        self._events(self.seg.flush(), n_frames * FRAME)
+        return self.ends
+
+    def _complete_until(self, now: int) -> None:
+        while True:
+            due = [x for x in self.pending if x[0] <= now]
+            if not due:
+                return
+            item = min(due)
+            self.pending.remove(item)
+            t, _, kind, what = item
+            getattr(self, "_done_" + kind)(what, t)
+
+    def _events(self, events: list, now: int) -> None:
+        for ev in events:
+            if isinstance(ev, seg_mod.SpeechStarted):
+                self.turn_id += 1
+                self.heard = turns.Heard((), 0, 0)
+                self.checking = False
+                self.next_interim = self._every()
+                self.sound_since = ev.offset
+            elif isinstance(ev, seg_mod.Paused):
+                if self.pause is not None and self.pause.stalled:
+                    self._cancel_pause(now)
+                if self.pause is None:
+                    self._start_pause(now)
+            elif isinstance(ev, seg_mod.Resumed):
+                self.sound_since = ev.offset
+                if self.pause is not None and not self.pause.stalled:
+                    self._cancel_pause(now)
+            elif isinstance(ev, seg_mod.SpeechEnded):
+                self.ends.append(now / RATE)
+            elif isinstance(ev, seg_mod.Utterance):
+                self.interim = None
+                if self.pause is not None:
+                    self.pause.log.setdefault("ended_s", round(now / RATE, 3))
+                self.pause = None
+
+    # -- pauses (Session._start_pause, _open_pause, _detect, _cancel_pause)
+    def _start_pause(self, now: int) -> None:
+        self.interim = None
+        audio = self.seg.current_audio()
+        p = _Pause(self.turn_id, audio, self.seg.offset, self.seg.voiced_end, now)
+        opts = ses.recognition_options(self.asr, len(audio), 1, words=True)
+        p.result = self.store.transcript(self.c.name, audio, p.audio_end, opts)
+        self._at(now + self.decode, "watch", p)
+        self._open(p, now, transcript_at=now + self.decode)
+
+    def _open(self, p: _Pause, now: int, transcript_at: int) -> None:
+        self.pause = p
+        clip = ses.model_clip(p.audio, p.audio_end, p.voice_end)
+        p.p = self.store.p_complete(self.c.name, clip, f"{p.audio_end - len(p.audio)}:{p.voice_end}")
+        self._at(now + self.model, "model", p)
+        self._at(max(now + self.model, transcript_at), "text", p)
+        p.log = {"opened_s": round(now / RATE, 3), "voice_end_s": round(p.voice_end / RATE, 3),
+                 "stalled": p.stalled, "text": p.result.text, "p_complete": p.p, "end_prob": p.result.end_prob,
+                 "last_word": p.result.words[-1].word if p.result.words else None,
+                 "last_word_p": p.result.words[-1].probability if p.result.words else None}
+        self.decisions.append(p.log)
+
+    def _done_model(self, p: _Pause, t: int) -> None:
+        if self.pause is p:
+            p.evidence = replace(p.evidence, p_complete=p.p)
+            self._maybe_end(t)
+
+    def _done_text(self, p: _Pause, t: int) -> None:
+        if self.pause is not p:
+            return
+        p.evidence, _ = ses.pause_evidence(p.evidence, p.result, p.speech_end_s, p.stalled)
+        p.log.update(judged=p.evidence.text, doubtful=p.evidence.doubtful, wait_ms=p.evidence.wait_ms(self.bounds))
+        self._maybe_end(t)
+
+    def _done_watch(self, p: _Pause, t: int) -> None:
+        if not p.transcript_cancelled and self.turn_id == p.turn_id and self.seg.in_speech:
+            self.heard = ses.heard_after(self.heard, p.result, len(p.audio), p.audio_end, p.voice_end)
+
+    def _cancel_pause(self, now: int) -> None:
+        p, self.pause = self.pause, None
+        if p is None:
+            return
+        p.log.setdefault("cancelled_s", round(now / RATE, 3))
+        if p.stalled:
+            return
+        if (self.seg.offset - p.voice_end) * 1000 < turns.SHORT_MS * RATE:
+            p.transcript_cancelled = True
+            return
+        self.checking = True
+        self.next_interim = self.seg.speech_ms + turns.STALL_MS
+
+    def _maybe_end(self, t: int) -> None:
+        p = self.pause
+        if p is None or not self.seg.in_speech or p.turn_id != self.turn_id:
+            return
+        silence_ms = (self.seg.offset - p.voice_end) * 1000 // RATE
+        if p.stalled and not p.evidence.fresh:
+            return
+        if p.evidence.ends(silence_ms, self.bounds):
+            p.log["ended_s"] = round(t / RATE, 3)
+            self.pause = None
+            for ev in self.seg.end_turn():
+                if isinstance(ev, seg_mod.SpeechEnded):
+                    self.ends.append(t / RATE)
+                elif isinstance(ev, seg_mod.Utterance):
+                    self.interim = None
+
+    # -- the words while sound goes on (Session._maybe_interim, _words)
+    def _maybe_interim(self, now: int) -> None:
+        if self.seg.speech_ms < self.next_interim or self.interim is not None:
+            return
+        self.next_interim = self.seg.speech_ms + self._every()
+        audio = self.seg.current_audio()
+        opts = ses.recognition_options(self.asr, len(audio), 0, final=False, words=True)
+        result = self.store.transcript(self.c.name, audio, self.seg.offset, opts)
+        self.interims += 1
+        self.interim = {"turn_id": self.turn_id, "audio": audio, "audio_end": self.seg.offset,
+                        "voice_end": self.seg.voiced_end, "result": result}
+        self._at(now + self.decode, "interim", self.interim)
+
+    def _done_interim(self, it: dict, t: int) -> None:
+        if self.interim is not it:
+            return  # cancelled
+        self.interim = None
+        if self.turn_id != it["turn_id"] or not self.seg.in_speech:
+            return
+        self.heard = ses.heard_after(self.heard, it["result"], len(it["audio"]), it["audio_end"], it["voice_end"])
+        p = self.pause
+        if p is not None and p.stalled and self.heard.words != p.words:
+            self._cancel_pause(t)
+            return
+        if p is not None or not self.heard.stalled() or self.seg.silence_ms >= turns.PAUSE_MS:
+            return
+        if (it["audio_end"] - self.sound_since) * 1000 < turns.STALL_MS * RATE:
+            return
+        p = _Pause(self.turn_id, it["audio"], it["audio_end"], self.heard.voice_end, t, stalled=True,
+                   words=self.heard.words, result=it["result"])
+        self._open(p, t, transcript_at=t)
+
+
+def replay_silence(pcm: np.ndarray, hangover_ms: int) -> list[float]:
+    """The silence detector: the session's segmenter with `hangover_ms` (turn_detection="silence")."""
+    seg = seg_mod.Segmenter(seg_mod.SegmenterConfig(hangover_ms=hangover_ms, keep_audio=False))
+    ends = []
+    n_frames = len(pcm) // FRAME
+    for n in range(n_frames):
+        for ev in seg.push(pcm[n * FRAME: (n + 1) * FRAME]):
+            if isinstance(ev, seg_mod.SpeechEnded):
+                ends.append((n + 1) * FRAME / RATE)
+    if seg.flush():
+        ends.append(n_frames * FRAME / RATE)
+    return ends
+
+
+# ----------------------------------------------------------------------------------- driver
+
+
+def load_caller(directory: Path, caller: TurnCaller) -> np.ndarray:
+    from voiced_client.wavio import read_wav
+
+    samples, rate = read_wav(directory / caller.audio)
+    if rate != RATE:
+        raise ValueError(f"{caller.audio}: {rate} Hz; the turn set is 16 kHz")
+    return samples.astype(np.int16)
+
+
+def session_asr_options(language: str = "en") -> ASROptions:
+    """The recognition options a bench caller's session gets (the config's defaults, its language)."""
+    from voiced.config import Config
+    from voiced.core.spec import asr_options_for
+
+    return asr_options_for(Config(), language=language)
+
+
+def replay_detector(detector: str, directory: Path, callers: list[TurnCaller], store: EvidenceStore,
+                    decode_ms: float, model_ms: float) -> dict:
+    t0 = time.monotonic()
+    verdicts = []
+    asr = session_asr_options()
+    for c in callers:
+        pcm = load_caller(directory, c)
+        if detector.startswith("silence"):
+            ends, detail = replay_silence(pcm, int(detector.partition(":")[2] or 500)), {}
+        else:
+            r = CallerReplay(c, pcm, detector.split(":", 1)[1], store, asr, decode_ms, model_ms)
+            ends = r.run()
+            detail = {"decisions": r.decisions, "interim_decodes": r.interims}
+        v = judge(c, Outcome(turn_ends=ends))
+        v.update(text=c.text, parts=c.parts, **detail)
+        verdicts.append(v)
+    row = summarize(detector, verdicts)
+    if detector.startswith("smart:"):
+        row["targets"] = turn_targets(row)
+    row["wall_s"] = round(time.monotonic() - t0, 1)
+    return row
+
+
+def run_offline(args, directory: Path, callers: list[TurnCaller], detectors: list[str]) -> dict:
+    """`voiced bench turns --offline`'s work (turn_bench.main parses the arguments and emits the result)."""
+    from voiced.bench.turn_bench import machine, reference_row
+
+    name = Path(args.asr_model).name
+    evidence = args.evidence or (Path(directory) / f"replay-evidence-{name}.json")
+    store = EvidenceStore(evidence, args.asr_model, args.device or "cpu", args.smart_turn_model)
+    result = {"bench": "turns", "offline": True, "date": time.strftime("%Y-%m-%d"), "machine": machine(),
+              "set": str(directory), "callers": len(callers), "paused": sum(c.kind == "paused" for c in callers),
+              "asr_model": args.asr_model, "decode_ms": args.decode_ms, "model_ms": args.model_ms,
+              "evidence": str(evidence), "detectors": []}
+    try:
+        for d in detectors:
+            if d == "smart-turn":
+                result["detectors"].append(reference_row(args.smart_turn_model, directory, callers, args.reference_vad))
+                continue
+            row = replay_detector(d, directory, callers, store, args.decode_ms, args.model_ms)
+            result["detectors"].append(row)
+            log.info("%s: %s", d, {k: row[k] for k in ("paused_cut_off", "finished_cut_off", "eot_ms", "unended")})
+    finally:
+        store.save()
+    result["decodes"], result["decode_s"] = store.decodes, round(store.decode_s, 1)
+    result["smart_turn_predictions"] = store.predictions
+    result["table"] = table(result["detectors"])
+    return result
