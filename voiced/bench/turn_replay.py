@@ -44,15 +44,15 @@ from pathlib import Path
 
 import numpy as np
 
-from voiced.bench.turn_bench import FRAME_S, Outcome, judge, summarize, table, turn_targets
 from voiced.bench.turn_set import RATE, TurnCaller
+from voiced.bench.turn_verdicts import Outcome, judge, summarize, table, turn_targets
 from voiced.core import segmenter as seg_mod
 from voiced.core import session as ses
 from voiced.core import turns
 from voiced.engines.base import ASROptions, ASRRequest, Transcript, Word
 
 log = logging.getLogger("voiced.bench.turns")
-FRAME = int(FRAME_S * RATE)
+FRAME = seg_mod.FRAME_SAMPLES  # 20 ms
 
 
 # ----------------------------------------------------------------------------------- the evidence
@@ -386,22 +386,18 @@ def replay_detector(detector: str, directory: Path, callers: list[TurnCaller], s
     return row
 
 
-def run_offline(args, directory: Path, callers: list[TurnCaller], detectors: list[str]) -> dict:
-    """`voiced bench turns --offline`'s work (turn_bench.main parses the arguments and emits the result)."""
-    from voiced.bench.turn_bench import machine, reference_row
-
+def run_offline(args, directory: Path, callers: list[TurnCaller], detectors: list[str], machine: str) -> dict:
+    """`voiced bench turns --offline`'s work for the daemon's detectors (turn_bench.main parses the
+    arguments, adds the smart-turn reference and emits the result)."""
     name = Path(args.asr_model).name
     evidence = args.evidence or (Path(directory) / f"replay-evidence-{name}.json")
     store = EvidenceStore(evidence, args.asr_model, args.device or "cpu", args.smart_turn_model)
-    result = {"bench": "turns", "offline": True, "date": time.strftime("%Y-%m-%d"), "machine": machine(),
+    result = {"bench": "turns", "offline": True, "date": time.strftime("%Y-%m-%d"), "machine": machine,
               "set": str(directory), "callers": len(callers), "paused": sum(c.kind == "paused" for c in callers),
               "asr_model": args.asr_model, "decode_ms": args.decode_ms, "model_ms": args.model_ms,
               "evidence": str(evidence), "detectors": []}
     try:
         for d in detectors:
-            if d == "smart-turn":
-                result["detectors"].append(reference_row(args.smart_turn_model, directory, callers, args.reference_vad))
-                continue
             row = replay_detector(d, directory, callers, store, args.decode_ms, args.model_ms)
             result["detectors"].append(row)
             log.info("%s: %s", d, {k: row[k] for k in ("paused_cut_off", "finished_cut_off", "eot_ms", "unended")})
