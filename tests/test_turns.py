@@ -173,6 +173,18 @@ def _silence(s: float) -> np.ndarray:
     return np.zeros(int(s * RATE), np.float32)
 
 
+def test_the_sound_after_stopped_words_shows_a_caller_talking_by_new_words_not_music_s_you():
+    """Whisper drops words said after a gap inside one clip; the sound after the words, decoded alone,
+    shows them. Music gives Whisper one word again and again (or a result its filters flag)."""
+    assert turns.talking("Invoice and find the country.", False) == ("invoice", "and", "find", "the", "country")
+    assert turns.talking("In voice and", False, before=("in", "voice")) == ("in", "voice", "and")  # it grew
+    assert turns.talking("you", True) == ()  # flagged a hallucination: no speech there
+    assert turns.talking("", False) == ()
+    first = turns.talking("You", False)  # music, the first time: taken for a word...
+    assert first == ("you",)
+    assert turns.talking("you.", False, before=first) == ()  # ...the same word over more sound: not talking
+
+
 def test_the_segmenter_reports_a_short_pause_and_the_turn_ends_from_outside():
     first, second = phrase("Please move the meeting to"), phrase("next Tuesday.")
     audio = np.concatenate([_silence(0.4), first, _silence(0.8), second, _silence(1.0)])

@@ -14,7 +14,8 @@ For each caller, frame by frame (20 ms), it runs what the session runs (voiced.c
   probability on the session's clip (`session.model_clip`); the evidence is built by
   `session.pause_evidence` and judged by `turns.Evidence.wait_ms` (the rule itself, not a copy);
 - after a pause that sound followed, the decodes of the turn every `turns.WORDS_EVERY_MS` and the
-  words-stall pause (`turns.Heard`, `session.heard_after`), as the session's `_words` opens one;
+  words-stall pause (`turns.Heard`, `session.heard_after`), as the session's `_words` opens one (the
+  sound after the words decoded alone first, `turns.talking`);
 - a turn ends where the rule says, or at the segmenter's bound; a turn ended inside a sentence
   makes the rest a new turn (its own pauses, its own decodes), as in the daemon.
 
@@ -169,6 +170,8 @@ class CallerReplay:
         self.ends: list[float] = []
         self.decisions: list[dict] = []
         self.interims = 0
+        self.alone: list[dict] = []  # the sound after stalled words, decoded alone
+        self.alone_words: tuple[str, ...] = ()
 
     # -- plumbing
     def _at(self, t: int, kind: str, what) -> None:
@@ -209,6 +212,7 @@ class CallerReplay:
             if isinstance(ev, seg_mod.SpeechStarted):
                 self.turn_id += 1
                 self.heard = turns.Heard((), 0, 0)
+                self.alone_words = ()
                 self.checking = False
                 self.next_interim = self._every()
                 self.sound_since = ev.offset
@@ -315,6 +319,9 @@ class CallerReplay:
         self.interim = None
         if self.turn_id != it["turn_id"] or not self.seg.in_speech:
             return
+        self._words(it, t)
+
+    def _words(self, it: dict, t: int) -> None:
         self.heard = ses.heard_after(self.heard, it["result"], len(it["audio"]), it["audio_end"], it["voice_end"])
         p = self.pause
         if p is not None and p.stalled and self.heard.words != p.words:
@@ -324,8 +331,31 @@ class CallerReplay:
             return
         if (it["audio_end"] - self.sound_since) * 1000 < turns.STALL_MS * RATE:
             return
-        p = _Pause(self.turn_id, it["audio"], it["audio_end"], self.heard.voice_end, t, stalled=True,
-                   words=self.heard.words, result=it["result"])
+        # the sound after the words, decoded alone (the interim task awaits it: no other interim meanwhile)
+        audio = it["audio"]
+        tail = audio[max(0, self.heard.voice_end - (it["audio_end"] - len(audio))):]
+        opts = ses.recognition_options(self.asr, len(tail), 0, final=False)
+        it["alone"] = self.store.transcript(self.c.name, tail, it["audio_end"], opts)
+        it["heard"] = self.heard
+        self.interim = it
+        self._at(t + self.decode, "alone", it)
+
+    def _done_alone(self, it: dict, t: int) -> None:
+        if self.interim is not it:
+            return  # cancelled (a silence's pause supersedes it)
+        self.interim = None
+        alone = it["alone"]
+        self.alone.append({"at_s": round(t / RATE, 3), "text": alone.text, "hallucination": alone.is_hallucination})
+        said = turns.talking(alone.text, alone.is_hallucination, self.alone_words)
+        self.alone_words = turns.words_of("" if alone.is_hallucination else alone.text)
+        if said:
+            return
+        if self.pause is not None or self.turn_id != it["turn_id"] or not self.seg.in_speech \
+                or self.heard.words != it["heard"].words:
+            return
+        heard = it["heard"]  # (the session's `_words` keeps what it saw before the decode)
+        p = _Pause(self.turn_id, it["audio"], it["audio_end"], heard.voice_end, t, stalled=True,
+                   words=heard.words, result=it["result"])
         self._open(p, t, transcript_at=t)
 
 
@@ -375,7 +405,7 @@ def replay_detector(detector: str, directory: Path, callers: list[TurnCaller], s
         else:
             r = CallerReplay(c, pcm, detector.split(":", 1)[1], store, asr, decode_ms, model_ms)
             ends = r.run()
-            detail = {"decisions": r.decisions, "interim_decodes": r.interims}
+            detail = {"decisions": r.decisions, "interim_decodes": r.interims, "sound_alone": r.alone}
         v = judge(c, Outcome(turn_ends=ends))
         v.update(text=c.text, parts=c.parts, **detail)
         verdicts.append(v)

@@ -193,6 +193,7 @@ class Session:
         self._pause: Pause | None = None
         self._interim_text: str | None = None  # the latest interim decode's text of this turn
         self._heard = turns.Heard((), 0, 0)  # smart: the turn's words, and since when unchanged
+        self._alone: tuple[str, ...] = ()  # smart: the words of the last decode of the sound after them alone
         # smart: sound came back after a pause; decode the turn until it ends (`_words`)
         self._checking = False
         self._sound_since = 0  # smart: the stream sample where the current sound began (speech or not)
@@ -436,6 +437,7 @@ class Session:
                 self._next_interim = self._interim_every()
                 self._interim_text = None
                 self._heard = turns.Heard((), 0, 0)
+                self._alone = ()
                 self._checking = False
                 self._sound_since = ev.offset
                 self._voiced_ms = 0
@@ -570,6 +572,22 @@ class Session:
             return  # (a silence is a pause of the segmenter's already)
         if (audio_end - self._sound_since) * 1000 < turns.STALL_MS * segmenter.RATE:
             return  # the sound that followed is too short yet to have shown a word if it was speech
+        # Whisper drops words said after a gap inside one clip: the sound after the words, decoded alone,
+        # says whether the caller is talking there (`turns.talking`)
+        tail = audio[max(0, heard.voice_end - (audio_end - len(audio))):]
+        turn_id = self.turn_id
+        try:
+            alone = await self._recognize(tail, priority=0, final=False)
+        except EngineError:
+            alone = None  # no answer: as before, the words decide
+        if alone is not None:
+            said = turns.talking(alone.text, alone.is_hallucination, self._alone)
+            self._alone = turns.words_of("" if alone.is_hallucination else alone.text)
+            if said:
+                return  # the caller is talking; the next decodes of the turn go on watching
+        if (self._pause is not None or self.turn_id != turn_id or not self.segmenter.in_speech
+                or self._heard.words != heard.words):
+            return  # (what changed while the sound was decoded decides)
         done = asyncio.get_running_loop().create_future()
         done.set_result(result)
         self._open_pause(Pause(self.turn_id, audio, audio_end, heard.voice_end, done, words=heard.words,
