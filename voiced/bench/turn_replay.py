@@ -334,22 +334,27 @@ class CallerReplay:
         # the sound after the words, decoded alone (the interim task awaits it: no other interim meanwhile)
         audio = it["audio"]
         tail = audio[max(0, self.heard.voice_end - (it["audio_end"] - len(audio))):]
+        it["heard"] = self.heard
+        if len(tail) < ses.ALONE_MIN_SAMPLES:
+            it["alone"] = None
+            self._done_alone(it, t, waited=False)
+            return
         opts = ses.recognition_options(self.asr, len(tail), 0, final=False)
         it["alone"] = self.store.transcript(self.c.name, tail, it["audio_end"], opts)
-        it["heard"] = self.heard
         self.interim = it
         self._at(t + self.decode, "alone", it)
 
-    def _done_alone(self, it: dict, t: int) -> None:
-        if self.interim is not it:
+    def _done_alone(self, it: dict, t: int, waited: bool = True) -> None:
+        if waited and self.interim is not it:
             return  # cancelled (a silence's pause supersedes it)
         self.interim = None
         alone = it["alone"]
-        self.alone.append({"at_s": round(t / RATE, 3), "text": alone.text, "hallucination": alone.is_hallucination})
-        said = turns.talking(alone.text, alone.is_hallucination, self.alone_words)
-        self.alone_words = turns.words_of("" if alone.is_hallucination else alone.text)
-        if said:
-            return
+        if alone is not None:
+            self.alone.append({"at_s": round(t / RATE, 3), "text": alone.text, "hallucination": alone.is_hallucination})
+            said = turns.talking(alone.text, alone.is_hallucination, self.alone_words)
+            self.alone_words = turns.words_of("" if alone.is_hallucination else alone.text)
+            if said:
+                return
         if self.pause is not None or self.turn_id != it["turn_id"] or not self.seg.in_speech \
                 or self.heard.words != it["heard"].words:
             return

@@ -110,6 +110,7 @@ class Pause:
 # that loop made one pause's decode take 272 ms where ~20 were expected.
 DECODE_TOKENS_PER_S = 16
 DECODE_TOKENS_MIN = 32
+ALONE_MIN_SAMPLES = segmenter.RATE // 10  # the sound after stopped words is decoded alone from 100 ms of it
 
 
 def decode_token_cap(samples: int, configured: int | None) -> int | None:
@@ -575,11 +576,12 @@ class Session:
         # Whisper drops words said after a gap inside one clip: the sound after the words, decoded alone,
         # says whether the caller is talking there (`turns.talking`)
         tail = audio[max(0, heard.voice_end - (audio_end - len(audio))):]
-        turn_id = self.turn_id
-        try:
-            alone = await self._recognize(tail, priority=0, final=False)
-        except EngineError:
-            alone = None  # no answer: as before, the words decide
+        turn_id, alone = self.turn_id, None
+        if len(tail) >= ALONE_MIN_SAMPLES:
+            try:
+                alone = await self._recognize(tail, priority=0, final=False)
+            except EngineError:
+                pass  # no answer: as before, the words decide
         if alone is not None:
             said = turns.talking(alone.text, alone.is_hallucination, self._alone)
             self._alone = turns.words_of("" if alone.is_hallucination else alone.text)
