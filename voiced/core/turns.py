@@ -81,7 +81,7 @@ Whisper its usual "you" again and again), the caller is talking and no pause ope
 decodes every WORDS_EVERY_MS go on deciding. On the bench's sets (seeds 0 and 1, real tiny.en, every
 such pause's sound decoded alone) Whisper found words in the sound of 13 of 14 callers who were talking
 there, and in that of 1 of 6 callers on hold music after their last word ("you", flagged a
-hallucination in the other 5), whose pause then opens one decode later. There,
+hallucination in the other 5), whose pause then opens one decode (WORDS_EVERY_MS) later. There,
 with no silence to go on, Whisper's end-of-text must agree: where it expects more words the sound is
 taken for the caller's next word (seen live: "I am calling because the payment", end-of-text 0.21, the
 same in two decodes while the caller said "failed"), and only new words or the bound end the pause.
