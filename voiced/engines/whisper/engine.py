@@ -618,6 +618,7 @@ class WhisperEngine:
                             self._step()
             finally:
                 self._warming = False
+            self._warm_word_timings()
             torch.cuda.synchronize()
 
     # ------------------------------------------------------------------------------ admission
@@ -772,29 +773,17 @@ class WhisperEngine:
     def _words(self, req: _Active, result: Transcript) -> tuple[list, float | None]:
         """Word timings of a finished request (its rows still hold its audio's cross keys/values), and
         the probability of end-of-text after its text (the same forced pass has the logits for it)."""
-        tok, plan = self.tok, req.dec.plan
-        text = [t for t in result.tokens if t < tok.eot]
-        prefix = [*tok.sot_sequence(plan.language, plan.task), tok.no_timestamps]
-        forced = [*prefix, *text, tok.eot]
-        if len(forced) > self.dims.n_text_ctx:  # only with max_new_tokens near the whole text context
-            log.warning("no word timings: %d text tokens do not fit the decoder's %d positions with the prompt",
-                        len(text), self.dims.n_text_ctx)
-            return [], None
-        dev = self.model.device
-        logits, scores = self.model.decoder.alignment_pass(to_device(forced, dev), req.rows[0],
-                                                           self.cache, self.alignment_heads)
-        n = len(prefix)
-        probs = logits[n - 1:n - 1 + len(text), :tok.eot].softmax(dim=-1)
-        token_probs = probs.gather(1, to_device(text, dev)[:, None])[:, 0].tolist()
-        # Over the text tokens and end-of-text (timestamps and other specials cannot follow here).
-        end_prob = float(logits[n - 1 + len(text), :tok.eot + 1].float().softmax(dim=-1)[tok.eot])
-        frames = req.request.audio.shape[0] // HOP_LENGTH
+        plan = req.dec.plan
+        text = [t for t in result.tokens if t < self.tok.eot]
+        audio = req.request.audio
         if plan.timestamps and result.segments:
             spans = [SegmentSpan(s.start, s.end, s.tokens) for s in result.segments]
         else:
-            spans = [SegmentSpan(0.0, frames * HOP_LENGTH / SAMPLE_RATE, text)]
-        per_segment = word_timings(tok, plan.language or "en", spans, scores, token_probs, n, frames)
-        words = fit_to_pauses([w for seg in per_segment for w in seg], req.request.audio)
+            spans = [SegmentSpan(0.0, audio.shape[0] // HOP_LENGTH * HOP_LENGTH / SAMPLE_RATE, text)]
+        aligned = self._align(req.rows[0], plan.language, plan.task, text, spans, audio)
+        if aligned is None:
+            return [], None
+        per_segment, words, end_prob = aligned
         if plan.timestamps and result.segments:
             # As openai-whisper's transcribe() does with word timestamps on: a segment runs from its
             # first word's start to its last word's end (what srt/vtt subtitles show).
@@ -804,6 +793,37 @@ class WhisperEngine:
                     seg.start, seg.end = words[k].start_s, words[k + len(seg_words) - 1].end_s
                 k += len(seg_words)
         return words, end_prob
+
+    def _align(self, row: int, language: str | None, task: str, text: list[int], spans: list[SegmentSpan],
+               audio: np.ndarray) -> tuple[list, list, float] | None:
+        """The forced pass of `text` over the audio in cache row `row`: (each span's words, all words fitted
+        to the audio's pauses, end-of-text probability after the text); None where it does not fit."""
+        tok = self.tok
+        prefix = [*tok.sot_sequence(language, task), tok.no_timestamps]
+        forced = [*prefix, *text, tok.eot]
+        if len(forced) > self.dims.n_text_ctx:  # only with max_new_tokens near the whole text context
+            log.warning("no word timings: %d text tokens do not fit the decoder's %d positions with the prompt",
+                        len(text), self.dims.n_text_ctx)
+            return None
+        dev = self.model.device
+        logits, scores = self.model.decoder.alignment_pass(to_device(forced, dev), row, self.cache,
+                                                           self.alignment_heads)
+        n = len(prefix)
+        probs = logits[n - 1:n - 1 + len(text), :tok.eot].softmax(dim=-1)
+        token_probs = probs.gather(1, to_device(text, dev)[:, None])[:, 0].tolist()
+        # Over the text tokens and end-of-text (timestamps and other specials cannot follow here).
+        end_prob = float(logits[n - 1 + len(text), :tok.eot + 1].float().softmax(dim=-1)[tok.eot])
+        per_segment = word_timings(tok, language or "en", spans, scores, token_probs, n,
+                                   audio.shape[0] // HOP_LENGTH)
+        return per_segment, fit_to_pauses([w for seg in per_segment for w in seg], audio), end_prob
+
+    def _warm_word_timings(self) -> None:
+        """One forced word-timing pass on row 0 (warm-up's audio): a smart-turn caller's first pause asks
+        for word timings, and on an H100 that first pass paid ~1 s of first-time kernel loading and set
+        up (issue 25's e2e run at 1 caller: a 1,063 ms step, then 100-160 ms)."""
+        audio = np.zeros(SAMPLE_RATE, dtype=np.float32)
+        text = self.tok.encode(" One, two, three.")
+        self._align(0, "en", "transcribe", text, [SegmentSpan(0.0, 1.0, text)], audio)
 
     def _release(self, leaving: list[_Active]) -> None:
         """Free the rows of `leaving` and pack the live rows back to 0..n-1."""
