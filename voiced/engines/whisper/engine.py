@@ -119,6 +119,10 @@ def memory_need(dims: ModelDims, dtype: torch.dtype, weight_bytes: int, max_batc
     enc = min(max_encoder_batch or 16, rows)
     elem = dtype.itemsize
     items.append(Need("mel filterbank", dims.n_mels * (N_FFT // 2 + 1) * 4))
+    # fast.FastEncoder.cross_out: the encoder pass's cross keys/values for every decoder layer, one buffer of
+    # the largest bucket's rows that every bucket writes a prefix of (graphs on or off).
+    items.append(Need(f"encoder pass: cross keys/values out, {dims.n_text_layer} layers x batch {enc}",
+                      2 * dims.n_text_layer * enc * dims.n_audio_ctx * dims.n_text_state * elem))
     if cuda_graphs:
         dec = doubling(rows)
         items.append(Need(f"decoder graphs: logits of batch {dec}", sum(dec) * dims.n_vocab * 4))
@@ -128,8 +132,9 @@ def memory_need(dims: ModelDims, dtype: torch.dtype, weight_bytes: int, max_batc
         if prefill_graphs:
             items += prefill_graph_needs(dims, elem, eb)
     items.append(Need("cuBLAS workspace (the engine's stream)", workspace_bytes))
-    # One admission of `enc` utterances: their audio on the device, the features gathered per row and
-    # one layer's cross key (or value) projection, and the prefill's float32 logits (with softmax).
+    # One admission of `enc` utterances: their audio on the device, the features and one layer's cross key
+    # (or value) projection before its copy into the buffer above (eagerly: with graphs they come out of the
+    # graphs' pool, which the encoder's own activations exceed), and the prefill's float32 logits (with softmax).
     items.append(Need(f"largest step transient, estimated (admitting {enc})",
                       enc * (N_SAMPLES * 4 + 2 * dims.n_audio_ctx * dims.n_text_state * elem + 3 * 4 * dims.n_vocab), transient=True))
     return EngineNeed("Whisper", "whisper_kv_fraction", items)
@@ -272,7 +277,10 @@ class WhisperEngine:
         if not self.is_cuda:
             return None
         compile_encoder = self.is_cuda if compile_encoder is None else compile_encoder
-        return FastEncoder(self.model.encoder, self.dims.n_mels, attn_backend, compile_encoder)
+        # It also projects the features to the decoder's cross keys/values (all layers, one buffer of the
+        # largest encoder bucket's rows): `_encode_into_cache`.
+        return FastEncoder(self.model.encoder, self.dims.n_mels, attn_backend, compile_encoder,
+                           cross=self.model.decoder, cross_rows=self.encoder_buckets()[-1])
 
     def _fast_decoder(self, fast_decoder: bool | None, compile_decoder: bool | None) -> FastDecoder | None:
         """GPU decoder step: fused self-attention QKV, one function per layer, and (compile_decoder,
@@ -629,36 +637,44 @@ class WhisperEngine:
         return self.fast_encoder.run(audio, b, self.dtype)
 
     def _encode_into_cache(self, audio: torch.Tensor, chosen: list[_Active]) -> None:
-        """Encoder over audio [n, N_SAMPLES] of `chosen`, then every layer's cross keys/values into
-        each request's rows (one copy per beam)."""
-        model, dev = self.model, self.model.device
+        """Encoder over audio [n, N_SAMPLES] of `chosen`, then every layer's cross keys/values into each
+        request's rows. On a GPU the encoder's pass (one graph replay per bucket) leaves them for all layers
+        in `fast_encoder.cross_out`, which `_write_cross` copies into the cache with one call per tensor."""
+        model = self.model
         if not self.is_cuda:
             mel = log_mel_spectrogram(audio, self.dims.n_mels).to(self.dtype)
-            self._write_cross(model.encoder(mel), chosen)
+            features = model.encoder(mel)
+            rows = [x for r in chosen for x in r.rows]
+            if len(rows) > len(chosen):  # beams: request i's features once per beam
+                features = features[torch.tensor([i for i, r in enumerate(chosen) for _ in r.rows])]
+            model.decoder.write_cross(self.cache, torch.tensor(rows), features)
             return
         start = 0
         for b in encoder_pieces(len(chosen), self.encoder_buckets()):
             part = chosen[start:start + b]
-            x = audio[start:start + len(part)]
-            if len(part) < b:
-                x = torch.cat([x, x.new_zeros(b - len(part), x.shape[1])])
-            if self._warming:  # shapes only: zeros stand in for the features
-                features = torch.zeros(b, self.dims.n_audio_ctx, self.dims.n_audio_state, dtype=self.dtype, device=dev)
-            else:
-                features = self._encode_bucket(x, b)
-            self._write_cross(features, part)
+            # Warming up: shapes only. Every bucket's pass ran already (captured, or run once eagerly),
+            # so the buffer holds finite numbers that stand in for the features' keys/values.
+            if not self._warming:
+                x = audio[start:start + len(part)]
+                if len(part) < b:
+                    x = torch.cat([x, x.new_zeros(b - len(part), x.shape[1])])
+                self._encode_bucket(x, b)
+            self._write_cross(part)
             start += len(part)
 
-    def _write_cross(self, features: torch.Tensor, part: list[_Active]) -> None:
-        """Every layer's cross keys/values of `features` [>= len(part), A, D] into the rows of `part`
-        (feature i for each of request i's beams). The indices go to the device without a sync."""
-        dev = self.model.device
-        rows = [x for r in part for x in r.rows]
-        if len(rows) == len(part):  # one row each (no beams): the features in order, as a view
-            features = features[:len(part)]
-        else:
-            features = features[to_device([i for i, r in enumerate(part) for _ in r.rows], dev)]
-        self.model.decoder.write_cross(self.cache, to_device(rows, dev), features)
+    def _write_cross(self, part: list[_Active]) -> None:
+        """Copy the cross keys/values the encoder's pass left in `fast_encoder.cross_out` ([k | v, layer,
+        row, A, D], row i: request i's audio) into the cache rows of `part`, every layer at once: one
+        `index_copy_` per tensor along the slot dimension, once per beam index (beam j of each request;
+        a request with fewer beams writes its last row again, the same values: any copy that lands is
+        right). The slots go to the device without a sync."""
+        n = len(part)
+        beams = max(len(r.rows) for r in part)
+        slots = to_device([[r.rows[min(j, len(r.rows) - 1)] for r in part] for j in range(beams)], self.model.device)
+        k, v = self.fast_encoder.cross_out[:, :, :n].unbind(0)  # [L, n, A, D] each
+        for j in range(beams):
+            self.cache.cross_k.index_copy_(1, slots[j], k)
+            self.cache.cross_v.index_copy_(1, slots[j], v)
 
     def _admit(self) -> tuple[list[_Active], torch.Tensor, torch.Tensor] | None:
         """Move queued requests into free rows; returns them, their first-step logits and their no-speech
