@@ -39,7 +39,7 @@ def test_encoder_pass_leaves_the_cross_keys_values_write_cross_makes(tmp_path):
     """The encoder pass with the decoder's cross projections (`FastEncoder.encode`, the GPU's pass, here in
     float32 on the CPU) leaves in `cross_out[:, :, :b]` what `TextDecoder.write_cross` writes for the same
     features, exactly (the same Linear calls); a smaller bucket writes its own prefix. The engine's
-    `_write_cross` copies them into an admission's rows (requests of 3, 1 and 2 beams: every beam row
+    `_copy_cross` copies them into an admission's rows (requests of 3, 1 and 2 beams: every beam row
     holds its request's), touching no other slot."""
     dims = tiny_dims(n_mels=80, n_text_layer=3)
     model = build_model(dims, random_state_dict(dims, seed=4)).eval().requires_grad_(False)
@@ -57,7 +57,7 @@ def test_encoder_pass_leaves_the_cross_keys_values_write_cross_makes(tmp_path):
         eng.fast_encoder = FastEncoder(eng.model.encoder, dims.n_mels, cross=eng.model.decoder, cross_rows=4)
         eng.fast_encoder.cross_out.normal_(generator=torch.Generator().manual_seed(1))
         part = [_Active(i, None, None, rows, 0.0, i) for i, rows in enumerate([[2, 3, 4], [5], [6, 7]])]
-        eng._write_cross(part)
+        eng._copy_cross(part)
         kv = eng.fast_encoder.cross_out
         for i, r in enumerate(part):
             for row in r.rows:
@@ -67,15 +67,19 @@ def test_encoder_pass_leaves_the_cross_keys_values_write_cross_makes(tmp_path):
 
 
 def test_the_cross_keys_values_buffer_is_counted_in_the_memory_need():
-    """The encoder pass's cross keys/values buffer (every decoder layer, the largest encoder bucket's rows)
-    is held on a GPU with the graphs on or off, and not on the CPU."""
+    """With the cross keys/values made in the encoder's pass, its buffer (every decoder layer, the largest
+    encoder bucket's rows) is held on a GPU with the graphs on or off; not without them, nor on the CPU."""
     dims = tiny_dims(n_mels=80, n_text_layer=3)
     kw = dict(dtype=torch.float16, weight_bytes=1000, max_batch=64, max_encoder_batch=16)
     want = 2 * 3 * 16 * dims.n_audio_ctx * dims.n_text_state * 2
+
+    def held(**more) -> list[tuple[int, bool]]:
+        return [(n.bytes, n.transient) for n in memory_need(dims, **kw, **more).items if "cross keys/values out" in n.what]
+
     for graphs in (True, False):
-        held = [n for n in memory_need(dims, cuda=True, cuda_graphs=graphs, **kw).items if "cross keys/values out" in n.what]
-        assert [(n.bytes, n.transient) for n in held] == [(want, False)]
-    assert not [n for n in memory_need(dims, cuda=False, **kw).items if "cross keys/values out" in n.what]
+        assert held(cuda=True, cuda_graphs=graphs, cross_in_encoder=True) == [(want, False)]
+        assert held(cuda=True, cuda_graphs=graphs) == []
+    assert held(cuda=False, cross_in_encoder=True) == []
 
 
 def _decoder_fixture(seed: int = 3, slots: int = 6):

@@ -277,11 +277,11 @@ def test_cross_kv_of_the_encoder_graph_are_the_per_layer_projections_bit_for_bit
     """The encoder pass leaves every decoder layer's cross keys/values in `fast_encoder.cross_out`: replayed
     from each bucket's graph, and run eagerly (graphs off), they equal `block.cross_attn.key/value` of the
     pass's features exactly (the same Linear calls), and a bucket's replay after a larger one's leaves its
-    own rows. `_write_cross` then puts them into the cache rows of an admission, beams included (one
+    own rows. `_copy_cross` then puts them into the cache rows of an admission, beams included (one
     request of 3 beams, one of 1, one of 2): each row holds its request's keys/values, no other slot is
     written."""
     ckpt = make_openai_checkpoint(tmp_path, n_mels=128, seed=8)
-    kw = dict(device="cuda", dtype=dtype, max_batch=16, max_encoder_batch=8)
+    kw = dict(device="cuda", dtype=dtype, max_batch=16, max_encoder_batch=8, cross_in_encoder=True)
     graphs = WhisperEngine.load(ckpt, **kw)
     eager = WhisperEngine.load(ckpt, cuda_graphs=False, **kw)
     assert graphs.encoder_buckets() == [1, 2, 4, 8] and graphs.fast_encoder.graphs is not None
@@ -309,7 +309,7 @@ def test_cross_kv_of_the_encoder_graph_are_the_per_layer_projections_bit_for_bit
         part = [_Active(i, None, None, rows, 0.0, i) for i, rows in enumerate([[5, 6, 7], [8], [9, 10]])]
         graphs.cache.cross_k.zero_()
         graphs.cache.cross_v.zero_()
-        graphs._write_cross(part)
+        graphs._copy_cross(part)
         for i, r in enumerate(part):
             for row in r.rows:
                 assert torch.equal(graphs.cache.cross_k[:, row], kv[0, :, i]), f"request {i}, row {row}: keys"
@@ -320,11 +320,12 @@ def test_cross_kv_of_the_encoder_graph_are_the_per_layer_projections_bit_for_bit
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["float16", "bfloat16"])
 def test_beams_and_greedy_admitted_together_decode_alike_with_graphs_on_and_off(tmp_path, clips, dtype):
-    """Served tokens with every graph on (encoder + cross keys/values, prefill, steps) and off, for
-    admissions that mix beam search (its rows' cross keys/values written once per beam index) with
-    greedy requests, and requests joining and leaving a running batch."""
+    """With the cross keys/values made in the encoder's pass: served tokens with every graph on (encoder +
+    cross keys/values, prefill, steps) and off, for admissions that mix beam search (its rows' cross
+    keys/values copied once per beam index) with greedy requests, and requests joining and leaving a
+    running batch."""
     ckpt = make_openai_checkpoint(tmp_path, n_mels=128, seed=4)
-    kw = dict(device="cuda", dtype=dtype, max_batch=8, max_encoder_batch=4)
+    kw = dict(device="cuda", dtype=dtype, max_batch=8, max_encoder_batch=4, cross_in_encoder=True)
     on = WhisperEngine.load(ckpt, **kw)
     off = WhisperEngine.load(ckpt, cuda_graphs=False, **kw)
     on.warmup()
@@ -345,13 +346,16 @@ def test_beams_and_greedy_admitted_together_decode_alike_with_graphs_on_and_off(
     assert batch_on == batch_off, "joining/leaving, graphs on vs off:\n" + differences(batch_on, batch_off, "on", "off")
 
 
-def test_to_device_staging_ring_never_hands_out_a_block_still_being_read():
+def test_to_device_staging_ring_never_hands_out_a_block_still_being_read(monkeypatch):
     """`to_device` through its pinned ring: values and shapes as `torch.tensor` gives them (a list, equal
     lists, an int array, larger than a block), with the stream held busy so that the copies queue: many
     more calls than the ring has blocks, each with other values, all arrive intact (a block whose copy has
     not run is not refilled) and the host never waited for the stream."""
     import time
 
+    from voiced.engines import rows
+
+    monkeypatch.setattr(rows, "STAGING_RING", True)
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
         assert torch.equal(to_device([3, 1, 2], "cuda").cpu(), torch.tensor([3, 1, 2]))
@@ -366,6 +370,7 @@ def test_to_device_staging_ring_never_hands_out_a_block_still_being_read():
         host_s = time.perf_counter() - t0
         done_early = torch.cuda.current_stream().query()
         got = [t.cpu() for _, t in sent]  # waits for the stream
+        assert all(e.query() for e in rows._ring(torch.device("cuda")).events)  # every block's copy has run
     assert not done_early and host_s < 0.5, f"the host waited on the stream ({host_s:.2f} s)"
     for (values, _), t in zip(sent, got):
         want = torch.tensor(np.asarray(values), dtype=torch.long)

@@ -4,6 +4,7 @@ its caches), and how row indices made on the host reach the device."""
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Sequence
 
@@ -17,12 +18,21 @@ def to_device(values: Sequence, device: torch.device | str) -> torch.Tensor:
     """Integers from the host (row indices, tokens; a list, a list of equal lists or an int array) as a long
     tensor on `device`, without stalling the host. `torch.tensor(values, device="cuda")` copies from
     pageable memory, which first waits for everything queued on the stream: in issue 26's profile the
-    Whisper admission spun ~75 ms there behind the encoder. Pinned memory and a non-blocking copy instead,
-    through a small ring of pinned blocks kept per device (`_PinnedRing`): a call is one fill of a block
-    through numpy and one copy. A block is reused only once the copy out of it has run."""
+    Whisper admission spun ~75 ms there behind the encoder. Pinned memory and a non-blocking copy
+    instead; the caching host allocator reuses the pinned block only after that copy has run. With
+    `STAGING_RING` the pinned blocks come from a small ring kept per device (`_PinnedRing`) instead of a
+    fresh pinned allocation and copy per call (issue 26: 17 % of the recognition thread at 128 callers)."""
     if torch.device(device).type != "cuda":
         return torch.tensor(values, dtype=torch.long)
-    return _ring(torch.device(device)).send(np.ascontiguousarray(values, dtype=np.int64), device)
+    if STAGING_RING:
+        return _ring(torch.device(device)).send(np.ascontiguousarray(values, dtype=np.int64), device)
+    # pin_memory() copies into a pinned block; torch.tensor(..., pin_memory=True) refuses numpy input.
+    return torch.tensor(values, dtype=torch.long).pin_memory().to(device, non_blocking=True)
+
+
+# `to_device` through `_PinnedRing`: off unless VOICED_PINNED_STAGING_RING=1 (read at import) until measured
+# and checked on a GPU (tests/test_whisper_gpu.py -k staging).
+STAGING_RING = os.environ.get("VOICED_PINNED_STAGING_RING", "0") == "1"
 
 
 class _PinnedRing:
