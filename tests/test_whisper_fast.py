@@ -18,7 +18,7 @@ from whisper_fixtures import assert_float32_close, make_openai_checkpoint, rando
 
 from voiced.engines.base import ASROptions, ASRRequest
 from voiced.engines.whisper.audio import N_SAMPLES, log_mel_spectrogram
-from voiced.engines.whisper.engine import WhisperEngine, build_model, memory_need, prefill_graph_needs
+from voiced.engines.whisper.engine import WhisperEngine, _Active, build_model, memory_need, prefill_graph_needs
 from voiced.engines.whisper.fast import SMALL_BATCH, FastDecoder, FastEncoder, Prefills
 from voiced.engines.whisper.model import KVCache
 
@@ -33,6 +33,53 @@ def test_fast_encoder_equals_reference_forward():
         got = FastEncoder(model.encoder, dims.n_mels)(audio, torch.float32)
     assert got.shape == ref.shape
     assert (got - ref).abs().max().item() < 1e-4 * max(1.0, ref.abs().max().item())
+
+
+def test_encoder_pass_leaves_the_cross_keys_values_write_cross_makes(tmp_path):
+    """The encoder pass with the decoder's cross projections (`FastEncoder.encode`, the GPU's pass, here in
+    float32 on the CPU) leaves in `cross_out[:, :, :b]` what `TextDecoder.write_cross` writes for the same
+    features, exactly (the same Linear calls); a smaller bucket writes its own prefix. The engine's
+    `_copy_cross` copies them into an admission's rows (requests of 3, 1 and 2 beams: every beam row
+    holds its request's), touching no other slot."""
+    dims = tiny_dims(n_mels=80, n_text_layer=3)
+    model = build_model(dims, random_state_dict(dims, seed=4)).eval().requires_grad_(False)
+    enc = FastEncoder(model.encoder, dims.n_mels, cross=model.decoder, cross_rows=4)
+    assert enc.cross_out.shape == (2, 3, 4, dims.n_audio_ctx, dims.n_text_state)
+    audio = 0.1 * torch.randn(4, N_SAMPLES, generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        for b in (4, 2):
+            features = enc.run(audio[:b], b, torch.float32)  # no graphs: the same pass eagerly
+            cache = model.allocate_cache(b)
+            model.decoder.write_cross(cache, torch.arange(b), features)
+            assert torch.equal(enc.cross_out[0, :, :b], cache.cross_k) and torch.equal(enc.cross_out[1, :, :b], cache.cross_v)
+        ckpt = make_openai_checkpoint(tmp_path, seed=4, n_text_layer=3)
+        eng = WhisperEngine.load(ckpt, max_batch=12)
+        eng.fast_encoder = FastEncoder(eng.model.encoder, dims.n_mels, cross=eng.model.decoder, cross_rows=4)
+        eng.fast_encoder.cross_out.normal_(generator=torch.Generator().manual_seed(1))
+        part = [_Active(i, None, None, rows, 0.0, i) for i, rows in enumerate([[2, 3, 4], [5], [6, 7]])]
+        eng._copy_cross(part)
+        kv = eng.fast_encoder.cross_out
+        for i, r in enumerate(part):
+            for row in r.rows:
+                assert torch.equal(eng.cache.cross_k[:, row], kv[0, :, i]) and torch.equal(eng.cache.cross_v[:, row], kv[1, :, i])
+        others = [0, 1, 8, 9, 10, 11]
+        assert not eng.cache.cross_k[:, others].any() and not eng.cache.cross_v[:, others].any()
+
+
+def test_the_cross_keys_values_buffer_is_counted_in_the_memory_need():
+    """With the cross keys/values made in the encoder's pass, its buffer (every decoder layer, the largest
+    encoder bucket's rows) is held on a GPU with the graphs on or off; not without them, nor on the CPU."""
+    dims = tiny_dims(n_mels=80, n_text_layer=3)
+    kw = dict(dtype=torch.float16, weight_bytes=1000, max_batch=64, max_encoder_batch=16)
+    want = 2 * 3 * 16 * dims.n_audio_ctx * dims.n_text_state * 2
+
+    def held(**more) -> list[tuple[int, bool]]:
+        return [(n.bytes, n.transient) for n in memory_need(dims, **kw, **more).items if "cross keys/values out" in n.what]
+
+    for graphs in (True, False):
+        assert held(cuda=True, cuda_graphs=graphs, cross_in_encoder=True) == [(want, False)]
+        assert held(cuda=True, cuda_graphs=graphs) == []
+    assert held(cuda=False, cross_in_encoder=True) == []
 
 
 def _decoder_fixture(seed: int = 3, slots: int = 6):

@@ -21,7 +21,11 @@ kind of step, on the CPU: the engines are built from small random checkpoints in
 Rows named "network: ..." are the forward passes that run as CUDA graphs on a GPU (one replay call
 there), except the vocoder, which runs eagerly unless `VOICED_SPARK_VOCODER_GRAPHS=1`. The Whisper
 engine runs with the GPU's settings (decode chunk 8, encoder batch 16) so its host loop has the
-GPU's shape.
+GPU's shape, except where the GPU takes another path: "admit: encode + cross K/V write" counts the
+CPU's per-layer cross keys/values (6 torch calls a layer: 2 views, 2 projections, 2 copies); on a GPU
+with VOICED_WHISPER_CROSS_IN_ENCODER=1 they are made in the encoder's graph and copied with ~6 calls
+plus 3 per beam index, whatever the layer count. `rows.to_device` is one `torch.tensor` here; on a GPU
+3 calls (5 through the staging ring, VOICED_PINNED_STAGING_RING=1, but no pinned allocation).
 """
 
 from __future__ import annotations

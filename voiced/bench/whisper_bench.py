@@ -509,7 +509,7 @@ def diagnose(report, graphs, model, audio, opts, args) -> None:
     sync(dev)
     pr.disable()
     st = pstats.Stats(pr)
-    wanted = ("_admit", "_encode_into_cache", "_greedy_chunk", "_select", "prefill", "write_cross", "_finish",
+    wanted = ("_admit", "_encode_into_cache", "_greedy_chunk", "_select", "prefill", "_write_cross", "_copy_cross", "_finish",
               "_load_inputs", "_row_inputs")
     host = {}
     for (fname, line, func), (cc, nc, tt, ct, callers) in st.stats.items():

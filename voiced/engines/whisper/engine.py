@@ -84,6 +84,14 @@ def prefill_graphs_default() -> bool:
     return os.environ.get("VOICED_WHISPER_PREFILL_GRAPHS", "1") != "0"
 
 
+def cross_in_encoder_default() -> bool:
+    """The decoder's cross keys/values of every layer made in the encoder's pass (its CUDA graph) and copied
+    into the cache with one call per tensor, instead of four torch calls per layer after it (issue 26: 49 %
+    of the recognition thread at 128 callers). Off unless VOICED_WHISPER_CROSS_IN_ENCODER=1 until measured
+    and checked on a GPU (tests/test_whisper_gpu.py -k cross)."""
+    return os.environ.get("VOICED_WHISPER_CROSS_IN_ENCODER", "0") == "1"
+
+
 def build_model(dims: ModelDims, state: dict[str, torch.Tensor], where: str = "checkpoint") -> Whisper:
     model = Whisper(dims)
     own = model.state_dict()
@@ -106,7 +114,7 @@ def build_model(dims: ModelDims, state: dict[str, torch.Tensor], where: str = "c
 
 def memory_need(dims: ModelDims, dtype: torch.dtype, weight_bytes: int, max_batch: int, *, cuda: bool,
                 max_encoder_batch: int | None = None, cuda_graphs: bool = True, decode_chunk: int = 8,
-                workspace_bytes: int = 0, prefill_graphs: bool = False) -> EngineNeed:
+                workspace_bytes: int = 0, prefill_graphs: bool = False, cross_in_encoder: bool = False) -> EngineNeed:
     """What `WhisperEngine(...)` with these settings holds on its device (see voiced.memory_plan)."""
     rows = max_batch
     items = [Need("weights", weight_bytes),
@@ -119,6 +127,11 @@ def memory_need(dims: ModelDims, dtype: torch.dtype, weight_bytes: int, max_batc
     enc = min(max_encoder_batch or 16, rows)
     elem = dtype.itemsize
     items.append(Need("mel filterbank", dims.n_mels * (N_FFT // 2 + 1) * 4))
+    if cross_in_encoder:
+        # fast.FastEncoder.cross_out: the encoder pass's cross keys/values for every decoder layer, one buffer
+        # of the largest bucket's rows that every bucket writes a prefix of (graphs on or off).
+        items.append(Need(f"encoder pass: cross keys/values out, {dims.n_text_layer} layers x batch {enc}",
+                          2 * dims.n_text_layer * enc * dims.n_audio_ctx * dims.n_text_state * elem))
     if cuda_graphs:
         dec = doubling(rows)
         items.append(Need(f"decoder graphs: logits of batch {dec}", sum(dec) * dims.n_vocab * 4))
@@ -128,8 +141,10 @@ def memory_need(dims: ModelDims, dtype: torch.dtype, weight_bytes: int, max_batc
         if prefill_graphs:
             items += prefill_graph_needs(dims, elem, eb)
     items.append(Need("cuBLAS workspace (the engine's stream)", workspace_bytes))
-    # One admission of `enc` utterances: their audio on the device, the features gathered per row and
-    # one layer's cross key (or value) projection, and the prefill's float32 logits (with softmax).
+    # One admission of `enc` utterances: their audio on the device, the features (gathered per row, for beams)
+    # and one layer's cross key (or value) projection (with the cross keys/values made in the encoder's graph,
+    # these come out of the graphs' pool, which the encoder's own activations exceed), and the prefill's
+    # float32 logits (with softmax).
     items.append(Need(f"largest step transient, estimated (admitting {enc})",
                       enc * (N_SAMPLES * 4 + 2 * dims.n_audio_ctx * dims.n_text_state * elem + 3 * 4 * dims.n_vocab), transient=True))
     return EngineNeed("Whisper", "whisper_kv_fraction", items)
@@ -185,7 +200,8 @@ class WhisperEngine:
                  max_queue: int | None = None, decode_chunk: int | None = None,
                  compile_encoder: bool | None = None, attn_backend: str | None = None,
                  fast_decoder: bool | None = None, compile_decoder: bool | None = None,
-                 alignment_heads: list[tuple[int, int]] | None = None, prefill_graphs: bool | None = None):
+                 alignment_heads: list[tuple[int, int]] | None = None, prefill_graphs: bool | None = None,
+                 cross_in_encoder: bool | None = None):
         if tokenizer.n_vocab != model.dims.n_vocab:
             raise CheckpointError(f"tokenizer has {tokenizer.n_vocab} tokens but the model {model.dims.n_vocab}")
         self.model = model.eval().requires_grad_(False)
@@ -231,7 +247,8 @@ class WhisperEngine:
         self.buckets = doubling(max_batch) if self.is_cuda else []
         self._stream: torch.cuda.Stream | None = torch.cuda.Stream(device=model.device) if self.is_cuda else None
         pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
-        self.fast_encoder = self._fast_encoder(compile_encoder, attn_backend)
+        self.fast_encoder = self._fast_encoder(compile_encoder, attn_backend,
+                                               cross_in_encoder_default() if cross_in_encoder is None else cross_in_encoder)
         if self.cuda_graphs:
             self.fast_encoder.graphs = CudaGraphs(self._stream, pool)
         self.int8 = model.decoder.output_projection is not None  # cpu.quantize_int8_ ran
@@ -259,20 +276,27 @@ class WhisperEngine:
             # stream; kernels on the engine's own stream must not overtake those fills and copies.
             self._stream.wait_stream(torch.cuda.current_stream(model.device))
         log.info("whisper engine %s on %s (%s%s): %d slots, %.1f MiB of KV cache, cuda graphs %s (prefill %s), "
-                 "decoder step %s", model_name, self.device, str(self.dtype).replace("torch.", ""),
+                 "cross K/V %s, decoder step %s", model_name, self.device, str(self.dtype).replace("torch.", ""),
                  ", int8 GEMMs" if self.int8 else "", max_batch,
                  max_batch * KVCache.bytes_per_slot(self.dims, self.dtype) / 2**20, self.cuda_graphs,
-                 "graphed" if self.prefills is not None and self.prefills.graphs is not None else "eager", self.decoder_path)
+                 "graphed" if self.prefills is not None and self.prefills.graphs is not None else "eager",
+                 "in the encoder pass" if self.fast_encoder is not None and self.fast_encoder.cross else "per layer",
+                 self.decoder_path)
 
-    def _fast_encoder(self, compile_encoder: bool | None, attn_backend: str | None) -> FastEncoder | None:
+    def _fast_encoder(self, compile_encoder: bool | None, attn_backend: str | None,
+                      cross_in_encoder: bool) -> FastEncoder | None:
         """GPU encoder: fused QKV, optional compiled layers; run per batch-size bucket (padded or split
         into buckets) so the graph path and the eager path see the same shapes. compile_encoder None:
         on for CUDA (fused layer norm / residual / GELU / head layouts: 165 ms instead of 204 ms per 32
-        utterances on an H200), compiled per bucket in warmup()."""
+        utterances on an H200), compiled per bucket in warmup(). cross_in_encoder: its pass also projects the
+        features to every decoder layer's cross keys/values, into one buffer of the largest bucket's rows
+        (`_copy_cross`)."""
         if not self.is_cuda:
             return None
         compile_encoder = self.is_cuda if compile_encoder is None else compile_encoder
-        return FastEncoder(self.model.encoder, self.dims.n_mels, attn_backend, compile_encoder)
+        return FastEncoder(self.model.encoder, self.dims.n_mels, attn_backend, compile_encoder,
+                           cross=self.model.decoder if cross_in_encoder else None,
+                           cross_rows=self.encoder_buckets()[-1])
 
     def _fast_decoder(self, fast_decoder: bool | None, compile_decoder: bool | None) -> FastDecoder | None:
         """GPU decoder step: fused self-attention QKV, one function per layer, and (compile_decoder,
@@ -297,7 +321,8 @@ class WhisperEngine:
              decode_chunk: int | None = None, cache_root: Path | None = None,
              compile_encoder: bool | None = None, attn_backend: str | None = None,
              fast_decoder: bool | None = None, compile_decoder: bool | None = None,
-             memory_limit: tuple[int, float] | None = None, prefill_graphs: bool | None = None) -> WhisperEngine:
+             memory_limit: tuple[int, float] | None = None, prefill_graphs: bool | None = None,
+             cross_in_encoder: bool | None = None) -> WhisperEngine:
         """Load an official name (from the model cache), an OpenAI `.pt`, a Hugging Face or a
         CTranslate2 (faster-whisper) directory.
 
@@ -312,11 +337,15 @@ class WhisperEngine:
         (`memory_need`) is checked against that share before the weights go to the GPU; a need above it
         is refused (EngineError naming the setting). prefill_graphs: replay the admission's decoder prefill
         (SOT sequences, encoder-batch buckets) from CUDA graphs captured at warm-up; None: on, unless
-        VOICED_WHISPER_PREFILL_GRAPHS=0.
+        VOICED_WHISPER_PREFILL_GRAPHS=0. cross_in_encoder: every decoder layer's cross keys/values made in
+        the encoder's pass (its graph) on a GPU; None: off, unless VOICED_WHISPER_CROSS_IN_ENCODER=1.
         """
         if prefill_graphs is None:
             prefill_graphs = prefill_graphs_default()
         prefill_graphs = prefill_graphs and cuda_graphs and device.startswith("cuda")
+        if cross_in_encoder is None:
+            cross_in_encoder = cross_in_encoder_default()
+        cross_in_encoder = cross_in_encoder and device.startswith("cuda")
         path = resolve(name_or_path, cache_root)
         ckpt = read_checkpoint(path)
         dims = ckpt.dims
@@ -331,7 +360,7 @@ class WhisperEngine:
                            max_encoder_batch=max_encoder_batch, cuda_graphs=cuda_graphs,
                            decode_chunk=decode_chunk if decode_chunk is not None else 8,
                            workspace_bytes=stream_workspace_bytes(device) if cuda else 0,
-                           prefill_graphs=prefill_graphs)
+                           prefill_graphs=prefill_graphs, cross_in_encoder=cross_in_encoder)
         check_memory_limit(need, memory_limit)  # before anything goes to the GPU
         model = model.to(device=device, dtype=dtype)
         if int8:
@@ -341,7 +370,8 @@ class WhisperEngine:
         engine = cls(model, tok, model_name=name, max_batch=rows, max_encoder_batch=max_encoder_batch,
                      cuda_graphs=cuda_graphs, max_queue=max_queue, decode_chunk=decode_chunk,
                      compile_encoder=compile_encoder, attn_backend=attn_backend, fast_decoder=fast_decoder,
-                     compile_decoder=compile_decoder, alignment_heads=heads, prefill_graphs=prefill_graphs)
+                     compile_decoder=compile_decoder, alignment_heads=heads, prefill_graphs=prefill_graphs,
+                     cross_in_encoder=cross_in_encoder)
         engine.memory_need = need
         engine.checkpoint_format = ckpt.format
         return engine
@@ -630,24 +660,35 @@ class WhisperEngine:
         return self.fast_encoder.run(audio, b, self.dtype)
 
     def _encode_into_cache(self, audio: torch.Tensor, chosen: list[_Active]) -> None:
-        """Encoder over audio [n, N_SAMPLES] of `chosen`, then every layer's cross keys/values into
-        each request's rows (one copy per beam)."""
+        """Encoder over audio [n, N_SAMPLES] of `chosen`, then every layer's cross keys/values into each
+        request's rows. With the cross keys/values made in the encoder's pass (`cross_in_encoder`), that pass
+        (one graph replay per bucket) leaves them for all layers in `fast_encoder.cross_out`, which
+        `_copy_cross` copies into the cache with one call per tensor; else `_write_cross` projects them."""
         model, dev = self.model, self.model.device
         if not self.is_cuda:
             mel = log_mel_spectrogram(audio, self.dims.n_mels).to(self.dtype)
             self._write_cross(model.encoder(mel), chosen)
             return
+        in_pass = self.fast_encoder.cross_out is not None
         start = 0
         for b in encoder_pieces(len(chosen), self.encoder_buckets()):
             part = chosen[start:start + b]
             x = audio[start:start + len(part)]
             if len(part) < b:
                 x = torch.cat([x, x.new_zeros(b - len(part), x.shape[1])])
-            if self._warming:  # shapes only: zeros stand in for the features
-                features = torch.zeros(b, self.dims.n_audio_ctx, self.dims.n_audio_state, dtype=self.dtype, device=dev)
+            # Warming up, shapes only: zeros stand in for the features. In the encoder's pass every bucket
+            # ran already (captured, or once eagerly), so the buffer holds finite numbers that stand in.
+            if in_pass:
+                if not self._warming:
+                    self._encode_bucket(x, b)
+                self._copy_cross(part)
             else:
-                features = self._encode_bucket(x, b)
-            self._write_cross(features, part)
+                if self._warming:
+                    features = torch.zeros(b, self.dims.n_audio_ctx, self.dims.n_audio_state, dtype=self.dtype,
+                                           device=dev)
+                else:
+                    features = self._encode_bucket(x, b)
+                self._write_cross(features, part)
             start += len(part)
 
     def _write_cross(self, features: torch.Tensor, part: list[_Active]) -> None:
@@ -660,6 +701,20 @@ class WhisperEngine:
         else:
             features = features[to_device([i for i, r in enumerate(part) for _ in r.rows], dev)]
         self.model.decoder.write_cross(self.cache, to_device(rows, dev), features)
+
+    def _copy_cross(self, part: list[_Active]) -> None:
+        """Copy the cross keys/values the encoder's pass left in `fast_encoder.cross_out` ([k | v, layer,
+        row, A, D], row i: request i's audio) into the cache rows of `part`, every layer at once: one
+        `index_copy_` per tensor along the slot dimension, once per beam index (beam j of each request;
+        a request with fewer beams writes its last row again, the same values: any copy that lands is
+        right). The slots go to the device without a sync."""
+        n = len(part)
+        beams = max(len(r.rows) for r in part)
+        slots = to_device([[r.rows[min(j, len(r.rows) - 1)] for r in part] for j in range(beams)], self.model.device)
+        k, v = self.fast_encoder.cross_out[:, :, :n].unbind(0)  # [L, n, A, D] each
+        for j in range(beams):
+            self.cache.cross_k.index_copy_(1, slots[j], k)
+            self.cache.cross_v.index_copy_(1, slots[j], v)
 
     def _admit(self) -> tuple[list[_Active], torch.Tensor, torch.Tensor] | None:
         """Move queued requests into free rows; returns them, their first-step logits and their no-speech

@@ -16,7 +16,10 @@ per step is what counts there):
   `attn_backend`; the decoder step keeps `decode_attention_kernels`, as the reference step does;
 * on a GPU both run as CUDA graphs, one per batch-size bucket (`CudaGraphs`): the encoder through
   `FastEncoder.run`, the decoder step (this one or the modules') through `DecoderSteps`, which owns
-  the static per-row inputs a graph reads.
+  the static per-row inputs a graph reads. Given the decoder (the engine's `cross_in_encoder`, off by
+  default), the encoder's pass, graphed or not, also projects its features to every decoder layer's
+  cross-attention keys/values (`FastEncoder.project_cross`, the modules' own Linear calls), into one
+  buffer the engine copies into its cache with one call per tensor.
 
 Results equal the reference forwards up to fp16 rounding (a different GEMM shape sums in a
 different order, compiled kernels fuse differently), not bit for bit; the engine runs the graph
@@ -185,7 +188,7 @@ class FastEncoder:
     """log-mel + encoder for a batch of padded 30 s windows, GPU layout (see module doc)."""
 
     def __init__(self, encoder: AudioEncoder, n_mels: int, attn_backend: str | None = None,
-                 compile_layers: bool = False):
+                 compile_layers: bool = False, cross: TextDecoder | None = None, cross_rows: int = 0):
         self.enc = encoder
         self.n_mels = n_mels
         self.n_head = encoder.blocks[0].attn.n_head
@@ -201,11 +204,22 @@ class FastEncoder:
         self._layer = compile_static(encoder_layer) if compile_layers else encoder_layer
         self.graphs: CudaGraphs | None = None  # set by the engine: `run` replays a graph per batch bucket
         self._inputs: dict[int, Tensor] = {}  # the graphs' static audio input, per batch bucket
+        # The decoder's cross-attention key/value projections, run after the encoder in the same pass (in the
+        # same graph), into `cross_out` [k | v, layer, row, A, D]: one buffer of `cross_rows` rows (the largest
+        # bucket) that every bucket writes a prefix of. Runs are queued one after another on one stream and
+        # the engine copies the rows into its cache before it queues the next, so one buffer serves them all.
+        self.cross: list[Attention] = [blk.cross_attn for blk in cross.blocks] if cross is not None else []
+        self.cross_out: Tensor | None = None
+        if self.cross:
+            w = self.cross[0].key.weight
+            self.cross_out = torch.zeros(2, len(self.cross), cross_rows, encoder.positional_embedding.shape[0],
+                                         w.shape[0], dtype=w.dtype, device=w.device)
 
     def run(self, audio: Tensor, b: int, dtype: torch.dtype) -> Tensor:
-        """Features [b, A, D] of audio [b, N_SAMPLES] (padded windows), by graph or eagerly."""
+        """Features [b, A, D] of audio [b, N_SAMPLES] (padded windows), by graph or eagerly; with `cross`,
+        also every decoder layer's cross keys/values of them into `cross_out[:, :, :b]` (`encode`)."""
         if self.graphs is None:
-            return self(audio, dtype)
+            return self.encode(audio, dtype)
         if ("encoder", b) not in self.graphs:
             self.capture(b, dtype)
         self._inputs[b].copy_(audio)
@@ -215,7 +229,26 @@ class FastEncoder:
         """Record the encoder for batch bucket b (its input a static buffer `run` copies into)."""
         with torch.cuda.stream(self.graphs.stream):
             inp = self._inputs[b] = torch.zeros(b, N_SAMPLES, device=self.enc.conv1.weight.device)
-        self.graphs.capture(("encoder", b), lambda: self(inp, dtype))
+        self.graphs.capture(("encoder", b), lambda: self.encode(inp, dtype))
+
+    @torch.inference_mode()
+    def encode(self, audio: Tensor, dtype: torch.dtype) -> Tensor:
+        """The pass `run` records: features of audio [b, N_SAMPLES] and, with `cross`, their cross keys/values."""
+        features = self(audio, dtype)
+        if self.cross:
+            self.project_cross(features)
+        return features
+
+    def project_cross(self, features: Tensor) -> None:
+        """Every decoder layer's cross keys/values of features [b, A, D] into `cross_out[:, :, :b]`: the very
+        Linear calls of `TextDecoder.write_cross` (so the same cuBLAS GEMMs, the same bits), each result
+        copied into the buffer (exact). Inside the encoder's graph they are one replay with it instead of
+        four host calls per layer, each of which waits to win the GIL back (issue 26)."""
+        b = features.shape[0]
+        k_out, v_out = self.cross_out[0, :, :b], self.cross_out[1, :, :b]
+        for i, attn in enumerate(self.cross):
+            k_out[i].copy_(attn.key(features))
+            v_out[i].copy_(attn.value(features))
 
     def _sdpa_ctx(self) -> contextlib.AbstractContextManager:
         if self.attn_backend is None:
