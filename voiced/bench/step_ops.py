@@ -23,9 +23,10 @@ there), except the vocoder, which runs eagerly unless `VOICED_SPARK_VOCODER_GRAP
 engine runs with the GPU's settings (decode chunk 8, encoder batch 16) so its host loop has the
 GPU's shape, except where the GPU takes another path: "admit: encode + cross K/V write" counts the
 CPU's per-layer cross keys/values (6 torch calls a layer: 2 views, 2 projections, 2 copies); on a GPU
-with VOICED_WHISPER_CROSS_IN_ENCODER=1 they are made in the encoder's graph and copied with ~6 calls
+(by default; VOICED_WHISPER_CROSS_IN_ENCODER=0 turns it off) they are made in the encoder's graph and copied with ~6 calls
 plus 3 per beam index, whatever the layer count. `rows.to_device` is one `torch.tensor` here; on a GPU
-3 calls (5 through the staging ring, VOICED_PINNED_STAGING_RING=1, but no pinned allocation).
+5 through the staging ring (the default), with no pinned allocation; 3 with a fresh pinned block per call
+(VOICED_PINNED_STAGING_RING=0).
 """
 
 from __future__ import annotations

@@ -87,9 +87,12 @@ def prefill_graphs_default() -> bool:
 def cross_in_encoder_default() -> bool:
     """The decoder's cross keys/values of every layer made in the encoder's pass (its CUDA graph) and copied
     into the cache with one call per tensor, instead of four torch calls per layer after it (issue 26: 49 %
-    of the recognition thread at 128 callers). Off unless VOICED_WHISPER_CROSS_IN_ENCODER=1 until measured
-    and checked on a GPU (tests/test_whisper_gpu.py -k cross)."""
-    return os.environ.get("VOICED_WHISPER_CROSS_IN_ENCODER", "0") == "1"
+    of the recognition thread at 128 callers). On unless VOICED_WHISPER_CROSS_IN_ENCODER=0: the GPU suite
+    passed with it on (H100, 2026-11-27: tests/test_whisper_gpu.py -k cross and every exactness test), and
+    at 128 callers the slowest admissions' cache writes fell from 33-74 ms to 1-19 ms (docs/BENCHMARKS.md).
+    It holds one more largest-bucket buffer of every layer's cross keys/values (~469 MiB for large-v3-turbo
+    in bf16 at encoder batch 16), which the memory plan counts."""
+    return os.environ.get("VOICED_WHISPER_CROSS_IN_ENCODER", "1") == "1"
 
 
 def build_model(dims: ModelDims, state: dict[str, torch.Tensor], where: str = "checkpoint") -> Whisper:
@@ -338,7 +341,7 @@ class WhisperEngine:
         is refused (EngineError naming the setting). prefill_graphs: replay the admission's decoder prefill
         (SOT sequences, encoder-batch buckets) from CUDA graphs captured at warm-up; None: on, unless
         VOICED_WHISPER_PREFILL_GRAPHS=0. cross_in_encoder: every decoder layer's cross keys/values made in
-        the encoder's pass (its graph) on a GPU; None: off, unless VOICED_WHISPER_CROSS_IN_ENCODER=1.
+        the encoder's pass (its graph) on a GPU; None: on, unless VOICED_WHISPER_CROSS_IN_ENCODER=0.
         """
         if prefill_graphs is None:
             prefill_graphs = prefill_graphs_default()
