@@ -375,3 +375,122 @@ def test_to_device_staging_ring_never_hands_out_a_block_still_being_read(monkeyp
     for (values, _), t in zip(sent, got):
         want = torch.tensor(np.asarray(values), dtype=torch.long)
         assert t.dtype == torch.long and torch.equal(t, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["float16", "bfloat16"])
+def test_chunk_graph_replay_is_the_per_step_graphs_bit_for_bit(tmp_path, dtype):
+    """One replay of a bucket's chunk graph (`chunk_graphs=True`, VOICED_WHISPER_CHUNK_GRAPHS=1's path,
+    captured at warm-up) against the engine's per-step loop from the same state (decode_chunk replays of
+    the greedy graph, each followed by the two history writes): the history buffer (tokens and
+    log-probabilities of every step), the step buffers (token, position, countdown, log-probability) and
+    every layer's self keys/values of all slots, exactly equal, for every bucket (1..16 rows: written-out
+    attention and SDPA), rows at scattered positions with some still under their minimum length. Cross
+    keys/values of every slot are random and different, so a row reading another slot's audio shows."""
+    ckpt = make_openai_checkpoint(tmp_path, n_mels=128, seed=9)
+    eng = WhisperEngine.load(ckpt, device="cuda", dtype=dtype, max_batch=16, max_encoder_batch=4, chunk_graphs=True)
+    assert eng.chunk_graphs and eng.decode_chunk == 8 and eng.buckets == [1, 2, 4, 8, 16]
+    eng.warmup()
+    steps, cache = eng.steps, eng.cache
+    assert all(steps.has_graph("chunk", b) for b in eng.buckets), "warm-up captures a chunk graph per bucket"
+    g = torch.Generator().manual_seed(0)
+    torch.cuda.synchronize()  # warm-up's last work; all below runs on the engine's stream
+    with torch.inference_mode(), eng.on_stream():
+        feats = torch.randn(16, eng.dims.n_audio_ctx, eng.dims.n_audio_state, generator=g).to("cuda", dtype)
+        eng.model.decoder.write_cross(cache, torch.arange(16, device="cuda"), feats)
+        for b in eng.buckets:
+            cache.self_k.copy_(torch.randn(cache.self_k.shape, generator=g).to(dtype))
+            cache.self_v.copy_(torch.randn(cache.self_v.shape, generator=g).to(dtype))
+            inputs = torch.stack([torch.randint(0, eng.tok.eot, (16,), generator=g),
+                                  torch.randint(0, eng.dims.n_text_ctx - 9, (16,), generator=g),
+                                  torch.randint(0, 6, (16,), generator=g)]).cuda()
+            start = [t.clone() for t in (cache.self_k, cache.self_v)]
+            results = []
+            for path in ("chunk", "steps"):
+                for t, v in zip((cache.self_k, cache.self_v), start):
+                    t.copy_(v)
+                steps.inputs.copy_(inputs)
+                steps.lp.zero_()
+                eng._hist.fill_(float("nan"))
+                if path == "chunk":
+                    steps.run("chunk", b)
+                else:
+                    hist_tok, hist_lp = eng._hist[:b, :, 0], eng._hist[:b, :, 1]
+                    for k in range(eng.decode_chunk):
+                        steps.run("greedy", b)
+                        hist_tok[:, k] = steps.tok[:b]
+                        hist_lp[:, k] = steps.lp[:b]
+                results.append([t.clone() for t in (eng._hist[:b], steps.inputs[:, :b], steps.lp[:b], cache.self_k,
+                                                    cache.self_v)])
+            for name, x, y in zip(("history", "step inputs", "log-probs", "self keys", "self values"), *results):
+                assert torch.equal(x, y), f"bucket {b}: {name} differ, chunk replay vs per-step graphs"
+            hist = results[0][0]
+            assert not hist.isnan().any() and (hist[:, :, 1] <= 0).all()
+            assert torch.equal(results[0][1][1], inputs[1, :b] + eng.decode_chunk)
+
+
+def chunk_mix(eng: WhisperEngine, clips: list[np.ndarray]) -> dict[int, tuple]:
+    """Twelve requests of 16 rows, four admitted per step while the others decode (rows joining), of lengths
+    apart (full chunks, and chunks cut short near a row's limit), half free to end on their own (rows that
+    finish mid-chunk), so the batch runs through buckets 16, 8, 4, 2, 1 as they leave; tokens and the
+    average log-probability (the sum of every served log-probability, in float32) per request."""
+    out: dict[int, tuple] = {}
+    pending = []
+    for i in range(12):
+        c = clips[i % len(clips)]
+        n = 9 + 3 * i
+        pending.append((200 + i, ASRRequest((c * (0.6 + 0.07 * i)).astype(np.float32),
+                                            ASROptions(language="en", max_new_tokens=n,
+                                                       min_new_tokens=n if i % 2 else 0))))
+    while pending or eng.has_work():
+        for _ in range(4):
+            if pending:
+                eng.submit(*pending.pop(0))
+        out.update({o.request_id: (o.value.tokens, o.value.avg_logprob) for o in eng.step()})
+    return out
+
+
+def same_served(on: dict[int, tuple], off: dict[int, tuple], what: str) -> None:
+    """{request: (tokens, average log-probability)} with the chunk graphs on equal to off, tokens first."""
+    tok_on, tok_off = ({k: v[0] for k, v in d.items()} for d in (on, off))
+    assert tok_on == tok_off, f"{what}, chunk graphs on vs off:\n" + differences(tok_on, tok_off, "on", "off")
+    lp = {k: (on[k][1], off[k][1]) for k in on if on[k][1] != off[k][1]}
+    assert not lp, f"{what}: average log-probabilities (on, off) differ: {lp}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["float16", "bfloat16"])
+def test_chunk_graphs_serve_the_same_tokens(tmp_path, clips, dtype):
+    """The served engine (warmed up) with the chunk graphs on decodes the same greedy tokens, with the same
+    average log-probabilities (bit for bit), as with them off: single requests, requests joining and
+    leaving a running batch, and a mix of twelve requests joining four at a time, finishing mid-chunk and
+    at their limits, through every bucket. The chunk graphs served (counted), warm-up captured one per
+    bucket and serving captured none."""
+    ckpt = make_openai_checkpoint(tmp_path, n_mels=128, seed=4)
+    kw = dict(device="cuda", dtype=dtype, max_batch=16, max_encoder_batch=4)
+    on = WhisperEngine.load(ckpt, chunk_graphs=True, **kw)
+    off = WhisperEngine.load(ckpt, chunk_graphs=False, **kw)
+    assert on.chunk_graphs and not off.chunk_graphs and off.cuda_graphs
+    on.warmup()
+    off.warmup()
+    warm = len(on.steps.graphs)
+    assert warm == len(off.steps.graphs) + len(on.buckets)
+    kinds: dict[str, int] = {}
+    run = on.steps.run
+
+    def counted(kind, b):
+        kinds[kind] = kinds.get(kind, 0) + 1
+        return run(kind, b)
+    on.steps.run = counted
+    o = ASROptions(language="en", max_new_tokens=24, min_new_tokens=24)
+    single_on = {i: (r.tokens, r.avg_logprob) for i, c in enumerate(clips) for r in [on.transcribe(ASRRequest(c, o))]}
+    single_off = {i: (r.tokens, r.avg_logprob) for i, c in enumerate(clips) for r in [off.transcribe(ASRRequest(c, o))]}
+    same_served(single_on, single_off, "single requests")
+    assert kinds.get("chunk", 0) >= 2 * len(clips), "a 24-token request is two full chunks and a short one"
+    batch_on, batch_off = joining_and_leaving(on, clips), joining_and_leaving(off, clips)
+    assert sorted(batch_on) == [0, 1, 2, 3]
+    assert batch_on == batch_off, "joining/leaving, chunk graphs on vs off:\n" + differences(
+        batch_on, batch_off, "on", "off")
+    mix_on, mix_off = chunk_mix(on, clips), chunk_mix(off, clips)
+    assert len(mix_on) == 12
+    same_served(mix_on, mix_off, "twelve joining")
+    assert kinds.get("greedy", 0) > 0, "short chunks ran step by step"
+    assert len(on.steps.graphs) == warm, "serving captured a decoder graph warm-up had not"

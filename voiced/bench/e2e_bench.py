@@ -566,12 +566,15 @@ def main(argv: list[str] | None = None) -> dict:
     log.info("daemon up after %.1f s (engines loaded and warmed up)", startup_s)
     gc_pauses = GcPauses()
     gc.callbacks.append(gc_pauses)
+    from voiced.engines.whisper.engine import chunk_graphs_default as whisper_chunk_graphs_default
+
     result = {"bench": "e2e", "gpu": "cpu (dry run)" if args.tiny_cpu else torch.cuda.get_device_name(), "torch": torch.__version__,
               "python": platform.python_version(), "asr_dims": args.asr_dims, "asr_tokens": args.asr_tokens,
               "asr_model": args.asr_model or "random", "turn_detection": "smart" if args.asr_model else "silence",
               "reply_seconds": args.reply_seconds, "first_chunk_tokens": args.first_chunk_tokens,
               "engine_threads": engine_threads(args), "merge_policy": args.merge_policy or "default",
-              "vocoder_graphs": vocoder_graphs(args), "prefill_graphs": args.prefill_graphs or "default", "switch_interval_s": sys.getswitchinterval(),
+              "vocoder_graphs": vocoder_graphs(args), "prefill_graphs": args.prefill_graphs or "default",
+              "whisper_chunk_graphs": whisper_chunk_graphs_default(), "switch_interval_s": sys.getswitchinterval(),
               "gc_freeze": not args.no_gc_freeze, "duration_s": args.duration, "startup_s": startup_s,
               "date": time.strftime("%Y-%m-%d"), "fronts": {}, "saturation": {}}
     serving_peak = 0.0

@@ -95,6 +95,21 @@ def cross_in_encoder_default() -> bool:
     return os.environ.get("VOICED_WHISPER_CROSS_IN_ENCODER", "1") == "1"
 
 
+# Whether a chunk of greedy steps replays as one CUDA graph on a GPU (`chunk_graphs_default`). The one line that
+# turns it on by default, once measured on a GPU (issue 26) and tests/test_whisper_gpu.py -k chunk passed there.
+CHUNK_GRAPHS_DEFAULT = False
+
+
+def chunk_graphs_default() -> bool:
+    """A chunk of `decode_chunk` greedy steps and their history writes replayed as one CUDA graph (captured
+    at warm-up per batch bucket) instead of one greedy-step replay and two history writes per step, 24 torch
+    calls per chunk at 8 steps, each of which waits to win the GIL back (issue 26: 50-110 ms wall for
+    6-18 ms of CPU per recognition step at 128 callers). VOICED_WHISPER_CHUNK_GRAPHS=1 or 0 if set, else
+    CHUNK_GRAPHS_DEFAULT (off until measured on a GPU)."""
+    env = os.environ.get("VOICED_WHISPER_CHUNK_GRAPHS", "").strip()
+    return CHUNK_GRAPHS_DEFAULT if env == "" else env == "1"
+
+
 def build_model(dims: ModelDims, state: dict[str, torch.Tensor], where: str = "checkpoint") -> Whisper:
     model = Whisper(dims)
     own = model.state_dict()
@@ -137,6 +152,12 @@ def memory_need(dims: ModelDims, dtype: torch.dtype, weight_bytes: int, max_batc
                           2 * dims.n_text_layer * enc * dims.n_audio_ctx * dims.n_text_state * elem))
     if cuda_graphs:
         dec = doubling(rows)
+        # The plain steps' logits are what the decoder graphs hold. The greedy steps' graphs, and the chunk
+        # graphs (engine's chunk_graphs: decode_chunk greedy steps + history writes per graph), return
+        # nothing: they write the step buffers and the history above. Their intermediates are one step's,
+        # freed step by step inside the capture, where the pool gives them back to the next step of the same
+        # graph, and to later captures (graphs sharing a pool replay one at a time), so a chunk graph needs
+        # no more of the pool than the greedy graph of its bucket: nothing to add.
         items.append(Need(f"decoder graphs: logits of batch {dec}", sum(dec) * dims.n_vocab * 4))
         eb = doubling(enc)
         items.append(Need(f"encoder graphs: audio in, features out, batch {eb}",
@@ -204,7 +225,7 @@ class WhisperEngine:
                  compile_encoder: bool | None = None, attn_backend: str | None = None,
                  fast_decoder: bool | None = None, compile_decoder: bool | None = None,
                  alignment_heads: list[tuple[int, int]] | None = None, prefill_graphs: bool | None = None,
-                 cross_in_encoder: bool | None = None):
+                 cross_in_encoder: bool | None = None, chunk_graphs: bool | None = None):
         if tokenizer.n_vocab != model.dims.n_vocab:
             raise CheckpointError(f"tokenizer has {tokenizer.n_vocab} tokens but the model {model.dims.n_vocab}")
         self.model = model.eval().requires_grad_(False)
@@ -245,8 +266,12 @@ class WhisperEngine:
         self._hist = torch.zeros(max_batch, self.decode_chunk, 2, dtype=torch.float64, device=model.device)
         # All of the engine's GPU work runs on one stream of its own, graph captures included (why:
         # fast.CudaGraphs). CUDA graphs: per batch-size bucket, the encoder, one plain decoder step
-        # and one fused greedy step.
+        # and one fused greedy step, and with chunk_graphs a chunk of decode_chunk greedy steps with
+        # their history writes (captured at warm-up only: `warmup`, `_greedy_chunk`).
         self.cuda_graphs = cuda_graphs and self.is_cuda
+        # (Its capture's two eager pre-runs take rows from position 0 to 2 x decode_chunk - 1.)
+        self.chunk_graphs = (self.cuda_graphs and (chunk_graphs_default() if chunk_graphs is None else chunk_graphs)
+                             and 2 * self.decode_chunk <= self.dims.n_text_ctx)
         self.buckets = doubling(max_batch) if self.is_cuda else []
         self._stream: torch.cuda.Stream | None = torch.cuda.Stream(device=model.device) if self.is_cuda else None
         pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
@@ -259,7 +284,7 @@ class WhisperEngine:
         self._decoder: FastDecoder | TextDecoder = self.fast_decoder or model.decoder
         self.steps = DecoderSteps(self._decoder, self.cache, self.dims.n_text_ctx, max_batch, model.device,
                                   self.suppress.always, tokenizer.eot,
-                                  CudaGraphs(self._stream, pool) if self.cuda_graphs else None)
+                                  CudaGraphs(self._stream, pool) if self.cuda_graphs else None, self._hist)
         # On a GPU the admission's prefill of SOT sequences runs padded to its encoder bucket (fast.Prefills),
         # graphed or not, so that the graph and the eager pass run the very same kernels (an unpadded pass
         # rounds differently, enough to flip a bf16 near-tie); the graph is one replay per (prompt length,
@@ -278,11 +303,12 @@ class WhisperEngine:
             # The weights (moved, fused), caches and buffers above were queued on the creating thread's
             # stream; kernels on the engine's own stream must not overtake those fills and copies.
             self._stream.wait_stream(torch.cuda.current_stream(model.device))
-        log.info("whisper engine %s on %s (%s%s): %d slots, %.1f MiB of KV cache, cuda graphs %s (prefill %s), "
-                 "cross K/V %s, decoder step %s", model_name, self.device, str(self.dtype).replace("torch.", ""),
-                 ", int8 GEMMs" if self.int8 else "", max_batch,
+        log.info("whisper engine %s on %s (%s%s): %d slots, %.1f MiB of KV cache, cuda graphs %s (prefill %s, "
+                 "greedy %s), cross K/V %s, decoder step %s", model_name, self.device,
+                 str(self.dtype).replace("torch.", ""), ", int8 GEMMs" if self.int8 else "", max_batch,
                  max_batch * KVCache.bytes_per_slot(self.dims, self.dtype) / 2**20, self.cuda_graphs,
                  "graphed" if self.prefills is not None and self.prefills.graphs is not None else "eager",
+                 f"{self.decode_chunk} steps per graph" if self.chunk_graphs else "a graph per step",
                  "in the encoder pass" if self.fast_encoder is not None and self.fast_encoder.cross else "per layer",
                  self.decoder_path)
 
@@ -325,7 +351,7 @@ class WhisperEngine:
              compile_encoder: bool | None = None, attn_backend: str | None = None,
              fast_decoder: bool | None = None, compile_decoder: bool | None = None,
              memory_limit: tuple[int, float] | None = None, prefill_graphs: bool | None = None,
-             cross_in_encoder: bool | None = None) -> WhisperEngine:
+             cross_in_encoder: bool | None = None, chunk_graphs: bool | None = None) -> WhisperEngine:
         """Load an official name (from the model cache), an OpenAI `.pt`, a Hugging Face or a
         CTranslate2 (faster-whisper) directory.
 
@@ -342,6 +368,12 @@ class WhisperEngine:
         (SOT sequences, encoder-batch buckets) from CUDA graphs captured at warm-up; None: on, unless
         VOICED_WHISPER_PREFILL_GRAPHS=0. cross_in_encoder: every decoder layer's cross keys/values made in
         the encoder's pass (its graph) on a GPU; None: on, unless VOICED_WHISPER_CROSS_IN_ENCODER=0.
+        the encoder's pass (its graph) on a GPU; None: off, unless VOICED_WHISPER_CROSS_IN_ENCODER=1.
+        chunk_graphs: on a GPU with cuda_graphs, a whole chunk of `decode_chunk` greedy steps (with their
+        history writes) replayed as one CUDA graph per batch bucket, captured at warm-up, instead of one
+        replay and two writes per step (the served tokens are the same bits); a chunk cut short by a row's
+        length limit, or a bucket warm-up did not capture, runs step by step. None: CHUNK_GRAPHS_DEFAULT
+        (off), unless VOICED_WHISPER_CHUNK_GRAPHS is 1 or 0.
         """
         if prefill_graphs is None:
             prefill_graphs = prefill_graphs_default()
@@ -374,7 +406,7 @@ class WhisperEngine:
                      cuda_graphs=cuda_graphs, max_queue=max_queue, decode_chunk=decode_chunk,
                      compile_encoder=compile_encoder, attn_backend=attn_backend, fast_decoder=fast_decoder,
                      compile_decoder=compile_decoder, alignment_heads=heads, prefill_graphs=prefill_graphs,
-                     cross_in_encoder=cross_in_encoder)
+                     cross_in_encoder=cross_in_encoder, chunk_graphs=chunk_graphs)
         engine.memory_need = need
         engine.checkpoint_format = ckpt.format
         return engine
@@ -577,6 +609,12 @@ class WhisperEngine:
         The chunk never runs a row past its length limit (max_new_tokens / the text context), so
         every position stays inside the cache; a row that emits end-of-text mid-chunk computes a
         few tokens nobody reads, and they are dropped here. Returns the requests whose tokens failed.
+
+        On a GPU each step is a greedy graph replay and two history writes (3 torch calls a step); with
+        `chunk_graphs`, a full chunk (no row near its limit) of a bucket warm-up captured is one replay
+        of the chunk graph instead: the same kernels in the same order (`DecoderSteps.chunk`), so the
+        same bits. A shorter chunk, or a bucket without its graph, runs step by step (never captured
+        here: `DecoderSteps.capture`).
         """
         k_max = self.decode_chunk
         for q in reqs:
@@ -587,15 +625,19 @@ class WhisperEngine:
                    for r in range(n)]
         b = self._load_inputs(n, [toks, pos, minleft])
         lo, hi = min(pos), max(pos)
-        # Views made once per chunk, not per step: every torch call from Python is a GIL round trip.
-        tok, lp, hist_tok, hist_lp = self.steps.tok[:b], self.steps.lp[:b], self._hist[:b, :, 0], self._hist[:b, :, 1]
-        for k in range(k_max):
-            if self.is_cuda:
-                self.steps.run("greedy", b)
-            else:  # as in _decode: exact context length, no mask when rows are aligned
-                self.steps.greedy(b, kv_len=hi + k + 1, masked=lo != hi)
-            hist_tok[:, k] = tok
-            hist_lp[:, k] = lp
+        if self._chunk_replay(k_max, b):
+            self.steps.run("chunk", b)  # decode_chunk steps and their history writes: one call
+        else:
+            # Views made once per chunk, not per step: every torch call from Python is a GIL round trip.
+            tok, lp = self.steps.tok[:b], self.steps.lp[:b]
+            hist_tok, hist_lp = self._hist[:b, :, 0], self._hist[:b, :, 1]
+            for k in range(k_max):
+                if self.is_cuda:
+                    self.steps.run("greedy", b)
+                else:  # as in _decode: exact context length, no mask when rows are aligned
+                    self.steps.greedy(b, kv_len=hi + k + 1, masked=lo != hi)
+                hist_tok[:, k] = tok
+                hist_lp[:, k] = lp
         rows = self._hist[:n, :k_max].tolist()  # the chunk's one sync
         failed = []
         for q in reqs:
@@ -609,13 +651,21 @@ class WhisperEngine:
                 failed.append((q, e))
         return failed
 
+    def _chunk_replay(self, k_max: int, b: int) -> bool:
+        """Whether this chunk of k_max steps for bucket b is one replay of its chunk graph: with
+        chunk_graphs, a full chunk, and a graph warm-up captured (a missing one is never captured here).
+        A full chunk is as long as the graph's, the history's length (what decode_chunk was at warm-up: a
+        benchmark that lowers decode_chunk afterwards, whisper_bench's chunk-1 latency, runs step by step)."""
+        return self.chunk_graphs and k_max == self._hist.shape[1] and self.steps.has_graph("chunk", b)
+
     def warmup(self) -> None:
         """Make every shape the engine will run now (only while idle), so no request pays a
         first-time cost: the decoder step (compiled layers and graphs) of every bucket, the encoder
         (compiled layers and graphs) of every encoder batch bucket, and the admission work (cross
         keys/values, language detection and prefill, token choice) for every admission size
         1..max_encoder_batch, which also captures the prefill graphs (when on) of every encoder bucket
-        for both prompt lengths serving meets (with and without <|notimestamps|>)."""
+        for both prompt lengths serving meets (with and without <|notimestamps|>), and the chunk graphs
+        (when on) of every bucket: only here, from rows at position 0, never while serving."""
         if self._n or self._queue or not self.is_cuda:
             return
         steps = self.steps
@@ -623,8 +673,9 @@ class WhisperEngine:
             for t in (steps.tok, steps.pos, steps.minleft):
                 t.zero_()
             if self.cuda_graphs:
+                kinds = ("plain", "greedy", "chunk") if self.chunk_graphs else ("plain", "greedy")
                 for b in self.buckets:
-                    for kind in ("plain", "greedy"):
+                    for kind in kinds:
                         if (kind, b) not in steps.graphs:
                             steps.capture(kind, b)
             elif self.fast_decoder is not None and self.fast_decoder.compiled:

@@ -16,7 +16,8 @@ per step is what counts there):
   `attn_backend`; the decoder step keeps `decode_attention_kernels`, as the reference step does;
 * on a GPU both run as CUDA graphs, one per batch-size bucket (`CudaGraphs`): the encoder through
   `FastEncoder.run`, the decoder step (this one or the modules') through `DecoderSteps`, which owns
-  the static per-row inputs a graph reads. Given the decoder (the engine's `cross_in_encoder`, off by
+  the static per-row inputs a graph reads (with the engine's `chunk_graphs`, off by default, also a
+  whole chunk of greedy steps and their history writes as one graph). Given the decoder (the engine's `cross_in_encoder`, off by
   default), the encoder's pass, graphed or not, also projects its features to every decoder layer's
   cross-attention keys/values (`FastEncoder.project_cross`, the modules' own Linear calls), into one
   buffer the engine copies into its cache with one call per tensor.
@@ -383,13 +384,24 @@ class DecoderSteps:
     - `plain(b)`: logits [b, vocab] out; token choice on the host (`token_choice.choose_tokens`);
     - `greedy(b)`: the step and the greedy choice on the device (`token_choice.greedy_choice`): the
       chosen tokens become the next step's inputs and positions advance, so steps can follow each
-      other with no host round trip.
+      other with no host round trip;
+    - `chunk(b)`: `hist.shape[1]` (the engine's `decode_chunk`) greedy steps back to back, each followed
+      by writing its chosen tokens and their log-probabilities into step k of `hist` (the engine's
+      history buffer, float64 [max_batch, decode_chunk, (token, log-prob)]): the very calls, in the
+      very order, of the engine's per-step loop (`WhisperEngine._greedy_chunk`), so as one CUDA graph
+      it runs the kernels of decode_chunk greedy replays and their 2 x decode_chunk history writes, one
+      host call instead of 3 x decode_chunk (issue 26: each call waits to win the GIL back). Its graph
+      is only ever captured at warm-up (`capture`, never by `run`): its eager pre-runs advance rows by
+      2 x decode_chunk positions, which from a live row near its length limit would index past the
+      text context.
     """
 
     def __init__(self, decoder: FastDecoder | TextDecoder, cache: KVCache, n_text_ctx: int, max_batch: int,
-                 device: torch.device, always: Tensor, eot: int, graphs: CudaGraphs | None = None) -> None:
+                 device: torch.device, always: Tensor, eot: int, graphs: CudaGraphs | None = None,
+                 hist: Tensor | None = None) -> None:
         self.decoder, self.cache, self.n_text_ctx = decoder, cache, n_text_ctx
         self.always, self.eot = always, eot
+        self.hist = hist  # the engine's greedy history [max_batch, decode_chunk, 2] float64 (`chunk` writes it)
         # Token, position and minimum-length countdown are rows of one block, so the host writes all
         # of a step's inputs with one copy (`WhisperEngine._load_inputs`).
         self.inputs = torch.zeros(3, max_batch, dtype=torch.long, device=device)
@@ -411,18 +423,43 @@ class DecoderSteps:
         self.pos[:b] += 1
         self.minleft[:b] -= 1
 
+    def chunk(self, b: int) -> None:
+        """`hist.shape[1]` greedy steps, each followed by writing its tokens and log-probabilities into
+        that step of `hist[:b]` (the engine's per-step loop, call for call)."""
+        tok, lp, hist_tok, hist_lp = self.tok[:b], self.lp[:b], self.hist[:b, :, 0], self.hist[:b, :, 1]
+        for k in range(self.hist.shape[1]):
+            self.greedy(b)
+            hist_tok[:, k] = tok
+            hist_lp[:, k] = lp
+
+    def _fn(self, kind: str):
+        return {"plain": self.plain, "greedy": self.greedy, "chunk": self.chunk}[kind]
+
+    def has_graph(self, kind: str, b: int) -> bool:
+        """Whether `kind`'s graph for bucket `b` has been captured."""
+        return self.graphs is not None and (kind, b) in self.graphs
+
     def run(self, kind: str, b: int) -> Tensor | None:
-        """Run the "plain" or "greedy" step for bucket `b`: replay its graph, or eagerly."""
-        fn = self.plain if kind == "plain" else self.greedy
+        """Run the "plain", "greedy" or "chunk" step for bucket `b`: replay its graph, or eagerly. A
+        "plain" or "greedy" graph missing is captured first (safe mid-stream); a "chunk" one never is
+        (see the class doc): the caller checks `has_graph` first."""
+        fn = self._fn(kind)
         if self.graphs is None:
             return fn(b)
+        if kind == "chunk" and (kind, b) not in self.graphs:
+            raise RuntimeError(f"the chunk graph of batch {b} was not captured at warm-up (never mid-stream)")
         return self.graphs.replay((kind, b), lambda: fn(b), restore=(self.tok, self.pos, self.minleft))
 
     def capture(self, kind: str, b: int) -> None:
-        """Record one step for bucket `b` from the static buffers (also safe mid-stream): the eager runs
-        before the capture write the keys/values the real step will write anyway (same inputs), padded
-        rows touch only free slots, and the buffers a greedy step advances are restored."""
-        fn = self.plain if kind == "plain" else self.greedy
+        """Record one step (or, "chunk", a chunk of steps) for bucket `b` from the static buffers: the
+        eager runs before the capture write the keys/values the real steps will write anyway (same
+        inputs), padded rows touch only free slots, and the buffers a greedy step advances are restored
+        (`lp` and `hist` are outputs, rewritten by every step). "plain" and "greedy" are also safe
+        mid-stream; "chunk" only at warm-up, from rows at position 0 (its two pre-runs reach position
+        2 x decode_chunk - 1)."""
+        fn = self._fn(kind)
+        if kind == "chunk" and 2 * self.hist.shape[1] > self.n_text_ctx:
+            raise ValueError(f"a chunk of {self.hist.shape[1]} steps does not fit twice in {self.n_text_ctx} positions")
         self.graphs.capture((kind, b), lambda: fn(b), restore=(self.tok, self.pos, self.minleft))
 
 
