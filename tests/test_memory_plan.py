@@ -140,3 +140,96 @@ def test_the_vocoder_transient_measured_on_meta_is_what_the_step_allocates():
         measured = peak_live_bytes(lambda: decode_windows(codec, ids, spk, [length] * b))
     # the samples of the largest step's output alone, at the last layer: 1024 tokens x 320 x 4 bytes
     assert planned == measured > VOCODER_STEP_TOKENS * 320 * 4
+
+
+def _tiny_codec_config():
+    import tempfile
+    from pathlib import Path
+
+    from tests.spark_fixtures import BICODEC_YAML, ROOT_YAML
+    from voiced.engines.spark.bicodec import BiCodecConfig
+
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "c.yaml").write_text(BICODEC_YAML.format(w2v=64, latent=32))
+        (Path(tmp) / "r.yaml").write_text(ROOT_YAML)
+        return BiCodecConfig.from_yaml(Path(tmp) / "c.yaml", Path(tmp) / "r.yaml")
+
+
+def _vocoder_graph_shapes(radius: int) -> list[tuple[int, int]]:
+    from voiced.engines.base import TTSOptions
+    from voiced.engines.spark.vocoder_schedule import window_shapes
+
+    opts = TTSOptions()
+    return window_shapes(opts.first_chunk_tokens, opts.chunk_tokens, radius)
+
+
+def test_the_vocoder_graphs_pool_row_is_what_the_largest_capture_allocates():
+    """The plan's row for the vocoder graphs' pool (`activation_bytes`, on the meta device) equals what the
+    captured decode (end-masked, as every graph runs it) allocates in PyTorch tensors on the CPU at the
+    largest captured shape, and no smaller shape (a sample of them, on meta) peaks higher."""
+    import torch
+
+    from voiced.engines.spark.bicodec import BiCodec
+    from voiced.engines.spark.streaming import _install_end_masks
+    from voiced.engines.spark.vocoder_graphs import activation_bytes, graphed_decode
+    from voiced.memory_plan import peak_live_bytes
+
+    cfg = _tiny_codec_config()
+    with torch.device("meta"):
+        meta = BiCodec(cfg).eval().requires_grad_(False)
+    shapes = _vocoder_graph_shapes(meta.receptive_radius())
+    planned = activation_bytes(meta, shapes)
+    assert planned == max(activation_bytes(meta, [s]) for s in shapes[::9] + shapes[-3:])
+
+    codec = BiCodec(cfg).eval().requires_grad_(False)
+    _install_end_masks(codec)
+    b, length = max(shapes, key=lambda s: (s[0] * s[1], -s[0]))  # the most tokens, in one row
+    ids, spk = torch.randint(0, 8192, (b, length)), torch.randn(b, cfg.speaker_out_dim)
+    valid = torch.tensor([length - 3] + [length] * (b - 1))
+    with torch.no_grad():
+        graphed_decode(codec, ids, spk, valid)  # what the eager warm-up made before any capture (Snake's 1/alpha)
+        measured = peak_live_bytes(lambda: graphed_decode(codec, ids, spk, valid))
+    assert planned == measured > length * b * 320 * 4
+
+
+def test_the_vocoder_graphs_shared_buffers_are_what_the_plan_counts():
+    """Every graph reads and writes contiguous prefix views of one set of flat buffers, sized for the
+    shape with the most rows and the one with the most tokens; `held_bytes` is their size as the CUDA
+    allocator rounds it (512-byte blocks)."""
+    import torch
+
+    from voiced.engines.spark.bicodec import HOP, BiCodec
+    from voiced.engines.spark.vocoder_graphs import _SharedIO, held_bytes
+
+    cfg = _tiny_codec_config()
+    codec = BiCodec(cfg).to(torch.bfloat16).eval().requires_grad_(False)
+    shapes = _vocoder_graph_shapes(codec.receptive_radius())
+    io = _SharedIO(codec, shapes)
+    device_bufs = (io.ids, io.spk, io.valid, io.out)
+    assert held_bytes(shapes, cfg.speaker_out_dim, 2) == sum(-(-t.nbytes // 512) * 512 for t in device_bufs)
+    assert io.out.numel() == max(b * n for b, n in shapes) * HOP and io.valid.numel() == max(b for b, _ in shapes)
+    for b, length in shapes:
+        views = io.views(b, length)
+        assert [tuple(v.shape) for v in views] == [(b, length), (b, cfg.speaker_out_dim), (b,), (b,), (b, length * HOP)]
+        assert all(v.is_contiguous() for v in views)
+        flat = (io.ids, io.spk, io.valid, io.host_valid, io.out)
+        assert all(v.data_ptr() == t.data_ptr() for v, t in zip(views, flat))
+
+
+def test_with_vocoder_graphs_the_plan_holds_their_buffers_and_pool_instead_of_the_eager_transient():
+    import torch
+
+    from voiced.engines.spark.memory_plan import memory_need
+    from voiced.engines.spark.qwen2 import Qwen2Config
+
+    cfg = Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
+    kw = dict(cuda=True, workspace_bytes=1 << 20, vocoder_bytes=300 << 20)
+    eager = memory_need(cfg, torch.bfloat16, 1000, 1000, 4, 512, **kw)
+    graphed = memory_need(cfg, torch.bfloat16, 1000, 1000, 4, 512, **{**kw, "vocoder_bytes": 0},
+                          vocoder_graph_count=91, vocoder_graph_bytes=700_000, vocoder_graph_pool_bytes=305 << 20)
+    rows = {n.what: n for n in graphed.items}
+    io = rows["vocoder graphs (91): shared inputs and output"]
+    pool = rows["vocoder graphs' pool: the largest captured decode's activations, estimated"]
+    assert (io.bytes, io.transient, pool.bytes, pool.transient) == (700_000, False, 305 << 20, False)
+    assert not any("vocoder" in n.what for n in graphed.items if n.transient)
+    assert any("vocoder" in n.what and n.transient for n in eager.items)

@@ -10,6 +10,7 @@ import shutil
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -18,7 +19,7 @@ from whisper_fixtures import assert_float32_close, make_openai_checkpoint, rando
 
 from voiced.engines.base import ASROptions, ASRRequest
 from voiced.engines.whisper.audio import N_SAMPLES, log_mel_spectrogram
-from voiced.engines.whisper.engine import WhisperEngine, build_model, memory_need, prefill_graph_needs
+from voiced.engines.whisper.engine import WhisperEngine, _Active, build_model, memory_need, prefill_graph_needs
 from voiced.engines.whisper.fast import SMALL_BATCH, FastDecoder, FastEncoder, Prefills
 from voiced.engines.whisper.model import KVCache
 
@@ -33,6 +34,53 @@ def test_fast_encoder_equals_reference_forward():
         got = FastEncoder(model.encoder, dims.n_mels)(audio, torch.float32)
     assert got.shape == ref.shape
     assert (got - ref).abs().max().item() < 1e-4 * max(1.0, ref.abs().max().item())
+
+
+def test_encoder_pass_leaves_the_cross_keys_values_write_cross_makes(tmp_path):
+    """The encoder pass with the decoder's cross projections (`FastEncoder.encode`, the GPU's pass, here in
+    float32 on the CPU) leaves in `cross_out[:, :, :b]` what `TextDecoder.write_cross` writes for the same
+    features, exactly (the same Linear calls); a smaller bucket writes its own prefix. The engine's
+    `_copy_cross` copies them into an admission's rows (requests of 3, 1 and 2 beams: every beam row
+    holds its request's), touching no other slot."""
+    dims = tiny_dims(n_mels=80, n_text_layer=3)
+    model = build_model(dims, random_state_dict(dims, seed=4)).eval().requires_grad_(False)
+    enc = FastEncoder(model.encoder, dims.n_mels, cross=model.decoder, cross_rows=4)
+    assert enc.cross_out.shape == (2, 3, 4, dims.n_audio_ctx, dims.n_text_state)
+    audio = 0.1 * torch.randn(4, N_SAMPLES, generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        for b in (4, 2):
+            features = enc.run(audio[:b], b, torch.float32)  # no graphs: the same pass eagerly
+            cache = model.allocate_cache(b)
+            model.decoder.write_cross(cache, torch.arange(b), features)
+            assert torch.equal(enc.cross_out[0, :, :b], cache.cross_k) and torch.equal(enc.cross_out[1, :, :b], cache.cross_v)
+        ckpt = make_openai_checkpoint(tmp_path, seed=4, n_text_layer=3)
+        eng = WhisperEngine.load(ckpt, max_batch=12)
+        eng.fast_encoder = FastEncoder(eng.model.encoder, dims.n_mels, cross=eng.model.decoder, cross_rows=4)
+        eng.fast_encoder.cross_out.normal_(generator=torch.Generator().manual_seed(1))
+        part = [_Active(i, None, None, rows, 0.0, i) for i, rows in enumerate([[2, 3, 4], [5], [6, 7]])]
+        eng._copy_cross(part)
+        kv = eng.fast_encoder.cross_out
+        for i, r in enumerate(part):
+            for row in r.rows:
+                assert torch.equal(eng.cache.cross_k[:, row], kv[0, :, i]) and torch.equal(eng.cache.cross_v[:, row], kv[1, :, i])
+        others = [0, 1, 8, 9, 10, 11]
+        assert not eng.cache.cross_k[:, others].any() and not eng.cache.cross_v[:, others].any()
+
+
+def test_the_cross_keys_values_buffer_is_counted_in_the_memory_need():
+    """With the cross keys/values made in the encoder's pass, its buffer (every decoder layer, the largest
+    encoder bucket's rows) is held on a GPU with the graphs on or off; not without them, nor on the CPU."""
+    dims = tiny_dims(n_mels=80, n_text_layer=3)
+    kw = dict(dtype=torch.float16, weight_bytes=1000, max_batch=64, max_encoder_batch=16)
+    want = 2 * 3 * 16 * dims.n_audio_ctx * dims.n_text_state * 2
+
+    def held(**more) -> list[tuple[int, bool]]:
+        return [(n.bytes, n.transient) for n in memory_need(dims, **kw, **more).items if "cross keys/values out" in n.what]
+
+    for graphs in (True, False):
+        assert held(cuda=True, cuda_graphs=graphs, cross_in_encoder=True) == [(want, False)]
+        assert held(cuda=True, cuda_graphs=graphs) == []
+    assert held(cuda=False, cross_in_encoder=True) == []
 
 
 def _decoder_fixture(seed: int = 3, slots: int = 6):
@@ -226,3 +274,132 @@ def test_prefill_graphs_are_counted_in_the_memory_need():
     assert on.total - off.total == sum(n.bytes for n in added if not n.transient)
     cpu = [memory_need(dims, cuda=False, prefill_graphs=p, **kw).items for p in (False, True)]
     assert cpu[0] == cpu[1]
+
+
+def test_chunk_graphs_setting(monkeypatch, tmp_path):
+    """VOICED_WHISPER_CHUNK_GRAPHS=1 / 0 when set, else engine.CHUNK_GRAPHS_DEFAULT (off until measured on a
+    GPU); on the CPU (no CUDA graphs) the engine never takes the chunk graph path, whatever is asked."""
+    from voiced.engines.whisper import engine as engine_mod
+
+    monkeypatch.delenv("VOICED_WHISPER_CHUNK_GRAPHS", raising=False)
+    assert engine_mod.CHUNK_GRAPHS_DEFAULT is False and engine_mod.chunk_graphs_default() is False
+    for env, want in (("1", True), ("0", False), (" 1 ", True), ("", False), ("yes", False)):
+        monkeypatch.setenv("VOICED_WHISPER_CHUNK_GRAPHS", env)
+        assert engine_mod.chunk_graphs_default() is want, env
+    monkeypatch.setattr(engine_mod, "CHUNK_GRAPHS_DEFAULT", True)
+    monkeypatch.delenv("VOICED_WHISPER_CHUNK_GRAPHS")
+    assert engine_mod.chunk_graphs_default() is True
+    monkeypatch.setenv("VOICED_WHISPER_CHUNK_GRAPHS", "0")
+    assert engine_mod.chunk_graphs_default() is False
+    monkeypatch.setenv("VOICED_WHISPER_CHUNK_GRAPHS", "1")
+    ckpt = make_openai_checkpoint(tmp_path, seed=4)
+    assert not WhisperEngine.load(ckpt, max_batch=2).chunk_graphs
+    assert not WhisperEngine.load(ckpt, max_batch=2, chunk_graphs=True).chunk_graphs
+
+
+def _steps_fixture(chunk: int, b: int, seed: int = 3):
+    """Two `DecoderSteps` over equal caches (random history, every slot's cross keys/values) with their
+    own history buffers, rows at different positions and minimum-length countdowns."""
+    from voiced.engines.whisper.fast import DecoderSteps
+
+    dims, model, cache = _decoder_fixture(seed=seed, slots=b)
+    fast = FastDecoder(model.decoder)
+    always = torch.zeros(dims.n_vocab, dtype=torch.bool)
+    always[dims.n_vocab - 50:] = True
+    eot = dims.n_vocab - 100
+    g = torch.Generator().manual_seed(seed)
+    inputs = torch.stack([torch.randint(0, eot, (b,), generator=g), torch.randint(0, 40, (b,), generator=g),
+                          torch.randint(0, 4, (b,), generator=g)])
+    out = []
+    for c in (cache, _clone(cache)):
+        s = DecoderSteps(fast, c, dims.n_text_ctx, b, torch.device("cpu"), always, eot,
+                         hist=torch.zeros(b, chunk, 2, dtype=torch.float64))
+        s.inputs.copy_(inputs)
+        out.append(s)
+    return out
+
+
+@pytest.mark.parametrize("chunk,b", [(8, 3), (1, 2), (4, SMALL_BATCH + 1)])
+def test_decoder_steps_chunk_is_the_engines_per_step_loop(chunk, b):
+    """`DecoderSteps.chunk` (what the chunk graph records) against the engine's per-step loop on the GPU
+    path (`greedy` over the whole context with a mask, then the two history writes), on the CPU in float32:
+    the same calls in the same order, so exactly the same history, step buffers and caches."""
+    a, ref = _steps_fixture(chunk, b)
+    with torch.inference_mode():
+        a.chunk(b)
+        tok, lp, hist_tok, hist_lp = ref.tok[:b], ref.lp[:b], ref.hist[:b, :, 0], ref.hist[:b, :, 1]
+        for k in range(chunk):
+            ref.greedy(b)
+            hist_tok[:, k] = tok
+            hist_lp[:, k] = lp
+    assert torch.equal(a.hist, ref.hist) and torch.equal(a.inputs, ref.inputs) and torch.equal(a.lp, ref.lp)
+    assert torch.equal(a.cache.self_k, ref.cache.self_k) and torch.equal(a.cache.self_v, ref.cache.self_v)
+    assert (a.hist[:, :, 1] < 0).all() and len(set(a.hist[:, :, 0].flatten().tolist())) > 1
+
+
+def test_a_chunk_graph_is_never_captured_by_run():
+    """With graphs, `run("chunk", b)` of a bucket warm-up did not capture refuses (its pre-runs would advance
+    live rows past their limits); the plain and greedy steps may still be captured on first use."""
+    from voiced.engines.whisper.fast import CudaGraphs
+
+    a, _ = _steps_fixture(8, 2)
+    a.graphs = CudaGraphs(None, None)
+    assert not a.has_graph("chunk", 2)
+    with pytest.raises(RuntimeError, match="warm-up"):
+        a.run("chunk", 2)
+    a.graphs = None
+    assert not a.has_graph("chunk", 2)
+
+
+def _fake_chunk_graph(eng: WhisperEngine, captured: bool) -> list[tuple[str, int]]:
+    """Turn a CPU engine's chunk graphs on, with `run("chunk", b)` the eager `DecoderSteps.chunk` (and the
+    graph there for every bucket when `captured`); returns the list where every chunk run and every greedy
+    step go, as ("chunk" | "step", batch)."""
+    steps, runs = eng.steps, []
+    greedy = steps.greedy
+    eng.chunk_graphs = True
+    steps.has_graph = lambda kind, b: captured and kind == "chunk"
+
+    def run(kind: str, b: int) -> None:
+        runs.append((kind, b))
+        steps.chunk(b)
+
+    def counted(b: int, *a, **kw) -> None:
+        runs.append(("step", b))
+        greedy(b, *a, **kw)
+
+    steps.run, steps.greedy = run, counted
+    return runs
+
+
+def test_only_full_chunks_of_captured_buckets_take_the_chunk_graph(tmp_path):
+    """The engine's choice between one chunk replay and the per-step loop, on the CPU with the chunk
+    graph faked (the eager `DecoderSteps.chunk` stands in for its replay): a full chunk (decode_chunk
+    steps) of a bucket with a graph takes it; a chunk cut short near a row's length limit, and any
+    chunk of a bucket without a graph, run step by step. Rows at different lengths finish mid-chunk and
+    the tokens are what the engine serves without the chunk path."""
+    ckpt = make_openai_checkpoint(tmp_path, seed=5)
+    rng = np.random.default_rng(0)
+    clips = [(0.1 * rng.standard_normal(16000 * (1 + i))).astype(np.float32) for i in range(3)]
+    lengths = [13, 20, 9]  # chunks of 8 after the admission's first token: 8 + 4 | 8 + 8 + 3 | 8
+
+    def serve(eng) -> dict[int, list[int]]:
+        for i, (c, t) in enumerate(zip(clips, lengths)):
+            eng.submit(i, ASRRequest(c, ASROptions(language="en", max_new_tokens=t, min_new_tokens=t)))
+        out = {}
+        while eng.has_work():
+            out.update({o.request_id: o.value.tokens for o in eng.step()})
+        return out
+
+    want = serve(WhisperEngine.load(ckpt, max_batch=4, decode_chunk=8))
+    assert [len(want[i]) for i in range(3)] == lengths
+    for captured in (True, False):
+        eng = WhisperEngine.load(ckpt, max_batch=4, decode_chunk=8)
+        runs = _fake_chunk_graph(eng, captured)
+        got = serve(eng)
+        assert got == want, f"chunk graph {'captured' if captured else 'missing'}"
+        # Step 1 admits all three (first token each); then rows of 12, 19 and 8 tokens to go: one full chunk
+        # (request 2 finishes with it); then 4 to go for request 0 (a short chunk: step by step), then 7
+        # for request 1 alone. The chunk's eager stand-in makes its 8 steps through `greedy` too.
+        tail = [("step", 3)] * 8 + [("step", 2)] * 4 + [("step", 1)] * 7
+        assert runs == ([("chunk", 3)] if captured else []) + tail

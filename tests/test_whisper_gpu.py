@@ -1,6 +1,6 @@
 """GPU-only checks of the Whisper engine (skipped without CUDA): CUDA graphs against eager steps in
-float16 and bfloat16 (decoder steps, encoder, the admission's prefill), and the float32 GPU path
-against openai-whisper. Tiny random checkpoints in
+float16 and bfloat16 (decoder steps, encoder with its cross keys/values, the admission's prefill), the
+float32 GPU path against openai-whisper, and `rows.to_device`'s pinned staging ring. Tiny random checkpoints in
 OpenAI's format; espeak-ng speech (rendered beforehand where espeak-ng is missing: tests/speech.py)."""
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ from whisper_fixtures import make_openai_checkpoint, openai_reference_model, spe
 
 from tests.gpu_phrases import BATCH, REFERENCE, WHISPER
 from voiced.engines.base import ASROptions, ASRRequest
-from voiced.engines.whisper.engine import WhisperEngine
+from voiced.engines.rows import _PinnedRing, to_device
+from voiced.engines.whisper.engine import WhisperEngine, _Active
 from voiced.engines.whisper.fast import Prefills
 from voiced.engines.whisper.model import decode_attention_kernels
 
@@ -269,3 +270,227 @@ def test_prefill_graphs_serve_the_same_tokens(tmp_path, clips, dtype):
     assert mixed_on == mixed_off, "mixed admissions, prefill graphs on vs off:\n" + differences(
         mixed_on, mixed_off, "on", "off")
     assert len(on.prefills.graphs) == warm, "serving captured a prefill graph warm-up had not"
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["float16", "bfloat16"])
+def test_cross_kv_of_the_encoder_graph_are_the_per_layer_projections_bit_for_bit(tmp_path, dtype):
+    """The encoder pass leaves every decoder layer's cross keys/values in `fast_encoder.cross_out`: replayed
+    from each bucket's graph, and run eagerly (graphs off), they equal `block.cross_attn.key/value` of the
+    pass's features exactly (the same Linear calls), and a bucket's replay after a larger one's leaves its
+    own rows. `_copy_cross` then puts them into the cache rows of an admission, beams included (one
+    request of 3 beams, one of 1, one of 2): each row holds its request's keys/values, no other slot is
+    written."""
+    ckpt = make_openai_checkpoint(tmp_path, n_mels=128, seed=8)
+    kw = dict(device="cuda", dtype=dtype, max_batch=16, max_encoder_batch=8, cross_in_encoder=True)
+    graphs = WhisperEngine.load(ckpt, **kw)
+    eager = WhisperEngine.load(ckpt, cuda_graphs=False, **kw)
+    assert graphs.encoder_buckets() == [1, 2, 4, 8] and graphs.fast_encoder.graphs is not None
+    assert eager.fast_encoder.graphs is None
+    blocks = graphs.model.decoder.blocks
+    torch.cuda.synchronize()  # the caches were zeroed on the default stream; all below runs on graphs' stream
+    with torch.inference_mode(), graphs.on_stream():
+        x = torch.randn(8, 480000, device="cuda") * 0.1
+        for b in (8, 2, 4, 1):  # a smaller bucket after a larger one writes its own prefix of the buffer
+            outs = []
+            for eng in (graphs, eager):
+                features = eng._encode_bucket(x[:b], b).clone()
+                outs.append((features, eng.fast_encoder.cross_out[:, :, :b].clone()))
+            (fg, kv_g), (fe, kv_e) = outs
+            assert torch.equal(fg, fe), f"bucket {b}: encoder features, graph vs eager"
+            want = torch.stack([torch.stack([blk.cross_attn.key(fg) for blk in blocks]),
+                                torch.stack([blk.cross_attn.value(fg) for blk in blocks])])
+            for name, got in (("graph", kv_g), ("eager", kv_e)):
+                assert torch.equal(got, want), (f"bucket {b}, {name}: cross keys/values differ from the per-layer "
+                                                f"projections, max |diff| {(got - want).abs().max().item():.3g}")
+            assert want.abs().sum() > 0
+        # An admission of three requests with 3, 1 and 2 beams in rows 5.. of the cache (bucket 4: padded).
+        graphs._encode_bucket(torch.cat([x[:3], x.new_zeros(1, x.shape[1])]), 4)
+        kv = graphs.fast_encoder.cross_out[:, :, :3].clone()
+        part = [_Active(i, None, None, rows, 0.0, i) for i, rows in enumerate([[5, 6, 7], [8], [9, 10]])]
+        graphs.cache.cross_k.zero_()
+        graphs.cache.cross_v.zero_()
+        graphs._copy_cross(part)
+        for i, r in enumerate(part):
+            for row in r.rows:
+                assert torch.equal(graphs.cache.cross_k[:, row], kv[0, :, i]), f"request {i}, row {row}: keys"
+                assert torch.equal(graphs.cache.cross_v[:, row], kv[1, :, i]), f"request {i}, row {row}: values"
+        others = [s for s in range(16) if s not in range(5, 11)]
+        assert not graphs.cache.cross_k[:, others].any() and not graphs.cache.cross_v[:, others].any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["float16", "bfloat16"])
+def test_beams_and_greedy_admitted_together_decode_alike_with_graphs_on_and_off(tmp_path, clips, dtype):
+    """With the cross keys/values made in the encoder's pass: served tokens with every graph on (encoder +
+    cross keys/values, prefill, steps) and off, for admissions that mix beam search (its rows' cross
+    keys/values copied once per beam index) with greedy requests, and requests joining and leaving a
+    running batch."""
+    ckpt = make_openai_checkpoint(tmp_path, n_mels=128, seed=4)
+    kw = dict(device="cuda", dtype=dtype, max_batch=8, max_encoder_batch=4, cross_in_encoder=True)
+    on = WhisperEngine.load(ckpt, **kw)
+    off = WhisperEngine.load(ckpt, cuda_graphs=False, **kw)
+    on.warmup()
+    off.warmup()
+    opts = [ASROptions(language="en", beam_size=3, max_new_tokens=12), ASROptions(language="en", max_new_tokens=16),
+            ASROptions(language="en", beam_size=2, max_new_tokens=10)]
+    got = {}
+    for eng, name in ((on, "on"), (off, "off")):
+        for i, o in enumerate(opts):
+            eng.submit(i, ASRRequest(clips[i % len(clips)], o))
+        res = {}
+        while eng.has_work():
+            res.update({r.request_id: r.value.tokens for r in eng.step()})
+        got[name] = res
+    assert sorted(got["on"]) == [0, 1, 2]
+    assert got["on"] == got["off"], "beams + greedy, graphs on vs off:\n" + differences(got["on"], got["off"], "on", "off")
+    batch_on, batch_off = joining_and_leaving(on, clips), joining_and_leaving(off, clips)
+    assert batch_on == batch_off, "joining/leaving, graphs on vs off:\n" + differences(batch_on, batch_off, "on", "off")
+
+
+def test_to_device_staging_ring_never_hands_out_a_block_still_being_read(monkeypatch):
+    """`to_device` through its pinned ring: values and shapes as `torch.tensor` gives them (a list, equal
+    lists, an int array, larger than a block), with the stream held busy so that the copies queue: many
+    more calls than the ring has blocks, each with other values, all arrive intact (a block whose copy has
+    not run is not refilled) and the host never waited for the stream."""
+    import time
+
+    from voiced.engines import rows
+
+    monkeypatch.setattr(rows, "STAGING_RING", True)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        assert torch.equal(to_device([3, 1, 2], "cuda").cpu(), torch.tensor([3, 1, 2]))
+        torch.cuda._sleep(2_000_000_000)  # ~1 s or more of GPU time queued ahead of every copy below
+        t0 = time.perf_counter()
+        sent = []
+        for i in range(3 * _PinnedRing.SLOTS):
+            values = [[i, i + 1, i + 2], [-i, 7, 2**40 + i]] if i % 3 else np.arange(i, i + 5, dtype=np.int32)
+            sent.append((values, to_device(values, "cuda")))
+        big = list(range(_PinnedRing.SLOT_LONGS + 1))
+        sent.append((big, to_device(big, torch.device("cuda"))))
+        host_s = time.perf_counter() - t0
+        done_early = torch.cuda.current_stream().query()
+        got = [t.cpu() for _, t in sent]  # waits for the stream
+        assert all(e.query() for e in rows._ring(torch.device("cuda")).events)  # every block's copy has run
+    assert not done_early and host_s < 0.5, f"the host waited on the stream ({host_s:.2f} s)"
+    for (values, _), t in zip(sent, got):
+        want = torch.tensor(np.asarray(values), dtype=torch.long)
+        assert t.dtype == torch.long and torch.equal(t, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["float16", "bfloat16"])
+def test_chunk_graph_replay_is_the_per_step_graphs_bit_for_bit(tmp_path, dtype):
+    """One replay of a bucket's chunk graph (`chunk_graphs=True`, VOICED_WHISPER_CHUNK_GRAPHS=1's path,
+    captured at warm-up) against the engine's per-step loop from the same state (decode_chunk replays of
+    the greedy graph, each followed by the two history writes): the history buffer (tokens and
+    log-probabilities of every step), the step buffers (token, position, countdown, log-probability) and
+    every layer's self keys/values of all slots, exactly equal, for every bucket (1..16 rows: written-out
+    attention and SDPA), rows at scattered positions with some still under their minimum length. Cross
+    keys/values of every slot are random and different, so a row reading another slot's audio shows."""
+    ckpt = make_openai_checkpoint(tmp_path, n_mels=128, seed=9)
+    eng = WhisperEngine.load(ckpt, device="cuda", dtype=dtype, max_batch=16, max_encoder_batch=4, chunk_graphs=True)
+    assert eng.chunk_graphs and eng.decode_chunk == 8 and eng.buckets == [1, 2, 4, 8, 16]
+    eng.warmup()
+    steps, cache = eng.steps, eng.cache
+    assert all(steps.has_graph("chunk", b) for b in eng.buckets), "warm-up captures a chunk graph per bucket"
+    g = torch.Generator().manual_seed(0)
+    torch.cuda.synchronize()  # warm-up's last work; all below runs on the engine's stream
+    with torch.inference_mode(), eng.on_stream():
+        feats = torch.randn(16, eng.dims.n_audio_ctx, eng.dims.n_audio_state, generator=g).to("cuda", dtype)
+        eng.model.decoder.write_cross(cache, torch.arange(16, device="cuda"), feats)
+        for b in eng.buckets:
+            cache.self_k.copy_(torch.randn(cache.self_k.shape, generator=g).to(dtype))
+            cache.self_v.copy_(torch.randn(cache.self_v.shape, generator=g).to(dtype))
+            inputs = torch.stack([torch.randint(0, eng.tok.eot, (16,), generator=g),
+                                  torch.randint(0, eng.dims.n_text_ctx - 9, (16,), generator=g),
+                                  torch.randint(0, 6, (16,), generator=g)]).cuda()
+            start = [t.clone() for t in (cache.self_k, cache.self_v)]
+            results = []
+            for path in ("chunk", "steps"):
+                for t, v in zip((cache.self_k, cache.self_v), start):
+                    t.copy_(v)
+                steps.inputs.copy_(inputs)
+                steps.lp.zero_()
+                eng._hist.fill_(float("nan"))
+                if path == "chunk":
+                    steps.run("chunk", b)
+                else:
+                    hist_tok, hist_lp = eng._hist[:b, :, 0], eng._hist[:b, :, 1]
+                    for k in range(eng.decode_chunk):
+                        steps.run("greedy", b)
+                        hist_tok[:, k] = steps.tok[:b]
+                        hist_lp[:, k] = steps.lp[:b]
+                results.append([t.clone() for t in (eng._hist[:b], steps.inputs[:, :b], steps.lp[:b], cache.self_k,
+                                                    cache.self_v)])
+            for name, x, y in zip(("history", "step inputs", "log-probs", "self keys", "self values"), *results):
+                assert torch.equal(x, y), f"bucket {b}: {name} differ, chunk replay vs per-step graphs"
+            hist = results[0][0]
+            assert not hist.isnan().any() and (hist[:, :, 1] <= 0).all()
+            assert torch.equal(results[0][1][1], inputs[1, :b] + eng.decode_chunk)
+
+
+def chunk_mix(eng: WhisperEngine, clips: list[np.ndarray]) -> dict[int, tuple]:
+    """Twelve requests of 16 rows, four admitted per step while the others decode (rows joining), of lengths
+    apart (full chunks, and chunks cut short near a row's limit), half free to end on their own (rows that
+    finish mid-chunk), so the batch runs through buckets 16, 8, 4, 2, 1 as they leave; tokens and the
+    average log-probability (the sum of every served log-probability, in float32) per request."""
+    out: dict[int, tuple] = {}
+    pending = []
+    for i in range(12):
+        c = clips[i % len(clips)]
+        n = 9 + 3 * i
+        pending.append((200 + i, ASRRequest((c * (0.6 + 0.07 * i)).astype(np.float32),
+                                            ASROptions(language="en", max_new_tokens=n,
+                                                       min_new_tokens=n if i % 2 else 0))))
+    while pending or eng.has_work():
+        for _ in range(4):
+            if pending:
+                eng.submit(*pending.pop(0))
+        out.update({o.request_id: (o.value.tokens, o.value.avg_logprob) for o in eng.step()})
+    return out
+
+
+def same_served(on: dict[int, tuple], off: dict[int, tuple], what: str) -> None:
+    """{request: (tokens, average log-probability)} with the chunk graphs on equal to off, tokens first."""
+    tok_on, tok_off = ({k: v[0] for k, v in d.items()} for d in (on, off))
+    assert tok_on == tok_off, f"{what}, chunk graphs on vs off:\n" + differences(tok_on, tok_off, "on", "off")
+    lp = {k: (on[k][1], off[k][1]) for k in on if on[k][1] != off[k][1]}
+    assert not lp, f"{what}: average log-probabilities (on, off) differ: {lp}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["float16", "bfloat16"])
+def test_chunk_graphs_serve_the_same_tokens(tmp_path, clips, dtype):
+    """The served engine (warmed up) with the chunk graphs on decodes the same greedy tokens, with the same
+    average log-probabilities (bit for bit), as with them off: single requests, requests joining and
+    leaving a running batch, and a mix of twelve requests joining four at a time, finishing mid-chunk and
+    at their limits, through every bucket. The chunk graphs served (counted), warm-up captured one per
+    bucket and serving captured none."""
+    ckpt = make_openai_checkpoint(tmp_path, n_mels=128, seed=4)
+    kw = dict(device="cuda", dtype=dtype, max_batch=16, max_encoder_batch=4)
+    on = WhisperEngine.load(ckpt, chunk_graphs=True, **kw)
+    off = WhisperEngine.load(ckpt, chunk_graphs=False, **kw)
+    assert on.chunk_graphs and not off.chunk_graphs and off.cuda_graphs
+    on.warmup()
+    off.warmup()
+    warm = len(on.steps.graphs)
+    assert warm == len(off.steps.graphs) + len(on.buckets)
+    kinds: dict[str, int] = {}
+    run = on.steps.run
+
+    def counted(kind, b):
+        kinds[kind] = kinds.get(kind, 0) + 1
+        return run(kind, b)
+    on.steps.run = counted
+    o = ASROptions(language="en", max_new_tokens=24, min_new_tokens=24)
+    single_on = {i: (r.tokens, r.avg_logprob) for i, c in enumerate(clips) for r in [on.transcribe(ASRRequest(c, o))]}
+    single_off = {i: (r.tokens, r.avg_logprob) for i, c in enumerate(clips) for r in [off.transcribe(ASRRequest(c, o))]}
+    same_served(single_on, single_off, "single requests")
+    assert kinds.get("chunk", 0) >= 2 * len(clips), "a 24-token request is two full chunks and a short one"
+    batch_on, batch_off = joining_and_leaving(on, clips), joining_and_leaving(off, clips)
+    assert sorted(batch_on) == [0, 1, 2, 3]
+    assert batch_on == batch_off, "joining/leaving, chunk graphs on vs off:\n" + differences(
+        batch_on, batch_off, "on", "off")
+    mix_on, mix_off = chunk_mix(on, clips), chunk_mix(off, clips)
+    assert len(mix_on) == 12
+    same_served(mix_on, mix_off, "twelve joining")
+    assert kinds.get("greedy", 0) > 0, "short chunks ran step by step"
+    assert len(on.steps.graphs) == warm, "serving captured a decoder graph warm-up had not"

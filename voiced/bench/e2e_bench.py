@@ -155,7 +155,7 @@ def start_server(args):
         tts = spark_bench.build("cpu", torch.float32, torch.float32, args.tts_batch, 2048, work, tiny=True)
     else:
         tts = spark_bench.build("cuda", torch.bfloat16, torch.bfloat16, args.tts_batch, 2048, work)
-        tts.vocoder_graphs = args.vocoder_graphs  # captured by the warm-up below
+        tts.vocoder_graphs = vocoder_graphs(args)  # captured by the warm-up below
     # Random weights: force what a trained model does (speak until the length cap, in a fixed voice),
     # as the engine benchmark does.
     tts.force_reply_lengths()
@@ -482,6 +482,15 @@ async def callers(address: str, wav: Path, sessions: int, duration_s: float, rep
 # ----------------------------------------------------------------------------------- driver
 
 
+def vocoder_graphs(args) -> bool:
+    """--vocoder-graphs / --no-vocoder-graphs, else as `voiced serve` (the benches that start this server
+    with namespaces of their own, gpu_soak and speech_bench, have no such option)."""
+    from voiced.engines.spark.engine import vocoder_graphs_default
+
+    chosen = getattr(args, "vocoder_graphs", None)
+    return vocoder_graphs_default() if chosen is None else chosen
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--wav", type=Path, required=True, help="16 kHz speech with pauses (looped by every caller)")
@@ -505,8 +514,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--first-chunk-tokens", type=int, default=10)
     ap.add_argument("--chunk-tokens", type=int, default=25)
     ap.add_argument("--out", type=Path, default=None)
-    ap.add_argument("--vocoder-graphs", action="store_true",
-                    help="replay the vocoder's window decodes from CUDA graphs (voiced.engines.spark.vocoder_graphs)")
+    ap.add_argument("--vocoder-graphs", action=argparse.BooleanOptionalAction, default=None,
+                    help="replay the vocoder's window decodes from CUDA graphs (voiced.engines.spark.vocoder_graphs);"
+                         " default: as `voiced serve` (engine.VOCODER_GRAPHS_DEFAULT, VOICED_SPARK_VOCODER_GRAPHS)")
     ap.add_argument("--prefill-graphs", choices=["on", "off"], default=None,
                     help="the Whisper admission's decoder prefill from CUDA graphs (voiced.engines.whisper.fast.Prefills);"
                          " default: as `voiced serve` (on, unless VOICED_WHISPER_PREFILL_GRAPHS=0)")
@@ -556,12 +566,15 @@ def main(argv: list[str] | None = None) -> dict:
     log.info("daemon up after %.1f s (engines loaded and warmed up)", startup_s)
     gc_pauses = GcPauses()
     gc.callbacks.append(gc_pauses)
+    from voiced.engines.whisper.engine import chunk_graphs_default as whisper_chunk_graphs_default
+
     result = {"bench": "e2e", "gpu": "cpu (dry run)" if args.tiny_cpu else torch.cuda.get_device_name(), "torch": torch.__version__,
               "python": platform.python_version(), "asr_dims": args.asr_dims, "asr_tokens": args.asr_tokens,
               "asr_model": args.asr_model or "random", "turn_detection": "smart" if args.asr_model else "silence",
               "reply_seconds": args.reply_seconds, "first_chunk_tokens": args.first_chunk_tokens,
               "engine_threads": engine_threads(args), "merge_policy": args.merge_policy or "default",
-              "vocoder_graphs": args.vocoder_graphs, "prefill_graphs": args.prefill_graphs or "default", "switch_interval_s": sys.getswitchinterval(),
+              "vocoder_graphs": vocoder_graphs(args), "prefill_graphs": args.prefill_graphs or "default",
+              "whisper_chunk_graphs": whisper_chunk_graphs_default(), "switch_interval_s": sys.getswitchinterval(),
               "gc_freeze": not args.no_gc_freeze, "duration_s": args.duration, "startup_s": startup_s,
               "date": time.strftime("%Y-%m-%d"), "fronts": {}, "saturation": {}}
     serving_peak = 0.0

@@ -21,7 +21,20 @@ kind of step, on the CPU: the engines are built from small random checkpoints in
 Rows named "network: ..." are the forward passes that run as CUDA graphs on a GPU (one replay call
 there), except the vocoder, which runs eagerly unless `VOICED_SPARK_VOCODER_GRAPHS=1`. The Whisper
 engine runs with the GPU's settings (decode chunk 8, encoder batch 16) so its host loop has the
-GPU's shape.
+GPU's shape, except where the GPU takes another path: "admit: encode + cross K/V write" counts the
+CPU's per-layer cross keys/values (6 torch calls a layer: 2 views, 2 projections, 2 copies); on a GPU
+(by default; VOICED_WHISPER_CROSS_IN_ENCODER=0 turns it off) they are made in the encoder's graph and
+copied with ~6 calls plus 3 per beam index, whatever the layer count. `rows.to_device` is one `torch.tensor` here; on a GPU
+5 through the staging ring (the default), with no pinned allocation; 3 with a fresh pinned block per call
+(VOICED_PINNED_STAGING_RING=0).
+
+The greedy chunk (`_greedy_chunk`, decode chunk 8) runs here as on a GPU without chunk graphs: per step one
+"network: decoder step + greedy" call (a greedy graph replay there) and two history writes counted in
+"greedy chunk (host side)", so 3 x 8 = 24 calls per full chunk beside the chunk's fixed ones (views, the
+inputs' copy, the one `.tolist()`). On a GPU with VOICED_WHISPER_CHUNK_GRAPHS=1 (`chunk_graphs=True`) a full
+chunk of a bucket captured at warm-up is one call instead (one replay of the chunk graph: the 8 steps and
+their 16 history writes) and the 4 views the loop makes go too; a chunk cut short near a row's length limit
+still costs 3 per step. That path never runs on the CPU, so these rows do not show it.
 """
 
 from __future__ import annotations

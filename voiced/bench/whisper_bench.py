@@ -37,7 +37,7 @@ import torch
 from voiced.bench.report import emit
 from voiced.engines.base import ASROptions, ASRRequest
 from voiced.engines.whisper.checkpoint import hf_config_from_dims, openai_to_hf_name
-from voiced.engines.whisper.engine import WhisperEngine
+from voiced.engines.whisper.engine import WhisperEngine, chunk_graphs_default
 from voiced.engines.whisper.model import ModelDims, Whisper, sinusoids
 from voiced.engines.whisper.tokenizer import WhisperTokenizer
 
@@ -232,7 +232,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     report: dict = {"cublas_workspace_config": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
                     "decode_chunk": args.decode_chunk, "dims": args.dims, "device": dev, "dtype": str(dtype).replace("torch.", ""),
-                    "tokens_per_utt": args.tokens, "torch": torch.__version__, "python": platform.python_version()}
+                    "tokens_per_utt": args.tokens, "torch": torch.__version__, "python": platform.python_version(),
+                    "chunk_graphs": chunk_graphs_default()}
     if dev.startswith("cuda"):
         report["gpu"] = torch.cuda.get_device_name()
     t0 = time.perf_counter()
@@ -509,7 +510,7 @@ def diagnose(report, graphs, model, audio, opts, args) -> None:
     sync(dev)
     pr.disable()
     st = pstats.Stats(pr)
-    wanted = ("_admit", "_encode_into_cache", "_greedy_chunk", "_select", "prefill", "write_cross", "_finish",
+    wanted = ("_admit", "_encode_into_cache", "_greedy_chunk", "_select", "prefill", "_write_cross", "_copy_cross", "_finish",
               "_load_inputs", "_row_inputs")
     host = {}
     for (fname, line, func), (cc, nc, tt, ct, callers) in st.stats.items():

@@ -82,6 +82,15 @@ SEGMENT_BASE_S, SEGMENT_S_PER_CHAR = 3.0, 0.3
 GLOBAL_PHASE_LIMIT = N_GLOBAL + 64  # a controllable prompt that has not produced its speaker by then failed
 SPEAKER_CACHE = 64  # speaker vectors kept (see SparkTTSEngine._speaker)
 PHASES = ("prefill", "decode", "vocode")
+# The vocoder's CUDA graphs (vocoder_graphs.py) on a GPU unless VOICED_SPARK_VOCODER_GRAPHS says otherwise.
+# Off until measured on a GPU since their memory fix (issue 26: within the plan, bit for bit the eager decode).
+VOCODER_GRAPHS_DEFAULT = False
+
+
+def vocoder_graphs_default() -> bool:
+    """VOICED_SPARK_VOCODER_GRAPHS=1 or 0 if set, else VOCODER_GRAPHS_DEFAULT."""
+    env = os.environ.get("VOICED_SPARK_VOCODER_GRAPHS", "").strip()
+    return VOCODER_GRAPHS_DEFAULT if env == "" else env == "1"
 
 
 @dataclass
@@ -179,8 +188,8 @@ class SparkTTSEngine:
         memory_limit: (free GPU bytes, the [memory] tts_kv_fraction): the computed need (`memory_plan.plan`) is
             checked against that share before anything goes to the GPU; above it, an EngineError naming the setting.
         vocoder_graphs: replay the vocoder's window decodes from CUDA graphs captured at warm-up (one host call
-            instead of ~400 launches a vocoder turn). Default: off, unless the environment sets
-            VOICED_SPARK_VOCODER_GRAPHS=1 (not yet measured on a GPU as the default).
+            instead of ~400 launches a vocoder turn; vocoder_graphs.py). Default: `vocoder_graphs_default()`,
+            VOCODER_GRAPHS_DEFAULT unless the environment sets VOICED_SPARK_VOCODER_GRAPHS (1 or 0).
         """
         ckpt = resolve(name_or_path)
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -198,7 +207,7 @@ class SparkTTSEngine:
         if rows < max_batch:
             log.info("TTS KV budget fits %d concurrent requests (asked for %d)", rows, max_batch)
         if vocoder_graphs is None:
-            vocoder_graphs = os.environ.get("VOICED_SPARK_VOCODER_GRAPHS", "0") == "1"
+            vocoder_graphs = vocoder_graphs_default()
         vocoder_graphs = vocoder_graphs and cuda and use_cuda_graphs
         need = plan(ckpt, device, lm_dtype, c_dtype, rows, max_seq_len, use_cuda_graphs, decode_steps, vocoder_graphs)
         check_memory_limit(need, memory_limit)  # before anything goes to the GPU

@@ -49,11 +49,14 @@ def vocoder_step_bytes(codec_config, dtype: torch.dtype) -> int:
 
 def memory_need(cfg, lm_dtype: torch.dtype, lm_bytes: int, codec_bytes: int, max_batch: int, max_seq_len: int, *,
                 cuda: bool, graphs: bool = True, decode_steps: int = DECODE_STEPS, workspace_bytes: int = 0,
-                vocoder_bytes: int = 0, vocoder_graph_bytes: int = 0) -> EngineNeed:
+                vocoder_bytes: int = 0, vocoder_graph_bytes: int = 0, vocoder_graph_pool_bytes: int = 0,
+                vocoder_graph_count: int = 0) -> EngineNeed:
     """What `SparkTTSEngine.load(...)` with these settings holds on its device (see voiced.memory_plan).
-    vocoder_bytes: the largest vocoder step's transient (`vocoder_step_bytes`); vocoder_graph_bytes: with
-    vocoder graphs on, their inputs and outputs (`vocoder_graphs.held_bytes`), and their pool then holds
-    the largest step's activations for good instead of as a transient."""
+    vocoder_bytes: the largest vocoder step's transient (`vocoder_step_bytes`). With vocoder graphs on
+    (vocoder_graph_count of them), instead: vocoder_graph_bytes, their shared inputs and output
+    (`vocoder_graphs.held_bytes`), and vocoder_graph_pool_bytes, what their pool holds for good: the
+    largest captured decode's activations (`vocoder_graphs.activation_bytes`), which also bound the
+    eager warm-up's transient."""
     kv = max_batch * kv_row_bytes(cfg, max_seq_len, lm_dtype)
     e = lm_dtype.itemsize
     prefill_io = prefill_io_bytes(cfg, max_batch, max_seq_len, PREFILL_STEP_TOKENS, e)
@@ -82,9 +85,10 @@ def memory_need(cfg, lm_dtype: torch.dtype, lm_bytes: int, codec_bytes: int, max
     else:
         items.append(Need(f"step transient, estimated (prefill of {longest} tokens)", prefill_bytes(cfg, longest, e),
                           transient=True))
-    if vocoder_graph_bytes:
-        items.append(Need("vocoder graphs: one step's activations, inputs and outputs (a lower bound)",
-                          vocoder_bytes + vocoder_graph_bytes))
+    if vocoder_graph_count:
+        items.append(Need(f"vocoder graphs ({vocoder_graph_count}): shared inputs and output", vocoder_graph_bytes))
+        items.append(Need("vocoder graphs' pool: the largest captured decode's activations, estimated",
+                          vocoder_graph_pool_bytes))
     elif vocoder_bytes:
         items.append(Need(f"step transient: vocoder, {vocoder_schedule.VOCODER_STEP_TOKENS} window tokens",
                           vocoder_bytes, transient=True))
@@ -102,19 +106,22 @@ def plan(ckpt: SparkCheckpoint, device: str, lm_dtype: torch.dtype, codec_dtype:
         lm_bytes = tensor_bytes(Qwen2LM(cfg), lm_dtype)
         codec_bytes = tensor_bytes(BiCodec(codec_cfg), codec_dtype)
     cuda = str(device).startswith("cuda")
-    graph_bytes = 0
+    graphs: dict = {}
     if cuda and vocoder_graphs:
         from voiced.engines.base import TTSOptions
 
-        from .vocoder_graphs import held_bytes
+        from . import vocoder_graphs as vg
 
         with torch.device("meta"):
-            radius = BiCodec(codec_cfg).receptive_radius()
+            codec = BiCodec(codec_cfg).to(codec_dtype).eval().requires_grad_(False)
         opts = TTSOptions()  # warm-up captures the shapes of the default chunk sizes
-        shapes = vocoder_schedule.window_shapes(opts.first_chunk_tokens, opts.chunk_tokens, radius)
-        graph_bytes = held_bytes(shapes, codec_cfg.speaker_out_dim, codec_dtype.itemsize)
+        shapes = vocoder_schedule.window_shapes(opts.first_chunk_tokens, opts.chunk_tokens, codec.receptive_radius())
+        graphs = {"vocoder_graph_count": len(shapes),
+                  "vocoder_graph_bytes": vg.held_bytes(shapes, codec_cfg.speaker_out_dim, codec_dtype.itemsize),
+                  "vocoder_graph_pool_bytes": vg.activation_bytes(codec, shapes)}
     return memory_need(cfg, lm_dtype, lm_bytes, codec_bytes, max_batch, max_seq_len, cuda=cuda,
                        graphs=use_cuda_graphs, decode_steps=decode_steps,
                        workspace_bytes=stream_workspace_bytes(device) if cuda else 0,
-                       vocoder_bytes=vocoder_step_bytes(codec_cfg, codec_dtype) if cuda else 0,
-                       vocoder_graph_bytes=graph_bytes)
+                       # with graphs, their pool's row replaces the eager step's transient
+                       vocoder_bytes=vocoder_step_bytes(codec_cfg, codec_dtype) if cuda and not graphs else 0,
+                       **graphs)

@@ -202,7 +202,7 @@ def decode_windows(codec: BiCodec, ids: torch.Tensor, spk: torch.Tensor, valid: 
     if graphs is not None:
         out = graphs.decode(ids, spk, valid)
         if out is not None:
-            return out
+            return out  # a view of the graphs' shared output: read it before the next vocoder call
     if min(valid) >= length:
         return codec.decode(ids, spk)
     _install_end_masks(codec)

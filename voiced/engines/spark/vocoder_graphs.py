@@ -8,50 +8,139 @@ Every shape a vocoder turn decodes is one that warm-up runs (`vocoder_schedule.w
 graphs are captured there and serving never captures. One graph serves the plain and the end-masked
 decode of its shape: it always applies the end mask, from a static `valid` buffer; a row whose window
 does not end its utterance has valid == length, where the mask keeps every sample
-(`torch.where(True, x, 0)` is x, exactly). The graphs share one memory pool.
+(`torch.where(True, x, 0)` is x, exactly).
 
-Off by default (`SparkTTSEngine(vocoder_graphs=True)`, VOICED_SPARK_VOCODER_GRAPHS=1, `voiced bench e2e
---vocoder-graphs`). Measured on an H200 (docs/BENCHMARKS.md, issue 26): replay equals the eager decode bit
-for bit, and the TTS's first chunk at 128 callers fell from 607 to 170 ms p50; but the 91 captures held
-~1 GiB, far more than `held_bytes` (inputs, outputs and one step's activations) plans for, so the
-memory plan under-counts them until what each capture keeps is measured and planned.
+What they hold, and why no more (`held_bytes`, `activation_bytes`; the memory plan counts both):
+  - one set of static inputs and one output (`_SharedIO`), sized for the shape with the most rows and
+    the one with the most tokens; each graph reads and writes contiguous prefix views of it. Inside the
+    capture the decode's result is copied into the shared output, so the decode's own output is freed at
+    the end of its capture like every other intermediate;
+  - one memory pool for all graphs, which therefore ends each capture with nothing live in it: the next
+    capture reuses the same memory, and the pool holds about the largest capture's activations (the
+    decode with the most tokens; captured first, so that the smaller ones fit in the blocks it left).
+    Sharing is safe because replays run one at a time on one stream;
+  - nothing per stream: every graph is warmed up and captured on one given stream (the LM's capture
+    stream). The first version took a fresh side stream per graph (PyTorch hands out 32 in turn), and
+    PyTorch gives each (thread, stream) pair that runs cuBLAS a workspace of its own (32 MiB on Hopper)
+    for the life of the process, as Qwen2LM.capture_stream's docstring found for the LM's graphs. That
+    accounts for the ~1 GiB the 91 captures held on an H200 (docs/BENCHMARKS.md, issue 26): on the tiny
+    test checkpoint, whose decode's activations are 7 MiB and outputs 26 MiB in all, warm-up peaked at
+    1245.8 MiB against a 248.6 MiB plan, ~997 MiB more, and 31 new workspaces are 992 MiB (an inference
+    from those figures; tests/test_spark_gpu.py measures what the captures add now).
+
+A replay's output is a view of the shared buffer: the next replay (of any shape) overwrites it, and the
+host's copy of `valid` is reused likewise. Every caller reads the audio back to the host (a sync) before
+the next vocoder call (`streaming._decode_group`, warm-up), which is what makes both safe.
+
+Default: `engine.VOCODER_GRAPHS_DEFAULT`, off until measured on a GPU since the memory fix (on with
+`SparkTTSEngine.load(vocoder_graphs=True)`, VOICED_SPARK_VOCODER_GRAPHS=1, `voiced bench e2e
+--vocoder-graphs`). Measured on an H200 (docs/BENCHMARKS.md, issue 26) before the memory fix: replay
+equals the eager decode bit for bit, and the TTS's first chunk at 128 callers fell from 607 to 170 ms p50.
 """
 
 from __future__ import annotations
+
+import time
 
 import torch
 
 from .bicodec import HOP, BiCodec
 
+ALLOC_GRANULE = 512  # PyTorch's CUDA caching allocator rounds every block up to a multiple of this
+
+
+def _granules(n_bytes: int) -> int:
+    return -(-n_bytes // ALLOC_GRANULE) * ALLOC_GRANULE
+
+
+def io_sizes(shapes: list[tuple[int, int]]) -> tuple[int, int]:
+    """(most rows, most tokens) over these (batch, length) shapes: what the shared buffers must hold."""
+    return max(b for b, _ in shapes), max(b * length for b, length in shapes)
+
+
+def held_bytes(shapes: list[tuple[int, int]], speaker_dim: int, itemsize: int) -> int:
+    """The device bytes of the shared inputs and output of graphs of these shapes (`_SharedIO`), as the
+    allocator rounds them. (The host copy of `valid` is pinned host memory.)"""
+    rows, tokens = io_sizes(shapes)
+    return (_granules(tokens * 8) + _granules(rows * speaker_dim * itemsize) + _granules(rows * 8)
+            + _granules(tokens * HOP * itemsize))
+
+
+def graphed_decode(codec: BiCodec, ids: torch.Tensor, spk: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """What each graph captures: the end-masked window decode (`streaming.decode_windows`), the valid
+    lengths already on the device. Also run on the meta device by the memory plan (`activation_bytes`)."""
+    codec._window_valid = (valid, ids.shape[1], {})
+    try:
+        return codec.decode(ids, spk)
+    finally:
+        codec._window_valid = None
+
+
+def activation_bytes(codec: BiCodec, shapes: list[tuple[int, int]]) -> int:
+    """The pool's share: the largest peak of live tensors among the captured decodes with the most tokens,
+    measured on the meta device (pass a meta codec). Every activation of the decode is [rows, channels,
+    tokens x the layer's samples per token], so the peak grows with rows x tokens; the rows alone change
+    it by a few bytes (for the published model every shape of 1024 tokens peaks at 304.5 MiB in bf16, 960
+    tokens at 285.5), so the shapes with the most tokens are the ones to measure."""
+    from voiced.memory_plan import peak_live_bytes
+
+    from .bicodec import Snake1d
+    from .streaming import _install_end_masks
+
+    dtype = next(codec.parameters()).dtype
+    _install_end_masks(codec)
+    for m in codec.modules():  # made once and kept, by the engine's eager warm-up before any capture
+        if isinstance(m, Snake1d):
+            m.inverse_alpha()
+    most = max(b * length for b, length in shapes)
+    peaks = []
+    for b, length in shapes:
+        if b * length < most:
+            continue
+        with torch.device("meta"):
+            ids = torch.zeros(b, length, dtype=torch.long)
+            spk = torch.zeros(b, codec.config.speaker_out_dim, dtype=dtype)
+            valid = torch.full((b,), length, dtype=torch.long)
+        with torch.no_grad():
+            peaks.append(peak_live_bytes(lambda ids=ids, spk=spk, valid=valid: graphed_decode(codec, ids, spk, valid)))
+    return max(peaks)
+
+
+class _SharedIO:
+    """The static inputs and output every graph uses, as flat buffers: graph (b, length) takes the first
+    b*length ids as a [b, length] view, and so on, so that each graph's tensors are contiguous (a prefix of
+    a [rows, tokens] buffer would not be, for other widths)."""
+
+    def __init__(self, codec: BiCodec, shapes: list[tuple[int, int]]) -> None:
+        p = next(codec.parameters())
+        rows, tokens = io_sizes(shapes)
+        self.speaker_dim = codec.config.speaker_out_dim
+        self.ids = torch.zeros(tokens, dtype=torch.long, device=p.device)
+        self.spk = torch.zeros(rows * self.speaker_dim, dtype=p.dtype, device=p.device)
+        self.valid = torch.zeros(rows, dtype=torch.long, device=p.device)
+        self.host_valid = torch.zeros(rows, dtype=torch.long, pin_memory=p.device.type == "cuda")
+        self.out = torch.zeros(tokens * HOP, dtype=p.dtype, device=p.device)
+
+    def views(self, b: int, length: int) -> tuple[torch.Tensor, ...]:
+        """(ids [b, length], spk [b, C], valid [b], host valid [b], out [b, length*HOP])."""
+        return (self.ids[: b * length].view(b, length), self.spk[: b * self.speaker_dim].view(b, self.speaker_dim),
+                self.valid[:b], self.host_valid[:b], self.out[: b * length * HOP].view(b, length * HOP))
+
 
 class _Graph:
-    def __init__(self, codec: BiCodec, b: int, length: int, pool) -> None:
-        from .streaming import _install_end_masks
-
-        dev = next(codec.parameters()).device
-        dtype = next(codec.parameters()).dtype
-        self.ids = torch.zeros(b, length, dtype=torch.long, device=dev)
-        self.spk = torch.zeros(b, codec.config.speaker_out_dim, dtype=dtype, device=dev)
-        self.valid = torch.full((b,), length, dtype=torch.long, device=dev)
-        self.host_valid = torch.full((b,), length, dtype=torch.long, pin_memory=True)
-        self.length = length
-        _install_end_masks(codec)
-
-        def run() -> torch.Tensor:
-            codec._window_valid = (self.valid, length, {})
-            try:
-                return codec.decode(self.ids, self.spk)
-            finally:
-                codec._window_valid = None
-
-        side = torch.cuda.Stream(dev)
-        side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side):  # first-use work (cuDNN plans) outside the capture
-            run()
-        torch.cuda.current_stream(dev).wait_stream(side)
+    def __init__(self, codec: BiCodec, io: _SharedIO, b: int, length: int, pool, stream: torch.cuda.Stream) -> None:
+        self.ids, self.spk, self.valid, self.host_valid, self.out = io.views(b, length)
+        self.valid.fill_(length)
+        dev = self.ids.device
+        stream.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(stream):  # first-use work (cuDNN plans) outside the capture
+            graphed_decode(codec, self.ids, self.spk, self.valid)
+        torch.cuda.current_stream(dev).wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool):
-            self.out = run()
+        with torch.cuda.graph(self.graph, pool=pool, stream=stream):
+            # The copy is part of the graph: the decode's own output dies with this block, so its memory
+            # goes back to the pool for the next capture instead of staying live per graph.
+            self.out.copy_(graphed_decode(codec, self.ids, self.spk, self.valid))
 
     def replay(self, ids: torch.Tensor, spk: torch.Tensor, valid: list[int]) -> torch.Tensor:
         self.ids.copy_(ids)
@@ -65,25 +154,45 @@ class _Graph:
 
 
 class VocoderGraphs:
-    """The captured window decodes of one codec, by (batch, padded length)."""
+    """The captured window decodes of one codec, by (batch, padded length): every shape in `shapes`,
+    warmed up and captured on `stream` (give the one stream the engine captures on: see the module
+    docstring)."""
 
-    def __init__(self, codec: BiCodec) -> None:
+    def __init__(self, codec: BiCodec, shapes: list[tuple[int, int]], stream: torch.cuda.Stream) -> None:
+        from .streaming import _install_end_masks
+
+        _install_end_masks(codec)
         self.codec = codec
+        self.shapes = sorted(set(shapes))
         self.pool = torch.cuda.graph_pool_handle()
+        self.io = _SharedIO(codec, self.shapes)
         self.graphs: dict[tuple[int, int], _Graph] = {}
+        self.stats: dict = {}  # what warm-up measured of them (warmup.capture_vocoder_graphs)
+        t0 = time.perf_counter()
+        # Most tokens first: the first capture sizes the pool's blocks for the largest decode, and each
+        # later (smaller) one fits in them, rather than the pool growing by a block a later capture needs
+        # that the smaller ones before it left in pieces. The set of shapes is the caller's.
+        for b, length in sorted(self.shapes, key=lambda s: (-s[0] * s[1], -s[0])):
+            self.graphs[(b, length)] = _Graph(codec, self.io, b, length, self.pool, stream)
+        torch.cuda.synchronize()
+        self.capture_s = time.perf_counter() - t0
 
-    def capture(self, b: int, length: int) -> None:
-        if (b, length) not in self.graphs:
-            self.graphs[(b, length)] = _Graph(self.codec, b, length, self.pool)
+    def covers(self, shapes: list[tuple[int, int]]) -> bool:
+        return set(shapes) <= set(self.graphs)
+
+    def io_bytes(self) -> int:
+        """The shared inputs and output, on the device (what `held_bytes` plans)."""
+        io = self.io
+        return sum(_granules(t.nbytes) for t in (io.ids, io.spk, io.valid, io.out))
+
+    def pool_bytes(self) -> int:
+        """What the graphs' pool holds on the device (its segments; nothing in them is live between
+        replays): what `activation_bytes` plans."""
+        return sum(seg["total_size"] for seg in torch.cuda.memory_snapshot()
+                   if tuple(seg.get("segment_pool_id") or ()) == tuple(self.pool))
 
     def decode(self, ids: torch.Tensor, spk: torch.Tensor, valid: list[int]) -> torch.Tensor | None:
-        """The graphed decode of these windows, or None for a shape warm-up did not capture."""
+        """The graphed decode of these windows, or None for a shape warm-up did not capture. The result is
+        a view of the shared output: read it before the next call (module docstring)."""
         g = self.graphs.get((ids.shape[0], ids.shape[1]))
         return None if g is None else g.replay(ids, spk, valid)
-
-
-def held_bytes(shapes: list[tuple[int, int]], speaker_dim: int, itemsize: int) -> int:
-    """The graphs' inputs and output of each of these (batch, length) shapes. A lower bound: on an H200 the
-    captures held ~4x more (module docstring)."""
-    return sum(b * length * 8 + b * speaker_dim * itemsize + b * 16 + b * length * HOP * itemsize
-               for b, length in shapes)

@@ -55,6 +55,9 @@ def warm_up(engine, first_chunk_tokens: int | None = None, chunk_tokens: int | N
                            "prefill_s": round(t2 - t1, 2),
                            "vocoder_shapes": shapes, "vocoder_s": round(t3 - t2, 2),
                            "peak_gib": dict(zip(("decode", "prefill", "vocoder"), peaks))}
+    graphs = getattr(engine.codec, "_graphs", None)
+    if graphs is not None:
+        engine.warmup_stats["vocoder_graphs"] = graphs.stats
     log.info("TTS warm-up: %d decode graphs (%d steps each) in %.1f s, %d prefill lengths (%d graphed) in %.1f s, "
              "%d vocoder shapes in %.1f s; GPU memory peaks %.1f / %.1f / %.1f MiB", len(lm._step_graphs),
              n, t1 - t0, lengths, len(lm._prefill_graphs), t2 - t1, shapes, t3 - t2,
@@ -97,12 +100,28 @@ def warm_vocoder(engine, first: int, chunk: int) -> int:
         if i + 1 == len(shapes) or shapes[i + 1][1] != length:  # the last bucket of this length
             streaming.decode_windows(engine.codec, ids[:1], spk[None], [length - 1]).float().cpu()  # end-masked
     if getattr(engine, "vocoder_graphs", False):
-        from .vocoder_graphs import VocoderGraphs
-
-        graphs = getattr(engine.codec, "_graphs", None) or VocoderGraphs(engine.codec)
-        for b, length in shapes:
-            graphs.capture(b, length)
-        engine.codec._graphs = graphs  # streaming.decode_windows replays them from now on
+        capture_vocoder_graphs(engine, shapes)
     if str(engine.device).startswith("cuda"):
         torch.cuda.synchronize()
     return len(shapes)
+
+
+def capture_vocoder_graphs(engine, shapes: list[tuple[int, int]]):
+    """Capture the vocoder's graphs of these shapes (vocoder_graphs.py) unless those captured already
+    cover them, on the LM's capture stream (one cuBLAS workspace for all the engine's graphs); returns
+    them. streaming.decode_windows replays them from then on."""
+    from .vocoder_graphs import VocoderGraphs
+
+    graphs = getattr(engine.codec, "_graphs", None)
+    if graphs is None or not graphs.covers(shapes):
+        if graphs is not None:  # a warm-up with longer chunks: recapture all, into buffers sized for them
+            shapes = sorted(set(shapes) | set(graphs.graphs))
+            engine.codec._graphs = graphs = None  # the old graphs and their pool go before the new capture
+        graphs = VocoderGraphs(engine.codec, shapes, engine.lm.capture_stream())
+        engine.codec._graphs = graphs
+        graphs.stats = {"graphs": len(graphs.graphs), "capture_s": round(graphs.capture_s, 2),
+                        "io_mib": round(graphs.io_bytes() / 2**20, 2),
+                        "pool_mib": round(graphs.pool_bytes() / 2**20, 2)}
+        log.info("TTS vocoder graphs: %(graphs)d captured in %(capture_s).1f s; shared inputs and output "
+                 "%(io_mib).1f MiB, pool %(pool_mib).1f MiB", graphs.stats)
+    return graphs

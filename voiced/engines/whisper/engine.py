@@ -84,6 +84,32 @@ def prefill_graphs_default() -> bool:
     return os.environ.get("VOICED_WHISPER_PREFILL_GRAPHS", "1") != "0"
 
 
+def cross_in_encoder_default() -> bool:
+    """The decoder's cross keys/values of every layer made in the encoder's pass (its CUDA graph) and copied
+    into the cache with one call per tensor, instead of four torch calls per layer after it (issue 26: 49 %
+    of the recognition thread at 128 callers). On unless VOICED_WHISPER_CROSS_IN_ENCODER=0: the GPU suite
+    passed with it on (H100, 2026-11-27: tests/test_whisper_gpu.py -k cross and every exactness test), and
+    at 128 callers the slowest admissions' cache writes fell from 33-74 ms to 1-19 ms (docs/BENCHMARKS.md).
+    It holds one more largest-bucket buffer of every layer's cross keys/values (~469 MiB for large-v3-turbo
+    in bf16 at encoder batch 16), which the memory plan counts."""
+    return os.environ.get("VOICED_WHISPER_CROSS_IN_ENCODER", "1") == "1"
+
+
+# Whether a chunk of greedy steps replays as one CUDA graph on a GPU (`chunk_graphs_default`). The one line that
+# turns it on by default, once measured on a GPU (issue 26) and tests/test_whisper_gpu.py -k chunk passed there.
+CHUNK_GRAPHS_DEFAULT = False
+
+
+def chunk_graphs_default() -> bool:
+    """A chunk of `decode_chunk` greedy steps and their history writes replayed as one CUDA graph (captured
+    at warm-up per batch bucket) instead of one greedy-step replay and two history writes per step, 24 torch
+    calls per chunk at 8 steps, each of which waits to win the GIL back (issue 26: 50-110 ms wall for
+    6-18 ms of CPU per recognition step at 128 callers). VOICED_WHISPER_CHUNK_GRAPHS=1 or 0 if set, else
+    CHUNK_GRAPHS_DEFAULT (off until measured on a GPU)."""
+    env = os.environ.get("VOICED_WHISPER_CHUNK_GRAPHS", "").strip()
+    return CHUNK_GRAPHS_DEFAULT if env == "" else env == "1"
+
+
 def build_model(dims: ModelDims, state: dict[str, torch.Tensor], where: str = "checkpoint") -> Whisper:
     model = Whisper(dims)
     own = model.state_dict()
@@ -106,7 +132,7 @@ def build_model(dims: ModelDims, state: dict[str, torch.Tensor], where: str = "c
 
 def memory_need(dims: ModelDims, dtype: torch.dtype, weight_bytes: int, max_batch: int, *, cuda: bool,
                 max_encoder_batch: int | None = None, cuda_graphs: bool = True, decode_chunk: int = 8,
-                workspace_bytes: int = 0, prefill_graphs: bool = False) -> EngineNeed:
+                workspace_bytes: int = 0, prefill_graphs: bool = False, cross_in_encoder: bool = False) -> EngineNeed:
     """What `WhisperEngine(...)` with these settings holds on its device (see voiced.memory_plan)."""
     rows = max_batch
     items = [Need("weights", weight_bytes),
@@ -119,8 +145,19 @@ def memory_need(dims: ModelDims, dtype: torch.dtype, weight_bytes: int, max_batc
     enc = min(max_encoder_batch or 16, rows)
     elem = dtype.itemsize
     items.append(Need("mel filterbank", dims.n_mels * (N_FFT // 2 + 1) * 4))
+    if cross_in_encoder:
+        # fast.FastEncoder.cross_out: the encoder pass's cross keys/values for every decoder layer, one buffer
+        # of the largest bucket's rows that every bucket writes a prefix of (graphs on or off).
+        items.append(Need(f"encoder pass: cross keys/values out, {dims.n_text_layer} layers x batch {enc}",
+                          2 * dims.n_text_layer * enc * dims.n_audio_ctx * dims.n_text_state * elem))
     if cuda_graphs:
         dec = doubling(rows)
+        # The plain steps' logits are what the decoder graphs hold. The greedy steps' graphs, and the chunk
+        # graphs (engine's chunk_graphs: decode_chunk greedy steps + history writes per graph), return
+        # nothing: they write the step buffers and the history above. Their intermediates are one step's,
+        # freed step by step inside the capture, where the pool gives them back to the next step of the same
+        # graph, and to later captures (graphs sharing a pool replay one at a time), so a chunk graph needs
+        # no more of the pool than the greedy graph of its bucket: nothing to add.
         items.append(Need(f"decoder graphs: logits of batch {dec}", sum(dec) * dims.n_vocab * 4))
         eb = doubling(enc)
         items.append(Need(f"encoder graphs: audio in, features out, batch {eb}",
@@ -128,8 +165,10 @@ def memory_need(dims: ModelDims, dtype: torch.dtype, weight_bytes: int, max_batc
         if prefill_graphs:
             items += prefill_graph_needs(dims, elem, eb)
     items.append(Need("cuBLAS workspace (the engine's stream)", workspace_bytes))
-    # One admission of `enc` utterances: their audio on the device, the features gathered per row and
-    # one layer's cross key (or value) projection, and the prefill's float32 logits (with softmax).
+    # One admission of `enc` utterances: their audio on the device, the features (gathered per row, for beams)
+    # and one layer's cross key (or value) projection (with the cross keys/values made in the encoder's graph,
+    # these come out of the graphs' pool, which the encoder's own activations exceed), and the prefill's
+    # float32 logits (with softmax).
     items.append(Need(f"largest step transient, estimated (admitting {enc})",
                       enc * (N_SAMPLES * 4 + 2 * dims.n_audio_ctx * dims.n_text_state * elem + 3 * 4 * dims.n_vocab), transient=True))
     return EngineNeed("Whisper", "whisper_kv_fraction", items)
@@ -185,7 +224,8 @@ class WhisperEngine:
                  max_queue: int | None = None, decode_chunk: int | None = None,
                  compile_encoder: bool | None = None, attn_backend: str | None = None,
                  fast_decoder: bool | None = None, compile_decoder: bool | None = None,
-                 alignment_heads: list[tuple[int, int]] | None = None, prefill_graphs: bool | None = None):
+                 alignment_heads: list[tuple[int, int]] | None = None, prefill_graphs: bool | None = None,
+                 cross_in_encoder: bool | None = None, chunk_graphs: bool | None = None):
         if tokenizer.n_vocab != model.dims.n_vocab:
             raise CheckpointError(f"tokenizer has {tokenizer.n_vocab} tokens but the model {model.dims.n_vocab}")
         self.model = model.eval().requires_grad_(False)
@@ -226,12 +266,17 @@ class WhisperEngine:
         self._hist = torch.zeros(max_batch, self.decode_chunk, 2, dtype=torch.float64, device=model.device)
         # All of the engine's GPU work runs on one stream of its own, graph captures included (why:
         # fast.CudaGraphs). CUDA graphs: per batch-size bucket, the encoder, one plain decoder step
-        # and one fused greedy step.
+        # and one fused greedy step, and with chunk_graphs a chunk of decode_chunk greedy steps with
+        # their history writes (captured at warm-up only: `warmup`, `_greedy_chunk`).
         self.cuda_graphs = cuda_graphs and self.is_cuda
+        # (Its capture's two eager pre-runs take rows from position 0 to 2 x decode_chunk - 1.)
+        self.chunk_graphs = (self.cuda_graphs and (chunk_graphs_default() if chunk_graphs is None else chunk_graphs)
+                             and 2 * self.decode_chunk <= self.dims.n_text_ctx)
         self.buckets = doubling(max_batch) if self.is_cuda else []
         self._stream: torch.cuda.Stream | None = torch.cuda.Stream(device=model.device) if self.is_cuda else None
         pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
-        self.fast_encoder = self._fast_encoder(compile_encoder, attn_backend)
+        self.fast_encoder = self._fast_encoder(compile_encoder, attn_backend,
+                                               cross_in_encoder_default() if cross_in_encoder is None else cross_in_encoder)
         if self.cuda_graphs:
             self.fast_encoder.graphs = CudaGraphs(self._stream, pool)
         self.int8 = model.decoder.output_projection is not None  # cpu.quantize_int8_ ran
@@ -239,7 +284,7 @@ class WhisperEngine:
         self._decoder: FastDecoder | TextDecoder = self.fast_decoder or model.decoder
         self.steps = DecoderSteps(self._decoder, self.cache, self.dims.n_text_ctx, max_batch, model.device,
                                   self.suppress.always, tokenizer.eot,
-                                  CudaGraphs(self._stream, pool) if self.cuda_graphs else None)
+                                  CudaGraphs(self._stream, pool) if self.cuda_graphs else None, self._hist)
         # On a GPU the admission's prefill of SOT sequences runs padded to its encoder bucket (fast.Prefills),
         # graphed or not, so that the graph and the eager pass run the very same kernels (an unpadded pass
         # rounds differently, enough to flip a bf16 near-tie); the graph is one replay per (prompt length,
@@ -258,21 +303,29 @@ class WhisperEngine:
             # The weights (moved, fused), caches and buffers above were queued on the creating thread's
             # stream; kernels on the engine's own stream must not overtake those fills and copies.
             self._stream.wait_stream(torch.cuda.current_stream(model.device))
-        log.info("whisper engine %s on %s (%s%s): %d slots, %.1f MiB of KV cache, cuda graphs %s (prefill %s), "
-                 "decoder step %s", model_name, self.device, str(self.dtype).replace("torch.", ""),
-                 ", int8 GEMMs" if self.int8 else "", max_batch,
+        log.info("whisper engine %s on %s (%s%s): %d slots, %.1f MiB of KV cache, cuda graphs %s (prefill %s, "
+                 "greedy %s), cross K/V %s, decoder step %s", model_name, self.device,
+                 str(self.dtype).replace("torch.", ""), ", int8 GEMMs" if self.int8 else "", max_batch,
                  max_batch * KVCache.bytes_per_slot(self.dims, self.dtype) / 2**20, self.cuda_graphs,
-                 "graphed" if self.prefills is not None and self.prefills.graphs is not None else "eager", self.decoder_path)
+                 "graphed" if self.prefills is not None and self.prefills.graphs is not None else "eager",
+                 f"{self.decode_chunk} steps per graph" if self.chunk_graphs else "a graph per step",
+                 "in the encoder pass" if self.fast_encoder is not None and self.fast_encoder.cross else "per layer",
+                 self.decoder_path)
 
-    def _fast_encoder(self, compile_encoder: bool | None, attn_backend: str | None) -> FastEncoder | None:
+    def _fast_encoder(self, compile_encoder: bool | None, attn_backend: str | None,
+                      cross_in_encoder: bool) -> FastEncoder | None:
         """GPU encoder: fused QKV, optional compiled layers; run per batch-size bucket (padded or split
         into buckets) so the graph path and the eager path see the same shapes. compile_encoder None:
         on for CUDA (fused layer norm / residual / GELU / head layouts: 165 ms instead of 204 ms per 32
-        utterances on an H200), compiled per bucket in warmup()."""
+        utterances on an H200), compiled per bucket in warmup(). cross_in_encoder: its pass also projects the
+        features to every decoder layer's cross keys/values, into one buffer of the largest bucket's rows
+        (`_copy_cross`)."""
         if not self.is_cuda:
             return None
         compile_encoder = self.is_cuda if compile_encoder is None else compile_encoder
-        return FastEncoder(self.model.encoder, self.dims.n_mels, attn_backend, compile_encoder)
+        return FastEncoder(self.model.encoder, self.dims.n_mels, attn_backend, compile_encoder,
+                           cross=self.model.decoder if cross_in_encoder else None,
+                           cross_rows=self.encoder_buckets()[-1])
 
     def _fast_decoder(self, fast_decoder: bool | None, compile_decoder: bool | None) -> FastDecoder | None:
         """GPU decoder step: fused self-attention QKV, one function per layer, and (compile_decoder,
@@ -297,7 +350,8 @@ class WhisperEngine:
              decode_chunk: int | None = None, cache_root: Path | None = None,
              compile_encoder: bool | None = None, attn_backend: str | None = None,
              fast_decoder: bool | None = None, compile_decoder: bool | None = None,
-             memory_limit: tuple[int, float] | None = None, prefill_graphs: bool | None = None) -> WhisperEngine:
+             memory_limit: tuple[int, float] | None = None, prefill_graphs: bool | None = None,
+             cross_in_encoder: bool | None = None, chunk_graphs: bool | None = None) -> WhisperEngine:
         """Load an official name (from the model cache), an OpenAI `.pt`, a Hugging Face or a
         CTranslate2 (faster-whisper) directory.
 
@@ -312,11 +366,21 @@ class WhisperEngine:
         (`memory_need`) is checked against that share before the weights go to the GPU; a need above it
         is refused (EngineError naming the setting). prefill_graphs: replay the admission's decoder prefill
         (SOT sequences, encoder-batch buckets) from CUDA graphs captured at warm-up; None: on, unless
-        VOICED_WHISPER_PREFILL_GRAPHS=0.
+        VOICED_WHISPER_PREFILL_GRAPHS=0. cross_in_encoder: every decoder layer's cross keys/values made in
+        the encoder's pass (its graph) on a GPU; None: on, unless VOICED_WHISPER_CROSS_IN_ENCODER=0.
+        the encoder's pass (its graph) on a GPU; None: off, unless VOICED_WHISPER_CROSS_IN_ENCODER=1.
+        chunk_graphs: on a GPU with cuda_graphs, a whole chunk of `decode_chunk` greedy steps (with their
+        history writes) replayed as one CUDA graph per batch bucket, captured at warm-up, instead of one
+        replay and two writes per step (the served tokens are the same bits); a chunk cut short by a row's
+        length limit, or a bucket warm-up did not capture, runs step by step. None: CHUNK_GRAPHS_DEFAULT
+        (off), unless VOICED_WHISPER_CHUNK_GRAPHS is 1 or 0.
         """
         if prefill_graphs is None:
             prefill_graphs = prefill_graphs_default()
         prefill_graphs = prefill_graphs and cuda_graphs and device.startswith("cuda")
+        if cross_in_encoder is None:
+            cross_in_encoder = cross_in_encoder_default()
+        cross_in_encoder = cross_in_encoder and device.startswith("cuda")
         path = resolve(name_or_path, cache_root)
         ckpt = read_checkpoint(path)
         dims = ckpt.dims
@@ -331,7 +395,7 @@ class WhisperEngine:
                            max_encoder_batch=max_encoder_batch, cuda_graphs=cuda_graphs,
                            decode_chunk=decode_chunk if decode_chunk is not None else 8,
                            workspace_bytes=stream_workspace_bytes(device) if cuda else 0,
-                           prefill_graphs=prefill_graphs)
+                           prefill_graphs=prefill_graphs, cross_in_encoder=cross_in_encoder)
         check_memory_limit(need, memory_limit)  # before anything goes to the GPU
         model = model.to(device=device, dtype=dtype)
         if int8:
@@ -341,7 +405,8 @@ class WhisperEngine:
         engine = cls(model, tok, model_name=name, max_batch=rows, max_encoder_batch=max_encoder_batch,
                      cuda_graphs=cuda_graphs, max_queue=max_queue, decode_chunk=decode_chunk,
                      compile_encoder=compile_encoder, attn_backend=attn_backend, fast_decoder=fast_decoder,
-                     compile_decoder=compile_decoder, alignment_heads=heads, prefill_graphs=prefill_graphs)
+                     compile_decoder=compile_decoder, alignment_heads=heads, prefill_graphs=prefill_graphs,
+                     cross_in_encoder=cross_in_encoder, chunk_graphs=chunk_graphs)
         engine.memory_need = need
         engine.checkpoint_format = ckpt.format
         return engine
@@ -544,6 +609,12 @@ class WhisperEngine:
         The chunk never runs a row past its length limit (max_new_tokens / the text context), so
         every position stays inside the cache; a row that emits end-of-text mid-chunk computes a
         few tokens nobody reads, and they are dropped here. Returns the requests whose tokens failed.
+
+        On a GPU each step is a greedy graph replay and two history writes (3 torch calls a step); with
+        `chunk_graphs`, a full chunk (no row near its limit) of a bucket warm-up captured is one replay
+        of the chunk graph instead: the same kernels in the same order (`DecoderSteps.chunk`), so the
+        same bits. A shorter chunk, or a bucket without its graph, runs step by step (never captured
+        here: `DecoderSteps.capture`).
         """
         k_max = self.decode_chunk
         for q in reqs:
@@ -554,15 +625,19 @@ class WhisperEngine:
                    for r in range(n)]
         b = self._load_inputs(n, [toks, pos, minleft])
         lo, hi = min(pos), max(pos)
-        # Views made once per chunk, not per step: every torch call from Python is a GIL round trip.
-        tok, lp, hist_tok, hist_lp = self.steps.tok[:b], self.steps.lp[:b], self._hist[:b, :, 0], self._hist[:b, :, 1]
-        for k in range(k_max):
-            if self.is_cuda:
-                self.steps.run("greedy", b)
-            else:  # as in _decode: exact context length, no mask when rows are aligned
-                self.steps.greedy(b, kv_len=hi + k + 1, masked=lo != hi)
-            hist_tok[:, k] = tok
-            hist_lp[:, k] = lp
+        if self._chunk_replay(k_max, b):
+            self.steps.run("chunk", b)  # decode_chunk steps and their history writes: one call
+        else:
+            # Views made once per chunk, not per step: every torch call from Python is a GIL round trip.
+            tok, lp = self.steps.tok[:b], self.steps.lp[:b]
+            hist_tok, hist_lp = self._hist[:b, :, 0], self._hist[:b, :, 1]
+            for k in range(k_max):
+                if self.is_cuda:
+                    self.steps.run("greedy", b)
+                else:  # as in _decode: exact context length, no mask when rows are aligned
+                    self.steps.greedy(b, kv_len=hi + k + 1, masked=lo != hi)
+                hist_tok[:, k] = tok
+                hist_lp[:, k] = lp
         rows = self._hist[:n, :k_max].tolist()  # the chunk's one sync
         failed = []
         for q in reqs:
@@ -576,13 +651,21 @@ class WhisperEngine:
                 failed.append((q, e))
         return failed
 
+    def _chunk_replay(self, k_max: int, b: int) -> bool:
+        """Whether this chunk of k_max steps for bucket b is one replay of its chunk graph: with
+        chunk_graphs, a full chunk, and a graph warm-up captured (a missing one is never captured here).
+        A full chunk is as long as the graph's, the history's length (what decode_chunk was at warm-up: a
+        benchmark that lowers decode_chunk afterwards, whisper_bench's chunk-1 latency, runs step by step)."""
+        return self.chunk_graphs and k_max == self._hist.shape[1] and self.steps.has_graph("chunk", b)
+
     def warmup(self) -> None:
         """Make every shape the engine will run now (only while idle), so no request pays a
         first-time cost: the decoder step (compiled layers and graphs) of every bucket, the encoder
         (compiled layers and graphs) of every encoder batch bucket, and the admission work (cross
         keys/values, language detection and prefill, token choice) for every admission size
         1..max_encoder_batch, which also captures the prefill graphs (when on) of every encoder bucket
-        for both prompt lengths serving meets (with and without <|notimestamps|>)."""
+        for both prompt lengths serving meets (with and without <|notimestamps|>), and the chunk graphs
+        (when on) of every bucket: only here, from rows at position 0, never while serving."""
         if self._n or self._queue or not self.is_cuda:
             return
         steps = self.steps
@@ -590,8 +673,9 @@ class WhisperEngine:
             for t in (steps.tok, steps.pos, steps.minleft):
                 t.zero_()
             if self.cuda_graphs:
+                kinds = ("plain", "greedy", "chunk") if self.chunk_graphs else ("plain", "greedy")
                 for b in self.buckets:
-                    for kind in ("plain", "greedy"):
+                    for kind in kinds:
                         if (kind, b) not in steps.graphs:
                             steps.capture(kind, b)
             elif self.fast_decoder is not None and self.fast_decoder.compiled:
@@ -618,6 +702,7 @@ class WhisperEngine:
                             self._step()
             finally:
                 self._warming = False
+            self._warm_word_timings()
             torch.cuda.synchronize()
 
     # ------------------------------------------------------------------------------ admission
@@ -629,24 +714,35 @@ class WhisperEngine:
         return self.fast_encoder.run(audio, b, self.dtype)
 
     def _encode_into_cache(self, audio: torch.Tensor, chosen: list[_Active]) -> None:
-        """Encoder over audio [n, N_SAMPLES] of `chosen`, then every layer's cross keys/values into
-        each request's rows (one copy per beam)."""
+        """Encoder over audio [n, N_SAMPLES] of `chosen`, then every layer's cross keys/values into each
+        request's rows. With the cross keys/values made in the encoder's pass (`cross_in_encoder`), that pass
+        (one graph replay per bucket) leaves them for all layers in `fast_encoder.cross_out`, which
+        `_copy_cross` copies into the cache with one call per tensor; else `_write_cross` projects them."""
         model, dev = self.model, self.model.device
         if not self.is_cuda:
             mel = log_mel_spectrogram(audio, self.dims.n_mels).to(self.dtype)
             self._write_cross(model.encoder(mel), chosen)
             return
+        in_pass = self.fast_encoder.cross_out is not None
         start = 0
         for b in encoder_pieces(len(chosen), self.encoder_buckets()):
             part = chosen[start:start + b]
             x = audio[start:start + len(part)]
             if len(part) < b:
                 x = torch.cat([x, x.new_zeros(b - len(part), x.shape[1])])
-            if self._warming:  # shapes only: zeros stand in for the features
-                features = torch.zeros(b, self.dims.n_audio_ctx, self.dims.n_audio_state, dtype=self.dtype, device=dev)
+            # Warming up, shapes only: zeros stand in for the features. In the encoder's pass every bucket
+            # ran already (captured, or once eagerly), so the buffer holds finite numbers that stand in.
+            if in_pass:
+                if not self._warming:
+                    self._encode_bucket(x, b)
+                self._copy_cross(part)
             else:
-                features = self._encode_bucket(x, b)
-            self._write_cross(features, part)
+                if self._warming:
+                    features = torch.zeros(b, self.dims.n_audio_ctx, self.dims.n_audio_state, dtype=self.dtype,
+                                           device=dev)
+                else:
+                    features = self._encode_bucket(x, b)
+                self._write_cross(features, part)
             start += len(part)
 
     def _write_cross(self, features: torch.Tensor, part: list[_Active]) -> None:
@@ -659,6 +755,20 @@ class WhisperEngine:
         else:
             features = features[to_device([i for i, r in enumerate(part) for _ in r.rows], dev)]
         self.model.decoder.write_cross(self.cache, to_device(rows, dev), features)
+
+    def _copy_cross(self, part: list[_Active]) -> None:
+        """Copy the cross keys/values the encoder's pass left in `fast_encoder.cross_out` ([k | v, layer,
+        row, A, D], row i: request i's audio) into the cache rows of `part`, every layer at once: one
+        `index_copy_` per tensor along the slot dimension, once per beam index (beam j of each request;
+        a request with fewer beams writes its last row again, the same values: any copy that lands is
+        right). The slots go to the device without a sync."""
+        n = len(part)
+        beams = max(len(r.rows) for r in part)
+        slots = to_device([[r.rows[min(j, len(r.rows) - 1)] for r in part] for j in range(beams)], self.model.device)
+        k, v = self.fast_encoder.cross_out[:, :, :n].unbind(0)  # [L, n, A, D] each
+        for j in range(beams):
+            self.cache.cross_k.index_copy_(1, slots[j], k)
+            self.cache.cross_v.index_copy_(1, slots[j], v)
 
     def _admit(self) -> tuple[list[_Active], torch.Tensor, torch.Tensor] | None:
         """Move queued requests into free rows; returns them, their first-step logits and their no-speech
@@ -772,29 +882,17 @@ class WhisperEngine:
     def _words(self, req: _Active, result: Transcript) -> tuple[list, float | None]:
         """Word timings of a finished request (its rows still hold its audio's cross keys/values), and
         the probability of end-of-text after its text (the same forced pass has the logits for it)."""
-        tok, plan = self.tok, req.dec.plan
-        text = [t for t in result.tokens if t < tok.eot]
-        prefix = [*tok.sot_sequence(plan.language, plan.task), tok.no_timestamps]
-        forced = [*prefix, *text, tok.eot]
-        if len(forced) > self.dims.n_text_ctx:  # only with max_new_tokens near the whole text context
-            log.warning("no word timings: %d text tokens do not fit the decoder's %d positions with the prompt",
-                        len(text), self.dims.n_text_ctx)
-            return [], None
-        dev = self.model.device
-        logits, scores = self.model.decoder.alignment_pass(to_device(forced, dev), req.rows[0],
-                                                           self.cache, self.alignment_heads)
-        n = len(prefix)
-        probs = logits[n - 1:n - 1 + len(text), :tok.eot].softmax(dim=-1)
-        token_probs = probs.gather(1, to_device(text, dev)[:, None])[:, 0].tolist()
-        # Over the text tokens and end-of-text (timestamps and other specials cannot follow here).
-        end_prob = float(logits[n - 1 + len(text), :tok.eot + 1].float().softmax(dim=-1)[tok.eot])
-        frames = req.request.audio.shape[0] // HOP_LENGTH
+        plan = req.dec.plan
+        text = [t for t in result.tokens if t < self.tok.eot]
+        audio = req.request.audio
         if plan.timestamps and result.segments:
             spans = [SegmentSpan(s.start, s.end, s.tokens) for s in result.segments]
         else:
-            spans = [SegmentSpan(0.0, frames * HOP_LENGTH / SAMPLE_RATE, text)]
-        per_segment = word_timings(tok, plan.language or "en", spans, scores, token_probs, n, frames)
-        words = fit_to_pauses([w for seg in per_segment for w in seg], req.request.audio)
+            spans = [SegmentSpan(0.0, audio.shape[0] // HOP_LENGTH * HOP_LENGTH / SAMPLE_RATE, text)]
+        aligned = self._align(req.rows[0], plan.language, plan.task, text, spans, audio)
+        if aligned is None:
+            return [], None
+        per_segment, words, end_prob = aligned
         if plan.timestamps and result.segments:
             # As openai-whisper's transcribe() does with word timestamps on: a segment runs from its
             # first word's start to its last word's end (what srt/vtt subtitles show).
@@ -804,6 +902,37 @@ class WhisperEngine:
                     seg.start, seg.end = words[k].start_s, words[k + len(seg_words) - 1].end_s
                 k += len(seg_words)
         return words, end_prob
+
+    def _align(self, row: int, language: str | None, task: str, text: list[int], spans: list[SegmentSpan],
+               audio: np.ndarray) -> tuple[list, list, float] | None:
+        """The forced pass of `text` over the audio in cache row `row`: (each span's words, all words fitted
+        to the audio's pauses, end-of-text probability after the text); None where it does not fit."""
+        tok = self.tok
+        prefix = [*tok.sot_sequence(language, task), tok.no_timestamps]
+        forced = [*prefix, *text, tok.eot]
+        if len(forced) > self.dims.n_text_ctx:  # only with max_new_tokens near the whole text context
+            log.warning("no word timings: %d text tokens do not fit the decoder's %d positions with the prompt",
+                        len(text), self.dims.n_text_ctx)
+            return None
+        dev = self.model.device
+        logits, scores = self.model.decoder.alignment_pass(to_device(forced, dev), row, self.cache,
+                                                           self.alignment_heads)
+        n = len(prefix)
+        probs = logits[n - 1:n - 1 + len(text), :tok.eot].softmax(dim=-1)
+        token_probs = probs.gather(1, to_device(text, dev)[:, None])[:, 0].tolist()
+        # Over the text tokens and end-of-text (timestamps and other specials cannot follow here).
+        end_prob = float(logits[n - 1 + len(text), :tok.eot + 1].float().softmax(dim=-1)[tok.eot])
+        per_segment = word_timings(tok, language or "en", spans, scores, token_probs, n,
+                                   audio.shape[0] // HOP_LENGTH)
+        return per_segment, fit_to_pauses([w for seg in per_segment for w in seg], audio), end_prob
+
+    def _warm_word_timings(self) -> None:
+        """One forced word-timing pass on row 0 (warm-up's audio): a smart-turn caller's first pause asks
+        for word timings, and on an H100 that first pass paid ~1 s of first-time kernel loading and set
+        up (issue 25's e2e run at 1 caller: a 1,063 ms step, then 100-160 ms)."""
+        audio = np.zeros(SAMPLE_RATE, dtype=np.float32)
+        text = self.tok.encode(" One, two, three.")
+        self._align(0, "en", "transcribe", text, [SegmentSpan(0.0, 1.0, text)], audio)
 
     def _release(self, leaving: list[_Active]) -> None:
         """Free the rows of `leaving` and pack the live rows back to 0..n-1."""

@@ -16,7 +16,11 @@ per step is what counts there):
   `attn_backend`; the decoder step keeps `decode_attention_kernels`, as the reference step does;
 * on a GPU both run as CUDA graphs, one per batch-size bucket (`CudaGraphs`): the encoder through
   `FastEncoder.run`, the decoder step (this one or the modules') through `DecoderSteps`, which owns
-  the static per-row inputs a graph reads.
+  the static per-row inputs a graph reads (with the engine's `chunk_graphs`, off by default, also a
+  whole chunk of greedy steps and their history writes as one graph). Given the decoder (the engine's `cross_in_encoder`, off by
+  default), the encoder's pass, graphed or not, also projects its features to every decoder layer's
+  cross-attention keys/values (`FastEncoder.project_cross`, the modules' own Linear calls), into one
+  buffer the engine copies into its cache with one call per tensor.
 
 Results equal the reference forwards up to fp16 rounding (a different GEMM shape sums in a
 different order, compiled kernels fuse differently), not bit for bit; the engine runs the graph
@@ -185,7 +189,7 @@ class FastEncoder:
     """log-mel + encoder for a batch of padded 30 s windows, GPU layout (see module doc)."""
 
     def __init__(self, encoder: AudioEncoder, n_mels: int, attn_backend: str | None = None,
-                 compile_layers: bool = False):
+                 compile_layers: bool = False, cross: TextDecoder | None = None, cross_rows: int = 0):
         self.enc = encoder
         self.n_mels = n_mels
         self.n_head = encoder.blocks[0].attn.n_head
@@ -201,11 +205,22 @@ class FastEncoder:
         self._layer = compile_static(encoder_layer) if compile_layers else encoder_layer
         self.graphs: CudaGraphs | None = None  # set by the engine: `run` replays a graph per batch bucket
         self._inputs: dict[int, Tensor] = {}  # the graphs' static audio input, per batch bucket
+        # The decoder's cross-attention key/value projections, run after the encoder in the same pass (in the
+        # same graph), into `cross_out` [k | v, layer, row, A, D]: one buffer of `cross_rows` rows (the largest
+        # bucket) that every bucket writes a prefix of. Runs are queued one after another on one stream and
+        # the engine copies the rows into its cache before it queues the next, so one buffer serves them all.
+        self.cross: list[Attention] = [blk.cross_attn for blk in cross.blocks] if cross is not None else []
+        self.cross_out: Tensor | None = None
+        if self.cross:
+            w = self.cross[0].key.weight
+            self.cross_out = torch.zeros(2, len(self.cross), cross_rows, encoder.positional_embedding.shape[0],
+                                         w.shape[0], dtype=w.dtype, device=w.device)
 
     def run(self, audio: Tensor, b: int, dtype: torch.dtype) -> Tensor:
-        """Features [b, A, D] of audio [b, N_SAMPLES] (padded windows), by graph or eagerly."""
+        """Features [b, A, D] of audio [b, N_SAMPLES] (padded windows), by graph or eagerly; with `cross`,
+        also every decoder layer's cross keys/values of them into `cross_out[:, :, :b]` (`encode`)."""
         if self.graphs is None:
-            return self(audio, dtype)
+            return self.encode(audio, dtype)
         if ("encoder", b) not in self.graphs:
             self.capture(b, dtype)
         self._inputs[b].copy_(audio)
@@ -215,7 +230,26 @@ class FastEncoder:
         """Record the encoder for batch bucket b (its input a static buffer `run` copies into)."""
         with torch.cuda.stream(self.graphs.stream):
             inp = self._inputs[b] = torch.zeros(b, N_SAMPLES, device=self.enc.conv1.weight.device)
-        self.graphs.capture(("encoder", b), lambda: self(inp, dtype))
+        self.graphs.capture(("encoder", b), lambda: self.encode(inp, dtype))
+
+    @torch.inference_mode()
+    def encode(self, audio: Tensor, dtype: torch.dtype) -> Tensor:
+        """The pass `run` records: features of audio [b, N_SAMPLES] and, with `cross`, their cross keys/values."""
+        features = self(audio, dtype)
+        if self.cross:
+            self.project_cross(features)
+        return features
+
+    def project_cross(self, features: Tensor) -> None:
+        """Every decoder layer's cross keys/values of features [b, A, D] into `cross_out[:, :, :b]`: the very
+        Linear calls of `TextDecoder.write_cross` (so the same cuBLAS GEMMs, the same bits), each result
+        copied into the buffer (exact). Inside the encoder's graph they are one replay with it instead of
+        four host calls per layer, each of which waits to win the GIL back (issue 26)."""
+        b = features.shape[0]
+        k_out, v_out = self.cross_out[0, :, :b], self.cross_out[1, :, :b]
+        for i, attn in enumerate(self.cross):
+            k_out[i].copy_(attn.key(features))
+            v_out[i].copy_(attn.value(features))
 
     def _sdpa_ctx(self) -> contextlib.AbstractContextManager:
         if self.attn_backend is None:
@@ -350,13 +384,24 @@ class DecoderSteps:
     - `plain(b)`: logits [b, vocab] out; token choice on the host (`token_choice.choose_tokens`);
     - `greedy(b)`: the step and the greedy choice on the device (`token_choice.greedy_choice`): the
       chosen tokens become the next step's inputs and positions advance, so steps can follow each
-      other with no host round trip.
+      other with no host round trip;
+    - `chunk(b)`: `hist.shape[1]` (the engine's `decode_chunk`) greedy steps back to back, each followed
+      by writing its chosen tokens and their log-probabilities into step k of `hist` (the engine's
+      history buffer, float64 [max_batch, decode_chunk, (token, log-prob)]): the very calls, in the
+      very order, of the engine's per-step loop (`WhisperEngine._greedy_chunk`), so as one CUDA graph
+      it runs the kernels of decode_chunk greedy replays and their 2 x decode_chunk history writes, one
+      host call instead of 3 x decode_chunk (issue 26: each call waits to win the GIL back). Its graph
+      is only ever captured at warm-up (`capture`, never by `run`): its eager pre-runs advance rows by
+      2 x decode_chunk positions, which from a live row near its length limit would index past the
+      text context.
     """
 
     def __init__(self, decoder: FastDecoder | TextDecoder, cache: KVCache, n_text_ctx: int, max_batch: int,
-                 device: torch.device, always: Tensor, eot: int, graphs: CudaGraphs | None = None) -> None:
+                 device: torch.device, always: Tensor, eot: int, graphs: CudaGraphs | None = None,
+                 hist: Tensor | None = None) -> None:
         self.decoder, self.cache, self.n_text_ctx = decoder, cache, n_text_ctx
         self.always, self.eot = always, eot
+        self.hist = hist  # the engine's greedy history [max_batch, decode_chunk, 2] float64 (`chunk` writes it)
         # Token, position and minimum-length countdown are rows of one block, so the host writes all
         # of a step's inputs with one copy (`WhisperEngine._load_inputs`).
         self.inputs = torch.zeros(3, max_batch, dtype=torch.long, device=device)
@@ -378,18 +423,43 @@ class DecoderSteps:
         self.pos[:b] += 1
         self.minleft[:b] -= 1
 
+    def chunk(self, b: int) -> None:
+        """`hist.shape[1]` greedy steps, each followed by writing its tokens and log-probabilities into
+        that step of `hist[:b]` (the engine's per-step loop, call for call)."""
+        tok, lp, hist_tok, hist_lp = self.tok[:b], self.lp[:b], self.hist[:b, :, 0], self.hist[:b, :, 1]
+        for k in range(self.hist.shape[1]):
+            self.greedy(b)
+            hist_tok[:, k] = tok
+            hist_lp[:, k] = lp
+
+    def _fn(self, kind: str):
+        return {"plain": self.plain, "greedy": self.greedy, "chunk": self.chunk}[kind]
+
+    def has_graph(self, kind: str, b: int) -> bool:
+        """Whether `kind`'s graph for bucket `b` has been captured."""
+        return self.graphs is not None and (kind, b) in self.graphs
+
     def run(self, kind: str, b: int) -> Tensor | None:
-        """Run the "plain" or "greedy" step for bucket `b`: replay its graph, or eagerly."""
-        fn = self.plain if kind == "plain" else self.greedy
+        """Run the "plain", "greedy" or "chunk" step for bucket `b`: replay its graph, or eagerly. A
+        "plain" or "greedy" graph missing is captured first (safe mid-stream); a "chunk" one never is
+        (see the class doc): the caller checks `has_graph` first."""
+        fn = self._fn(kind)
         if self.graphs is None:
             return fn(b)
+        if kind == "chunk" and (kind, b) not in self.graphs:
+            raise RuntimeError(f"the chunk graph of batch {b} was not captured at warm-up (never mid-stream)")
         return self.graphs.replay((kind, b), lambda: fn(b), restore=(self.tok, self.pos, self.minleft))
 
     def capture(self, kind: str, b: int) -> None:
-        """Record one step for bucket `b` from the static buffers (also safe mid-stream): the eager runs
-        before the capture write the keys/values the real step will write anyway (same inputs), padded
-        rows touch only free slots, and the buffers a greedy step advances are restored."""
-        fn = self.plain if kind == "plain" else self.greedy
+        """Record one step (or, "chunk", a chunk of steps) for bucket `b` from the static buffers: the
+        eager runs before the capture write the keys/values the real steps will write anyway (same
+        inputs), padded rows touch only free slots, and the buffers a greedy step advances are restored
+        (`lp` and `hist` are outputs, rewritten by every step). "plain" and "greedy" are also safe
+        mid-stream; "chunk" only at warm-up, from rows at position 0 (its two pre-runs reach position
+        2 x decode_chunk - 1)."""
+        fn = self._fn(kind)
+        if kind == "chunk" and 2 * self.hist.shape[1] > self.n_text_ctx:
+            raise ValueError(f"a chunk of {self.hist.shape[1]} steps does not fit twice in {self.n_text_ctx} positions")
         self.graphs.capture((kind, b), lambda: fn(b), restore=(self.tok, self.pos, self.minleft))
 
 
