@@ -277,18 +277,18 @@ def test_prefill_graphs_are_counted_in_the_memory_need():
 
 
 def test_chunk_graphs_setting(monkeypatch, tmp_path):
-    """VOICED_WHISPER_CHUNK_GRAPHS=1 / 0 when set, else engine.CHUNK_GRAPHS_DEFAULT (off until measured on a
+    """VOICED_WHISPER_CHUNK_GRAPHS=1 / 0 when set, else engine.CHUNK_GRAPHS_DEFAULT (on since measured on a
     GPU); on the CPU (no CUDA graphs) the engine never takes the chunk graph path, whatever is asked."""
     from voiced.engines.whisper import engine as engine_mod
 
     monkeypatch.delenv("VOICED_WHISPER_CHUNK_GRAPHS", raising=False)
-    assert engine_mod.CHUNK_GRAPHS_DEFAULT is False and engine_mod.chunk_graphs_default() is False
-    for env, want in (("1", True), ("0", False), (" 1 ", True), ("", False), ("yes", False)):
+    assert engine_mod.CHUNK_GRAPHS_DEFAULT is True and engine_mod.chunk_graphs_default() is True
+    for env, want in (("1", True), ("0", False), (" 1 ", True), ("", True), ("yes", False)):
         monkeypatch.setenv("VOICED_WHISPER_CHUNK_GRAPHS", env)
         assert engine_mod.chunk_graphs_default() is want, env
-    monkeypatch.setattr(engine_mod, "CHUNK_GRAPHS_DEFAULT", True)
+    monkeypatch.setattr(engine_mod, "CHUNK_GRAPHS_DEFAULT", False)
     monkeypatch.delenv("VOICED_WHISPER_CHUNK_GRAPHS")
-    assert engine_mod.chunk_graphs_default() is True
+    assert engine_mod.chunk_graphs_default() is False
     monkeypatch.setenv("VOICED_WHISPER_CHUNK_GRAPHS", "0")
     assert engine_mod.chunk_graphs_default() is False
     monkeypatch.setenv("VOICED_WHISPER_CHUNK_GRAPHS", "1")

@@ -31,7 +31,7 @@ copied with ~6 calls plus 3 per beam index, whatever the layer count. `rows.to_d
 The greedy chunk (`_greedy_chunk`, decode chunk 8) runs here as on a GPU without chunk graphs: per step one
 "network: decoder step + greedy" call (a greedy graph replay there) and two history writes counted in
 "greedy chunk (host side)", so 3 x 8 = 24 calls per full chunk beside the chunk's fixed ones (views, the
-inputs' copy, the one `.tolist()`). On a GPU with VOICED_WHISPER_CHUNK_GRAPHS=1 (`chunk_graphs=True`) a full
+inputs' copy, the one `.tolist()`). On a GPU with chunk graphs (the default; VOICED_WHISPER_CHUNK_GRAPHS=0 turns them off) a full
 chunk of a bucket captured at warm-up is one call instead (one replay of the chunk graph: the 8 steps and
 their 16 history writes) and the 4 views the loop makes go too; a chunk cut short near a row's length limit
 still costs 3 per step. That path never runs on the CPU, so these rows do not show it.

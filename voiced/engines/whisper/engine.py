@@ -95,9 +95,10 @@ def cross_in_encoder_default() -> bool:
     return os.environ.get("VOICED_WHISPER_CROSS_IN_ENCODER", "1") == "1"
 
 
-# Whether a chunk of greedy steps replays as one CUDA graph on a GPU (`chunk_graphs_default`). The one line that
-# turns it on by default, once measured on a GPU (issue 26) and tests/test_whisper_gpu.py -k chunk passed there.
-CHUNK_GRAPHS_DEFAULT = False
+# Whether a chunk of greedy steps replays as one CUDA graph on a GPU (`chunk_graphs_default`): on since the GPU
+# suite passed with it (H100, 2026-11-27: tests/test_whisper_gpu.py -k chunk, bit for bit against the per-step
+# graphs, and every exactness test) and 128 callers' final transcript fell (docs/BENCHMARKS.md, issue 26).
+CHUNK_GRAPHS_DEFAULT = True
 
 
 def chunk_graphs_default() -> bool:
@@ -105,7 +106,7 @@ def chunk_graphs_default() -> bool:
     at warm-up per batch bucket) instead of one greedy-step replay and two history writes per step, 24 torch
     calls per chunk at 8 steps, each of which waits to win the GIL back (issue 26: 50-110 ms wall for
     6-18 ms of CPU per recognition step at 128 callers). VOICED_WHISPER_CHUNK_GRAPHS=1 or 0 if set, else
-    CHUNK_GRAPHS_DEFAULT (off until measured on a GPU)."""
+    CHUNK_GRAPHS_DEFAULT (on)."""
     env = os.environ.get("VOICED_WHISPER_CHUNK_GRAPHS", "").strip()
     return CHUNK_GRAPHS_DEFAULT if env == "" else env == "1"
 
@@ -373,7 +374,7 @@ class WhisperEngine:
         history writes) replayed as one CUDA graph per batch bucket, captured at warm-up, instead of one
         replay and two writes per step (the served tokens are the same bits); a chunk cut short by a row's
         length limit, or a bucket warm-up did not capture, runs step by step. None: CHUNK_GRAPHS_DEFAULT
-        (off), unless VOICED_WHISPER_CHUNK_GRAPHS is 1 or 0.
+        (on), unless VOICED_WHISPER_CHUNK_GRAPHS is 1 or 0.
         """
         if prefill_graphs is None:
             prefill_graphs = prefill_graphs_default()
