@@ -106,6 +106,18 @@ def activation_bytes(codec: BiCodec, shapes: list[tuple[int, int]]) -> int:
     return max(peaks)
 
 
+SEGMENT_GRANULE = 2 * 2**20  # a segment of 10 MiB or more is cudaMalloc'd in multiples of this
+CONV_WORKSPACE_ALLOWANCE = 128 * 2**20  # provisional, until measured
+
+
+def pool_reserve_bytes(codec: BiCodec, shapes: list[tuple[int, int]]) -> int:
+    """The one segment the graphs' pool is made of (`VocoderGraphs(reserve_bytes=...)`): the largest
+    captured decode's activations (`activation_bytes`) and the convolution workspace cuDNN takes through
+    PyTorch's allocator while they are live (CONV_WORKSPACE_ALLOWANCE), in whole segment granules."""
+    n = activation_bytes(codec, shapes) + CONV_WORKSPACE_ALLOWANCE
+    return -(-n // SEGMENT_GRANULE) * SEGMENT_GRANULE
+
+
 class _SharedIO:
     """The static inputs and output every graph uses, as flat buffers: graph (b, length) takes the first
     b*length ids as a [b, length] view, and so on, so that each graph's tensors are contiguous (a prefix of
@@ -128,7 +140,8 @@ class _SharedIO:
 
 
 class _Graph:
-    def __init__(self, codec: BiCodec, io: _SharedIO, b: int, length: int, pool, stream: torch.cuda.Stream) -> None:
+    def __init__(self, codec: BiCodec, io: _SharedIO, b: int, length: int, pool, stream: torch.cuda.Stream,
+                 reserve_bytes: int = 0) -> None:
         self.ids, self.spk, self.valid, self.host_valid, self.out = io.views(b, length)
         self.valid.fill_(length)
         dev = self.ids.device
@@ -138,6 +151,12 @@ class _Graph:
         torch.cuda.current_stream(dev).wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, pool=pool, stream=stream):
+            if reserve_bytes:
+                # One segment of the pool's planned size, made and freed before anything else (no kernel:
+                # an allocation alone records nothing in the graph): every later allocation of every
+                # capture splits a block of it, so the pool is this one segment (module docstring).
+                del_me = torch.empty(reserve_bytes, dtype=torch.uint8, device=dev)
+                del del_me
             # The copy is part of the graph: the decode's own output dies with this block, so its memory
             # goes back to the pool for the next capture instead of staying live per graph.
             self.out.copy_(graphed_decode(codec, self.ids, self.spk, self.valid))
@@ -158,7 +177,8 @@ class VocoderGraphs:
     warmed up and captured on `stream` (give the one stream the engine captures on: see the module
     docstring)."""
 
-    def __init__(self, codec: BiCodec, shapes: list[tuple[int, int]], stream: torch.cuda.Stream) -> None:
+    def __init__(self, codec: BiCodec, shapes: list[tuple[int, int]], stream: torch.cuda.Stream,
+                 reserve_bytes: int = 0) -> None:
         from .streaming import _install_end_masks
 
         _install_end_masks(codec)
@@ -168,12 +188,17 @@ class VocoderGraphs:
         self.io = _SharedIO(codec, self.shapes)
         self.graphs: dict[tuple[int, int], _Graph] = {}
         self.stats: dict = {}  # what warm-up measured of them (warmup.capture_vocoder_graphs)
+        self.reserve_bytes = reserve_bytes
+        self.pool_growth: list[int] = []  # what each capture added to the pool, in capture order
         t0 = time.perf_counter()
         # Most tokens first: the first capture sizes the pool's blocks for the largest decode, and each
         # later (smaller) one fits in them, rather than the pool growing by a block a later capture needs
         # that the smaller ones before it left in pieces. The set of shapes is the caller's.
-        for b, length in sorted(self.shapes, key=lambda s: (-s[0] * s[1], -s[0])):
-            self.graphs[(b, length)] = _Graph(codec, self.io, b, length, self.pool, stream)
+        for i, (b, length) in enumerate(sorted(self.shapes, key=lambda s: (-s[0] * s[1], -s[0]))):
+            before = self.pool_bytes()
+            self.graphs[(b, length)] = _Graph(codec, self.io, b, length, self.pool, stream,
+                                              reserve_bytes if i == 0 else 0)
+            self.pool_growth.append(self.pool_bytes() - before)
         torch.cuda.synchronize()
         self.capture_s = time.perf_counter() - t0
 
