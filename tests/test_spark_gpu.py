@@ -328,7 +328,9 @@ def test_vocoder_graphs_hold_what_the_plan_counts(ckpt, tmp_path):
 def test_full_size_vocoder_graphs_hold_their_planned_pool_and_replay_exactly():
     """The published BiCodec's size (random weights, bf16), the 91 default shapes on one stream: what the
     captures keep allocated is the plan's shared inputs and output, their pool is the plan's row within 5 %
-    (305 MiB: the largest decode's activations), the allocated peak while capturing is their sum within 5 %,
+    (one reserved segment: 304.5 MiB of activations + the measured allowance, vocoder_graphs.POOL_ALLOWANCE;
+    and the small pool's segments), no capture after the first grows it, the allocated peak while capturing
+    is at most their sum,
     and replays equal the eager decode bit for bit (the kernels here are the full model's)."""
     from voiced.engines.base import TTSOptions as Opts
     from voiced.engines.spark import streaming, vocoder_schedule
@@ -342,7 +344,8 @@ def test_full_size_vocoder_graphs_hold_their_planned_pool_and_replay_exactly():
         meta = BiCodec(cfg).to(torch.bfloat16).eval().requires_grad_(False)
     opts = Opts()
     shapes = vocoder_schedule.window_shapes(opts.first_chunk_tokens, opts.chunk_tokens, meta.receptive_radius())
-    io_row, pool_row = vg.held_bytes(shapes, cfg.speaker_out_dim, 2), vg.activation_bytes(meta, shapes)
+    io_row, pool_row = vg.held_bytes(shapes, cfg.speaker_out_dim, 2), vg.pool_bytes_planned(meta, shapes)
+    reserve = vg.pool_reserve_bytes(meta, shapes)
     torch.manual_seed(0)
     with torch.device("cuda"):
         codec = BiCodec(cfg).to(torch.bfloat16).eval().requires_grad_(False)
@@ -362,11 +365,14 @@ def test_full_size_vocoder_graphs_hold_their_planned_pool_and_replay_exactly():
             streaming.decode_windows(codec, torch.zeros(b, length, dtype=torch.long, device="cuda"), spk[:b],
                                      [length - 1] * b)
         torch.cuda.current_stream().wait_stream(stream)
-        got = _capture_growth(lambda: vg.VocoderGraphs(codec, shapes, stream))
+        got = _capture_growth(lambda: vg.VocoderGraphs(codec, shapes, stream, reserve_bytes=reserve))
         msg = _say(got, io_row, pool_row, workspace)
         assert io_row <= got["allocated"] <= io_row + workspace, msg
         assert abs(got["pool"] - pool_row) <= PLAN_TOLERANCE * pool_row, msg
-        assert abs(got["peak"] - (io_row + pool_row)) <= PLAN_TOLERANCE * (io_row + pool_row), msg
+        # The reserve is allocated (and freed) at the first capture's start: the allocated peak is it and
+        # the shared buffers; the decodes' own peak (425 MiB on an H100) stays inside it.
+        assert got["peak"] <= io_row + pool_row, msg
+        assert got["graphs"].pool_growth[1:] == [0] * (len(shapes) - 1), msg  # all fit in the first's segments
         codec._graphs = got["graphs"]
         try:
             for ids, valid, eager in cases:

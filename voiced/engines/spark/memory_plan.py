@@ -54,9 +54,14 @@ def memory_need(cfg, lm_dtype: torch.dtype, lm_bytes: int, codec_bytes: int, max
     """What `SparkTTSEngine.load(...)` with these settings holds on its device (see voiced.memory_plan).
     vocoder_bytes: the largest vocoder step's transient (`vocoder_step_bytes`). With vocoder graphs on
     (vocoder_graph_count of them), instead: vocoder_graph_bytes, their shared inputs and output
-    (`vocoder_graphs.held_bytes`), and vocoder_graph_pool_bytes, what their pool holds for good: the
-    largest captured decode's activations (`vocoder_graphs.activation_bytes`), which also bound the
-    eager warm-up's transient."""
+    (`vocoder_graphs.held_bytes`), and vocoder_graph_pool_bytes, what their pool holds for good
+    (`vocoder_graphs.pool_bytes_planned`): the one segment reserved at the first capture, the largest
+    captured decode's activations (meta device) plus a measured allowance for cuDNN's convolution workspace
+    (120.5 MiB, taken through PyTorch's allocator) and fragmentation, and the small pool's 2 MiB segments.
+    Without the reserve the same captures left 772 MiB in 17 segments for a 425 MiB peak (H100,
+    2026-11-27): the caching allocator sizes each new segment for the request that makes it and never
+    merges segments, so a decode whose tensors grow layer by layer leaves a segment per size. This also
+    bounds the eager warm-up's transient."""
     kv = max_batch * kv_row_bytes(cfg, max_seq_len, lm_dtype)
     e = lm_dtype.itemsize
     prefill_io = prefill_io_bytes(cfg, max_batch, max_seq_len, PREFILL_STEP_TOKENS, e)
@@ -87,7 +92,8 @@ def memory_need(cfg, lm_dtype: torch.dtype, lm_bytes: int, codec_bytes: int, max
                           transient=True))
     if vocoder_graph_count:
         items.append(Need(f"vocoder graphs ({vocoder_graph_count}): shared inputs and output", vocoder_graph_bytes))
-        items.append(Need("vocoder graphs' pool: the largest captured decode's activations, estimated",
+        items.append(Need("vocoder graphs' pool: one reserved segment (the largest decode's activations, "
+                          "cuDNN workspace, fragmentation; measured allowance) and small segments",
                           vocoder_graph_pool_bytes))
     elif vocoder_bytes:
         items.append(Need(f"step transient: vocoder, {vocoder_schedule.VOCODER_STEP_TOKENS} window tokens",
@@ -118,7 +124,7 @@ def plan(ckpt: SparkCheckpoint, device: str, lm_dtype: torch.dtype, codec_dtype:
         shapes = vocoder_schedule.window_shapes(opts.first_chunk_tokens, opts.chunk_tokens, codec.receptive_radius())
         graphs = {"vocoder_graph_count": len(shapes),
                   "vocoder_graph_bytes": vg.held_bytes(shapes, codec_cfg.speaker_out_dim, codec_dtype.itemsize),
-                  "vocoder_graph_pool_bytes": vg.activation_bytes(codec, shapes)}
+                  "vocoder_graph_pool_bytes": vg.pool_bytes_planned(codec, shapes)}
     return memory_need(cfg, lm_dtype, lm_bytes, codec_bytes, max_batch, max_seq_len, cuda=cuda,
                        graphs=use_cuda_graphs, decode_steps=decode_steps,
                        workspace_bytes=stream_workspace_bytes(device) if cuda else 0,

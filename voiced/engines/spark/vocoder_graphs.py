@@ -16,9 +16,21 @@ What they hold, and why no more (`held_bytes`, `activation_bytes`; the memory pl
     capture the decode's result is copied into the shared output, so the decode's own output is freed at
     the end of its capture like every other intermediate;
   - one memory pool for all graphs, which therefore ends each capture with nothing live in it: the next
-    capture reuses the same memory, and the pool holds about the largest capture's activations (the
-    decode with the most tokens; captured first, so that the smaller ones fit in the blocks it left).
-    Sharing is safe because replays run one at a time on one stream;
+    capture reuses the same memory. Sharing is safe because replays run one at a time on one stream.
+    What the pool holds (measured on an H100, 2026-11-27, torch 2.11.0+cu130, cuDNN 9.19, full-size
+    BiCodec bf16, 91 shapes; scripts/probe_vocoder_pool.py, docs/probe_vocoder_pool_h100_2026-11-27.jsonl):
+    left to itself, 772 MiB in 17 segments for an allocated peak of 425.3 MiB (the plan had said 304.5):
+    (1) cuDNN takes 120.5 MiB of convolution workspace through PyTorch's allocator for each 7-tap Conv1d
+    over [16, 192, 10240] / [16, 96, 20480] (invisible on the meta device), and (2) PyTorch's caching
+    allocator (c10/cuda/CUDACachingAllocator.cpp) cudaMallocs a new segment sized for the request when no
+    free block is big enough and never merges segments, so a decode whose tensors grow layer by layer
+    leaves one segment per growing size; the first capture (most tokens) made them all, the later ones
+    fit. Hence `reserve_bytes` (`pool_reserve_bytes`): the first capture allocates and frees one segment of
+    the activations + POOL_ALLOWANCE before it decodes, and every later allocation splits a block of it:
+    with 520 MiB the pool was that segment and the small pool's 4 x 2 MiB, 528 MiB, and no later capture
+    grew it (426-470 MiB still needed a separate 122 MiB segment for the workspace: fragmentation inside
+    the segment). The allowance is absolute (measured at full size), so the test checkpoint's pool is
+    mostly allowance;
   - nothing per stream: every graph is warmed up and captured on one given stream (the LM's capture
     stream). The first version took a fresh side stream per graph (PyTorch hands out 32 in turn), and
     PyTorch gives each (thread, stream) pair that runs cuBLAS a workspace of its own (32 MiB on Hopper)
@@ -32,7 +44,7 @@ A replay's output is a view of the shared buffer: the next replay (of any shape)
 host's copy of `valid` is reused likewise. Every caller reads the audio back to the host (a sync) before
 the next vocoder call (`streaming._decode_group`, warm-up), which is what makes both safe.
 
-Default: `engine.VOCODER_GRAPHS_DEFAULT`, off until measured on a GPU since the memory fix (on with
+Default: `engine.VOCODER_GRAPHS_DEFAULT`, off until measured on a GPU since the memory fix and the reserve (on with
 `SparkTTSEngine.load(vocoder_graphs=True)`, VOICED_SPARK_VOCODER_GRAPHS=1, `voiced bench e2e
 --vocoder-graphs`). Measured on an H200 (docs/BENCHMARKS.md, issue 26) before the memory fix: replay
 equals the eager decode bit for bit, and the TTS's first chunk at 128 callers fell from 607 to 170 ms p50.
@@ -107,15 +119,29 @@ def activation_bytes(codec: BiCodec, shapes: list[tuple[int, int]]) -> int:
 
 
 SEGMENT_GRANULE = 2 * 2**20  # a segment of 10 MiB or more is cudaMalloc'd in multiples of this
-CONV_WORKSPACE_ALLOWANCE = 128 * 2**20  # provisional, until measured
+# Measured allowance (scripts/probe_vocoder_pool.py, H100, torch 2.11.0+cu130, cuDNN 9.19, full-size BiCodec
+# bf16, 2026-11-27; docs/probe_vocoder_pool_h100_2026-11-27.jsonl): what one segment needs beyond the largest
+# decode's live tensors (304.5 MiB on the meta device). cuDNN takes 120.5 MiB of convolution workspace through
+# PyTorch's allocator for each 7-tap Conv1d over [16, 192, 10240] (and [16, 96, 20480]); the capture's
+# allocated peak was 425.3 MiB; and inside one segment the freed blocks fragment: a 426, 440 or 470 MiB
+# reserve still needed a separate 122 MiB segment for that workspace, a 520 MiB one held everything.
+POOL_ALLOWANCE = 520 * 2**20 - 304 * 2**20
+# Allocations under 1 MiB come from the allocator's small pool, 2 MiB segments that a large segment never
+# serves: the probe's pool held 4 of them with every reserve.
+SMALL_SEGMENTS = 4 * 2 * 2**20
 
 
 def pool_reserve_bytes(codec: BiCodec, shapes: list[tuple[int, int]]) -> int:
-    """The one segment the graphs' pool is made of (`VocoderGraphs(reserve_bytes=...)`): the largest
-    captured decode's activations (`activation_bytes`) and the convolution workspace cuDNN takes through
-    PyTorch's allocator while they are live (CONV_WORKSPACE_ALLOWANCE), in whole segment granules."""
-    n = activation_bytes(codec, shapes) + CONV_WORKSPACE_ALLOWANCE
+    """The one large segment the graphs' pool is made of (`VocoderGraphs(reserve_bytes=...)`): the largest
+    captured decode's activations (`activation_bytes`, meta device) and POOL_ALLOWANCE (cuDNN's convolution
+    workspace and fragmentation, measured), in whole segment granules."""
+    n = activation_bytes(codec, shapes) + POOL_ALLOWANCE
     return -(-n // SEGMENT_GRANULE) * SEGMENT_GRANULE
+
+
+def pool_bytes_planned(codec: BiCodec, shapes: list[tuple[int, int]]) -> int:
+    """What the pool holds for good with that reserve: the segment and the small pool's (the plan's row)."""
+    return pool_reserve_bytes(codec, shapes) + SMALL_SEGMENTS
 
 
 class _SharedIO:

@@ -117,7 +117,16 @@ def capture_vocoder_graphs(engine, shapes: list[tuple[int, int]]):
         if graphs is not None:  # a warm-up with longer chunks: recapture all, into buffers sized for them
             shapes = sorted(set(shapes) | set(graphs.graphs))
             engine.codec._graphs = graphs = None  # the old graphs and their pool go before the new capture
-        graphs = VocoderGraphs(engine.codec, shapes, engine.lm.capture_stream())
+        import torch
+
+        from .bicodec import BiCodec
+        from .vocoder_graphs import pool_reserve_bytes
+
+        dtype = next(engine.codec.parameters()).dtype
+        with torch.device("meta"):  # the plan's reserve (memory_plan.plan), from the same configs
+            meta = BiCodec(engine.codec.config).to(dtype).eval().requires_grad_(False)
+        graphs = VocoderGraphs(engine.codec, shapes, engine.lm.capture_stream(),
+                               reserve_bytes=pool_reserve_bytes(meta, shapes))
         engine.codec._graphs = graphs
         graphs.stats = {"graphs": len(graphs.graphs), "capture_s": round(graphs.capture_s, 2),
                         "io_mib": round(graphs.io_bytes() / 2**20, 2),
