@@ -18,7 +18,7 @@ What they hold, and why no more (`held_bytes`, `activation_bytes`; the memory pl
   - one memory pool for all graphs, which therefore ends each capture with nothing live in it: the next
     capture reuses the same memory. Sharing is safe because replays run one at a time on one stream.
     What the pool holds (measured on an H100, 2026-11-27, torch 2.11.0+cu130, cuDNN 9.19, full-size
-    BiCodec bf16, 91 shapes; scripts/probe_vocoder_pool.py, docs/probe_vocoder_pool_h100_2026-11-27.jsonl):
+    BiCodec bf16, 91 shapes; voiced/bench/vocoder_pool.py, docs/bench/vocoder-pool-h100-2026-11-27.jsonl):
     left to itself, 772 MiB in 17 segments for an allocated peak of 425.3 MiB (the plan had said 304.5):
     (1) cuDNN takes 120.5 MiB of convolution workspace through PyTorch's allocator for each 7-tap Conv1d
     over [16, 192, 10240] / [16, 96, 20480] (invisible on the meta device), and (2) PyTorch's caching
@@ -119,8 +119,8 @@ def activation_bytes(codec: BiCodec, shapes: list[tuple[int, int]]) -> int:
 
 
 SEGMENT_GRANULE = 2 * 2**20  # a segment of 10 MiB or more is cudaMalloc'd in multiples of this
-# Measured allowance (scripts/probe_vocoder_pool.py, H100, torch 2.11.0+cu130, cuDNN 9.19, full-size BiCodec
-# bf16, 2026-11-27; docs/probe_vocoder_pool_h100_2026-11-27.jsonl): what one segment needs beyond the largest
+# Measured allowance (voiced/bench/vocoder_pool.py, H100, torch 2.11.0+cu130, cuDNN 9.19, full-size BiCodec
+# bf16, 2026-11-27; docs/bench/vocoder-pool-h100-2026-11-27.jsonl): what one segment needs beyond the largest
 # decode's live tensors (304.5 MiB on the meta device). cuDNN takes 120.5 MiB of convolution workspace through
 # PyTorch's allocator for each 7-tap Conv1d over [16, 192, 10240] (and [16, 96, 20480]); the capture's
 # allocated peak was 425.3 MiB; and inside one segment the freed blocks fragment: a 426, 440 or 470 MiB

@@ -1,7 +1,7 @@
 """GPU probe: what the vocoder graphs' pool holds at full size (BiCodec's published size, random weights,
 bf16, the 91 default shapes), and what decides it. Run on a GPU from the repository root:
 
-    PYTHONPATH=$PWD python3 scripts/probe_vocoder_pool.py
+    PYTHONPATH=$PWD python3 -m voiced.bench.vocoder_pool
 
 Each line is one fresh process (the allocator's state matters):
   ops      the eager decode of the largest shape, op by op: each op's transient beyond its inputs and output
@@ -14,6 +14,7 @@ Each line is one fresh process (the allocator's state matters):
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -124,9 +125,9 @@ if __name__ == "__main__":
     if len(sys.argv) > 1:
         print(json.dumps(ops() if sys.argv[1] == "ops" else capture(sys.argv[2])), flush=True)
     else:
-        runs = [["ops"], ["capture", "0"], ["capture", "plan"]] + [["capture", r] for r in sys.argv[1:] or ()]
-        extra = [a for a in __import__("os").environ.get("PROBE_RESERVES", "").split(",") if a]
-        runs += [["capture", r] for r in extra]
+        runs = [["ops"], ["capture", "0"], ["capture", "plan"]]
+        runs += [["capture", r] for r in os.environ.get("PROBE_RESERVES", "").split(",") if r]
         for args in runs:
-            p = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True)
+            p = subprocess.run([sys.executable, "-m", "voiced.bench.vocoder_pool", *args], capture_output=True,
+                               text=True)
             print(p.stdout.strip() or f"{args}: rc {p.returncode}\n{p.stderr[-3000:]}", flush=True)
