@@ -137,7 +137,8 @@ def bounds(eagerness: str) -> Bounds:
 # the exception is the rule's, not a word's:
 # - wh-words end questions ("Can you tell me why?"), and so do prepositions stranded by one ("Where are
 #   you from?", "Who did you go with?"): a question that asks no wh-word does not end on a preposition
-#   (Whisper puts a question mark on anything that opens with an auxiliary: "Is it open after?");
+#   (Whisper puts a question mark on anything that opens with an auxiliary: "Can I pay with?"; "after" is
+#   not listed: it also ends sentences as an adverb, "I will call you after.");
 # - bare auxiliaries, subject pronouns and "to" end short answers ("Yes, I do.", "So do I.",
 #   "I'd love to."): only in a text longer than three words, or one that opens with an auxiliary
 #   (a question still waiting for its verb or object: "Can I have").
