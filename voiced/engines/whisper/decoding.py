@@ -41,7 +41,7 @@ class Suppression:
     """Per-model suppression: the always-suppressed ids as a vocabulary mask, and the blank ids."""
 
     always: Tensor  # bool [vocab]
-    blank: list[int]  # " " and <|endoftext|>: never the first sampled token
+    blank: Tensor  # long: " " and <|endoftext|>, never the first sampled token (on the device, made once)
 
     @classmethod
     def build(cls, tok: WhisperTokenizer, n_vocab: int, device: torch.device | str) -> Suppression:
@@ -51,7 +51,7 @@ class Suppression:
         ids |= {tok.transcribe, tok.translate, tok.sot, tok.sot_prev, tok.sot_lm, tok.no_speech}
         mask = torch.zeros(n_vocab, dtype=torch.bool)
         mask[sorted(ids)] = True
-        return cls(mask.to(device), tok.encode(" ") + [tok.eot])
+        return cls(mask.to(device), torch.tensor(tok.encode(" ") + [tok.eot], dtype=torch.long, device=device))
 
 
 @dataclass
