@@ -83,7 +83,8 @@ GLOBAL_PHASE_LIMIT = N_GLOBAL + 64  # a controllable prompt that has not produce
 SPEAKER_CACHE = 64  # speaker vectors kept (see SparkTTSEngine._speaker)
 PHASES = ("prefill", "decode", "vocode")
 # The vocoder's CUDA graphs (vocoder_graphs.py) on a GPU unless VOICED_SPARK_VOCODER_GRAPHS says otherwise.
-# Off until measured on a GPU since their memory fix (issue 26: within the plan, bit for bit the eager decode).
+# Off until their pool's allowance is checked beyond one H100 and the daemon's plan test ran with them on
+# (vocoder_graphs.py's docstring has what was measured).
 VOCODER_GRAPHS_DEFAULT = False
 
 
