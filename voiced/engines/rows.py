@@ -26,8 +26,13 @@ def to_device(values: Sequence, device: torch.device | str) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long)
     if STAGING_RING:
         return _ring(torch.device(device)).send(np.ascontiguousarray(values, dtype=np.int64), device)
-    # pin_memory() copies into a pinned block; torch.tensor(..., pin_memory=True) refuses numpy input.
-    return torch.tensor(values, dtype=torch.long).pin_memory().to(device, non_blocking=True)
+    return _pinned_copy(torch.tensor(values, dtype=torch.long), device)
+
+
+def _pinned_copy(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """`t` (on the host) on `device` through a pinned block of the caching host allocator, without a sync.
+    pin_memory() copies into the block; torch.tensor(..., pin_memory=True) refuses numpy input."""
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 # `to_device` through `_PinnedRing`: on unless VOICED_PINNED_STAGING_RING=0 (read at import); the GPU suite
@@ -64,8 +69,7 @@ class _PinnedRing:
                 out = self.blocks[i][:n].view(values.shape).to(device, non_blocking=True)
                 self.events[i].record(torch.cuda.current_stream(device))  # where the copy was queued
                 return out
-        # pin_memory() copies into a pinned block; torch.tensor(..., pin_memory=True) refuses numpy input.
-        return torch.from_numpy(values).pin_memory().to(device, non_blocking=True)
+        return _pinned_copy(torch.from_numpy(values), device)
 
 
 _rings: dict[torch.device, _PinnedRing] = {}

@@ -240,7 +240,7 @@ class VocoderGraphs:
 
     def pool_bytes(self) -> int:
         """What the graphs' pool holds on the device (its segments; nothing in them is live between
-        replays): what `activation_bytes` plans."""
+        replays): what `pool_bytes_planned` plans."""
         return sum(seg["total_size"] for seg in torch.cuda.memory_snapshot()
                    if tuple(seg.get("segment_pool_id") or ()) == tuple(self.pool))
 

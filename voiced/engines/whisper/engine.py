@@ -369,7 +369,6 @@ class WhisperEngine:
         (SOT sequences, encoder-batch buckets) from CUDA graphs captured at warm-up; None: on, unless
         VOICED_WHISPER_PREFILL_GRAPHS=0. cross_in_encoder: every decoder layer's cross keys/values made in
         the encoder's pass (its graph) on a GPU; None: on, unless VOICED_WHISPER_CROSS_IN_ENCODER=0.
-        the encoder's pass (its graph) on a GPU; None: off, unless VOICED_WHISPER_CROSS_IN_ENCODER=1.
         chunk_graphs: on a GPU with cuda_graphs, a whole chunk of `decode_chunk` greedy steps (with their
         history writes) replayed as one CUDA graph per batch bucket, captured at warm-up, instead of one
         replay and two writes per step (the served tokens are the same bits); a chunk cut short by a row's
@@ -920,9 +919,10 @@ class WhisperEngine:
                                                            self.alignment_heads)
         n = len(prefix)
         probs = logits[n - 1:n - 1 + len(text), :tok.eot].softmax(dim=-1)
-        token_probs = probs.gather(1, to_device(text, dev)[:, None])[:, 0].tolist()
+        token_probs = probs.gather(1, to_device(text, dev)[:, None])[:, 0]
         # Over the text tokens and end-of-text (timestamps and other specials cannot follow here).
-        end_prob = float(logits[n - 1 + len(text), :tok.eot + 1].float().softmax(dim=-1)[tok.eot])
+        end = logits[n - 1 + len(text), :tok.eot + 1].float().softmax(dim=-1)[tok.eot]
+        *token_probs, end_prob = torch.cat([token_probs.float(), end[None]]).tolist()  # one readback
         per_segment = word_timings(tok, language or "en", spans, scores, token_probs, n,
                                    audio.shape[0] // HOP_LENGTH)
         return per_segment, fit_to_pauses([w for seg in per_segment for w in seg], audio), end_prob

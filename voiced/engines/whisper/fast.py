@@ -16,9 +16,9 @@ per step is what counts there):
   `attn_backend`; the decoder step keeps `decode_attention_kernels`, as the reference step does;
 * on a GPU both run as CUDA graphs, one per batch-size bucket (`CudaGraphs`): the encoder through
   `FastEncoder.run`, the decoder step (this one or the modules') through `DecoderSteps`, which owns
-  the static per-row inputs a graph reads (with the engine's `chunk_graphs`, off by default, also a
-  whole chunk of greedy steps and their history writes as one graph). Given the decoder (the engine's `cross_in_encoder`, off by
-  default), the encoder's pass, graphed or not, also projects its features to every decoder layer's
+  the static per-row inputs a graph reads (with the engine's `chunk_graphs`, on by default, also a
+  whole chunk of greedy steps and their history writes as one graph). Given the decoder (the engine's
+  `cross_in_encoder`, on by default), the encoder's pass, graphed or not, also projects its features to every decoder layer's
   cross-attention keys/values (`FastEncoder.project_cross`, the modules' own Linear calls), into one
   buffer the engine copies into its cache with one call per tensor.
 
