@@ -50,10 +50,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gzip
 import json
 import logging
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -194,8 +196,9 @@ class EngineProfile:
     ranges around the StepTimer's parts). Started and stopped on the engine thread itself, between
     steps, so it records exactly that thread's work."""
 
-    def __init__(self, thread, seconds: float, out_dir: Path, label: str):
+    def __init__(self, thread, seconds: float, out_dir: Path, label: str, trace: bool = False):
         self.thread, self.seconds, self.out_dir, self.label = thread, seconds, out_dir, label
+        self.trace = trace  # also the timeline: every thread's ops and every stream's kernels (trace-LABEL.json.gz)
         self.prof = None
 
     def start_after(self, delay_s: float) -> threading.Timer:
@@ -221,6 +224,12 @@ class EngineProfile:
             for key in ("cpu_time_total", "self_cpu_time_total", "self_cuda_time_total")
             if key != "self_cuda_time_total" or torch.cuda.is_available())
         (self.out_dir / f"profile-{self.label}.txt").write_text(text)
+        if self.trace:
+            raw = self.out_dir / f"trace-{self.label}.json"
+            self.prof.export_chrome_trace(str(raw))
+            with open(raw, "rb") as f, gzip.open(f"{raw}.gz", "wb") as z:
+                shutil.copyfileobj(f, z)
+            raw.unlink()
         log.info("engine profile of %s written to %s", self.label, self.out_dir)
 
 
@@ -533,6 +542,9 @@ def main(argv: list[str] | None = None) -> dict:
                     help="capture a torch.profiler table of the engine thread in the middle of these levels "
                          "(profile-FRONT-N.txt beside --out)")
     ap.add_argument("--profile-seconds", type=float, default=3.0)
+    ap.add_argument("--profile-trace", action="store_true",
+                    help="with --profile-level: also write the profile's timeline (trace-FRONT-N.json.gz, Chrome/"
+                         "Perfetto format; `python -m voiced.bench.trace_summary` reads it)")
     ap.add_argument("--gil-profile-level", type=int, nargs="*", default=[], metavar="N",
                     help="sample which thread holds the GIL with py-spy in the middle of these levels (the "
                          "level's 'gil' entry; raw stacks gil-OUT-FRONT-N-*.txt beside --out)")
@@ -592,7 +604,7 @@ def main(argv: list[str] | None = None) -> dict:
         timer = None
         if n in args.profile_level:
             profile = EngineProfile(server.services.asr.thread, args.profile_seconds,
-                                    (args.out or Path("e2e.json")).parent, f"{front}-{n}")
+                                    (args.out or Path("e2e.json")).parent, f"{front}-{n}", trace=args.profile_trace)
             timer = profile.start_after(args.duration / 2 - args.profile_seconds / 2)
         gil = None
         if n in args.gil_profile_level:
