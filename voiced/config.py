@@ -132,6 +132,10 @@ class EnginesConfig:
     # transients may then coexist, and the memory plan counts both). "auto": separate on a GPU,
     # shared on the CPU (where two threads would only fight over the same cores), the default.
     threads: str = "auto"
+    # "inline": the engines run in the daemon's process (the default); "separate": in a child process
+    # of their own, so the event loop's Python (every caller's frames) and the engine threads' do not
+    # share one GIL (voiced.engine_process).
+    process: str = "inline"
 
 
 @dataclass
@@ -199,6 +203,8 @@ class Config:
             raise ConfigError(str(e)) from None
         if self.engines.threads not in ENGINE_THREADS:
             raise ConfigError(f"engines.threads is {self.engines.threads!r}; use {', '.join(ENGINE_THREADS)}")
+        if self.engines.process not in ENGINE_PROCESS:
+            raise ConfigError(f"engines.process is {self.engines.process!r}; use {', '.join(ENGINE_PROCESS)}")
         if self.asr.backend not in BACKENDS or self.tts.backend not in BACKENDS:
             raise ConfigError(f"backend must be one of {', '.join(BACKENDS)}")
         for key in ("server.idle_timeout_s", "server.max_session_s", "agent.reply_timeout_s"):
@@ -221,6 +227,7 @@ class Config:
 
 SECTIONS = [f.name for f in dataclasses.fields(Config)]
 ENGINE_THREADS = ("auto", "shared", "separate")
+ENGINE_PROCESS = ("inline", "separate")
 
 
 def _coerce(kind: type, value: Any, where: str) -> Any:
