@@ -168,8 +168,7 @@ def pause_evidence(evidence: turns.Evidence, result: Transcript, speech_end_s: f
     return replace(evidence, text=judged, fresh=True, sounding=stalled,
                    doubtful=bool(text.strip()) and turns.doubted(result.words, speech_end_s),
                    # Whisper's end-of-text follows its whole text, not the words judged without their last one
-                   end_p=result.end_prob if judged == text else None,
-                   last_p=result.words[-1].probability if judged == text and result.words else None), text
+                   end_p=result.end_prob if judged == text else None), text
 
 
 class Session:

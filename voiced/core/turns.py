@@ -305,7 +305,6 @@ class Evidence:
     doubtful: bool = False  # Whisper doubts the last word, as one it may have made up (`doubted`)
     end_p: float | None = None  # Whisper's probability of end-of-text after `text` (None: not known)
     sounding: bool = False  # a pause the words found: the line still sounds (the VAD calls it speech)
-    last_p: float | None = None  # Whisper's probability of the last word of `text` (None: not known)
 
     def wait_ms(self, b: Bounds) -> int:
         """The silence after which this turn ends (module docstring's table)."""
