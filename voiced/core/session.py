@@ -166,7 +166,7 @@ def pause_evidence(evidence: turns.Evidence, result: Transcript, speech_end_s: f
     text = "" if result.is_hallucination and not keep_hallucinations else result.text
     judged = turns.judged_text(text, result.words, speech_end_s)
     return replace(evidence, text=judged, fresh=True, sounding=stalled,
-                   doubtful=bool(text.strip()) and turns.doubted(result.words, speech_end_s),
+                   doubtful=bool(text.strip()) and turns.doubted(result.words),
                    # Whisper's end-of-text follows its whole text, not the words judged without their last one
                    end_p=result.end_prob if judged == text else None), text
 
@@ -627,7 +627,7 @@ class Session:
             p = (await loop.run_in_executor(None, self.turn_model.predict, [clip]))[0]
         except Exception:  # the model is an aid: without its answer the words and the silence decide
             log.exception("session %s: the end-of-turn model failed", self.spec.session_id)
-            p = 0.0  # "unsure": finished words then wait `unsure_ms`, not the upper bound
+            p = 0.0  # "incomplete": finished words then wait `audio_ms`, not the upper bound
         pause.model_s = time.monotonic() - t0
         pause.evidence = replace(pause.evidence, p_complete=p)
         await self._maybe_end_turn()
