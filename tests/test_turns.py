@@ -120,20 +120,22 @@ def test_a_number_read_out_waits_as_long_as_a_doubt_whatever_the_audio_and_the_d
     assert Evidence(0.99, number + ".", fresh=False, end_p=0.99).wait_ms(b) == b.max_ms  # stale
 
 
-def test_a_doubted_last_word_is_one_whisper_gives_under_last_p_wherever_it_began():
+def test_a_doubted_last_word_is_one_whisper_gives_under_last_p_and_did_not_hear_for_a_second():
     from voiced.engines.base import Word
 
     made_up = [Word("I", 0.3, 0.5, 0.9), Word("will", 0.5, 0.8, 0.9), Word("care,", 0.9, 1.0, 0.3),
                Word("Kevin.", 1.10, 1.12, 0.05)]
-    assert turns.doubted(made_up)  # a sliver of sound at the pause's edge
+    assert turns.doubted(made_up, 1.26)  # a sliver of sound at the pause's edge
     # "I would like to book a table for it." for "... a table for | two people": a whole-looking
-    # sentence, its last word given 0.63 by tiny.en at the pause; under LAST_P it is doubted even
-    # where it had sound
-    assert turns.doubted([Word("for", 1.4, 1.6, 0.95), Word("it.", 1.6, 1.9, 0.63)])
-    assert turns.doubted([Word("ends", 2.6, 2.9, 0.9), Word("in", 2.9, 3.1, 0.9), Word("77880", 3.18, 4.82, 0.44)])
-    assert not turns.doubted([Word("Kevin.", 1.10, 1.12, 0.9)])  # a sure word
-    assert not turns.doubted([Word("lunch.", 1.10, 1.4, turns.LAST_P)])
-    assert not turns.doubted([])
+    # sentence, its last word given 0.63 by tiny.en at the pause: under LAST_P, and begun under
+    # HEARD_S before the voice stopped
+    assert turns.doubted([Word("for", 1.4, 1.6, 0.95), Word("it.", 1.6, 1.9, 0.63)], 1.9)
+    # A number Whisper heard for over a second and spelled unsure of: the words are what was said.
+    heard = [Word("ends", 2.6, 2.9, 0.9), Word("in", 2.9, 3.1, 0.9), Word("77880", 3.18, 4.82, 0.44)]
+    assert not turns.doubted(heard, speech_end_s=5.28) and turns.doubted(heard, speech_end_s=3.18 + turns.HEARD_S / 2)
+    assert not turns.doubted([Word("Kevin.", 1.10, 1.12, 0.9)], 1.26)  # a sure word
+    assert not turns.doubted([Word("lunch.", 1.10, 1.4, turns.LAST_P)], 1.4)
+    assert not turns.doubted([], 1.0)
     b = MEDIUM
     assert Evidence(0.95, "They can repair them.", fresh=True, end_p=0.98, doubtful=True).wait_ms(b) == b.doubt_ms
 

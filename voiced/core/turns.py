@@ -113,6 +113,7 @@ END_P = 0.5  # Whisper's end-of-text probability at which the decoder says the t
 DOUBTFUL_P = 0.5
 ALIGN_SLACK_S = 0.1  # word times come from cross-attention: this close to the end of speech is "at it"
 LAST_P = 0.7  # a last word Whisper gives less than this may be one it made up at the pause: a doubt
+HEARD_S = 1.0  # a last word that began this long before the voice stopped was heard, not made up (None: off)
 
 
 @dataclass(frozen=True)
@@ -283,10 +284,13 @@ def talking(text: str, hallucination: bool, before: tuple[str, ...] = ()) -> tup
     return words if words and words != before else ()
 
 
-def doubted(words: list) -> bool:
+def doubted(words: list, speech_end_s: float) -> bool:
     """Whether Whisper doubts the last word (voiced.engines.base.Word) as one it may have made up at
-    the pause: its probability is under LAST_P."""
-    return bool(words) and words[-1].probability < LAST_P
+    the pause: its probability is under LAST_P (and, where HEARD_S is set, it began less than HEARD_S
+    before the voice stopped, `speech_end_s`, in the same clip's seconds)."""
+    if not words or words[-1].probability >= LAST_P:
+        return False
+    return HEARD_S is None or words[-1].start_s > speech_end_s - HEARD_S
 
 
 def judged_text(text: str, words: list, speech_end_s: float) -> str:
