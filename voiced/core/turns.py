@@ -36,29 +36,33 @@ A number read out ("... ends in four five | seven two") is the one unfinished en
 sentences: no rule on the words knows whether more digits come, so it waits `doubt_ms` (at medium
 2.2 s, long enough for the pause between two groups of digits) whatever the audio and the decoder
 say: on the bench's espeak-ng callers neither told a finished reading from a paused one (Smart Turn
-0.01-0.97 on both), and waiting the bound (4 s) for every finished reading held the p90 at 4 s.
+0.01-0.97 on both), and the bound (4 s) that every reading they did not both call finished waited held
+the p90 of most sets at 4 s; no paused reading in them waited more than 2 s between its groups.
 
 Eagerness sets the five (OpenAI's semantic_vad waits at most 8 / 4 / 2 s at low / medium / high).
 People pause mid-sentence for up to about 2 s, so at medium an unfinished text waits 4 s, and a text
-whose last word Whisper doubts (probability under LAST_P) waits that 2 s and the time to hear the
-voice come back (the segmenter's RESUME_MS and the VAD's onset): 2.2 s. Such a word is often
-one Whisper made up from the end of half a sentence ("I will care, Kevin." for "I will cancel the";
-"I would like to book a table for it." for "... a table for | two people"), and a full stop after it says nothing. A word
-Whisper gives less than LAST_P (0.7) is doubted wherever it began: on the bench's espeak-ng sets
-(real tiny.en) the words Whisper filled a pause with were given 0.05-0.7, and the ones it heard for
-half a second and spelled unsure of (a name, a number, espeak-ng's odd vowels) cannot be told from
-them by their times either (session 10: exempting words that began HEARD_S = 0.5 s before the voice
-stopped let 2 more of 84 fresh pausing callers be cut off and ended no finished turn sooner on the
-median). The threshold is the trade: 0.5 cut off 10 of 36 pausing callers on dev seeds 0-2, 0.7
-cut off 6 with the same median; 0.75 and over cut off fewer but held the median finished sentence
-(0.5-1.3 s), because most last words of finished espeak-ng sentences are given 0.7-1.0.
+whose last word Whisper doubts waits that 2 s and the time to hear the voice come back (the
+segmenter's RESUME_MS and the VAD's onset): 2.2 s. Such a word is often one Whisper made up from the
+end of half a sentence ("I will care, Kevin." for "I will cancel the"; "I would like to book a table
+for it." for "... a table for | two people"), and a full stop after it says nothing. Whisper doubts
+it (`doubted`) where it gives it less than LAST_P (0.7) and it began less than HEARD_S (1 s) before
+the voice stopped: a word made up at a pause gets the sliver of sound at the pause's edge, where a word
+Whisper heard and spelled unsure of (a long number, a name, espeak-ng's odd vowels) sits on a second or
+more of the caller's sound. Both are trades, measured in session 10 (the offline replay, 30 ms decode,
+espeak-ng sets of 24 callers, dev seeds 0-2 and held-out 3-4; docs/BENCHMARKS.md): with real tiny.en,
+LAST_P 0.5 cut off 10 of 36 pausing dev callers, 0.6 7, 0.7 6 at the same median (216 ms); 0.75 and
+0.8 cut off 4 but held the median dev caller 370-580 ms, most finished espeak-ng sentences' last words
+being given 0.7-1.0. With base (multilingual), HEARD_S 0.5 (session 9's) cut off 12 of 36 pausing dev
+callers; no exemption cut off 5 of 36 and 5 of 24 but held the pooled held-out median at 2.1 s; 1 s
+cut off 5 and 5 with pooled medians of 216 / 219 ms (base gives many of espeak-ng's last words 0.3-0.7:
+its own medians on seeds 1 and 3 still sit at 2.2 s).
 
 The audio model (Smart Turn v3) is asked at every pause, but at medium and high eagerness its
 "incomplete" alone no longer holds finished words Whisper is sure of (`audio_ms`): on espeak-ng
 callers it called most finished sentences incomplete (p 0.01-0.3) and agreed with half sentences
 ("Could you tell my accountant that?": 0.69) as often, so its vote cost every such finished caller
-400 ms (the old end-of-turn p50, ~610 ms) and kept 1 of 60 pausing callers (dev and held-out seeds)
-from being cut off. At low eagerness it still holds them `unsure_ms`.
+400 ms (the old end-of-turn p50, ~610 ms) and kept 1 of 60 pausing callers (dev and held-out seeds,
+tiny.en) from being cut off. At low eagerness it still holds them (`audio_ms` = `unsure_ms`).
 
 The words are read with their probabilities and times: a doubtful last word placed after the voice
 stopped does not make unfinished words finished (`judged_text`). Text from an earlier (interim)
