@@ -381,8 +381,8 @@ def test_a_finished_sentence_ends_well_within_the_bound(daemon, sentence):
     ended = [e.speech.offset_ms for e in of_kind(events, "speech") if e.speech.type == pb.SpeechActivity.SPEECH_ENDED]
     after_speech_ms = ended[0] - (len(lead) + len(speech)) / RATE * 1000
     # The words are finished: the turn ends once the transcript is in (a few hundred ms on an idle
-    # 2-core CPU, more on a loaded one) and at most the model's doubt later, not at the 4 s bound an
-    # unfinished text waits for.
+    # 2-core CPU, more on a loaded one; the audio model's doubt alone adds nothing at medium), not at
+    # the 4 s bound an unfinished text waits for.
     assert turns.PAUSE_MS <= after_speech_ms < MEDIUM.max_ms - 500, after_speech_ms
     assert_turn_ends_before_its_answer(events)
 
@@ -390,7 +390,7 @@ def test_a_finished_sentence_ends_well_within_the_bound(daemon, sentence):
 @pytest.mark.slow
 def test_a_finished_sentence_that_ends_on_a_number_read_out_ends_well_before_the_bound(daemon):
     # The words alone cannot know no more digits come (before: every such turn waited the 4 s bound);
-    # here Smart Turn hears a finished turn and Whisper would end the text after the last digit.
+    # a number read out waits `doubt_ms`, long enough for a pause between two groups of digits.
     lead, speech = _silence(0.5), phrase("Please call me back on seven two eight three.")
     requests = paced(converse("spy"), lead, speech, _silence(MEDIUM.max_ms / 1000 + 0.5))
     events, code, details = stream_blocking(daemon.address, requests, "Converse")
