@@ -4,6 +4,7 @@ espeak-ng speech over gRPC stubs generated from proto/."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -31,8 +32,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory):
+def _health(address: str):
+    with grpc.insecure_channel(address) as channel:
+        try:
+            return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5).status
+        except grpc.RpcError:
+            return None
+
+
+@contextlib.contextmanager
+def _serve(tmp_path_factory):
+    """`voiced serve` with its engines in a process of their own, once SERVING: (daemon, address, engine
+    process's pid, log)."""
     need_espeak()
     spark = cached_spark_checkpoint(tmp_path_factory)
     port = _free_port()
@@ -45,23 +56,22 @@ def served(tmp_path_factory):
                                 stdout=out, stderr=subprocess.STDOUT, env=env)
     address = f"127.0.0.1:{port}"
     try:
-        with grpc.insecure_channel(address) as channel:
-            health = health_pb2_grpc.HealthStub(channel)
-            deadline = time.monotonic() + 300
-            while True:
-                try:
-                    if health.Check(health_pb2.HealthCheckRequest()).status == health_pb2.HealthCheckResponse.SERVING:
-                        break
-                except grpc.RpcError:
-                    pass
-                assert time.monotonic() < deadline and proc.poll() is None, log.read_text()
-                time.sleep(0.2)
+        deadline = time.monotonic() + 300
+        while _health(address) != health_pb2.HealthCheckResponse.SERVING:
+            assert time.monotonic() < deadline and proc.poll() is None, log.read_text()
+            time.sleep(0.2)
         child = int(re.search(r"engines serve from process (\d+)", log.read_text()).group(1))
         yield proc, address, child, log
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    with _serve(tmp_path_factory) as daemon:
+        yield daemon
 
 
 def _alive(pid: int) -> bool:
@@ -98,3 +108,23 @@ def test_sigterm_stops_the_daemon_and_its_engine_process(served):
         assert time.monotonic() < deadline, f"the engine process {child} outlived the daemon"
         time.sleep(0.1)
     assert "Traceback" not in log.read_text(), log.read_text()
+
+
+def test_an_engine_process_that_dies_takes_the_server_out_of_service_with_a_clear_word(tmp_path_factory):
+    """The engines' process killed (a driver fault, the OOM killer): health says NOT_SERVING, so a load
+    balancer moves callers on; a new call is refused UNAVAILABLE saying the server needs a restart; the
+    daemon itself stays up and still stops cleanly."""
+    with _serve(tmp_path_factory) as (proc, address, child, log):
+        os.kill(child, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while _health(address) != health_pb2.HealthCheckResponse.NOT_SERVING:
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.1)
+        lay = layout(["Hello there."], tail_s=0.8)
+        cfg = session_config(FMT)
+        events, code, details = stream_blocking(address, audio_requests(cfg, wire_audio(lay.audio, FMT), FMT),
+                                                "Converse", timeout=30)
+        assert code == grpc.StatusCode.UNAVAILABLE and "engine process has stopped" in details, (code, details)
+        assert proc.poll() is None
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0, log.read_text()

@@ -132,10 +132,11 @@ class EnginesConfig:
     # transients may then coexist, and the memory plan counts both). "auto": separate on a GPU,
     # shared on the CPU (where two threads would only fight over the same cores), the default.
     threads: str = "auto"
-    # "inline": the engines run in the daemon's process (the default); "separate": in a child process
-    # of their own, so the event loop's Python (every caller's frames) and the engine threads' do not
-    # share one GIL (voiced.engine_process).
-    process: str = "inline"
+    # "inline": the engines run in the daemon's process; "separate": in a child process of their own,
+    # so the event loop's Python (every caller's frames) and the engine threads' do not share one GIL
+    # (voiced.engine_process); "auto": separate on a GPU (ahead at 16, 64 and 128 callers on an H100,
+    # docs/BENCHMARKS.md), inline on the CPU, the default. There "auto" threads are shared.
+    process: str = "auto"
 
 
 @dataclass
@@ -227,7 +228,7 @@ class Config:
 
 SECTIONS = [f.name for f in dataclasses.fields(Config)]
 ENGINE_THREADS = ("auto", "shared", "separate")
-ENGINE_PROCESS = ("inline", "separate")
+ENGINE_PROCESS = ("auto", "inline", "separate")
 
 
 def _coerce(kind: type, value: Any, where: str) -> Any:

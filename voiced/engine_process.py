@@ -80,6 +80,7 @@ class EngineProcess:
         self.builder, self.arg, self.name = builder, arg, name
         self.workers: dict[str, RemoteWorker] = {}
         self.on_release = None  # EngineThread's hook (heap trims), which happen in the child: unused here
+        self.on_exit: Callable[[], None] | None = None  # called on the reader thread when the child ends unasked
         self._conn = None
         self._proc = None
         self._send_lock = threading.Lock()
@@ -147,12 +148,12 @@ class EngineProcess:
             self.send(("stop",))
         except (OSError, EngineFault):
             pass
+        self._stopped = True  # asked: the reader's end of the pipe is no news
         self._proc.join(timeout)
         if self._proc.is_alive():
             log.warning("the engine process did not stop within %.0f s; terminating it", timeout)
             self._proc.terminate()
             self._proc.join(5)
-        self._stopped = True
 
     def _read(self) -> None:
         """The reader thread: outputs to their callers' queues (on their loops), replies to their calls."""
@@ -175,10 +176,11 @@ class EngineProcess:
                         done.set_exception(error)
                     else:
                         done.set_result(value)
-        if not self._stopped:
-            log.error("the engine process ended (exit status %s); requests in flight fail",
-                      self._proc.exitcode if self._proc is not None else None)
+        unasked = not self._stopped
         self._stopped = True
+        if unasked:
+            self._proc.join(5)
+            log.error("the engine process ended (exit status %s); requests in flight fail", self._proc.exitcode)
         for worker in self.workers.values():
             for request_id in list(worker._sinks):
                 worker._deliver(EngineOutput(request_id, error="the engine process ended; the daemon needs a restart",
@@ -186,6 +188,8 @@ class EngineProcess:
         for done in list(self._calls.values()):
             if not done.done():
                 done.set_exception(EngineFault("the engine process ended"))
+        if unasked and self.on_exit is not None:
+            self.on_exit()
 
 
 class RemoteWorker(EngineWorker):

@@ -213,7 +213,7 @@ def start_server(args):
         if turn_model is None:
             raise SystemExit("voiced bench e2e: --asr-model runs smart turn detection, and no end-of-turn model "
                              "is in the cache (voiced models pull smart-turn-v3-pypi)")
-    if getattr(args, "engine_process", "inline") == "separate":
+    if engine_process(args) == "separate":
         from voiced.engine_process import EngineProcess, RemoteVoices
 
         host = EngineProcess("voiced.bench.e2e_bench:build_engines", args)
@@ -237,7 +237,15 @@ def engine_threads(args) -> str:
     """The engine threading this run uses, resolved as `voiced serve` resolves engines.threads."""
     if args.engine_threads != "auto":
         return args.engine_threads
-    return "shared" if args.tiny_cpu else "separate"
+    return "shared" if args.tiny_cpu or engine_process(args) == "separate" else "separate"
+
+
+def engine_process(args) -> str:
+    """Where this run's engines run, resolved as `voiced serve` resolves engines.process."""
+    chosen = getattr(args, "engine_process", "inline")  # (other benches' namespaces: in this process)
+    if chosen != "auto":
+        return chosen
+    return "inline" if args.tiny_cpu else "separate"
 
 
 class EngineProfile:
@@ -583,9 +591,9 @@ def main(argv: list[str] | None = None) -> dict:
                     help="sys.setswitchinterval for the daemon's process (Python's default: 5 ms)")
     ap.add_argument("--merge-policy", choices=["batch", "step"], default=None,
                     help="the Spark engine's VOCODER_MERGE_POLICY for this run (voiced.engines.spark.vocoder_schedule)")
-    ap.add_argument("--engine-process", choices=["inline", "separate"], default="inline",
-                    help="the engines in the daemon's process or in one of their own, as `voiced serve "
-                         "--engine-process` (engines.process)")
+    ap.add_argument("--engine-process", choices=["auto", "inline", "separate"], default="auto",
+                    help="the engines in the daemon's process or in one of their own; auto: as `voiced serve` "
+                         "(engines.process: separate on a GPU)")
     ap.add_argument("--engine-threads", choices=["auto", "shared", "separate"], default="auto",
                     help="as the daemon's engines.threads: one thread for both engines or one each (auto, the "
                          "default: separate on a GPU, shared with --tiny-cpu)")
@@ -621,9 +629,9 @@ def main(argv: list[str] | None = None) -> dict:
 
     if args.switch_interval_ms:
         sys.setswitchinterval(args.switch_interval_ms / 1e3)
-    if args.engine_process == "separate" and (args.profile_level or args.gil_profile_level):
+    if engine_process(args) == "separate" and (args.profile_level or args.gil_profile_level):
         ap.error("--profile-level and --gil-profile-level sample the engines in this process: not with "
-                 "--engine-process separate")
+                 "--engine-process separate (add --engine-process inline)")
     t_start = time.monotonic()
     addresses, server, loop = start_server(args)
     startup_s = round(time.monotonic() - t_start, 1)
@@ -636,7 +644,7 @@ def main(argv: list[str] | None = None) -> dict:
               "python": platform.python_version(), "asr_dims": args.asr_dims, "asr_tokens": args.asr_tokens,
               "asr_model": args.asr_model or "random", "turn_detection": "smart" if args.asr_model else "silence",
               "reply_seconds": args.reply_seconds, "first_chunk_tokens": args.first_chunk_tokens,
-              "engine_threads": engine_threads(args), "engine_process": args.engine_process, "merge_policy": args.merge_policy or "default",
+              "engine_threads": engine_threads(args), "engine_process": engine_process(args), "merge_policy": args.merge_policy or "default",
               "vocoder_graphs": vocoder_graphs(args), "prefill_graphs": args.prefill_graphs or "default",
               "whisper_chunk_graphs": whisper_chunk_graphs_default(), "switch_interval_s": sys.getswitchinterval(),
               "gc_freeze": not args.no_gc_freeze, "duration_s": args.duration, "startup_s": startup_s,
@@ -700,7 +708,7 @@ def main(argv: list[str] | None = None) -> dict:
     result["door_overhead_ms"] = door_overhead(result["fronts"])
     asyncio.run_coroutine_threadsafe(server.drain_and_stop(grace=0), loop).result(60)
     if not args.tiny_cpu:
-        if args.engine_process == "inline":  # (else the engines' memory went with their process: the levels have it)
+        if engine_process(args) == "inline":  # (else the engines' memory went with their process: the levels have it)
             gpu_memory("serving", args)
             MEMORY["serving"]["peak_gib"] = max(MEMORY["serving"]["peak_gib"], serving_peak)  # levels reset the peak
             result["gpu_memory"] = MEMORY
