@@ -122,17 +122,12 @@ def bench_config(args):
     return config
 
 
-def build_engines(args):
-    """Load and warm both engines as `voiced serve` does, on the threads that will step them, with their
-    steps timed (StepTimer): voiced.engine_process.Built, whose calls give the benchmark what it reads of
-    the engines when they run in a process of their own (--engine-process separate)."""
-    import torch
-
-    from voiced.bench import spark_bench, whisper_bench
+def build_engines(args, names: tuple[str, ...] = ("asr", "tts")):
+    """Load and warm the engines as `voiced serve` does (both, or those `names` says), on the threads that
+    will step them, with their steps timed (StepTimer): voiced.engine_process.Built, whose calls give the
+    benchmark what it reads of the engines when they run in a process of their own (--engine-process)."""
     from voiced.core.scheduler import EngineThread, EngineWorker
     from voiced.engine_process import Built
-    from voiced.engines.whisper.engine import WhisperEngine
-    from voiced.engines.whisper.tokenizer import WhisperTokenizer
 
     if getattr(args, "switch_interval_ms", None):
         sys.setswitchinterval(args.switch_interval_ms / 1e3)
@@ -142,40 +137,23 @@ def build_engines(args):
         vocoder_schedule.VOCODER_MERGE_POLICY = args.merge_policy
     config = bench_config(args)
     dev = "cpu" if args.tiny_cpu else "cuda"
-    if getattr(args, "asr_model", None) is not None:
-        # A real Whisper, loaded as `voiced serve` loads it, whose words the smart end-of-turn rule reads;
-        # with random weights the words are noise and turns end on silence (no end-of-turn model).
-        from voiced.engines import loader
-
-        asr = loader.load_asr(config)
-    else:
-        dims = whisper_bench.DIMS[args.asr_dims]
-        tok = WhisperTokenizer.load(dims.multilingual, dims.num_languages, [args.tiktoken_dir])
-        model = whisper_bench.random_model(dims, dev, torch.float32 if args.tiny_cpu else torch.float16)
-        asr = WhisperEngine(model, tok, model_name=f"{args.asr_dims} (random)", max_batch=args.asr_batch,
-                            cuda_graphs=True, prefill_graphs=whisper_bench.ON_OFF.get(getattr(args, "prefill_graphs", None)))
     # as `voiced serve` does: warm up on the thread that will step the engine (EngineThread.call)
     if engine_threads(args) == "separate":
         asr_thread, tts_thread = EngineThread("asr"), EngineThread("tts")
     else:
         asr_thread = tts_thread = EngineThread("engines")
-    asr_thread.call(asr.warmup)
-    gpu_memory("ASR warm-up", args)
-    work = Path(tempfile.mkdtemp())
-    if args.tiny_cpu:
-        tts = spark_bench.build("cpu", torch.float32, torch.float32, args.tts_batch, 2048, work, tiny=True)
-    else:
-        tts = spark_bench.build("cuda", torch.bfloat16, torch.bfloat16, args.tts_batch, 2048, work)
-        tts.vocoder_graphs = vocoder_graphs(args)  # captured by the warm-up below
-    # Random weights: force what a trained model does (speak until the length cap, in a fixed voice),
-    # as the engine benchmark does.
-    tts.force_reply_lengths()
-    tts.use_random_voice(seed=0)
-    if not args.tiny_cpu and os.environ.get("VOICED_SPARK_COMPILE", "1") != "0":
-        tts.lm.compile_decode()  # what SparkTTSEngine.load does on CUDA (unless VOICED_SPARK_COMPILE=0)
-    tts_thread.call(tts.warmup)
-    gpu_memory("TTS load and warm-up", args)
-    workers = {"asr": EngineWorker(asr, "asr", thread=asr_thread), "tts": EngineWorker(tts, "tts", thread=tts_thread)}
+    workers = {}
+    if "asr" in names:
+        workers["asr"] = EngineWorker(_bench_asr(args, config, dev), "asr", thread=asr_thread)
+        asr_thread.call(workers["asr"].engine.warmup)
+        gpu_memory("ASR warm-up", args)
+    calls = {}
+    if "tts" in names:
+        tts = _bench_tts(args, dev)
+        tts_thread.call(tts.warmup)
+        gpu_memory("TTS load and warm-up", args)
+        workers["tts"] = EngineWorker(tts, "tts", thread=tts_thread)
+        calls = {f"voices.{m}": getattr(tts.voices, m) for m in ("list", "has", "resolve", "add", "delete")}
     if not getattr(args, "no_gc_freeze", False):
         from voiced.heap import freeze_heap
 
@@ -192,9 +170,57 @@ def build_engines(args):
             out["gpu_memory"] = MEMORY.pop(label)
         return out
 
-    calls = {f"voices.{m}": getattr(tts.voices, m) for m in ("list", "has", "resolve", "add", "delete")}
     calls["bench.level_stats"] = level_stats
-    return Built(workers, voices=tts.voices, calls=calls)
+    return Built(workers, voices=workers["tts"].engine.voices if "tts" in workers else None, calls=calls)
+
+
+def build_one_engine(arg):
+    """`build_engines` for one engine's process (--engine-process each): arg = (args, name)."""
+    args, name = arg
+    return build_engines(args, (name,))
+
+
+def _bench_asr(args, config, dev: str):
+    import torch
+
+    from voiced.bench import whisper_bench
+    from voiced.engines.whisper.engine import WhisperEngine
+    from voiced.engines.whisper.tokenizer import WhisperTokenizer
+
+    if getattr(args, "asr_model", None) is not None:
+        # A real Whisper, loaded as `voiced serve` loads it, whose words the smart end-of-turn rule reads;
+        # with random weights the words are noise and turns end on silence (no end-of-turn model).
+        from voiced.engines import loader
+
+        asr = loader.load_asr(config)
+    else:
+        dims = whisper_bench.DIMS[args.asr_dims]
+        tok = WhisperTokenizer.load(dims.multilingual, dims.num_languages, [args.tiktoken_dir])
+        model = whisper_bench.random_model(dims, dev, torch.float32 if args.tiny_cpu else torch.float16)
+        asr = WhisperEngine(model, tok, model_name=f"{args.asr_dims} (random)", max_batch=args.asr_batch,
+                            cuda_graphs=True, prefill_graphs=whisper_bench.ON_OFF.get(getattr(args, "prefill_graphs", None)))
+    return asr
+
+
+def _bench_tts(args, dev: str):
+    """Spark-TTS with random weights at full size (tiny on the CPU), made to speak as a trained one does."""
+    import torch
+
+    from voiced.bench import spark_bench
+
+    work = Path(tempfile.mkdtemp())
+    if args.tiny_cpu:
+        tts = spark_bench.build("cpu", torch.float32, torch.float32, args.tts_batch, 2048, work, tiny=True)
+    else:
+        tts = spark_bench.build("cuda", torch.bfloat16, torch.bfloat16, args.tts_batch, 2048, work)
+        tts.vocoder_graphs = vocoder_graphs(args)  # captured by the warm-up below
+    # Random weights: force what a trained model does (speak until the length cap, in a fixed voice),
+    # as the engine benchmark does.
+    tts.force_reply_lengths()
+    tts.use_random_voice(seed=0)
+    if not args.tiny_cpu and os.environ.get("VOICED_SPARK_COMPILE", "1") != "0":
+        tts.lm.compile_decode()  # what SparkTTSEngine.load does on CUDA (unless VOICED_SPARK_COMPILE=0)
+    return tts
 
 
 def start_server(args):
@@ -219,6 +245,19 @@ def start_server(args):
         host = EngineProcess("voiced.bench.e2e_bench:build_engines", args)
         workers = host.start()
         voices, level_stats = RemoteVoices(host), lambda label: host.call("bench.level_stats", label)
+    elif engine_process(args) == "each":  # an experiment: a process (a GIL, a CUDA context) per engine
+        from voiced.engine_process import EngineProcess, RemoteVoices
+
+        hosts = {name: EngineProcess("voiced.bench.e2e_bench:build_one_engine", (args, name), f"voiced-{name}")
+                 for name in ("asr", "tts")}
+        workers = {name: host.start()[name] for name, host in hosts.items()}
+        voices = RemoteVoices(hosts["tts"])
+
+        def level_stats(label: str) -> dict:
+            parts = [host.call("bench.level_stats", label) for host in hosts.values()]
+            return {"steps": {k: v for p in parts for k, v in p["steps"].items()},
+                    "step_ms": {k: v for p in parts for k, v in p["step_ms"].items()},
+                    **({"gpu_memory": parts[-1]["gpu_memory"]} if "gpu_memory" in parts[-1] else {})}
     else:
         built = build_engines(args)
         workers, voices, level_stats = built.workers, built.voices, built.calls["bench.level_stats"]
@@ -237,7 +276,7 @@ def engine_threads(args) -> str:
     """The engine threading this run uses, resolved as `voiced serve` resolves engines.threads."""
     if args.engine_threads != "auto":
         return args.engine_threads
-    return "shared" if args.tiny_cpu or engine_process(args) == "separate" else "separate"
+    return "shared" if args.tiny_cpu or engine_process(args) != "inline" else "separate"
 
 
 def engine_process(args) -> str:
@@ -591,9 +630,9 @@ def main(argv: list[str] | None = None) -> dict:
                     help="sys.setswitchinterval for the daemon's process (Python's default: 5 ms)")
     ap.add_argument("--merge-policy", choices=["batch", "step"], default=None,
                     help="the Spark engine's VOCODER_MERGE_POLICY for this run (voiced.engines.spark.vocoder_schedule)")
-    ap.add_argument("--engine-process", choices=["auto", "inline", "separate"], default="auto",
+    ap.add_argument("--engine-process", choices=["auto", "inline", "separate", "each"], default="auto",
                     help="the engines in the daemon's process or in one of their own; auto: as `voiced serve` "
-                         "(engines.process: separate on a GPU)")
+                         "(engines.process: separate on a GPU); each: a process per engine (an experiment)")
     ap.add_argument("--engine-threads", choices=["auto", "shared", "separate"], default="auto",
                     help="as the daemon's engines.threads: one thread for both engines or one each (auto, the "
                          "default: separate on a GPU, shared with --tiny-cpu)")
@@ -629,7 +668,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     if args.switch_interval_ms:
         sys.setswitchinterval(args.switch_interval_ms / 1e3)
-    if engine_process(args) == "separate" and (args.profile_level or args.gil_profile_level):
+    if engine_process(args) != "inline" and (args.profile_level or args.gil_profile_level):
         ap.error("--profile-level and --gil-profile-level sample the engines in this process: not with "
                  "--engine-process separate (add --engine-process inline)")
     t_start = time.monotonic()
