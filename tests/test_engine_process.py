@@ -12,6 +12,8 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 
 import grpc
 import pytest
@@ -41,18 +43,19 @@ def _health(address: str):
 
 
 @contextlib.contextmanager
-def _serve(tmp_path_factory):
+def _serve(tmp_path_factory, http: bool = False):
     """`voiced serve` with its engines in a process of their own, once SERVING: (daemon, address, engine
     process's pid, log)."""
     need_espeak()
     spark = cached_spark_checkpoint(tmp_path_factory)
-    port = _free_port()
+    port, http_port = _free_port(), _free_port()
     log = tmp_path_factory.mktemp("engine-process") / "serve.log"
     env = dict(os.environ, VOICED_CACHE=str(tmp_path_factory.mktemp("cache")))
     with open(log, "w") as out:
         proc = subprocess.Popen([sys.executable, "-m", "voiced", "serve", "--engine-process", "separate",
                                  "--asr-model", str(tiny_en_dir()), "--tts-model", str(spark), "--device", "cpu",
-                                 "--turn-detection", "silence", "--listen", f"127.0.0.1:{port}"],
+                                 "--turn-detection", "silence", "--listen", f"127.0.0.1:{port}",
+                                 *(["--http", f"127.0.0.1:{http_port}"] if http else [])],
                                 stdout=out, stderr=subprocess.STDOUT, env=env)
     address = f"127.0.0.1:{port}"
     try:
@@ -61,7 +64,7 @@ def _serve(tmp_path_factory):
             assert time.monotonic() < deadline and proc.poll() is None, log.read_text()
             time.sleep(0.2)
         child = int(re.search(r"engines serve from process (\d+)", log.read_text()).group(1))
-        yield proc, address, child, log
+        yield proc, address, child, log, http_port
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -84,7 +87,7 @@ def _alive(pid: int) -> bool:
 
 
 def test_a_conversation_is_transcribed_and_answered_by_the_engine_process(served):
-    proc, address, child, log = served
+    proc, address, child, log, _ = served
     assert child != proc.pid and _alive(child)
     lay = layout(["Please book a table for two people tonight."], tail_s=1.0)
     cfg = session_config(FMT, speech=pb.SpeechConfig(seed=1, max_seconds=1.0))
@@ -100,7 +103,7 @@ def test_a_conversation_is_transcribed_and_answered_by_the_engine_process(served
 
 
 def test_sigterm_stops_the_daemon_and_its_engine_process(served):
-    proc, address, child, log = served
+    proc, address, child, log, _ = served
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(60) == 0, log.read_text()
     deadline = time.monotonic() + 10
@@ -111,10 +114,10 @@ def test_sigterm_stops_the_daemon_and_its_engine_process(served):
 
 
 def test_an_engine_process_that_dies_takes_the_server_out_of_service_with_a_clear_word(tmp_path_factory):
-    """The engines' process killed (a driver fault, the OOM killer): health says NOT_SERVING, so a load
-    balancer moves callers on; a new call is refused UNAVAILABLE saying the server needs a restart; the
-    daemon itself stays up and still stops cleanly."""
-    with _serve(tmp_path_factory) as (proc, address, child, log):
+    """The engines' process killed (a driver fault, the OOM killer): gRPC health says NOT_SERVING and the
+    HTTP probes 503, so a balancer moves callers on and a supervisor restarts it; a new call is refused
+    UNAVAILABLE saying the server needs a restart; the daemon itself still stops cleanly."""
+    with _serve(tmp_path_factory, http=True) as (proc, address, child, log, http_port):
         os.kill(child, signal.SIGKILL)
         deadline = time.monotonic() + 30
         while _health(address) != health_pb2.HealthCheckResponse.NOT_SERVING:
@@ -125,6 +128,10 @@ def test_an_engine_process_that_dies_takes_the_server_out_of_service_with_a_clea
         events, code, details = stream_blocking(address, audio_requests(cfg, wire_audio(lay.audio, FMT), FMT),
                                                 "Converse", timeout=30)
         assert code == grpc.StatusCode.UNAVAILABLE and "engine process has stopped" in details, (code, details)
+        for probe in ("healthz", "readyz"):  # a supervisor restarts it; a balancer sends callers elsewhere
+            with pytest.raises(urllib.error.HTTPError) as answer:
+                urllib.request.urlopen(f"http://127.0.0.1:{http_port}/{probe}", timeout=10)
+            assert answer.value.code == 503 and b"engine process has stopped" in answer.value.read()
         assert proc.poll() is None
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0, log.read_text()

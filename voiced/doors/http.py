@@ -11,8 +11,10 @@ shape; doors are sets of routes mounted on it before it starts:
 `HttpDoor` is the `http` door of the daemon (`--http HOST:PORT`): the OpenAI-compatible audio API
 (voiced.doors.openai_http), the Realtime WebSocket (voiced.doors.realtime) and the web page.
 
-Probes answer as Kubernetes expects: `/healthz` is 200 while the process serves (liveness),
-`/readyz` is 200 once the models are loaded and 503 while loading or draining (readiness). Both
+Probes answer as Kubernetes expects: `/healthz` is 200 while the process serves, 503 once its engine process
+has stopped (liveness: a restart is the cure),
+`/readyz` is 200 once the models are loaded and 503 while loading or draining, or once the engine process
+has stopped (readiness). Both
 are exempt from the token, as gRPC's health service is.
 
 Every error is OpenAI's shape (voiced.doors.shared.HttpError), whatever raised it (a handler, the
@@ -159,10 +161,15 @@ class HttpListener:
     # ------------------------------------------------------------------ probes
 
     async def _healthz(self, request: web.Request) -> web.Response:
+        failure = self.services.failure
+        if failure is not None:  # only a restart brings the engines back: liveness says so
+            return web.json_response({"status": "failed", "reason": failure}, status=503)
         return web.json_response({"status": "ok"})
 
     async def _readyz(self, request: web.Request) -> web.Response:
         s = self.services
+        if s.failure is not None:
+            return web.json_response({"status": "failed", "reason": s.failure}, status=503)
         if s.draining:
             return web.json_response({"status": "draining"}, status=503)
         if not s.ready:
