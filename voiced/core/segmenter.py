@@ -54,8 +54,9 @@ RESUME_MS = 60  # voiced frames (gaps up to max_gap_ms between them) that end a 
 def _voice(frame: np.ndarray) -> bool:
     """Whether a frame webrtcvad calls speech may be a voice: loud enough, and no keypad tone (webrtcvad
     calls those speech too: voiced.audio.dtmf). The tone check reuses the loudness check's extremes."""
-    # (The ufuncs' own reductions: ndarray.max/min go through two Python wrappers each.)
-    top, bottom = int(np.maximum.reduce(frame)), int(np.minimum.reduce(frame))
+    # (argmax/argmin and an index: a reduction, ndarray.max or np.maximum.reduce, sets up numpy's general
+    # iterator and costs half as much again, on every frame webrtcvad calls speech.)
+    top, bottom = int(frame[frame.argmax()]), int(frame[frame.argmin()])
     if top - bottom <= SILENCE_SWING:
         return False
     return not dtmf.is_tone(frame, RATE, float(max(top, -bottom)))
