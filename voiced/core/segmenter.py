@@ -59,7 +59,7 @@ def _voice(frame: np.ndarray) -> bool:
     top, bottom = int(frame[frame.argmax()]), int(frame[frame.argmin()])
     if top - bottom <= SILENCE_SWING:
         return False
-    return not dtmf.is_tone(frame, RATE, float(max(top, -bottom)))
+    return dtmf.key(frame, RATE, float(max(top, -bottom))) is None
 
 
 @dataclass
