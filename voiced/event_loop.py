@@ -5,7 +5,7 @@ one loop, and the engines' threads wait for the GIL whenever it runs Python. At 
 for 6,400 frames a second: each wake-up goes through the loop's own machinery (the selector, handles,
 futures), which asyncio writes in Python and uvloop (libuv) in Cython. On the same daemon, uvloop's
 loop spent less of the loop thread's CPU per caller frame (docs/BENCHMARKS.md, "The event loop's CPU
-per caller frame ... session 10").
+per caller frame, session 10").
 
 `server.event_loop = "asyncio"` (or VOICED_SERVER_EVENT_LOOP=asyncio, or `voiced serve --event-loop
 asyncio`) turns it off; uvloop does not run on Windows, where its package is not installed.
