@@ -11,6 +11,7 @@ as `voiced serve` warms it. The project's bound for streamed against offline aud
 
 from __future__ import annotations
 
+import gc
 from dataclasses import dataclass
 
 import numpy as np
@@ -274,6 +275,9 @@ def _vocoder_graph_rows(engine: SparkTTSEngine) -> tuple[int, int, int]:
 def _capture_growth(capture) -> dict:
     """Run `capture()` (returns VocoderGraphs); what it added to the GPU's allocated and reserved memory
     once done, the allocated peak while it ran, and the graphs' pool."""
+    # Engines of earlier tests in this process (their graphs' pools too, under VOICED_SPARK_VOCODER_GRAPHS=1)
+    # go now, not when a collection happens to run during the captures and makes the growth negative.
+    gc.collect()
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     a0, r0 = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()

@@ -135,6 +135,11 @@ class EnginesConfig:
     # transients may then coexist, and the memory plan counts both). "auto": separate on a GPU,
     # shared on the CPU (where two threads would only fight over the same cores), the default.
     threads: str = "auto"
+    # "inline": the engines run in the daemon's process; "separate": in a child process of their own,
+    # so the event loop's Python (every caller's frames) and the engine threads' do not share one GIL
+    # (voiced.engine_process); "auto": separate on a GPU (ahead at 16, 64 and 128 callers on an H100,
+    # docs/BENCHMARKS.md), inline on the CPU, the default. There "auto" threads are shared.
+    process: str = "auto"
 
 
 @dataclass
@@ -202,6 +207,8 @@ class Config:
             raise ConfigError(str(e)) from None
         if self.engines.threads not in ENGINE_THREADS:
             raise ConfigError(f"engines.threads is {self.engines.threads!r}; use {', '.join(ENGINE_THREADS)}")
+        if self.engines.process not in ENGINE_PROCESS:
+            raise ConfigError(f"engines.process is {self.engines.process!r}; use {', '.join(ENGINE_PROCESS)}")
         if self.asr.backend not in BACKENDS or self.tts.backend not in BACKENDS:
             raise ConfigError(f"backend must be one of {', '.join(BACKENDS)}")
         for key in ("server.idle_timeout_s", "server.max_session_s", "agent.reply_timeout_s"):
@@ -226,6 +233,7 @@ class Config:
 
 SECTIONS = [f.name for f in dataclasses.fields(Config)]
 ENGINE_THREADS = ("auto", "shared", "separate")
+ENGINE_PROCESS = ("auto", "inline", "separate")
 EVENT_LOOPS = ("uvloop", "asyncio")  # voiced.event_loop.KINDS (config imports nothing of the daemon's)
 
 

@@ -61,6 +61,9 @@ class Daemon:
         log.info("health NOT_SERVING until the models are loaded")
         if self._load is not None:
             await asyncio.to_thread(self._load, s)
+        if s.engine_process is not None:
+            loop = asyncio.get_running_loop()
+            s.engine_process.on_exit = lambda: loop.call_soon_threadsafe(self._engines_lost)
         self._start_workers()
         s.ready = True
         await self._set_serving(True)
@@ -75,6 +78,16 @@ class Daemon:
                 worker._on_step = lambda engine, n=name: m.observe_engine(n, engine)
                 worker.thread.on_release = m.observe_heap_release
                 worker.start()  # a no-op for a thread already running (engines sharing one)
+
+    def _engines_lost(self) -> None:
+        """The engine process ended: health NOT_SERVING, so a supervisor or load balancer moves callers on;
+        new sessions are refused saying why (the calls in flight have failed already)."""
+        s = self.services
+        if s.draining:
+            return  # its end was the drain's
+        s.failure = "the server's engine process has stopped; this server needs a restart (connect to another instance)"
+        log.error("the engine process stopped: health NOT_SERVING; restart the daemon")
+        asyncio.ensure_future(self._set_serving(False))
 
     async def _set_serving(self, serving: bool) -> None:
         for door in self.doors:

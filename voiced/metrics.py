@@ -7,11 +7,14 @@ in seconds, as Prometheus expects.
 from __future__ import annotations
 
 import asyncio
+import logging
 import sys
 import threading
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import GaugeMetricFamily
+
+log = logging.getLogger(__name__)
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0, 10.0)
 
@@ -75,7 +78,8 @@ class Metrics:
                                      "Resident memory handed back to the OS by heap trims", registry=r)
         self.heap_trim = Histogram("voiced_heap_trim_seconds", "How long each heap trim took",
                                    buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25), registry=r)
-        r.register(GpuMemoryCollector())
+        self.gpu_memory = gpu_memory_readings  # (device, kind, bytes) at each scrape
+        r.register(GpuMemoryCollector(self))
 
     def watch_loop(self, loop: asyncio.AbstractEventLoop) -> None:
         """Count the tasks of the daemon's event loop at each scrape."""
@@ -97,21 +101,39 @@ class Metrics:
 
 class GpuMemoryCollector:
     """`voiced_gpu_memory_bytes{device, kind}`: what PyTorch's caching allocator holds, read at scrape
-    time. kind: allocated (tensors alive now), peak_allocated (the most allocated at once since the
-    allocator's peak was last reset: the TTS warm-up resets it after each of its phases, which it logs,
-    so while serving this is the peak since warm-up), reserved (held from the driver, cached blocks
-    included). Only once an engine brought torch and CUDA up: a daemon on the CPU never imports torch
-    for this."""
+    time (`gpu_memory_readings`, or what `Metrics.gpu_memory` is set to: the engine process's readings
+    where the engines run in one, voiced.engine_process). kind: allocated (tensors alive now),
+    peak_allocated (the most allocated at once since the allocator's peak was last reset: the TTS warm-up
+    resets it after each of its phases, which it logs, so while serving this is the peak since warm-up),
+    reserved (held from the driver, cached blocks included)."""
+
+    def __init__(self, metrics: Metrics):
+        self.metrics = metrics
 
     def collect(self):
-        torch = sys.modules.get("torch")
-        if torch is None or not torch.cuda.is_initialized():
+        try:
+            readings = self.metrics.gpu_memory()
+        except Exception as e:  # the engine process is gone: a scrape still answers, without these
+            log.warning("no GPU memory readings: %s", e)
+            return
+        if not readings:
             return
         g = GaugeMetricFamily("voiced_gpu_memory_bytes", "GPU memory held by PyTorch's caching allocator",
                               labels=["device", "kind"])
-        for i in range(torch.cuda.device_count()):
-            d = f"cuda:{i}"
-            g.add_metric([d, "allocated"], torch.cuda.memory_allocated(i))
-            g.add_metric([d, "peak_allocated"], torch.cuda.max_memory_allocated(i))
-            g.add_metric([d, "reserved"], torch.cuda.memory_reserved(i))
+        for device, kind, value in readings:
+            g.add_metric([device, kind], value)
         yield g
+
+
+def gpu_memory_readings() -> list[tuple[str, str, int]]:
+    """(device, kind, bytes) of this process's CUDA devices, once an engine brought torch and CUDA up:
+    a daemon on the CPU never imports torch for this."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_initialized():
+        return []
+    out = []
+    for i in range(torch.cuda.device_count()):
+        d = f"cuda:{i}"
+        out += [(d, "allocated", torch.cuda.memory_allocated(i)), (d, "peak_allocated", torch.cuda.max_memory_allocated(i)),
+                (d, "reserved", torch.cuda.memory_reserved(i))]
+    return out

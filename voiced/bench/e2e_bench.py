@@ -50,10 +50,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gzip
 import json
 import logging
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -91,18 +93,9 @@ def gpu_memory(after: str, args) -> dict | None:
 MEMORY: dict[str, dict] = {}
 
 
-def start_server(args):
-    import torch
-
-    from voiced.bench import spark_bench, whisper_bench
+def bench_config(args):
+    """The daemon's config for this run (both processes build it, with --engine-process separate)."""
     from voiced.config import Config
-    from voiced.core.agents import AgentRegistry
-    from voiced.core.scheduler import EngineThread, EngineWorker
-    from voiced.core.services import Services
-    from voiced.daemon import Daemon, start_in_thread
-    from voiced.engines.whisper.engine import WhisperEngine
-    from voiced.engines.whisper.tokenizer import WhisperTokenizer
-    from voiced.metrics import Metrics
 
     config = Config()
     config.server.listen = "127.0.0.1:0"
@@ -113,6 +106,10 @@ def start_server(args):
         config.asr.max_new_tokens = args.asr_tokens
         config.asr.no_speech_threshold, config.asr.logprob_threshold = 1.0, -1e9  # random weights: keep all
         config.asr.compression_ratio_threshold = 1e9
+    else:
+        config.asr.model, config.asr.max_batch = asr_model, args.asr_batch
+        config.asr.device = "cpu" if args.tiny_cpu else "cuda"
+        config.segmentation.turn_detection = "smart"
     config.tts.first_chunk_tokens = args.first_chunk_tokens
     config.tts.chunk_tokens = args.chunk_tokens
     config.tts.max_seconds = args.reply_seconds
@@ -122,21 +119,35 @@ def start_server(args):
             config.doors.http = "127.0.0.1:0"  # /v1/realtime, beside gRPC
         elif front != "grpc":
             setattr(config.doors, front, "127.0.0.1:0")
+    return config
 
+
+def build_engines(args):
+    """Load and warm both engines as `voiced serve` does, on the threads that will step them, with their
+    steps timed (StepTimer): voiced.engine_process.Built, whose calls give the benchmark what it reads of
+    the engines when they run in a process of their own (--engine-process separate)."""
+    import torch
+
+    from voiced.bench import spark_bench, whisper_bench
+    from voiced.core.scheduler import EngineThread, EngineWorker
+    from voiced.engine_process import Built
+    from voiced.engines.whisper.engine import WhisperEngine
+    from voiced.engines.whisper.tokenizer import WhisperTokenizer
+
+    if getattr(args, "switch_interval_ms", None):
+        sys.setswitchinterval(args.switch_interval_ms / 1e3)
+    if getattr(args, "merge_policy", None):
+        from voiced.engines.spark import vocoder_schedule
+
+        vocoder_schedule.VOCODER_MERGE_POLICY = args.merge_policy
+    config = bench_config(args)
     dev = "cpu" if args.tiny_cpu else "cuda"
-    turn_model = None
-    if asr_model is not None:
+    if getattr(args, "asr_model", None) is not None:
         # A real Whisper, loaded as `voiced serve` loads it, whose words the smart end-of-turn rule reads;
         # with random weights the words are noise and turns end on silence (no end-of-turn model).
         from voiced.engines import loader
 
-        config.asr.model, config.asr.device, config.asr.max_batch = asr_model, dev, args.asr_batch
         asr = loader.load_asr(config)
-        config.segmentation.turn_detection = "smart"
-        turn_model = loader.load_turn_model(config)
-        if turn_model is None:
-            raise SystemExit("voiced bench e2e: --asr-model runs smart turn detection, and no end-of-turn model "
-                             "is in the cache (voiced models pull smart-turn-v3-pypi)")
     else:
         dims = whisper_bench.DIMS[args.asr_dims]
         tok = WhisperTokenizer.load(dims.multilingual, dims.num_languages, [args.tiktoken_dir])
@@ -164,17 +175,58 @@ def start_server(args):
         tts.lm.compile_decode()  # what SparkTTSEngine.load does on CUDA (unless VOICED_SPARK_COMPILE=0)
     tts_thread.call(tts.warmup)
     gpu_memory("TTS load and warm-up", args)
-    services = Services(config=config, metrics=Metrics(), asr=EngineWorker(asr, "asr", thread=asr_thread),
-                        tts=EngineWorker(tts, "tts", thread=tts_thread), voices=tts.voices,
-                        agents=AgentRegistry(config.agent), turn_model=turn_model)
-    if not args.no_gc_freeze:
+    workers = {"asr": EngineWorker(asr, "asr", thread=asr_thread), "tts": EngineWorker(tts, "tts", thread=tts_thread)}
+    if not getattr(args, "no_gc_freeze", False):
         from voiced.heap import freeze_heap
 
         freeze_heap()  # as `voiced serve` does after warm-up
-    for worker in (services.asr, services.tts):
+    for worker in workers.values():
         worker.engine.step = StepTimer(worker.engine, STEP_PARTS[worker.name])
+
+    def level_stats(label: str) -> dict:
+        """This level's engine steps (and the timers restarted), and its GPU memory (the peak restarted)."""
+        out = {"steps": {n: w.stats.steps for n, w in workers.items()},
+               "step_ms": {n: w.engine.step.take() for n, w in workers.items()}}
+        memory = gpu_memory(label, args)
+        if memory:
+            out["gpu_memory"] = MEMORY.pop(label)
+        return out
+
+    calls = {f"voices.{m}": getattr(tts.voices, m) for m in ("list", "has", "resolve", "add", "delete")}
+    calls["bench.level_stats"] = level_stats
+    return Built(workers, voices=tts.voices, calls=calls)
+
+
+def start_server(args):
+    """The daemon on its own thread here, its engines here or in a process of their own (--engine-process)."""
+    from voiced.core.agents import AgentRegistry
+    from voiced.core.services import Services
+    from voiced.daemon import Daemon, start_in_thread
+    from voiced.metrics import Metrics
+
+    config = bench_config(args)
+    turn_model = None
+    if getattr(args, "asr_model", None) is not None:
+        from voiced.engines import loader
+
+        turn_model = loader.load_turn_model(config)
+        if turn_model is None:
+            raise SystemExit("voiced bench e2e: --asr-model runs smart turn detection, and no end-of-turn model "
+                             "is in the cache (voiced models pull smart-turn-v3-pypi)")
+    if engine_process(args) == "separate":
+        from voiced.engine_process import EngineProcess, RemoteVoices
+
+        host = EngineProcess("voiced.bench.e2e_bench:build_engines", args)
+        workers = host.start()
+        voices, level_stats = RemoteVoices(host), lambda label: host.call("bench.level_stats", label)
+    else:
+        built = build_engines(args)
+        workers, voices, level_stats = built.workers, built.voices, built.calls["bench.level_stats"]
+    services = Services(config=config, metrics=Metrics(), asr=workers["asr"], tts=workers["tts"], voices=voices,
+                        agents=AgentRegistry(config.agent), turn_model=turn_model)
     server = Daemon(config, services=services)
     port, loop, _ = start_in_thread(server)
+    server.level_stats = level_stats  # the engines' steps and GPU memory of a level (bench only)
     addresses = dict(services.doors)
     if "http" in addresses:
         addresses["realtime"] = addresses["http"]
@@ -185,7 +237,15 @@ def engine_threads(args) -> str:
     """The engine threading this run uses, resolved as `voiced serve` resolves engines.threads."""
     if args.engine_threads != "auto":
         return args.engine_threads
-    return "shared" if args.tiny_cpu else "separate"
+    return "shared" if args.tiny_cpu or engine_process(args) == "separate" else "separate"
+
+
+def engine_process(args) -> str:
+    """Where this run's engines run, resolved as `voiced serve` resolves engines.process."""
+    chosen = getattr(args, "engine_process", "inline")  # (other benches' namespaces: in this process)
+    if chosen != "auto":
+        return chosen
+    return "inline" if args.tiny_cpu else "separate"
 
 
 class EngineProfile:
@@ -194,8 +254,9 @@ class EngineProfile:
     ranges around the StepTimer's parts). Started and stopped on the engine thread itself, between
     steps, so it records exactly that thread's work."""
 
-    def __init__(self, thread, seconds: float, out_dir: Path, label: str):
+    def __init__(self, thread, seconds: float, out_dir: Path, label: str, trace: bool = False):
         self.thread, self.seconds, self.out_dir, self.label = thread, seconds, out_dir, label
+        self.trace = trace  # also the timeline: every thread's ops and every stream's kernels (trace-LABEL.json.gz)
         self.prof = None
 
     def start_after(self, delay_s: float) -> threading.Timer:
@@ -221,6 +282,12 @@ class EngineProfile:
             for key in ("cpu_time_total", "self_cpu_time_total", "self_cuda_time_total")
             if key != "self_cuda_time_total" or torch.cuda.is_available())
         (self.out_dir / f"profile-{self.label}.txt").write_text(text)
+        if self.trace:
+            raw = self.out_dir / f"trace-{self.label}.json"
+            self.prof.export_chrome_trace(str(raw))
+            with open(raw, "rb") as f, gzip.open(f"{raw}.gz", "wb") as z:
+                shutil.copyfileobj(f, z)
+            raw.unlink()
         log.info("engine profile of %s written to %s", self.label, self.out_dir)
 
 
@@ -524,6 +591,9 @@ def main(argv: list[str] | None = None) -> dict:
                     help="sys.setswitchinterval for the daemon's process (Python's default: 5 ms)")
     ap.add_argument("--merge-policy", choices=["batch", "step"], default=None,
                     help="the Spark engine's VOCODER_MERGE_POLICY for this run (voiced.engines.spark.vocoder_schedule)")
+    ap.add_argument("--engine-process", choices=["auto", "inline", "separate"], default="auto",
+                    help="the engines in the daemon's process or in one of their own; auto: as `voiced serve` "
+                         "(engines.process: separate on a GPU)")
     ap.add_argument("--engine-threads", choices=["auto", "shared", "separate"], default="auto",
                     help="as the daemon's engines.threads: one thread for both engines or one each (auto, the "
                          "default: separate on a GPU, shared with --tiny-cpu)")
@@ -533,6 +603,9 @@ def main(argv: list[str] | None = None) -> dict:
                     help="capture a torch.profiler table of the engine thread in the middle of these levels "
                          "(profile-FRONT-N.txt beside --out)")
     ap.add_argument("--profile-seconds", type=float, default=3.0)
+    ap.add_argument("--profile-trace", action="store_true",
+                    help="with --profile-level: also write the profile's timeline (trace-FRONT-N.json.gz, Chrome/"
+                         "Perfetto format; `python -m voiced.bench.trace_summary` reads it)")
     ap.add_argument("--gil-profile-level", type=int, nargs="*", default=[], metavar="N",
                     help="sample which thread holds the GIL with py-spy in the middle of these levels (the "
                          "level's 'gil' entry; raw stacks gil-OUT-FRONT-N-*.txt beside --out)")
@@ -556,10 +629,9 @@ def main(argv: list[str] | None = None) -> dict:
 
     if args.switch_interval_ms:
         sys.setswitchinterval(args.switch_interval_ms / 1e3)
-    if args.merge_policy:
-        from voiced.engines.spark import vocoder_schedule
-
-        vocoder_schedule.VOCODER_MERGE_POLICY = args.merge_policy
+    if engine_process(args) == "separate" and (args.profile_level or args.gil_profile_level):
+        ap.error("--profile-level and --gil-profile-level sample the engines in this process: not with "
+                 "--engine-process separate (add --engine-process inline)")
     t_start = time.monotonic()
     addresses, server, loop = start_server(args)
     startup_s = round(time.monotonic() - t_start, 1)
@@ -572,7 +644,7 @@ def main(argv: list[str] | None = None) -> dict:
               "python": platform.python_version(), "asr_dims": args.asr_dims, "asr_tokens": args.asr_tokens,
               "asr_model": args.asr_model or "random", "turn_detection": "smart" if args.asr_model else "silence",
               "reply_seconds": args.reply_seconds, "first_chunk_tokens": args.first_chunk_tokens,
-              "engine_threads": engine_threads(args), "merge_policy": args.merge_policy or "default",
+              "engine_threads": engine_threads(args), "engine_process": engine_process(args), "merge_policy": args.merge_policy or "default",
               "vocoder_graphs": vocoder_graphs(args), "prefill_graphs": args.prefill_graphs or "default",
               "whisper_chunk_graphs": whisper_chunk_graphs_default(), "switch_interval_s": sys.getswitchinterval(),
               "gc_freeze": not args.no_gc_freeze, "duration_s": args.duration, "startup_s": startup_s,
@@ -582,17 +654,14 @@ def main(argv: list[str] | None = None) -> dict:
     def measure(front: str, n: int) -> dict:
         nonlocal serving_peak
         gc_pauses.take()
-        for worker in (server.services.asr, server.services.tts):
-            worker.engine.step.take()
-        if not args.tiny_cpu:
-            torch.cuda.reset_peak_memory_stats()  # each level's peak is its own
+        server.level_stats("the level's start")  # each level's steps and memory peak are its own
         cmd = [sys.executable, "-m", "voiced.bench.e2e_bench", "--wav", str(args.wav), "--duration", str(args.duration),
                "--reply-seconds",
                str(args.reply_seconds), "--caller", f"{front}@{addresses[front]}@{n}"]
         timer = None
         if n in args.profile_level:
             profile = EngineProfile(server.services.asr.thread, args.profile_seconds,
-                                    (args.out or Path("e2e.json")).parent, f"{front}-{n}")
+                                    (args.out or Path("e2e.json")).parent, f"{front}-{n}", trace=args.profile_trace)
             timer = profile.start_after(args.duration / 2 - args.profile_seconds / 2)
         gil = None
         if n in args.gil_profile_level:
@@ -607,15 +676,15 @@ def main(argv: list[str] | None = None) -> dict:
         if proc.returncode != 0:
             return {"error": proc.stderr[-2000:]}
         level = json.loads(proc.stdout.strip().splitlines()[-1])
-        level["asr_steps"] = server.services.asr.stats.steps
+        engines = server.level_stats(f"{front}, {n} callers")
+        level["asr_steps"] = engines["steps"]["asr"]
         if gil is not None:
             level["gil"] = gil.summary
         level["gc"] = gc_pauses.take()
-        level["step_ms"] = {w.name: w.engine.step.take() for w in (server.services.asr, server.services.tts)}
-        memory = gpu_memory(f"{front}, {n} callers", args)
-        if memory:
-            level["gpu_memory"] = MEMORY.pop(f"{front}, {n} callers")  # the run's phases stay start-up's
-            serving_peak = max(serving_peak, memory["peak_gib"])
+        level["step_ms"] = engines["step_ms"]
+        if "gpu_memory" in engines:
+            level["gpu_memory"] = engines["gpu_memory"]
+            serving_peak = max(serving_peak, engines["gpu_memory"]["peak_gib"])
         log.info("%s, %d sessions: %s", front, n, json.dumps(level))
         return level
 
@@ -639,9 +708,10 @@ def main(argv: list[str] | None = None) -> dict:
     result["door_overhead_ms"] = door_overhead(result["fronts"])
     asyncio.run_coroutine_threadsafe(server.drain_and_stop(grace=0), loop).result(60)
     if not args.tiny_cpu:
-        gpu_memory("serving", args)
-        MEMORY["serving"]["peak_gib"] = max(MEMORY["serving"]["peak_gib"], serving_peak)  # levels reset the peak
-        result["gpu_memory"] = MEMORY
+        if engine_process(args) == "inline":  # (else the engines' memory went with their process: the levels have it)
+            gpu_memory("serving", args)
+            MEMORY["serving"]["peak_gib"] = max(MEMORY["serving"]["peak_gib"], serving_peak)  # levels reset the peak
+            result["gpu_memory"] = MEMORY
         result["targets"] = e2e_targets(result["fronts"].get("grpc", result["levels"]))
         result["targets"].update(door_targets(result["door_overhead_ms"]))
     emit(result, args.out)

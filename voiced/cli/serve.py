@@ -36,9 +36,13 @@ def register(sub) -> None:
     p.add_argument("--media-ws", metavar="HOST:PORT", help="open the telephony media-stream WebSocket door there")
     p.add_argument("--wyoming", metavar="tcp://HOST:PORT", help="open the Wyoming (Home Assistant) door there")
     p.add_argument("--http", metavar="HOST:PORT", help="open the HTTP listener there")
+    p.add_argument("--engine-process", choices=["auto", "inline", "separate"],
+                   help="run the engines in the daemon's process (inline) or in a process of their own "
+                        "(separate: the doors' and sessions' Python no longer shares a GIL with the engine "
+                        "threads); auto (the default): separate on a GPU, inline on the CPU (engines.process)")
     p.add_argument("--engine-threads", choices=["auto", "shared", "separate"],
                    help="step both engines on one thread (shared) or one each (separate); auto (the default): "
-                        "separate on a GPU, shared on the CPU")
+                        "separate on a GPU with the engines in the daemon's process, else shared")
     p.add_argument("--event-loop", choices=["uvloop", "asyncio"],
                    help="the event loop every door runs in: uvloop (the default: less CPU per caller frame) or "
                         "asyncio (the standard library's)")
@@ -64,6 +68,7 @@ def overrides(args: argparse.Namespace) -> dict:
         "doors.wyoming": args.wyoming,
         "doors.http": args.http,
         "engines.threads": args.engine_threads,
+        "engines.process": args.engine_process,
         "server.event_loop": args.event_loop,
     }
     if args.no_tts:
@@ -72,19 +77,55 @@ def overrides(args: argparse.Namespace) -> dict:
 
 
 def load_engines(services) -> None:
-    """Runs on a thread while health says NOT_SERVING."""
-    from voiced.core.scheduler import EngineThread, EngineWorker
-    from voiced.engines.loader import load_asr, load_tts, load_turn_model
-    from voiced.heap import freeze_heap
+    """Runs on a thread while health says NOT_SERVING: the engines here or in a process of their own
+    (engines.process, voiced.engine_process), and the end-of-turn model here."""
+    from voiced.engines.loader import load_turn_model
 
     config = services.config
+    if engine_process(config) == "separate":
+        from voiced.engine_process import EngineProcess, RemoteVoices
+
+        host = EngineProcess("voiced.cli.serve:build_engines", config)
+        workers = host.start()
+        services.asr, services.tts = workers["asr"], workers.get("tts")
+        services.voices = RemoteVoices(host) if services.tts is not None else None
+        services.metrics.gpu_memory = lambda: host.call("gpu.memory", timeout=5)
+        services.engine_process = host
+    else:
+        built = build_engines(config)
+        services.asr, services.tts = built.workers["asr"], built.workers.get("tts")
+        services.voices = built.voices
+    services.turn_model = load_turn_model(config)
+
+
+def engine_process(config) -> str:
+    """engines.process resolved: "auto" is separate on a GPU (docs/BENCHMARKS.md, "The engines in a
+    process of their own"), inline on the CPU."""
+    if config.engines.process != "auto":
+        return config.engines.process
+    from voiced.engines.loader import resolve_device
+
+    return "separate" if str(resolve_device(config.asr.device)).startswith("cuda") else "inline"
+
+
+def build_engines(config):
+    """Load and warm the engines on the threads that will step them (voiced.engine_process.Built)."""
+    from voiced.core.scheduler import EngineThread, EngineWorker
+    from voiced.engine_process import Built
+    from voiced.engines.loader import load_asr, load_tts
+    from voiced.heap import freeze_heap
+    from voiced.metrics import gpu_memory_readings
+
     # Both engines step on one thread, recognition first (see voiced.core.scheduler for why). They load
     # on it too: PyTorch keeps a cuBLAS workspace per (thread, stream), and the memory plan's probe of
     # its size (voiced.memory_plan.stream_workspace_bytes) then makes the one the engines use anyway.
     thread = EngineThread("engines")
     free = _free_gpu(config)
-    # engines.threads = "separate" ("auto" on a GPU): the TTS engine loads, warms and steps on a thread of its own
-    separate = config.engines.threads == "separate" or (config.engines.threads == "auto" and free is not None)
+    # engines.threads = "separate" ("auto" on a GPU with the engines in the daemon's process): the TTS engine
+    # loads, warms and steps on a thread of its own. In a process of their own (engine_process) one thread
+    # does better: with no event loop to wait for, the two engine threads only fight over the GIL.
+    separate = config.engines.threads == "separate" or (
+        config.engines.threads == "auto" and free is not None and engine_process(config) == "inline")
     tts_thread = EngineThread("tts") if separate else thread
     asr = thread.call(lambda: load_asr(config))
     if separate and getattr(asr, "memory_need", None) is not None and str(asr.device).startswith("cuda"):
@@ -96,20 +137,21 @@ def load_engines(services) -> None:
                                           stream_workspace_bytes(str(asr.device))))
     _log_need(asr)
     _warm(asr, thread)
-    services.asr = EngineWorker(asr, "asr", thread=thread)
+    built = Built({"asr": EngineWorker(asr, "asr", thread=thread)}, calls={"gpu.memory": gpu_memory_readings})
     log.info("ASR: %s on %s (%s backend)", asr.model_name, asr.device, asr.backend)
-    services.turn_model = load_turn_model(config)
     engines = [asr]
     if config.tts.enabled:
         tts = tts_thread.call(lambda: load_tts(config))
         _log_need(tts)
         _warm(tts, tts_thread)
-        services.tts = EngineWorker(tts, "tts", thread=tts_thread)
-        services.voices = tts.voices
+        built.workers["tts"] = EngineWorker(tts, "tts", thread=tts_thread)
+        built.voices = tts.voices
+        built.calls.update({f"voices.{m}": getattr(tts.voices, m) for m in ("list", "has", "resolve", "add", "delete")})
         log.info("TTS: %s on %s (%s backend)", tts.model_name, tts.device, tts.backend)
         engines.append(tts)
     _log_plan(engines, free, concurrent=separate)
     freeze_heap()
+    return built
 
 
 def _free_gpu(config) -> int | None:

@@ -25,7 +25,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -175,6 +175,8 @@ class EngineThread:
                 w._step()
 
 
+# The sink of a request another process submitted (EngineWorker.submit_forwarded).
+FORWARDED = (None, None)
 # How long the first engine (recognition) may step back to back before the others get a step.
 FIRST_BUDGET_S = 0.05
 # How long the engines stay quiet after a wide batch before the thread trims the C heap.
@@ -193,6 +195,9 @@ class EngineWorker:
         self._sinks: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._in_engine: dict[int, None] = {}  # ids the engine holds, oldest first (worker thread only)
         self._stopping = False
+        # Set where this worker serves another process (voiced.engine_process): outputs go to it, not to
+        # an asyncio queue here.
+        self.forward: Callable[[EngineOutput], None] | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -224,7 +229,7 @@ class EngineWorker:
         request_id = next(self._ids)
         sink: asyncio.Queue[EngineOutput] = asyncio.Queue()
         self._sinks[request_id] = (asyncio.get_running_loop(), sink)
-        self.thread.commands.put((self, "submit", request_id, request))
+        self._submit(request_id, request)
         done = False
         try:
             while True:
@@ -240,7 +245,7 @@ class EngineWorker:
         finally:
             self._sinks.pop(request_id, None)
             if not done:
-                self.thread.commands.put((self, "cancel", request_id, None))
+                self._cancel(request_id)
 
     async def run(self, request: Any) -> Any:
         """Submit and wait for the single final value (ASR)."""
@@ -248,6 +253,23 @@ class EngineWorker:
         async for value in self.stream(request):
             result = value
         return result
+
+    def _submit(self, request_id: int, request: Any) -> None:
+        self.thread.commands.put((self, "submit", request_id, request))
+
+    def _cancel(self, request_id: int) -> None:
+        self.thread.commands.put((self, "cancel", request_id, None))
+
+    # ------------------------------------------------------------------ for another process
+
+    def submit_forwarded(self, request_id: int, request: Any) -> None:
+        """Submit for another process (`forward` set): the id is its, the outputs go to `forward`."""
+        self._sinks[request_id] = FORWARDED
+        self._submit(request_id, request)
+
+    def cancel_forwarded(self, request_id: int) -> None:
+        if self._sinks.pop(request_id, None) is not None:
+            self._cancel(request_id)
 
     # ------------------------------------------------------------------ worker thread
 
@@ -315,6 +337,11 @@ class EngineWorker:
                 self._log("done", (out.request_id,))
         if target is None:
             return  # the caller left; its cancel is on the way
+        if target is FORWARDED:
+            if out.final or out.error is not None:
+                self._sinks.pop(out.request_id, None)
+            self.forward(out)
+            return
         loop, sink = target
         try:
             loop.call_soon_threadsafe(sink.put_nowait, out)

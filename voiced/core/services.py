@@ -39,6 +39,8 @@ class Services:
     tts: EngineWorker | None = None
     voices: object | None = None  # the TTS engine's voice store (list/add/delete)
     turn_model: object | None = None  # the end-of-turn model (voiced.engines.smart_turn.SmartTurn); None: silence
+    engine_process: object | None = None  # the engines' own process (voiced.engine_process), if they run in one
+    failure: str | None = None  # why the server can serve no more (its engine process ended), said to callers
     agents: AgentRegistry = field(default_factory=AgentRegistry)
     ready: bool = False
     draining: bool = False
@@ -57,6 +59,8 @@ class Services:
 
     def check_ready(self, need_tts: bool = False) -> None:
         """Raises UNAVAILABLE while loading or draining, NOT_ENABLED for speech with TTS off."""
+        if self.failure is not None:
+            raise SessionError(ErrorKind.UNAVAILABLE, self.failure)
         if self.draining:
             raise SessionError(ErrorKind.UNAVAILABLE, "the server is shutting down; connect again to another instance")
         if not self.ready:

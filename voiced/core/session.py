@@ -627,7 +627,7 @@ class Session:
             p = (await loop.run_in_executor(None, self.turn_model.predict, [clip]))[0]
         except Exception:  # the model is an aid: without its answer the words and the silence decide
             log.exception("session %s: the end-of-turn model failed", self.spec.session_id)
-            p = 0.0  # "unsure": finished words then wait `unsure_ms`, not the upper bound
+            p = 0.0  # "incomplete": finished words then wait `audio_ms`, not the upper bound
         pause.model_s = time.monotonic() - t0
         pause.evidence = replace(pause.evidence, p_complete=p)
         await self._maybe_end_turn()

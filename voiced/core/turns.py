@@ -23,37 +23,46 @@ before every pause, and Whisper puts a full stop on half a sentence):
 |----------------------------------------------------------|-------------------------------------|
 | nothing known yet (the transcript is not ready)           | `max_ms`                            |
 | the words are not finished                               | `max_ms`                            |
-| ... but only as a number read out, and the audio and the  | `doubt_ms`                          |
-|     decoder both say the turn is complete                |                                     |
-| the words are finished, the audio and the decoder agree  | `complete_ms` (the short pause)     |
-| the words are finished, the audio is unsure, or the      | `unsure_ms`                         |
-|     decoder expects more words; no words                 |                                     |
+| ... but only as a number read out                        | `doubt_ms`                          |
+| the words are finished and Whisper is sure of the last   | `complete_ms` (the short pause)     |
+|     word and of the end (end-of-text)                    |                                     |
+| ... and the audio model alone hears an unfinished turn   | `audio_ms` (medium, high: the short |
+|                                                          |     pause; low: `unsure_ms`)        |
+| the words are finished, the decoder expects more words;  | `unsure_ms`                         |
+|     no words                                             |                                     |
 | the words look finished but Whisper doubts the last one  | `doubt_ms`                          |
 
 A number read out ("... ends in four five | seven two") is the one unfinished ending that also ends
-sentences: no rule on the words knows whether more digits come, so alone it waits the bound. Where
-Smart Turn hears a finished turn and Whisper, too, would end the text there (END_P), it waits
-`doubt_ms` instead (at medium 2.2 s, long enough for the pause between two groups of digits). On the
-bench's espeak-ng callers (seeds 0-2, real tiny.en, decoded offline) the two together agreed on 3 of 8
-finished readings and none of 3 paused ones, where either alone would have released one of the paused
-ones; live, one paused reading passed them both (end-of-text 0.48 offline, over 0.5 in the daemon), so
-the wait stays as long as a doubt's, not `unsure_ms`. The same agreement does not
-shorten a doubted last word's wait: there both are as sure on a made-up word at a pause ("I will
-care, Kevin.": Smart Turn 0.91, end-of-text 0.99) as on a finished sentence.
+sentences: no rule on the words knows whether more digits come, so it waits `doubt_ms` (at medium
+2.2 s, long enough for the pause between two groups of digits) whatever the audio and the decoder
+say: on the bench's espeak-ng callers neither told a finished reading from a paused one (Smart Turn
+0.01-0.97 on both), and the bound (4 s) that every reading they did not both call finished waited held
+the p90 of most sets at 4 s; no paused reading in them waited more than 2 s between its groups.
 
-Eagerness sets the four (OpenAI's semantic_vad waits at most 8 / 4 / 2 s at low / medium / high).
+Eagerness sets the five (OpenAI's semantic_vad waits at most 8 / 4 / 2 s at low / medium / high).
 People pause mid-sentence for up to about 2 s, so at medium an unfinished text waits 4 s, and a text
-whose last word Whisper doubts (probability under DOUBTFUL_P) waits that 2 s and the time to hear the
-voice come back (the segmenter's RESUME_MS and the VAD's onset): 2.2 s. Such a word is often
-one Whisper made up from the end of half a sentence ("I will care, Kevin." for "I will cancel the"),
-and a full stop after it says nothing. But a doubted word that began HEARD_S or more before the voice
-stopped is one Whisper heard and spelled unsure of (a name, a number read out, a word in espeak-ng's odd
-vowels), not one it made up: its cross-attention placed it on half a second of the caller's sound, where
-a word made up at a pause gets the sliver of sound at the pause's edge. Such a word is no doubt
-(`doubted`). On the bench's espeak-ng sets (real tiny.en, the last word at every pause and every real end
-with probability under DOUBTFUL_P), the made-up words at pauses began 50-430 ms before the voice stopped
-in seed 0, where HEARD_S was chosen; on seeds 1 and 2 it cleared the doubt of 4 of 7 finished sentences
-and of 1 of 9 paused ones (a 0.05-probability word in a run of made-up names).
+whose last word Whisper doubts waits that 2 s and the time to hear the voice come back (the
+segmenter's RESUME_MS and the VAD's onset): 2.2 s. Such a word is often one Whisper made up from the
+end of half a sentence ("I will care, Kevin." for "I will cancel the"; "I would like to book a table
+for it." for "... a table for | two people"), and a full stop after it says nothing. Whisper doubts
+it (`doubted`) where it gives it less than LAST_P (0.7) and it began less than HEARD_S (1 s) before
+the voice stopped: a word made up at a pause gets the sliver of sound at the pause's edge, where a word
+Whisper heard and spelled unsure of (a long number, a name, espeak-ng's odd vowels) sits on a second or
+more of the caller's sound. Both are trades, measured in session 10 (the offline replay, 30 ms decode,
+espeak-ng sets of 24 callers, dev seeds 0-2 and held-out 3-4; docs/BENCHMARKS.md): with real tiny.en,
+LAST_P 0.5 cut off 10 of 36 pausing dev callers, 0.6 7, 0.7 6 at the same median (216 ms); 0.75 and
+0.8 cut off 4 but held the median dev caller 370-580 ms, most finished espeak-ng sentences' last words
+being given 0.7-1.0. With base (multilingual), HEARD_S 0.5 (session 9's) cut off 12 of 36 pausing dev
+callers; no exemption cut off 5 of 36 and 5 of 24 but held the pooled held-out median at 2.1 s; 1 s
+cut off 5 and 5 with pooled medians of 216 / 219 ms (base gives many of espeak-ng's last words 0.3-0.7:
+its own medians on seeds 1 and 3 still sit at 2.2 s).
+
+The audio model (Smart Turn v3) is asked at every pause, but at medium and high eagerness its
+"incomplete" alone no longer holds finished words Whisper is sure of (`audio_ms`): on espeak-ng
+callers it called most finished sentences incomplete (p 0.01-0.3) and agreed with half sentences
+("Could you tell my accountant that?": 0.69) as often, so its vote cost every such finished caller
+400 ms (the old end-of-turn p50, ~610 ms) and kept 1 of 60 pausing callers (dev and held-out seeds,
+tiny.en) from being cut off. At low eagerness it still holds them (`audio_ms` = `unsure_ms`).
 
 The words are read with their probabilities and times: a doubtful last word placed after the voice
 stopped does not make unfinished words finished (`judged_text`). Text from an earlier (interim)
@@ -107,21 +116,23 @@ END_P = 0.5  # Whisper's end-of-text probability at which the decoder says the t
 # timing puts where the caller had already stopped: such a last word is judged without it too.
 DOUBTFUL_P = 0.5
 ALIGN_SLACK_S = 0.1  # word times come from cross-attention: this close to the end of speech is "at it"
-HEARD_S = 0.5  # a last word that began this long before the voice stopped was heard, not made up
+LAST_P = 0.7  # a last word Whisper gives less than this may be one it made up at the pause: a doubt
+HEARD_S = 1.0  # a last word that began this long before the voice stopped was heard, not made up (None: off)
 
 
 @dataclass(frozen=True)
 class Bounds:
-    complete_ms: int  # silence that ends a finished turn the audio model agrees with
-    unsure_ms: int  # ... a finished turn the audio model doubts, or one with no words
-    doubt_ms: int  # ... words that look finished but whose last word Whisper doubts
+    complete_ms: int  # silence that ends a finished turn
+    audio_ms: int  # ... a finished turn only the audio model doubts
+    unsure_ms: int  # ... a finished turn after which Whisper expects more words, or one with no words
+    doubt_ms: int  # ... words that look finished but whose last word Whisper doubts; a number read out
     max_ms: int  # silence that always ends a turn
 
 
 EAGERNESS = {
-    "low": Bounds(complete_ms=500, unsure_ms=1500, doubt_ms=3200, max_ms=8000),
-    "medium": Bounds(complete_ms=SHORT_MS, unsure_ms=600, doubt_ms=2200, max_ms=4000),
-    "high": Bounds(complete_ms=SHORT_MS, unsure_ms=400, doubt_ms=1200, max_ms=2000),
+    "low": Bounds(complete_ms=500, audio_ms=1500, unsure_ms=1500, doubt_ms=3200, max_ms=8000),
+    "medium": Bounds(complete_ms=SHORT_MS, audio_ms=SHORT_MS, unsure_ms=600, doubt_ms=2200, max_ms=4000),
+    "high": Bounds(complete_ms=SHORT_MS, audio_ms=SHORT_MS, unsure_ms=400, doubt_ms=1200, max_ms=2000),
 }
 
 
@@ -278,10 +289,12 @@ def talking(text: str, hallucination: bool, before: tuple[str, ...] = ()) -> tup
 
 
 def doubted(words: list, speech_end_s: float) -> bool:
-    """Whether Whisper doubts the last word (voiced.engines.base.Word) as one it may have made up: its
-    probability is under DOUBTFUL_P and it began less than HEARD_S before the voice stopped
-    (`speech_end_s`, in the same clip's seconds)."""
-    return bool(words) and words[-1].probability < DOUBTFUL_P and words[-1].start_s > speech_end_s - HEARD_S
+    """Whether Whisper doubts the last word (voiced.engines.base.Word) as one it may have made up at
+    the pause: its probability is under LAST_P (and, where HEARD_S is set, it began less than HEARD_S
+    before the voice stopped, `speech_end_s`, in the same clip's seconds)."""
+    if not words or words[-1].probability >= LAST_P:
+        return False
+    return HEARD_S is None or words[-1].start_s > speech_end_s - HEARD_S
 
 
 def judged_text(text: str, words: list, speech_end_s: float) -> str:
@@ -313,9 +326,8 @@ class Evidence:
         if not self.fresh:
             return b.max_ms  # a stale text may lack the last words: it only keeps a turn open
         if unfinished(self.text):
-            if reading_number(self.text) and self._audio_says_complete() and self._decoder_says_over():
-                return b.doubt_ms  # long enough for the pause between two groups of digits
-            return b.max_ms
+            # a number read out may be the end of the sentence: long enough for a pause between digits
+            return b.doubt_ms if reading_number(self.text) else b.max_ms
         if not self.text.strip():
             return b.unsure_ms  # no words (a cough, a noise): no reason to hold the line long
         if self.sounding and self.end_p is not None and not self._decoder_says_over():
@@ -324,8 +336,11 @@ class Evidence:
             return b.max_ms
         if self.p_complete is None:
             return b.max_ms  # the audio model's answer is a few ms away; wait for it
-        agree = self._audio_says_complete() and (self.end_p is None or self._decoder_says_over())
-        wait = b.complete_ms if agree else b.unsure_ms
+        wait = b.complete_ms
+        if not self._audio_says_complete():
+            wait = max(wait, b.audio_ms)
+        if self.end_p is not None and not self._decoder_says_over():
+            wait = max(wait, b.unsure_ms)
         return max(wait, b.doubt_ms) if self.doubtful else wait
 
     def _audio_says_complete(self) -> bool:

@@ -83,9 +83,9 @@ GLOBAL_PHASE_LIMIT = N_GLOBAL + 64  # a controllable prompt that has not produce
 SPEAKER_CACHE = 64  # speaker vectors kept (see SparkTTSEngine._speaker)
 PHASES = ("prefill", "decode", "vocode")
 # The vocoder's CUDA graphs (vocoder_graphs.py) on a GPU unless VOICED_SPARK_VOCODER_GRAPHS says otherwise.
-# Off until their pool's allowance is checked beyond one H100 and the daemon's plan test ran with them on
-# (vocoder_graphs.py's docstring has what was measured).
-VOCODER_GRAPHS_DEFAULT = False
+# On: the daemon's plan-versus-peak test passed with them on (H100), and at 128 callers they took the TTS
+# off the critical path (vocoder_graphs.py's docstring has what was measured).
+VOCODER_GRAPHS_DEFAULT = True
 
 
 def vocoder_graphs_default() -> bool:

@@ -255,6 +255,7 @@ def stream_decode(codec: BiCodec, semantic_ids: torch.Tensor, global_ids: torch.
     radius = codec.receptive_radius() if radius is None else radius
     planner = ChunkPlanner(radius, first_chunk_tokens, chunk_tokens)
     spk = codec.speaker_vector(global_ids.view(1, -1))[0]
+    semantic_ids = semantic_ids.cpu()  # DecodeJob cuts windows on the host (ids sampled on a GPU come from there)
     chunks = []
     n = semantic_ids.shape[0]
     for t in [*range(step, n, step), n]:

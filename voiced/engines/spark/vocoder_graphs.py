@@ -44,12 +44,12 @@ A replay's output is a view of the shared buffer: the next replay (of any shape)
 host's copy of `valid` is reused likewise. Every caller reads the audio back to the host (a sync) before
 the next vocoder call (`streaming._decode_group`, warm-up), which is what makes both safe.
 
-Default: `engine.VOCODER_GRAPHS_DEFAULT`, off (on with `SparkTTSEngine.load(vocoder_graphs=True)`,
-VOICED_SPARK_VOCODER_GRAPHS=1, `voiced bench e2e --vocoder-graphs`). Measured on an H100 (docs/BENCHMARKS.md,
+Default: `engine.VOCODER_GRAPHS_DEFAULT`, on (off with `SparkTTSEngine.load(vocoder_graphs=False)`,
+VOICED_SPARK_VOCODER_GRAPHS=0, `voiced bench e2e --no-vocoder-graphs`). Measured on an H100 (docs/BENCHMARKS.md,
 issue 26, 2026-11-27): replay equals the eager decode bit for bit, the reserved pool is the plan's 530 MiB,
-and at 128 callers voice to voice fell from 1370 / 1734 to 713 / 1086 ms p50 / p99 (with that day's
-Whisper changes). Still off until the allowance is checked on another GPU or cuDNN version and the
-daemon's plan-versus-peak test (tests/test_daemon_gpu.py) has run with the graphs on.
+the daemon's plan-versus-peak test passes with them (the warm-up holds the pool through its prefill phase,
+as serving does), and at 128 callers voice to voice fell from 1370 / 1734 to 713 / 1086 ms p50 / p99 (with
+that day's Whisper changes). The allowance has not been checked on another GPU or cuDNN version.
 """
 
 from __future__ import annotations

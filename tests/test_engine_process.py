@@ -1,0 +1,130 @@
+"""`voiced serve --engine-process separate`: the engines in a child process of their own (voiced.engine_process),
+the real daemon as a user starts it, the real tiny.en and a random Spark-TTS checkpoint in the real format, and
+espeak-ng speech over gRPC stubs generated from proto/."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from voiced_client.proto import voiced_pb2 as pb
+
+from tests.daemon_harness import Format, audio_requests, of_kind, session_config, stream_blocking, wire_audio
+from tests.real_whisper import tiny_en_dir
+from tests.spark_fixtures import cached_spark_checkpoint
+from tests.speech import layout, need_espeak
+
+FMT = Format("LINEAR16", 16000)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _health(address: str):
+    with grpc.insecure_channel(address) as channel:
+        try:
+            return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5).status
+        except grpc.RpcError:
+            return None
+
+
+@contextlib.contextmanager
+def _serve(tmp_path_factory):
+    """`voiced serve` with its engines in a process of their own, once SERVING: (daemon, address, engine
+    process's pid, log)."""
+    need_espeak()
+    spark = cached_spark_checkpoint(tmp_path_factory)
+    port = _free_port()
+    log = tmp_path_factory.mktemp("engine-process") / "serve.log"
+    env = dict(os.environ, VOICED_CACHE=str(tmp_path_factory.mktemp("cache")))
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "voiced", "serve", "--engine-process", "separate",
+                                 "--asr-model", str(tiny_en_dir()), "--tts-model", str(spark), "--device", "cpu",
+                                 "--turn-detection", "silence", "--listen", f"127.0.0.1:{port}"],
+                                stdout=out, stderr=subprocess.STDOUT, env=env)
+    address = f"127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while _health(address) != health_pb2.HealthCheckResponse.SERVING:
+            assert time.monotonic() < deadline and proc.poll() is None, log.read_text()
+            time.sleep(0.2)
+        child = int(re.search(r"engines serve from process (\d+)", log.read_text()).group(1))
+        yield proc, address, child, log
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    with _serve(tmp_path_factory) as daemon:
+        yield daemon
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    stat = open(f"/proc/{pid}/stat").read()
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has ended
+
+
+def test_a_conversation_is_transcribed_and_answered_by_the_engine_process(served):
+    proc, address, child, log = served
+    assert child != proc.pid and _alive(child)
+    lay = layout(["Please book a table for two people tonight."], tail_s=1.0)
+    cfg = session_config(FMT, speech=pb.SpeechConfig(seed=1, max_seconds=1.0))
+    cfg.output_format.CopyFrom(pb.AudioFormat(encoding=pb.LINEAR16, sample_rate_hz=16000))
+    events, code, details = stream_blocking(address, audio_requests(cfg, wire_audio(lay.audio, FMT), FMT), "Converse",
+                                            timeout=120)
+    assert code == grpc.StatusCode.OK, details
+    [final] = [e.transcript for e in of_kind(events, "transcript") if e.transcript.is_final]
+    assert "table for two" in final.text.lower(), final.text
+    chunks = [e.audio for e in of_kind(events, "audio")]
+    assert chunks and [c.sequence for c in chunks] == list(range(len(chunks))) and chunks[-1].last
+    assert sum(len(c.audio) for c in chunks) > 0.5 * 16000 * 2  # at least half the reply's second of audio
+
+
+def test_sigterm_stops_the_daemon_and_its_engine_process(served):
+    proc, address, child, log = served
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(60) == 0, log.read_text()
+    deadline = time.monotonic() + 10
+    while _alive(child):
+        assert time.monotonic() < deadline, f"the engine process {child} outlived the daemon"
+        time.sleep(0.1)
+    assert "Traceback" not in log.read_text(), log.read_text()
+
+
+def test_an_engine_process_that_dies_takes_the_server_out_of_service_with_a_clear_word(tmp_path_factory):
+    """The engines' process killed (a driver fault, the OOM killer): health says NOT_SERVING, so a load
+    balancer moves callers on; a new call is refused UNAVAILABLE saying the server needs a restart; the
+    daemon itself stays up and still stops cleanly."""
+    with _serve(tmp_path_factory) as (proc, address, child, log):
+        os.kill(child, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while _health(address) != health_pb2.HealthCheckResponse.NOT_SERVING:
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.1)
+        lay = layout(["Hello there."], tail_s=0.8)
+        cfg = session_config(FMT)
+        events, code, details = stream_blocking(address, audio_requests(cfg, wire_audio(lay.audio, FMT), FMT),
+                                                "Converse", timeout=30)
+        assert code == grpc.StatusCode.UNAVAILABLE and "engine process has stopped" in details, (code, details)
+        assert proc.poll() is None
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0, log.read_text()

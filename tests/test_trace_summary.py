@@ -1,0 +1,64 @@
+"""voiced.bench.trace_summary: what a profile's timeline says about the GPU and each thread's waits."""
+
+import gzip
+import json
+import threading
+
+import torch
+
+from voiced.bench.trace_summary import load, overlap_us, summarize, union_us
+
+
+def test_union_and_overlap_count_shared_time_once():
+    assert union_us([(0, 10), (5, 15), (20, 30)]) == 25
+    assert union_us([(0, 30), (5, 10)]) == 30
+    assert overlap_us([(0, 10), (5, 15), (20, 30)], 8, 25) == 12
+
+
+def test_a_range_waiting_on_another_threads_kernels_is_told_apart(tmp_path):
+    """Thread 1's range lasts 10 ms: 1 ms launching its own kernel, 8 ms in a stream sync while the
+    GPU runs thread 2's kernels on another stream."""
+    ev = [
+        {"ph": "X", "cat": "user_annotation", "name": "_admit", "tid": 1, "ts": 0, "dur": 10_000},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "tid": 1, "ts": 100, "dur": 900,
+         "args": {"correlation": 1}},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaStreamSynchronize", "tid": 1, "ts": 1_500, "dur": 8_000},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaGraphLaunch", "tid": 2, "ts": 0, "dur": 50,
+         "args": {"correlation": 2}},
+        {"ph": "X", "cat": "kernel", "name": "vocoder", "tid": 9, "ts": 200, "dur": 8_800,
+         "args": {"stream": 9, "correlation": 2}},
+        {"ph": "X", "cat": "kernel", "name": "encoder", "tid": 7, "ts": 9_000, "dur": 500,
+         "args": {"stream": 7, "correlation": 1}},
+    ]
+    path = tmp_path / "t.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": ev}, f)
+    s = summarize(load(path))
+    assert s["window_ms"] == 10.0 and s["gpu_busy"] == 0.93
+    assert s["streams"]["9"]["busy"] == 0.88
+    slow = s["threads"]["1"]["ranges"]["_admit"]["slowest"][0]
+    assert slow["ms"] == 10.0 and slow["in_gpu_wait_ms"] == 8.0
+    assert slow["own_kernels_ms"] == 0.5 and slow["other_kernels_ms"] == 8.8
+
+
+def test_reads_a_real_profilers_timeline_of_two_threads(tmp_path):
+    """torch.profiler's own Chrome trace (CPU here): the marked ranges of the thread that started it are
+    found and counted (it records no other thread's CPU side, which the summary says)."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    def work(name, n):
+        for _ in range(n):
+            with record_function(name):
+                torch.ones(64, 64) @ torch.ones(64, 64)
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        work("_admit", 3)
+        t = threading.Thread(target=work, args=("_vocode", 2))
+        t.start()
+        t.join()
+    path = tmp_path / "trace.json"
+    prof.export_chrome_trace(str(path))
+    s = summarize(load(path))
+    found = {name: r["n"] for th in s["threads"].values() for name, r in th["ranges"].items()}
+    assert found.get("_admit") == 3
+    assert s["gpu_busy"] == 0.0

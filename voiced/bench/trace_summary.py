@@ -1,0 +1,118 @@
+"""Where the time went in a torch.profiler timeline (`voiced bench e2e --profile-level N --profile-trace`):
+how busy the GPU was (each stream, and any stream), each thread's CPU-side time in CUDA calls that wait
+for the GPU, and, for the slowest instances of each engine method the bench marks (the StepTimer's
+record_function ranges), what the GPU ran while they lasted: the thread's own kernels, or others'.
+
+    python -m voiced.bench.trace_summary trace-grpc-16.json.gz [--top 5] [--json out.json]
+
+It answers one question the step timings cannot: a recognition step that takes 50 ms of wall time for
+5 ms of CPU time was waiting, but for what: the GPU busy with the TTS engine's kernels, or the thread
+not running at all (the GIL). torch.profiler records the CPU side of the thread that started it only (the
+bench starts it on the recognition engine's thread) and the kernels of every stream: kernels whose launch
+it did not record count as another thread's."""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+from collections import defaultdict
+from pathlib import Path
+
+GPU_CATS = {"kernel", "gpu_memcpy", "gpu_memset"}
+# CUDA runtime calls in which a thread waits for the GPU (or for a copy that waits for it).
+WAITING_CALLS = ("Synchronize", "cudaMemcpy ", "cudaMemcpy", "cudaEventQuery")
+
+
+def load(path: Path) -> list[dict]:
+    opener = gzip.open if str(path).endswith(".gz") else open
+    with opener(path, "rt") as f:
+        data = json.load(f)
+    return [e for e in data.get("traceEvents", data) if e.get("ph") == "X" and "dur" in e]
+
+
+def union_us(intervals: list[tuple[float, float]]) -> float:
+    """Total length of the union of [start, end) intervals."""
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b <= end:
+            continue
+        total += b - max(a, end)
+        end = b
+    return total
+
+
+def overlap_us(intervals: list[tuple[float, float]], lo: float, hi: float) -> float:
+    """How much of [lo, hi) the union of `intervals` covers."""
+    return union_us([(max(a, lo), min(b, hi)) for a, b in intervals if b > lo and a < hi])
+
+
+def summarize(events: list[dict], top: int = 5) -> dict:
+    gpu = [e for e in events if e.get("cat") in GPU_CATS]
+    cpu = [e for e in events if e.get("cat") not in GPU_CATS]
+    if not events:
+        return {"window_ms": 0.0}
+    lo = min(e["ts"] for e in events)
+    hi = max(e["ts"] + e["dur"] for e in events)
+    window = hi - lo
+    streams: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    for e in gpu:
+        streams[str(e.get("args", {}).get("stream", e.get("tid")))].append((e["ts"], e["ts"] + e["dur"]))
+    all_gpu = [iv for ivs in streams.values() for iv in ivs]
+    out: dict = {"window_ms": round(window / 1e3, 1),
+                 "gpu_busy": round(union_us(all_gpu) / window, 3) if window else 0.0,
+                 "streams": {s: {"busy": round(union_us(ivs) / window, 3), "kernels": len(ivs)}
+                             for s, ivs in sorted(streams.items(), key=lambda kv: -len(kv[1]))}}
+    # The stream each thread's launches went to (by correlation id), so a range's own kernels are told apart.
+    launch_tid = {e["args"]["correlation"]: e.get("tid") for e in cpu
+                  if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
+    by_tid: dict = defaultdict(list)
+    for e in gpu:
+        by_tid[launch_tid.get(e.get("args", {}).get("correlation"))].append((e["ts"], e["ts"] + e["dur"]))
+    threads: dict = {}
+    for tid in sorted({e.get("tid") for e in cpu}, key=str):
+        mine = [e for e in cpu if e.get("tid") == tid]
+        waits = [e for e in mine if e.get("cat") == "cuda_runtime" and any(w in e["name"] for w in WAITING_CALLS)]
+        ranges: dict[str, list[dict]] = defaultdict(list)
+        for e in mine:
+            if e.get("cat") == "user_annotation" and not e["name"].startswith("ProfilerStep"):
+                ranges[e["name"]].append(e)
+        ops = [(e["ts"], e["ts"] + e["dur"]) for e in mine if e.get("cat") in ("cpu_op", "cuda_runtime")]
+        own_gpu = by_tid.get(tid, [])
+        others_gpu = [iv for t, ivs in by_tid.items() if t != tid for iv in ivs]
+        entry = {"ops_ms": round(union_us(ops) / 1e3, 1), "gpu_wait_ms": round(sum(e["dur"] for e in waits) / 1e3, 1),
+                 "own_kernels_ms": round(union_us(own_gpu) / 1e3, 1), "ranges": {}}
+        for name, evs in sorted(ranges.items()):
+            durs = sorted(e["dur"] for e in evs)
+            slow = []
+            for e in sorted(evs, key=lambda e: -e["dur"])[:top]:
+                a, b = e["ts"], e["ts"] + e["dur"]
+                slow.append({"ms": round(e["dur"] / 1e3, 1),
+                             "in_ops_ms": round(overlap_us(ops, a, b) / 1e3, 1),
+                             "in_gpu_wait_ms": round(overlap_us([(w["ts"], w["ts"] + w["dur"]) for w in waits], a, b) / 1e3, 1),
+                             "own_kernels_ms": round(overlap_us(own_gpu, a, b) / 1e3, 1),
+                             "other_kernels_ms": round(overlap_us(others_gpu, a, b) / 1e3, 1)})
+            entry["ranges"][name] = {"n": len(evs), "total_ms": round(sum(durs) / 1e3, 1),
+                                     "p50_ms": round(durs[len(durs) // 2] / 1e3, 2),
+                                     "max_ms": round(durs[-1] / 1e3, 1), "slowest": slow}
+        if entry["ranges"] or entry["ops_ms"] > 0.05 * window / 1e3:
+            threads[str(tid)] = entry
+    out["threads"] = threads
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("trace", type=Path, help="a Chrome-trace JSON (.json or .json.gz) from torch.profiler")
+    ap.add_argument("--top", type=int, default=5, help="slowest instances of each range to break down")
+    ap.add_argument("--json", type=Path, default=None, help="also write the summary here")
+    args = ap.parse_args()
+    s = summarize(load(args.trace), args.top)
+    text = json.dumps(s, indent=1)
+    if args.json:
+        args.json.write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
