@@ -37,6 +37,21 @@ def test_any_chunk_size_becomes_the_same_20ms_frames(chunk):
     assert dec.caller_samples == len(pcm)
 
 
+def test_whole_frame_messages_between_partial_ones_give_the_same_frames():
+    """A 640-byte message is taken in one step only while nothing is pending; after a partial message the
+    frames still run on from it."""
+    pcm = (np.random.default_rng(1).normal(0, 3000, 16000)).astype(np.int16)
+    data = pcm.tobytes()
+    sizes, i, n, dec, frames = [640, 640, 100, 640, 540, 640, 2, 638, 640], 0, 0, FrameDecoder(Format("LINEAR16", 16000)), []
+    while i < len(data):
+        size = sizes[n % len(sizes)]
+        frames += dec.feed(data[i: i + size])
+        i, n = i + size, n + 1
+    frames += dec.flush()
+    assert all(len(f) == FRAME_SAMPLES and f.dtype == np.int16 for f in frames)
+    assert np.array_equal(np.concatenate(frames)[: len(pcm)], pcm) and dec.caller_samples == len(pcm)
+
+
 @pytest.mark.parametrize("fmt", [Format("MULAW", 8000), Format("ALAW", 8000), Format("LINEAR16", 48000)])
 def test_telephony_and_wideband_input_is_resampled_to_16k_in_place(fmt):
     # A 440 Hz tone keeps its frequency and timing through decode + streaming resample.

@@ -18,6 +18,7 @@ from voiced_client.proto import voiced_pb2_grpc as pb_grpc
 from tests.daemon_harness import (
     MAX_NEW_TOKENS,
     audio_requests,
+    daemon_config,
     frames_of,
     heard_audio,
     of_kind,
@@ -87,6 +88,31 @@ def test_each_phrase_gives_one_speech_pair_and_one_transcript(daemon, fmt, tmp_p
         begin = int(t.start_ms * RATE // 1000) - seg.pre_roll_ms * RATE // 1000
         clip = heard[max(begin, 0) : int(t.end_ms * RATE // 1000)]
         assert list(t.tokens) == transcribe_cli(daemon.checkpoint, clip, tmp_path, capsys)
+
+
+def test_the_same_events_on_either_event_loop(daemon):
+    """uvloop is the daemon's loop unless server.event_loop says asyncio; a caller gets the same events
+    (speech offsets, turns, transcripts' tokens) from a daemon on each."""
+    import uvloop
+
+    assert daemon_config().server.event_loop == "uvloop" and isinstance(daemon.loop, uvloop.Loop)
+    config = daemon_config()
+    config.server.event_loop = "asyncio"
+    plain = start_daemon(daemon.checkpoint, config)
+    try:
+        assert not isinstance(plain.loop, uvloop.Loop)
+        fmt = Format("MULAW", 8000)
+        data = wire_audio(layout(PHRASES, gap_s=1.0).audio, fmt)
+        heard = []
+        for d in (daemon, plain):
+            events, code, details = asyncio.run(run_stream(d.address, audio_requests(session_config(fmt), data, fmt)))
+            assert code == grpc.StatusCode.OK, details
+            heard.append([(e.turn_id, e.speech.type, e.speech.offset_ms) for e in of_kind(events, "speech")]
+                         + [(e.turn_id, list(e.transcript.tokens), e.transcript.start_ms, e.transcript.end_ms)
+                            for e in of_kind(events, "transcript") if e.transcript.is_final])
+        assert heard[0] == heard[1] and len(heard[0]) == 3 * len(PHRASES)
+    finally:
+        plain.stop()
 
 
 def test_push_to_talk_yields_exactly_the_marked_spans(daemon):

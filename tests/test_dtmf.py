@@ -93,12 +93,44 @@ def reference_key(frame: np.ndarray, rate: int = RATE) -> str | None:
     return dtmf.KEYS[lo][hi]
 
 
-def test_key_gives_the_reference_rules_answer_frame_by_frame():
+def previous_key(frame: np.ndarray, rate: int = RATE) -> str | None:
+    """The rule's numpy form before the event loop's per-frame work was cut (issue 26, session 10): edges
+    found by argmax on the whole frame, the eight powers and their maxima as numpy arrays. `dtmf.key`
+    must give the same key for every frame, with or without the peak handed in."""
+    x = np.asarray(frame, dtype=np.float64)
+    n = len(x)
+    if not n:
+        return None
+    a = np.abs(x)
+    loud = a > dtmf.EDGE * a.max()
+    first = int(loud.argmax())
+    if not loud[first]:
+        return None
+    last = n - 1 - int(loud[::-1].argmax())
+    basis = dtmf._basis(n, rate)
+    if first > 0 or last < n - 1:
+        if last + 1 - first < dtmf.MIN_SPAN_MS * rate // 1000:
+            return None
+        x, basis = x[first: last + 1], basis[:, first: last + 1]
+    energy = float(x @ x)
+    y = basis @ x
+    power = (2.0 / len(x)) * (y[:8] ** 2 + y[8:] ** 2)
+    lo, hi = int(power[:4].argmax()), int(power[4:].argmax())
+    p_lo, p_hi = float(power[lo]), float(power[4 + hi])
+    if (p_lo + p_hi) < dtmf.TONE_SHARE * energy or min(p_lo, p_hi) <= 0.0:
+        return None
+    if max(p_lo, p_hi) > dtmf.TWIST * min(p_lo, p_hi):
+        return None
+    return dtmf.KEYS[lo][hi]
+
+
+def judged_clips() -> list[np.ndarray]:
+    """Speech (16 kHz and through a phone line), noise, and every key's tone with edges anywhere in a
+    frame, under speech and noise near the share's bound, and with twists either side of the bound."""
     rng = np.random.default_rng(0)
     speech = np.concatenate([phrase("Please call me back tomorrow morning."), phrase("Seven apples and three oranges.")])
     clips = [speech, heard_audio(wire_audio(speech, PHONE), PHONE), 0.1 * rng.standard_normal(RATE).astype(np.float32)]
     for i, k in enumerate("0123456789*#ABCD"):
-        # Edges anywhere in a frame, twist near its bound, speech or noise under the tone near the share's.
         lead = np.zeros(int(rng.integers(0, 2 * FRAME_SAMPLES)), np.float32)
         t = tone(k, 0.07 + 0.01 * i, level=0.05 + 0.02 * i, phase=i * 1e-3)
         clips.append(np.concatenate([lead, t, lead]))
@@ -110,10 +142,35 @@ def test_key_gives_the_reference_rules_answer_frame_by_frame():
         for db in (7.9, 8.1):
             clips.append((0.2 * np.sin(2 * np.pi * f1 * s) + 0.2 * 10 ** (-db / 20) * np.sin(2 * np.pi * f2 * s))
                          .astype(np.float32))
+    return clips
+
+
+def test_key_gives_the_reference_rules_answer_frame_by_frame():
     seen = set()
-    for x in clips:
+    for x in judged_clips():
         for f in frames(x):
             want = reference_key(f)
             assert dtmf.key(f) == want
             seen.add(want)
     assert None in seen and len(seen) > 10  # tones and not-tones both met
+
+
+def test_key_gives_the_previous_forms_answer_frame_by_frame():
+    """Also on float frames, frames of one loud sample, and silence; and with the peak the segmenter
+    hands in (from its int16 extremes)."""
+    rng = np.random.default_rng(1)
+    odd = [np.zeros(FRAME_SAMPLES, np.int16), np.eye(1, FRAME_SAMPLES, 7, dtype=np.int16)[0] * 30000,
+           np.full(FRAME_SAMPLES, -32768, np.int16), (rng.standard_normal(FRAME_SAMPLES) * 8000).astype(np.int16)]
+    seen = set()
+    for x in judged_clips():
+        for f in frames(x):
+            want = previous_key(f)
+            assert dtmf.key(f) == want
+            peak = float(max(int(f.max()), -int(f.min())))
+            assert dtmf.key(f, RATE, peak) == want
+            assert dtmf.key(f.astype(np.float32) / 32768.0) == previous_key(f.astype(np.float32) / 32768.0)
+            seen.add(want)
+    for f in odd:
+        assert dtmf.key(f) == previous_key(f)
+        assert dtmf.key(f, RATE, float(max(int(f.max()), -int(f.min())))) == previous_key(f)
+    assert None in seen and len(seen) > 10

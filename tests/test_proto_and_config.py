@@ -92,3 +92,26 @@ def test_engine_threads_setting_is_checked_and_reaches_the_plan():
     assert plan_total(needs) == 300 + 50
     assert plan_total(needs, concurrent=True) == 300 + 30 + 50
     assert "each engine's largest transient" in plan_table(needs, concurrent=True)
+
+
+def test_event_loop_setting_is_checked_and_the_flag_reaches_it():
+    """`server.event_loop` (flag --event-loop, VOICED_SERVER_EVENT_LOOP): uvloop unless asked otherwise; a
+    typo is refused with the choices."""
+    import asyncio
+
+    from voiced import event_loop
+    from voiced.cli import build_parser
+    from voiced.cli.serve import overrides
+
+    assert load_config(env={}).server.event_loop == "uvloop"
+    assert load_config(env={"VOICED_SERVER_EVENT_LOOP": "asyncio"}).server.event_loop == "asyncio"
+    args = build_parser().parse_args(["serve", "--event-loop", "asyncio"])
+    assert load_config(env={}, overrides=overrides(args)).server.event_loop == "asyncio"
+    with pytest.raises(ConfigError, match="uvloop or asyncio"):
+        load_config(env={"VOICED_SERVER_EVENT_LOOP": "trio"}).validate()
+
+    async def kind():
+        return type(asyncio.get_running_loop()).__module__.split(".")[0]
+
+    assert event_loop.run(kind(), "uvloop") == "uvloop"
+    assert event_loop.run(kind(), "asyncio") == "asyncio"

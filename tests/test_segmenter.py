@@ -91,3 +91,19 @@ def test_speech_in_background_noise_still_starts_and_ends():
     for (a, b), s, e in zip(lay.spans, starts, ends):
         assert abs(ms(s.offset) - ms(a)) <= 150
         assert ms(b) < ms(e.offset) <= ms(b) + 500 + 300
+
+
+def test_the_voice_gate_gives_the_previous_forms_answer_frame_by_frame():
+    """`_voice` (the swing from argmax/argmin, the DTMF check handed its peak) against the previous form:
+    the swing from numpy's reductions, then the tone check on the frame alone."""
+    from tests.test_dtmf import frames, judged_clips
+    from voiced.audio import dtmf
+    from voiced.core.segmenter import SILENCE_SWING, _voice
+
+    seen = set()
+    for x in judged_clips():
+        for f in frames(x) + frames(x * 0.004):  # and quiet enough for the swing to say no
+            want = (int(np.maximum.reduce(f)) - int(np.minimum.reduce(f)) > SILENCE_SWING) and not dtmf.is_tone(f)
+            assert _voice(f) == want
+            seen.add(want)
+    assert seen == {True, False}

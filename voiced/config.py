@@ -49,6 +49,9 @@ class ServerConfig:
     idle_timeout_s: float = 600.0
     max_session_s: float = 7200.0  # longer than any call; frees a line a gateway never hung up
     max_outbound_bytes: int = 2 * 1024 * 1024  # responses waiting for a caller that does not read them
+    # The daemon's event loop, where every door and the session core run: "uvloop" (less of the loop's
+    # CPU per caller frame: voiced.event_loop) or "asyncio" (the standard library's).
+    event_loop: str = "uvloop"
 
 
 @dataclass
@@ -218,6 +221,8 @@ class Config:
                               "set smart or silence")
         if self.segmentation.eagerness not in ("low", "medium", "high"):
             raise ConfigError(f"segmentation.eagerness is {self.segmentation.eagerness!r}; set low, medium or high")
+        if self.server.event_loop not in EVENT_LOOPS:
+            raise ConfigError(f"server.event_loop is {self.server.event_loop!r}; set {' or '.join(EVENT_LOOPS)}")
         if self.server.max_outbound_bytes < 65536:
             raise ConfigError(f"server.max_outbound_bytes is {self.server.max_outbound_bytes}; "
                               "set at least 65536 (one second of 16 kHz audio is 32000 bytes)")
@@ -229,6 +234,7 @@ class Config:
 SECTIONS = [f.name for f in dataclasses.fields(Config)]
 ENGINE_THREADS = ("auto", "shared", "separate")
 ENGINE_PROCESS = ("auto", "inline", "separate")
+EVENT_LOOPS = ("uvloop", "asyncio")  # voiced.event_loop.KINDS (config imports nothing of the daemon's)
 
 
 def _coerce(kind: type, value: Any, where: str) -> Any:

@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from voiced import event_loop
 from voiced.config import Config
 from voiced.core.agents import AgentRegistry
 from voiced.core.services import Services
@@ -147,7 +148,7 @@ def start_in_thread(daemon: Daemon, timeout: float = 600) -> tuple[int, asyncio.
     Returns once it is serving: (gRPC port, loop, thread). Stop it with
     `asyncio.run_coroutine_threadsafe(daemon.drain_and_stop(), loop)`, then `loop.call_soon_threadsafe(loop.stop)`.
     """
-    loop = asyncio.new_event_loop()
+    loop = event_loop.new_event_loop(daemon.config.server.event_loop)
     ready = threading.Event()
     started: dict = {}
 

@@ -51,9 +51,15 @@ FLOOR_RATIO = 8.0  # ... and a voiced frame must carry 9 dB more energy than it
 RESUME_MS = 60  # voiced frames (gaps up to max_gap_ms between them) that end a silence
 
 
-def _loud(frame: np.ndarray) -> bool:
-    # (The ufuncs' own reductions: ndarray.max/min go through two Python wrappers each.)
-    return int(np.maximum.reduce(frame)) - int(np.minimum.reduce(frame)) > SILENCE_SWING
+def _voice(frame: np.ndarray) -> bool:
+    """Whether a frame webrtcvad calls speech may be a voice: loud enough, and no keypad tone (webrtcvad
+    calls those speech too: voiced.audio.dtmf). The tone check reuses the loudness check's extremes."""
+    # (argmax/argmin and an index: a reduction, ndarray.max or np.maximum.reduce, sets up numpy's general
+    # iterator and costs half as much again, on every frame webrtcvad calls speech.)
+    top, bottom = int(frame[frame.argmax()]), int(frame[frame.argmin()])
+    if top - bottom <= SILENCE_SWING:
+        return False
+    return dtmf.key(frame, RATE, float(max(top, -bottom))) is None
 
 
 @dataclass
@@ -197,8 +203,7 @@ class Segmenter:
                     out = self._split(self.offset + FRAME_SAMPLES)
             self._frame_index += 1
             return out
-        # Keypad tones are not speech, though webrtcvad says they are (voiced.audio.dtmf).
-        voiced = self._vad.is_speech(frame.tobytes(), RATE) and _loud(frame) and not dtmf.is_tone(frame)
+        voiced = self._vad.is_speech(frame.tobytes(), RATE) and _voice(frame)
         index = self._frame_index
         self._frame_index += 1
         if self.config.pause_ms:

@@ -24,6 +24,7 @@ import voiced
 from voiced.audio.ingest import MAX_RATE, MIN_RATE, ms
 from voiced.core import speech
 from voiced.core.errors import ErrorKind, SessionError, invalid
+from voiced.core.events import AudioIn
 from voiced.core.services import Services
 from voiced.core.session import Session
 from voiced.doors import grpc_wire as wire
@@ -100,7 +101,7 @@ class VoicedService(pb_grpc.VoicedServicer):
                 # made it send them again with the status, which gRPC's core refuses, and the caller
                 # waited forever for an answer.
                 await context.send_initial_metadata(())
-                async for event in session.run(wire.session_inputs(requests)):
+                async for event in session.run(_SessionInputs(context)):
                     await session.writing(context.write(wire.event_to_proto(event, config)))
         except Exception as e:
             await self._abort(context, e)
@@ -200,6 +201,32 @@ async def _first(requests, idle_timeout_s: float):
                                               "(server.idle_timeout_s); send the config first") from None
 
 
+class _SessionInputs:
+    """The requests after the config, as the core's input events, read with `context.read()`.
+
+    This is the frame path (50 messages a second per caller, on the event loop). Reading through grpc's
+    request iterator stacked three async generators on that read (grpc's own, DecodeGuard's check, the
+    mapping), and every message passes each frame twice (down to the read's future and back up); here
+    one coroutine does all three. (The iterator is only a generator over the same `read()`, so the
+    config, read from it first, and the rest read here come in order.)"""
+
+    def __init__(self, context):
+        self._read = context.read
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        request = await self._read()
+        if request is grpc.aio.EOF:
+            raise StopAsyncIteration
+        if type(request) is _Undecodable:
+            raise invalid(request.message)
+        if request.WhichOneof("request") == "audio":  # (nearly every message: one call less for it)
+            return AudioIn(request.audio)
+        return wire.input_event(request)
+
+
 # ---------------------------------------------------------------------------- undecodable requests
 
 
@@ -214,7 +241,8 @@ class DecodeGuard(grpc.aio.ServerInterceptor):
     """A request body that is not valid protobuf gets INVALID_ARGUMENT naming the RPC and the message
     type. grpc's generated handlers deserialize before our code runs, and a deserializer that raises
     makes grpc answer UNKNOWN; this wraps each Voiced handler's deserializer to hand the call a marker
-    instead, which the call answers."""
+    instead, which the call answers (a streaming call's request iterator raises on it; the sessions'
+    `_SessionInputs`, which reads with `context.read()`, checks it itself)."""
 
     async def intercept_service(self, continuation, details):
         handler = await continuation(details)

@@ -7,8 +7,6 @@ a message sent twice, an empty oneof) is checked here.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-
 from voiced_client.proto import voiced_pb2 as pb
 
 from voiced.audio.ingest import Format
@@ -131,20 +129,18 @@ def effective_config(cfg: pb.SessionConfig, spec: SessionSpec) -> pb.SessionConf
 # ---------------------------------------------------------------------------- a stream in
 
 
-async def session_inputs(requests: AsyncIterator[pb.SessionRequest]) -> AsyncIterator[ev.InputEvent]:
-    """The requests after the config -> the core's input events."""
-    async for request in requests:
-        kind = request.WhichOneof("request")
-        if kind == "audio":
-            yield ev.AudioIn(request.audio)
-        elif kind == "control":
-            yield control_event(request.control)
-        elif kind == "text":
-            yield ev.UserText(request.text)
-        elif kind == "config":
-            raise invalid("config was already sent; send it once, as the first message of the stream")
-        else:
-            raise invalid("empty request: set one of config, audio, text or control")
+def input_event(request: pb.SessionRequest) -> ev.InputEvent:
+    """A request after the config -> the core's input event."""
+    kind = request.WhichOneof("request")
+    if kind == "audio":
+        return ev.AudioIn(request.audio)
+    if kind == "control":
+        return control_event(request.control)
+    if kind == "text":
+        return ev.UserText(request.text)
+    if kind == "config":
+        raise invalid("config was already sent; send it once, as the first message of the stream")
+    raise invalid("empty request: set one of config, audio, text or control")
 
 
 def control_event(control: pb.Control) -> ev.InputEvent:
