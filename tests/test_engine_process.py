@@ -19,6 +19,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from voiced_client.proto import voiced_pb2 as pb
+from voiced_client.proto import voiced_pb2_grpc as pb_grpc
 
 from tests.daemon_harness import Format, audio_requests, of_kind, session_config, stream_blocking, wire_audio
 from tests.real_whisper import tiny_en_dir
@@ -100,6 +101,34 @@ def test_a_conversation_is_transcribed_and_answered_by_the_engine_process(served
     chunks = [e.audio for e in of_kind(events, "audio")]
     assert chunks and [c.sequence for c in chunks] == list(range(len(chunks))) and chunks[-1].last
     assert sum(len(c.audio) for c in chunks) > 0.5 * 16000 * 2  # at least half the reply's second of audio
+
+
+def test_voices_and_server_info_reach_through_the_engine_process(served):
+    """What the daemon reads of the engines it does not hold: ServerInfo names both models; a voice added
+    from a recording (its tokens computed in the engine process) is listed, speaks, and a name the server
+    lacks is NOT_FOUND saying which voices it has."""
+    _, address, _, _, _ = served
+    with grpc.insecure_channel(address) as channel:
+        stub = pb_grpc.VoicedStub(channel)
+        info = stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=30)
+        assert info.asr.name and info.tts.name, info
+        before = {v.name for v in stub.ListVoices(pb.ListVoicesRequest(), timeout=30).voices}
+        recording = wire_audio(layout(["This is my voice, recorded for the assistant to speak with."],
+                                      lead_s=0.2, tail_s=0.2).audio, FMT)
+        voice = stub.AddVoice(pb.AddVoiceRequest(name="caller-voice", audio=recording, format=pb.AudioFormat(
+            encoding=pb.LINEAR16, sample_rate_hz=16000), transcript="This is my voice, recorded for the "
+            "assistant to speak with."), timeout=120)
+        assert voice.name == "caller-voice" and voice.kind == "cloned"
+        after = {v.name for v in stub.ListVoices(pb.ListVoicesRequest(), timeout=30).voices}
+        assert after == before | {"caller-voice"}
+        chunks = [r.audio for r in stub.Synthesize(pb.SynthesizeRequest(
+            text="Your table is booked.", speech=pb.SpeechConfig(voice="caller-voice", seed=3, max_seconds=1.0)),
+            timeout=120)]
+        assert chunks and chunks[-1].last and sum(len(c.audio) for c in chunks) > 0
+        with pytest.raises(grpc.RpcError) as missing:
+            list(stub.Synthesize(pb.SynthesizeRequest(text="Hello.", speech=pb.SpeechConfig(voice="nobody")),
+                                 timeout=30))
+        assert missing.value.code() == grpc.StatusCode.NOT_FOUND and "caller-voice" in missing.value.details()
 
 
 def test_sigterm_stops_the_daemon_and_its_engine_process(served):
