@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -57,7 +58,7 @@ def _serve(tmp_path_factory, http: bool = False):
                                  "--asr-model", str(tiny_en_dir()), "--tts-model", str(spark), "--device", "cpu",
                                  "--turn-detection", "silence", "--listen", f"127.0.0.1:{port}",
                                  *(["--http", f"127.0.0.1:{http_port}"] if http else [])],
-                                stdout=out, stderr=subprocess.STDOUT, env=env)
+                                stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     address = f"127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 300
@@ -131,15 +132,47 @@ def test_voices_and_server_info_reach_through_the_engine_process(served):
         assert missing.value.code() == grpc.StatusCode.NOT_FOUND and "caller-voice" in missing.value.details()
 
 
-def test_sigterm_stops_the_daemon_and_its_engine_process(served):
+def test_sigterm_lets_an_open_call_finish_then_stops_both_processes(served):
+    """SIGTERM to the whole process group, as a service manager sends it, while a caller is mid-sentence:
+    the daemon drains, the caller's sentence is still transcribed (the engine process outlives the signal:
+    the drain's calls need it), then the daemon exits 0 and the engine process ends after it."""
     proc, address, child, log, _ = served
-    proc.send_signal(signal.SIGTERM)
+    lay = layout(["The meeting is moved to Friday morning at nine."], lead_s=0.3, tail_s=1.0)
+    frames = audio_requests(session_config(FMT), wire_audio(lay.audio, FMT), FMT)
+    half, sent_half, finish = len(frames) // 2, threading.Event(), threading.Event()
+
+    def requests():
+        for i, request in enumerate(frames):
+            if i == half:
+                sent_half.set()
+                finish.wait(30)
+            yield request
+
+    result = {}
+
+    def call():
+        with grpc.insecure_channel(address) as channel:
+            result["events"] = list(pb_grpc.VoicedStub(channel).StreamingRecognize(requests(), timeout=120))
+
+    caller = threading.Thread(target=call)
+    caller.start()
+    assert sent_half.wait(60)
+    os.killpg(proc.pid, signal.SIGTERM)
+    deadline = time.monotonic() + 30
+    while _health(address) != health_pb2.HealthCheckResponse.NOT_SERVING:
+        assert time.monotonic() < deadline, log.read_text()
+        time.sleep(0.05)
+    finish.set()
+    caller.join(120)
+    finals = [e.transcript.text for e in of_kind(result.get("events", []), "transcript") if e.transcript.is_final]
+    assert len(finals) == 1 and "friday" in finals[0].lower(), (finals, log.read_text())
     assert proc.wait(60) == 0, log.read_text()
     deadline = time.monotonic() + 10
     while _alive(child):
         assert time.monotonic() < deadline, f"the engine process {child} outlived the daemon"
         time.sleep(0.1)
-    assert "Traceback" not in log.read_text(), log.read_text()
+    text = log.read_text()
+    assert "Traceback" not in text and "the engine process ended" not in text, text
 
 
 def test_an_engine_process_that_dies_takes_the_server_out_of_service_with_a_clear_word(tmp_path_factory):

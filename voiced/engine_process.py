@@ -30,6 +30,7 @@ import importlib
 import itertools
 import logging
 import multiprocessing
+import signal
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -254,6 +255,11 @@ class RemoteVoices:
 
 
 def _child_main(conn, builder: str, arg: Any, level: int) -> None:
+    # The daemon decides when the engines stop: after its drain (a "stop"), or when its end of the pipe
+    # closes. A terminal's Ctrl-C and a service manager's SIGTERM reach the whole process group, and the
+    # engines must outlive the calls the drain lets finish.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=level or logging.INFO, format=LOG_FORMAT)
     module, _, function = builder.partition(":")
     try:
