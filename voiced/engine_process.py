@@ -125,6 +125,10 @@ class EngineProcess:
     def started(self) -> bool:
         return self._proc is not None
 
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
     def send(self, message: tuple) -> None:
         if self._stopped:
             raise EngineFault("the engine process has ended; the daemon needs a restart")

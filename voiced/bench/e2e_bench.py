@@ -245,6 +245,7 @@ def start_server(args):
         host = EngineProcess("voiced.bench.e2e_bench:build_engines", args)
         workers = host.start()
         voices, level_stats = RemoteVoices(host), lambda label: host.call("bench.level_stats", label)
+        engine_pids = [host.pid]
     elif engine_process(args) == "each":  # an experiment: a process (a GIL, a CUDA context) per engine
         from voiced.engine_process import EngineProcess, RemoteVoices
 
@@ -252,6 +253,7 @@ def start_server(args):
                  for name in ("asr", "tts")}
         workers = {name: host.start()[name] for name, host in hosts.items()}
         voices = RemoteVoices(hosts["tts"])
+        engine_pids = [host.pid for host in hosts.values()]
 
         def level_stats(label: str) -> dict:
             parts = [host.call("bench.level_stats", label) for host in hosts.values()]
@@ -261,11 +263,13 @@ def start_server(args):
     else:
         built = build_engines(args)
         workers, voices, level_stats = built.workers, built.voices, built.calls["bench.level_stats"]
+        engine_pids = []
     services = Services(config=config, metrics=Metrics(), asr=workers["asr"], tts=workers["tts"], voices=voices,
                         agents=AgentRegistry(config.agent), turn_model=turn_model)
     server = Daemon(config, services=services)
     port, loop, _ = start_in_thread(server)
     server.level_stats = level_stats  # the engines' steps and GPU memory of a level (bench only)
+    server.engine_pids = engine_pids  # the engines' own processes (none: they run in this one)
     addresses = dict(services.doors)
     if "http" in addresses:
         addresses["realtime"] = addresses["http"]
@@ -668,9 +672,9 @@ def main(argv: list[str] | None = None) -> dict:
 
     if args.switch_interval_ms:
         sys.setswitchinterval(args.switch_interval_ms / 1e3)
-    if engine_process(args) != "inline" and (args.profile_level or args.gil_profile_level):
-        ap.error("--profile-level and --gil-profile-level sample the engines in this process: not with "
-                 "--engine-process separate (add --engine-process inline)")
+    if engine_process(args) != "inline" and args.profile_level:
+        ap.error("--profile-level profiles the engine thread in this process: not with the engines in their "
+                 "own (add --engine-process inline; --gil-profile-level samples both processes)")
     t_start = time.monotonic()
     addresses, server, loop = start_server(args)
     startup_s = round(time.monotonic() - t_start, 1)
@@ -702,23 +706,27 @@ def main(argv: list[str] | None = None) -> dict:
             profile = EngineProfile(server.services.asr.thread, args.profile_seconds,
                                     (args.out or Path("e2e.json")).parent, f"{front}-{n}", trace=args.profile_trace)
             timer = profile.start_after(args.duration / 2 - args.profile_seconds / 2)
-        gil = None
+        gils = {}  # the daemon's process, and the engines' own where they run in one
         if n in args.gil_profile_level:
             out = args.out or Path("e2e.json")  # raw stacks named after the run: two runs may share a folder
-            gil = GilProfile(os.getpid(), args.profile_seconds, out.parent, f"{out.stem}-{front}-{n}")
-            gil_timer = gil.start_after(max(0.0, args.duration / 2 - args.profile_seconds))
+            for i, pid in enumerate([os.getpid(), *server.engine_pids]):
+                key = "gil" if i == 0 else f"gil_engines{'' if len(server.engine_pids) == 1 else i}"
+                suffix = "" if i == 0 else f"-{key.removeprefix('gil_')}"
+                gils[key] = GilProfile(pid, args.profile_seconds, out.parent, f"{out.stem}-{front}-{n}{suffix}")
+            gil_timers = [g.start_after(max(0.0, args.duration / 2 - args.profile_seconds)) for g in gils.values()]
         proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ)
         if timer is not None:
             timer.join()
-        if gil is not None and gil_timer is not None:
-            gil_timer.join()
+        for gil_timer in (gil_timers if gils else []):
+            if gil_timer is not None:  # (None: py-spy is not there; the summary says so)
+                gil_timer.join()
         if proc.returncode != 0:
             return {"error": proc.stderr[-2000:]}
         level = json.loads(proc.stdout.strip().splitlines()[-1])
         engines = server.level_stats(f"{front}, {n} callers")
         level["asr_steps"] = engines["steps"]["asr"]
-        if gil is not None:
-            level["gil"] = gil.summary
+        for key, gil in gils.items():
+            level[key] = gil.summary
         level["gc"] = gc_pauses.take()
         level["step_ms"] = engines["step_ms"]
         if "gpu_memory" in engines:
