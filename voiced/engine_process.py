@@ -39,6 +39,7 @@ from typing import Any
 
 from voiced.core.scheduler import EngineWorker
 from voiced.engines.base import EngineError, EngineFault, EngineOutput
+from voiced.metrics import gpu_memory_readings
 
 log = logging.getLogger(__name__)
 
@@ -117,13 +118,20 @@ class EngineProcess:
         log.info("engines serve from process %d (%s)", self._proc.pid, ", ".join(self.workers))
         return self.workers
 
+    def serve(self, services) -> None:
+        """`start`, then hand the engines to the daemon's `services` (voiced.core.services.Services): their
+        workers, the voice store, the GPU memory readings, and this process, which the daemon watches."""
+        workers = self.start()
+        if "asr" in workers:
+            services.asr = workers["asr"]
+        if "tts" in workers:
+            services.tts, services.voices = workers["tts"], RemoteVoices(self)
+        services.metrics.gpu_memory = lambda: self.call("gpu.memory", timeout=5)
+        services.engine_process = self
+
     # EngineWorker's thread interface, which the daemon starts and stops each worker's "thread" through.
     def attach(self, worker) -> None:
         pass
-
-    @property
-    def started(self) -> bool:
-        return self._proc is not None
 
     @property
     def pid(self) -> int | None:
@@ -222,6 +230,14 @@ class RemoteWorker(EngineWorker):
             pass  # the child is gone, and the request with it
 
 
+VOICE_CALLS = ("list", "has", "resolve", "add", "delete")  # what the daemon asks of a voice store
+
+
+def voice_calls(voices) -> dict[str, Callable[..., Any]]:
+    """A builder's `Built.calls` for the TTS engine's voice store (what RemoteVoices calls)."""
+    return {f"voices.{m}": getattr(voices, m) for m in VOICE_CALLS}
+
+
 class RemoteVoices:
     """The TTS engine's voice store in the child, as the daemon uses it. `has` is asked on the event loop
     before each reply, so presets and the cloned voices seen so far answer here, without a round trip."""
@@ -272,6 +288,7 @@ def _child_main(conn, builder: str, arg: Any, level: int) -> None:
         log.exception("the engine process could not load the engines")
         conn.send(("failed", f"{type(e).__name__}: {e}"))
         return
+    built.calls.setdefault("gpu.memory", gpu_memory_readings)  # this process's, as the daemon's metrics read it
     lock = threading.Lock()
 
     def send(message: tuple) -> None:

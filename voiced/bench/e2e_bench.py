@@ -50,12 +50,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gzip
 import json
 import logging
 import os
 import platform
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -127,7 +125,7 @@ def build_engines(args, names: tuple[str, ...] = ("asr", "tts")):
     will step them, with their steps timed (StepTimer): voiced.engine_process.Built, whose calls give the
     benchmark what it reads of the engines when they run in a process of their own (--engine-process)."""
     from voiced.core.scheduler import EngineThread, EngineWorker
-    from voiced.engine_process import Built
+    from voiced.engine_process import Built, voice_calls
 
     if getattr(args, "switch_interval_ms", None):
         sys.setswitchinterval(args.switch_interval_ms / 1e3)
@@ -153,7 +151,7 @@ def build_engines(args, names: tuple[str, ...] = ("asr", "tts")):
         tts_thread.call(tts.warmup)
         gpu_memory("TTS load and warm-up", args)
         workers["tts"] = EngineWorker(tts, "tts", thread=tts_thread)
-        calls = {f"voices.{m}": getattr(tts.voices, m) for m in ("list", "has", "resolve", "add", "delete")}
+        calls = voice_calls(tts.voices)
     if not getattr(args, "no_gc_freeze", False):
         from voiced.heap import freeze_heap
 
@@ -239,33 +237,31 @@ def start_server(args):
         if turn_model is None:
             raise SystemExit("voiced bench e2e: --asr-model runs smart turn detection, and no end-of-turn model "
                              "is in the cache (voiced models pull smart-turn-v3-pypi)")
+    services = Services(config=config, metrics=Metrics(), agents=AgentRegistry(config.agent), turn_model=turn_model)
     if engine_process(args) == "separate":
-        from voiced.engine_process import EngineProcess, RemoteVoices
+        from voiced.engine_process import EngineProcess
 
         host = EngineProcess("voiced.bench.e2e_bench:build_engines", args)
-        workers = host.start()
-        voices, level_stats = RemoteVoices(host), lambda label: host.call("bench.level_stats", label)
-        engine_pids = [host.pid]
+        host.serve(services)
+        level_stats, engine_pids = (lambda label: host.call("bench.level_stats", label)), [host.pid]
     elif engine_process(args) == "each":  # an experiment: a process (a GIL, a CUDA context) per engine
-        from voiced.engine_process import EngineProcess, RemoteVoices
+        from voiced.engine_process import EngineProcess
 
-        hosts = {name: EngineProcess("voiced.bench.e2e_bench:build_one_engine", (args, name), f"voiced-{name}")
-                 for name in ("asr", "tts")}
-        workers = {name: host.start()[name] for name, host in hosts.items()}
-        voices = RemoteVoices(hosts["tts"])
-        engine_pids = [host.pid for host in hosts.values()]
+        hosts = [EngineProcess("voiced.bench.e2e_bench:build_one_engine", (args, name), f"voiced-{name}")
+                 for name in ("asr", "tts")]
+        for host in hosts:
+            host.serve(services)  # (the daemon watches the last one only: an experiment)
+        engine_pids = [host.pid for host in hosts]
 
         def level_stats(label: str) -> dict:
-            parts = [host.call("bench.level_stats", label) for host in hosts.values()]
+            parts = [host.call("bench.level_stats", label) for host in hosts]
             return {"steps": {k: v for p in parts for k, v in p["steps"].items()},
                     "step_ms": {k: v for p in parts for k, v in p["step_ms"].items()},
                     **({"gpu_memory": parts[-1]["gpu_memory"]} if "gpu_memory" in parts[-1] else {})}
     else:
         built = build_engines(args)
-        workers, voices, level_stats = built.workers, built.voices, built.calls["bench.level_stats"]
-        engine_pids = []
-    services = Services(config=config, metrics=Metrics(), asr=workers["asr"], tts=workers["tts"], voices=voices,
-                        agents=AgentRegistry(config.agent), turn_model=turn_model)
+        services.asr, services.tts, services.voices = built.workers["asr"], built.workers["tts"], built.voices
+        level_stats, engine_pids = built.calls["bench.level_stats"], []
     server = Daemon(config, services=services)
     port, loop, _ = start_in_thread(server)
     server.level_stats = level_stats  # the engines' steps and GPU memory of a level (bench only)
@@ -326,11 +322,7 @@ class EngineProfile:
             if key != "self_cuda_time_total" or torch.cuda.is_available())
         (self.out_dir / f"profile-{self.label}.txt").write_text(text)
         if self.trace:
-            raw = self.out_dir / f"trace-{self.label}.json"
-            self.prof.export_chrome_trace(str(raw))
-            with open(raw, "rb") as f, gzip.open(f"{raw}.gz", "wb") as z:
-                shutil.copyfileobj(f, z)
-            raw.unlink()
+            self.prof.export_chrome_trace(str(self.out_dir / f"trace-{self.label}.json.gz"))  # (.gz: torch compresses)
         log.info("engine profile of %s written to %s", self.label, self.out_dir)
 
 

@@ -83,14 +83,9 @@ def load_engines(services) -> None:
 
     config = services.config
     if engine_process(config) == "separate":
-        from voiced.engine_process import EngineProcess, RemoteVoices
+        from voiced.engine_process import EngineProcess
 
-        host = EngineProcess("voiced.cli.serve:build_engines", config)
-        workers = host.start()
-        services.asr, services.tts = workers["asr"], workers.get("tts")
-        services.voices = RemoteVoices(host) if services.tts is not None else None
-        services.metrics.gpu_memory = lambda: host.call("gpu.memory", timeout=5)
-        services.engine_process = host
+        EngineProcess("voiced.cli.serve:build_engines", config).serve(services)
     else:
         built = build_engines(config)
         services.asr, services.tts = built.workers["asr"], built.workers.get("tts")
@@ -111,10 +106,9 @@ def engine_process(config) -> str:
 def build_engines(config):
     """Load and warm the engines on the threads that will step them (voiced.engine_process.Built)."""
     from voiced.core.scheduler import EngineThread, EngineWorker
-    from voiced.engine_process import Built
+    from voiced.engine_process import Built, voice_calls
     from voiced.engines.loader import load_asr, load_tts
     from voiced.heap import freeze_heap
-    from voiced.metrics import gpu_memory_readings
 
     # Both engines step on one thread, recognition first (see voiced.core.scheduler for why). They load
     # on it too: PyTorch keeps a cuBLAS workspace per (thread, stream), and the memory plan's probe of
@@ -137,7 +131,7 @@ def build_engines(config):
                                           stream_workspace_bytes(str(asr.device))))
     _log_need(asr)
     _warm(asr, thread)
-    built = Built({"asr": EngineWorker(asr, "asr", thread=thread)}, calls={"gpu.memory": gpu_memory_readings})
+    built = Built({"asr": EngineWorker(asr, "asr", thread=thread)})
     log.info("ASR: %s on %s (%s backend)", asr.model_name, asr.device, asr.backend)
     engines = [asr]
     if config.tts.enabled:
@@ -146,7 +140,7 @@ def build_engines(config):
         _warm(tts, tts_thread)
         built.workers["tts"] = EngineWorker(tts, "tts", thread=tts_thread)
         built.voices = tts.voices
-        built.calls.update({f"voices.{m}": getattr(tts.voices, m) for m in ("list", "has", "resolve", "add", "delete")})
+        built.calls.update(voice_calls(tts.voices))
         log.info("TTS: %s on %s (%s backend)", tts.model_name, tts.device, tts.backend)
         engines.append(tts)
     _log_plan(engines, free, concurrent=separate)

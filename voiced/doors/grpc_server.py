@@ -24,7 +24,6 @@ import voiced
 from voiced.audio.ingest import MAX_RATE, MIN_RATE, ms
 from voiced.core import speech
 from voiced.core.errors import ErrorKind, SessionError, invalid
-from voiced.core.events import AudioIn
 from voiced.core.services import Services
 from voiced.core.session import Session
 from voiced.doors import grpc_wire as wire
@@ -222,8 +221,6 @@ class _SessionInputs:
             raise StopAsyncIteration
         if type(request) is _Undecodable:
             raise invalid(request.message)
-        if request.WhichOneof("request") == "audio":  # (nearly every message: one call less for it)
-            return AudioIn(request.audio)
         return wire.input_event(request)
 
 
