@@ -121,3 +121,82 @@ def test_warm_up_runs_on_the_thread_that_steps_the_engines(engines):
         del asr_engine.warmup, asr_engine.step
     assert len(seen["warmup"]) == 1 and seen["step"] == seen["warmup"]
     assert threading.get_ident() not in seen["warmup"]
+
+
+def transcript_and_reply(engines, overlap: bool):
+    """A 2 s reply is synthesized while a 12-token transcript is asked for, on one engine thread;
+    returns the transcript's tokens, the reply's audio and the thread's step log."""
+    asr_engine, tts_engine = engines
+    thread = EngineThread("engines", step_log=10_000, overlap=overlap)
+    asr, tts = EngineWorker(asr_engine, "asr", thread=thread), EngineWorker(tts_engine, "tts", thread=thread)
+    asr.start()
+    audio = layout(["Please call me back tomorrow."], lead_s=0.2, tail_s=0.3).audio
+
+    async def scenario():
+        reply = tts.stream(TTSRequest("A long answer that keeps the synthesizer busy for a while.",
+                                      TTSOptions(seed=1, max_seconds=2)))
+        chunks = [await reply.__anext__()]  # the reply is streaming when the transcript is asked for
+        heard = asyncio.ensure_future(asr.run(ASRRequest(audio, ASROptions(language="en", max_new_tokens=12,
+                                                                           min_new_tokens=12))))
+        chunks += [c async for c in reply]
+        return (await heard).tokens, np.concatenate([c.samples for c in chunks])
+
+    try:
+        tokens, speech = asyncio.run(scenario())
+    finally:
+        thread.stop()
+    return tokens, speech, list(thread.step_log)
+
+
+def test_overlapped_steps_give_the_same_transcript_and_reply(engines):
+    """engines.overlap changes when each engine's work runs, never what it computes: the caller gets
+    the same transcript and the same audio, and while both have work they take turns step by step."""
+    tokens, speech, _ = transcript_and_reply(engines, overlap=False)
+    o_tokens, o_speech, log = transcript_and_reply(engines, overlap=True)
+    assert o_tokens == tokens and len(tokens) == 12
+    assert speech.size > 16000 and np.array_equal(o_speech, speech)
+    start, end = asr_span(log)
+    tts_id = next(ids[0] for name, event, ids in log if name == "tts" and event == "submit")
+    reply_end = log.index(("tts", "done", (tts_id,)))
+    steps = [name for name, event, _ in log[start + 1 : min(end, reply_end)] if event == "step"]
+    assert steps.count("asr") >= 2, steps
+    # While both have work, a round steps each once: recognition never runs two steps in a row.
+    assert all(a != b for a, b in zip(steps, steps[1:])), steps
+
+
+def test_an_overlapped_step_that_fails_fails_the_newest_reply_only(engines, monkeypatch):
+    """A shared TTS pass that raises in an overlapped round fails the newest reply alone; the older
+    reply and the transcript in the same rounds go on."""
+    asr_engine, tts_engine = engines
+    thread = EngineThread("engines", overlap=True)
+    asr, tts = EngineWorker(asr_engine, "asr", thread=thread), EngineWorker(tts_engine, "tts", thread=thread)
+    asr.start()
+    audio = layout(["Good morning."], lead_s=0.2, tail_s=0.3).audio
+    real_run_steps = tts_engine.lm.run_steps
+    broken = {"once": False}
+
+    def run_steps(*args, **kwargs):
+        if len(tts_engine._active) == 2 and not broken["once"]:
+            broken["once"] = True
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return real_run_steps(*args, **kwargs)
+
+    monkeypatch.setattr(tts_engine.lm, "run_steps", run_steps)
+
+    async def scenario():
+        first = tts.stream(TTSRequest("The first answer, long enough to share steps.", TTSOptions(seed=1, max_seconds=2)))
+        got = [await first.__anext__()]
+        second = tts.stream(TTSRequest("The second answer.", TTSOptions(seed=2, max_seconds=2)))
+        heard = asyncio.ensure_future(asr.run(ASRRequest(audio, ASROptions(language="en", max_new_tokens=4))))
+        with pytest.raises(Exception, match="illegal memory access"):
+            async for _ in second:
+                pass
+        got += [c async for c in first]
+        return got, await heard
+
+    try:
+        got, heard = asyncio.run(scenario())
+    finally:
+        thread.stop()
+    assert broken["once"] and got[-1].last and len(heard.tokens) >= 1
+    assert tts_engine.active_requests() == 0 and tts.stats.failed == 1

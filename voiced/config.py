@@ -140,6 +140,11 @@ class EnginesConfig:
     # (voiced.engine_process); "auto": separate on a GPU (ahead at 16, 64 and 128 callers on an H100,
     # docs/BENCHMARKS.md), inline on the CPU, the default. There "auto" threads are shared.
     process: str = "auto"
+    # With one thread stepping both engines: "on" launches each engine's step (its CUDA work) before
+    # waiting on any, so recognition's and the TTS's kernels, host work and read-backs overlap
+    # (voiced.core.scheduler, "overlap"); "off" steps one engine to its end, then the other, recognition
+    # first in bursts. "auto": on with a GPU, off on the CPU (where nothing runs asynchronously).
+    overlap: str = "off"
 
 
 @dataclass
@@ -209,6 +214,8 @@ class Config:
             raise ConfigError(f"engines.threads is {self.engines.threads!r}; use {', '.join(ENGINE_THREADS)}")
         if self.engines.process not in ENGINE_PROCESS:
             raise ConfigError(f"engines.process is {self.engines.process!r}; use {', '.join(ENGINE_PROCESS)}")
+        if self.engines.overlap not in ENGINE_OVERLAP:
+            raise ConfigError(f"engines.overlap is {self.engines.overlap!r}; use {', '.join(ENGINE_OVERLAP)}")
         if self.asr.backend not in BACKENDS or self.tts.backend not in BACKENDS:
             raise ConfigError(f"backend must be one of {', '.join(BACKENDS)}")
         for key in ("server.idle_timeout_s", "server.max_session_s", "agent.reply_timeout_s"):
@@ -234,6 +241,7 @@ class Config:
 SECTIONS = [f.name for f in dataclasses.fields(Config)]
 ENGINE_THREADS = ("auto", "shared", "separate")
 ENGINE_PROCESS = ("auto", "inline", "separate")
+ENGINE_OVERLAP = ("auto", "on", "off")
 EVENT_LOOPS = ("uvloop", "asyncio")  # voiced.event_loop.KINDS (config imports nothing of the daemon's)
 
 

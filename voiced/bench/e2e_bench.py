@@ -139,7 +139,7 @@ def build_engines(args, names: tuple[str, ...] = ("asr", "tts")):
     if engine_threads(args) == "separate":
         asr_thread, tts_thread = EngineThread("asr"), EngineThread("tts")
     else:
-        asr_thread = tts_thread = EngineThread("engines")
+        asr_thread = tts_thread = EngineThread("engines", overlap=engine_overlap(args))
     workers = {}
     if "asr" in names:
         workers["asr"] = EngineWorker(_bench_asr(args, config, dev), "asr", thread=asr_thread)
@@ -277,6 +277,13 @@ def engine_threads(args) -> str:
     if args.engine_threads != "auto":
         return args.engine_threads
     return "shared" if args.tiny_cpu or engine_process(args) != "inline" else "separate"
+
+
+def engine_overlap(args) -> bool:
+    """Whether one engine thread overlaps the engines' steps, resolved as `voiced serve` resolves
+    engines.overlap."""
+    chosen = getattr(args, "engine_overlap", "off")
+    return chosen == "on" or (chosen == "auto" and not args.tiny_cpu)
 
 
 def engine_process(args) -> str:
@@ -632,6 +639,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--engine-threads", choices=["auto", "shared", "separate"], default="auto",
                     help="as the daemon's engines.threads: one thread for both engines or one each (auto, the "
                          "default: separate on a GPU, shared with --tiny-cpu)")
+    ap.add_argument("--engine-overlap", choices=["auto", "on", "off"], default="off",
+                    help="as the daemon's engines.overlap: one engine thread launches each engine's step before "
+                         "waiting on any (on), or steps them one after the other (off, the default)")
     ap.add_argument("--no-gc-freeze", action="store_true",
                     help="leave start-up objects in the garbage collector's scans (to compare)")
     ap.add_argument("--profile-level", type=int, nargs="*", default=[], metavar="N",
@@ -679,7 +689,8 @@ def main(argv: list[str] | None = None) -> dict:
               "python": platform.python_version(), "asr_dims": args.asr_dims, "asr_tokens": args.asr_tokens,
               "asr_model": args.asr_model or "random", "turn_detection": "smart" if args.asr_model else "silence",
               "reply_seconds": args.reply_seconds, "first_chunk_tokens": args.first_chunk_tokens,
-              "engine_threads": engine_threads(args), "engine_process": engine_process(args), "merge_policy": args.merge_policy or "default",
+              "engine_threads": engine_threads(args), "engine_process": engine_process(args),
+              "engine_overlap": engine_overlap(args) and engine_threads(args) == "shared", "merge_policy": args.merge_policy or "default",
               "vocoder_graphs": vocoder_graphs(args), "prefill_graphs": args.prefill_graphs or "default",
               "whisper_chunk_graphs": whisper_chunk_graphs_default(), "switch_interval_s": sys.getswitchinterval(),
               "gc_freeze": not args.no_gc_freeze, "duration_s": args.duration, "startup_s": startup_s,

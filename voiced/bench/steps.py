@@ -3,6 +3,7 @@ the engine's methods the time went to."""
 
 from __future__ import annotations
 
+import inspect
 import statistics
 import time
 
@@ -20,13 +21,24 @@ def pct(values: list[float]) -> dict:
 
 
 class StepTimer:
-    """Wraps an engine's `step` to record how long each one takes (a slow step delays every caller),
-    and, for a step over `slow_ms`, where its time went: the engine methods named in `parts`, timed too."""
+    """Wraps an engine's `step` (and `step_parts`, which an overlapping engine thread runs instead) to
+    record how long each step takes (a slow step delays every caller), and, for a step over `slow_ms`,
+    where its time went: the engine methods named in `parts`, timed too.
+
+    Wall and this thread's CPU time, per part: CPU ~ wall is work (or CUDA's spin-wait on the GPU);
+    CPU << wall is the thread not running, e.g. waiting for the GIL. A step run in parts counts its wall
+    time from its launch to its last read-back and only its own parts' CPU time (between them the thread
+    serves the other engine). `gap_ms`: how long the engine was idle before the step."""
 
     def __init__(self, engine, parts: tuple[str, ...], slow_ms: float = 50.0):
         self.step, self.durations, self.slow, self.slow_ms = engine.step, [], [], slow_ms
+        self.step_parts = getattr(engine, "step_parts", None)
+        if self.step_parts is not None:
+            engine.step_parts = self._parts_call
+            self._wrapped_step_parts = engine
         self._parts: dict[str, tuple[float, float]] = {}
         self._last_end = 0.0
+        self._in_step = False
         self._wrapped: list[tuple[object, str]] = []
         for name in parts:  # "method" of the engine, or "attr.method" of something it holds
             *path, attr = name.split(".")
@@ -40,45 +52,80 @@ class StepTimer:
     def _timed(self, name: str, fn):
         from torch.profiler import record_function  # a named range in a profile (e2e_bench --profile-level)
 
+        def add(wall: float, cpu: float) -> None:
+            w, c = self._parts.get(name, (0.0, 0.0))
+            self._parts[name] = (w + wall, c + cpu)
+
+        if inspect.isgeneratorfunction(fn):  # a part that yields (step_parts): timed across its resumes
+            return lambda *a, **kw: _resumes_timed(fn(*a, **kw), add)
+
         def run(*a, **kw):
             t0, c0 = time.perf_counter(), time.thread_time()
             try:
                 with record_function(name):
                     return fn(*a, **kw)
             finally:
-                wall, cpu = self._parts.get(name, (0.0, 0.0))
-                self._parts[name] = (wall + (time.perf_counter() - t0) * 1e3, cpu + (time.thread_time() - c0) * 1e3)
+                add((time.perf_counter() - t0) * 1e3, (time.thread_time() - c0) * 1e3)
         return run
 
-    def __call__(self):
-        # Wall and this thread's CPU time, per part: CPU ~ wall is work (or CUDA's spin-wait on the
-        # GPU); CPU << wall is the thread not running, e.g. waiting for the GIL. `gap_ms`: how long
-        # the engine was idle before the step.
+    def _begin(self) -> float:
         self._parts = {}
+        t0 = time.perf_counter()
+        return (t0 - self._last_end) * 1e3 if self._last_end else 0.0
+
+    def _record(self, wall_ms: float, cpu_ms: float, gap_ms: float) -> None:
+        self._last_end = time.perf_counter()
+        self.durations.append(wall_ms)
+        if wall_ms > self.slow_ms:
+            entry = {"ms": round(wall_ms, 1), "cpu_ms": round(cpu_ms, 1), "gap_ms": round(gap_ms, 1)}
+            for k, (wall, cpu) in self._parts.items():
+                entry[k] = [round(wall, 1), round(cpu, 1)]
+            self.slow.append(entry)
+
+    def __call__(self):
+        gap = self._begin()
         t0, c0 = time.perf_counter(), time.thread_time()
-        gap = (t0 - self._last_end) * 1e3 if self._last_end else 0.0
+        self._in_step = True
         try:
             return self.step()
         finally:
-            end = time.perf_counter()
-            ms = (end - t0) * 1e3
-            self._last_end = end
-            self.durations.append(ms)
-            if ms > self.slow_ms:
-                entry = {"ms": round(ms, 1), "cpu_ms": round((time.thread_time() - c0) * 1e3, 1),
-                         "gap_ms": round(gap, 1)}
-                for k, (wall, cpu) in self._parts.items():
-                    entry[k] = [round(wall, 1), round(cpu, 1)]
-                self.slow.append(entry)
+            self._in_step = False
+            self._record((time.perf_counter() - t0) * 1e3, (time.thread_time() - c0) * 1e3, gap)
+
+    def _parts_call(self):
+        if self._in_step:  # `step` runs its own parts: timed once, as the step
+            return self.step_parts()
+        gap = self._begin()
+        return _resumes_timed(self.step_parts(), lambda wall, cpu: self._record(wall, cpu, gap))
 
     def remove(self) -> None:
         """Put the engine's own methods back."""
         for owner, attr in self._wrapped:
             owner.__dict__.pop(attr, None)
+        if self.step_parts is not None:
+            self._wrapped_step_parts.__dict__.pop("step_parts", None)
 
     def take(self) -> dict:
         d, slow, self.durations, self.slow = self.durations, self.slow, [], []
         return {**pct(d), "max": round(max(d), 1) if d else 0.0, "slow": slow}
+
+
+def _resumes_timed(parts, record):
+    """Run a generator's parts as they are asked for; at the end, `record(wall_ms, cpu_ms)`: wall from
+    the first resume to the last, CPU of this thread during its own resumes only."""
+    t0, cpu = time.perf_counter(), 0.0
+    try:
+        while True:
+            c0 = time.thread_time()
+            try:
+                next(parts)
+            except StopIteration as done:
+                return done.value
+            finally:
+                cpu += time.thread_time() - c0
+            yield
+    finally:
+        record((time.perf_counter() - t0) * 1e3, cpu * 1e3)
 
 
 # What the timers break a slow step into (methods of WhisperEngine / SparkTTSEngine; a capture or a

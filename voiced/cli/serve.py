@@ -43,6 +43,10 @@ def register(sub) -> None:
     p.add_argument("--engine-threads", choices=["auto", "shared", "separate"],
                    help="step both engines on one thread (shared) or one each (separate); auto (the default): "
                         "separate on a GPU with the engines in the daemon's process, else shared")
+    p.add_argument("--engine-overlap", choices=["auto", "on", "off"],
+                   help="with both engines on one thread, launch each one's GPU work before waiting on any (on) "
+                        "or step them one after the other (off, the default); auto: on with a GPU "
+                        "(engines.overlap)")
     p.add_argument("--event-loop", choices=["uvloop", "asyncio"],
                    help="the event loop every door runs in: uvloop (the default: less CPU per caller frame) or "
                         "asyncio (the standard library's)")
@@ -69,6 +73,7 @@ def overrides(args: argparse.Namespace) -> dict:
         "doors.http": args.http,
         "engines.threads": args.engine_threads,
         "engines.process": args.engine_process,
+        "engines.overlap": args.engine_overlap,
         "server.event_loop": args.event_loop,
     }
     if args.no_tts:
@@ -93,6 +98,11 @@ def load_engines(services) -> None:
     services.turn_model = load_turn_model(config)
 
 
+def engine_overlap(config, gpu: bool) -> bool:
+    """engines.overlap resolved: "auto" is on with a GPU."""
+    return config.engines.overlap == "on" or (config.engines.overlap == "auto" and gpu)
+
+
 def engine_process(config) -> str:
     """engines.process resolved: "auto" is separate on a GPU (docs/BENCHMARKS.md, "The engines in a
     process of their own"), inline on the CPU."""
@@ -113,8 +123,8 @@ def build_engines(config):
     # Both engines step on one thread, recognition first (see voiced.core.scheduler for why). They load
     # on it too: PyTorch keeps a cuBLAS workspace per (thread, stream), and the memory plan's probe of
     # its size (voiced.memory_plan.stream_workspace_bytes) then makes the one the engines use anyway.
-    thread = EngineThread("engines")
     free = _free_gpu(config)
+    thread = EngineThread("engines", overlap=engine_overlap(config, free is not None))
     # engines.threads = "separate" ("auto" on a GPU with the engines in the daemon's process): the TTS engine
     # loads, warms and steps on a thread of its own. In a process of their own (engine_process) one thread
     # does better: with no event loop to wait for, the two engine threads only fight over the GIL.
@@ -143,7 +153,8 @@ def build_engines(config):
         built.calls.update(voice_calls(tts.voices))
         log.info("TTS: %s on %s (%s backend)", tts.model_name, tts.device, tts.backend)
         engines.append(tts)
-    _log_plan(engines, free, concurrent=separate)
+    # Overlapped steps hold both engines' step transients at once, as two threads do.
+    _log_plan(engines, free, concurrent=separate or (thread.overlap and len(engines) > 1))
     freeze_heap()
     return built
 

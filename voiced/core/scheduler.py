@@ -11,6 +11,12 @@ its steps are short and a caller is waiting on each transcript). Two threads wou
 GIL: a busy TTS thread holds it for most of every 5 ms switch interval, and each of the ASR
 thread's few hundred Python-level operations per step would wait for it.
 
+With `overlap` (engines.overlap), the thread steps its engines in rounds: each engine with work
+launches its step's GPU work (`step_parts`, engines/base.py) before any of them waits for its results,
+so recognition's kernels and the TTS's run side by side on their own CUDA streams, and one engine's
+host work and read-back happen while the other's kernels run. Without it, one engine's step waits for
+the GPU while the other has nothing queued there.
+
 When the engines go quiet after a batch of more than one request, the thread hands the C heap's
 free memory back to the OS (voiced.heap), so a long-running daemon's RSS does not ratchet up after
 each burst: wide batches free the largest buffers, and glibc keeps them otherwise.
@@ -31,7 +37,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from voiced import heap
-from voiced.engines.base import CapacityError, EngineError, EngineFault, EngineOutput, SteppedEngine, fault_output
+from voiced.engines.base import (
+    CapacityError,
+    EngineError,
+    EngineFault,
+    EngineOutput,
+    SteppedEngine,
+    StepParts,
+    fault_output,
+    finish,
+)
 
 log = logging.getLogger(__name__)
 
@@ -55,8 +70,9 @@ class EngineThread:
     is judged from it exactly, as the thread saw it, whatever the machine's load. Off (None) by default.
     """
 
-    def __init__(self, name: str, step_log: int = 0):
+    def __init__(self, name: str, step_log: int = 0, overlap: bool = False):
         self.name = name
+        self.overlap = overlap
         self.commands: queue.SimpleQueue = queue.SimpleQueue()
         self.workers: list[EngineWorker] = []
         self._thread: threading.Thread | None = None
@@ -163,6 +179,9 @@ class EngineThread:
         """
         if not self.workers:
             return  # started early for `call` (warm-up) before any engine was attached
+        if self.overlap:
+            self._step_round()
+            return
         first, *others = self.workers
         deadline = time.monotonic() + self.first_budget_s
         while first.engine.has_work() and not self._stopped:
@@ -173,6 +192,17 @@ class EngineThread:
         for w in others:
             if w.engine.has_work() and not self._stopped:
                 w._step()
+
+    def _step_round(self) -> None:
+        """One step of every engine with work, interleaved at the points where each waits for the GPU:
+        recognition launches first, then the TTS, then each reads its results back in the same order."""
+        running = [w._stepping(split=True) for w in self.workers if w.engine.has_work()]
+        while running:
+            for parts in list(running):
+                try:
+                    next(parts)
+                except StopIteration:
+                    running.remove(parts)
 
 
 # The sink of a request another process submitted (EngineWorker.submit_forwarded).
@@ -300,30 +330,46 @@ class EngineWorker:
         self.thread._log(self.name, event, request_ids)
 
     def _step(self) -> None:
+        finish(self._stepping(split=False))
+
+    def _stepping(self, split: bool) -> StepParts:
+        """One engine step, delivered; `split`: through the engine's `step_parts` where it has them,
+        yielding where the engine waits for the GPU (EngineThread._step_round)."""
         self.thread.widest = max(self.thread.widest, len(self._in_engine))
         if self.thread.step_log is not None:
             self._log("step", tuple(sorted(self._in_engine)))
-        while True:
-            try:
-                outputs = self.engine.step()
-                break
-            except Exception as e:
-                # The engine could not tell which request caused it (see voiced.engines.base): the
-                # newest is the likeliest (it grew the batch, or it is what changed), so it fails and
-                # the rest step again. At worst every request goes, one per try, not the worker.
-                if not self._in_engine:
-                    log.exception("%s: engine step failed with no request in flight", self.name)
-                    return
-                newest = max(self._in_engine)
-                log.error("%s: engine step failed; failing the newest request (%d) and stepping again",
-                          self.name, newest, exc_info=e)
-                self.engine.cancel(newest)
-                self._deliver(fault_output(newest, self.name, e))
+        parts = getattr(self.engine, "step_parts", None) if split else None
+        try:
+            outputs = (yield from parts()) if parts is not None else self.engine.step()
+        except Exception as e:
+            outputs = self._recover(e)
+            if outputs is None:
+                return []
         self.stats.steps += 1
         if self._on_step is not None:
             self._on_step(self.engine)
         for out in outputs:
             self._deliver(out)
+        return []
+
+    def _recover(self, error: Exception) -> list[EngineOutput] | None:
+        """After a step raised: the engine could not tell which request caused it (see
+        voiced.engines.base). The newest is the likeliest (it grew the batch, or it is what changed), so
+        it fails and the rest step again; at worst every request goes, one per try, not the worker.
+        The outputs of the step that went through, or None when no request was left to fail."""
+        while True:
+            if not self._in_engine:
+                log.error("%s: engine step failed with no request in flight", self.name, exc_info=error)
+                return None
+            newest = max(self._in_engine)
+            log.error("%s: engine step failed; failing the newest request (%d) and stepping again",
+                      self.name, newest, exc_info=error)
+            self.engine.cancel(newest)
+            self._deliver(fault_output(newest, self.name, error))
+            try:
+                return self.engine.step()
+            except Exception as e:
+                error = e
 
     def _deliver(self, out: EngineOutput) -> None:
         target = self._sinks.get(out.request_id)

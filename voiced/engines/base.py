@@ -15,6 +15,12 @@ batched forward pass for everyone), `step()` raises, and it must leave every req
 before the step (nothing advanced, no output lost): the scheduler then fails the newest request
 and steps again without it.
 
+An engine may also offer `step_parts()`: the same step as a generator that yields where it would
+wait for the GPU (after launching its work, before reading the results back) and returns the step's
+outputs. A thread stepping several engines on one GPU can then launch each engine's work before
+waiting on any (`engines.overlap`, voiced.core.scheduler), so one engine's host work and wait overlap
+the other's kernels; `step()` is `finish(step_parts())`, the very same code run straight through.
+
 Nothing here is thread-safe on purpose: one owner thread means no locks in the hot loop, and it is
 the same discipline TensorRT-LLM's executor needs (its `generate` steals responses across threads).
 Engines never see gRPC or asyncio; the daemon never sees tensors.
@@ -22,6 +28,8 @@ Engines never see gRPC or asyncio; the daemon never sees tensors.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Generator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -131,6 +139,36 @@ class Transcript:
     # The probability Whisper gives end-of-text right after the text (how sure it is nothing more was
     # said): read off the word-timing pass, so None without word timings or where a backend lacks it.
     end_prob: float | None = None
+
+
+StepParts = Generator[None, None, list["EngineOutput"]]
+
+
+def finish(parts: StepParts) -> list[EngineOutput]:
+    """Run a step's parts (`step_parts`) straight through; its outputs."""
+    while True:
+        try:
+            next(parts)
+        except StopIteration as done:
+            return done.value
+
+
+def resumed_in(parts: StepParts, context: Callable[[], AbstractContextManager]) -> StepParts:
+    """`parts`, with `context()` entered around each resume and left at each yield. An engine's CUDA
+    stream and inference mode are thread state: held across a yield, they would be in force while
+    another engine launches its work."""
+    while True:
+        with context():
+            try:
+                next(parts)
+            except StopIteration as done:
+                return done.value
+        try:
+            yield
+        except GeneratorExit:
+            with context():
+                parts.close()
+            raise
 
 
 @runtime_checkable

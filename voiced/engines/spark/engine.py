@@ -52,8 +52,11 @@ from voiced.engines.base import (
     EngineError,
     EngineOutput,
     TTSOptions,
+    StepParts,
     TTSRequest,
     fault_output,
+    finish,
+    resumed_in,
 )
 from voiced.engines.footprint import check_memory_limit, parse_dtype
 from voiced.engines.rows import compaction, to_device
@@ -307,8 +310,15 @@ class SparkTTSEngine:
     def active_requests(self) -> int:
         return len(self._queue) + len(self._active)
 
-    @torch.no_grad()
     def step(self) -> list[EngineOutput]:
+        return finish(self.step_parts())
+
+    def step_parts(self) -> StepParts:
+        """`step`, yielding where it waits for the GPU: after launching a prefill's or a decode's
+        work, before reading its tokens back (engines/base.py). A vocoder turn runs straight through."""
+        return resumed_in(self._step(), torch.no_grad)
+
+    def _step(self) -> StepParts:
         outputs: list[EngineOutput] = []
         self._admit()
         if not self._active:
@@ -343,11 +353,9 @@ class SparkTTSEngine:
         if not jump:
             self._last_kind = kind
         if kind == "prefill":
-            with record_function("spark.prefill"):
-                self._prefill_step(outputs)
+            yield from self._prefill_step(outputs)
         elif kind == "decode":
-            with record_function("spark.decode"):
-                self._decode_step(outputs)
+            yield from self._decode_step(outputs)
         else:
             with record_function("spark.vocode"):
                 outputs += self._vocode(now, ready)
@@ -357,24 +365,29 @@ class SparkTTSEngine:
         """Some request in the batch waits for the prefill of its first sentence (no audio of it yet)."""
         return any(r.state is State.PREFILL and r.seg == 0 and r.t_first_chunk is None for r in self._active)
 
-    def _prefill_step(self, outputs: list[EngineOutput]) -> None:
+    def _prefill_step(self, outputs: list[EngineOutput]) -> StepParts:
         """Prefill the rows starting a segment (one packed pass), then sample each one's first token.
 
         This is where a request joins the batch, so its faults are held to the requests prefilled: one
         alone fails; a group goes back to be prefilled one by one (see `_prefill_failed`)."""
-        fresh, hidden = self._prefill_fresh(outputs)
+        with record_function("spark.prefill"):
+            fresh, hidden = self._prefill_fresh(outputs)
         if not fresh or not self._active:
             return
         try:
-            pick = self._sampler([r.options.top_k for r in self._active])
-            self._load_state()
-            # The first token of each new segment, from its prompt's last hidden state: one sampler call
-            # for all of them (row by row it was ~150 torch calls a request), on their rows of the state:
-            # a slice when they are consecutive (new requests take the rows at the end), else an index.
-            slots = [r.slot for r in fresh]
-            consecutive = slots == list(range(slots[0], slots[0] + len(slots)))
-            rows = slice(slots[0], slots[0] + len(slots)) if consecutive else to_device(slots, self.device)
-            first = pick(self.lm, hidden, self.lm.state, rows).tolist()  # the step's one sync
+            with record_function("spark.prefill"):
+                pick = self._sampler([r.options.top_k for r in self._active])
+                self._load_state()
+                # The first token of each new segment, from its prompt's last hidden state: one sampler
+                # call for all of them (row by row it was ~150 torch calls a request), on their rows of
+                # the state: a slice when they are consecutive (new requests take the rows at the end),
+                # else an index.
+                slots = [r.slot for r in fresh]
+                consecutive = slots == list(range(slots[0], slots[0] + len(slots)))
+                rows = slice(slots[0], slots[0] + len(slots)) if consecutive else to_device(slots, self.device)
+                picked = pick(self.lm, hidden, self.lm.state, rows)
+            yield
+            first = picked.tolist()  # the step's one sync
         except Exception as e:
             self._prefill_failed(fresh, e, outputs)
             return
@@ -399,18 +412,20 @@ class SparkTTSEngine:
             r.solo = True
             r.state = State.PREFILL
 
-    def _decode_step(self, outputs: list[EngineOutput]) -> None:
+    def _decode_step(self, outputs: list[EngineOutput]) -> StepParts:
         """`decode_steps` decode steps for rows 0..n-1; only the decoding rows take their tokens (a row
         waiting for its prefill or for its last windows runs along as padding: what it writes lies past
         its position, and what it samples is dropped). A failure of the shared pass raises with no row
         advanced (`_load_state` rewrites every row's inputs next time); a row's own tokens failing
         fails that request alone."""
-        pick = self._sampler([r.options.top_k for r in self._active])
-        self._load_state()
-        n = len(self._active)
-        rows = [r for r in self._active if r.state is State.DECODING]
-        out = self.lm.run_steps(pick, n, self.decode_steps, max_pos=max(r.pos for r in rows),
-                                use_graph=self.use_cuda_graphs)
+        with record_function("spark.decode"):
+            pick = self._sampler([r.options.top_k for r in self._active])
+            self._load_state()
+            n = len(self._active)
+            rows = [r for r in self._active if r.state is State.DECODING]
+            out = self.lm.run_steps(pick, n, self.decode_steps, max_pos=max(r.pos for r in rows),
+                                    use_graph=self.use_cuda_graphs)
+        yield
         with record_function("spark.readback"):
             tokens = out.tolist()  # the step's one sync: every row's new tokens
         for r, row_tokens in [(r, tokens[r.slot]) for r in rows]:  # slots move when one fails

@@ -38,8 +38,11 @@ from voiced.engines.base import (
     CapacityError,
     EngineError,
     EngineOutput,
+    StepParts,
     Transcript,
     fault_output,
+    finish,
+    resumed_in,
 )
 from voiced.engines.footprint import DTYPES, check_memory_limit, parse_dtype, tensor_bytes
 from voiced.engines.rows import compaction, doubling, rows_in_budget, to_device
@@ -484,12 +487,16 @@ class WhisperEngine:
         """Raises only when the rows' shared forward pass fails (no request can be blamed); then
         nothing has advanced and no output is lost, so the scheduler can drop one and step again.
         Faults that can be pinned on a request (its admission, its tokens) fail that request alone."""
+        return finish(self.step_parts())
+
+    def step_parts(self) -> StepParts:
+        """`step`, yielding where it waits for the GPU: after launching a decode chunk, and after
+        launching an admission's encoder and prefill (engines/base.py)."""
         outputs, self._stash = self._stash, []
         if not self._queue and not self._active:
             return outputs
         try:
-            with torch.inference_mode(), self.on_stream():
-                outputs += self._step()
+            outputs += yield from resumed_in(self._step(), self._in_context)
         except BaseException:
             self._stash = outputs + self._stash
             raise
@@ -500,23 +507,32 @@ class WhisperEngine:
         """Run on the engine's CUDA stream (a no-op on CPU)."""
         return torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
 
-    def _step(self) -> list[EngineOutput]:
+    def _in_context(self) -> contextlib.AbstractContextManager:
+        """What the engine's work runs under: inference mode, on the engine's stream."""
+        stack = contextlib.ExitStack()
+        stack.enter_context(torch.inference_mode())
+        stack.enter_context(self.on_stream())
+        return stack
+
+    def _step(self) -> StepParts:
         failed: list[tuple[_Active, Exception]] = []
         if self._n:
             # One forward pass for every row: a failure here raises (see `step`).
             reqs = [self._owner[r][0] for r in range(self._n) if self._owner[r][1] == 0]
             if all(self._fast(q) for q in reqs):
-                failed = self._greedy_chunk(self._n, reqs)
+                failed = yield from self._greedy_chunk(self._n, reqs)
             else:
-                failed = self._select(self._decode(self._n), reqs, 0)
+                logits = self._decode(self._n)
+                yield
+                failed = self._select(logits, reqs, 0)
         outputs = self._drop(failed) + self._finish()
         try:
-            return outputs + self._admit_new()
+            return outputs + (yield from self._admit_new())
         except BaseException:
             self._stash += outputs  # kept for the next step
             raise
 
-    def _admit_new(self) -> list[EngineOutput]:
+    def _admit_new(self) -> StepParts:
         """Admission, with its faults held to the admitted: a group that fails (out of memory, or a
         fault no one can be blamed for) goes back to the queue to be admitted one by one, and a
         request that fails alone is the one that caused it."""
@@ -525,6 +541,7 @@ class WhisperEngine:
             admitted = self._admit()
             if admitted is None:
                 return []
+            yield  # the encoder and prefill are launched; token choice reads them back
             reqs, logits, no_speech = admitted
             failed = self._select(logits, reqs, reqs[0].rows[0], no_speech)
         except Exception as e:
@@ -603,12 +620,13 @@ class WhisperEngine:
         # the very same kernels.
         return self.steps.run("plain", b)[:n]
 
-    def _greedy_chunk(self, n: int, reqs: list[_Active]) -> list[tuple[_Active, Exception]]:
+    def _greedy_chunk(self, n: int, reqs: list[_Active]) -> StepParts:
         """Up to `decode_chunk` greedy steps for rows 0..n-1 with one host sync at the end.
 
         The chunk never runs a row past its length limit (max_new_tokens / the text context), so
         every position stays inside the cache; a row that emits end-of-text mid-chunk computes a
-        few tokens nobody reads, and they are dropped here. Returns the requests whose tokens failed.
+        few tokens nobody reads, and they are dropped here. Returns the requests whose tokens failed;
+        yields once, between launching the chunk and reading it back (step_parts).
 
         On a GPU each step is a greedy graph replay and two history writes (3 torch calls a step); with
         `chunk_graphs`, a full chunk (no row near its limit) of a bucket warm-up captured is one replay
@@ -638,6 +656,7 @@ class WhisperEngine:
                     self.steps.greedy(b, kv_len=hi + k + 1, masked=lo != hi)
                 hist_tok[:, k] = tok
                 hist_lp[:, k] = lp
+        yield  # the chunk is launched
         rows = self._hist[:n, :k_max].tolist()  # the chunk's one sync
         failed = []
         for q in reqs:
@@ -699,7 +718,7 @@ class WhisperEngine:
                             self.submit(next(ids), ASRRequest(silence, ASROptions(language=lang, timestamps=ts,
                                                                                   max_new_tokens=1)))
                         while self._queue or self._active:
-                            self._step()
+                            finish(self._step())
             finally:
                 self._warming = False
             self._warm_word_timings()
