@@ -7,6 +7,8 @@ the server's interpreter) and stream a WAV in real time as 20 ms frames, looping
 starting at a different point of the loop. Reported per concurrency level, p50/p95/p99 of:
 
 - asr_ms: end of speech detected -> final transcript sent (server-measured `latency_ms`)
+- asr_engine_ms: the part of asr_ms in the engines' process, from the request's submission to its worker to its
+  transcript (the command queue and the engine); asr_worker_ms: the same on the daemon's side (with the pipe)
 - agent_ms: end of speech -> the agent's first text
 - first_audio_ms (voice-to-voice): end of speech detected -> first reply audio chunk sent
 - tts_first_chunk_ms: the agent's text -> first audio chunk (first_audio_ms - agent_ms)
@@ -64,7 +66,7 @@ from pathlib import Path
 from voiced.bench.gil_profile import GilProfile
 from voiced.bench.report import emit
 from voiced.bench.saturation import next_level, saturation
-from voiced.bench.steps import STEP_PARTS, StepTimer, pct
+from voiced.bench.steps import STEP_PARTS, RequestTimer, StepTimer, pct
 
 log = logging.getLogger("voiced.bench.e2e")
 TARGET_KEYS = ("door_overhead_p50_ms_audiosocket_16", "door_overhead_p50_ms_media_ws_16")
@@ -158,11 +160,13 @@ def build_engines(args, names: tuple[str, ...] = ("asr", "tts")):
         freeze_heap()  # as `voiced serve` does after warm-up
     for worker in workers.values():
         worker.engine.step = StepTimer(worker.engine, STEP_PARTS[worker.name])
+    requests = {name: RequestTimer(w) for name, w in workers.items() if name == "asr"}
 
     def level_stats(label: str) -> dict:
         """This level's engine steps (and the timers restarted), and its GPU memory (the peak restarted)."""
         out = {"steps": {n: w.stats.steps for n, w in workers.items()},
-               "step_ms": {n: w.engine.step.take() for n, w in workers.items()}}
+               "step_ms": {n: w.engine.step.take() for n, w in workers.items()},
+               "engine_ms": {n: t.take() for n, t in requests.items()}}
         memory = gpu_memory(label, args)
         if memory:
             out["gpu_memory"] = MEMORY.pop(label)
@@ -266,6 +270,8 @@ def start_server(args):
     port, loop, _ = start_in_thread(server)
     server.level_stats = level_stats  # the engines' steps and GPU memory of a level (bench only)
     server.engine_pids = engine_pids  # the engines' own processes (none: they run in this one)
+    # With the engines in a process of their own, how long each request takes there and back (the pipe's share)
+    server.asr_worker = RequestTimer(services.asr) if engine_pids else None
     addresses = dict(services.doors)
     if "http" in addresses:
         addresses["realtime"] = addresses["http"]
@@ -701,6 +707,8 @@ def main(argv: list[str] | None = None) -> dict:
         nonlocal serving_peak
         gc_pauses.take()
         server.level_stats("the level's start")  # each level's steps and memory peak are its own
+        if server.asr_worker is not None:
+            server.asr_worker.take()
         cmd = [sys.executable, "-m", "voiced.bench.e2e_bench", "--wav", str(args.wav), "--duration", str(args.duration),
                "--reply-seconds",
                str(args.reply_seconds), "--caller", f"{front}@{addresses[front]}@{n}"]
@@ -732,6 +740,10 @@ def main(argv: list[str] | None = None) -> dict:
             level[key] = gil.summary
         level["gc"] = gc_pauses.take()
         level["step_ms"] = engines["step_ms"]
+        if "asr" in engines.get("engine_ms", {}):
+            level["asr_engine_ms"] = engines["engine_ms"]["asr"]  # asr_ms's share in the engines' process
+        if server.asr_worker is not None:
+            level["asr_worker_ms"] = server.asr_worker.take()  # ... and with the pipe there and back
         if "gpu_memory" in engines:
             level["gpu_memory"] = engines["gpu_memory"]
             serving_peak = max(serving_peak, engines["gpu_memory"]["peak_gib"])

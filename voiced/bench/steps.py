@@ -128,6 +128,39 @@ def _resumes_timed(parts, record):
         record((time.perf_counter() - t0) * 1e3, cpu * 1e3)
 
 
+class RequestTimer:
+    """How long a worker holds each request: from its submission to this worker (`_submit`) to its final
+    output or error (`_deliver`). On an engine process's worker that is the command queue and the engine
+    (asr_engine_ms); on the daemon's side of the pipe (RemoteWorker), the pipe both ways besides
+    (asr_worker_ms). Beside the session's figure (from the end of speech), the rest is the event loop."""
+
+    def __init__(self, worker):
+        self.durations: list[float] = []
+        self._start: dict[int, float] = {}
+        submit, cancel, deliver = worker._submit, worker._cancel, worker._deliver
+
+        def timed_submit(request_id: int, request) -> None:
+            self._start[request_id] = time.perf_counter()
+            submit(request_id, request)
+
+        def timed_cancel(request_id: int) -> None:
+            self._start.pop(request_id, None)
+            cancel(request_id)
+
+        def timed_deliver(out) -> None:
+            if out.final or out.error is not None:
+                t0 = self._start.pop(out.request_id, None)
+                if t0 is not None:
+                    self.durations.append((time.perf_counter() - t0) * 1e3)
+            deliver(out)
+
+        worker._submit, worker._cancel, worker._deliver = timed_submit, timed_cancel, timed_deliver
+
+    def take(self) -> dict:
+        d, self.durations = self.durations, []
+        return pct(d)
+
+
 # What the timers break a slow step into (methods of WhisperEngine / SparkTTSEngine; a capture or a
 # compile while serving shows up as its own entry).
 STEP_PARTS = {"asr": ("_admit", "_encode_into_cache", "_encode_bucket", "model.decoder.prefill", "steps.graphs.capture",
