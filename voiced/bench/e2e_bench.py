@@ -161,6 +161,14 @@ def build_engines(args, names: tuple[str, ...] = ("asr", "tts")):
     for worker in workers.values():
         worker.engine.step = StepTimer(worker.engine, STEP_PARTS[worker.name])
     requests = {name: RequestTimer(w) for name, w in workers.items() if name == "asr"}
+    if "asr" in requests and hasattr(workers["asr"].engine, "_give_rows"):
+        give_rows, timer = workers["asr"].engine._give_rows, requests["asr"]
+
+        def give_rows_timed(chosen):  # a request's admission into the batch (RequestTimer.admitted)
+            for req in chosen:
+                timer.admitted(req.rid)
+            return give_rows(chosen)
+        workers["asr"].engine._give_rows = give_rows_timed
 
     def level_stats(label: str) -> dict:
         """This level's engine steps (and the timers restarted), and its GPU memory (the peak restarted)."""

@@ -132,11 +132,15 @@ class RequestTimer:
     """How long a worker holds each request: from its submission to this worker (`_submit`) to its final
     output or error (`_deliver`). On an engine process's worker that is the command queue and the engine
     (asr_engine_ms); on the daemon's side of the pipe (RemoteWorker), the pipe both ways besides
-    (asr_worker_ms). Beside the session's figure (from the end of speech), the rest is the event loop."""
+    (asr_worker_ms). Beside the session's figure (from the end of speech), the rest is the event loop.
+    `admitted(id)`, where the engine's admission is watched, splits the engine's share into the wait for
+    a batch row and the decode (`take`'s "queue_ms" and "held_ms", and its slowest requests)."""
 
     def __init__(self, worker):
         self.durations: list[float] = []
+        self.requests: list[tuple[float, float, int]] = []  # (total, queued, tokens) of each finished request
         self._start: dict[int, float] = {}
+        self._admitted: dict[int, float] = {}
         submit, cancel, deliver = worker._submit, worker._cancel, worker._deliver
 
         def timed_submit(request_id: int, request) -> None:
@@ -145,20 +149,36 @@ class RequestTimer:
 
         def timed_cancel(request_id: int) -> None:
             self._start.pop(request_id, None)
+            self._admitted.pop(request_id, None)
             cancel(request_id)
 
         def timed_deliver(out) -> None:
             if out.final or out.error is not None:
                 t0 = self._start.pop(out.request_id, None)
+                admitted = self._admitted.pop(out.request_id, None)
                 if t0 is not None:
-                    self.durations.append((time.perf_counter() - t0) * 1e3)
+                    now = time.perf_counter()
+                    self.durations.append((now - t0) * 1e3)
+                    tokens = len(getattr(out.value, "tokens", None) or ())
+                    self.requests.append(((now - t0) * 1e3, ((admitted or now) - t0) * 1e3, tokens))
             deliver(out)
 
         worker._submit, worker._cancel, worker._deliver = timed_submit, timed_cancel, timed_deliver
 
+    def admitted(self, request_id: int) -> None:
+        if request_id in self._start:
+            self._admitted.setdefault(request_id, time.perf_counter())
+
     def take(self) -> dict:
         d, self.durations = self.durations, []
-        return pct(d)
+        reqs, self.requests = self.requests, []
+        out = pct(d)
+        if reqs and any(q for _, q, _ in reqs):
+            out["queue_ms"] = pct([q for _, q, _ in reqs])
+            out["held_ms"] = pct([t - q for t, q, _ in reqs])
+            out["slowest"] = [{"ms": round(t, 1), "queued_ms": round(q, 1), "tokens": n}
+                              for t, q, n in sorted(reqs, reverse=True)[:8]]
+        return out
 
 
 # What the timers break a slow step into (methods of WhisperEngine / SparkTTSEngine; a capture or a
