@@ -9,6 +9,7 @@ starting at a different point of the loop. Reported per concurrency level, p50/p
 - asr_ms: end of speech detected -> final transcript sent (server-measured `latency_ms`)
 - asr_engine_ms: the part of asr_ms in the engines' process, from the request's submission to its worker to its
   transcript (the command queue and the engine); asr_worker_ms: the same on the daemon's side (with the pipe)
+- loop_lag_ms: how late the daemon's event loop ran a callback due every 10 ms (its worst, and when in the level)
 - agent_ms: end of speech -> the agent's first text
 - first_audio_ms (voice-to-voice): end of speech detected -> first reply audio chunk sent
 - tts_first_chunk_ms: the agent's text -> first audio chunk (first_audio_ms - agent_ms)
@@ -66,7 +67,7 @@ from pathlib import Path
 from voiced.bench.gil_profile import GilProfile
 from voiced.bench.report import emit
 from voiced.bench.saturation import next_level, saturation
-from voiced.bench.steps import STEP_PARTS, RequestTimer, StepTimer, pct
+from voiced.bench.steps import STEP_PARTS, LoopLag, RequestTimer, StepTimer, pct
 
 log = logging.getLogger("voiced.bench.e2e")
 TARGET_KEYS = ("door_overhead_p50_ms_audiosocket_16", "door_overhead_p50_ms_media_ws_16")
@@ -278,6 +279,8 @@ def start_server(args):
     port, loop, _ = start_in_thread(server)
     server.level_stats = level_stats  # the engines' steps and GPU memory of a level (bench only)
     server.engine_pids = engine_pids  # the engines' own processes (none: they run in this one)
+    server.loop_lag = LoopLag(loop)  # how late the daemon's event loop runs (every caller's frames wait as long)
+    server.loop_lag.start()
     # With the engines in a process of their own, how long each request takes there and back (the pipe's share)
     server.asr_worker = RequestTimer(services.asr) if engine_pids else None
     addresses = dict(services.doors)
@@ -717,6 +720,7 @@ def main(argv: list[str] | None = None) -> dict:
         server.level_stats("the level's start")  # each level's steps and memory peak are its own
         if server.asr_worker is not None:
             server.asr_worker.take()
+        server.loop_lag.take()
         cmd = [sys.executable, "-m", "voiced.bench.e2e_bench", "--wav", str(args.wav), "--duration", str(args.duration),
                "--reply-seconds",
                str(args.reply_seconds), "--caller", f"{front}@{addresses[front]}@{n}"]
@@ -752,6 +756,7 @@ def main(argv: list[str] | None = None) -> dict:
             level["asr_engine_ms"] = engines["engine_ms"]["asr"]  # asr_ms's share in the engines' process
         if server.asr_worker is not None:
             level["asr_worker_ms"] = server.asr_worker.take()  # ... and with the pipe there and back
+        level["loop_lag_ms"] = server.loop_lag.take()
         if "gpu_memory" in engines:
             level["gpu_memory"] = engines["gpu_memory"]
             serving_peak = max(serving_peak, engines["gpu_memory"]["peak_gib"])

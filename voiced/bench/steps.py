@@ -138,7 +138,8 @@ class RequestTimer:
 
     def __init__(self, worker):
         self.durations: list[float] = []
-        self.requests: list[tuple[float, float, int]] = []  # (total, queued, tokens) of each finished request
+        self.requests: list[tuple[float, float, int, float]] = []  # (total, queued, tokens, submitted) per request
+        self._since = time.perf_counter()  # the last `take`: the level's start
         self._start: dict[int, float] = {}
         self._admitted: dict[int, float] = {}
         submit, cancel, deliver = worker._submit, worker._cancel, worker._deliver
@@ -160,7 +161,7 @@ class RequestTimer:
                     now = time.perf_counter()
                     self.durations.append((now - t0) * 1e3)
                     tokens = len(getattr(out.value, "tokens", None) or ())
-                    self.requests.append(((now - t0) * 1e3, ((admitted or now) - t0) * 1e3, tokens))
+                    self.requests.append(((now - t0) * 1e3, ((admitted or now) - t0) * 1e3, tokens, t0 - self._since))
             deliver(out)
 
         worker._submit, worker._cancel, worker._deliver = timed_submit, timed_cancel, timed_deliver
@@ -172,12 +173,48 @@ class RequestTimer:
     def take(self) -> dict:
         d, self.durations = self.durations, []
         reqs, self.requests = self.requests, []
+        self._since = time.perf_counter()
         out = pct(d)
-        if reqs and any(q for _, q, _ in reqs):
-            out["queue_ms"] = pct([q for _, q, _ in reqs])
-            out["held_ms"] = pct([t - q for t, q, _ in reqs])
-            out["slowest"] = [{"ms": round(t, 1), "queued_ms": round(q, 1), "tokens": n}
-                              for t, q, n in sorted(reqs, reverse=True)[:8]]
+        if reqs and any(r[1] for r in reqs):
+            out["queue_ms"] = pct([q for _, q, _, _ in reqs])
+            out["held_ms"] = pct([t - q for t, q, _, _ in reqs])
+            out["slowest"] = [{"ms": round(t, 1), "queued_ms": round(q, 1), "tokens": n, "at_s": round(at, 2)}
+                              for t, q, n, at in sorted(reqs, reverse=True)[:8]]
+            # When in the level the slow ones (over twice the median) were submitted: a burst at the level's
+            # start (every caller connecting at once) or all through it.
+            slow = [at for t, _, _, at in reqs if t > 2 * out["p50"]]
+            out["slow_at_s"] = pct(slow)
+        return out
+
+
+class LoopLag:
+    """How late the daemon's event loop runs a callback due every `every_s` (every caller's frames wait
+    that long too): `start` on the loop's thread, `take` the level's lateness and when its worst was."""
+
+    def __init__(self, loop, every_s: float = 0.01):
+        self.loop, self.every_s = loop, every_s
+        self.lags: list[tuple[float, float]] = []  # (seconds into the level, ms late)
+        self._since = time.perf_counter()
+        self._handle = None
+
+    def start(self) -> None:
+        self.loop.call_soon_threadsafe(self._arm, time.perf_counter() + self.every_s)
+
+    def _arm(self, due: float) -> None:
+        self._handle = self.loop.call_later(max(0.0, due - time.perf_counter()), self._tick, due)
+
+    def _tick(self, due: float) -> None:
+        now = time.perf_counter()
+        self.lags.append((due - self._since, (now - due) * 1e3))
+        self._arm(max(due + self.every_s, now))
+
+    def take(self) -> dict:
+        lags, self.lags = self.lags, []
+        self._since = time.perf_counter()
+        out = pct([ms for _, ms in lags])
+        if lags:
+            at, worst = max(lags, key=lambda x: x[1])
+            out.update(max=round(worst, 1), max_at_s=round(at, 2))
         return out
 
 
