@@ -563,11 +563,12 @@ async def realtime_caller(address: str, pcm: bytes, start_frame: int, duration_s
 
 
 async def callers(address: str, wav: Path, sessions: int, duration_s: float, reply_s: float,
-                  front: str = "grpc") -> dict:
+                  front: str = "grpc", hang_up: str = "after-utterance") -> dict:
     from voiced_client.wavio import read_wav
 
-    from voiced.bench.phone_callers import audiosocket_caller, media_ws_caller
+    from voiced.bench.phone_callers import audiosocket_caller, media_ws_caller, talk_seconds
 
+    level_s = duration_s
     samples, rate = read_wav(wav)
     assert rate == 16000, "the bench WAV must be 16 kHz"
     pcm = samples.astype("<i2").tobytes()
@@ -577,6 +578,10 @@ async def callers(address: str, wav: Path, sessions: int, duration_s: float, rep
 
     def caller(k: int):
         start = (n_frames * k) // sessions
+        if hang_up == "after-utterance":  # (at-duration: every caller at once, mid-sentence: the old way)
+            duration_s = talk_seconds(pcm, start, level_s)
+        else:
+            duration_s = level_s
         if front == "audiosocket":
             return audiosocket_caller(address, pcm, start, duration_s, reply_s, out)
         if front == "media_ws":
@@ -656,6 +661,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--engine-threads", choices=["auto", "shared", "separate"], default="auto",
                     help="as the daemon's engines.threads: one thread for both engines or one each (auto, the "
                          "default: separate on a GPU, shared with --tiny-cpu)")
+    ap.add_argument("--hang-up", choices=["after-utterance", "at-duration"], default="after-utterance",
+                    help="when each caller ends its call: after --duration, once its utterance in progress is over "
+                         "(the default), or at --duration exactly, every caller mid-sentence at one instant (so the "
+                         "daemon ends all their turns at once: before 2026-11-27 every level ended so)")
     ap.add_argument("--engine-overlap", choices=["auto", "on", "off"], default="off",
                     help="as the daemon's engines.overlap: one engine thread launches each engine's step before "
                          "waiting on any (on), or steps them one after the other (off, the default)")
@@ -679,7 +688,8 @@ def main(argv: list[str] | None = None) -> dict:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     if args.caller:
         front, address, sessions = args.caller.split("@")
-        report = asyncio.run(callers(address, args.wav, int(sessions), args.duration, args.reply_seconds, front))
+        report = asyncio.run(callers(address, args.wav, int(sessions), args.duration, args.reply_seconds, front,
+                                     args.hang_up))
         print(json.dumps(report))
         return report
     if args.asr_model is None and args.tiktoken_dir is None:
@@ -706,7 +716,7 @@ def main(argv: list[str] | None = None) -> dict:
               "python": platform.python_version(), "asr_dims": args.asr_dims, "asr_tokens": args.asr_tokens,
               "asr_model": args.asr_model or "random", "turn_detection": "smart" if args.asr_model else "silence",
               "reply_seconds": args.reply_seconds, "first_chunk_tokens": args.first_chunk_tokens,
-              "engine_threads": engine_threads(args), "engine_process": engine_process(args),
+              "hang_up": args.hang_up, "engine_threads": engine_threads(args), "engine_process": engine_process(args),
               "engine_overlap": engine_overlap(args) and engine_threads(args) == "shared", "merge_policy": args.merge_policy or "default",
               "vocoder_graphs": vocoder_graphs(args), "prefill_graphs": args.prefill_graphs or "default",
               "whisper_chunk_graphs": whisper_chunk_graphs_default(), "switch_interval_s": sys.getswitchinterval(),
@@ -723,7 +733,7 @@ def main(argv: list[str] | None = None) -> dict:
         server.loop_lag.take()
         cmd = [sys.executable, "-m", "voiced.bench.e2e_bench", "--wav", str(args.wav), "--duration", str(args.duration),
                "--reply-seconds",
-               str(args.reply_seconds), "--caller", f"{front}@{addresses[front]}@{n}"]
+               str(args.reply_seconds), "--hang-up", args.hang_up, "--caller", f"{front}@{addresses[front]}@{n}"]
         timer = None
         if n in args.profile_level:
             profile = EngineProfile(server.services.asr.thread, args.profile_seconds,
