@@ -202,3 +202,34 @@ def test_a_callers_clock_times_a_reply_from_the_turn_the_daemon_ended_not_from_i
     clock.finished(at + 1.0)
     assert not clock.ends and clock.utterances == 1  # the daemon's end is the only one counted
     assert last_sound < at
+
+
+def test_bench_callers_hang_up_after_what_they_are_saying_so_no_turn_ends_at_the_hang_up():
+    """Every bench caller stops at the end of its level; one that stopped mid-sentence would have the daemon
+    end that turn on the spot, and with all callers stopping at one instant those turns all end together,
+    a burst of transcripts no real callers make. Past its duration a caller talks on until the daemon's
+    segmenter (same settings, same frames) has no utterance in progress."""
+    from tests.speech import layout
+    from voiced.bench.phone_callers import talk_seconds
+    from voiced.config import Config
+    from voiced.core.segmenter import Segmenter
+    from voiced.core.spec import segmentation_for
+
+    lay = layout(["Please call me back tomorrow morning.", "I would like to book a table for two people."],
+                 lead_s=0.3, gap_s=1.0, tail_s=0.8)
+    pcm = (lay.audio * 32767).astype("<i2").tobytes()
+    n_frames = len(pcm) // 640
+
+    def in_utterance_at(start: int, seconds: float) -> bool:
+        segmenter = Segmenter(segmentation_for(Config()))
+        for k in range(round(seconds / 0.02)):
+            segmenter.push(np.frombuffer(pcm, "<i2", 320, ((start + k) % n_frames) * 640))
+        return segmenter.in_speech
+
+    starts = range(0, n_frames, 7)
+    cut = [s for s in starts if in_utterance_at(s, 2.0)]
+    assert len(cut) > len(starts) // 3  # hanging up at 2 s would end many turns mid-sentence
+    for start in starts:
+        seconds = talk_seconds(pcm, start, 2.0)
+        assert 2.0 <= seconds < 2.0 + lay.audio.size / 16000
+        assert not in_utterance_at(start, seconds), start

@@ -96,30 +96,27 @@ class EndOfSpeech:
             out["unmatched_replies"].append(1)
 
 
-# A caller hangs up once it has been quiet this long past its duration (longer than the segmenter's
-# 500 ms hangover: its last turn has ended by then, on its own time), or this long past it whatever it says.
-HANG_UP_QUIET_S = 0.8
+# The longest a caller talks on past its duration, finishing what it is saying.
 HANG_UP_LATEST_S = 10.0
 
 
 def talk_seconds(pcm16k: bytes, start_frame: int, duration_s: float) -> float:
-    """How long a caller streaming `pcm16k` (looped from `start_frame`) talks: `duration_s`, then on to
-    the end of what it is saying. Callers that all hung up at `duration_s` would cut every utterance in
-    progress at one instant, and the daemon would end all those turns together (a half-close ends the
-    turn in progress): a burst no real set of callers makes, which at 128 callers was 49 of a level's
-    277 transcripts, every one of its slowest (docs/BENCHMARKS.md)."""
-    from voiced.bench.turn_set import LOUD
+    """How long a caller streaming `pcm16k` (looped from `start_frame`) talks: `duration_s`, then on until
+    the daemon's own segmenter (silence detection's settings, the very frames) has no utterance in
+    progress, so that hanging up ends no turn. Callers that all hung up at `duration_s` cut every utterance
+    in progress at one instant, and the daemon ended all those turns together (a half-close ends the turn
+    in progress): a burst no real set of callers makes, which at 128 callers was 49 of a level's 277
+    transcripts, every one of its slowest (docs/BENCHMARKS.md)."""
+    from voiced.config import Config
+    from voiced.core.segmenter import Segmenter
+    from voiced.core.spec import segmentation_for
 
-    x = np.abs(np.frombuffer(pcm16k, "<i2"))
-    n_frames = len(x) // 640
-    quiet = (x[: n_frames * 640].reshape(n_frames, 640) <= LOUD * 32768).all(axis=1)
-    need, n = round(HANG_UP_QUIET_S / FRAME_S), round(duration_s / FRAME_S)
-    run = 0
-    for k in range(max(0, n - need), n):  # the quiet run the duration ends in
-        run = run + 1 if quiet[(start_frame + k) % n_frames] else 0
-    latest = n + round(HANG_UP_LATEST_S / FRAME_S)
-    while run < need and n < latest:
-        run = run + 1 if quiet[(start_frame + n) % n_frames] else 0
+    n_frames = len(pcm16k) // 640
+    segmenter = Segmenter(segmentation_for(Config()))
+    n, least, latest = 0, round(duration_s / FRAME_S), round((duration_s + HANG_UP_LATEST_S) / FRAME_S)
+    while n < latest and (n < least or segmenter.in_speech):
+        i = (start_frame + n) % n_frames
+        segmenter.push(np.frombuffer(pcm16k, "<i2", 320, i * 640))
         n += 1
     return n * FRAME_S
 
