@@ -26,14 +26,20 @@ def engines(tmp_path_factory):
     return asr, tts
 
 
+def started(engines, **thread_options) -> tuple[EngineThread, EngineWorker, EngineWorker]:
+    """Both engines' workers on one engine thread, started."""
+    asr_engine, tts_engine = engines
+    thread = EngineThread("engines", **thread_options)
+    asr, tts = EngineWorker(asr_engine, "asr", thread=thread), EngineWorker(tts_engine, "tts", thread=thread)
+    asr.start()
+    return thread, asr, tts
+
+
 def transcript_during_a_long_reply(engines, first_budget_s: float):
     """A reply streams; a 12-token transcript is asked for meanwhile; then the caller hangs up on the
     reply. Returns the transcript, the engine thread's step log and the two workers."""
-    asr_engine, tts_engine = engines
-    thread = EngineThread("engines", step_log=10_000)
+    thread, asr, tts = started(engines, step_log=10_000)
     thread.first_budget_s = first_budget_s
-    asr, tts = EngineWorker(asr_engine, "asr", thread=thread), EngineWorker(tts_engine, "tts", thread=thread)
-    asr.start()
     audio = layout(["Please call me back tomorrow."], lead_s=0.2, tail_s=0.3).audio
 
     async def scenario():
@@ -49,7 +55,7 @@ def transcript_during_a_long_reply(engines, first_budget_s: float):
     finally:
         thread.stop()
     assert len(result.tokens) == 12 and np.isfinite(result.avg_logprob)
-    assert tts.stats.cancelled == 1 and tts_engine.active_requests() == 0
+    assert tts.stats.cancelled == 1 and tts.engine.active_requests() == 0
     return result, list(thread.step_log), asr, tts
 
 
@@ -126,10 +132,7 @@ def test_warm_up_runs_on_the_thread_that_steps_the_engines(engines):
 def transcript_and_reply(engines, overlap: bool):
     """A 2 s reply is synthesized while a 12-token transcript is asked for, on one engine thread;
     returns the transcript's tokens, the reply's audio and the thread's step log."""
-    asr_engine, tts_engine = engines
-    thread = EngineThread("engines", step_log=10_000, overlap=overlap)
-    asr, tts = EngineWorker(asr_engine, "asr", thread=thread), EngineWorker(tts_engine, "tts", thread=thread)
-    asr.start()
+    thread, asr, tts = started(engines, step_log=10_000, overlap=overlap)
     audio = layout(["Please call me back tomorrow."], lead_s=0.2, tail_s=0.3).audio
 
     async def scenario():
@@ -167,10 +170,8 @@ def test_overlapped_steps_give_the_same_transcript_and_reply(engines):
 def test_an_overlapped_step_that_fails_fails_the_newest_reply_only(engines, monkeypatch):
     """A shared TTS pass that raises in an overlapped round fails the newest reply alone; the older
     reply and the transcript in the same rounds go on."""
-    asr_engine, tts_engine = engines
-    thread = EngineThread("engines", overlap=True)
-    asr, tts = EngineWorker(asr_engine, "asr", thread=thread), EngineWorker(tts_engine, "tts", thread=thread)
-    asr.start()
+    _, tts_engine = engines
+    thread, asr, tts = started(engines, overlap=True)
     audio = layout(["Good morning."], lead_s=0.2, tail_s=0.3).audio
     real_run_steps = tts_engine.lm.run_steps
     broken = {"once": False}
