@@ -42,8 +42,8 @@ from voiced.engines.base import (
     EngineError,
     EngineFault,
     EngineOutput,
-    SteppedEngine,
     StepParts,
+    SteppedEngine,
     fault_output,
     finish,
 )
