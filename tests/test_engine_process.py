@@ -50,13 +50,14 @@ def _serve(tmp_path_factory, http: bool = False):
     process's pid, log)."""
     need_espeak()
     spark = cached_spark_checkpoint(tmp_path_factory)
-    port, http_port = _free_port(), _free_port()
+    port, http_port, metrics_port = _free_port(), _free_port(), _free_port()
     log = tmp_path_factory.mktemp("engine-process") / "serve.log"
     env = dict(os.environ, VOICED_CACHE=str(tmp_path_factory.mktemp("cache")))
     with open(log, "w") as out:
         proc = subprocess.Popen([sys.executable, "-m", "voiced", "serve", "--engine-process", "separate",
                                  "--asr-model", str(tiny_en_dir()), "--tts-model", str(spark), "--device", "cpu",
                                  "--turn-detection", "silence", "--listen", f"127.0.0.1:{port}",
+                                 "--metrics-listen", f"127.0.0.1:{metrics_port}",
                                  *(["--http", f"127.0.0.1:{http_port}"] if http else [])],
                                 stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     address = f"127.0.0.1:{port}"
@@ -66,7 +67,7 @@ def _serve(tmp_path_factory, http: bool = False):
             assert time.monotonic() < deadline and proc.poll() is None, log.read_text()
             time.sleep(0.2)
         child = int(re.search(r"engines serve from process (\d+)", log.read_text()).group(1))
-        yield proc, address, child, log, http_port
+        yield proc, address, child, log, http_port, metrics_port
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -89,7 +90,7 @@ def _alive(pid: int) -> bool:
 
 
 def test_a_conversation_is_transcribed_and_answered_by_the_engine_process(served):
-    proc, address, child, log, _ = served
+    proc, address, child, log, _, _ = served
     assert child != proc.pid and _alive(child)
     lay = layout(["Please book a table for two people tonight."], tail_s=1.0)
     cfg = session_config(FMT, speech=pb.SpeechConfig(seed=1, max_seconds=1.0))
@@ -108,7 +109,7 @@ def test_voices_and_server_info_reach_through_the_engine_process(served):
     """What the daemon reads of the engines it does not hold: ServerInfo names both models; a voice added
     from a recording (its tokens computed in the engine process) is listed, speaks, and a name the server
     lacks is NOT_FOUND saying which voices it has."""
-    _, address, _, _, _ = served
+    _, address, _, _, _, _ = served
     with grpc.insecure_channel(address) as channel:
         stub = pb_grpc.VoicedStub(channel)
         info = stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=30)
@@ -132,11 +133,35 @@ def test_voices_and_server_info_reach_through_the_engine_process(served):
         assert missing.value.code() == grpc.StatusCode.NOT_FOUND and "caller-voice" in missing.value.details()
 
 
+def test_the_engine_process_heap_trims_reach_the_daemons_metrics(served):
+    """The engines hand free C-heap memory back to the OS when they go quiet after a wide batch
+    (voiced.heap); with them in their own process that happens there, and the daemon's metrics still count
+    it: two replies synthesized together, then a quiet spell, and /metrics shows the trim."""
+    _, address, _, _, _, metrics_port = served
+
+    def trims() -> float:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+        found = re.search(r"^voiced_heap_trim_seconds_count (\S+)$", text, re.M)
+        return float(found.group(1)) if found else 0.0
+
+    before = trims()
+    with grpc.insecure_channel(address) as channel:
+        stub = pb_grpc.VoicedStub(channel)
+        calls = [stub.Synthesize(pb.SynthesizeRequest(text=text, speech=pb.SpeechConfig(seed=i, max_seconds=1.0)),
+                                 timeout=120) for i, text in enumerate(["Your table is booked.", "See you tonight."])]
+        for call in calls:  # both in flight at once: a batch of two
+            assert [r.audio for r in call][-1].last
+    deadline = time.monotonic() + 30
+    while trims() <= before:
+        assert time.monotonic() < deadline, "no heap trim reached the daemon's metrics"
+        time.sleep(0.5)
+
+
 def test_sigterm_lets_an_open_call_finish_then_stops_both_processes(served):
     """SIGTERM to the whole process group, as a service manager sends it, while a caller is mid-sentence:
     the daemon drains, the caller's sentence is still transcribed (the engine process outlives the signal:
     the drain's calls need it), then the daemon exits 0 and the engine process ends after it."""
-    proc, address, child, log, _ = served
+    proc, address, child, log, _, _ = served
     lay = layout(["The meeting is moved to Friday morning at nine."], lead_s=0.3, tail_s=1.0)
     frames = audio_requests(session_config(FMT), wire_audio(lay.audio, FMT), FMT)
     half, sent_half, finish = len(frames) // 2, threading.Event(), threading.Event()
@@ -179,7 +204,7 @@ def test_an_engine_process_that_dies_takes_the_server_out_of_service_with_a_clea
     """The engines' process killed (a driver fault, the OOM killer): gRPC health says NOT_SERVING and the
     HTTP probes 503, so a balancer moves callers on and a supervisor restarts it; a new call is refused
     UNAVAILABLE saying the server needs a restart; the daemon itself still stops cleanly."""
-    with _serve(tmp_path_factory, http=True) as (proc, address, child, log, http_port):
+    with _serve(tmp_path_factory, http=True) as (proc, address, child, log, http_port, _):
         os.kill(child, signal.SIGKILL)
         deadline = time.monotonic() + 30
         while _health(address) != health_pb2.HealthCheckResponse.NOT_SERVING:

@@ -11,7 +11,7 @@ and the end-of-turn model, and reaches the engines through one pipe:
 
     daemon -> child  ("submit", engine, id, request)  ("cancel", engine, id)  ("call", id, name, args)  ("stop",)
     child -> daemon  ("ready", {engine: EngineInfo})  ("failed", message)  ("out", engine, EngineOutput)
-                     ("reply", id, error, value)
+                     ("reply", id, error, value)  ("heap", voiced.heap.Release)
 
 Requests and outputs are the engines' own dataclasses (numpy audio inside), pickled. The child steps the
 engines exactly as the daemon would (voiced.core.scheduler), with each worker's `forward` sending its
@@ -19,9 +19,10 @@ outputs up the pipe; the daemon's RemoteWorker has EngineWorker's asyncio side u
 cancel on leaving). "call" runs a named function the builder registered (the voice store's methods, a
 benchmark's step timings) on a thread of the child.
 
-What the daemon does not see in this mode: PyTorch's GPU memory metrics (`voiced_gpu_memory_bytes`, read
-in the process holding CUDA) and the engine threads' heap trims. If the child dies, every request in
-flight fails with an internal error that says so, and new ones fail the same way.
+The daemon's metrics still cover the engines: PyTorch's GPU memory (`voiced_gpu_memory_bytes`) is read in
+the child at each scrape (a "call"), and the engine threads' heap trims (`voiced_heap_*`) come up the pipe
+as they happen. If the child dies, every request in flight fails with an internal error that says so, and
+new ones fail the same way.
 """
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ class EngineProcess:
     def __init__(self, builder: str, arg: Any, name: str = "voiced-engines"):
         self.builder, self.arg, self.name = builder, arg, name
         self.workers: dict[str, RemoteWorker] = {}
-        self.on_release = None  # EngineThread's hook (heap trims), which happen in the child: unused here
+        self.on_release = None  # EngineThread's hook (heap trims): called for each trim the child reports
         self.on_exit: Callable[[], None] | None = None  # called on the reader thread when the child ends unasked
         self._conn = None
         self._proc = None
@@ -181,6 +182,9 @@ class EngineProcess:
                 worker._deliver(message[2])
                 if worker._on_step is not None and (message[2].final or message[2].error is not None):
                     worker._on_step(worker.engine)  # the daemon's gauge of requests in flight
+            elif kind == "heap":
+                if self.on_release is not None:
+                    self.on_release(message[1])
             elif kind == "reply":
                 _, call_id, error, value = message
                 done = self._calls.get(call_id)
@@ -297,6 +301,7 @@ def _child_main(conn, builder: str, arg: Any, level: int) -> None:
 
     for name, worker in built.workers.items():
         worker.forward = lambda out, n=name: send(("out", n, out))
+        worker.thread.on_release = lambda release: send(("heap", release))  # for the daemon's metrics
         worker.start()
     send(("ready", {name: EngineInfo(w.engine.model_name, w.engine.backend, str(w.engine.device),
                                      tuple(w.engine.languages)) for name, w in built.workers.items()}))
