@@ -4,8 +4,9 @@
         --minutes 10 --out gpu-soak.json
 
 The daemon is the end-to-end benchmark's (`voiced.bench.e2e_bench.start_server`: `voiced serve`'s
-server, sessions, schedulers and engines in this process, random full-size weights of Whisper
-large-v3-turbo and Spark-TTS-0.5B, forced transcript and reply lengths, the echo agent). The callers
+server, sessions, schedulers and engines, the engines in a process of their own on a GPU as `voiced serve`
+runs them (`--engine-process`), random full-size weights of Whisper large-v3-turbo and Spark-TTS-0.5B,
+forced transcript and reply lengths, the echo agent). The callers
 run in a child process: each one calls Converse sessions back to back, `--session-seconds` each,
 streaming the WAV in real time as 20 ms frames from its own point of the loop and reading every reply,
 until the time is up. Phases:
@@ -17,8 +18,9 @@ until the time is up. Phases:
 "Idle" is no session open and the heap trimmed after the callers' last batch (voiced.heap; up to
 30 s waited for it).
 
-Each sample: resident memory, open descriptors, OS threads, asyncio tasks of the daemon's loop, sessions
-open, and what PyTorch's allocator holds on the GPU. Per minute of the soak: sessions completed, errors,
+Each sample: resident memory, open descriptors and OS threads (the daemon's process and its engine
+process together), asyncio tasks of the daemon's loop, sessions open, and what PyTorch's allocator holds on
+the GPU (read where the engines run, as the daemon's metrics read it). Per minute of the soak: sessions completed, errors,
 and voice-to-voice as the callers hear it (e2e_bench's clock). Judged as the CPU soak is
 (`voiced.bench.soak`), plus: GPU memory allocated back to the baseline once idle.
 
@@ -179,14 +181,20 @@ async def soak_callers(address: str, wav: Path, callers: int, seconds: float, se
 
 
 class Sampler:
-    """Samples this process (the daemon's) on a thread while the callers run."""
+    """Samples the daemon (its process and its engines' own, where they run in one) on a thread while the
+    callers run."""
 
     def __init__(self, server, loop, tiny_cpu: bool):
         self.server, self.loop, self.tiny_cpu = server, loop, tiny_cpu
         self.t0 = time.monotonic()
 
     def sample(self, label: str) -> GpuSample:
-        rss_mb, fds, threads = process_figures()
+        pids = ["self", *self.server.engine_pids]
+        figures = [process_figures(pid) for pid in pids]
+        rss_mb, fds, threads = (sum(f[i] for f in figures) for i in range(3))
+        names: Counter = Counter()
+        for pid in pids:
+            names.update({(n if pid == "self" else f"engines:{n}"): k for n, k in thread_names(pid).items()})
 
         async def count_tasks() -> int:
             return len(asyncio.all_tasks())
@@ -196,13 +204,10 @@ class Sampler:
         for metric in self.server.services.metrics.registry.collect():
             if metric.name == "voiced_sessions_active":
                 active = sum(s.value for s in metric.samples)
-        alloc = reserved = 0.0
-        if not self.tiny_cpu:
-            import torch
-
-            alloc, reserved = torch.cuda.memory_allocated() / 2**20, torch.cuda.memory_reserved() / 2**20
+        gpu = {kind: n for _, kind, n in self.server.services.metrics.gpu_memory()}  # where the engines run
+        alloc, reserved = gpu.get("allocated", 0) / 2**20, gpu.get("reserved", 0) / 2**20
         s = GpuSample(label, round(time.monotonic() - self.t0, 1), round(rss_mb, 1), fds, threads, tasks, int(active),
-                      round(alloc, 1), round(reserved, 1), thread_names())
+                      round(alloc, 1), round(reserved, 1), dict(sorted(names.items())))
         log.info("%s", s)
         return s
 
@@ -276,6 +281,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--first-chunk-tokens", type=int, default=10)
     ap.add_argument("--chunk-tokens", type=int, default=25)
     ap.add_argument("--tiny-cpu", action="store_true", help="dry run on the CPU with tiny random models")
+    ap.add_argument("--engine-process", choices=["auto", "inline", "separate"], default="auto",
+                    help="the engines in the daemon's process or in one of their own; auto: as `voiced serve` "
+                         "(engines.process: separate on a GPU, inline on the CPU)")
     ap.add_argument("--end-by", type=float, default=0.0,
                     help="wall-clock time (Unix seconds) by which the run must be over: shortens --minutes to what "
                          "is left after start-up and warm-up (a machine lent for a fixed time)")
