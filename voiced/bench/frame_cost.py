@@ -163,9 +163,10 @@ def make_clip(directory: Path) -> Path:
     return path
 
 
-def start_daemon(tree: Path, asr_model: str, log_path: Path) -> DaemonProcess:
+def start_daemon(tree: Path, asr_model: str, log_path: Path, turn_detection: str | None = None) -> DaemonProcess:
     env = dict(os.environ, PYTHONPATH=f"{tree}{os.pathsep}{tree / 'client'}")
-    return DaemonProcess(["--asr-model", asr_model, "--device", "cpu", "--no-tts", "--max-sessions", "2000"],
+    turns = ["--turn-detection", turn_detection] if turn_detection else []
+    return DaemonProcess(["--asr-model", asr_model, "--device", "cpu", "--no-tts", "--max-sessions", "2000", *turns],
                          log_path, cwd=tree, env=env)
 
 
@@ -187,6 +188,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mode", nargs="+", choices=["vad", "converse"], default=["vad"])
     p.add_argument("--tree", action="append", type=Path,
                    help="a voiced source tree to run the daemon from (repeat: the levels alternate between them)")
+    p.add_argument("--turn-detection", nargs="+", choices=["smart", "silence"],
+                   help="run a daemon with each (`voiced serve --turn-detection`; default: the daemon's own) and "
+                        "alternate the levels between them, as between trees: what the end-of-turn detector "
+                        "costs on the frame path")
     p.add_argument("--repeat", type=int, default=1, help="run every level this many times")
     p.add_argument("--wav", help="the clip every caller streams (default: two espeak-ng sentences)")
     p.add_argument("--start-timeout", type=float, default=300.0)
@@ -200,20 +205,22 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="frame-cost-"))
     wav = Path(args.wav) if args.wav else make_clip(work)
     clip = load_clip(wav, AudioFormat(Encoding.LINEAR16, 16000))
-    daemons = [start_daemon(t, args.asr_model, work / f"daemon-{i}.log") for i, t in enumerate(trees)]
+    runs = [(t, td) for t in trees for td in (args.turn_detection or [None])]
+    labels = [str(t) + (f" [{td}]" if td else "") for t, td in runs]
+    daemons = [start_daemon(t, args.asr_model, work / f"daemon-{i}.log", td) for i, (t, td) in enumerate(runs)]
     levels: list[Level] = []
     try:
         for d in daemons:
             d.wait_serving(args.start_timeout)
-        for tree, d in zip(trees, daemons):  # first-use costs out of the way
+        for label, d in zip(labels, daemons):  # first-use costs out of the way
             for mode in args.mode:
-                run_level(d, str(tree), mode, WARMUP_SESSIONS, WARMUP_S + args.ramp + 4, clip, args.ramp)
+                run_level(d, label, mode, WARMUP_SESSIONS, WARMUP_S + args.ramp + 4, clip, args.ramp)
         for _ in range(args.repeat):
             for n in args.sessions:
                 for mode in args.mode:
-                    for tree, d in zip(trees, daemons):
+                    for label, d in zip(labels, daemons):
                         d.wait_idle()
-                        level = run_level(d, str(tree), mode, n, args.duration, clip, args.ramp)
+                        level = run_level(d, label, mode, n, args.duration, clip, args.ramp)
                         log.info("%s", format_table([level]).splitlines()[1])
                         levels.append(level)
     finally:
