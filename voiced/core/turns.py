@@ -169,13 +169,6 @@ PREPOSITIONS = {
     "toward", "towards", "upon", "via", "per", "like", "across", "against", "despite", "except", "until",
     "till", "in", "on", "regarding", "concerning", "versus", "within", "throughout", "beneath", "unlike",
 }
-# Prepositions that also end sentences as adverbs ("I have called before.", "It opens after."): a text
-# ending on one may be over, but in a request it far more often goes on ("open after | nine o'clock",
-# "a pharmacy near | the station"), and Whisper hears such a word clearly (0.75-0.97 at the pause, with
-# a full stop or a question mark after it). Like a number read out it waits `doubt_ms` (see `may_end`).
-# Phrasal-verb particles (up, out, off, down, in, over) and words callers end on ("I'm outside") are
-# not listed.
-ADVERB_PREPOSITIONS = {"after", "before", "near", "since", "past", "behind"}
 WH_WORDS = {"when", "where", "which", "who", "whom", "how", "why", "what"}
 AUXILIARIES = {
     "am", "is", "are", "was", "were", "be", "been", "being", "have", "has", "had", "do", "does", "did",
@@ -226,18 +219,9 @@ def reading_number(text: str) -> bool:
     return _open_ending(text) == "number"
 
 
-@functools.lru_cache(maxsize=64)
-def may_end(text: str) -> bool:
-    """Whether the words are unfinished only in a way that may also end the sentence: a number being
-    read out, or a preposition that doubles as an adverb ("... that is open after"). Such a text waits
-    `doubt_ms`, not the bound."""
-    return _open_ending(text) in ("number", "adverb")
-
-
 def _open_ending(text: str) -> str | None:
     """Why the words cannot end a sentence: "words" (a function word, a filler, trailing punctuation
-    that goes on), "number" (a number being read out), "adverb" (a preposition that may be an adverb
-    ending it), or None (they can end one)."""
+    that goes on), "number" (a number being read out), or None (they can end one)."""
     stripped = text.strip().replace("’", "'")
     body = _TRAILING_PUNCT.sub("", stripped.lower())
     if not body:
@@ -252,8 +236,8 @@ def _open_ending(text: str) -> str | None:
         return "words"
     if last in WH_WORDS and not question:
         return "words"
-    if last in PREPOSITIONS | ADVERB_PREPOSITIONS and not (question and WH_WORDS.intersection(words[:-1])):
-        return "adverb" if last in ADVERB_PREPOSITIONS else "words"
+    if last in PREPOSITIONS and not (question and WH_WORDS.intersection(words[:-1])):
+        return "words"
     if last in AUXILIARIES | SUBJECTS | {"to"} and (len(words) > SHORT_ANSWER_WORDS or words[0] in AUXILIARIES):
         return "words"
     # A number being read out: a run of digits ("4572", "45-72"), or numbers after numbers ("four
@@ -342,9 +326,8 @@ class Evidence:
         if not self.fresh:
             return b.max_ms  # a stale text may lack the last words: it only keeps a turn open
         if unfinished(self.text):
-            # a number read out, or a preposition that may be an adverb, may be the end of the sentence:
-            # long enough for a pause between two groups of digits or the two halves of a sentence
-            return b.doubt_ms if may_end(self.text) else b.max_ms
+            # a number read out may be the end of the sentence: long enough for a pause between digits
+            return b.doubt_ms if reading_number(self.text) else b.max_ms
         if not self.text.strip():
             return b.unsure_ms  # no words (a cough, a noise): no reason to hold the line long
         if self.sounding and self.end_p is not None and not self._decoder_says_over():
