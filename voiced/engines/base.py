@@ -131,6 +131,10 @@ class Transcript:
     # The probability Whisper gives end-of-text right after the text (how sure it is nothing more was
     # said): read off the word-timing pass, so None without word timings or where a backend lacks it.
     end_prob: float | None = None
+    # The probability Whisper gives the sentence ending right after the last word (a full stop, question or
+    # exclamation mark, or end-of-text next, rather than more words), from the same pass: where Whisper
+    # wrote a full stop after half a sentence it is often less sure of that stop than after a whole one.
+    stop_prob: float | None = None
 
 
 @runtime_checkable
