@@ -65,10 +65,10 @@ its own medians on seeds 1 and 3 still sit at 2.2 s).
 A pausing caller whose first half Whisper writes as a whole sentence with a last word it is sure of
 ("They can repair them." for "They can repair the | contract"; "... that is open after?" for "... open
 after | half past six") is cut off by everything above; what tells such a stop from a real one is how
-sure Whisper is of the stop itself: at the pauses that cut callers off it gave the sentence ending after
-the last word 0.82-0.92, after most whole sentences 0.93-0.99 (prosody: a voice that carries on sounds
-unfinished to Whisper too, even where its words could end). Under STOP_P (0.92) the end is a doubt and
-waits `doubt_ms`. Session 11 (offline replay, real tiny.en, 30 ms decode, docs/BENCHMARKS.md): pausing
+sure Whisper is of the stop itself: at 10 of the 25 pauses that cut callers off on the bench's seeds
+0-11 it gave the sentence ending after the last word 0.23-0.91, after 145 of the 153 real ends that
+ended a turn at once 0.92 or more (median 0.97; a voice that carries on sounds unfinished to Whisper
+too, even where its words could end). Under STOP_P (0.92) the end is a doubt and waits `doubt_ms`. Session 11 (offline replay, real tiny.en, 30 ms decode, docs/BENCHMARKS.md): pausing
 callers cut off 6 -> 4 of 36 on the dev seeds 0-2 it was chosen on, 19 -> 11 of 108 on seeds 3-11, 22 ->
 12 of 96 and 19 -> 13 of 96 on two fresh sets (12-19, 20-27) made before it and never looked at caller by
 caller, no caller newly cut off and the p50 / p90 unchanged; the cost is a whole sentence whose stop
