@@ -27,10 +27,11 @@ GPU, decodes that return late under load), the network, and Whisper's numerics o
 (the cache holds what this machine's engine wrote: fp32 on a CPU, fp16 on a GPU may differ on a word).
 
 The evidence (each decode's text, word probabilities and times, end-of-text probability, the
-probability of a sentence end after the last word, and each Smart Turn probability) is cached per set and model in a JSON file beside the set (`--evidence`), keyed
-by the audio it was computed on: re-judging a set after a change to the rule costs no decode, and a
-change that ends turns elsewhere decodes only the new clips. A transcript cached before a field the rule
-reads was added (`stop_prob`) is decoded again, once.
+probability of a sentence end after the last word, and each Smart Turn probability) is cached per set
+and model in a JSON file beside the set (`--evidence`), keyed by the audio it was computed on:
+re-judging a set after a change to the rule costs no decode, and a change that ends turns elsewhere
+decodes only the new clips. A transcript cached before a field the rule reads was added (`stop_prob`)
+is decoded again, once.
 
     voiced bench turns --offline --set SET --asr-model tiny.en-pypi --decode-ms 30 --out replay.json
 """

@@ -925,8 +925,8 @@ class WhisperEngine:
         token_probs = probs.gather(1, to_device(text, dev)[:, None])[:, 0]
         # Over the text tokens and end-of-text (timestamps and other specials cannot follow here).
         end = logits[n - 1 + len(text), :tok.eot + 1].float().softmax(dim=-1)[tok.eot]
-        # Right after the last word's letters (where Whisper chose its final punctuation): a sentence end
-        # (a full stop, question or exclamation mark, end-of-text) against more words, a comma, an ellipsis.
+        # Right after the last word's letters (where Whisper chose its final punctuation): the text stopping
+        # (a full stop, question or exclamation mark, ellipsis, end-of-text) against more words or a comma.
         after = logits[n - 1 + last_word_end(tok, text), :tok.eot + 1].float().softmax(dim=-1)
         stop = after[to_device([*tok.sentence_end_tokens, tok.eot], dev)].sum()
         *token_probs, end_prob, stop_prob = torch.cat([token_probs.float(), end[None], stop[None]]).tolist()  # one readback
