@@ -120,6 +120,17 @@ def test_a_number_read_out_waits_as_long_as_a_doubt_whatever_the_audio_and_the_d
     assert Evidence(0.99, number + ".", fresh=False, end_p=0.99).wait_ms(b) == b.max_ms  # stale
 
 
+def test_a_sentence_end_whisper_is_not_sure_of_waits_as_long_as_a_doubt():
+    # "They can repair them." for "They can repair the | contract": Whisper gave the full stop after
+    # "them" 0.86 (a whole sentence's end ~0.93-0.99); before, the turn ended at the short pause.
+    b = MEDIUM
+    text = "They can repair them."
+    assert Evidence(0.9, text, fresh=True, end_p=0.98, stop_p=0.86).wait_ms(b) == b.doubt_ms
+    assert Evidence(0.9, text, fresh=True, end_p=0.98, stop_p=0.97).wait_ms(b) == b.complete_ms
+    assert Evidence(0.9, text, fresh=True, end_p=0.98).wait_ms(b) == b.complete_ms  # not known: no doubt
+    assert Evidence(0.9, "Book a table for", fresh=True, stop_p=0.99).wait_ms(b) == b.max_ms  # words still win
+
+
 def test_a_doubted_last_word_is_one_whisper_gives_under_last_p_and_did_not_hear_for_a_second():
     from voiced.engines.base import Word
 
@@ -370,6 +381,24 @@ def test_a_sentence_paused_where_it_cannot_end_is_one_turn(daemon):
 
 
 @pytest.mark.slow
+def test_a_sentence_paused_where_whisper_doubts_its_end_is_one_turn(daemon):
+    # tiny.en writes "... open after" at the pause, sure of the word (0.95) but not that the sentence
+    # stops there: before, the turn ended 600 ms into the 1.2 s pause and "half past six" came alone.
+    SPY.asked.clear()
+    audio, _ = _paused_caller("Is there a pharmacy near my hotel that is open after", "half past six?")
+    requests = paced(converse("spy"), _silence(0.5), audio, _silence(MEDIUM.max_ms / 1000 + 0.5))
+    events, code, details = stream_blocking(daemon.address, requests, "Converse")
+    assert code == grpc.StatusCode.OK, details
+    [final] = finals(events)  # one turn: both halves in one transcript
+    words = final.text.lower()
+    assert "open" in words and ("six" in words or "6" in words), final.text
+    # answered once, the whole sentence (a reply speculated at the pause is rolled back unheard)
+    [reply] = [e.agent_text.text for e in of_kind(events, "agent_text")]
+    assert reply == f"You said: {final.text.strip()}"
+    assert_turn_ends_before_its_answer(events)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("sentence", ["Can you tell me what the weather will be like tomorrow?",
                                       "Please cancel my appointment on Friday."])
 def test_a_finished_sentence_ends_well_within_the_bound(daemon, sentence):
@@ -420,8 +449,34 @@ def test_whisper_s_end_of_text_probability_says_whether_it_expects_more_words(wh
     assert done.text.strip().endswith(".") and done.end_prob >= 0.9, (done.text, done.end_prob)
     assert half.text.strip()[-1:] not in ".?!" and half.end_prob < turns.END_P, (half.text, half.end_prob)
     # read off the word-timing pass: without word timings it is not known
-    assert whisper.transcribe(ASRRequest(np.concatenate([_silence(0.3), phrase("Goodbye.")]),
-                                         ASROptions(language="en"))).end_prob is None
+    bare = whisper.transcribe(ASRRequest(np.concatenate([_silence(0.3), phrase("Goodbye.")]), ASROptions(language="en")))
+    assert bare.end_prob is None and bare.stop_prob is None
+
+
+def test_whisper_is_less_sure_the_sentence_stops_after_half_of_it(whisper):
+    from voiced.engines.base import ASROptions, ASRRequest
+
+    # A caller who stops mid-sentence ("... open after | half past six?"), the voice carrying on as
+    # mid-sentence: Whisper writes words that could end a sentence, sure of the last one, but gives the
+    # sentence stopping right after it less than STOP_P; after a whole sentence it is sure.
+    audio, pause = _paused_caller("Is there a pharmacy near my hotel that is open after", "half past six?")
+    options = ASROptions(language="en", word_timestamps=True)
+    half = whisper.transcribe(ASRRequest(np.concatenate([audio[:pause[0]], _silence(turns.PAUSE_MS / 1000)]), options))
+    whole = whisper.transcribe(ASRRequest(np.concatenate(
+        [_silence(0.3), phrase("Please cancel my appointment on Friday."), _silence(turns.PAUSE_MS / 1000)]), options))
+    assert not unfinished(half.text) and half.words[-1].probability >= turns.LAST_P, half.text
+    assert half.stop_prob < turns.STOP_P <= whole.stop_prob, (half.text, half.stop_prob, whole.text, whole.stop_prob)
+
+
+def _paused_caller(first: str, second: str, pause_s: float = 1.2, voice: str = "en-us+f2") -> tuple[np.ndarray, tuple]:
+    """A caller made as the turn bench makes its "break" callers: espeak-ng's SSML break between the two
+    halves, the voice carrying on as mid-sentence; the audio and the pause (start, end samples)."""
+    from voiced.bench.turn_set import Plan, speak_paused
+
+    plan = Plan("t", "paused", f"{first} | {second}", [first, second], voice, 175, "break", "silence", pause_s, 0.5)
+    audio, [pause], style = speak_paused(plan)
+    assert style == "break"
+    return audio, pause
 
 
 def assert_turn_ends_before_its_answer(events) -> None:

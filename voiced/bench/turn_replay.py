@@ -26,10 +26,12 @@ wait has passed. What it leaves out: the decode time's spread and queueing (seve
 GPU, decodes that return late under load), the network, and Whisper's numerics on another device
 (the cache holds what this machine's engine wrote: fp32 on a CPU, fp16 on a GPU may differ on a word).
 
-The evidence (each decode's text, word probabilities and times, end-of-text probability, and each
-Smart Turn probability) is cached per set and model in a JSON file beside the set (`--evidence`), keyed
-by the audio it was computed on: re-judging a set after a change to the rule costs no decode, and a
-change that ends turns elsewhere decodes only the new clips.
+The evidence (each decode's text, word probabilities and times, end-of-text probability, the
+probability of a sentence end after the last word, and each Smart Turn probability) is cached per set
+and model in a JSON file beside the set (`--evidence`), keyed by the audio it was computed on:
+re-judging a set after a change to the rule costs no decode, and a change that ends turns elsewhere
+decodes only the new clips. A transcript cached before a field the rule reads was added (`stop_prob`)
+is decoded again, once.
 
     voiced bench turns --offline --set SET --asr-model tiny.en-pypi --decode-ms 30 --out replay.json
 """
@@ -93,19 +95,21 @@ class EvidenceStore:
     def transcript(self, caller: str, audio: np.ndarray, audio_end: int, opts: ASROptions) -> Transcript:
         key = f"{caller}:{audio_end - len(audio)}:{audio_end}:{opts.max_new_tokens}:{int(opts.word_timestamps)}"
         hit = self.data["transcripts"].get(key)
-        if hit is None:
+        if hit is None or "stop_prob" not in hit:  # (a cache written before `stop_prob`: decoded again)
             t0 = time.perf_counter()
             r = self.asr().transcribe(ASRRequest(audio.astype(np.float32) / 32768.0, opts))
             self.decode_s += time.perf_counter() - t0
             self.decodes += 1
             hit = {"text": r.text, "hallucination": bool(r.is_hallucination), "end_prob": r.end_prob,
+                   "stop_prob": r.stop_prob,
                    "tokens": len(r.tokens),
                    "words": [[w.word, round(float(w.start_s), 3), round(float(w.end_s), 3),
                               round(float(w.probability), 4)] for w in r.words]}
             self.data["transcripts"][key] = hit
         return Transcript(text=hit["text"], language="en", tokens=[], avg_logprob=0.0, no_speech_prob=0.0,
                           compression_ratio=0.0, is_hallucination=hit["hallucination"],
-                          words=[Word(w, s, e, p) for w, s, e, p in hit["words"]], end_prob=hit["end_prob"])
+                          words=[Word(w, s, e, p) for w, s, e, p in hit["words"]], end_prob=hit["end_prob"],
+                          stop_prob=hit["stop_prob"])
 
     def p_complete(self, caller: str, clip: np.ndarray, key: str) -> float:
         key = f"{caller}:{key}"
@@ -251,6 +255,7 @@ class CallerReplay:
         self._at(max(now + self.model, transcript_at), "text", p)
         p.log = {"opened_s": round(now / RATE, 3), "voice_end_s": round(p.voice_end / RATE, 3),
                  "stalled": p.stalled, "text": p.result.text, "p_complete": p.p, "end_prob": p.result.end_prob,
+                 "stop_prob": p.result.stop_prob,
                  "last_word": p.result.words[-1].word if p.result.words else None,
                  "last_word_p": p.result.words[-1].probability if p.result.words else None}
         self.decisions.append(p.log)

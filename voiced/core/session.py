@@ -168,7 +168,8 @@ def pause_evidence(evidence: turns.Evidence, result: Transcript, speech_end_s: f
     return replace(evidence, text=judged, fresh=True, sounding=stalled,
                    doubtful=bool(text.strip()) and turns.doubted(result.words, speech_end_s),
                    # Whisper's end-of-text follows its whole text, not the words judged without their last one
-                   end_p=result.end_prob if judged == text else None), text
+                   end_p=result.end_prob if judged == text else None,
+                   stop_p=result.stop_prob if judged == text else None), text
 
 
 class Session:
@@ -643,9 +644,11 @@ class Session:
                                               self.spec.keep_hallucinations)
         wait_ms = pause.evidence.wait_ms(self.bounds)
         if log.isEnabledFor(logging.DEBUG):  # the arguments cost more than the line, at every pause
-            log.debug("session %s turn %d pause%s: p=%s text=%r (last word p=%s, end-of-text p=%s) wait %d ms",
-                      self.spec.session_id, pause.turn_id, " (words stopped)" if pause.stalled else "", f"{p:.2f}",
-                      text, f"{result.words[-1].probability:.2f}" if result.words else "-",
+            log.debug("session %s turn %d pause%s: p=%s text=%r (last word p=%s, sentence end after it p=%s, "
+                      "end-of-text p=%s) wait %d ms", self.spec.session_id, pause.turn_id,
+                      " (words stopped)" if pause.stalled else "", f"{p:.2f}", text,
+                      f"{result.words[-1].probability:.2f}" if result.words else "-",
+                      "-" if result.stop_prob is None else f"{result.stop_prob:.2f}",
                       "-" if result.end_prob is None else f"{result.end_prob:.2f}", wait_ms)
             log.debug("session %s turn %d pause words (voice ended at %.2f s): %s", self.spec.session_id,
                       pause.turn_id, pause.speech_end_s,

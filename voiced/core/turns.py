@@ -15,7 +15,11 @@ before every pause, and Whisper puts a full stop on half a sentence):
   (`Transcript.end_prob`, from the word-timing pass the rule already asks for). After a full stop or
   a question mark it is ~0.97-0.99 whether or not the caller is done (it adds nothing there), but
   where Whisper wrote no final punctuation it says whether Whisper expects more words: ~0.3-0.5
-  after half a sentence, higher after a whole one;
+  after half a sentence, higher after a whole one. From the same pass, the probability it gives the
+  sentence stopping right after the last word (`Transcript.stop_prob`: a full stop, question or
+  exclamation mark, ellipsis or end-of-text next, against more words or a comma): where Whisper ended
+  half a sentence with a full stop or question mark, it was often less sure of that stop than after a
+  whole sentence (below);
 - the silence so far: each verdict sets how much silence ends the turn, and `max_ms` of silence
   always ends it.
 
@@ -30,7 +34,8 @@ before every pause, and Whisper puts a full stop on half a sentence):
 |                                                          |     pause; low: `unsure_ms`)        |
 | the words are finished, the decoder expects more words;  | `unsure_ms`                         |
 |     no words                                             |                                     |
-| the words look finished but Whisper doubts the last one  | `doubt_ms`                          |
+| the words look finished but Whisper doubts the last one, | `doubt_ms`                          |
+|     or that the sentence stops after it                  |                                     |
 
 A number read out ("... ends in four five | seven two") is the one unfinished ending that also ends
 sentences: no rule on the words knows whether more digits come, so it waits `doubt_ms` (at medium
@@ -56,6 +61,19 @@ being given 0.7-1.0. With base (multilingual), HEARD_S 0.5 (session 9's) cut off
 callers; no exemption cut off 5 of 36 and 5 of 24 but held the pooled held-out median at 2.1 s; 1 s
 cut off 5 and 5 with pooled medians of 216 / 219 ms (base gives many of espeak-ng's last words 0.3-0.7:
 its own medians on seeds 1 and 3 still sit at 2.2 s).
+
+A pausing caller whose first half Whisper writes as a whole sentence with a last word it is sure of
+("They can repair them." for "They can repair the | contract"; "... that is open after?" for "... open
+after | half past six") is cut off by everything above; what tells such a stop from a real one is how
+sure Whisper is of the stop itself: at 10 of the 25 pauses that cut callers off on the bench's seeds
+0-11 it gave the sentence ending after the last word 0.23-0.91, after 145 of the 153 real ends that
+ended a turn at once 0.92 or more (median 0.97; a voice that carries on sounds unfinished to Whisper
+too, even where its words could end). Under STOP_P (0.92) the end is a doubt and waits `doubt_ms`. Session 11 (offline replay, real tiny.en, 30 ms decode, docs/BENCHMARKS.md): pausing
+callers cut off 6 -> 4 of 36 on the dev seeds 0-2 it was chosen on, 19 -> 11 of 108 on seeds 3-11, 22 ->
+12 of 96 and 19 -> 13 of 96 on two fresh sets (12-19, 20-27) made before it and never looked at caller by
+caller, no caller newly cut off and the p50 / p90 unchanged; the cost is a whole sentence whose stop
+Whisper doubts (1-2 callers in 24 on some sets) waiting `doubt_ms`. STOP_P 0.95 held the median dev
+caller 0.5 s; 0.85 kept no dev caller whole.
 
 The audio model (Smart Turn v3) is asked at every pause, but at medium and high eagerness its
 "incomplete" alone no longer holds finished words Whisper is sure of (`audio_ms`): on espeak-ng
@@ -118,6 +136,10 @@ DOUBTFUL_P = 0.5
 ALIGN_SLACK_S = 0.1  # word times come from cross-attention: this close to the end of speech is "at it"
 LAST_P = 0.7  # a last word Whisper gives less than this may be one it made up at the pause: a doubt
 HEARD_S = 1.0  # a last word that began this long before the voice stopped was heard, not made up (None: off)
+# Whisper less sure than this that the sentence stops right after its last word (a full stop, question
+# mark or ellipsis next, not more words) doubts the end it wrote: chosen on dev seeds 0-2 (0.95 held the
+# median dev caller 0.5 s), checked on 3-11 (docs/BENCHMARKS.md).
+STOP_P = 0.92
 
 
 @dataclass(frozen=True)
@@ -318,6 +340,7 @@ class Evidence:
     doubtful: bool = False  # Whisper doubts the last word, as one it may have made up (`doubted`)
     end_p: float | None = None  # Whisper's probability of end-of-text after `text` (None: not known)
     sounding: bool = False  # a pause the words found: the line still sounds (the VAD calls it speech)
+    stop_p: float | None = None  # Whisper's probability of a sentence end right after the last word (None: not known)
 
     def wait_ms(self, b: Bounds) -> int:
         """The silence after which this turn ends (module docstring's table)."""
@@ -341,7 +364,10 @@ class Evidence:
             wait = max(wait, b.audio_ms)
         if self.end_p is not None and not self._decoder_says_over():
             wait = max(wait, b.unsure_ms)
-        return max(wait, b.doubt_ms) if self.doubtful else wait
+        return max(wait, b.doubt_ms) if self.doubtful or self._stop_doubted() else wait
+
+    def _stop_doubted(self) -> bool:
+        return self.stop_p is not None and self.stop_p < STOP_P
 
     def _audio_says_complete(self) -> bool:
         return self.p_complete is not None and self.p_complete >= COMPLETE_P

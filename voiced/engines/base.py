@@ -139,6 +139,11 @@ class Transcript:
     # The probability Whisper gives end-of-text right after the text (how sure it is nothing more was
     # said): read off the word-timing pass, so None without word timings or where a backend lacks it.
     end_prob: float | None = None
+    # The probability Whisper gives the text stopping right after the last word (a full stop, question or
+    # exclamation mark, ellipsis or end-of-text next, rather than more words or a comma), from the same
+    # pass: where it wrote a full stop after half a sentence it is often less sure of that stop than after
+    # a whole one (voiced.core.turns).
+    stop_prob: float | None = None
 
 
 StepParts = Generator[None, None, list["EngineOutput"]]

@@ -61,6 +61,7 @@ from .timing import (
     check_heads,
     default_alignment_heads,
     fit_to_pauses,
+    last_word_end,
     official_alignment_heads,
     word_timings,
 )
@@ -890,7 +891,7 @@ class WhisperEngine:
             try:
                 result = req.dec.result(req.seconds)
                 if req.request.options.word_timestamps and result.tokens and not self._warming:
-                    result.words, result.end_prob = self._words(req, result)
+                    result.words, result.end_prob, result.stop_prob = self._words(req, result)
                 outputs.append(EngineOutput(req.rid, result, True))
             except Exception as e:  # turning this request's tokens into text or word times: its fault alone
                 log.error("whisper: request %s failed", req.rid, exc_info=e)
@@ -898,9 +899,10 @@ class WhisperEngine:
         self._release(finished)
         return outputs
 
-    def _words(self, req: _Active, result: Transcript) -> tuple[list, float | None]:
-        """Word timings of a finished request (its rows still hold its audio's cross keys/values), and
-        the probability of end-of-text after its text (the same forced pass has the logits for it)."""
+    def _words(self, req: _Active, result: Transcript) -> tuple[list, float | None, float | None]:
+        """Word timings of a finished request (its rows still hold its audio's cross keys/values), the
+        probability of end-of-text after its text and that of the sentence ending right after its last
+        word (the same forced pass has the logits for both)."""
         plan = req.dec.plan
         text = [t for t in result.tokens if t < self.tok.eot]
         audio = req.request.audio
@@ -910,8 +912,8 @@ class WhisperEngine:
             spans = [SegmentSpan(0.0, audio.shape[0] // HOP_LENGTH * HOP_LENGTH / SAMPLE_RATE, text)]
         aligned = self._align(req.rows[0], plan.language, plan.task, text, spans, audio)
         if aligned is None:
-            return [], None
-        per_segment, words, end_prob = aligned
+            return [], None, None
+        per_segment, words, end_prob, stop_prob = aligned
         if plan.timestamps and result.segments:
             # As openai-whisper's transcribe() does with word timestamps on: a segment runs from its
             # first word's start to its last word's end (what srt/vtt subtitles show).
@@ -920,12 +922,13 @@ class WhisperEngine:
                 if seg_words:
                     seg.start, seg.end = words[k].start_s, words[k + len(seg_words) - 1].end_s
                 k += len(seg_words)
-        return words, end_prob
+        return words, end_prob, stop_prob
 
     def _align(self, row: int, language: str | None, task: str, text: list[int], spans: list[SegmentSpan],
-               audio: np.ndarray) -> tuple[list, list, float] | None:
+               audio: np.ndarray) -> tuple[list, list, float, float] | None:
         """The forced pass of `text` over the audio in cache row `row`: (each span's words, all words fitted
-        to the audio's pauses, end-of-text probability after the text); None where it does not fit."""
+        to the audio's pauses, end-of-text probability after the text, probability of a sentence end right
+        after the last word); None where it does not fit."""
         tok = self.tok
         prefix = [*tok.sot_sequence(language, task), tok.no_timestamps]
         forced = [*prefix, *text, tok.eot]
@@ -941,10 +944,14 @@ class WhisperEngine:
         token_probs = probs.gather(1, to_device(text, dev)[:, None])[:, 0]
         # Over the text tokens and end-of-text (timestamps and other specials cannot follow here).
         end = logits[n - 1 + len(text), :tok.eot + 1].float().softmax(dim=-1)[tok.eot]
-        *token_probs, end_prob = torch.cat([token_probs.float(), end[None]]).tolist()  # one readback
+        # Right after the last word's letters (where Whisper chose its final punctuation): the text stopping
+        # (a full stop, question or exclamation mark, ellipsis, end-of-text) against more words or a comma.
+        after = logits[n - 1 + last_word_end(tok, text), :tok.eot + 1].float().softmax(dim=-1)
+        stop = after[to_device([*tok.sentence_end_tokens, tok.eot], dev)].sum()
+        *token_probs, end_prob, stop_prob = torch.cat([token_probs.float(), end[None], stop[None]]).tolist()  # one readback
         per_segment = word_timings(tok, language or "en", spans, scores, token_probs, n,
                                    audio.shape[0] // HOP_LENGTH)
-        return per_segment, fit_to_pauses([w for seg in per_segment for w in seg], audio), end_prob
+        return per_segment, fit_to_pauses([w for seg in per_segment for w in seg], audio), end_prob, stop_prob
 
     def _warm_word_timings(self) -> None:
         """One forced word-timing pass on row 0 (warm-up's audio): a smart-turn caller's first pause asks

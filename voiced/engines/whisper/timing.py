@@ -199,6 +199,15 @@ def split_words(tok: WhisperTokenizer, tokens: list[int], language: str) -> tupl
     return words, word_tokens
 
 
+def last_word_end(tok: WhisperTokenizer, tokens: list[int]) -> int:
+    """The index in `tokens` just after the last token that writes a letter or a digit (what follows
+    it is the punctuation Whisper put after the last word, if any); 0 where none does."""
+    k = len(tokens)
+    while k > 0 and not any(ch.isalnum() for ch in tok.decode(tokens[k - 1:k])):
+        k -= 1
+    return k
+
+
 def _split_characters(tok: WhisperTokenizer, tokens: list[int]) -> tuple[list[str], list[list[int]]]:
     """Cut wherever the tokens so far decode to whole characters (U+FFFD only where the text has one)."""
     decode = tok.encoding.decode  # special tokens included, as their text

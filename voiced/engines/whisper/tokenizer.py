@@ -234,6 +234,22 @@ class WhisperTokenizer:
                 self.transcribe if task == "transcribe" else self.translate]
 
     @property
+    def sentence_end_tokens(self) -> tuple[int, ...]:
+        """Tokens after which a text stops: a full stop, a question or exclamation mark (alone, or with a
+        closing quote), also as the CJK marks, and an ellipsis (the speaker trails off); not a comma, a
+        dash or a colon, after which more words come."""
+        if hasattr(self, "_sentence_end"):
+            return self._sentence_end
+        out = set()
+        for sym in (".", "?", "!", "?!", "!?", '."', '?"', '!"', "...", "…", "。", "？", "！"):
+            for text in (sym, " " + sym):
+                ids = self.encode(text)
+                if len(ids) == 1:
+                    out.add(ids[0])
+        self._sentence_end = tuple(sorted(out))
+        return self._sentence_end
+
+    @property
     def non_speech_tokens(self) -> tuple[int, ...]:
         """Tokens that only ever write speaker tags, music notes or bracketed annotations.
 
