@@ -161,15 +161,7 @@ def build_engines(args, names: tuple[str, ...] = ("asr", "tts")):
         freeze_heap()  # as `voiced serve` does after warm-up
     for worker in workers.values():
         worker.engine.step = StepTimer(worker.engine, STEP_PARTS[worker.name])
-    requests = {name: RequestTimer(w) for name, w in workers.items() if name == "asr"}
-    if "asr" in requests and hasattr(workers["asr"].engine, "_give_rows"):
-        give_rows, timer = workers["asr"].engine._give_rows, requests["asr"]
-
-        def give_rows_timed(chosen):  # a request's admission into the batch (RequestTimer.admitted)
-            for req in chosen:
-                timer.admitted(req.rid)
-            return give_rows(chosen)
-        workers["asr"].engine._give_rows = give_rows_timed
+    requests = {"asr": RequestTimer(workers["asr"])} if "asr" in workers else {}
 
     def level_stats(label: str) -> dict:
         """This level's engine steps (and the timers restarted), and its GPU memory (the peak restarted)."""
@@ -568,7 +560,6 @@ async def callers(address: str, wav: Path, sessions: int, duration_s: float, rep
 
     from voiced.bench.phone_callers import audiosocket_caller, media_ws_caller, talk_seconds
 
-    level_s = duration_s
     samples, rate = read_wav(wav)
     assert rate == 16000, "the bench WAV must be 16 kHz"
     pcm = samples.astype("<i2").tobytes()
@@ -578,21 +569,19 @@ async def callers(address: str, wav: Path, sessions: int, duration_s: float, rep
 
     def caller(k: int):
         start = (n_frames * k) // sessions
-        if hang_up == "after-utterance":  # (at-duration: every caller at once, mid-sentence: the old way)
-            duration_s = talk_seconds(pcm, start, level_s)
-        else:
-            duration_s = level_s
+        # (at-duration: every caller at once, mid-sentence: the old way)
+        seconds = talk_seconds(pcm, start, duration_s) if hang_up == "after-utterance" else duration_s
         if front == "audiosocket":
-            return audiosocket_caller(address, pcm, start, duration_s, reply_s, out)
+            return audiosocket_caller(address, pcm, start, seconds, reply_s, out)
         if front == "media_ws":
-            return media_ws_caller(address, pcm, start, duration_s, out)
+            return media_ws_caller(address, pcm, start, seconds, out)
         if front == "realtime":
-            return realtime_caller(address, pcm, start, duration_s, reply_s, k, out)
+            return realtime_caller(address, pcm, start, seconds, reply_s, k, out)
         if front == "wyoming":
             from voiced.bench.wyoming_caller import wyoming_caller
 
-            return wyoming_caller(address, pcm, start, duration_s, out)
-        return one_caller(address, pcm, start, duration_s, reply_s, k, out)
+            return wyoming_caller(address, pcm, start, seconds, out)
+        return one_caller(address, pcm, start, seconds, reply_s, k, out)
 
     from collections import Counter
 

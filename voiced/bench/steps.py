@@ -32,14 +32,14 @@ class StepTimer:
 
     def __init__(self, engine, parts: tuple[str, ...], slow_ms: float = 50.0):
         self.step, self.durations, self.slow, self.slow_ms = engine.step, [], [], slow_ms
-        self.step_parts = getattr(engine, "step_parts", None)
-        if self.step_parts is not None:
-            engine.step_parts = self._parts_call
-            self._wrapped_step_parts = engine
         self._parts: dict[str, tuple[float, float]] = {}
         self._last_end = 0.0
         self._in_step = False
         self._wrapped: list[tuple[object, str]] = []
+        self.step_parts = getattr(engine, "step_parts", None)
+        if self.step_parts is not None:
+            engine.step_parts = self._parts_call
+            self._wrapped.append((engine, "step_parts"))
         for name in parts:  # "method" of the engine, or "attr.method" of something it holds
             *path, attr = name.split(".")
             owner = engine
@@ -102,8 +102,6 @@ class StepTimer:
         """Put the engine's own methods back."""
         for owner, attr in self._wrapped:
             owner.__dict__.pop(attr, None)
-        if self.step_parts is not None:
-            self._wrapped_step_parts.__dict__.pop("step_parts", None)
 
     def take(self) -> dict:
         d, slow, self.durations, self.slow = self.durations, self.slow, [], []
@@ -133,12 +131,12 @@ class RequestTimer:
     output or error (`_deliver`). On an engine process's worker that is the command queue and the engine
     (asr_engine_ms); on the daemon's side of the pipe (RemoteWorker), the pipe both ways besides
     (asr_worker_ms). Beside the session's figure (from the end of speech), the rest is the event loop.
-    `admitted(id)`, where the engine's admission is watched, splits the engine's share into the wait for
-    a batch row and the decode (`take`'s "queue_ms" and "held_ms", and its slowest requests)."""
+    Where the worker's engine admits requests into batch rows (`_give_rows`, WhisperEngine), the engine's
+    share is split into the wait for a row and the decode (`take`'s "queue_ms" and "held_ms", and its
+    slowest requests)."""
 
     def __init__(self, worker):
-        self.durations: list[float] = []
-        self.requests: list[tuple[float, float, int, float]] = []  # (total, queued, tokens, submitted) per request
+        self.requests: list[tuple[float, float | None, int, float]] = []  # (total, queued, tokens, submitted)
         self._since = time.perf_counter()  # the last `take`: the level's start
         self._start: dict[int, float] = {}
         self._admitted: dict[int, float] = {}
@@ -159,31 +157,35 @@ class RequestTimer:
                 admitted = self._admitted.pop(out.request_id, None)
                 if t0 is not None:
                     now = time.perf_counter()
-                    self.durations.append((now - t0) * 1e3)
+                    queued = None if admitted is None else (admitted - t0) * 1e3
                     tokens = len(getattr(out.value, "tokens", None) or ())
-                    self.requests.append(((now - t0) * 1e3, ((admitted or now) - t0) * 1e3, tokens, t0 - self._since))
+                    self.requests.append(((now - t0) * 1e3, queued, tokens, t0 - self._since))
             deliver(out)
 
         worker._submit, worker._cancel, worker._deliver = timed_submit, timed_cancel, timed_deliver
-
-    def admitted(self, request_id: int) -> None:
-        if request_id in self._start:
-            self._admitted.setdefault(request_id, time.perf_counter())
+        give_rows = getattr(worker.engine, "_give_rows", None)
+        if give_rows is not None:
+            def timed_give_rows(chosen):
+                now = time.perf_counter()
+                for req in chosen:
+                    if req.rid in self._start:
+                        self._admitted.setdefault(req.rid, now)
+                return give_rows(chosen)
+            worker.engine._give_rows = timed_give_rows
 
     def take(self) -> dict:
-        d, self.durations = self.durations, []
         reqs, self.requests = self.requests, []
         self._since = time.perf_counter()
-        out = pct(d)
-        if reqs and any(r[1] for r in reqs):
-            out["queue_ms"] = pct([q for _, q, _, _ in reqs])
-            out["held_ms"] = pct([t - q for t, q, _, _ in reqs])
+        out = pct([t for t, _, _, _ in reqs])
+        if reqs and any(q is not None for _, q, _, _ in reqs):
+            queued = [(t, t if q is None else q, n, at) for t, q, n, at in reqs]  # never admitted: all queue
+            out["queue_ms"] = pct([q for _, q, _, _ in queued])
+            out["held_ms"] = pct([t - q for t, q, _, _ in queued])
             out["slowest"] = [{"ms": round(t, 1), "queued_ms": round(q, 1), "tokens": n, "at_s": round(at, 2)}
-                              for t, q, n, at in sorted(reqs, reverse=True)[:8]]
+                              for t, q, n, at in sorted(queued, reverse=True)[:8]]
             # When in the level the slow ones (over twice the median) were submitted: a burst at the level's
-            # start (every caller connecting at once) or all through it.
-            slow = [at for t, _, _, at in reqs if t > 2 * out["p50"]]
-            out["slow_at_s"] = pct(slow)
+            # start or end (every caller connecting or hanging up at once) or all through it.
+            out["slow_at_s"] = pct([at for t, _, _, at in queued if t > 2 * out["p50"]])
         return out
 
 
@@ -195,13 +197,12 @@ class LoopLag:
         self.loop, self.every_s = loop, every_s
         self.lags: list[tuple[float, float]] = []  # (seconds into the level, ms late)
         self._since = time.perf_counter()
-        self._handle = None
 
     def start(self) -> None:
         self.loop.call_soon_threadsafe(self._arm, time.perf_counter() + self.every_s)
 
     def _arm(self, due: float) -> None:
-        self._handle = self.loop.call_later(max(0.0, due - time.perf_counter()), self._tick, due)
+        self.loop.call_later(max(0.0, due - time.perf_counter()), self._tick, due)
 
     def _tick(self, due: float) -> None:
         now = time.perf_counter()

@@ -31,7 +31,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Generator
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -42,7 +42,6 @@ from voiced.engines.base import (
     EngineError,
     EngineFault,
     EngineOutput,
-    StepParts,
     SteppedEngine,
     fault_output,
     finish,
@@ -332,7 +331,7 @@ class EngineWorker:
     def _step(self) -> None:
         finish(self._stepping(split=False))
 
-    def _stepping(self, split: bool) -> StepParts:
+    def _stepping(self, split: bool) -> Generator[None, None, None]:
         """One engine step, delivered; `split`: through the engine's `step_parts` where it has them,
         yielding where the engine waits for the GPU (EngineThread._step_round)."""
         self.thread.widest = max(self.thread.widest, len(self._in_engine))
@@ -344,13 +343,12 @@ class EngineWorker:
         except Exception as e:
             outputs = self._recover(e)
             if outputs is None:
-                return []
+                return
         self.stats.steps += 1
         if self._on_step is not None:
             self._on_step(self.engine)
         for out in outputs:
             self._deliver(out)
-        return []
 
     def _recover(self, error: Exception) -> list[EngineOutput] | None:
         """After a step raised: the engine could not tell which request caused it (see
