@@ -16,7 +16,7 @@ from __future__ import annotations
 import base64
 import os
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from pathlib import Path
 
 import tiktoken
@@ -233,21 +233,18 @@ class WhisperTokenizer:
         return [self.sot, self.language_token(language or "en"),
                 self.transcribe if task == "transcribe" else self.translate]
 
-    @property
+    @cached_property
     def sentence_end_tokens(self) -> tuple[int, ...]:
         """Tokens after which a text stops: a full stop, a question or exclamation mark (alone, or with a
         closing quote), also as the CJK marks, and an ellipsis (the speaker trails off); not a comma, a
         dash or a colon, after which more words come."""
-        if hasattr(self, "_sentence_end"):
-            return self._sentence_end
         out = set()
         for sym in (".", "?", "!", "?!", "!?", '."', '?"', '!"', "...", "…", "。", "？", "！"):
             for text in (sym, " " + sym):
                 ids = self.encode(text)
                 if len(ids) == 1:
                     out.add(ids[0])
-        self._sentence_end = tuple(sorted(out))
-        return self._sentence_end
+        return tuple(sorted(out))
 
     @property
     def non_speech_tokens(self) -> tuple[int, ...]:
