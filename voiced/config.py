@@ -143,8 +143,10 @@ class EnginesConfig:
     # With one thread stepping both engines: "on" launches each engine's step (its CUDA work) before
     # waiting on any, so recognition's and the TTS's kernels, host work and read-backs overlap
     # (voiced.core.scheduler, "overlap"); "off" steps one engine to its end, then the other, recognition
-    # first in bursts. "auto": on with a GPU, off on the CPU (where nothing runs asynchronously).
-    overlap: str = "off"
+    # first in bursts. "auto": on with a GPU, off on the CPU (where nothing runs asynchronously), the
+    # default: on an H200 it carried 176 callers under a 500 ms p99 against under 160 off
+    # (docs/BENCHMARKS.md, session 12).
+    overlap: str = "auto"
 
 
 @dataclass

@@ -291,7 +291,7 @@ def engine_threads(args) -> str:
 def engine_overlap(args) -> bool:
     """Whether one engine thread overlaps the engines' steps, resolved as `voiced serve` resolves
     engines.overlap."""
-    chosen = getattr(args, "engine_overlap", "off")
+    chosen = getattr(args, "engine_overlap", "auto")
     return chosen == "on" or (chosen == "auto" and not args.tiny_cpu)
 
 
@@ -654,9 +654,10 @@ def main(argv: list[str] | None = None) -> dict:
                     help="when each caller ends its call: after --duration, once its utterance in progress is over "
                          "(the default), or at --duration exactly, every caller mid-sentence at one instant (so the "
                          "daemon ends all their turns at once: before 2026-11-27 every level ended so)")
-    ap.add_argument("--engine-overlap", choices=["auto", "on", "off"], default="off",
+    ap.add_argument("--engine-overlap", choices=["auto", "on", "off"], default="auto",
                     help="as the daemon's engines.overlap: one engine thread launches each engine's step before "
-                         "waiting on any (on), or steps them one after the other (off, the default)")
+                         "waiting on any (on), or steps them one after the other (off); auto, the default: on "
+                         "on a GPU")
     ap.add_argument("--no-gc-freeze", action="store_true",
                     help="leave start-up objects in the garbage collector's scans (to compare)")
     ap.add_argument("--profile-level", type=int, nargs="*", default=[], metavar="N",
