@@ -210,9 +210,9 @@ def test_the_vocoder_graphs_shared_buffers_are_what_the_plan_counts():
     assert io.out.numel() == max(b * n for b, n in shapes) * HOP and io.valid.numel() == max(b for b, _ in shapes)
     for b, length in shapes:
         views = io.views(b, length)
-        assert [tuple(v.shape) for v in views] == [(b, length), (b, cfg.speaker_out_dim), (b,), (b,), (b, length * HOP)]
+        assert [tuple(v.shape) for v in views] == [(b, length), (b, cfg.speaker_out_dim), (b,), (b, length * HOP)]
         assert all(v.is_contiguous() for v in views)
-        flat = (io.ids, io.spk, io.valid, io.host_valid, io.out)
+        flat = (io.ids, io.spk, io.valid, io.out)
         assert all(v.data_ptr() == t.data_ptr() for v, t in zip(views, flat))
 
 

@@ -86,6 +86,37 @@ def test_batched_requests_give_the_same_audio_as_alone(engine):
     assert engine.active_requests() == 0
 
 
+@pytest.mark.slow
+def test_vocoding_beside_the_decode_gives_the_same_audio(engine):
+    """VOICED_SPARK_VOCODE_BESIDE_DECODE: a vocoder turn launched with the LM's decode (on its own CUDA
+    stream on a GPU) is a scheduling change only: every reply's tokens and audio are those of the turns
+    taken one after the other (the windows differ, the kept audio does not: streaming's argument)."""
+    reqs = {1: TTSRequest("The weather is nice today.", TTSOptions(seed=11, max_seconds=1.2)),
+            2: TTSRequest("Let us go for a walk.", TTSOptions(seed=12, max_seconds=0.8, voice="male")),
+            3: TTSRequest("See you later!", TTSOptions(seed=13, max_seconds=1.0, first_chunk_tokens=5))}
+    apart = run(engine, reqs)
+    kinds = []
+    step = engine.step
+
+    def counted():
+        out = step()
+        kinds.append(engine.last_step.get("kind"))
+        return out
+
+    engine.vocode_beside_decode, engine.step = True, counted
+    try:
+        beside = run(engine, reqs)
+    finally:
+        engine.vocode_beside_decode = False
+        del engine.step
+    assert "decode+vocode" in kinds
+    for rid in reqs:
+        assert beside[rid][-1].tokens == apart[rid][-1].tokens
+        assert [c.offset for c in beside[rid]] == sorted(c.offset for c in beside[rid])
+        assert np.allclose(audio(beside[rid]), audio(apart[rid]), atol=1e-4), rid
+    assert engine.active_requests() == 0
+
+
 def test_cancel_drops_a_request_and_frees_its_row(engine):
     reqs = {i: TTSRequest(f"Request number {i}.", TTSOptions(seed=i, max_seconds=1.0)) for i in (1, 2, 3)}
     got = run(engine, reqs, cancel_at={2: 5})

@@ -145,10 +145,42 @@ def decode_jobs(codec: BiCodec, jobs: list[DecodeJob]) -> list[np.ndarray]:
     utterance and the others; in each, every window is padded on the right to one length (the longest,
     rounded up to PAD_MULTIPLE), a window that ends at its utterance's true end is masked past that end
     (see the module docstring), and the batch is padded to a bucket."""
-    results: list[np.ndarray | None] = [None] * len(jobs)
-    for idxs, length in decode_calls([j.window for j in jobs]):
-        _decode_group(codec, jobs, idxs, length, results)
-    return results  # type: ignore[return-value]
+    return launch_jobs(codec, jobs).collect()
+
+
+@dataclass
+class LaunchedDecode:
+    """`decode_jobs` queued on the device and not yet read: `collect` waits for it. Between the two the
+    engine's thread can launch other work (the LM's decode, the recognizer's step) to run beside it."""
+
+    jobs: list[DecodeJob]
+    calls: list[tuple[list[int], torch.Tensor]]  # each call's jobs and its audio [b, length * HOP] on the host
+    done: torch.cuda.Event | None  # recorded after the last copy to the host (None: on the CPU, done)
+
+    def collect(self) -> list[np.ndarray]:
+        """The kept audio of each job, copied out of the (pinned) read-back buffers."""
+        if self.done is not None:
+            self.done.synchronize()
+        results: list[np.ndarray | None] = [None] * len(self.jobs)
+        for idxs, wav in self.calls:
+            host = wav.numpy()
+            for row, i in enumerate(idxs):
+                w = self.jobs[i].window
+                results[i] = host[row, (w.keep_from - w.start) * HOP : (w.keep_to - w.start) * HOP].copy()
+        return results  # type: ignore[return-value]
+
+
+@torch.no_grad()
+def launch_jobs(codec: BiCodec, jobs: list[DecodeJob]) -> LaunchedDecode:
+    """`decode_jobs`' calls queued on the current stream, each followed by a non-blocking copy of its
+    audio to pinned host memory: a graph's output is a shared buffer the next call overwrites, and the
+    stream runs each copy before the next call (vocoder_graphs)."""
+    calls = [(idxs, _decode_group(codec, jobs, idxs, length)) for idxs, length in decode_calls([j.window for j in jobs])]
+    done = None
+    if jobs and jobs[0].speaker.is_cuda:
+        done = torch.cuda.Event()
+        done.record()
+    return LaunchedDecode(jobs, calls, done)
 
 
 def decode_calls(windows: list[Window]) -> list[tuple[list[int], int]]:
@@ -172,9 +204,10 @@ def decoded_tokens(windows: list[Window]) -> int:
     return sum(batch_bucket(len(idxs)) * length for idxs, length in decode_calls(windows))
 
 
-def _decode_group(codec: BiCodec, jobs: list[DecodeJob], idxs: list[int], length: int, results: list) -> None:
-    """Decode jobs `idxs` as one call of bucketed batch, every window padded to `length` with zeros
-    and the batch with copies of its first row. The ids are laid out on the host and sent in one copy
+def _decode_group(codec: BiCodec, jobs: list[DecodeJob], idxs: list[int], length: int) -> torch.Tensor:
+    """Queue the decode of jobs `idxs` as one call of bucketed batch, every window padded to `length` with
+    zeros and the batch with copies of its first row, and the copy of its audio `[b, length * HOP]` to the
+    host (pinned and not yet complete, on a GPU). The ids are laid out on the host and sent in one copy
     (per window, a slice and a pad on the device were a few torch calls each and a synchronous copy
     per request)."""
     b = batch_bucket(len(idxs))
@@ -187,11 +220,10 @@ def _decode_group(codec: BiCodec, jobs: list[DecodeJob], idxs: list[int], length
     ids[len(idxs):] = ids[0]
     valid += valid[:1] * (b - len(idxs))
     spk = torch.stack([jobs[i].speaker for i in idxs] + [jobs[idxs[0]].speaker] * (b - len(idxs)))
-    wav = decode_windows(codec, to_device(ids, spk.device), spk, valid).float().cpu().numpy()
-    for row, i in enumerate(idxs):
-        w = jobs[i].window
-        a, b = (w.keep_from - w.start) * HOP, (w.keep_to - w.start) * HOP
-        results[i] = wav[row, a:b]
+    wav = decode_windows(codec, to_device(ids, spk.device), spk, valid).float()
+    # non_blocking to the host allocates the destination pinned (no sync); on the CPU a decode's output is
+    # its own tensor already.
+    return wav.to("cpu", non_blocking=True) if wav.is_cuda else wav
 
 
 def decode_windows(codec: BiCodec, ids: torch.Tensor, spk: torch.Tensor, valid: list[int]) -> torch.Tensor:

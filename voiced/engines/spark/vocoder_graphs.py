@@ -16,7 +16,8 @@ What they hold, and why no more (`held_bytes`, `activation_bytes`; the memory pl
     capture the decode's result is copied into the shared output, so the decode's own output is freed at
     the end of its capture like every other intermediate;
   - one memory pool for all graphs, which therefore ends each capture with nothing live in it: the next
-    capture reuses the same memory. Sharing is safe because replays run one at a time on one stream.
+    capture reuses the same memory. Sharing is safe because replays run one at a time: the engine reads
+    a vocoder turn's audio back before it launches the next.
     What the pool holds (measured on an H100, 2026-11-27, torch 2.11.0+cu130, cuDNN 9.19, full-size
     BiCodec bf16, 91 shapes; voiced/bench/vocoder_pool.py, docs/bench/vocoder-pool-h100-2026-11-27.jsonl):
     left to itself, 772 MiB in 17 segments for an allocated peak of 425.3 MiB (the plan had said 304.5):
@@ -40,9 +41,9 @@ What they hold, and why no more (`held_bytes`, `activation_bytes`; the memory pl
     1245.8 MiB against a 248.6 MiB plan, ~997 MiB more, and 31 new workspaces are 992 MiB (an inference
     from those figures; tests/test_spark_gpu.py measures what the captures add now).
 
-A replay's output is a view of the shared buffer: the next replay (of any shape) overwrites it, and the
-host's copy of `valid` is reused likewise. Every caller reads the audio back to the host (a sync) before
-the next vocoder call (`streaming._decode_group`, warm-up), which is what makes both safe.
+A replay's output is a view of the shared buffer: the next replay (of any shape) overwrites it. Every
+caller queues the copy of the audio to the host on the same stream before the next vocoder call
+(`streaming.launch_jobs`; warm-up reads it back), which is what makes that safe.
 
 Default: `engine.VOCODER_GRAPHS_DEFAULT`, on (off with `SparkTTSEngine.load(vocoder_graphs=False)`,
 VOICED_SPARK_VOCODER_GRAPHS=0, `voiced bench e2e --no-vocoder-graphs`). Measured on an H100 (docs/BENCHMARKS.md,
@@ -57,6 +58,8 @@ from __future__ import annotations
 import time
 
 import torch
+
+from voiced.engines.rows import to_device
 
 from .bicodec import HOP, BiCodec
 
@@ -74,7 +77,7 @@ def io_sizes(shapes: list[tuple[int, int]]) -> tuple[int, int]:
 
 def held_bytes(shapes: list[tuple[int, int]], speaker_dim: int, itemsize: int) -> int:
     """The device bytes of the shared inputs and output of graphs of these shapes (`_SharedIO`), as the
-    allocator rounds them. (The host copy of `valid` is pinned host memory.)"""
+    allocator rounds them."""
     rows, tokens = io_sizes(shapes)
     return (_granules(tokens * 8) + _granules(rows * speaker_dim * itemsize) + _granules(rows * 8)
             + _granules(tokens * HOP * itemsize))
@@ -158,19 +161,18 @@ class _SharedIO:
         self.ids = torch.zeros(tokens, dtype=torch.long, device=p.device)
         self.spk = torch.zeros(rows * self.speaker_dim, dtype=p.dtype, device=p.device)
         self.valid = torch.zeros(rows, dtype=torch.long, device=p.device)
-        self.host_valid = torch.zeros(rows, dtype=torch.long, pin_memory=p.device.type == "cuda")
         self.out = torch.zeros(tokens * HOP, dtype=p.dtype, device=p.device)
 
     def views(self, b: int, length: int) -> tuple[torch.Tensor, ...]:
-        """(ids [b, length], spk [b, C], valid [b], host valid [b], out [b, length*HOP])."""
+        """(ids [b, length], spk [b, C], valid [b], out [b, length*HOP])."""
         return (self.ids[: b * length].view(b, length), self.spk[: b * self.speaker_dim].view(b, self.speaker_dim),
-                self.valid[:b], self.host_valid[:b], self.out[: b * length * HOP].view(b, length * HOP))
+                self.valid[:b], self.out[: b * length * HOP].view(b, length * HOP))
 
 
 class _Graph:
     def __init__(self, codec: BiCodec, io: _SharedIO, b: int, length: int, pool, stream: torch.cuda.Stream,
                  reserve_bytes: int = 0) -> None:
-        self.ids, self.spk, self.valid, self.host_valid, self.out = io.views(b, length)
+        self.ids, self.spk, self.valid, self.out = io.views(b, length)
         self.valid.fill_(length)
         dev = self.ids.device
         stream.wait_stream(torch.cuda.current_stream(dev))
@@ -192,10 +194,9 @@ class _Graph:
     def replay(self, ids: torch.Tensor, spk: torch.Tensor, valid: list[int]) -> torch.Tensor:
         self.ids.copy_(ids)
         self.spk.copy_(spk)
-        # From pinned memory without a sync: the caller reads the output back (a sync) before the
-        # next replay can overwrite the host buffer.
-        self.host_valid.copy_(torch.tensor(valid, dtype=torch.long))
-        self.valid.copy_(self.host_valid, non_blocking=True)
+        # Without a sync, through to_device's staging (which keeps a pinned block until its copy has run:
+        # two replays may be queued before either is read back, streaming.launch_jobs).
+        self.valid.copy_(to_device(valid, self.valid.device))
         self.graph.replay()
         return self.out
 

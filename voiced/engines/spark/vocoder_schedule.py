@@ -1,7 +1,7 @@
 """The vocoder's scheduling in the Spark engine: when a vocoder turn is due, which requests it serves
 and in what order, which windows of theirs it decodes together, and the shapes warm-up must run.
 
-Policy (the engine's `step` asks, `_vocode` emits what `decode` returns):
+Policy (the engine's `step` asks, `launch` queues the turn's decode, `_vocode` emits what `collect` reads):
   - first chunks first: a request still waiting for its first sound is served before (and never
     padded up to) the bulk chunks of long replies; then the requests closest to running dry (least
     audio buffered ahead of real time);
@@ -28,10 +28,11 @@ from .request import Request, State
 from .streaming import (
     BATCH_BUCKETS,
     DecodeJob,
+    LaunchedDecode,
     Window,
     batch_bucket,
-    decode_jobs,
     decoded_tokens,
+    launch_jobs,
     longest_fitting,
     padded_length,
     window_lengths,
@@ -80,6 +81,22 @@ class VocoderWork:
         for k, v in step.items():
             setattr(self, k, getattr(self, k) + v)
         return step
+
+
+@dataclass
+class VocoderTurn:
+    """One vocoder turn's windows, launched (`VocoderSchedule.launch`) and not yet read back."""
+
+    rows: list[Request]  # in the order served
+    jobs: list[tuple[Request, DecodeJob]]
+    launched: LaunchedDecode | None
+    emitted_before: list[tuple[Request, int]]
+
+    def roll_back(self) -> None:
+        """The turn failed: no request can be blamed for a pass over all its windows, so nothing may
+        have advanced (the scheduler drops one request and steps again): the windows go back."""
+        for r, was in self.emitted_before:
+            r.planner.emitted = was
 
 
 def ahead_s(r: Request, now: float) -> float:
@@ -164,11 +181,11 @@ class VocoderSchedule:
         w = r.planner.next_window(len(r.semantic), r.sentence_over, VOCODER_MERGE_TOKENS)
         return w is not None and w.keep_to + r.planner.chunk + self.radius <= len(r.semantic)
 
-    def decode(self, rows: list[Request], now: float, order: dict[int, int], active: list[Request],
-               last_step: dict) -> tuple[list[Request], dict[int, list[np.ndarray]]]:
-        """Decode this turn's windows of `rows` (`order`: arrival per request id; `last_step` gets the
-        turn's counts). Returns the rows in the order served and the audio of each (by id(row)), its
-        planner advanced past what was decoded. On a failure nothing has advanced."""
+    def launch(self, rows: list[Request], now: float, order: dict[int, int], active: list[Request],
+               last_step: dict) -> VocoderTurn:
+        """Choose this turn's windows of `rows` (`order`: arrival per request id; `last_step` gets the
+        turn's counts), advance their planners and queue their decode on the current stream; `collect`
+        reads the audio back. On a failure nothing has advanced."""
         # Priority: when a request's first chunk is ready, it must not wait behind (or be padded up to)
         # the bulk chunks of long replies: later chunks of requests well ahead of real time wait a step.
         if any(r.t_first_chunk is None and has_window(r) for r in rows):
@@ -177,12 +194,12 @@ class VocoderSchedule:
         # First chunks first (higher priority, then arrival), then the requests closest to running dry.
         rows.sort(key=lambda r: (0, -r.options.priority, order.get(r.rid, 0)) if r.t_first_chunk is None
                   else (1, ahead_s(r, now), 0))
-        emitted_before = [(r, r.planner.emitted) for r in rows if r.planner is not None]
+        turn = VocoderTurn(rows, [], None, [(r, r.planner.emitted) for r in rows if r.planner is not None])
         merge = merging(active, rows)
         # Take windows one per request per round, in that order, while the step's budget lasts; a
         # merged window takes as much of the budget as the windows already taken leave it.
-        taken: dict[int, list[Window]] = {}
-        jobs: list[tuple[Request, DecodeJob]] = []
+        jobs = turn.jobs
+        taken: set[int] = set()
         longest, full = 0, False
         while not full:
             progress = False
@@ -201,24 +218,31 @@ class VocoderSchedule:
                 r.planner.emitted = w.keep_to
                 longest = length
                 jobs.append((r, DecodeJob(r.semantic, r.speaker, w)))  # the ids stay on the host (decode_jobs)
-                taken.setdefault(id(r), []).append(w)
+                taken.add(id(r))
                 progress = True
             if not progress:
                 break
         try:
-            audio = decode_jobs(self.codec, [j for _, j in jobs]) if jobs else []
+            turn.launched = launch_jobs(self.codec, [j for _, j in jobs]) if jobs else None
         except BaseException:
-            # One vocoder pass for every window: no request can be blamed, so nothing may have
-            # advanced (the scheduler drops one and steps again): the windows go back.
-            for r, was in emitted_before:
-                r.planner.emitted = was
+            turn.roll_back()
             raise
         if jobs:
             last_step.update(self.work.add([j.window for _, j in jobs]))
         last_step["windows"] = len(jobs)
         last_step["window_rows"] = len(taken)
         last_step["merged"] = merge
+        return turn
+
+    def collect(self, turn: VocoderTurn) -> tuple[list[Request], dict[int, list[np.ndarray]]]:
+        """Wait for a launched turn: its rows in the order served and the audio of each (by id(row)).
+        On a failure nothing has advanced."""
+        try:
+            audio = turn.launched.collect() if turn.launched is not None else []
+        except BaseException:
+            turn.roll_back()
+            raise
         pending: dict[int, list[np.ndarray]] = {}
-        for (r, _), a in zip(jobs, audio):
+        for (r, _), a in zip(turn.jobs, audio):
             pending.setdefault(id(r), []).append(a)
-        return rows, pending
+        return turn.rows, pending
