@@ -91,9 +91,12 @@ PHASES = ("prefill", "decode", "vocode")
 VOCODER_GRAPHS_DEFAULT = True
 
 
-# A vocoder turn due when the LM's decode is too is launched on a CUDA stream of its own just before the
-# decode, so that the two run on the GPU together (the LM's small decode kernels leave most of it idle),
-# and both are read back after. Off unless VOICED_SPARK_VOCODE_BESIDE_DECODE=1: not yet measured on a GPU.
+# A vocoder turn due when the LM's decode is too (and serving no first chunk) is launched on a CUDA stream
+# of its own just before the decode, so that the two run on the GPU together (the LM's small decode
+# kernels leave most of it idle), and both are read back after. Off unless
+# VOICED_SPARK_VOCODE_BESIDE_DECODE=1 (docs/BENCHMARKS.md, session 12: what it measured). On a GPU the
+# side stream's first eager (ungraphed) vocoder call costs it a cuBLAS workspace of its own, and the
+# decode's and the vocoder's transients then coexist.
 VOCODE_BESIDE_DECODE_DEFAULT = False
 
 
@@ -368,7 +371,9 @@ class SparkTTSEngine:
             self._last_kind = kind
         if kind == "prefill":
             yield from self._prefill_step(outputs)
-        elif self.vocode_beside_decode and work["decode"] and work["vocode"]:
+        elif (self.vocode_beside_decode and work["decode"] and work["vocode"]
+              and all(r.t_first_chunk is not None for r in ready)):
+            # Never a first chunk: its caller would wait for the decode's steps too before hearing it.
             self.last_step["kind"] = "decode+vocode"
             self._last_kind = "vocode"  # both turns taken: a prefill waiting goes next
             yield from self._decode_step(outputs, now, ready)
