@@ -125,11 +125,27 @@ def test_out_of_memory_while_admitting_fails_only_the_request_that_does_not_fit(
     assert admissions == [3, 1, 1, 1]  # together, then one by one to find the one that does not fit
 
 
-def _two_replies_one_poisoned(engine, inject, seconds: float = 0.3) -> tuple[list, object]:
-    """Two replies streamed through a worker on `engine`; `inject(poison)` installs a fault that fires
-    while the second reply (options `poison`) is in the batch. Returns (first's chunks, second's result)."""
-    poison = TTSOptions(seed=2, max_seconds=seconds, first_chunk_tokens=5, chunk_tokens=5)
-    inject(poison)
+def test_a_shared_vocoder_fault_fails_the_newest_reply_and_the_other_loses_no_audio(tmp_path_factory, monkeypatch):
+    from tests.spark_fixtures import cached_spark_checkpoint
+    from voiced.engines.spark import engine as spark_engine
+    from voiced.engines.spark.bicodec import HOP
+
+    root = tmp_path_factory.mktemp("tts")
+    engine = spark_engine.SparkTTSEngine.load(str(cached_spark_checkpoint(tmp_path_factory)), device="cpu",
+                                              max_batch=2, voices_dir=root / "voices")
+    poison = TTSOptions(seed=2, max_seconds=0.3, first_chunk_tokens=5, chunk_tokens=5)
+    from voiced.engines.spark import vocoder_schedule
+
+    real_launch = vocoder_schedule.launch_jobs
+    faults = []
+
+    def launch_jobs(codec, jobs):
+        if any(r.options is poison for r in engine._active):
+            faults.append(len(jobs))
+            raise RuntimeError("injected fault in the vocoder")
+        return real_launch(codec, jobs)
+
+    monkeypatch.setattr(vocoder_schedule, "launch_jobs", launch_jobs)
 
     async def scenario():
         worker = EngineWorker(engine, "tts")
@@ -138,7 +154,7 @@ def _two_replies_one_poisoned(engine, inject, seconds: float = 0.3) -> tuple[lis
             return [c async for c in worker.stream(request)]
 
         tasks = [asyncio.ensure_future(collect(TTSRequest("Hello there, caller one.", TTSOptions(
-                     seed=1, max_seconds=seconds, first_chunk_tokens=5, chunk_tokens=5)))),
+                     seed=1, max_seconds=0.3, first_chunk_tokens=5, chunk_tokens=5)))),
                  asyncio.ensure_future(collect(TTSRequest("And hello to you, caller two.", poison)))]
         await asyncio.sleep(0)
         worker.start()
@@ -147,77 +163,13 @@ def _two_replies_one_poisoned(engine, inject, seconds: float = 0.3) -> tuple[lis
         finally:
             worker.stop()
 
-    return asyncio.run(scenario())
-
-
-def _loses_no_audio(survivor: list) -> None:
-    """Every token the surviving reply sampled is heard, in order: the windows a failed pass had taken
-    went back."""
-    from voiced.engines.spark.bicodec import HOP
-
+    survivor, newest = asyncio.run(scenario())
+    assert faults and isinstance(newest, EngineFault) and "injected fault in the vocoder" in str(newest)
+    assert engine.active_requests() == 0
+    # The windows the failed pass had taken went back: every token the survivor sampled is heard.
     assert survivor[-1].last and [c.sequence for c in survivor] == list(range(len(survivor)))
     assert sum(len(c.samples) for c in survivor) == survivor[-1].tokens * HOP
     assert all(np.isfinite(c.samples).all() for c in survivor)
-
-
-@pytest.mark.parametrize("beside", [False, True], ids=["vocoder-turn", "vocoder-beside-decode"])
-def test_a_shared_vocoder_fault_fails_the_newest_reply_and_the_other_loses_no_audio(
-        tmp_path_factory, monkeypatch, beside):
-    from tests.spark_fixtures import cached_spark_checkpoint
-    from voiced.engines.spark import engine as spark_engine
-    from voiced.engines.spark import vocoder_schedule
-
-    root = tmp_path_factory.mktemp("tts")
-    engine = spark_engine.SparkTTSEngine.load(str(cached_spark_checkpoint(tmp_path_factory)), device="cpu",
-                                              max_batch=2, voices_dir=root / "voices")
-    engine.vocode_beside_decode = beside
-    real_launch = vocoder_schedule.launch_jobs
-    faults = []
-
-    def inject(poison):
-        def launch_jobs(codec, jobs):
-            if any(r.options is poison for r in engine._active):
-                faults.append(len(jobs))
-                raise RuntimeError("injected fault in the vocoder")
-            return real_launch(codec, jobs)
-
-        monkeypatch.setattr(vocoder_schedule, "launch_jobs", launch_jobs)
-
-    survivor, newest = _two_replies_one_poisoned(engine, inject)
-    assert faults and isinstance(newest, EngineFault) and "injected fault in the vocoder" in str(newest)
-    assert engine.active_requests() == 0
-    _loses_no_audio(survivor)
-
-
-def test_a_decode_that_fails_beside_a_vocoder_turn_gives_that_turns_windows_back(tmp_path_factory, monkeypatch):
-    """With the vocoder launched beside the LM's decode, a fault in the decode fails the newest reply; the
-    vocoder turn launched with it is dropped and its windows decoded again, so the other reply loses no
-    audio."""
-    from tests.spark_fixtures import cached_spark_checkpoint
-    from voiced.engines.spark import engine as spark_engine
-
-    root = tmp_path_factory.mktemp("tts")
-    engine = spark_engine.SparkTTSEngine.load(str(cached_spark_checkpoint(tmp_path_factory)), device="cpu",
-                                              max_batch=2, voices_dir=root / "voices")
-    engine.vocode_beside_decode = True
-    real_run_steps = engine.lm.run_steps
-    faults = []
-
-    def inject(poison):
-        def run_steps(*args, **kwargs):
-            if engine.last_step.get("kind") == "decode+vocode" and any(r.options is poison for r in engine._active):
-                faults.append(engine.last_step.get("windows"))
-                raise RuntimeError("injected fault in the decode")
-            return real_run_steps(*args, **kwargs)
-
-        monkeypatch.setattr(engine.lm, "run_steps", run_steps)
-
-    # Long enough that windows are ready while both replies still decode.
-    survivor, newest = _two_replies_one_poisoned(engine, inject, seconds=1.2)
-    assert faults and all(faults), faults  # it failed with a vocoder turn launched beside it
-    assert isinstance(newest, EngineFault) and "injected fault in the decode" in str(newest)
-    assert engine.active_requests() == 0
-    _loses_no_audio(survivor)
 
 
 def test_a_group_that_fails_together_is_admitted_one_by_one_and_all_fit(asr_engine, clips, clean, monkeypatch):

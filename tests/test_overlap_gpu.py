@@ -19,7 +19,6 @@ from whisper_fixtures import make_openai_checkpoint, speech
 
 from tests.gpu_phrases import WHISPER
 from tests.spark_fixtures import cached_spark_checkpoint
-from tests.test_spark_gpu import BF16_BOUND, audio_difference
 from voiced.core.scheduler import EngineThread, EngineWorker
 from voiced.engines.base import ASROptions, ASRRequest, TTSOptions, TTSRequest
 
@@ -75,32 +74,3 @@ def test_overlapped_steps_read_back_their_own_engines_results(engines):
         o_tokens, o_audio = serve_together(engines, overlap=True)
         assert o_tokens == tokens
         assert audio.size > 16000 and np.array_equal(o_audio, audio)
-
-
-def test_a_vocoder_turn_beside_the_decode_reads_back_its_own_audio(engines):
-    """VOICED_SPARK_VOCODE_BESIDE_DECODE: the vocoder's windows run on a stream of their own while the LM
-    decodes (and Whisper steps, with overlap on). The audio read back must be the vocoder's finished
-    output for those windows: a read before the work ran, or of a graph output a later call overwrote,
-    gives silence or another window's sound. The windows fall differently from the turns taken apart,
-    so the audio is compared within the bf16 bound test_spark_gpu holds windows to, not bit for bit."""
-    asr_engine, tts_engine, _ = engines
-    tokens, audio = serve_together(engines, overlap=True)
-    kinds = []
-    parts = tts_engine.step_parts
-
-    def counted():
-        out = yield from parts()
-        kinds.append(tts_engine.last_step.get("kind"))
-        return out
-
-    tts_engine.vocode_beside_decode, tts_engine.step_parts = True, counted
-    try:
-        for _ in range(2):
-            b_tokens, b_audio = serve_together(engines, overlap=True)
-            assert b_tokens == tokens
-            err = audio_difference(b_audio, audio)
-            assert err <= BF16_BOUND, f"max |diff| {err:.3g} > {BF16_BOUND} (bf16 bound)"
-    finally:
-        tts_engine.vocode_beside_decode = False
-        del tts_engine.step_parts
-    assert "decode+vocode" in kinds

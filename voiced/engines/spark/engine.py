@@ -91,21 +91,6 @@ PHASES = ("prefill", "decode", "vocode")
 VOCODER_GRAPHS_DEFAULT = True
 
 
-# A vocoder turn due when the LM's decode is too (and serving no first chunk) is launched on a CUDA stream
-# of its own just before the decode, so that the two run on the GPU together (the LM's small decode
-# kernels leave most of it idle), and both are read back after. Off unless
-# VOICED_SPARK_VOCODE_BESIDE_DECODE=1 (docs/BENCHMARKS.md, session 12: what it measured). On a GPU the
-# side stream's first eager (ungraphed) vocoder call costs it a cuBLAS workspace of its own, and the
-# decode's and the vocoder's transients then coexist.
-VOCODE_BESIDE_DECODE_DEFAULT = False
-
-
-def vocode_beside_decode_default() -> bool:
-    """VOICED_SPARK_VOCODE_BESIDE_DECODE=1 or 0 if set, else VOCODE_BESIDE_DECODE_DEFAULT."""
-    env = os.environ.get("VOICED_SPARK_VOCODE_BESIDE_DECODE", "").strip()
-    return VOCODE_BESIDE_DECODE_DEFAULT if env == "" else env == "1"
-
-
 def vocoder_graphs_default() -> bool:
     """VOICED_SPARK_VOCODER_GRAPHS=1 or 0 if set, else VOCODER_GRAPHS_DEFAULT."""
     env = os.environ.get("VOICED_SPARK_VOCODER_GRAPHS", "").strip()
@@ -185,8 +170,6 @@ class SparkTTSEngine:
         self.last_step: dict = {}
         self.vocoder = VocoderSchedule(codec, device, self.radius)
         self.vocoder_work = self.vocoder.work
-        self.vocode_beside_decode = vocode_beside_decode_default()
-        self._vocoder_stream: torch.cuda.Stream | None = None  # made on first use, on a GPU
         self._tokenize_reference = ReferenceTokenizer(codec, checkpoint, device)  # wav2vec2 on first use
         self.voices = voice_store(checkpoint, self._tokenize_reference, voices_dir)
 
@@ -371,12 +354,6 @@ class SparkTTSEngine:
             self._last_kind = kind
         if kind == "prefill":
             yield from self._prefill_step(outputs)
-        elif (self.vocode_beside_decode and work["decode"] and work["vocode"]
-              and all(r.t_first_chunk is not None for r in ready)):
-            # Never a first chunk: its caller would wait for the decode's steps too before hearing it.
-            self.last_step["kind"] = "decode+vocode"
-            self._last_kind = "vocode"  # both turns taken: a prefill waiting goes next
-            yield from self._decode_step(outputs, now, ready)
         elif kind == "decode":
             yield from self._decode_step(outputs)
         else:
@@ -438,36 +415,23 @@ class SparkTTSEngine:
             r.solo = True
             r.state = State.PREFILL
 
-    def _decode_step(self, outputs: list[EngineOutput], now: float = 0.0,
-                     vocode: list[Request] | None = None) -> StepParts:
+    def _decode_step(self, outputs: list[EngineOutput]) -> StepParts:
         """`decode_steps` decode steps for rows 0..n-1; only the decoding rows take their tokens (a row
         waiting for its prefill or for its last windows runs along as padding: what it writes lies past
         its position, and what it samples is dropped). A failure of the shared pass raises with no row
         advanced (`_load_state` rewrites every row's inputs next time); a row's own tokens failing
-        fails that request alone. With `vocode` (the rows a vocoder turn serves), that turn is
-        launched first on the vocoder's stream, runs beside the decode, and is emitted before the
-        decode's tokens are taken (its windows were chosen from the tokens before them)."""
-        turn = self._launch_beside(now, vocode) if vocode else None
-        try:
-            with record_function("spark.decode"):
-                pick = self._sampler([r.options.top_k for r in self._active])
-                self._load_state()
-                n = len(self._active)
-                rows = [r for r in self._active if r.state is State.DECODING]
-                out = self.lm.run_steps(pick, n, self.decode_steps, max_pos=max(r.pos for r in rows),
-                                        use_graph=self.use_cuda_graphs)
-            yield
-            with record_function("spark.readback"):
-                tokens = out.tolist()  # the decode's one sync: every row's new tokens
-        except BaseException:
-            if turn is not None:
-                turn.roll_back()
-            raise
-        taken = [(r, tokens[r.slot]) for r in rows]  # before the vocoder's emits release rows (slots move)
-        if turn is not None:
-            with record_function("spark.vocode"):
-                outputs += self._vocode(*self.vocoder.collect(turn))
-        for r, row_tokens in taken:
+        fails that request alone."""
+        with record_function("spark.decode"):
+            pick = self._sampler([r.options.top_k for r in self._active])
+            self._load_state()
+            n = len(self._active)
+            rows = [r for r in self._active if r.state is State.DECODING]
+            out = self.lm.run_steps(pick, n, self.decode_steps, max_pos=max(r.pos for r in rows),
+                                    use_graph=self.use_cuda_graphs)
+        yield
+        with record_function("spark.readback"):
+            tokens = out.tolist()  # the step's one sync: every row's new tokens
+        for r, row_tokens in [(r, tokens[r.slot]) for r in rows]:  # slots move when one fails
             if r.slot < 0:
                 continue
             try:
@@ -651,17 +615,6 @@ class SparkTTSEngine:
             r.state = State.SENTENCE_END
         if r.pos >= self.max_seq_len and r.state is State.DECODING:
             r.state = State.SENTENCE_END
-
-    def _launch_beside(self, now: float, rows: list[Request]):
-        """Launch a vocoder turn for `rows` on the vocoder's own stream (the current one on the CPU),
-        after everything already queued on the current stream (the speaker vectors it reads)."""
-        if not str(self.device).startswith("cuda"):
-            return self.vocoder.launch(rows, now, self._order, self._active, self.last_step)
-        if self._vocoder_stream is None:
-            self._vocoder_stream = torch.cuda.Stream(device=self.device)
-        self._vocoder_stream.wait_stream(torch.cuda.current_stream(self.device))
-        with record_function("spark.vocode"), torch.cuda.stream(self._vocoder_stream):
-            return self.vocoder.launch(rows, now, self._order, self._active, self.last_step)
 
     def _vocode(self, rows: list[Request], pending: dict[int, list[np.ndarray]]) -> list[EngineOutput]:
         """Emit a vocoder turn's audio (`VocoderSchedule.launch` chose and queued the windows of `rows`,
