@@ -109,6 +109,29 @@ def test_a_vocoder_turn_yields_before_its_audio_is_read_back(engine):
     assert turns >= 2 and engine.active_requests() == 0
 
 
+def test_a_vocoder_turn_closed_before_its_read_back_loses_no_audio(engine):
+    """A step closed at its yield (the engine thread stopping mid-round) gives its vocoder turn's windows
+    back: the reply, stepped on, still has the audio of every token it sampled."""
+    engine.submit(1, TTSRequest("Good morning, everyone.", TTSOptions(seed=5, max_seconds=1.5, first_chunk_tokens=8,
+                                                                      chunk_tokens=20)))
+    chunks, closed = [], 0
+    while engine.has_work():
+        parts = engine.step_parts()
+        try:
+            next(parts)
+        except StopIteration as done:
+            chunks += [o.value for o in done.value]
+            continue
+        if engine.last_step.get("kind") == "vocode" and engine.last_step.get("windows") and closed < 2:
+            parts.close()
+            closed += 1
+            continue
+        chunks += [o.value for o in finish(parts)]
+    assert closed == 2 and chunks[-1].last
+    assert [c.sequence for c in chunks] == list(range(len(chunks)))
+    assert sum(len(c.samples) for c in chunks) == chunks[-1].tokens * 320
+
+
 def test_cancel_drops_a_request_and_frees_its_row(engine):
     reqs = {i: TTSRequest(f"Request number {i}.", TTSOptions(seed=i, max_seconds=1.0)) for i in (1, 2, 3)}
     got = run(engine, reqs, cancel_at={2: 5})

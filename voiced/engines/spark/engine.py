@@ -359,7 +359,11 @@ class SparkTTSEngine:
         else:
             with record_function("spark.vocode"):
                 turn = self.vocoder.launch(ready, now, self._order, self._active, self.last_step)
-            yield
+            try:
+                yield
+            except BaseException:  # closed unread (the thread stopping): the windows go back
+                turn.roll_back()
+                raise
             with record_function("spark.vocode"):
                 outputs += self._vocode(*self.vocoder.collect(turn))
         return outputs

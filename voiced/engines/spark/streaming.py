@@ -151,7 +151,7 @@ def decode_jobs(codec: BiCodec, jobs: list[DecodeJob]) -> list[np.ndarray]:
 @dataclass
 class LaunchedDecode:
     """`decode_jobs` queued on the device and not yet read: `collect` waits for it. Between the two the
-    engine's thread can launch other work (the LM's decode, the recognizer's step) to run beside it."""
+    engine thread can launch other work to run beside it (the recognizer's step, with engines.overlap)."""
 
     jobs: list[DecodeJob]
     calls: list[tuple[list[int], torch.Tensor]]  # each call's jobs and its audio [b, length * HOP] on the host
