@@ -198,6 +198,9 @@ class Session:
         self._alone: tuple[str, ...] = ()  # smart: the words of the last decode of the sound after them alone
         # smart: sound came back after a pause; decode the turn until it ends (`_words`)
         self._checking = False
+        # smart: the transcripts of this turn's earlier pauses that go on after speech came back (their words
+        # count among the turn's decodes, `_watch_words`); the turn's end cancels them (`_drop_watched`)
+        self._watched: list[asyncio.Future] = []
         self._sound_since = 0  # smart: the stream sample where the current sound began (speech or not)
         self._voiced_ms = 0  # the current turn's longest burst of talk (segmenter.voiced_ms)
         self._over_reply = False  # a reply was being spoken during the current turn
@@ -475,6 +478,7 @@ class Session:
                         turn.task = pause.transcript
                     elif self.conversation is not None:
                         await self.conversation.cancel_speculation()
+                self._drop_watched()
                 if turn.task is None and self.spec.recognize and len(ev.audio):
                     turn.task = self.spawn(self._recognize(ev.audio, priority=1), f"asr-{turn.turn_id}")
                 await self._turns.put(turn)
@@ -700,8 +704,18 @@ class Session:
         # A pause, then sound: was that the caller, or something the VAD calls speech (hold music)? Its
         # transcript goes on (`_watch_words`), and the turn is decoded until the words say (`_words`),
         # first as soon as a decode can show whether they stopped.
+        self._watched.append(pause.transcript)
         self._checking = True
         self._next_interim = self.segmenter.speech_ms + turns.STALL_MS
+
+    def _drop_watched(self) -> None:
+        """The turn ended: the transcripts of its earlier pauses that went on for their words can change
+        nothing now (`_watch_words` reads only the turn in progress), so they are cancelled. Left running,
+        they held a batch that every caller shares: where the ASR cannot keep up (a busy CPU), a turn's
+        end and a caller's hang-up waited behind each of them (docs/BENCHMARKS.md, session 12)."""
+        for transcript in self._watched:
+            transcript.cancel()
+        self._watched.clear()
 
     def _cancel_interim(self) -> None:
         if self._interim is not None and not self._interim.done():
