@@ -624,20 +624,22 @@ class Session:
     async def _detect(self, pause: Pause) -> None:
         """Gather the evidence on this pause as it arrives (the audio model's answer, then the fresh
         transcript), end the turn as soon as it says so, and start the speculative reply."""
-        loop = asyncio.get_running_loop()
-        clip = self._model_clip(pause)
-        t0 = time.monotonic()
-        try:
-            # onnxruntime releases the GIL: the model runs beside the loop, not in it.
-            p = (await loop.run_in_executor(None, self.turn_model.predict, [clip]))[0]
-        except Exception:  # the model is an aid: without its answer the words and the silence decide
-            log.exception("session %s: the end-of-turn model failed", self.spec.session_id)
-            p = 0.0  # "incomplete": finished words then wait `audio_ms`, not the upper bound
-        pause.model_s = time.monotonic() - t0
-        pause.evidence = replace(pause.evidence, p_complete=p)
-        await self._maybe_end_turn()
-        if self._pause is not pause:
-            return
+        p = None
+        if self.bounds.audio_decides:  # (else its answer could not change the wait: not asked)
+            loop = asyncio.get_running_loop()
+            clip = self._model_clip(pause)
+            t0 = time.monotonic()
+            try:
+                # onnxruntime releases the GIL: the model runs beside the loop, not in it.
+                p = (await loop.run_in_executor(None, self.turn_model.predict, [clip]))[0]
+            except Exception:  # the model is an aid: without its answer the words and the silence decide
+                log.exception("session %s: the end-of-turn model failed", self.spec.session_id)
+                p = 0.0  # "incomplete": finished words then wait `audio_ms`, not the upper bound
+            pause.model_s = time.monotonic() - t0
+            pause.evidence = replace(pause.evidence, p_complete=p)
+            await self._maybe_end_turn()
+            if self._pause is not pause:
+                return
         try:
             result = await asyncio.shield(pause.transcript)
         except EngineError:
@@ -650,7 +652,7 @@ class Session:
         if log.isEnabledFor(logging.DEBUG):  # the arguments cost more than the line, at every pause
             log.debug("session %s turn %d pause%s: p=%s text=%r (last word p=%s, sentence end after it p=%s, "
                       "end-of-text p=%s) wait %d ms", self.spec.session_id, pause.turn_id,
-                      " (words stopped)" if pause.stalled else "", f"{p:.2f}", text,
+                      " (words stopped)" if pause.stalled else "", "-" if p is None else f"{p:.2f}", text,
                       f"{result.words[-1].probability:.2f}" if result.words else "-",
                       "-" if result.stop_prob is None else f"{result.stop_prob:.2f}",
                       "-" if result.end_prob is None else f"{result.end_prob:.2f}", wait_ms)
