@@ -6,6 +6,7 @@ ever started (docs/BENCHMARKS.md, 2026-11-27, sessions 11 and 12)."""
 from __future__ import annotations
 
 import asyncio
+import random
 
 import numpy as np
 import pytest
@@ -17,7 +18,7 @@ from voiced.core import events as ev
 from voiced.core.services import Services
 from voiced.core.session import Session
 from voiced.core.spec import segmentation_for
-from voiced.engines.base import ASRRequest, Transcript
+from voiced.engines.base import ASRRequest, EngineError, Transcript
 
 TEXT = "Please move the meeting to next Tuesday."
 
@@ -109,3 +110,78 @@ def test_after_a_hang_up_mid_turn_the_session_waits_for_the_turn_s_transcript_al
     # pauses' decodes, which nothing reads once the turn is over, were given up, not waited behind.
     assert len(asr.answered) == 1, asr.answered
     assert asr.answered[0] == pytest.approx(seconds, abs=0.5)
+
+
+class RandomASR:
+    """Answers each request after a random number of loop turns (sometimes a few ms), now and then with
+    an error: the orders a loaded engine can give."""
+
+    def __init__(self, rng: random.Random) -> None:
+        self.rng = rng
+        self.fails = rng.choice([0.0, 0.0, 0.05])
+        self.most = rng.choice([2, 20, 200])
+
+    async def run(self, request: ASRRequest) -> Transcript:
+        for _ in range(self.rng.randrange(self.most)):
+            await asyncio.sleep(0)
+        if self.rng.random() < 0.2:
+            await asyncio.sleep(self.rng.random() * 0.005)
+        if self.rng.random() < self.fails:
+            raise EngineError("the decode failed")
+        return Transcript(self.rng.choice([TEXT, "Please move the meeting."]), "en", [1], -0.1, 0.0, 1.0)
+
+
+async def _hang_up_anywhere(seed: int, audio: np.ndarray) -> tuple[list, bool]:
+    rng = random.Random(seed)
+    config = Config()
+    services = Services(config=config, asr=RandomASR(rng), turn_model=SureModel())
+    services.ready = True
+    spec = services.spec(front="test", input=Format("LINEAR16", RATE), agent="echo",
+                         interim_results=rng.random() < 0.5,
+                         segmentation=segmentation_for(config, turn_detection="smart"))
+    session = Session(services, spec, conversational=True)
+    pcm = float_to_int16(audio)[:rng.randrange(len(audio))]
+    hung_up = asyncio.Event()
+
+    async def caller():
+        for i in range(0, len(pcm) - FRAME_SAMPLES + 1, FRAME_SAMPLES):
+            yield ev.AudioIn(pcm[i:i + FRAME_SAMPLES].tobytes())
+            for _ in range(rng.randrange(3)):
+                await asyncio.sleep(0)
+        hung_up.set()
+
+    events: list = []
+
+    async def collect():
+        async for event in session.run(caller()):
+            events.append(event)
+
+    call = asyncio.create_task(collect())
+    await hung_up.wait()
+    try:
+        await asyncio.wait_for(asyncio.shield(call), 5)
+    except asyncio.TimeoutError:
+        call.cancel()
+        await session.close()
+        return events, False
+    return events, True
+
+
+def test_a_hang_up_at_any_moment_ends_the_session_with_its_turns_answered():
+    # Pauses, speech coming back, speculative replies, decodes answering in any order or failing, and
+    # the caller hanging up at a random frame: the session always ends, each turn's transcript answered.
+    audio = np.concatenate([_silence(0.3), phrase("Please move the meeting"), _silence(0.6), phrase("to next"),
+                            _silence(0.3), phrase("Tuesday."), _silence(1.0)] * 2)
+
+    async def all_seeds():
+        return [await _hang_up_anywhere(seed, audio) for seed in range(200)]
+
+    for seed, (events, ended) in enumerate(asyncio.run(all_seeds())):
+        assert ended, f"seed {seed}: the session did not end after the hang-up"
+        finals = [e for e in events if isinstance(e, ev.TranscriptOut) and e.is_final]
+        notices = [e for e in events if isinstance(e, ev.NoticeOut)]
+        answers = [e for e in events if isinstance(e, ev.AgentTextOut)]
+        # each turn got its transcript (or a notice that its decode failed), answered at most once (not
+        # at all where it was a backchannel over a reply)
+        assert sum(isinstance(e, ev.SpeechStarted) for e in events) == len(finals) + len(notices), seed
+        assert len(answers) <= len(finals), seed
