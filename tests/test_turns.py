@@ -89,7 +89,10 @@ def test_the_evidence_sets_how_much_silence_ends_the_turn():
     assert Evidence(0.9, "I will care, Kevin.", fresh=True, doubtful=True).wait_ms(b) == b.doubt_ms
     assert b.complete_ms < b.unsure_ms < b.doubt_ms < b.max_ms
     assert Evidence(0.9, "Book a table for two.", fresh=False).wait_ms(b) == b.max_ms  # a stale text only waits
-    assert Evidence(None, "Book a table for two.", fresh=True).wait_ms(b) == b.max_ms
+    # at medium the audio model is not asked (its answer could not change the wait); at low it is awaited
+    assert not b.audio_decides and low.audio_decides
+    assert Evidence(None, "Book a table for two.", fresh=True).wait_ms(b) == b.complete_ms
+    assert Evidence(None, "Book a table for two.", fresh=True).wait_ms(low) == low.max_ms
     assert Evidence(0.9, "", fresh=True).wait_ms(b) == b.unsure_ms  # a noise with no words
     # Whisper's end-of-text: where it expects more words, the audio alone does not end the turn short
     assert Evidence(0.9, "Book a table for two", fresh=True, end_p=0.3).wait_ms(b) == b.unsure_ms
@@ -414,6 +417,25 @@ def test_a_finished_sentence_ends_well_within_the_bound(daemon, sentence):
     # the 4 s bound an unfinished text waits for.
     assert turns.PAUSE_MS <= after_speech_ms < MEDIUM.max_ms - 500, after_speech_ms
     assert_turn_ends_before_its_answer(events)
+
+
+@pytest.mark.slow
+def test_the_audio_model_runs_only_where_its_answer_can_change_the_end_of_a_turn(daemon, monkeypatch):
+    """At medium eagerness (the default) the audio model's "incomplete" holds finished words no longer than
+    they wait anyway, so it is not run (its CPU is the caller's: ~14 % of a core at 4 callers on a 2-core
+    machine); the turn still ends on the words. At low eagerness it is asked at each pause."""
+    model = daemon.services.turn_model
+    asked: list[int] = []
+    predict = model.predict
+    monkeypatch.setattr(model, "predict", lambda clips: asked.append(len(clips)) or predict(clips))
+    sentence = phrase("Please cancel my appointment on Friday.")
+    for eagerness, runs in ((pb.EAGERNESS_MEDIUM, False), (pb.EAGERNESS_LOW, True)):
+        asked.clear()
+        requests = paced(converse("spy", eagerness=eagerness), _silence(0.5), sentence, _silence(2.5))
+        events, code, details = stream_blocking(daemon.address, requests, "Converse")
+        assert code == grpc.StatusCode.OK, details
+        assert len(finals(events)) == 1 and "friday" in finals(events)[0].text.lower()
+        assert bool(asked) == runs, (eagerness, asked)
 
 
 @pytest.mark.slow

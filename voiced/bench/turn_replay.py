@@ -249,10 +249,12 @@ class CallerReplay:
 
     def _open(self, p: _Pause, now: int, transcript_at: int) -> None:
         self.pause = p
-        clip = ses.model_clip(p.audio, p.audio_end, p.voice_end)
-        p.p = self.store.p_complete(self.c.name, clip, f"{p.audio_end - len(p.audio)}:{p.voice_end}")
-        self._at(now + self.model, "model", p)
-        self._at(max(now + self.model, transcript_at), "text", p)
+        if self.bounds.audio_decides:  # as the session: the model is asked only where it can change the wait
+            clip = ses.model_clip(p.audio, p.audio_end, p.voice_end)
+            p.p = self.store.p_complete(self.c.name, clip, f"{p.audio_end - len(p.audio)}:{p.voice_end}")
+            self._at(now + self.model, "model", p)
+            transcript_at = max(now + self.model, transcript_at)
+        self._at(transcript_at, "text", p)
         p.log = {"opened_s": round(now / RATE, 3), "voice_end_s": round(p.voice_end / RATE, 3),
                  "stalled": p.stalled, "text": p.result.text, "p_complete": p.p, "end_prob": p.result.end_prob,
                  "stop_prob": p.result.stop_prob,

@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
+import sys
 
 from voiced.cli import CliError
 
@@ -204,7 +206,22 @@ def _warm(engine, thread) -> None:
         log.info("%s warmed up in %.1f s", engine.model_name, time.perf_counter() - t0)
 
 
+def passive_openmp_waits() -> None:
+    """torch's CPU kernels run on OpenMP threads (one per core), which by default spin for the next parallel
+    region instead of sleeping. Where the cores are busy (callers, another job), a spinning thread holds a
+    core its partner in the same region needs, so each region waits for the scheduler: with a job filling
+    one of this 2-core CPU's cores, 4 callers' decodes ran at half speed, a caller's hang-up took 13-30 s
+    to drain and more (past the client's 30 s; passive: 2-5 s) and no turn ended in the call's pauses;
+    idle, passive waits cost nothing measurable (docs/BENCHMARKS.md, 2026-11-27, session 12). libgomp reads the
+    policy when torch loads, so this runs first; an operator's own OMP_WAIT_POLICY is kept."""
+    if "torch" in sys.modules:
+        log.debug("torch was loaded before OMP_WAIT_POLICY could be set; OpenMP keeps its default waits")
+        return
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # inherited by an engine process (engines.process)
+
+
 def run(args: argparse.Namespace) -> int:
+    passive_openmp_waits()
     from voiced.config import ConfigError, load_config
 
     try:

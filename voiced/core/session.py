@@ -198,6 +198,9 @@ class Session:
         self._alone: tuple[str, ...] = ()  # smart: the words of the last decode of the sound after them alone
         # smart: sound came back after a pause; decode the turn until it ends (`_words`)
         self._checking = False
+        # smart: the transcripts of this turn's earlier pauses that go on after speech came back (their words
+        # count among the turn's decodes, `_watch_words`); the turn's end cancels them (`_drop_watched`)
+        self._watched: list[asyncio.Future] = []
         self._sound_since = 0  # smart: the stream sample where the current sound began (speech or not)
         self._voiced_ms = 0  # the current turn's longest burst of talk (segmenter.voiced_ms)
         self._over_reply = False  # a reply was being spoken during the current turn
@@ -475,6 +478,7 @@ class Session:
                         turn.task = pause.transcript
                     elif self.conversation is not None:
                         await self.conversation.cancel_speculation()
+                self._drop_watched()
                 if turn.task is None and self.spec.recognize and len(ev.audio):
                     turn.task = self.spawn(self._recognize(ev.audio, priority=1), f"asr-{turn.turn_id}")
                 await self._turns.put(turn)
@@ -620,20 +624,22 @@ class Session:
     async def _detect(self, pause: Pause) -> None:
         """Gather the evidence on this pause as it arrives (the audio model's answer, then the fresh
         transcript), end the turn as soon as it says so, and start the speculative reply."""
-        loop = asyncio.get_running_loop()
-        clip = self._model_clip(pause)
-        t0 = time.monotonic()
-        try:
-            # onnxruntime releases the GIL: the model runs beside the loop, not in it.
-            p = (await loop.run_in_executor(None, self.turn_model.predict, [clip]))[0]
-        except Exception:  # the model is an aid: without its answer the words and the silence decide
-            log.exception("session %s: the end-of-turn model failed", self.spec.session_id)
-            p = 0.0  # "incomplete": finished words then wait `audio_ms`, not the upper bound
-        pause.model_s = time.monotonic() - t0
-        pause.evidence = replace(pause.evidence, p_complete=p)
-        await self._maybe_end_turn()
-        if self._pause is not pause:
-            return
+        p = None
+        if self.bounds.audio_decides:  # (else its answer could not change the wait: not asked)
+            loop = asyncio.get_running_loop()
+            clip = self._model_clip(pause)
+            t0 = time.monotonic()
+            try:
+                # onnxruntime releases the GIL: the model runs beside the loop, not in it.
+                p = (await loop.run_in_executor(None, self.turn_model.predict, [clip]))[0]
+            except Exception:  # the model is an aid: without its answer the words and the silence decide
+                log.exception("session %s: the end-of-turn model failed", self.spec.session_id)
+                p = 0.0  # "incomplete": finished words then wait `audio_ms`, not the upper bound
+            pause.model_s = time.monotonic() - t0
+            pause.evidence = replace(pause.evidence, p_complete=p)
+            await self._maybe_end_turn()
+            if self._pause is not pause:
+                return
         try:
             result = await asyncio.shield(pause.transcript)
         except EngineError:
@@ -646,7 +652,7 @@ class Session:
         if log.isEnabledFor(logging.DEBUG):  # the arguments cost more than the line, at every pause
             log.debug("session %s turn %d pause%s: p=%s text=%r (last word p=%s, sentence end after it p=%s, "
                       "end-of-text p=%s) wait %d ms", self.spec.session_id, pause.turn_id,
-                      " (words stopped)" if pause.stalled else "", f"{p:.2f}", text,
+                      " (words stopped)" if pause.stalled else "", "-" if p is None else f"{p:.2f}", text,
                       f"{result.words[-1].probability:.2f}" if result.words else "-",
                       "-" if result.stop_prob is None else f"{result.stop_prob:.2f}",
                       "-" if result.end_prob is None else f"{result.end_prob:.2f}", wait_ms)
@@ -700,8 +706,18 @@ class Session:
         # A pause, then sound: was that the caller, or something the VAD calls speech (hold music)? Its
         # transcript goes on (`_watch_words`), and the turn is decoded until the words say (`_words`),
         # first as soon as a decode can show whether they stopped.
+        self._watched.append(pause.transcript)
         self._checking = True
         self._next_interim = self.segmenter.speech_ms + turns.STALL_MS
+
+    def _drop_watched(self) -> None:
+        """The turn ended: the transcripts of its earlier pauses that went on for their words can change
+        nothing now (`_watch_words` reads only the turn in progress), so they are cancelled. Left running,
+        they held a batch that every caller shares: where the ASR cannot keep up (a busy CPU), a turn's
+        end and a caller's hang-up waited behind each of them (docs/BENCHMARKS.md, session 12)."""
+        for transcript in self._watched:
+            transcript.cancel()
+        self._watched.clear()
 
     def _cancel_interim(self) -> None:
         if self._interim is not None and not self._interim.done():

@@ -75,8 +75,10 @@ caller, no caller newly cut off and the p50 / p90 unchanged; the cost is a whole
 Whisper doubts (1-2 callers in 24 on some sets) waiting `doubt_ms`. STOP_P 0.95 held the median dev
 caller 0.5 s; 0.85 kept no dev caller whole.
 
-The audio model (Smart Turn v3) is asked at every pause, but at medium and high eagerness its
-"incomplete" alone no longer holds finished words Whisper is sure of (`audio_ms`): on espeak-ng
+The audio model (Smart Turn v3) is asked at every pause at low eagerness only: at medium and high its
+"incomplete" alone no longer holds finished words Whisper is sure of (`audio_ms`), so its answer could
+not change when a turn ends and it is not run there (`Bounds.audio_decides`; on a 2-core CPU it took
+~14 % of a core at 4 callers, docs/BENCHMARKS.md, session 11): on espeak-ng
 callers it called most finished sentences incomplete (p 0.01-0.3) and agreed with half sentences
 ("Could you tell my accountant that?": 0.69) as often, so its vote cost every such finished caller
 400 ms (the old end-of-turn p50, ~610 ms) and kept 1 of 60 pausing callers (dev and held-out seeds,
@@ -149,6 +151,12 @@ class Bounds:
     unsure_ms: int  # ... a finished turn after which Whisper expects more words, or one with no words
     doubt_ms: int  # ... words that look finished but whose last word Whisper doubts; a number read out
     max_ms: int  # silence that always ends a turn
+
+    @property
+    def audio_decides(self) -> bool:
+        """Whether the audio model's verdict can change when a turn ends: only where its "incomplete"
+        holds finished words longer than they wait anyway (low eagerness). Elsewhere it is not asked."""
+        return self.audio_ms > self.complete_ms
 
 
 EAGERNESS = {
@@ -357,7 +365,7 @@ class Evidence:
             # No silence, only words that stopped changing, and Whisper expects more of them: the sound
             # is likelier the caller's next word, not yet decoded, than music (new words end this pause)
             return b.max_ms
-        if self.p_complete is None:
+        if self.p_complete is None and b.audio_decides:
             return b.max_ms  # the audio model's answer is a few ms away; wait for it
         wait = b.complete_ms
         if not self._audio_says_complete():
