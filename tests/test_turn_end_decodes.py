@@ -56,6 +56,27 @@ def _silence(s: float) -> np.ndarray:
     return np.zeros(int(s * RATE), np.float32)
 
 
+
+def _dial(session, pcm: np.ndarray, between) -> tuple[asyncio.Task, list, asyncio.Event]:
+    """Stream `pcm` into `session` frame by frame (awaiting `between()` after each), then hang up: the
+    call's task, the events it collects, and the hang-up."""
+    hung_up = asyncio.Event()
+
+    async def caller():
+        for i in range(0, len(pcm) - FRAME_SAMPLES + 1, FRAME_SAMPLES):
+            yield ev.AudioIn(pcm[i:i + FRAME_SAMPLES].tobytes())
+            await between()
+        hung_up.set()
+
+    events: list = []
+
+    async def collect():
+        async for event in session.run(caller()):
+            events.append(event)
+
+    return asyncio.create_task(collect()), events, hung_up
+
+
 async def _hang_up_mid_turn(audio: np.ndarray) -> tuple[list, SaturatedASR, float]:
     """Streams `audio` (the ASR answers nothing meanwhile), hangs up, then lets the ASR answer one request
     at a time until the session ends: the events, the ASR, and the seconds of audio the turn had."""
@@ -67,21 +88,8 @@ async def _hang_up_mid_turn(audio: np.ndarray) -> tuple[list, SaturatedASR, floa
                          segmentation=segmentation_for(config, turn_detection="smart"))
     session = Session(services, spec, conversational=True)
     pcm = float_to_int16(np.concatenate([audio, _silence(-len(audio) % FRAME_SAMPLES / RATE)]))
-    hung_up = asyncio.Event()
-
-    async def caller():
-        for i in range(0, len(pcm), FRAME_SAMPLES):
-            yield ev.AudioIn(pcm[i:i + FRAME_SAMPLES].tobytes())
-            await asyncio.sleep(0)  # the session's tasks run between frames, as between network reads
-        hung_up.set()
-
-    events: list = []
-
-    async def collect():
-        async for event in session.run(caller()):
-            events.append(event)
-
-    call = asyncio.create_task(collect())
+    # the session's tasks run between frames, as between network reads
+    call, events, hung_up = _dial(session, pcm, lambda: asyncio.sleep(0))
     await hung_up.wait()
     assert not asr.answered  # nothing was decoded during the call: no turn could end before the hang-up
     for _ in range(10_000):
@@ -141,22 +149,11 @@ async def _hang_up_anywhere(seed: int, audio: np.ndarray) -> tuple[list, bool]:
                          segmentation=segmentation_for(config, turn_detection="smart"))
     session = Session(services, spec, conversational=True)
     pcm = float_to_int16(audio)[:rng.randrange(len(audio))]
-    hung_up = asyncio.Event()
+    async def between():
+        for _ in range(rng.randrange(3)):
+            await asyncio.sleep(0)
 
-    async def caller():
-        for i in range(0, len(pcm) - FRAME_SAMPLES + 1, FRAME_SAMPLES):
-            yield ev.AudioIn(pcm[i:i + FRAME_SAMPLES].tobytes())
-            for _ in range(rng.randrange(3)):
-                await asyncio.sleep(0)
-        hung_up.set()
-
-    events: list = []
-
-    async def collect():
-        async for event in session.run(caller()):
-            events.append(event)
-
-    call = asyncio.create_task(collect())
+    call, events, hung_up = _dial(session, pcm, between)
     await hung_up.wait()
     try:
         await asyncio.wait_for(asyncio.shield(call), 5)
