@@ -89,7 +89,7 @@ class VocoderTurn:
 
     rows: list[Request]  # in the order served
     jobs: list[tuple[Request, DecodeJob]]
-    launched: LaunchedDecode | None
+    launched: LaunchedDecode
     emitted_before: list[tuple[Request, int]]
 
     def roll_back(self) -> None:
@@ -194,7 +194,8 @@ class VocoderSchedule:
         # First chunks first (higher priority, then arrival), then the requests closest to running dry.
         rows.sort(key=lambda r: (0, -r.options.priority, order.get(r.rid, 0)) if r.t_first_chunk is None
                   else (1, ahead_s(r, now), 0))
-        turn = VocoderTurn(rows, [], None, [(r, r.planner.emitted) for r in rows if r.planner is not None])
+        turn = VocoderTurn(rows, [], LaunchedDecode([], [], None),
+                           [(r, r.planner.emitted) for r in rows if r.planner is not None])
         merge = merging(active, rows)
         # Take windows one per request per round, in that order, while the step's budget lasts; a
         # merged window takes as much of the budget as the windows already taken leave it.
@@ -222,12 +223,12 @@ class VocoderSchedule:
                 progress = True
             if not progress:
                 break
-        try:
-            turn.launched = launch_jobs(self.codec, [j for _, j in jobs]) if jobs else None
-        except BaseException:
-            turn.roll_back()
-            raise
         if jobs:
+            try:
+                turn.launched = launch_jobs(self.codec, [j for _, j in jobs])
+            except BaseException:
+                turn.roll_back()
+                raise
             last_step.update(self.work.add([j.window for _, j in jobs]))
         last_step["windows"] = len(jobs)
         last_step["window_rows"] = len(taken)
@@ -238,7 +239,7 @@ class VocoderSchedule:
         """Wait for a launched turn: its rows in the order served and the audio of each (by id(row)).
         On a failure nothing has advanced."""
         try:
-            audio = turn.launched.collect() if turn.launched is not None else []
+            audio = turn.launched.collect()
         except BaseException:
             turn.roll_back()
             raise
