@@ -148,3 +148,37 @@ def test_gemv_kernels_equal_the_torch_arithmetic(dtype, m):
         x64, h64 = dl.reference_add_norm(resid.double(), dl.reference_linear(a.double(), w.double()), ln.double(), 1e-6)
         check(x_k, x_t, x64)
         check(h_k, h_t, h64)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
+                    reason="programmatic dependent launch needs Hopper or newer")
+def test_programmatic_launch_changes_no_bit_of_a_graphed_decode_step(monkeypatch):
+    """Spark-TTS-0.5B's layer shapes, bf16, compiled and replayed from CUDA graphs at 1 and 16 rows:
+    with the decode kernels started while the one before them ends (VOICED_SPARK_PDL, on by default
+    on Hopper) every logit and every cache entry is the same bit as with each kernel waiting for the
+    last, over 16 steps (a kernel that read its input before the previous one finished would differ)."""
+    cfg = Qwen2Config(num_hidden_layers=4, vocab_size=4096)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        lm = Qwen2LM(cfg).eval().to(torch.bfloat16)
+    lm.requires_grad_(False)
+    prompt = torch.randint(0, 4096, (300,), device="cuda")
+    for rows in (1, 16):
+        runs = []
+        for pdl in ("0", "1"):
+            monkeypatch.setenv("VOICED_SPARK_PDL", pdl)
+            lm.setup_cache(max_batch=16, max_seq=1024)
+            lm.compile_decode()
+            assert lm.fused_linear and da.launch_overlap(prompt) == (pdl == "1")
+            for r in range(rows):
+                lm.prefill(prompt[: 300 - 7 * r], r)
+            tokens = torch.arange(rows, device="cuda") + 7
+            positions = torch.tensor([300 - 7 * r for r in range(rows)], device="cuda")
+            logits = []
+            for _ in range(16):
+                out = lm.decode(tokens, positions, use_graph=True, max_pos=int(positions.max()))
+                logits.append(out.clone())
+                tokens, positions = out.argmax(-1), positions + 1
+            runs.append((torch.stack(logits), [k[:rows].clone() for k in lm.k_caches]))
+        assert torch.equal(runs[0][0], runs[1][0]), rows
+        assert all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1])), rows

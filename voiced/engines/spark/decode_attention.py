@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import os
 
 import torch
 
@@ -36,6 +37,10 @@ except ImportError:  # pragma: no cover - depends on the install
     triton = tl = None
 
 BLOCK_N = 64  # cache positions per inner iteration (a multiple of 16: tl.dot's smallest tile)
+
+# Programmatic dependent launch of the decode kernels (`launch_overlap`): on wherever it runs; the
+# environment's VOICED_SPARK_PDL=0 turns it off (docs/BENCHMARKS.md has the A/B).
+PDL_DEFAULT = True
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -88,6 +93,37 @@ def sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+@functools.lru_cache(maxsize=8)
+def _hopper_or_newer(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) >= (9, 0)
+
+
+def launch_overlap(t: torch.Tensor) -> bool:
+    """Whether the decode step's Triton kernels on t's device start while the kernel before them ends.
+
+    A batch-1 decode step is ~170 of these kernels of 2-5 us each, one after another, and each one's
+    start (its blocks placed, their first instructions run) and end (the last blocks draining) are a
+    good part of that. With programmatic dependent launch (Hopper and newer) a kernel's blocks start
+    while the previous kernel is still finishing and wait (griddepcontrol.wait) for it to complete, and
+    its writes to be visible, before they read or write anything; every kernel of the chain waits at its
+    top, so the step's order and its bits are unchanged. False for anything but a CUDA tensor on such a
+    GPU (the CPU, Triton's interpreter), with a Triton that predates it, or with VOICED_SPARK_PDL=0."""
+    if triton is None or not t.is_cuda or not _hopper_or_newer(t.device.index or 0):
+        return False
+    if not hasattr(tl.extra.cuda, "gdc_wait"):
+        return False
+    env = os.environ.get("VOICED_SPARK_PDL", "").strip()
+    if env not in ("", "0", "1"):
+        raise ValueError(f"VOICED_SPARK_PDL={env!r}: use 1 (on) or 0 (off)")
+    return env == "1" if env else PDL_DEFAULT
+
+
+def launch_options(pdl: bool) -> dict:
+    """The launch keywords of a kernel under `launch_overlap` (none when off: a Triton that predates the
+    option takes no such keyword)."""
+    return {"launch_pdl": True} if pdl else {}
+
+
 def split_plan(batch: int, n_kv: int, kv_len: int, sms: int) -> tuple[int, int]:
     """(positions per program, programs per (row, KV head)): enough programs to cover the GPU about twice
     (one (row, KV head) alone reads its whole cache on one multiprocessor), each a whole number of
@@ -115,6 +151,7 @@ def triton_attention(qkv: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.
     if out is None:
         out = torch.empty(b, n_heads * head_dim, dtype=qkv.dtype, device=qkv.device)
     one = n_splits == 1
+    pdl = launch_overlap(qkv)
     if one:
         part = ml = out  # unused
     else:
@@ -125,15 +162,26 @@ def triton_attention(qkv: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.
         qkv.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), per, n_splits,
         b * n_kv * n_splits * gp, head_dim**-0.5,
         H=n_heads, KV=n_kv, G=group, GP=gp, D=head_dim, BLOCK=BLOCK_N, ONE_SPLIT=one,
-        IEEE=qkv.dtype == torch.float32, num_warps=4)
+        IEEE=qkv.dtype == torch.float32, PDL=pdl, num_warps=4, **launch_options(pdl))
     if not one:
         _combine[(b, n_kv)](part, ml, out, n_splits, b * n_kv * n_splits * gp,
                             KV=n_kv, G=group, GP=gp, D=head_dim, SB=min(8, triton.next_power_of_2(n_splits)),
-                            num_warps=4)
+                            PDL=pdl, num_warps=4, **launch_options(pdl))
     return out
 
 
 if triton is not None:
+
+    @triton.jit
+    def wait_for_previous(PDL: tl.constexpr):
+        """At a kernel's top under programmatic launch (`launch_overlap`): wait until the kernel before
+        this one has finished and its writes are visible, then let the next kernel's blocks start. In
+        that order only one kernel waits ahead of the running one: released first, each kernel would
+        release the next at once, and the whole layer's blocks would sit on the GPU waiting (measured:
+        a slower step)."""
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
 
     @triton.jit
     def _rope(base, d, D: tl.constexpr, cos, sin, DT: tl.constexpr):
@@ -147,7 +195,8 @@ if triton is not None:
     def _attend(qkv_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, pos_ptr, out_ptr, part_ptr, ml_ptr,
                 stride_qkv, stride_cb, stride_ch, stride_ct, per, n_splits, l_offset, scale,
                 H: tl.constexpr, KV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
-                BLOCK: tl.constexpr, ONE_SPLIT: tl.constexpr, IEEE: tl.constexpr):
+                BLOCK: tl.constexpr, ONE_SPLIT: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
+        wait_for_previous(PDL)
         row = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
@@ -216,7 +265,9 @@ if triton is not None:
 
     @triton.jit
     def _combine(part_ptr, ml_ptr, out_ptr, n_splits, l_offset,
-                 KV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, SB: tl.constexpr):
+                 KV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, SB: tl.constexpr,
+                 PDL: tl.constexpr):
+        wait_for_previous(PDL)
         # SB splits per load, rescaled online: one program serves a (row, KV head), so reading its
         # splits one by one would chain ~3 dependent loads per split (4 us at 8 splits on an H200)
         row = tl.program_id(0)
@@ -244,4 +295,5 @@ if triton is not None:
         o = acc / total[:, None]
         tl.store(out_ptr + row * (KV * G * D) + (kvh * G + g)[:, None] * D + d[None, :], o.to(DT), mask=(g < G)[:, None])
 
-__all__ = ["reference", "supported", "triton_attention", "split_plan", "apply_rope", "sm_count"]
+__all__ = ["reference", "supported", "triton_attention", "split_plan", "apply_rope", "sm_count", "launch_overlap",
+           "launch_options", "wait_for_previous"]

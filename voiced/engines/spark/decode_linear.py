@@ -33,7 +33,14 @@ import torch
 import torch.nn.functional as F
 
 # Triton as decode_attention finds it (it comes with torch's CUDA builds, the only place these run)
-from .decode_attention import sm_count, tl, triton
+from .decode_attention import (
+    launch_options,
+    launch_overlap,
+    sm_count,
+    tl,
+    triton,
+    wait_for_previous,
+)
 
 BLOCK_K = 128  # reduction depth per iteration: one 256-byte row segment of a bf16 weight per thread group
 MAX_ROWS = 64  # the largest batch one program multiplies (the engine's largest batch bucket)
@@ -122,11 +129,12 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, b
     m, k = x.shape
     n = w.shape[0]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    bm = _rows_block(m)
+    bm, pdl = _rows_block(m), launch_overlap(x)
     _gemv[(-(-n // block_n), 1, -(-m // bm))](
         x, w, bias if bias is not None else w, out, m, n, k, k, x.stride(0), 0,
         HAS_BIAS=bias is not None, SWIGLU=False, PARTIAL=False, BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=BLOCK_K,
-        IEEE=x.dtype == torch.float32, num_warps=4, num_stages=_stages(bm, block_n, x.element_size(), 4, _smem(x)))
+        IEEE=x.dtype == torch.float32, PDL=pdl, num_warps=4,
+        num_stages=_stages(bm, block_n, x.element_size(), 4, _smem(x)), **launch_options(pdl))
     return out
 
 
@@ -135,11 +143,12 @@ def swiglu_linear(h: torch.Tensor, w_gate_up: torch.Tensor, block_n: int = 64) -
     m, k = h.shape
     n = w_gate_up.shape[0] // 2
     out = torch.empty(m, n, dtype=h.dtype, device=h.device)
-    bm = _rows_block(m)
+    bm, pdl = _rows_block(m), launch_overlap(h)
     _gemv[(-(-n // block_n), 1, -(-m // bm))](
         h, w_gate_up, w_gate_up, out, m, n, k, k, h.stride(0), 0,
         HAS_BIAS=False, SWIGLU=True, PARTIAL=False, BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=BLOCK_K,
-        IEEE=h.dtype == torch.float32, num_warps=4, num_stages=_stages(bm, 2 * block_n, h.element_size(), 3, _smem(h)))
+        IEEE=h.dtype == torch.float32, PDL=pdl, num_warps=4,
+        num_stages=_stages(bm, 2 * block_n, h.element_size(), 3, _smem(h)), **launch_options(pdl))
     return out
 
 
@@ -149,11 +158,12 @@ def linear_partials(x: torch.Tensor, w: torch.Tensor, block_n: int = 32, sms: in
     n = w.shape[0]
     per, splits = split_plan(n, k, block_n, sms or _sms(x))
     out = torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
-    bm = _rows_block(m)
+    bm, pdl = _rows_block(m), launch_overlap(x)
     _gemv[(-(-n // block_n), splits, -(-m // bm))](
         x, w, w, out, m, n, k, per, x.stride(0), m * n,
         HAS_BIAS=False, SWIGLU=False, PARTIAL=True, BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=BLOCK_K,
-        IEEE=x.dtype == torch.float32, num_warps=4, num_stages=_stages(bm, block_n, x.element_size(), 3, _smem(x)))
+        IEEE=x.dtype == torch.float32, PDL=pdl, num_warps=4,
+        num_stages=_stages(bm, block_n, x.element_size(), 3, _smem(x)), **launch_options(pdl))
     return out
 
 
@@ -162,8 +172,10 @@ def add_norm(partials: torch.Tensor, x: torch.Tensor, ln: torch.Tensor, eps: flo
     place; returns that new x RMS-normed by `ln` (`reference_add_norm`'s arithmetic)."""
     s, m, n = partials.shape
     h = torch.empty_like(x)
+    pdl = launch_overlap(x)
     _add_norm[(m,)](partials, x, ln, h, s, m, n, x.stride(0), eps,
-                    BLOCK=triton.next_power_of_2(n), S_BLOCK=triton.next_power_of_2(s), num_warps=8)
+                    BLOCK=triton.next_power_of_2(n), S_BLOCK=triton.next_power_of_2(s), PDL=pdl, num_warps=8,
+                    **launch_options(pdl))
     return h
 
 
@@ -172,7 +184,8 @@ if triton is not None:
     @triton.jit
     def _gemv(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, k_per, stride_xm, stride_os,
               HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, PARTIAL: tl.constexpr,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
+              PDL: tl.constexpr):
         pid_n = tl.program_id(0)
         split = tl.program_id(1)
         pid_m = tl.program_id(2)
@@ -184,10 +197,11 @@ if triton is not None:
         n_ok = rn < N
         # 64-bit row offsets: the gate/up weight of a large model passes 2**31 elements
         w_rows = w_ptr + rn.to(tl.int64)[:, None] * K
-        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        acc2 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         lo = split * k_per
         hi = tl.minimum(lo + k_per, K)
+        wait_for_previous(PDL)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        acc2 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for k0 in range(lo, hi, BLOCK_K):
             k = k0 + rk
             k_ok = k < hi
@@ -218,7 +232,8 @@ if triton is not None:
 
     @triton.jit
     def _add_norm(part_ptr, x_ptr, ln_ptr, h_ptr, S, M, N, stride_xm, eps,
-                  BLOCK: tl.constexpr, S_BLOCK: tl.constexpr):
+                  BLOCK: tl.constexpr, S_BLOCK: tl.constexpr, PDL: tl.constexpr):
+        wait_for_previous(PDL)
         row = tl.program_id(0)
         DT = x_ptr.dtype.element_ty
         n = tl.arange(0, BLOCK)
