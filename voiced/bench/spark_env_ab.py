@@ -1,6 +1,6 @@
 """A/B of the Spark-TTS engine's environment settings, in one process on one GPU, one after the other.
 
-    python -m voiced.bench.spark_env_ab --out ab.json VOICED_SPARK_PDL=0 VOICED_SPARK_PDL=1 VOICED_SPARK_PDL=0
+    voiced bench spark-env --out ab.json VOICED_SPARK_PDL=0 VOICED_SPARK_PDL=1 VOICED_SPARK_PDL=0
 
 Each mode (`VAR=VALUE[,VAR=VALUE...]`, or `default`) is set in the environment, the LM's decode step is
 compiled and the engine warmed up again (so every CUDA graph is captured under it), then measured with

@@ -4,6 +4,8 @@
     voiced bench spark [...]                        Spark-TTS LM + vocoder next to transformers (JSON)
     voiced bench spark-kernels [...]                the decode step's projections: cuBLAS against our GEMV
                                                     kernels per shape, and the whole step with each (JSON)
+    voiced bench spark-env VAR=V1 VAR=V2 ...        the Spark engine under each environment setting in turn, one
+                                                    process: decode step, first chunk, audio at 64 (JSON)
     voiced bench e2e --wav W --tiktoken-dir DIR     N concurrent calls through gRPC (JSON); --front grpc
                                                     audiosocket media_ws realtime: the same through each door;
                                                     --sessions 1 2 4 ... 64 --refine N: a caller sweep and
@@ -30,7 +32,7 @@ from __future__ import annotations
 import argparse
 
 SUITES = {"whisper": "voiced.bench.whisper_bench", "spark": "voiced.bench.spark_bench",
-          "spark-kernels": "voiced.bench.spark_kernels",
+          "spark-kernels": "voiced.bench.spark_kernels", "spark-env": "voiced.bench.spark_env_ab",
           "e2e": "voiced.bench.e2e_bench", "speech": "voiced.bench.speech_bench",
           "memory": "voiced.bench.memory_bench", "turns": "voiced.bench.turn_bench", "frames": "voiced.bench.frame_cost",
           "plot": "voiced.bench.plot", "step-ops": "voiced.bench.step_ops"}
