@@ -157,3 +157,14 @@ def test_gemv_kernels_equal_the_torch_arithmetic_in_float32(interpreted):
 
 if __name__ == "__main__":
     print(json.dumps(_child()))
+
+
+def test_programmatic_launch_is_never_asked_for_off_an_nvidia_gpu(monkeypatch):
+    """The CPU path (and Triton's interpreter, which runs these kernels here) never gets the launch
+    option or the kernels' wait instruction, whatever VOICED_SPARK_PDL says."""
+    from voiced.engines.spark import decode_attention as da
+
+    for value in ("", "0", "1"):
+        monkeypatch.setenv("VOICED_SPARK_PDL", value)
+        assert da.launch_overlap(torch.zeros(2)) is False
+    assert da.launch_options(False) == {}

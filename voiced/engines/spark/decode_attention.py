@@ -107,10 +107,11 @@ def launch_overlap(t: torch.Tensor) -> bool:
     while the previous kernel is still finishing and wait (griddepcontrol.wait) for it to complete, and
     its writes to be visible, before they read or write anything; every kernel of the chain waits at its
     top, so the step's order and its bits are unchanged. False for anything but a CUDA tensor on such a
-    GPU (the CPU, Triton's interpreter), with a Triton that predates it, or with VOICED_SPARK_PDL=0."""
-    if triton is None or not t.is_cuda or not _hopper_or_newer(t.device.index or 0):
+    NVIDIA GPU (the CPU, Triton's interpreter, ROCm), with a Triton that predates it, or with
+    VOICED_SPARK_PDL=0."""
+    if triton is None or not t.is_cuda or torch.version.hip is not None or not _hopper_or_newer(t.device.index or 0):
         return False
-    if not hasattr(tl.extra.cuda, "gdc_wait"):
+    if getattr(getattr(tl.extra, "cuda", None), "gdc_wait", None) is None:
         return False
     env = os.environ.get("VOICED_SPARK_PDL", "").strip()
     if env not in ("", "0", "1"):
