@@ -160,11 +160,28 @@ def test_the_replayed_silence_rule_cuts_off_a_long_pause_and_ends_a_finished_tur
     assert row["paused_cut_off"] == 1 and row["eot_ms"]["n"] == 1
 
 
+def test_the_replay_counts_what_held_the_turns_that_ended_late():
+    from voiced.bench.turn_replay import SLOW_MS, ended_by, slow_ends
+
+    decisions = [{"voice_end_s": 1.0, "verdict": "doubted word", "wait_ms": 2200, "cancelled_s": 1.9},
+                 {"voice_end_s": 3.0, "verdict": "number", "wait_ms": 2200, "ended_s": 5.2}]
+    assert ended_by(decisions, [5.2], speech_end_s=3.0) == "number"  # the pause whose wait ended it
+    assert ended_by(decisions, [4.0], speech_end_s=3.0) == "bound"  # no pause's verdict: the bound
+    assert ended_by(decisions, [2.0], speech_end_s=3.0) is None  # cut off, and never ended after
+    verdicts = [{"kind": "finished", "eot_ms": SLOW_MS + 1, "ended_by": "number"},
+                {"kind": "paused", "eot_ms": 2200.0, "ended_by": "number"},
+                {"kind": "paused", "eot_ms": 2200.0, "ended_by": "doubted word"},
+                {"kind": "finished", "eot_ms": SLOW_MS, "ended_by": "doubted word"},  # not late
+                {"kind": "finished", "eot_ms": None, "ended_by": None}]
+    assert slow_ends(verdicts) == {"number": {"finished": 1, "paused": 1}, "doubted word": {"finished": 0, "paused": 1}}
+
+
 def test_the_replay_keeps_a_caller_who_pauses_after_for_on_the_line_and_caches_the_evidence(tmp_path):
     """Real tiny.en and Smart Turn: "I would like to book a table for ... four people on Monday." is one
     turn in the replay of smart:medium with a GPU's decode time; a second replay decodes nothing."""
     need_espeak()
     from voiced.bench.turn_replay import EvidenceStore, replay_detector
+    from voiced.core import turns
     from voiced.engines import smart_turn
 
     model = tiny_en_dir()
@@ -182,6 +199,8 @@ def test_the_replay_keeps_a_caller_who_pauses_after_for_on_the_line_and_caches_t
     # the pause after "for" was a decision point, and the rule kept the turn open there
     first = v["decisions"][0]
     assert first["voice_end_s"] < caller.pauses[0][1] and "for" in first["text"].lower(), v["decisions"]
+    assert first["verdict"] in turns.VERDICTS and first["wait_ms"] > 1200, first  # ... longer than the pause
+    assert v["ended_by"] in turns.VERDICTS and row["slow_ends"] is not None, v
     assert store.decodes >= 1 and cache.is_file()
 
     again = EvidenceStore(cache, str(model), "cpu", str(st))  # re-judging: all from the file

@@ -134,6 +134,31 @@ def test_a_sentence_end_whisper_is_not_sure_of_waits_as_long_as_a_doubt():
     assert Evidence(0.9, "Book a table for", fresh=True, stop_p=0.99).wait_ms(b) == b.max_ms  # words still win
 
 
+def test_the_verdict_names_the_row_that_set_the_wait():
+    """A doubted word and a number read out both wait `doubt_ms`; the verdict says which held a turn
+    (the bench counts them for the turns that end late)."""
+    b, low = MEDIUM, turns.bounds("low")
+    cases = [
+        (Evidence(), b, "no text"),
+        (Evidence(0.9, "Book a table for two.", fresh=False), b, "stale text"),
+        (Evidence(0.9, "Book a table for", fresh=True), b, "unfinished"),
+        (Evidence(0.9, "Please call me back on 7 2 8 3", fresh=True), b, "number"),
+        (Evidence(0.9, "", fresh=True), b, "no words"),
+        (Evidence(0.4, "I am calling because the payment", fresh=True, end_p=0.2, sounding=True), b, "sounding"),
+        (Evidence(None, "Book a table for two.", fresh=True), low, "audio pending"),
+        (Evidence(0.9, "Book a table for two.", fresh=True, end_p=0.98, stop_p=0.97), b, "complete"),
+        (Evidence(0.1, "Book a table for two.", fresh=True), low, "audio doubts"),
+        (Evidence(0.9, "Book a table for two", fresh=True, end_p=0.3), b, "more words"),
+        (Evidence(0.9, "I will care, Kevin.", fresh=True, doubtful=True, stop_p=0.5), b, "doubted word"),
+        (Evidence(0.9, "They can repair them.", fresh=True, end_p=0.98, stop_p=0.86), b, "doubted stop"),
+    ]
+    for evidence, bounds, why in cases:
+        assert evidence.verdict(bounds) == (evidence.wait_ms(bounds), why), (evidence, why)
+    assert {why for _, _, why in cases} == set(turns.VERDICTS)
+    assert Evidence(0.9, "I will care, Kevin.", fresh=True, doubtful=True).wait_ms(b) == b.doubt_ms == \
+        Evidence(0.9, "Please call me back on 7 2 8 3", fresh=True).wait_ms(b)
+
+
 def test_a_doubted_last_word_is_one_whisper_gives_under_last_p_and_did_not_hear_for_a_second():
     from voiced.engines.base import Word
 

@@ -271,7 +271,8 @@ class CallerReplay:
         if self.pause is not p:
             return
         p.evidence, _ = ses.pause_evidence(p.evidence, p.result, p.speech_end_s, p.stalled)
-        p.log.update(judged=p.evidence.text, doubtful=p.evidence.doubtful, wait_ms=p.evidence.wait_ms(self.bounds))
+        wait_ms, verdict = p.evidence.verdict(self.bounds)
+        p.log.update(judged=p.evidence.text, doubtful=p.evidence.doubtful, wait_ms=wait_ms, verdict=verdict)
         self._maybe_end(t)
 
     def _done_watch(self, p: _Pause, t: int) -> None:
@@ -405,6 +406,31 @@ def session_asr_options(language: str = "en") -> ASROptions:
     return asr_options_for(Config(), language=language)
 
 
+SLOW_MS = 700  # issue 25's end-of-turn p90 target: more than 10 % of the turns ending later make the p90 miss it
+
+
+def ended_by(decisions: list[dict], ends: list[float], speech_end_s: float) -> str | None:
+    """What ended the caller's turn after the real end of speech: the verdict (`turns.Evidence.verdict`)
+    of the pause whose wait ended it, "bound" where no pause's verdict did (the segmenter's upper
+    bound, or the call's end); None where no turn ended after the real end."""
+    after = [t for t in ends if t >= speech_end_s]
+    if not after:
+        return None
+    at = round(after[0], 3)
+    return next((d.get("verdict", "no text") for d in decisions if d.get("ended_s") == at), "bound")
+
+
+def slow_ends(verdicts: list[dict]) -> dict:
+    """For the callers whose turn ended over SLOW_MS after the real end: how many each verdict held,
+    finished and paused callers apart (what the p90 is made of)."""
+    out: dict = {}
+    for v in verdicts:
+        if v["eot_ms"] is not None and v["eot_ms"] > SLOW_MS:
+            kinds = out.setdefault(v.get("ended_by") or "bound", {"finished": 0, "paused": 0})
+            kinds[v["kind"]] += 1
+    return dict(sorted(out.items(), key=lambda kv: -sum(kv[1].values())))
+
+
 def replay_detector(detector: str, directory: Path, callers: list[TurnCaller], store: EvidenceStore,
                     decode_ms: float, model_ms: float) -> dict:
     t0 = time.monotonic()
@@ -417,13 +443,15 @@ def replay_detector(detector: str, directory: Path, callers: list[TurnCaller], s
         else:
             r = CallerReplay(c, pcm, detector.split(":", 1)[1], store, asr, decode_ms, model_ms)
             ends = r.run()
-            detail = {"decisions": r.decisions, "interim_decodes": r.interims, "sound_alone": r.alone}
+            detail = {"decisions": r.decisions, "interim_decodes": r.interims, "sound_alone": r.alone,
+                      "ended_by": ended_by(r.decisions, ends, c.speech_end_s)}
         v = judge(c, Outcome(turn_ends=ends))
         v.update(text=c.text, parts=c.parts, **detail)
         verdicts.append(v)
     row = summarize(detector, verdicts)
     if detector.startswith("smart:"):
         row["targets"] = turn_targets(row)
+        row["slow_ends"] = slow_ends(verdicts)
     row["wall_s"] = round(time.monotonic() - t0, 1)
     return row
 
@@ -443,6 +471,9 @@ def run_offline(args, directory: Path, callers: list[TurnCaller], detectors: lis
             row = replay_detector(d, directory, callers, store, args.decode_ms, args.model_ms)
             result["detectors"].append(row)
             log.info("%s: %s", d, {k: row[k] for k in ("paused_cut_off", "finished_cut_off", "eot_ms", "unended")})
+            if "slow_ends" in row:
+                log.info("%s: turns ending over %d ms after the real end, by what held them: %s", d, SLOW_MS,
+                         row["slow_ends"])
     finally:
         store.save()
     result["decodes"], result["decode_s"] = store.decodes, round(store.decode_s, 1)

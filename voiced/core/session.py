@@ -648,14 +648,14 @@ class Session:
             pause.decode_s = time.monotonic() - pause.opened
         pause.evidence, text = pause_evidence(pause.evidence, result, pause.speech_end_s, pause.stalled,
                                               self.spec.keep_hallucinations)
-        wait_ms = pause.evidence.wait_ms(self.bounds)
+        wait_ms, verdict = pause.evidence.verdict(self.bounds)
         if log.isEnabledFor(logging.DEBUG):  # the arguments cost more than the line, at every pause
             log.debug("session %s turn %d pause%s: p=%s text=%r (last word p=%s, sentence end after it p=%s, "
-                      "end-of-text p=%s) wait %d ms", self.spec.session_id, pause.turn_id,
+                      "end-of-text p=%s) wait %d ms (%s)", self.spec.session_id, pause.turn_id,
                       " (words stopped)" if pause.stalled else "", "-" if p is None else f"{p:.2f}", text,
                       f"{result.words[-1].probability:.2f}" if result.words else "-",
                       "-" if result.stop_prob is None else f"{result.stop_prob:.2f}",
-                      "-" if result.end_prob is None else f"{result.end_prob:.2f}", wait_ms)
+                      "-" if result.end_prob is None else f"{result.end_prob:.2f}", wait_ms, verdict)
             log.debug("session %s turn %d pause words (voice ended at %.2f s): %s", self.spec.session_id,
                       pause.turn_id, pause.speech_end_s,
                       " ".join(f"{w.word}[{w.start_s:.2f}-{w.end_s:.2f} p{w.probability:.2f}]" for w in result.words))

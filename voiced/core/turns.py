@@ -338,6 +338,11 @@ def judged_text(text: str, words: list, speech_end_s: float) -> str:
     return text
 
 
+# `Evidence.verdict`'s names for the rows of the table above
+VERDICTS = ("no text", "stale text", "unfinished", "number", "no words", "sounding", "audio pending", "complete",
+            "audio doubts", "more words", "doubted word", "doubted stop")
+
+
 @dataclass(frozen=True)
 class Evidence:
     """What is known about the turn at a pause; each part None until it arrives."""
@@ -352,27 +357,35 @@ class Evidence:
 
     def wait_ms(self, b: Bounds) -> int:
         """The silence after which this turn ends (module docstring's table)."""
+        return self.verdict(b)[0]
+
+    def verdict(self, b: Bounds) -> tuple[int, str]:
+        """That wait, and which row of the table set it (one of VERDICTS): the bench counts what held
+        the turns that ended late (voiced.bench.turn_replay), which no figure of the wait itself says
+        (a doubted word and a number read out both wait `doubt_ms`)."""
         if self.text is None:
-            return b.max_ms
+            return b.max_ms, "no text"
         if not self.fresh:
-            return b.max_ms  # a stale text may lack the last words: it only keeps a turn open
+            return b.max_ms, "stale text"  # a stale text may lack the last words: it only keeps a turn open
         if unfinished(self.text):
             # a number read out may be the end of the sentence: long enough for a pause between digits
-            return b.doubt_ms if reading_number(self.text) else b.max_ms
+            return (b.doubt_ms, "number") if reading_number(self.text) else (b.max_ms, "unfinished")
         if not self.text.strip():
-            return b.unsure_ms  # no words (a cough, a noise): no reason to hold the line long
+            return b.unsure_ms, "no words"  # a cough, a noise: no reason to hold the line long
         if self.sounding and self.end_p is not None and not self._decoder_says_over():
             # No silence, only words that stopped changing, and Whisper expects more of them: the sound
             # is likelier the caller's next word, not yet decoded, than music (new words end this pause)
-            return b.max_ms
+            return b.max_ms, "sounding"
         if self.p_complete is None and b.audio_decides:
-            return b.max_ms  # the audio model's answer is a few ms away; wait for it
-        wait = b.complete_ms
-        if not self._audio_says_complete():
-            wait = max(wait, b.audio_ms)
-        if self.end_p is not None and not self._decoder_says_over():
-            wait = max(wait, b.unsure_ms)
-        return max(wait, b.doubt_ms) if self.doubtful or self._stop_doubted() else wait
+            return b.max_ms, "audio pending"  # the audio model's answer is a few ms away; wait for it
+        wait, why = b.complete_ms, "complete"
+        if not self._audio_says_complete() and b.audio_ms > wait:
+            wait, why = b.audio_ms, "audio doubts"
+        if self.end_p is not None and not self._decoder_says_over() and b.unsure_ms > wait:
+            wait, why = b.unsure_ms, "more words"
+        if self.doubtful or self._stop_doubted():
+            return max(wait, b.doubt_ms), "doubted word" if self.doubtful else "doubted stop"
+        return wait, why
 
     def _stop_doubted(self) -> bool:
         return self.stop_p is not None and self.stop_p < STOP_P
