@@ -168,3 +168,24 @@ def test_programmatic_launch_is_never_asked_for_off_an_nvidia_gpu(monkeypatch):
         monkeypatch.setenv("VOICED_SPARK_PDL", value)
         assert da.launch_overlap(torch.zeros(2)) is False
     assert da.launch_options(False) == {}
+
+
+def test_the_engine_imports_where_triton_is_not_installed():
+    """The run-only install (`make run`) has CPU torch and no Triton: the Spark engine and its kernel
+    modules must import there and take the torch path (a Triton-only name imported at module level
+    once stopped `voiced serve` from loading the TTS)."""
+    code = (
+        "import importlib.abc, sys\n"
+        "class NoTriton(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'triton' or name.startswith('triton.'):\n"
+        "            raise ImportError('no triton in this install')\n"
+        "sys.meta_path.insert(0, NoTriton())\n"
+        "import torch\n"
+        "from voiced.engines.spark import decode_attention, decode_linear, engine, qwen2\n"
+        "assert decode_attention.triton is None\n"
+        "assert not decode_linear.supported(torch.bfloat16, 'cpu')\n"
+        "assert decode_attention.launch_overlap(torch.zeros(1)) is False\n"
+        "print('ok')\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-2000:]

@@ -33,14 +33,7 @@ import torch
 import torch.nn.functional as F
 
 # Triton as decode_attention finds it (it comes with torch's CUDA builds, the only place these run)
-from .decode_attention import (
-    launch_options,
-    launch_overlap,
-    sm_count,
-    tl,
-    triton,
-    wait_for_previous,
-)
+from .decode_attention import launch_options, launch_overlap, sm_count, tl, triton
 
 BLOCK_K = 128  # reduction depth per iteration: one 256-byte row segment of a bf16 weight per thread group
 MAX_ROWS = 64  # the largest batch one program multiplies (the engine's largest batch bucket)
@@ -180,6 +173,7 @@ def add_norm(partials: torch.Tensor, x: torch.Tensor, ln: torch.Tensor, eps: flo
 
 
 if triton is not None:
+    from .decode_attention import wait_for_previous  # a Triton function: defined only where Triton is
 
     @triton.jit
     def _gemv(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, k_per, stride_xm, stride_os,
