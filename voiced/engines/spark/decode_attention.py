@@ -17,6 +17,9 @@ Layout: qkv `[B, (H + 2 KV) D]` (q heads, then k heads, then v heads, as `Qwen2L
 concatenates them); caches `[max_batch, KV, max_seq, D]`; row b of the step is cache row b and writes
 its new k/v at `positions[b]` (rows past the live batch are a graph's padding: they write position 0
 of free rows, as the torch path does).
+
+`launch_overlap` decides, for these kernels and decode_linear's, whether they use programmatic
+dependent launch (each one's blocks start while the kernel before it drains, then wait for it).
 """
 
 from __future__ import annotations

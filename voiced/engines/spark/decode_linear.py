@@ -20,7 +20,9 @@ The rounding follows the torch path step for step (`qwen2.layer_decode_tail`): e
 is rounded to the activations' dtype before it is used, the residual add and SiLU * up round as
 torch's bf16 ops do, and `_rms`'s two roundings are kept. Differences against cuBLAS are the order
 of the fp32 accumulation, as between any two GEMM kernels. The reductions are deterministic (no
-atomics): a CUDA graph and an eager run of a step give the same bits.
+atomics): a CUDA graph and an eager run of a step give the same bits. On Hopper and newer each kernel
+starts while the one before it drains and waits for its results at its top (`decode_attention.
+launch_overlap`), which changes no bit either.
 
 `reference_*` are the same arithmetic in torch: the CPU path, and what the tests compare against.
 """
