@@ -167,7 +167,7 @@ def test_programmatic_launch_is_never_asked_for_off_an_nvidia_gpu(monkeypatch):
     for value in ("", "0", "1"):
         monkeypatch.setenv("VOICED_SPARK_PDL", value)
         assert da.launch_overlap(torch.zeros(2)) is False
-    assert da.launch_options(False) == {}
+        assert da.overlap_args(torch.zeros(2)) == {"PDL": False}  # no launch option either
 
 
 def test_the_engine_imports_where_triton_is_not_installed():

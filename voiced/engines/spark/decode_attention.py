@@ -122,10 +122,10 @@ def launch_overlap(t: torch.Tensor) -> bool:
     return env == "1" if env else PDL_DEFAULT
 
 
-def launch_options(pdl: bool) -> dict:
-    """The launch keywords of a kernel under `launch_overlap` (none when off: a Triton that predates the
-    option takes no such keyword)."""
-    return {"launch_pdl": True} if pdl else {}
+def overlap_args(t: torch.Tensor) -> dict:
+    """A decode kernel's launch arguments for `launch_overlap` on t's device: its PDL constant, and when
+    on, Triton's launch option (off, none: a Triton that predates the option takes no such keyword)."""
+    return {"PDL": True, "launch_pdl": True} if launch_overlap(t) else {"PDL": False}
 
 
 def split_plan(batch: int, n_kv: int, kv_len: int, sms: int) -> tuple[int, int]:
@@ -155,7 +155,7 @@ def triton_attention(qkv: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.
     if out is None:
         out = torch.empty(b, n_heads * head_dim, dtype=qkv.dtype, device=qkv.device)
     one = n_splits == 1
-    pdl = launch_overlap(qkv)
+    overlap = overlap_args(qkv)
     if one:
         part = ml = out  # unused
     else:
@@ -166,11 +166,11 @@ def triton_attention(qkv: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.
         qkv.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), per, n_splits,
         b * n_kv * n_splits * gp, head_dim**-0.5,
         H=n_heads, KV=n_kv, G=group, GP=gp, D=head_dim, BLOCK=BLOCK_N, ONE_SPLIT=one,
-        IEEE=qkv.dtype == torch.float32, PDL=pdl, num_warps=4, **launch_options(pdl))
+        IEEE=qkv.dtype == torch.float32, num_warps=4, **overlap)
     if not one:
         _combine[(b, n_kv)](part, ml, out, n_splits, b * n_kv * n_splits * gp,
                             KV=n_kv, G=group, GP=gp, D=head_dim, SB=min(8, triton.next_power_of_2(n_splits)),
-                            PDL=pdl, num_warps=4, **launch_options(pdl))
+                            num_warps=4, **overlap)
     return out
 
 
@@ -300,4 +300,4 @@ if triton is not None:
         tl.store(out_ptr + row * (KV * G * D) + (kvh * G + g)[:, None] * D + d[None, :], o.to(DT), mask=(g < G)[:, None])
 
 __all__ = ["reference", "supported", "triton_attention", "split_plan", "apply_rope", "sm_count", "launch_overlap",
-           "launch_options", "wait_for_previous"]
+           "overlap_args", "wait_for_previous"]

@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 # Triton as decode_attention finds it (it comes with torch's CUDA builds, the only place these run)
-from .decode_attention import launch_options, launch_overlap, sm_count, tl, triton
+from .decode_attention import overlap_args, sm_count, tl, triton
 
 BLOCK_K = 128  # reduction depth per iteration: one 256-byte row segment of a bf16 weight per thread group
 MAX_ROWS = 64  # the largest batch one program multiplies (the engine's largest batch bucket)
@@ -124,12 +124,12 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, b
     m, k = x.shape
     n = w.shape[0]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    bm, pdl = _rows_block(m), launch_overlap(x)
+    bm = _rows_block(m)
     _gemv[(-(-n // block_n), 1, -(-m // bm))](
         x, w, bias if bias is not None else w, out, m, n, k, k, x.stride(0), 0,
         HAS_BIAS=bias is not None, SWIGLU=False, PARTIAL=False, BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=BLOCK_K,
-        IEEE=x.dtype == torch.float32, PDL=pdl, num_warps=4,
-        num_stages=_stages(bm, block_n, x.element_size(), 4, _smem(x)), **launch_options(pdl))
+        IEEE=x.dtype == torch.float32, num_warps=4,
+        num_stages=_stages(bm, block_n, x.element_size(), 4, _smem(x)), **overlap_args(x))
     return out
 
 
@@ -138,12 +138,12 @@ def swiglu_linear(h: torch.Tensor, w_gate_up: torch.Tensor, block_n: int = 64) -
     m, k = h.shape
     n = w_gate_up.shape[0] // 2
     out = torch.empty(m, n, dtype=h.dtype, device=h.device)
-    bm, pdl = _rows_block(m), launch_overlap(h)
+    bm = _rows_block(m)
     _gemv[(-(-n // block_n), 1, -(-m // bm))](
         h, w_gate_up, w_gate_up, out, m, n, k, k, h.stride(0), 0,
         HAS_BIAS=False, SWIGLU=True, PARTIAL=False, BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=BLOCK_K,
-        IEEE=h.dtype == torch.float32, PDL=pdl, num_warps=4,
-        num_stages=_stages(bm, 2 * block_n, h.element_size(), 3, _smem(h)), **launch_options(pdl))
+        IEEE=h.dtype == torch.float32, num_warps=4,
+        num_stages=_stages(bm, 2 * block_n, h.element_size(), 3, _smem(h)), **overlap_args(h))
     return out
 
 
@@ -153,12 +153,12 @@ def linear_partials(x: torch.Tensor, w: torch.Tensor, block_n: int = 32, sms: in
     n = w.shape[0]
     per, splits = split_plan(n, k, block_n, sms or _sms(x))
     out = torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
-    bm, pdl = _rows_block(m), launch_overlap(x)
+    bm = _rows_block(m)
     _gemv[(-(-n // block_n), splits, -(-m // bm))](
         x, w, w, out, m, n, k, per, x.stride(0), m * n,
         HAS_BIAS=False, SWIGLU=False, PARTIAL=True, BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=BLOCK_K,
-        IEEE=x.dtype == torch.float32, PDL=pdl, num_warps=4,
-        num_stages=_stages(bm, block_n, x.element_size(), 3, _smem(x)), **launch_options(pdl))
+        IEEE=x.dtype == torch.float32, num_warps=4,
+        num_stages=_stages(bm, block_n, x.element_size(), 3, _smem(x)), **overlap_args(x))
     return out
 
 
@@ -167,10 +167,8 @@ def add_norm(partials: torch.Tensor, x: torch.Tensor, ln: torch.Tensor, eps: flo
     place; returns that new x RMS-normed by `ln` (`reference_add_norm`'s arithmetic)."""
     s, m, n = partials.shape
     h = torch.empty_like(x)
-    pdl = launch_overlap(x)
     _add_norm[(m,)](partials, x, ln, h, s, m, n, x.stride(0), eps,
-                    BLOCK=triton.next_power_of_2(n), S_BLOCK=triton.next_power_of_2(s), PDL=pdl, num_warps=8,
-                    **launch_options(pdl))
+                    BLOCK=triton.next_power_of_2(n), S_BLOCK=triton.next_power_of_2(s), num_warps=8, **overlap_args(x))
     return h
 
 
