@@ -113,9 +113,11 @@ def test_peak_live_bytes_counts_what_is_alive_at_once():
     assert peak_live_bytes(step) == 12_000
 
 
-def test_the_vocoder_transient_measured_on_meta_is_what_the_step_allocates():
+def test_the_vocoder_transient_measured_on_meta_is_what_the_step_allocates(monkeypatch):
     """The plan's vocoder-step transient, taken on the meta device, equals what running the same step
-    (the largest window batch a vocoder step decodes) allocates in PyTorch tensors on the CPU."""
+    (the largest window batch a vocoder step decodes) allocates in PyTorch tensors on the CPU. Through the
+    modules: the CPU runs no GPU kernels (the kernels' path is checked on a GPU, test_spark_gpu.py)."""
+    monkeypatch.setenv("VOICED_SPARK_VOCODER_KERNELS", "0")
     import tempfile
     from pathlib import Path
 
@@ -163,10 +165,12 @@ def _vocoder_graph_shapes(radius: int) -> list[tuple[int, int]]:
     return window_shapes(opts.first_chunk_tokens, opts.chunk_tokens, radius)
 
 
-def test_the_vocoder_graphs_pool_row_is_what_the_largest_capture_allocates():
+def test_the_vocoder_graphs_pool_row_is_what_the_largest_capture_allocates(monkeypatch):
     """The plan's row for the vocoder graphs' pool (`activation_bytes`, on the meta device) equals what the
     captured decode (end-masked, as every graph runs it) allocates in PyTorch tensors on the CPU at the
-    largest captured shape, and no smaller shape (a sample of them, on meta) peaks higher."""
+    largest captured shape, and no smaller shape (a sample of them, on meta) peaks higher. Through the
+    modules, as above."""
+    monkeypatch.setenv("VOICED_SPARK_VOCODER_KERNELS", "0")
     import torch
 
     from voiced.engines.spark.bicodec import BiCodec

@@ -31,7 +31,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from . import snake
+from . import vocoder_kernels
 
 log = logging.getLogger(__name__)
 
@@ -288,8 +288,6 @@ class Snake1d(nn.Module):
         self._inverse: tuple[tuple, torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.device.type in ("cuda", "meta") and snake.fused():  # one kernel, the same bits (snake.py)
-            return snake.snake(x, self.alpha, self.inverse_alpha())
         return x + self.inverse_alpha() * torch.sin(self.alpha * x).pow(2)
 
     def inverse_alpha(self) -> torch.Tensor:
@@ -345,8 +343,46 @@ class WaveGenerator(nn.Module):
         self.model = nn.Sequential(*layers)
         self.rates, self.kernels = list(cfg.rates), list(cfg.kernel_sizes)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ends: tuple[torch.Tensor, int] | None = None) -> torch.Tensor:
+        """ends: (valid `[B]` on the device, padded length): row b ends after valid[b] token frames, and every
+        time-mixing convolution sees zeros past that (an end-masked window, streaming.py). The modules' path
+        leaves that to streaming's hooks on those convolutions; the kernels' path applies it itself."""
+        if x.device.type in ("cuda", "meta") and vocoder_kernels.enabled():
+            return self.forward_kernels(x, ends)
         return self.model(x)
+
+    def forward_kernels(self, x: torch.Tensor, ends: tuple[torch.Tensor, int] | None = None) -> torch.Tensor:
+        """`self.model(x)`, bit for bit, with its elementwise work through vocoder_kernels: each convolution
+        runs without its bias, which the kernel after it adds (a Snake's input, or a residual unit's
+        output), and each Snake before a time-mixing convolution writes that convolution's end mask."""
+        k = vocoder_kernels
+        length = x.shape[-1]
+
+        def keep(t: int) -> torch.Tensor | None:  # row b's positions at this rate from valid[b] * t // length on
+            return None if ends is None else ends[0] * t // ends[1]
+
+        conv_in, *blocks, last, conv_out, _tanh = self.model
+        if ends is not None:  # conv_in's input is no Snake's output: masked as streaming's hook does
+            x = torch.where(torch.arange(length, device=x.device)[None, None, :] < keep(length)[:, None, None], x, 0.0)
+        x = F.conv1d(x, conv_in.weight, None, conv_in.stride, conv_in.padding)
+        bias = conv_in.bias
+        for block in blocks:
+            s, up, *units = block.block
+            h = k.snake(x, s.alpha, s.inverse_alpha(), bias, keep(x.shape[-1]))
+            x = F.conv_transpose1d(h, up.weight, None, up.stride, up.padding)
+            bias = up.bias
+            for unit in units:
+                s1, conv, s2, pointwise = unit.block
+                if bias is not None:  # the transposed conv's output + bias is the residual stream: written too
+                    x, h = k.snake(x, s1.alpha, s1.inverse_alpha(), bias, keep(x.shape[-1]), with_input=True)
+                    bias = None
+                else:
+                    h = k.snake(x, s1.alpha, s1.inverse_alpha(), None, keep(x.shape[-1]))
+                h = F.conv1d(h, conv.weight, None, conv.stride, conv.padding, conv.dilation)
+                h = k.snake(h, s2.alpha, s2.inverse_alpha(), conv.bias)  # the pointwise conv mixes no time: no mask
+                x = k.bias_residual(x, F.conv1d(h, pointwise.weight), pointwise.bias)
+        h = k.snake(x, last.alpha, last.inverse_alpha(), None, keep(x.shape[-1]))
+        return torch.tanh(F.conv1d(h, conv_out.weight, conv_out.bias, conv_out.stride, conv_out.padding))
 
     def radius_frames(self) -> float:
         """How far (in token frames) one output sample's inputs reach, the larger of the two sides.
@@ -634,7 +670,8 @@ class BiCodec(nn.Module):
         """[B, T] semantic ids + [B, C] speaker vector -> [B, T * 320] waveform."""
         z = self.quantizer.detokenize(semantic_ids)
         x = self.prenet(z, spk) + spk[:, :, None]
-        return self.decoder(x)[:, 0]
+        window = getattr(self, "_window_valid", None)  # an end-masked window's state (streaming.decode_windows)
+        return self.decoder(x, None if window is None else window[:2])[:, 0]
 
     @torch.no_grad()
     def detokenize(self, semantic_ids: torch.Tensor, global_ids: torch.Tensor) -> torch.Tensor:
