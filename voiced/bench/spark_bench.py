@@ -38,12 +38,15 @@ log = logging.getLogger("spark_bench")
 
 
 def build(device: str, dtype: torch.dtype, codec_dtype: torch.dtype, max_batch: int, max_seq: int, workdir: Path,
-          tiny: bool = False):
-    """Random full-size LM + BiCodec and a real tokenizer with the published ids, wrapped in the engine."""
+          tiny: bool = False, vocoder_graphs: bool | None = None):
+    """Random full-size LM + BiCodec and a real tokenizer with the published ids, wrapped in the engine as
+    `voiced serve` loads it: vocoder graphs as `engine.vocoder_graphs_default()` says unless given
+    (captured by the engine's warm-up; until 2026-11-27, session 14, this bench left them off, so its
+    first-chunk and audio-s/s figures before then were the eager vocoder's)."""
     from tests.spark_fixtures import _write_tokenizer
     from voiced.engines.spark.bicodec import BiCodec, BiCodecConfig
     from voiced.engines.spark.checkpoint import SparkCheckpoint, TextTokenizer, load_special_tokens
-    from voiced.engines.spark.engine import SparkTTSEngine
+    from voiced.engines.spark.engine import SparkTTSEngine, vocoder_graphs_default
     from voiced.engines.spark.qwen2 import Qwen2Config, Qwen2LM
 
     llm = workdir / "LLM"
@@ -71,8 +74,11 @@ def build(device: str, dtype: torch.dtype, codec_dtype: torch.dtype, max_batch: 
         codec = BiCodec(ccfg).to(codec_dtype).eval()
     tok = TextTokenizer(llm)
     special = load_special_tokens(llm, tok)
+    if vocoder_graphs is None:
+        vocoder_graphs = vocoder_graphs_default()
     engine = SparkTTSEngine(SparkCheckpoint(workdir), lm, codec, tok, special, device=device, max_batch=max_batch,
-                            max_seq_len=max_seq, voices_dir=workdir / "voices", model_name="Spark-TTS-0.5B (random)")
+                            max_seq_len=max_seq, voices_dir=workdir / "voices", model_name="Spark-TTS-0.5B (random)",
+                            vocoder_graphs=vocoder_graphs)
     return engine
 
 
@@ -333,6 +339,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.decode_steps:
             engine.decode_steps = args.decode_steps
         res["decode_steps"] = engine.decode_steps
+        res["vocoder_graphs"] = engine.vocoder_graphs
         res["build_s"] = round(time.perf_counter() - t0, 1)
         lm = engine.lm
         res["radius_tokens"] = engine.radius
