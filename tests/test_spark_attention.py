@@ -11,13 +11,13 @@ interpreter's bf16 matrix products are not IEEE-exact.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
 import pytest
 import torch
 
+from tests.triton_interpreter import run_interpreted
 from voiced.engines.spark.decode_attention import BLOCK_N, split_plan
 
 H, KV, D = 14, 2, 64  # Spark-TTS-0.5B's layout: 14 query heads over 2 KV heads of 64
@@ -116,12 +116,7 @@ def _child() -> dict:
 
 @pytest.fixture(scope="module")
 def interpreted():
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-m", "tests.test_spark_attention"], capture_output=True, text=True,
-                          env=env, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_interpreted("tests.test_spark_attention", timeout=900)
 
 
 def test_kernel_equals_the_torch_arithmetic_in_float32(interpreted):

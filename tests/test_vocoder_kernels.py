@@ -10,13 +10,11 @@ rounds bf16 its own way.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
+from tests.triton_interpreter import run_interpreted
 from voiced.engines.spark import vocoder_kernels as vk
 from voiced.engines.spark.bicodec import Snake1d
 
@@ -82,12 +80,7 @@ def _child() -> dict:
 
 @pytest.fixture(scope="module")
 def interpreted():
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-m", "tests.test_vocoder_kernels"], capture_output=True, text=True,
-                          env=env, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_interpreted("tests.test_vocoder_kernels", timeout=600)
 
 
 def test_kernels_equal_the_torch_arithmetic_in_float32(interpreted):
