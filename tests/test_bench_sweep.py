@@ -233,3 +233,12 @@ def test_bench_callers_hang_up_after_what_they_are_saying_so_no_turn_ends_at_the
         seconds = talk_seconds(pcm, start, 2.0)
         assert 2.0 <= seconds < 2.0 + lay.audio.size / 16000
         assert not in_utterance_at(start, seconds), start
+
+
+def test_the_e2e_bench_refuses_turn_detection_without_a_real_whisper(tmp_path):
+    """Random weights write noise, so their turns end on silence: asking for a detector there is an error
+    that says what to add, before anything loads."""
+    proc = subprocess.run([sys.executable, "-m", "voiced.bench.e2e_bench", "--tiny-cpu", "--wav", str(tmp_path / "x.wav"),
+                           "--tiktoken-dir", str(tmp_path), "--turn-detection", "smart"],
+                          capture_output=True, text=True, env=env(), timeout=120)
+    assert proc.returncode == 2 and "--turn-detection needs --asr-model" in proc.stderr, proc.stderr[-2000:]

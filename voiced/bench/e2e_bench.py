@@ -110,7 +110,7 @@ def bench_config(args):
     else:
         config.asr.model, config.asr.max_batch = asr_model, args.asr_batch
         config.asr.device = "cpu" if args.tiny_cpu else "cuda"
-        config.segmentation.turn_detection = "smart"
+        config.segmentation.turn_detection = turn_detection(args)
     config.tts.first_chunk_tokens = args.first_chunk_tokens
     config.tts.chunk_tokens = args.chunk_tokens
     config.tts.max_seconds = args.reply_seconds
@@ -183,6 +183,14 @@ def build_one_engine(arg):
     return build_engines(args, (name,))
 
 
+def turn_detection(args) -> str:
+    """How turns end: with a real Whisper (--asr-model) as --turn-detection says (smart unless told), with
+    random weights on silence (their words are noise)."""
+    if getattr(args, "asr_model", None) is None:
+        return "silence"
+    return getattr(args, "turn_detection", None) or "smart"
+
+
 def _bench_asr(args, config, dev: str):
     import torch
 
@@ -235,7 +243,7 @@ def start_server(args):
 
     config = bench_config(args)
     turn_model = None
-    if getattr(args, "asr_model", None) is not None:
+    if turn_detection(args) == "smart":
         from voiced.engines import loader
 
         turn_model = loader.load_turn_model(config)
@@ -626,6 +634,9 @@ def main(argv: list[str] | None = None) -> dict:
                     help="saturation: the largest caller count whose voice-to-voice p99 as heard stays under this")
     ap.add_argument("--refine", type=int, default=0, metavar="N",
                     help="after the levels, up to N more between the last passing and the first failing (bisection)")
+    ap.add_argument("--turn-detection", choices=["smart", "silence"], default=None,
+                    help="with --asr-model: how the daemon ends turns (default smart); an A/B of the two shows what "
+                         "the smart detector's interim decodes cost the engines")
     ap.add_argument("--asr-dims", default="large-v3-turbo")
     ap.add_argument("--asr-tokens", type=int, default=24, help="forced transcript length (random weights)")
     ap.add_argument("--asr-batch", type=int, default=64)
@@ -684,6 +695,8 @@ def main(argv: list[str] | None = None) -> dict:
         return report
     if args.asr_model is None and args.tiktoken_dir is None:
         ap.error("--tiktoken-dir is needed for the random Whisper (or give a real one with --asr-model)")
+    if args.turn_detection and args.asr_model is None:
+        ap.error("--turn-detection needs --asr-model: with random weights turns end on silence")
 
     import gc
 
@@ -704,7 +717,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     result = {"bench": "e2e", "gpu": "cpu (dry run)" if args.tiny_cpu else torch.cuda.get_device_name(), "torch": torch.__version__,
               "python": platform.python_version(), "asr_dims": args.asr_dims, "asr_tokens": args.asr_tokens,
-              "asr_model": args.asr_model or "random", "turn_detection": "smart" if args.asr_model else "silence",
+              "asr_model": args.asr_model or "random", "turn_detection": turn_detection(args),
               "reply_seconds": args.reply_seconds, "first_chunk_tokens": args.first_chunk_tokens,
               "hang_up": args.hang_up, "engine_threads": engine_threads(args), "engine_process": engine_process(args),
               "engine_overlap": engine_overlap(args) and engine_threads(args) == "shared", "merge_policy": args.merge_policy or "default",
