@@ -70,9 +70,10 @@ def snake(x: torch.Tensor, alpha: torch.Tensor, inverse_alpha: torch.Tensor, bia
 
 def bias_residual(x: torch.Tensor, y: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     """x + (y + bias): a residual unit's input plus its last convolution's output and bias, `[B, C, T]`."""
+    x, y = x.contiguous(), y.contiguous()
     out = torch.empty_like(x)
     if x.device.type != "meta":
-        _launch(_bias_residual, x, x.contiguous(), y.contiguous(), bias, out)
+        _launch(_bias_residual, x, x, y, bias, out)
     return out
 
 
