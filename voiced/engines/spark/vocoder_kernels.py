@@ -20,8 +20,8 @@ The bits are torch's. Each torch op computes in float32 and rounds its result to
 so the kernels round after each step as they do, take sin from libdevice (CUDA's accurate sinf, what
 torch's kernel calls), not the approximate hardware sine, and let the compiler contract no multiply and
 add into one fused multiply-add (with contraction, 5 % of a Snake's values differed by an ulp). In
-float32 the roundings are no-ops. tests/test_vocoder_kernels_gpu.py checks the bits (run on NVIDIA H100
-and H200; a ROCm build takes the kernels too, its sin unchecked against torch's).
+float32 the roundings are no-ops. tests/test_vocoder_kernels_gpu.py checks the bits (run on an NVIDIA H100;
+a ROCm build takes the kernels too, its sin unchecked against torch's).
 """
 
 from __future__ import annotations
