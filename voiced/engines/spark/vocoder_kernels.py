@@ -26,6 +26,7 @@ a ROCm build takes the kernels too, its sin unchecked against torch's).
 
 from __future__ import annotations
 
+import importlib
 import os
 
 import torch
@@ -79,7 +80,8 @@ def bias_residual(x: torch.Tensor, y: torch.Tensor, bias: torch.Tensor) -> torch
 
 
 if triton is not None:
-    from triton.language.extra import libdevice
+    # looked up as decode_attention looks up Triton: a module of torch's CUDA builds, no requirement of ours
+    libdevice = importlib.import_module("triton.language.extra.libdevice")
 
     @triton.jit
     def _snake(x_ptr, alpha_ptr, inv_ptr, bias_ptr, keep_ptr, out_ptr, h_ptr, C, T, BLOCK: tl.constexpr,
