@@ -97,21 +97,23 @@ gpu-data: system-deps $(VENV)/.test-installed
 	$(BIN)/python -m tests.speech .devdata/speech
 
 # What `voiced bench turns` and `voiced bench e2e --asr-model` need on a GPU machine without network,
-# espeak-ng or onnxruntime (beside `gpu-data`'s wheels), made in $(GPU_TURNS) (git-ignored) as two
-# folders of at most GPU_CARRY_MIB each, to carry in two consecutive calls: 1/ holds onnxruntime's wheel
-# (the version of this venv) with flatbuffers, the one dependency a CUDA image lacks, and the first part
-# of turns.tar.xz; 2/ the rest of it. The archive holds a voiced cache (tiny.en-pypi, Smart Turn v3.2
-# and the Silero VAD the bench's Pipecat reference runs, each pulled from PyPI as `voiced models pull`
-# does), the bench's turn sets (seeds 0 and 1: its `--set` folders) and a 16 kHz WAV of three sentences
-# for the e2e bench. docs/BENCHMARKS.md ("Turn taking on a GPU") has the commands that join and run it.
+# espeak-ng or onnxruntime (beside `gpu-data`'s wheels), made in $(GPU_TURNS) (git-ignored) as folders of
+# at most GPU_CARRY_MIB each, to carry one per call (the device tool carries 64 MiB with the tracked tree,
+# itself ~16 MiB): wheels/ holds onnxruntime's wheel (the version of this venv) with flatbuffers, the one
+# dependency a CUDA image lacks; part0/, part1/, ... hold turns.tar.xz cut in pieces. The archive holds a
+# voiced cache (tiny.en-pypi, Smart Turn v3.2 and the Silero VAD the bench's Pipecat reference runs, each
+# pulled from PyPI as `voiced models pull` does), the bench's turn sets (seeds 0 and 1: its `--set`
+# folders) and a 16 kHz WAV of three sentences for the e2e bench. docs/BENCHMARKS.md ("Turn taking on a
+# GPU") has the commands that join and run it.
 GPU_TURNS := .devdata/gpu-turns
-GPU_CARRY_MIB ?= 55
+GPU_CARRY_MIB ?= 40
 gpu-turn-data: system-deps $(VENV)/.test-installed
-	rm -rf $(GPU_TURNS) && mkdir -p $(GPU_TURNS)/1 $(GPU_TURNS)/2 $(GPU_TURNS)/stage/cache $(GPU_TURNS)/stage/sets
+	rm -rf $(GPU_TURNS) && mkdir -p $(GPU_TURNS)/wheels $(GPU_TURNS)/stage/cache $(GPU_TURNS)/stage/sets
 	$(BIN)/python -m pip download --quiet --no-deps --only-binary=:all: --python-version $(GPU_PY) \
 		--implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
-		--platform manylinux2014_x86_64 --platform any -d $(GPU_TURNS)/1 flatbuffers \
+		--platform manylinux2014_x86_64 --platform any -d $(GPU_TURNS)/wheels flatbuffers \
 		"onnxruntime==$$($(BIN)/python -c 'import importlib.metadata as m; print(m.version("onnxruntime"))')"
+	test $$(cat $(GPU_TURNS)/wheels/*.whl | wc -c) -le $$(( $(GPU_CARRY_MIB) * 1048576 ))
 	for m in tiny.en-pypi smart-turn-v3-pypi; do \
 		$(BIN)/python -m voiced models pull $$m --cache $(GPU_TURNS)/stage/cache || exit 1; done
 	$(BIN)/python -c 'import sys; from voiced.bench.turn_reference import silero_path; silero_path(sys.argv[1])' \
@@ -123,13 +125,10 @@ gpu-turn-data: system-deps $(VENV)/.test-installed
 		shop open tomorrow?", "Can I book a table for two people?", "Thank you very much."], lead_s=0.5, \
 		gap_s=3.5, tail_s=3.5).audio)' $(GPU_TURNS)/stage/speech.wav
 	tar -C $(GPU_TURNS)/stage -cf - cache sets speech.wav | xz -T2 -6 > $(GPU_TURNS)/turns.tar.xz
-	# 1/ gets what room its wheels leave, 2/ the rest (more than one carry is an error, not a third part)
-	room=$$(( $(GPU_CARRY_MIB) * 1048576 - $$(cat $(GPU_TURNS)/1/*.whl | wc -c) - 65536 )); \
-		head -c $$room $(GPU_TURNS)/turns.tar.xz > $(GPU_TURNS)/1/turns.tar.xz.part0 && \
-		tail -c +$$((room + 1)) $(GPU_TURNS)/turns.tar.xz > $(GPU_TURNS)/2/turns.tar.xz.part1 && \
-		test $$(wc -c < $(GPU_TURNS)/2/turns.tar.xz.part1) -le $$(( $(GPU_CARRY_MIB) * 1048576 ))
+	split -b $$(( $(GPU_CARRY_MIB) * 1048576 )) -d -a 1 $(GPU_TURNS)/turns.tar.xz $(GPU_TURNS)/turns.tar.xz.part
+	for f in $(GPU_TURNS)/turns.tar.xz.part*; do n=$${f##*.part}; mkdir -p $(GPU_TURNS)/part$$n && mv $$f $(GPU_TURNS)/part$$n/; done
 	rm -rf $(GPU_TURNS)/stage $(GPU_TURNS)/turns.tar.xz
-	du -b $(GPU_TURNS)/1 $(GPU_TURNS)/2
+	du -b $(GPU_TURNS)/*
 
 # Soak (issue 14): one `voiced serve` on loopback with the real tiny.en (pulled from PyPI once), a phrase
 # espeak-ng reads, 10,000 sequential sessions (every 10th transcribed) and 50 concurrent callers;
