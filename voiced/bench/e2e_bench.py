@@ -33,7 +33,8 @@ Wyoming callers play Home Assistant's part (voiced.bench.wyoming_caller): their 
 own thresholds, no forced lengths) with smart turn detection (voiced.core.turns; the end-of-turn model
 pulled as `voiced serve` finds it): the words decide where turns end, so v2v_real_end_ms is voice-to-voice
 from the caller's real end of speech with the detector's wait in it (issue 25's figure). Give it real
-speech with pauses as --wav (Spark stays random, as above).
+speech with pauses as --wav (Spark stays random, as above). `--turn-detection silence` runs the same
+Whisper with turns ended on silence: the A/B of what the detector costs the engines.
 
 Every level also records what went wrong (failed_callers, notices, unanswered: utterances no reply
 answered) and, on a GPU, its own memory peak (gpu_memory). A caller sweep (`--sessions 1 2 4 8 16 24
