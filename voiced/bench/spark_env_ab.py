@@ -34,6 +34,13 @@ def parse_mode(mode: str) -> dict[str, str]:
     return dict(pairs)
 
 
+def set_mode(env: dict[str, str], modes: list[tuple[str, dict[str, str]]]) -> None:
+    """Make one mode's environment: every variable any of `modes` sets is cleared, then this one's set."""
+    for k in {k for _, e in modes for k in e}:
+        os.environ.pop(k, None)
+    os.environ.update(env)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("modes", nargs="+")
@@ -47,7 +54,6 @@ def main(argv: list[str] | None = None) -> int:
 
     res: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
                  "runs": []}
-    names = {k for _, env in modes for k in env}
     with tempfile.TemporaryDirectory() as tmp:
         eng = sb.build("cuda", torch.bfloat16, torch.bfloat16, 64, 1024, Path(tmp))
         eng.force_reply_lengths()
@@ -55,9 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         prompt = torch.randint(0, 151643, (300,), generator=torch.Generator().manual_seed(0)).cuda()
         first_tokens = None
         for mode, env in modes:
-            for k in names:
-                os.environ.pop(k, None)
-            os.environ.update(env)
+            set_mode(env, modes)
             eng.lm.compile_decode()
             eng.codec._graphs = None  # the vocoder's graphs too are captured again, under this mode
             t0 = time.perf_counter()

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from pathlib import Path
 
 import torch
@@ -37,7 +36,7 @@ def timed(fn, n: int = 20) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from voiced.bench.spark_env_ab import parse_mode
+    from voiced.bench.spark_env_ab import parse_mode, set_mode
     from voiced.engines.spark import streaming
     from voiced.engines.spark.bicodec import BiCodec, BiCodecConfig
     from voiced.engines.spark.vocoder_graphs import graphed_decode
@@ -49,7 +48,6 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         raise SystemExit("voiced bench vocoder needs a CUDA GPU")
     modes = [(m, parse_mode(m)) for m in args.modes]
-    names = {k for _, env in modes for k in env}
     cfg = BiCodecConfig()
     torch.manual_seed(0)
     with torch.device("cuda"):
@@ -59,9 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     res: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "runs": []}
     first_audio: dict = {}
     for mode, env in modes:
-        for k in names:
-            os.environ.pop(k, None)
-        os.environ.update(env)
+        set_mode(env, modes)
         run: dict = {"mode": mode}
         for b, length in SHAPES:
             ids = torch.randint(0, cfg.codebook_size, (b, length), device="cuda",

@@ -357,9 +357,14 @@ class WaveGenerator(nn.Module):
         output), and each Snake before a time-mixing convolution writes that convolution's end mask."""
         k = vocoder_kernels
         length = x.shape[-1]
+        keeps: dict[int, torch.Tensor] = {}  # one per rate: several Snakes share each
 
         def keep(t: int) -> torch.Tensor | None:  # row b's positions at this rate from valid[b] * t // length on
-            return None if ends is None else ends[0] * t // ends[1]
+            if ends is None:
+                return None
+            if t not in keeps:
+                keeps[t] = ends[0] * t // ends[1]
+            return keeps[t]
 
         conv_in, *blocks, last, conv_out, _tanh = self.model
         if ends is not None:  # conv_in's input is no Snake's output: masked as streaming's hook does
