@@ -54,6 +54,20 @@ def test_dtw_is_openai_whispers_including_ties():
             assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1]), (n, m)
 
 
+def test_dtw_of_many_matrices_at_once_is_each_alone(monkeypatch):
+    # A step's requests are warped together in padded tables; each path is openai-whisper's for its
+    # own matrix, whatever shares its table (and when the budget splits them into several tables).
+    ref = pytest.importorskip("whisper.timing")
+    rng = np.random.default_rng(1)
+    shapes = [(40, 300), (1, 1), (6, 1), (12, 700), (3, 9), (1, 6), (25, 80)]
+    costs = [rng.random(s) if k % 2 else rng.integers(0, 3, s).astype(float) for k, s in enumerate(shapes)]
+    for cells in (timing.DTW_CELLS, 2000):
+        monkeypatch.setattr(timing, "DTW_CELLS", cells)
+        for cost, got in zip(costs, timing.dtw_many(costs)):
+            want = ref.dtw_cpu(cost)
+            assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1]), cost.shape
+
+
 def test_official_heads_are_openai_whispers():
     whisper = pytest.importorskip("whisper")
     theirs = {k: v for k, v in whisper._ALIGNMENT_HEADS.items() if k not in ("large", "turbo")}
@@ -211,17 +225,58 @@ def test_word_times_with_segment_timestamps_equal_openai_whisper(tmp_path_factor
     assert k == len(r.words)
 
 
-def test_words_of_several_requests_in_one_batch(tmp_path_factory, audio):
-    # Requests finishing in one step each get their own audio's timings.
-    engine, _ = models(tmp_path_factory, False, 4, 3.0)
-    short = audio[: len(audio) // 2]
-    opts = ASROptions(language="en", max_new_tokens=30, word_timestamps=True)
-    alone = [engine.transcribe(ASRRequest(a, opts)) for a in (audio, short)]
-    engine.submit(1, ASRRequest(audio, opts))
-    engine.submit(2, ASRRequest(short, opts))
+def _run(engine, requests):
+    for rid, req in requests.items():
+        engine.submit(rid, req)
     got = {}
     while engine.has_work():
-        got.update({o.request_id: o.value for o in engine.step()})
-    for rid, want in ((1, alone[0]), (2, alone[1])):
-        assert [(w.word, w.start_s, w.end_s) for w in got[rid].words] == [(w.word, w.start_s, w.end_s) for w in want.words]
-    assert [w.end_s for w in got[1].words] != [w.end_s for w in got[2].words]
+        got.update({o.request_id: o for o in engine.step()})
+    return got
+
+
+@pytest.mark.parametrize("group_bytes", [None, 1])  # all in one forced pass; one pass each
+def test_words_of_several_requests_in_one_batch(tmp_path_factory, audio, monkeypatch, group_bytes):
+    # Requests finishing in one step each get their own audio's timings and end probabilities, the
+    # same as alone, whether their forced passes run together or apart.
+    from voiced.engines.whisper import engine as engine_module
+
+    if group_bytes is not None:
+        monkeypatch.setattr(engine_module, "ALIGN_GROUP_BYTES", group_bytes)
+    engine, _ = models(tmp_path_factory, False, 4, 3.0)
+    clips = [audio, audio[: len(audio) // 2], audio[len(audio) // 4:]]
+    opts = ASROptions(language="en", max_new_tokens=30, min_new_tokens=30, word_timestamps=True)
+    alone = [engine.transcribe(ASRRequest(a, opts)) for a in clips]
+    passes = []
+    real_pass = engine.model.decoder.alignment_pass
+    monkeypatch.setattr(engine.model.decoder, "alignment_pass", lambda *a: passes.append(a[0].shape[0]) or real_pass(*a))
+    got = _run(engine, {k: ASRRequest(a, opts) for k, a in enumerate(clips)})
+    assert passes == ([3] if group_bytes is None else [1, 1, 1])  # they finished together (forced lengths)
+    for k, want in enumerate(alone):
+        r = got[k].value
+        assert [(w.word, w.start_s, w.end_s) for w in r.words] == [(w.word, w.start_s, w.end_s) for w in want.words]
+        assert [w.probability for w in r.words] == pytest.approx([w.probability for w in want.words], rel=1e-4)
+        assert (r.end_prob, r.stop_prob) == pytest.approx((want.end_prob, want.stop_prob), rel=1e-4, abs=1e-6)
+    assert [w.end_s for w in got[0].value.words] != [w.end_s for w in got[1].value.words]
+
+
+def test_a_failing_word_timing_fails_its_request_alone(tmp_path_factory, audio, monkeypatch):
+    # One request's words failing in the shared forced pass: it gets an error naming the fault, the
+    # requests finishing with it still get theirs.
+    from voiced.engines.whisper import engine as engine_module
+
+    engine, _ = models(tmp_path_factory, False, 4, 3.0)
+    short = audio[: len(audio) // 2]
+    opts = ASROptions(language="en", max_new_tokens=30, min_new_tokens=30, word_timestamps=True)
+    want = engine.transcribe(ASRRequest(audio, opts))
+    real = engine_module.fit_to_pauses
+
+    def fit(words, clip):
+        if len(clip) == len(short):
+            raise ValueError("no pauses today")
+        return real(words, clip)
+
+    monkeypatch.setattr(engine_module, "fit_to_pauses", fit)
+    got = _run(engine, {1: ASRRequest(audio, opts), 2: ASRRequest(short, opts)})
+    assert got[2].error and "no pauses today" in got[2].error and got[2].fault
+    assert got[1].error is None
+    assert [(w.word, w.start_s, w.end_s) for w in got[1].value.words] == [(w.word, w.start_s, w.end_s) for w in want.words]

@@ -58,8 +58,10 @@ from .model import KVCache, ModelDims, TextDecoder, Whisper
 from .registry import resolve
 from .timing import (
     SegmentSpan,
+    attention_matrix,
     check_heads,
     default_alignment_heads,
+    dtw_many,
     fit_to_pauses,
     last_word_end,
     official_alignment_heads,
@@ -69,6 +71,28 @@ from .token_choice import choose_tokens
 from .tokenizer import WhisperTokenizer
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Forced:
+    """A finished request's text as the word-timing pass forces it through the decoder."""
+
+    row: int  # the cache row holding its audio's cross keys/values
+    language: str
+    prefix: list[int]  # <|startoftranscript|> [<|lang|> <|task|>] <|notimestamps|>
+    text: list[int]
+    spans: list[SegmentSpan]
+    audio: np.ndarray
+
+    def tokens(self, tok: WhisperTokenizer) -> list[int]:
+        return [*self.prefix, *self.text, tok.eot]
+
+
+# Bytes one forced word-timing pass may hold at once (its logits, the heads' scores and a layer's cross
+# keys/values gathered from the cache rows): the requests finishing in one step go through in as few
+# passes as fit, where each took a pass, a readback and a time warping of its own (issue 25: at 64
+# smart-turn callers these, one after another, were the slowest recognition steps, 140-364 ms).
+ALIGN_GROUP_BYTES = 128 << 20
 
 
 @dataclass
@@ -885,73 +909,141 @@ class WhisperEngine:
     def _finish(self) -> list[EngineOutput]:
         """Report finished requests and free their rows."""
         finished = [q for q in self._active.values() if q.dec.done]
-        outputs = []
+        outputs, timed = [], []
         for req in finished:
             del self._active[req.rid]
             try:
                 result = req.dec.result(req.seconds)
-                if req.request.options.word_timestamps and result.tokens and not self._warming:
-                    result.words, result.end_prob, result.stop_prob = self._words(req, result)
-                outputs.append(EngineOutput(req.rid, result, True))
-            except Exception as e:  # turning this request's tokens into text or word times: its fault alone
+            except Exception as e:  # turning this request's tokens into text: its fault alone
                 log.error("whisper: request %s failed", req.rid, exc_info=e)
                 outputs.append(fault_output(req.rid, "speech recognition", e))
+                continue
+            if req.request.options.word_timestamps and result.tokens and not self._warming:
+                timed.append((req, result))
+            else:
+                outputs.append(EngineOutput(req.rid, result, True))
+        outputs += self._with_words(timed)
         self._release(finished)
         return outputs
 
-    def _words(self, req: _Active, result: Transcript) -> tuple[list, float | None, float | None]:
-        """Word timings of a finished request (its rows still hold its audio's cross keys/values), the
-        probability of end-of-text after its text and that of the sentence ending right after its last
-        word (the same forced pass has the logits for both)."""
-        plan = req.dec.plan
-        text = [t for t in result.tokens if t < self.tok.eot]
-        audio = req.request.audio
-        if plan.timestamps and result.segments:
-            spans = [SegmentSpan(s.start, s.end, s.tokens) for s in result.segments]
-        else:
-            spans = [SegmentSpan(0.0, audio.shape[0] // HOP_LENGTH * HOP_LENGTH / SAMPLE_RATE, text)]
-        aligned = self._align(req.rows[0], plan.language, plan.task, text, spans, audio)
-        if aligned is None:
-            return [], None, None
-        per_segment, words, end_prob, stop_prob = aligned
-        if plan.timestamps and result.segments:
-            # As openai-whisper's transcribe() does with word timestamps on: a segment runs from its
-            # first word's start to its last word's end (what srt/vtt subtitles show).
-            k = 0
-            for seg, seg_words in zip(result.segments, per_segment):
-                if seg_words:
-                    seg.start, seg.end = words[k].start_s, words[k + len(seg_words) - 1].end_s
-                k += len(seg_words)
-        return words, end_prob, stop_prob
+    def _with_words(self, timed: list[tuple[_Active, Transcript]]) -> list[EngineOutput]:
+        """The outputs of finished requests that asked for word timings, all of a step's together."""
+        if not timed:
+            return []
+        try:
+            found = self._words(timed)
+        except Exception as e:
+            if len(timed) > 1:  # one request's fault must not fail the others: each again on its own
+                return [out for item in timed for out in self._with_words([item])]
+            log.error("whisper: request %s failed", timed[0][0].rid, exc_info=e)
+            return [fault_output(timed[0][0].rid, "speech recognition", e)]
+        return [EngineOutput(req.rid, result, True) for req, result in found]
 
-    def _align(self, row: int, language: str | None, task: str, text: list[int], spans: list[SegmentSpan],
-               audio: np.ndarray) -> tuple[list, list, float, float] | None:
-        """The forced pass of `text` over the audio in cache row `row`: (each span's words, all words fitted
-        to the audio's pauses, end-of-text probability after the text, probability of a sentence end right
-        after the last word); None where it does not fit."""
-        tok = self.tok
-        prefix = [*tok.sot_sequence(language, task), tok.no_timestamps]
-        forced = [*prefix, *text, tok.eot]
-        if len(forced) > self.dims.n_text_ctx:  # only with max_new_tokens near the whole text context
-            log.warning("no word timings: %d text tokens do not fit the decoder's %d positions with the prompt",
-                        len(text), self.dims.n_text_ctx)
-            return None
-        dev = self.model.device
-        logits, scores = self.model.decoder.alignment_pass(to_device(forced, dev), row, self.cache,
-                                                           self.alignment_heads)
-        n = len(prefix)
-        probs = logits[n - 1:n - 1 + len(text), :tok.eot].softmax(dim=-1)
-        token_probs = probs.gather(1, to_device(text, dev)[:, None])[:, 0]
+    def _words(self, timed: list[tuple[_Active, Transcript]]) -> list[tuple[_Active, Transcript]]:
+        """Each finished request's result with its word timings (its rows still hold its audio's cross
+        keys/values), the probability of end-of-text after its text and that of the sentence ending
+        right after its last word (the same forced pass has the logits for all three)."""
+        forced = []
+        for req, result in timed:
+            plan = req.dec.plan
+            text = [t for t in result.tokens if t < self.tok.eot]
+            audio = req.request.audio
+            if plan.timestamps and result.segments:
+                spans = [SegmentSpan(s.start, s.end, s.tokens) for s in result.segments]
+            else:
+                spans = [SegmentSpan(0.0, audio.shape[0] // HOP_LENGTH * HOP_LENGTH / SAMPLE_RATE, text)]
+            prefix = [*self.tok.sot_sequence(plan.language, plan.task), self.tok.no_timestamps]
+            forced.append(_Forced(req.rows[0], plan.language or "en", prefix, text, spans, audio))
+        for (req, result), aligned in zip(timed, self._align(forced)):
+            if aligned is None:
+                result.words, result.end_prob, result.stop_prob = [], None, None
+                continue
+            per_segment, result.words, result.end_prob, result.stop_prob = aligned
+            if req.dec.plan.timestamps and result.segments:
+                # As openai-whisper's transcribe() does with word timestamps on: a segment runs from its
+                # first word's start to its last word's end (what srt/vtt subtitles show).
+                k = 0
+                for seg, seg_words in zip(result.segments, per_segment):
+                    if seg_words:
+                        seg.start, seg.end = result.words[k].start_s, result.words[k + len(seg_words) - 1].end_s
+                    k += len(seg_words)
+        return timed
+
+    def _align(self, forced: list[_Forced]) -> list[tuple[list, list, float, float] | None]:
+        """The forced passes of each request's text over its audio: (each span's words, all words fitted
+        to the audio's pauses, end-of-text probability after the text, probability of a sentence end
+        right after the last word), or None where the text does not fit the decoder. As few passes as
+        ALIGN_GROUP_BYTES allows, one readback each, one time warping for all."""
+        fits = []
+        for k, f in enumerate(forced):
+            if len(f.tokens(self.tok)) > self.dims.n_text_ctx:  # only with max_new_tokens near the whole context
+                log.warning("no word timings: %d text tokens do not fit the decoder's %d positions with the prompt",
+                            len(f.text), self.dims.n_text_ctx)
+            else:
+                fits.append(k)
+        a, d = self.cache.cross_k.shape[2:]
+        per_position = self.dims.n_vocab * 4 * 2 + len(self.alignment_heads) * a * 4 * 3  # logits, scores
+        per_request = a * d * (2 * self.cache.cross_k.element_size() + 4)  # a layer's gathered cross k/v
+        groups, size = [], 0
+        for k in fits:
+            need = per_request + per_position * len(forced[k].tokens(self.tok))
+            if not groups or size + need > ALIGN_GROUP_BYTES:
+                groups.append([])
+                size = 0
+            groups[-1].append(k)
+            size += need
+        passes = [(group, self._forced_pass([forced[k] for k in group])) for group in groups]
+        out: list[tuple | None] = [None] * len(forced)
+        paths = iter(dtw_many([-m for _, (_, _, mats) in passes for m in mats if m is not None]))
+        for group, (token_probs, probs, mats) in passes:
+            for k, tp, (end_prob, stop_prob), m in zip(group, token_probs, probs, mats):
+                f = forced[k]
+                per_segment = word_timings(self.tok, f.language, f.spans, None if m is None else next(paths), tp)
+                words = fit_to_pauses([w for seg in per_segment for w in seg], f.audio)
+                out[k] = per_segment, words, end_prob, stop_prob
+        return out
+
+    def _forced_pass(self, group: list[_Forced]) -> tuple[list[list[float]], list[tuple[float, float]],
+                                                          list[np.ndarray | None]]:
+        """One decoder pass over `group`'s forced sequences: per request its text tokens' probabilities,
+        (end-of-text probability, sentence-end probability) and the time warping's attention matrix
+        (None without text), read back in one copy."""
+        tok, dev = self.tok, self.model.device
+        seqs = [f.tokens(tok) for f in group]
+        t = max(len(x) for x in seqs)
+        # The logits read: each position that predicts a text token or end-of-text (the last of a
+        # request's rows); where the last word's letters end is one of them.
+        at, base = [], []
+        for r, f in enumerate(group):
+            base.append(len(at))
+            at.extend(r * t + len(f.prefix) - 1 + j for j in range(len(f.text) + 1))
+        logits, scores = self.model.decoder.alignment_pass(
+            to_device([x + [tok.eot] * (t - len(x)) for x in seqs], dev), to_device([f.row for f in group], dev),
+            self.cache, self.alignment_heads, to_device(at, dev))
+        targets = to_device([x for f in group for x in (*f.text, 0)], dev)  # (0: the end rows, not read)
+        token_probs = logits[:, :tok.eot].softmax(dim=-1).gather(1, targets[:, None])[:, 0]
         # Over the text tokens and end-of-text (timestamps and other specials cannot follow here).
-        end = logits[n - 1 + len(text), :tok.eot + 1].float().softmax(dim=-1)[tok.eot]
+        ends = to_device([b + len(f.text) for b, f in zip(base, group)], dev)
+        end = logits[ends, :tok.eot + 1].softmax(dim=-1)[:, tok.eot]
         # Right after the last word's letters (where Whisper chose its final punctuation): the text stopping
         # (a full stop, question or exclamation mark, ellipsis, end-of-text) against more words or a comma.
-        after = logits[n - 1 + last_word_end(tok, text), :tok.eot + 1].float().softmax(dim=-1)
-        stop = after[to_device([*tok.sentence_end_tokens, tok.eot], dev)].sum()
-        *token_probs, end_prob, stop_prob = torch.cat([token_probs.float(), end[None], stop[None]]).tolist()  # one readback
-        per_segment = word_timings(tok, language or "en", spans, scores, token_probs, n,
-                                   audio.shape[0] // HOP_LENGTH)
-        return per_segment, fit_to_pauses([w for seg in per_segment for w in seg], audio), end_prob, stop_prob
+        after = to_device([b + last_word_end(tok, f.text) for b, f in zip(base, group)], dev)
+        stop = logits[after, :tok.eot + 1].softmax(dim=-1)[:, to_device([*tok.sentence_end_tokens, tok.eot], dev)].sum(-1)
+        mats = [attention_matrix(scores[r, :, :len(seqs[r])], len(f.prefix), f.audio.shape[0] // HOP_LENGTH)
+                if f.text else None for r, f in enumerate(group)]
+        flat = torch.cat([token_probs.double(), end.double(), stop.double(),
+                          *(m.double().flatten() for m in mats if m is not None)]).cpu().numpy()  # one readback
+        n = len(at)
+        probs, end_stop = flat[:n], list(zip(flat[n:n + len(group)].tolist(), flat[n + len(group):n + 2 * len(group)].tolist()))
+        offset, host = n + 2 * len(group), []
+        for m in mats:
+            if m is None:
+                host.append(None)
+                continue
+            host.append(flat[offset:offset + m.numel()].reshape(m.shape))
+            offset += m.numel()
+        token_probs = [probs[b:b + len(f.text)].tolist() for b, f in zip(base, group)]
+        return token_probs, end_stop, host
 
     def _warm_word_timings(self) -> None:
         """One forced word-timing pass on row 0 (warm-up's audio): a smart-turn caller's first pause asks
@@ -959,7 +1051,8 @@ class WhisperEngine:
         up (issue 25's e2e run at 1 caller: a 1,063 ms step, then 100-160 ms)."""
         audio = np.zeros(SAMPLE_RATE, dtype=np.float32)
         text = self.tok.encode(" One, two, three.")
-        self._align(0, "en", "transcribe", text, [SegmentSpan(0.0, 1.0, text)], audio)
+        prefix = [*self.tok.sot_sequence("en", "transcribe"), self.tok.no_timestamps]
+        self._align([_Forced(0, "en", prefix, text, [SegmentSpan(0.0, 1.0, text)], audio)])
 
     def _release(self, leaving: list[_Active]) -> None:
         """Free the rows of `leaving` and pack the live rows back to 0..n-1."""

@@ -245,16 +245,18 @@ class TextDecoder(nn.Module):
             x = x + block.mlp(block.mlp_ln(x))
         return self._logits(x)
 
-    def alignment_pass(self, tokens: Tensor, slot: int, cache: KVCache,
-                       heads: list[tuple[int, int]]) -> tuple[Tensor, Tensor]:
-        """Run a whole token sequence [T] against the audio in cache slot `slot`, for word timings.
+    def alignment_pass(self, tokens: Tensor, slots: Tensor, cache: KVCache, heads: list[tuple[int, int]],
+                       at: Tensor) -> tuple[Tensor, Tensor]:
+        """Run whole token sequences [R, T] against the audio in cache slots `slots` [R], for word timings.
 
-        Returns the logits [T, vocab] and the cross-attention scores (q.k / sqrt(head width), before
-        softmax, float32) of `heads` ((layer, head) pairs, in that order) [len(heads), T, audio
-        positions]. The slot's self-attention cache is neither read nor written.
+        Sequences shorter than T are padded at their end: the self-attention is causal, so padding
+        changes no real position. Returns the logits [len(at), vocab] at the flat positions `at`
+        (r * T + t) and the cross-attention scores (q.k / sqrt(head width), before softmax, float32)
+        of `heads` ((layer, head) pairs, in that order) [R, len(heads), T, audio positions]. The
+        slots' self-attention caches are neither read nor written.
         """
-        t = tokens.shape[0]
-        x = (self.token_embedding(tokens) + self.positional_embedding[:t]).to(cache.cross_k.dtype)[None]
+        r, t = tokens.shape
+        x = (self.token_embedding(tokens) + self.positional_embedding[:t]).to(cache.cross_k.dtype)
         wanted: dict[int, list[int]] = {}
         for i, (layer, head) in enumerate(heads):
             wanted.setdefault(layer, []).append(i)
@@ -264,17 +266,17 @@ class TextDecoder(nn.Module):
             x = x + block.attn.attend(block.attn.query(h), block.attn.key(h), block.attn.value(h), causal=t > 1)
             h = block.cross_attn_ln(x)
             q = block.cross_attn.query(h)
-            k, v = cache.cross_k[i, slot][None], cache.cross_v[i, slot][None]
+            k, v = cache.cross_k[i, slots], cache.cross_v[i, slots]
             x = x + block.cross_attn.attend(q, k, v)
             if i in wanted:
                 n_head = block.cross_attn.n_head
-                qh, kh = _heads(q, n_head)[0].float(), _heads(k, n_head)[0].float()  # [H, T|A, hd]
+                qh, kh = _heads(q, n_head).float(), _heads(k, n_head).float()  # [R, H, T|A, hd]
                 scale = qh.shape[-1] ** -0.5
                 for j in wanted[i]:
                     hd = heads[j][1]
-                    scores[j] = (qh[hd] @ kh[hd].T) * scale
+                    scores[j] = (qh[:, hd] @ kh[:, hd].transpose(-1, -2)) * scale
             x = x + block.mlp(block.mlp_ln(x))
-        return self._logits(x)[0], torch.stack(scores)
+        return self._logits(x.reshape(r * t, -1)[at]), torch.stack(scores, dim=1)
 
     def step(self, tokens: Tensor, positions: Tensor, cache: KVCache, kv_len: int, masked: bool = True) -> Tensor:
         """One token per row for slots 0..B-1: tokens [B] at positions [B]; returns logits [B, vocab].

@@ -138,7 +138,16 @@ def median_filter(x: torch.Tensor, width: int) -> torch.Tensor:
 
 def dtw(cost: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The cheapest monotonic path through cost [N, M] from (0, 0) to (N-1, M-1), moving by
-    (1, 1), (1, 0) or (0, 1): (row indices, column indices) along it.
+    (1, 1), (1, 0) or (0, 1): (row indices, column indices) along it (`dtw_many` of one matrix)."""
+    return dtw_many([cost])[0]
+
+
+# Padded cells one `dtw_many` table may hold (~13 bytes each): more matrices go to further tables.
+DTW_CELLS = 1 << 22
+
+
+def dtw_many(costs: list[np.ndarray]) -> list[tuple[np.ndarray, np.ndarray]]:
+    """`dtw` of each matrix, the matrices of a step's finished requests swept together.
 
     Accumulated costs are float32 as in openai-whisper (each cell: float64 cost + float32 best
     predecessor, stored as float32), ties going to the right-hand move, then down, so paths match
@@ -146,24 +155,50 @@ def dtw(cost: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     diagonal is one vectorised update (N + M numpy steps instead of N x M Python ones). The tables
     are kept skewed, row d holding anti-diagonal d (cell (i, j) at [i + j, i]), so that the three
     predecessors of a diagonal's cells are plain slices of the two rows before it.
+
+    Several matrices share one table padded to the largest N and M: a cell of matrix r's own
+    rectangle depends only on cells above and left of it, inside that rectangle or on its borders,
+    so the padding never reaches its path and each path is the one it has alone; the numpy steps
+    of a diagonal (what costs, at a few microseconds each) serve every matrix at once.
     """
-    n, m = cost.shape
-    acc = np.full((n + m + 1, n + 1), np.inf, dtype=np.float32)  # acc[i + j, i]: path cost to (i, j)
-    acc[0, 0] = 0.0
-    trace = np.full((n + m + 1, n + 1), -1, dtype=np.int8)
-    ii, jj = np.meshgrid(np.arange(1, n + 1), np.arange(1, m + 1), indexing="ij")
-    skewed = np.zeros((n + m + 1, n + 1))
-    skewed[ii + jj, ii] = cost
+    out: list[tuple[np.ndarray, np.ndarray] | None] = [None] * len(costs)
+    order = sorted(range(len(costs)), key=lambda r: costs[r].shape)
+    while order:
+        group = [order.pop(0)]
+        while order:  # the next (larger) matrix joins while the padded table stays in budget
+            n, m = (max(costs[r].shape[k] for r in (*group, order[0])) for k in (0, 1))
+            if (len(group) + 1) * (n + m + 1) * (n + 1) > DTW_CELLS:
+                break
+            group.append(order.pop(0))
+        for r, path in zip(group, _dtw_table([costs[r] for r in group])):
+            out[r] = path
+    return out
+
+
+def _dtw_table(costs: list[np.ndarray]) -> list[tuple[np.ndarray, np.ndarray]]:
+    g = len(costs)
+    n, m = max(c.shape[0] for c in costs), max(c.shape[1] for c in costs)
+    acc = np.full((g, n + m + 1, n + 1), np.inf, dtype=np.float32)  # acc[r, i + j, i]: path cost to (i, j)
+    acc[:, 0, 0] = 0.0
+    trace = np.full((g, n + m + 1, n + 1), -1, dtype=np.int8)
+    skewed = np.zeros((g, n + m + 1, n + 1))
+    for r, c in enumerate(costs):
+        ii, jj = np.meshgrid(np.arange(1, c.shape[0] + 1), np.arange(1, c.shape[1] + 1), indexing="ij")
+        skewed[r, ii + jj, ii] = c
     for d in range(2, n + m + 1):
         lo, hi = max(1, d - m), min(n, d - 1) + 1  # rows i of the cells on this diagonal
-        c0 = acc[d - 2, lo - 1:hi - 1]  # (i-1, j-1)
-        c1 = acc[d - 1, lo - 1:hi - 1]  # (i-1, j)
-        c2 = acc[d - 1, lo:hi]  # (i, j-1)
+        c0 = acc[:, d - 2, lo - 1:hi - 1]  # (i-1, j-1)
+        c1 = acc[:, d - 1, lo - 1:hi - 1]  # (i-1, j)
+        c2 = acc[:, d - 1, lo:hi]  # (i, j-1)
         diag = (c0 < c1) & (c0 < c2)
         down = ~diag & (c1 < c0) & (c1 < c2)
-        acc[d, lo:hi] = skewed[d, lo:hi] + np.where(diag, c0, np.where(down, c1, c2))
-        trace[d, lo:hi] = np.where(diag, 0, np.where(down, 1, 2))
-    # Walk back from the corner; the borders lead straight home.
+        acc[:, d, lo:hi] = skewed[:, d, lo:hi] + np.where(diag, c0, np.where(down, c1, c2))
+        trace[:, d, lo:hi] = np.where(diag, 0, np.where(down, 1, 2))
+    return [_walk_back(trace[r], *c.shape) for r, c in enumerate(costs)]
+
+
+def _walk_back(trace: np.ndarray, n: int, m: int) -> tuple[np.ndarray, np.ndarray]:
+    """From the corner (n, m) of a skewed trace table home; the borders lead straight there."""
     i, j = n, m
     path = []
     while i > 0 and j > 0:
@@ -233,23 +268,31 @@ class _Timing:
     probability: float
 
 
-def align(tok: WhisperTokenizer, language: str, text_tokens: list[int], scores: torch.Tensor,
-          token_probs: list[float], n_prefix: int, num_frames: int) -> list[_Timing]:
-    """Words of `text_tokens` with their times (s) and probabilities.
+def attention_matrix(scores: torch.Tensor, n_prefix: int, num_frames: int) -> torch.Tensor:
+    """The token x frame matrix the time warping follows, on the scores' device.
 
     scores: the alignment heads' cross-attention scores [heads, T, audio positions] for the whole
-    forced sequence (n_prefix tokens up to <|notimestamps|>, the text, <|endoftext|>); token_probs:
-    each text token's probability; num_frames: the audio's length in 10 ms mel frames.
+    forced sequence (n_prefix tokens up to <|notimestamps|>, the text, <|endoftext|>); num_frames:
+    the audio's length in 10 ms mel frames. Rows: the positions that predict each text token and
+    <|endoftext|>; columns: the audio's own 20 ms positions.
     """
-    if not text_tokens:
-        return []
     w = scores[:, :, : max(num_frames // 2, 1)].float().softmax(dim=-1)
     std, mean = torch.std_mean(w, dim=-2, keepdim=True, unbiased=False)
     # (A flat row, std 0, only happens on audio of a frame or two: count it as no information.)
     w = median_filter(torch.nan_to_num((w - mean) / std), MEDIAN_FILTER_WIDTH)
-    matrix = w.mean(dim=0)[n_prefix - 1: -1]  # rows that predict each text token and <|endoftext|>
-    text_idx, time_idx = dtw(-matrix.double().cpu().numpy())
+    return w.mean(dim=0)[n_prefix - 1: -1]
 
+
+def align(tok: WhisperTokenizer, language: str, text_tokens: list[int], path: tuple[np.ndarray, np.ndarray],
+          token_probs: list[float]) -> list[_Timing]:
+    """Words of `text_tokens` with their times (s) and probabilities.
+
+    path: the time warping's path through the tokens' `attention_matrix` (`dtw` of minus it);
+    token_probs: each text token's probability.
+    """
+    if not text_tokens:
+        return []
+    text_idx, time_idx = path
     words, word_tokens = split_words(tok, text_tokens + [tok.eot], language)
     if len(word_tokens) <= 1:
         return []
@@ -295,18 +338,19 @@ class SegmentSpan:
     tokens: list[int]
 
 
-def word_timings(tok: WhisperTokenizer, language: str, segments: list[SegmentSpan], scores: torch.Tensor,
-                 token_probs: list[float], n_prefix: int, num_frames: int,
+def word_timings(tok: WhisperTokenizer, language: str, segments: list[SegmentSpan],
+                 path: tuple[np.ndarray, np.ndarray] | None, token_probs: list[float],
                  last_speech: float = 0.0) -> list[list[Word]]:
     """Per segment, its words with times in seconds (2 decimals) from the start of the audio.
 
     `segments` hold the request's tokens in order (timestamp tokens are skipped); one forced pass
-    over all their text gave `scores` and `token_probs` (see `align`). `last_speech`: where speech
-    last ended before this audio (the first word may not start a long pause by running long).
+    over all their text gave the time warping's `path` (None when there is no text) and `token_probs`
+    (see `align`). `last_speech`: where speech last ended before this audio (the first word may not
+    start a long pause by running long).
     """
     per_segment = [[t for t in s.tokens if t < tok.eot] for s in segments]
     text = [t for ids in per_segment for t in ids]
-    timings = align(tok, language, text, scores, token_probs, n_prefix, num_frames)
+    timings = align(tok, language, text, path, token_probs) if path is not None else []
     durations = np.array([t.end - t.start for t in timings])
     durations = durations[durations.nonzero()]
     median = min(0.7, float(np.median(durations))) if len(durations) else 0.0
