@@ -494,3 +494,24 @@ def test_chunk_graphs_serve_the_same_tokens(tmp_path, clips, dtype):
     same_served(mix_on, mix_off, "twelve joining")
     assert kinds.get("greedy", 0) > 0, "short chunks ran step by step"
     assert len(on.steps.graphs) == warm, "serving captured a decoder graph warm-up had not"
+
+
+def test_word_timings_of_requests_finishing_together_are_each_alone(tmp_path, clips):
+    """On CUDA (graphs, float16) the requests finishing in one step go through one forced word-timing
+    pass: each gets the words, times and end probabilities it gets alone."""
+    ckpt = make_openai_checkpoint(tmp_path, n_mels=128, seed=4)
+    eng = WhisperEngine.load(ckpt, device="cuda", max_batch=8, max_encoder_batch=4)
+    eng.warmup()
+    o = ASROptions(language="en", max_new_tokens=20, min_new_tokens=20, word_timestamps=True)
+    alone = [eng.transcribe(ASRRequest(c, o)) for c in clips]
+    for i, c in enumerate(clips):
+        eng.submit(i, ASRRequest(c, o))
+    together = {}
+    while eng.has_work():
+        together.update({r.request_id: r.value for r in eng.step()})
+    for i, want in enumerate(alone):
+        got = together[i]
+        assert want.words and [(w.word, w.start_s, w.end_s) for w in got.words] == \
+            [(w.word, w.start_s, w.end_s) for w in want.words], i
+        assert [w.probability for w in got.words] == pytest.approx([w.probability for w in want.words], rel=1e-2)
+        assert (got.end_prob, got.stop_prob) == pytest.approx((want.end_prob, want.stop_prob), rel=1e-2, abs=1e-3)
