@@ -25,19 +25,12 @@ dependent launch (each one's blocks start while the kernel before it drains, the
 from __future__ import annotations
 
 import functools
-import importlib
 import os
 
 import torch
 
-# Triton comes with the CUDA builds of torch (it is torch.compile's GPU backend), the only place this
-# kernel runs, and the engine already compiles with it only where it is found (engine._has_triton); an
-# install without it runs `reference`. So it is looked up here, not declared as a requirement.
-try:
-    triton = importlib.import_module("triton")
-    tl = importlib.import_module("triton.language")
-except ImportError:  # pragma: no cover - depends on the install
-    triton = tl = None
+# (the engine compiles with Triton only where it is found too: engine._has_triton; without it: `reference`)
+from voiced.engines.triton_lang import tl, triton
 
 BLOCK_N = 64  # cache positions per inner iteration (a multiple of 16: tl.dot's smallest tile)
 

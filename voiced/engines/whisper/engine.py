@@ -48,6 +48,7 @@ from voiced.engines.footprint import DTYPES, check_memory_limit, parse_dtype, te
 from voiced.engines.rows import compaction, doubling, rows_in_budget, to_device
 from voiced.memory_plan import EngineNeed, Need, stream_workspace_bytes
 
+from . import dtw_kernel
 from .audio import HOP_LENGTH, N_FFT, N_SAMPLES, log_mel_spectrogram
 from .checkpoint import CheckpointError, read_checkpoint
 from .cpu import column_major_embedding_, int8_available, quantize_int8_
@@ -973,7 +974,8 @@ class WhisperEngine:
         """The forced passes of each request's text over its audio: (each span's words, all words fitted
         to the audio's pauses, end-of-text probability after the text, probability of a sentence end
         right after the last word), or None where the text does not fit the decoder. As few passes as
-        ALIGN_GROUP_BYTES allows, one readback each, one time warping for all."""
+        ALIGN_GROUP_BYTES allows, one readback each; the time warping on the GPU (dtw_kernel) or, on the
+        host, all requests' at once."""
         fits = []
         for k, f in enumerate(forced):
             if len(f.tokens(self.tok)) > self.dims.n_text_ctx:  # only with max_new_tokens near the whole context
@@ -993,21 +995,22 @@ class WhisperEngine:
             groups[-1].append(k)
             size += need
         passes = [(group, self._forced_pass([forced[k] for k in group])) for group in groups]
+        on_host = iter(dtw_many([-w for _, (_, _, warps) in passes for w in warps if isinstance(w, np.ndarray)]))
         out: list[tuple | None] = [None] * len(forced)
-        paths = iter(dtw_many([-m for _, (_, _, mats) in passes for m in mats if m is not None]))
-        for group, (token_probs, probs, mats) in passes:
-            for k, tp, (end_prob, stop_prob), m in zip(group, token_probs, probs, mats):
+        for group, (token_probs, probs, warps) in passes:
+            for k, tp, (end_prob, stop_prob), w in zip(group, token_probs, probs, warps):
                 f = forced[k]
-                per_segment = word_timings(self.tok, f.language, f.spans, None if m is None else next(paths), tp)
+                path = next(on_host) if isinstance(w, np.ndarray) else w  # (the kernel's path; None: no text)
+                per_segment = word_timings(self.tok, f.language, f.spans, path, tp)
                 words = fit_to_pauses([w for seg in per_segment for w in seg], f.audio)
                 out[k] = per_segment, words, end_prob, stop_prob
         return out
 
-    def _forced_pass(self, group: list[_Forced]) -> tuple[list[list[float]], list[tuple[float, float]],
-                                                          list[np.ndarray | None]]:
+    def _forced_pass(self, group: list[_Forced]) -> tuple[list[list[float]], list[tuple[float, float]], list]:
         """One decoder pass over `group`'s forced sequences: per request its text tokens' probabilities,
-        (end-of-text probability, sentence-end probability) and the time warping's attention matrix
-        (None without text), read back in one copy."""
+        (end-of-text probability, sentence-end probability) and its time warping: the path, where the GPU
+        warps (dtw_kernel), else the attention matrix for the host to warp (None without text); all read
+        back in one copy."""
         tok, dev = self.tok, self.model.device
         seqs = [f.tokens(tok) for f in group]
         t = max(len(x) for x in seqs)
@@ -1031,19 +1034,24 @@ class WhisperEngine:
         stop = logits[after, :tok.eot + 1].softmax(dim=-1)[:, to_device([*tok.sentence_end_tokens, tok.eot], dev)].sum(-1)
         mats = [attention_matrix(scores[r, :, :len(seqs[r])], len(f.prefix), f.audio.shape[0] // HOP_LENGTH)
                 if f.text else None for r, f in enumerate(group)]
+        with_text = [m for m in mats if m is not None]
+        warp = dtw_kernel.launch(with_text) if with_text and dtw_kernel.supported(dev) else None
         flat = torch.cat([token_probs.double(), end.double(), stop.double(),
-                          *(m.double().flatten() for m in mats if m is not None)]).cpu().numpy()  # one readback
+                          *([warp.double().flatten()] if warp is not None else [m.double().flatten() for m in with_text])
+                          ]).cpu().numpy()  # one readback
         n = len(at)
         probs, end_stop = flat[:n], list(zip(flat[n:n + len(group)].tolist(), flat[n + len(group):n + 2 * len(group)].tolist()))
-        offset, host = n + 2 * len(group), []
-        for m in mats:
-            if m is None:
-                host.append(None)
-                continue
-            host.append(flat[offset:offset + m.numel()].reshape(m.shape))
-            offset += m.numel()
+        offset = n + 2 * len(group)
+        if warp is not None:
+            found = iter(dtw_kernel.paths(flat[offset:].reshape(warp.shape).astype(np.int64)))
+            warps = [None if m is None else next(found) for m in mats]
+        else:
+            warps = []
+            for m in mats:
+                warps.append(None if m is None else flat[offset:offset + m.numel()].reshape(m.shape))
+                offset += 0 if m is None else m.numel()
         token_probs = [probs[b:b + len(f.text)].tolist() for b, f in zip(base, group)]
-        return token_probs, end_stop, host
+        return token_probs, end_stop, warps
 
     def _warm_word_timings(self) -> None:
         """One forced word-timing pass on row 0 (warm-up's audio): a smart-turn caller's first pause asks

@@ -1,0 +1,47 @@
+"""The time warping's kernel on a GPU (skipped without CUDA): its paths are the host's `timing.dtw`, bit for bit,
+for matrices of every size word timings meet (up to 448 tokens against 30 s of audio) warped together,
+random and full of ties; and the engine's word timings are the same with the kernel as with the host."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tests.test_dtw_kernel import matrices
+from voiced.engines.whisper import dtw_kernel, timing
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+def test_kernel_paths_are_the_hosts_on_a_gpu():
+    rng = np.random.default_rng(7)
+    mats = matrices(0) + [rng.standard_normal((448, 1500)).astype(np.float32),
+                          rng.integers(-1, 2, (200, 900)).astype(np.float32),
+                          (rng.standard_normal((30, 400)) * 1e-3).astype(np.float32)]
+    buffer = dtw_kernel.launch([torch.from_numpy(m).cuda() for m in mats]).cpu().numpy()
+    for m, (rows, cols) in zip(mats, dtw_kernel.paths(buffer)):
+        want_rows, want_cols = timing.dtw(-m.astype(np.float64))
+        assert np.array_equal(rows, want_rows) and np.array_equal(cols, want_cols), m.shape
+
+
+def test_engine_word_timings_with_the_kernel_are_the_hosts(tmp_path, monkeypatch):
+    from tests.gpu_phrases import REFERENCE
+    from tests.whisper_fixtures import make_openai_checkpoint, speech
+    from voiced.engines.base import ASROptions, ASRRequest
+    from voiced.engines.whisper.engine import WhisperEngine
+
+    engine = WhisperEngine.load(make_openai_checkpoint(tmp_path, seed=4, eot_boost=3.0, n_text_layer=4),
+                                device="cuda", max_batch=4, cuda_graphs=False)
+    audio = speech(REFERENCE["en"][1], tmp_path)
+    opts = ASROptions(language="en", max_new_tokens=24, min_new_tokens=24, word_timestamps=True)
+    out = {}
+    for mode in ("1", "0"):
+        monkeypatch.setenv("VOICED_WHISPER_DTW_KERNEL", mode)
+        for rid, clip in enumerate((audio, audio[: len(audio) // 2])):
+            engine.submit(rid, ASRRequest(clip, opts))
+        got = {}
+        while engine.has_work():
+            got.update({o.request_id: o.value for o in engine.step()})
+        out[mode] = [[(w.word, w.start_s, w.end_s) for w in got[rid].words] for rid in (0, 1)]
+    assert out["1"] == out["0"] and all(out["1"])
