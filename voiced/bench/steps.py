@@ -32,6 +32,7 @@ class StepTimer:
 
     def __init__(self, engine, parts: tuple[str, ...], slow_ms: float = 50.0):
         self.step, self.durations, self.slow, self.slow_ms = engine.step, [], [], slow_ms
+        self.cpu_ms = 0.0
         self._parts: dict[str, tuple[float, float]] = {}
         self._last_end = 0.0
         self._in_step = False
@@ -76,6 +77,7 @@ class StepTimer:
     def _record(self, wall_ms: float, cpu_ms: float, gap_ms: float) -> None:
         self._last_end = time.perf_counter()
         self.durations.append(wall_ms)
+        self.cpu_ms += cpu_ms
         if wall_ms > self.slow_ms:
             entry = {"ms": round(wall_ms, 1), "cpu_ms": round(cpu_ms, 1), "gap_ms": round(gap_ms, 1)}
             for k, (wall, cpu) in self._parts.items():
@@ -105,7 +107,10 @@ class StepTimer:
 
     def take(self) -> dict:
         d, slow, self.durations, self.slow = self.durations, self.slow, [], []
-        return {**pct(d), "max": round(max(d), 1) if d else 0.0, "slow": slow}
+        cpu, self.cpu_ms = self.cpu_ms, 0.0
+        # cpu_s: this engine's thread CPU in its own steps (a step that yields: in its own resumes only;
+        # a wait on the GPU spins, so it counts too), what the engine costs the thread both engines share
+        return {**pct(d), "max": round(max(d), 1) if d else 0.0, "cpu_s": round(cpu / 1e3, 2), "slow": slow}
 
 
 def _resumes_timed(parts, record):

@@ -551,7 +551,7 @@ class WhisperEngine:
                 logits = self._decode(self._n)
                 yield
                 failed = self._select(logits, reqs, 0)
-        outputs = self._drop(failed) + self._finish()
+        outputs = self._drop(failed) + (yield from self._finish())
         try:
             return outputs + (yield from self._admit_new())
         except BaseException:
@@ -586,7 +586,7 @@ class WhisperEngine:
                 req.solo = True
                 self._queue[req.rid] = req
             return []
-        return self._drop(failed) + self._finish()
+        return self._drop(failed) + (yield from self._finish())
 
     def _drop(self, failed: list[tuple[_Active, Exception]]) -> list[EngineOutput]:
         """Fail requests a fault was pinned on, freeing their rows; the others go on."""
@@ -907,8 +907,8 @@ class WhisperEngine:
             no_speech[at] = group_no_speech
         return out, no_speech
 
-    def _finish(self) -> list[EngineOutput]:
-        """Report finished requests and free their rows."""
+    def _finish(self) -> StepParts:
+        """Report finished requests and free their rows (yields while word timings run on the GPU)."""
         finished = [q for q in self._active.values() if q.dec.done]
         outputs, timed = [], []
         for req in finished:
@@ -923,24 +923,29 @@ class WhisperEngine:
                 timed.append((req, result))
             else:
                 outputs.append(EngineOutput(req.rid, result, True))
-        outputs += self._with_words(timed)
-        self._release(finished)
+        try:
+            outputs += yield from self._with_words(timed)
+        finally:
+            self._release(finished)
         return outputs
 
-    def _with_words(self, timed: list[tuple[_Active, Transcript]]) -> list[EngineOutput]:
+    def _with_words(self, timed: list[tuple[_Active, Transcript]]) -> StepParts:
         """The outputs of finished requests that asked for word timings, all of a step's together."""
         if not timed:
             return []
         try:
-            found = self._words(timed)
+            found = yield from self._words(timed)
         except Exception as e:
             if len(timed) > 1:  # one request's fault must not fail the others: each again on its own
-                return [out for item in timed for out in self._with_words([item])]
+                outputs = []
+                for item in timed:
+                    outputs += yield from self._with_words([item])
+                return outputs
             log.error("whisper: request %s failed", timed[0][0].rid, exc_info=e)
             return [fault_output(timed[0][0].rid, "speech recognition", e)]
         return [EngineOutput(req.rid, result, True) for req, result in found]
 
-    def _words(self, timed: list[tuple[_Active, Transcript]]) -> list[tuple[_Active, Transcript]]:
+    def _words(self, timed: list[tuple[_Active, Transcript]]) -> StepParts:
         """Each finished request's result with its word timings (its rows still hold its audio's cross
         keys/values), the probability of end-of-text after its text and that of the sentence ending
         right after its last word (the same forced pass has the logits for all three)."""
@@ -955,7 +960,7 @@ class WhisperEngine:
                 spans = [SegmentSpan(0.0, audio.shape[0] // HOP_LENGTH * HOP_LENGTH / SAMPLE_RATE, text)]
             prefix = [*self.tok.sot_sequence(plan.language, plan.task), self.tok.no_timestamps]
             forced.append(_Forced(req.rows[0], plan.language or "en", prefix, text, spans, audio))
-        for (req, result), aligned in zip(timed, self._align(forced)):
+        for (req, result), aligned in zip(timed, (yield from self._align(forced))):
             if aligned is None:
                 result.words, result.end_prob, result.stop_prob = [], None, None
                 continue
@@ -970,12 +975,12 @@ class WhisperEngine:
                     k += len(seg_words)
         return timed
 
-    def _align(self, forced: list[_Forced]) -> list[tuple[list, list, float, float] | None]:
+    def _align(self, forced: list[_Forced]) -> StepParts:
         """The forced passes of each request's text over its audio: (each span's words, all words fitted
         to the audio's pauses, end-of-text probability after the text, probability of a sentence end
         right after the last word), or None where the text does not fit the decoder. As few passes as
         ALIGN_GROUP_BYTES allows, one readback each; the time warping on the GPU (dtw_kernel) or, on the
-        host, all requests' at once."""
+        host, all requests' at once. Yields while each pass runs (returns a list: None or the above)."""
         fits = []
         for k, f in enumerate(forced):
             if len(f.tokens(self.tok)) > self.dims.n_text_ctx:  # only with max_new_tokens near the whole context
@@ -994,7 +999,9 @@ class WhisperEngine:
                 size = 0
             groups[-1].append(k)
             size += need
-        passes = [(group, self._forced_pass([forced[k] for k in group])) for group in groups]
+        passes = []
+        for group in groups:
+            passes.append((group, (yield from self._forced_pass([forced[k] for k in group]))))
         on_host = iter(dtw_many([-w for _, (_, _, warps) in passes for w in warps if isinstance(w, np.ndarray)]))
         out: list[tuple | None] = [None] * len(forced)
         for group, (token_probs, probs, warps) in passes:
@@ -1006,11 +1013,12 @@ class WhisperEngine:
                 out[k] = per_segment, words, end_prob, stop_prob
         return out
 
-    def _forced_pass(self, group: list[_Forced]) -> tuple[list[list[float]], list[tuple[float, float]], list]:
+    def _forced_pass(self, group: list[_Forced]) -> StepParts:
         """One decoder pass over `group`'s forced sequences: per request its text tokens' probabilities,
         (end-of-text probability, sentence-end probability) and its time warping: the path, where the GPU
         warps (dtw_kernel), else the attention matrix for the host to warp (None without text); all read
-        back in one copy."""
+        back in one copy, after a yield (the shared engine thread launches the other engine's work while
+        the pass runs)."""
         tok, dev = self.tok, self.model.device
         seqs = [f.tokens(tok) for f in group]
         t = max(len(x) for x in seqs)
@@ -1037,8 +1045,9 @@ class WhisperEngine:
         with_text = [m for m in mats if m is not None]
         warp = dtw_kernel.launch(with_text) if with_text and dtw_kernel.supported(dev) else None
         flat = torch.cat([token_probs.double(), end.double(), stop.double(),
-                          *([warp.double().flatten()] if warp is not None else [m.double().flatten() for m in with_text])
-                          ]).cpu().numpy()  # one readback
+                          *([warp.double().flatten()] if warp is not None else [m.double().flatten() for m in with_text])])
+        yield  # the pass is launched
+        flat = flat.cpu().numpy()  # its one readback
         n = len(at)
         probs, end_stop = flat[:n], list(zip(flat[n:n + len(group)].tolist(), flat[n + len(group):n + 2 * len(group)].tolist()))
         offset = n + 2 * len(group)
@@ -1060,7 +1069,7 @@ class WhisperEngine:
         audio = np.zeros(SAMPLE_RATE, dtype=np.float32)
         text = self.tok.encode(" One, two, three.")
         prefix = [*self.tok.sot_sequence("en", "transcribe"), self.tok.no_timestamps]
-        self._align([_Forced(0, "en", prefix, text, [SegmentSpan(0.0, 1.0, text)], audio)])
+        finish(self._align([_Forced(0, "en", prefix, text, [SegmentSpan(0.0, 1.0, text)], audio)]))
 
     def _release(self, leaving: list[_Active]) -> None:
         """Free the rows of `leaving` and pack the live rows back to 0..n-1."""
