@@ -52,6 +52,8 @@ DIMS = {
                           n_vocab=51866, n_text_ctx=448, n_text_state=1280, n_text_head=20, n_text_layer=32),
     "small": ModelDims(n_mels=80, n_audio_ctx=1500, n_audio_state=768, n_audio_head=12, n_audio_layer=12,
                        n_vocab=51865, n_text_ctx=448, n_text_state=768, n_text_head=12, n_text_layer=12),
+    "tiny.en": ModelDims(n_mels=80, n_audio_ctx=1500, n_audio_state=384, n_audio_head=6, n_audio_layer=4,
+                         n_vocab=51864, n_text_ctx=448, n_text_state=384, n_text_head=6, n_text_layer=4),
     # For a CPU smoke run of this script (tests): real vocabulary and audio context, tiny widths.
     "tiny-random": ModelDims(n_mels=128, n_audio_ctx=1500, n_audio_state=64, n_audio_head=4, n_audio_layer=2,
                              n_vocab=51866, n_text_ctx=448, n_text_state=64, n_text_head=4, n_text_layer=2),

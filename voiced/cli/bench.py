@@ -12,6 +12,8 @@
                                                     audiosocket media_ws realtime: the same through each door;
                                                     --sessions 1 2 4 ... 64 --refine N: a caller sweep and
                                                     where the daemon saturates
+    voiced bench words --wav W --asr-model M        word timings' GPU kernel time and engine-thread time per
+                                                    request, next to the same requests without them (JSON)
     voiced bench speech --tiktoken-dir DIR          /v1/audio/speech's first byte next to gRPC Synthesize's (JSON)
     voiced bench memory --tiktoken-dir DIR          both engines' GPU memory: the printed plan against the
                                                     allocator, warm-up and serving peaks (JSON); --trace
@@ -35,7 +37,7 @@ import argparse
 
 SUITES = {"whisper": "voiced.bench.whisper_bench", "spark": "voiced.bench.spark_bench",
           "spark-kernels": "voiced.bench.spark_kernels", "spark-env": "voiced.bench.spark_env_ab",
-          "vocoder": "voiced.bench.vocoder_bench",
+          "vocoder": "voiced.bench.vocoder_bench", "words": "voiced.bench.words_bench",
           "e2e": "voiced.bench.e2e_bench", "speech": "voiced.bench.speech_bench",
           "memory": "voiced.bench.memory_bench", "turns": "voiced.bench.turn_bench", "frames": "voiced.bench.frame_cost",
           "plot": "voiced.bench.plot", "step-ops": "voiced.bench.step_ops"}
