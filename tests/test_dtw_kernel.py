@@ -36,29 +36,39 @@ def _child() -> dict:
             "engine": _engine_words()}
 
 
-def _engine_words() -> dict:
-    """Word timings of two requests finishing together, the warping in the kernel and on the host."""
+def words_both_ways(engine, audio) -> dict[str, list]:
+    """Word timings of two requests finishing together (`audio` and its first half), with the warping in the
+    kernel ("1") and on the host ("0")."""
     import os
+
+    from voiced.engines.base import ASROptions, ASRRequest
+
+    opts = ASROptions(language="en", max_new_tokens=24, min_new_tokens=24, word_timestamps=True)
+    out = {}
+    try:
+        for mode in ("1", "0"):
+            os.environ["VOICED_WHISPER_DTW_KERNEL"] = mode
+            for rid, clip in enumerate((audio, audio[: len(audio) // 2])):
+                engine.submit(rid, ASRRequest(clip, opts))
+            got = {}
+            while engine.has_work():
+                got.update({o.request_id: o.value for o in engine.step()})
+            out[mode] = [[(w.word, w.start_s, w.end_s) for w in got[rid].words] for rid in (0, 1)]
+    finally:
+        os.environ.pop("VOICED_WHISPER_DTW_KERNEL", None)
+    return out
+
+
+def _engine_words() -> dict:
     import tempfile
 
     from tests.whisper_fixtures import make_openai_checkpoint, speech
-    from voiced.engines.base import ASROptions, ASRRequest
     from voiced.engines.whisper.engine import WhisperEngine
 
     with tempfile.TemporaryDirectory() as tmp:
         engine = WhisperEngine.load(make_openai_checkpoint(tmp, seed=4, eot_boost=3.0, n_text_layer=4), max_batch=4)
         audio = speech("Hello world. This is a test of the speech recognizer.", tmp)
-    opts = ASROptions(language="en", max_new_tokens=20, min_new_tokens=20, word_timestamps=True)
-    out = {}
-    for mode in ("1", "0"):
-        os.environ["VOICED_WHISPER_DTW_KERNEL"] = mode
-        for rid, clip in enumerate((audio, audio[: len(audio) // 2])):
-            engine.submit(rid, ASRRequest(clip, opts))
-        got = {}
-        while engine.has_work():
-            got.update({o.request_id: o.value for o in engine.step()})
-        out[mode] = [[(w.word, w.start_s, w.end_s) for w in got[rid].words] for rid in (0, 1)]
-    return out
+    return words_both_ways(engine, audio)
 
 
 def test_kernel_paths_are_the_hosts():

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.test_dtw_kernel import matrices
+from tests.test_dtw_kernel import matrices, words_both_ways
 from voiced.engines.whisper import dtw_kernel, timing
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -25,23 +25,12 @@ def test_kernel_paths_are_the_hosts_on_a_gpu():
         assert np.array_equal(rows, want_rows) and np.array_equal(cols, want_cols), m.shape
 
 
-def test_engine_word_timings_with_the_kernel_are_the_hosts(tmp_path, monkeypatch):
+def test_engine_word_timings_with_the_kernel_are_the_hosts(tmp_path):
     from tests.gpu_phrases import REFERENCE
     from tests.whisper_fixtures import make_openai_checkpoint, speech
-    from voiced.engines.base import ASROptions, ASRRequest
     from voiced.engines.whisper.engine import WhisperEngine
 
     engine = WhisperEngine.load(make_openai_checkpoint(tmp_path, seed=4, eot_boost=3.0, n_text_layer=4),
                                 device="cuda", max_batch=4, cuda_graphs=False)
-    audio = speech(REFERENCE["en"][1], tmp_path)
-    opts = ASROptions(language="en", max_new_tokens=24, min_new_tokens=24, word_timestamps=True)
-    out = {}
-    for mode in ("1", "0"):
-        monkeypatch.setenv("VOICED_WHISPER_DTW_KERNEL", mode)
-        for rid, clip in enumerate((audio, audio[: len(audio) // 2])):
-            engine.submit(rid, ASRRequest(clip, opts))
-        got = {}
-        while engine.has_work():
-            got.update({o.request_id: o.value for o in engine.step()})
-        out[mode] = [[(w.word, w.start_s, w.end_s) for w in got[rid].words] for rid in (0, 1)]
+    out = words_both_ways(engine, speech(REFERENCE["en"][1], tmp_path))
     assert out["1"] == out["0"] and all(out["1"])
