@@ -41,7 +41,8 @@ def supported(device: torch.device) -> bool:
 
 
 if triton is not None:
-    @triton.jit
+    # (the sizes are not specialised on: one compiled kernel per block size, all made by `warm`)
+    @triton.jit(do_not_specialize=["trace_rows", "out_len"])
     def _warp(x_ptr, offsets_ptr, shapes_ptr, ring_ptr, trace_ptr, out_ptr, trace_rows, out_len,
               BLOCK: tl.constexpr):
         r = tl.program_id(0)
@@ -106,6 +107,14 @@ def launch(matrices: list[torch.Tensor]) -> torch.Tensor:
     _warp[(len(matrices),)](x, meta, meta[len(matrices):], ring, trace, out, n_max + m_max + 1, out_len,
                             BLOCK=block, num_warps=max(1, min(8, block // 64)))
     return out
+
+
+def warm(device: torch.device) -> None:
+    """Compile the kernel for every block size word timings meet (texts up to Whisper's 448 positions) at
+    the engine's warm-up, not at a caller's pause (a first compile takes a few hundred milliseconds)."""
+    if supported(device):
+        for n in (1, 16, 32, 64, 128, 448):  # blocks of 16, 32, ... 512 lanes
+            launch([torch.zeros(n, 4, device=device)])
 
 
 def paths(buffer: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
