@@ -1028,18 +1028,23 @@ class WhisperEngine:
         for r, f in enumerate(group):
             base.append(len(at))
             at.extend(r * t + len(f.prefix) - 1 + j for j in range(len(f.text) + 1))
-        logits, scores = self.model.decoder.alignment_pass(
-            to_device([x + [tok.eot] * (t - len(x)) for x in seqs], dev), to_device([f.row for f in group], dev),
-            self.cache, self.alignment_heads, to_device(at, dev))
-        targets = to_device([x for f in group for x in (*f.text, 0)], dev)  # (0: the end rows, not read)
+        # Every index the pass reads, in one copy to the device: the padded token rows, the cache rows, the
+        # positions read, each one's text token (0 at the end rows: not read), where each request's text
+        # ends, and where its last word's letters end.
+        ends = [b + len(f.text) for b, f in zip(base, group)]
+        after = [b + last_word_end(tok, f.text) for b, f in zip(base, group)]
+        parts = ([y for x in seqs for y in x + [tok.eot] * (t - len(x))], [f.row for f in group], at,
+                 [y for f in group for y in (*f.text, 0)], ends, after, [*tok.sentence_end_tokens, tok.eot])
+        tokens, rows, at_d, targets, ends_d, after_d, stops = to_device(np.concatenate(parts), dev).split(
+            [len(p) for p in parts])
+        logits, scores = self.model.decoder.alignment_pass(tokens.view(len(group), t), rows, self.cache,
+                                                           self.alignment_heads, at_d)
         token_probs = logits[:, :tok.eot].softmax(dim=-1).gather(1, targets[:, None])[:, 0]
         # Over the text tokens and end-of-text (timestamps and other specials cannot follow here).
-        ends = to_device([b + len(f.text) for b, f in zip(base, group)], dev)
-        end = logits[ends, :tok.eot + 1].softmax(dim=-1)[:, tok.eot]
+        end = logits[ends_d, :tok.eot + 1].softmax(dim=-1)[:, tok.eot]
         # Right after the last word's letters (where Whisper chose its final punctuation): the text stopping
         # (a full stop, question or exclamation mark, ellipsis, end-of-text) against more words or a comma.
-        after = to_device([b + last_word_end(tok, f.text) for b, f in zip(base, group)], dev)
-        stop = logits[after, :tok.eot + 1].softmax(dim=-1)[:, to_device([*tok.sentence_end_tokens, tok.eot], dev)].sum(-1)
+        stop = logits[after_d, :tok.eot + 1].softmax(dim=-1)[:, stops].sum(-1)
         mats = [attention_matrix(scores[r, :, :len(seqs[r])], len(f.prefix), f.audio.shape[0] // HOP_LENGTH)
                 if f.text else None for r, f in enumerate(group)]
         with_text = [m for m in mats if m is not None]

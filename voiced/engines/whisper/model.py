@@ -252,15 +252,17 @@ class TextDecoder(nn.Module):
         Sequences shorter than T are padded at their end: the self-attention is causal, so padding
         changes no real position. Returns the logits [len(at), vocab] at the flat positions `at`
         (r * T + t) and the cross-attention scores (q.k / sqrt(head width), before softmax, float32)
-        of `heads` ((layer, head) pairs, in that order) [R, len(heads), T, audio positions]. The
+        of `heads` ((layer, head) pairs sorted by layer, in that order) [R, len(heads), T, audio positions]. The
         slots' self-attention caches are neither read nor written.
         """
         r, t = tokens.shape
         x = (self.token_embedding(tokens) + self.positional_embedding[:t]).to(cache.cross_k.dtype)
         wanted: dict[int, list[int]] = {}
-        for i, (layer, head) in enumerate(heads):
-            wanted.setdefault(layer, []).append(i)
-        scores: list[Tensor | None] = [None] * len(heads)
+        for layer, head in heads:
+            wanted.setdefault(layer, []).append(head)
+        if [(a, b) for a in sorted(wanted) for b in wanted[a]] != list(heads):
+            raise ValueError("alignment heads must be sorted by layer (as timing.check_heads leaves them)")
+        scores = []
         for i, block in enumerate(self.blocks):
             h = block.attn_ln(x)
             x = x + block.attn.attend(block.attn.query(h), block.attn.key(h), block.attn.value(h), causal=t > 1)
@@ -268,15 +270,23 @@ class TextDecoder(nn.Module):
             q = block.cross_attn.query(h)
             k, v = cache.cross_k[i, slots], cache.cross_v[i, slots]
             x = x + block.cross_attn.attend(q, k, v)
-            if i in wanted:
+            if i in wanted:  # this layer's heads, all in one product: [R, heads, T, A]
                 n_head = block.cross_attn.n_head
-                qh, kh = _heads(q, n_head).float(), _heads(k, n_head).float()  # [R, H, T|A, hd]
-                scale = qh.shape[-1] ** -0.5
-                for j in wanted[i]:
-                    hd = heads[j][1]
-                    scores[j] = (qh[:, hd] @ kh[:, hd].transpose(-1, -2)) * scale
+                pick = self._head_index(i, wanted[i], q.device)
+                qh = _heads(q, n_head).index_select(1, pick).float()
+                kh = _heads(k, n_head).index_select(1, pick).float()
+                scores.append(torch.matmul(qh, kh.transpose(-1, -2)) * qh.shape[-1] ** -0.5)
             x = x + block.mlp(block.mlp_ln(x))
-        return self._logits(x.reshape(r * t, -1)[at]), torch.stack(scores, dim=1)
+        return self._logits(x.reshape(r * t, -1)[at]), torch.cat(scores, dim=1)
+
+    def _head_index(self, layer: int, heads: list[int], device: torch.device) -> Tensor:
+        """The head numbers `heads` of `layer` as an index on `device`, made once (indexing a GPU tensor
+        with a host list copies the list from pageable memory, which waits for the stream's queued work)."""
+        cache = self.__dict__.setdefault("_head_indexes", {})
+        key = (layer, tuple(heads), device)
+        if key not in cache:
+            cache[key] = torch.tensor(heads, device=device)
+        return cache[key]
 
     def step(self, tokens: Tensor, positions: Tensor, cache: KVCache, kv_len: int, masked: bool = True) -> Tensor:
         """One token per row for slots 0..B-1: tokens [B] at positions [B]; returns logits [B, vocab].
