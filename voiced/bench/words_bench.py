@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tiktoken-dir", type=Path, default=None)
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16], help="requests finishing together")
     ap.add_argument("--tokens", type=int, default=24, help="tokens each request is forced to")
-    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--runs", type=int, default=20, help="timed repeats per mode (the thread's time is noisy)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
