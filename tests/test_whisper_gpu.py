@@ -515,3 +515,24 @@ def test_word_timings_of_requests_finishing_together_are_each_alone(tmp_path, cl
             [(w.word, w.start_s, w.end_s) for w in want.words], i
         assert [w.probability for w in got.words] == pytest.approx([w.probability for w in want.words], rel=1e-2)
         assert (got.end_prob, got.stop_prob) == pytest.approx((want.end_prob, want.stop_prob), rel=1e-2, abs=1e-3)
+
+
+def test_word_timing_graphs_give_the_eager_pass_s_words(tmp_path, clips, monkeypatch):
+    """VOICED_WHISPER_ALIGN_GRAPHS=1: the forced word-timing pass replayed from its CUDA graphs (captured at
+    warm-up) gives the words and times of the eager pass, for one request and for three finishing together."""
+    ckpt = make_openai_checkpoint(tmp_path, n_mels=128, seed=4)
+    o = ASROptions(language="en", max_new_tokens=20, min_new_tokens=20, word_timestamps=True)
+    out = {}
+    for mode in ("1", "0"):
+        monkeypatch.setenv("VOICED_WHISPER_ALIGN_GRAPHS", mode)
+        eng = WhisperEngine.load(ckpt, device="cuda", max_batch=8, max_encoder_batch=4)
+        assert (eng.align_passes is not None) == (mode == "1")
+        eng.warmup()
+        alone = [eng.transcribe(ASRRequest(clips[0], o))]
+        for i, c in enumerate(clips):
+            eng.submit(i, ASRRequest(c, o))
+        together = {}
+        while eng.has_work():
+            together.update({r.request_id: r.value for r in eng.step()})
+        out[mode] = [[(w.word, w.start_s, w.end_s) for w in r.words] for r in alone + [together[i] for i in range(3)]]
+    assert all(out["1"]) and out["1"] == out["0"]

@@ -247,8 +247,8 @@ def test_words_of_several_requests_in_one_batch(tmp_path_factory, audio, monkeyp
     opts = ASROptions(language="en", max_new_tokens=30, min_new_tokens=30, word_timestamps=True)
     alone = [engine.transcribe(ASRRequest(a, opts)) for a in clips]
     passes = []
-    real_pass = engine.model.decoder.alignment_pass
-    monkeypatch.setattr(engine.model.decoder, "alignment_pass", lambda *a: passes.append(a[0].shape[0]) or real_pass(*a))
+    real_pass = engine.model.decoder.alignment_hidden
+    monkeypatch.setattr(engine.model.decoder, "alignment_hidden", lambda *a: passes.append(a[0].shape[0]) or real_pass(*a))
     got = _run(engine, {k: ASRRequest(a, opts) for k, a in enumerate(clips)})
     assert passes == ([3] if group_bytes is None else [1, 1, 1])  # they finished together (forced lengths)
     for k, want in enumerate(alone):

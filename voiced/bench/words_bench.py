@@ -5,7 +5,8 @@
 
 R requests (cuts of 1.5-6 s of the WAV, each forced to the same number of tokens) are decoded together, with
 word timings and without (the reference, in the same run), and with the time warping on the GPU and on the
-host (VOICED_WHISPER_DTW_KERNEL=1 / 0); for each: the wall and the thread CPU of the steps (the engine's
+host (VOICED_WHISPER_DTW_KERNEL=1 / 0), and with the forced pass from CUDA graphs (a second engine built
+with VOICED_WHISPER_ALIGN_GRAPHS=1; the reference is the first engine's); for each: the wall and the thread CPU of the steps (the engine's
 thread: what the other engine waits for where the two share it), and the GPU kernels' own time (torch.
 profiler). The per-request cost of word timings is the difference over R. The smart end-of-turn rule asks
 for word timings at every pause (issue 25 bounds what it costs the GPU at 64 callers). Needs a CUDA GPU.
@@ -61,46 +62,53 @@ def main(argv: list[str] | None = None) -> int:
     from voiced.audio.wavfile import load_16k
     from voiced.engines.base import ASROptions, ASRRequest
 
-    engine = build(args)
-    engine.warmup()
+    os.environ["VOICED_WHISPER_ALIGN_GRAPHS"] = "0"
+    eager = build(args)
+    eager.warmup()
+    os.environ["VOICED_WHISPER_ALIGN_GRAPHS"] = "1"
+    graphed = build(args)
+    graphed.warmup()
+    os.environ.pop("VOICED_WHISPER_ALIGN_GRAPHS")
     audio = load_16k(args.wav)
     clips = [audio[: int(s * 16000)] for s in CUTS_S]
     ids = iter(range(10**9))
 
-    def run(n: int, words: bool) -> None:
+    def run(engine, n: int, words: bool) -> None:
         opts = ASROptions(language="en", word_timestamps=words, max_new_tokens=args.tokens, min_new_tokens=args.tokens)
         for i in range(n):
             engine.submit(next(ids), ASRRequest(clips[i % len(clips)], opts))
         while engine.has_work():
             engine.step()
 
-    modes = {"without words": (False, "1"), "words, GPU warping": (True, "1"), "words, host warping": (True, "0")}
+    modes = {"without words": (eager, False, "1"), "words, GPU warping": (eager, True, "1"),
+             "words, host warping": (eager, True, "0"), "words, graphed pass": (graphed, True, "1")}
     out = {"bench": "words", "gpu": torch.cuda.get_device_name(), "model": args.asr_model or f"{args.dims} (random)",
            "tokens": args.tokens, "rows": {}}
     for n in args.rows:
         row = {}
-        for name, (words, kernel) in modes.items():
+        for name, (engine, words, kernel) in modes.items():
             os.environ["VOICED_WHISPER_DTW_KERNEL"] = kernel
             for _ in range(3):
-                run(n, words)  # every shape met once
+                run(engine, n, words)  # every shape met once
             torch.cuda.synchronize()
             t0, c0 = time.perf_counter(), time.thread_time()
             for _ in range(args.runs):
-                run(n, words)
+                run(engine, n, words)
             torch.cuda.synchronize()
             wall, cpu = (time.perf_counter() - t0) / args.runs * 1e3, (time.thread_time() - c0) / args.runs * 1e3
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
                 for _ in range(args.runs):
-                    run(n, words)
+                    run(engine, n, words)
                 torch.cuda.synchronize()
             gpu = sum(e.self_device_time_total for e in prof.key_averages()) / args.runs / 1e3
             row[name] = {"wall_ms": round(wall, 2), "thread_cpu_ms": round(cpu, 2), "gpu_kernels_ms": round(gpu, 3)}
         base = row["without words"]
-        for name in ("words, GPU warping", "words, host warping"):
+        for name in ("words, GPU warping", "words, host warping", "words, graphed pass"):
             row[name]["per_request"] = {k: round((row[name][k] - base[k]) / n, 3) for k in base}
         out["rows"][n] = row
         print(f"{n:3d} together: word timings per request, GPU warping "
-              f"{row['words, GPU warping']['per_request']} | host warping {row['words, host warping']['per_request']}")
+              f"{row['words, GPU warping']['per_request']} | host warping {row['words, host warping']['per_request']}"
+              f" | graphed pass {row['words, graphed pass']['per_request']}")
     os.environ.pop("VOICED_WHISPER_DTW_KERNEL", None)
     text = json.dumps(out, indent=1)
     if args.out:

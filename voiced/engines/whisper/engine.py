@@ -53,7 +53,17 @@ from .audio import HOP_LENGTH, N_FFT, N_SAMPLES, log_mel_spectrogram
 from .checkpoint import CheckpointError, read_checkpoint
 from .cpu import column_major_embedding_, int8_available, quantize_int8_
 from .decoding import DecodePlan, RequestDecoder, Suppression
-from .fast import PREFILL_GRAPH_TOKENS, CudaGraphs, DecoderSteps, FastDecoder, FastEncoder, Prefills, encoder_pieces
+from .fast import (
+    ALIGN_GRAPH_ROWS,
+    PREFILL_GRAPH_TOKENS,
+    AlignmentPasses,
+    CudaGraphs,
+    DecoderSteps,
+    FastDecoder,
+    FastEncoder,
+    Prefills,
+    encoder_pieces,
+)
 from .language import detect_languages
 from .model import KVCache, ModelDims, TextDecoder, Whisper
 from .registry import resolve
@@ -138,6 +148,12 @@ def chunk_graphs_default() -> bool:
     CHUNK_GRAPHS_DEFAULT (on)."""
     env = os.environ.get("VOICED_WHISPER_CHUNK_GRAPHS", "").strip()
     return CHUNK_GRAPHS_DEFAULT if env == "" else env == "1"
+
+
+def align_graphs_default() -> bool:
+    """The word timings' forced pass from CUDA graphs (`fast.AlignmentPasses`, captured at warm-up): on
+    with VOICED_WHISPER_ALIGN_GRAPHS=1. Off by default until measured live and counted by the memory plan."""
+    return os.environ.get("VOICED_WHISPER_ALIGN_GRAPHS", "0") == "1"
 
 
 def build_model(dims: ModelDims, state: dict[str, torch.Tensor], where: str = "checkpoint") -> Whisper:
@@ -255,7 +271,8 @@ class WhisperEngine:
                  compile_encoder: bool | None = None, attn_backend: str | None = None,
                  fast_decoder: bool | None = None, compile_decoder: bool | None = None,
                  alignment_heads: list[tuple[int, int]] | None = None, prefill_graphs: bool | None = None,
-                 cross_in_encoder: bool | None = None, chunk_graphs: bool | None = None):
+                 cross_in_encoder: bool | None = None, chunk_graphs: bool | None = None,
+                 align_graphs: bool | None = None):
         if tokenizer.n_vocab != model.dims.n_vocab:
             raise CheckpointError(f"tokenizer has {tokenizer.n_vocab} tokens but the model {model.dims.n_vocab}")
         self.model = model.eval().requires_grad_(False)
@@ -324,6 +341,13 @@ class WhisperEngine:
         self.prefills = (Prefills(model.decoder, self.cache, self.encoder_buckets(), tokenizer.no_speech,
                                   CudaGraphs(self._stream, pool) if prefill_graphs and self.cuda_graphs else None)
                          if self.is_cuda else None)
+        # The word timings' forced pass from CUDA graphs (fast.AlignmentPasses; off by default: not yet measured
+        # live, and the memory plan does not count its graphs yet).
+        if align_graphs is None:
+            align_graphs = align_graphs_default()
+        self.align_passes = (AlignmentPasses(model.decoder, self.cache, self.alignment_heads, tokenizer.eot,
+                                             CudaGraphs(self._stream, pool))
+                             if align_graphs and self.cuda_graphs else None)
         # The host side of `steps.inputs`, written through numpy (no torch call per value): pinned on
         # CUDA and sent in one copy; on the CPU the steps' block itself.
         self._host_inputs = (torch.zeros(3, max_batch, dtype=torch.long, pin_memory=True) if self.is_cuda
@@ -991,10 +1015,11 @@ class WhisperEngine:
         a, d = self.cache.cross_k.shape[2:]
         per_position = self.dims.n_vocab * 4 * 2 + len(self.alignment_heads) * a * 4 * 3  # logits, scores
         per_request = a * d * (2 * self.cache.cross_k.element_size() + 4)  # a layer's gathered cross k/v
+        most = ALIGN_GRAPH_ROWS[-1] if self.align_passes is not None else len(fits)  # (a graph's rows at most)
         groups, size = [], 0
         for k in fits:
             need = per_request + per_position * len(forced[k].tokens(self.tok))
-            if not groups or size + need > ALIGN_GROUP_BYTES:
+            if not groups or size + need > ALIGN_GROUP_BYTES or len(groups[-1]) == most:
                 groups.append([])
                 size = 0
             groups[-1].append(k)
@@ -1022,6 +1047,9 @@ class WhisperEngine:
         tok, dev = self.tok, self.model.device
         seqs = [f.tokens(tok) for f in group]
         t = max(len(x) for x in seqs)
+        graphed = self.align_passes.bucket(len(group), t) if self.align_passes is not None else None
+        if graphed is not None:
+            t = graphed[1]  # the rows padded to the graph's tokens
         # The logits read: each position that predicts a text token or end-of-text (the last of a
         # request's rows); where the last word's letters end is one of them.
         at, base = [], []
@@ -1037,8 +1065,12 @@ class WhisperEngine:
                  [y for f in group for y in (*f.text, 0)], ends, after, [*tok.sentence_end_tokens, tok.eot])
         tokens, rows, at_d, targets, ends_d, after_d, stops = to_device(np.concatenate(parts), dev).split(
             [len(p) for p in parts])
-        logits, scores = self.model.decoder.alignment_pass(tokens.view(len(group), t), rows, self.cache,
-                                                           self.alignment_heads, at_d)
+        if graphed is not None:
+            x, scores = self.align_passes.run(tokens.view(len(group), t), rows, graphed)
+        else:
+            x, scores = self.model.decoder.alignment_hidden(tokens.view(len(group), t), rows, self.cache,
+                                                            self.alignment_heads)
+        logits = self.model.decoder.alignment_logits(x, at_d)
         token_probs = logits[:, :tok.eot].softmax(dim=-1).gather(1, targets[:, None])[:, 0]
         # Over the text tokens and end-of-text (timestamps and other specials cannot follow here).
         end = logits[ends_d, :tok.eot + 1].softmax(dim=-1)[:, tok.eot]
@@ -1077,6 +1109,8 @@ class WhisperEngine:
         prefix = [*self.tok.sot_sequence("en", "transcribe"), self.tok.no_timestamps]
         finish(self._align([_Forced(0, "en", prefix, text, [SegmentSpan(0.0, 1.0, text)], audio)]))
         dtw_kernel.warm(self.model.device)
+        if self.align_passes is not None:
+            self.align_passes.capture()
 
     def _release(self, leaving: list[_Active]) -> None:
         """Free the rows of `leaving` and pack the live rows back to 0..n-1."""

@@ -523,3 +523,61 @@ class Prefills:
         # Copies, not views: a graph's outputs keep their storage alive, and views would keep the
         # [b, t, vocab] logits and the [b, vocab] softmax (memory_need counts [b, vocab] + [b]).
         return logits[:, -1].clone(), logits[:, 0].softmax(dim=-1)[:, self.no_speech].clone()
+
+
+# The word-timing pass's graph buckets: rows (requests finishing in one step) and token positions (the
+# prompt, the text and end-of-text: a turn's few seconds of speech take 10-40).
+ALIGN_GRAPH_ROWS = (1, 2, 4, 8)
+ALIGN_GRAPH_TOKENS = (32, 64)
+
+
+class AlignmentPasses:
+    """The word timings' forced pass (`TextDecoder.alignment_hidden`) as one CUDA graph replay per (rows,
+    tokens) bucket, captured at warm-up, instead of ~270 PyTorch calls, each of which waits to win the GIL
+    back under load (issue 25: ~13 ms of the engine thread a request at 64 callers against ~7-10 alone).
+    Other shapes run eagerly.
+
+    The inputs are one static block [row, slot | tokens] written on the device from the pass's own index
+    copy; a group of n rows runs as its bucket b >= n, the padding rows repeating the last real row (the
+    pass writes nothing: they only cost their share of the work), its tokens padded with end-of-text at
+    the end (the self-attention is causal: padding changes no real position). The outputs (the final
+    activations and the heads' scores) are the graph's static buffers: read them before the next replay.
+    Attention runs under `decode_attention_kernels` (cuDNN's picked other kernels for captured calls).
+    """
+
+    def __init__(self, decoder: TextDecoder, cache: KVCache, heads: list[tuple[int, int]], eot: int,
+                 graphs: CudaGraphs) -> None:
+        self.decoder, self.cache, self.heads, self.graphs = decoder, cache, heads, graphs
+        self.inputs = torch.full((ALIGN_GRAPH_ROWS[-1], 1 + ALIGN_GRAPH_TOKENS[-1]), eot, dtype=torch.long,
+                                 device=cache.self_k.device)
+        self.inputs[:, 0] = 0
+
+    def bucket(self, rows: int, tokens: int) -> tuple[int, int] | None:
+        """The (rows, tokens) bucket a group runs in, None where it runs eagerly."""
+        b = next((x for x in ALIGN_GRAPH_ROWS if x >= rows), None)
+        t = next((x for x in ALIGN_GRAPH_TOKENS if x >= tokens), None)
+        return None if b is None or t is None else (b, t)
+
+    def _pass(self, b: int, t: int):
+        def run():
+            with decode_attention_kernels(True):
+                return self.decoder.alignment_hidden(self.inputs[:b, 1:1 + t], self.inputs[:b, 0], self.cache,
+                                                     self.heads)
+        return run
+
+    def capture(self) -> None:
+        """Every bucket's graph (the engine's warm-up), on the inputs' current values: any cache row."""
+        for b in ALIGN_GRAPH_ROWS:
+            for t in ALIGN_GRAPH_TOKENS:
+                self.graphs.capture((f"align{t}", b), self._pass(b, t))
+
+    def run(self, tokens: Tensor, slots: Tensor, bucket: tuple[int, int]) -> tuple[Tensor, Tensor]:
+        """tokens [n, t] (padded to the bucket's t) and slots [n] on the device -> (activations [b, t, D],
+        scores [b, heads, t, A]) of the bucket's graph (captured at warm-up)."""
+        b, t = bucket
+        n = tokens.shape[0]
+        self.inputs[:n, 0].copy_(slots)
+        self.inputs[:n, 1:1 + t].copy_(tokens)
+        if b > n:
+            self.inputs[n:b].copy_(self.inputs[n - 1:n].expand(b - n, -1))
+        return self.graphs.replay((f"align{t}", b), self._pass(b, t))

@@ -245,13 +245,17 @@ class TextDecoder(nn.Module):
             x = x + block.mlp(block.mlp_ln(x))
         return self._logits(x)
 
-    def alignment_pass(self, tokens: Tensor, slots: Tensor, cache: KVCache, heads: list[tuple[int, int]],
-                       at: Tensor) -> tuple[Tensor, Tensor]:
+    def alignment_logits(self, x: Tensor, at: Tensor) -> Tensor:
+        """The logits [len(at), vocab] at flat positions `at` of `alignment_hidden`'s activations [R, T, D]."""
+        return self._logits(x.reshape(-1, x.shape[-1])[at])
+
+    def alignment_hidden(self, tokens: Tensor, slots: Tensor, cache: KVCache,
+                         heads: list[tuple[int, int]]) -> tuple[Tensor, Tensor]:
         """Run whole token sequences [R, T] against the audio in cache slots `slots` [R], for word timings.
 
         Sequences shorter than T are padded at their end: the self-attention is causal, so padding
-        changes no real position. Returns the logits [len(at), vocab] at the flat positions `at`
-        (r * T + t) and the cross-attention scores (q.k / sqrt(head width), before softmax, float32)
+        changes no real position. Returns the final activations [R, T, D] (before the last layer norm)
+        and the cross-attention scores (q.k / sqrt(head width), before softmax, float32)
         of `heads` ((layer, head) pairs sorted by layer, in that order) [R, len(heads), T, audio positions]. The
         slots' self-attention caches are neither read nor written.
         """
@@ -277,7 +281,7 @@ class TextDecoder(nn.Module):
                 kh = _heads(k, n_head).index_select(1, pick).float()
                 scores.append(torch.matmul(qh, kh.transpose(-1, -2)) * qh.shape[-1] ** -0.5)
             x = x + block.mlp(block.mlp_ln(x))
-        return self._logits(x.reshape(r * t, -1)[at]), torch.cat(scores, dim=1)
+        return x, torch.cat(scores, dim=1)
 
     def _head_index(self, layer: int, heads: list[int], device: torch.device) -> Tensor:
         """The head numbers `heads` of `layer` as an index on `device`, made once (indexing a GPU tensor

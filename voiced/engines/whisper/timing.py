@@ -2,7 +2,7 @@
 
 After a request is decoded, its text tokens are run once more through the decoder behind
 `<|startoftranscript|> [<|lang|> <|task|>] <|notimestamps|>` and in front of `<|endoftext|>`,
-against the audio already in its cache slot (`TextDecoder.alignment_pass`). The cross-attention of a
+against the audio already in its cache slot (`TextDecoder.alignment_hidden`). The cross-attention of a
 few "alignment heads", whose attention follows the audio, gives a token x audio-frame matrix:
 
 1. scores of the heads over the audio's own frames (not the window's padding), softmax per token;
