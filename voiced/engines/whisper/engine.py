@@ -1103,14 +1103,14 @@ class WhisperEngine:
         """One forced word-timing pass on row 0 (warm-up's audio): a smart-turn caller's first pause asks
         for word timings, and on an H100 that first pass paid ~1 s of first-time kernel loading and set
         up (issue 25's e2e run at 1 caller: a 1,063 ms step, then 100-160 ms). On a GPU the time warping's
-        kernel is compiled for every block size here too."""
+        kernel is compiled for every block size here too, and the forced pass's graphs (when on) captured."""
         audio = np.zeros(SAMPLE_RATE, dtype=np.float32)
         text = self.tok.encode(" One, two, three.")
         prefix = [*self.tok.sot_sequence("en", "transcribe"), self.tok.no_timestamps]
-        finish(self._align([_Forced(0, "en", prefix, text, [SegmentSpan(0.0, 1.0, text)], audio)]))
-        dtw_kernel.warm(self.model.device)
         if self.align_passes is not None:
             self.align_passes.capture()
+        finish(self._align([_Forced(0, "en", prefix, text, [SegmentSpan(0.0, 1.0, text)], audio)]))
+        dtw_kernel.warm(self.model.device)
 
     def _release(self, leaving: list[_Active]) -> None:
         """Free the rows of `leaving` and pack the live rows back to 0..n-1."""
