@@ -100,9 +100,10 @@ class _Forced:
 
 
 # Bytes one forced word-timing pass may hold at once (its logits, the heads' scores and a layer's cross
-# keys/values gathered from the cache rows): the requests finishing in one step go through in as few
-# passes as fit, where each took a pass, a readback and a time warping of its own (issue 25: at 64
-# smart-turn callers these, one after another, were the slowest recognition steps, 140-364 ms).
+# keys/values gathered from the cache rows), at most: the requests finishing in one step go through in as
+# few passes as fit, where each took a pass, a readback and a time warping of its own (issue 25: at 64
+# smart-turn callers these, one after another, were the slowest recognition steps, 140-364 ms). On a GPU
+# the budget is also held to the memory plan's room for a step's transients (`step_transient_bytes`).
 ALIGN_GROUP_BYTES = 128 << 20
 
 
@@ -211,13 +212,19 @@ def memory_need(dims: ModelDims, dtype: torch.dtype, weight_bytes: int, max_batc
         if prefill_graphs:
             items += prefill_graph_needs(dims, elem, eb)
     items.append(Need("cuBLAS workspace (the engine's stream)", workspace_bytes))
-    # One admission of `enc` utterances: their audio on the device, the features (gathered per row, for beams)
-    # and one layer's cross key (or value) projection (with the cross keys/values made in the encoder's graph,
-    # these come out of the graphs' pool, which the encoder's own activations exceed), and the prefill's
-    # float32 logits (with softmax).
-    items.append(Need(f"largest step transient, estimated (admitting {enc})",
-                      enc * (N_SAMPLES * 4 + 2 * dims.n_audio_ctx * dims.n_text_state * elem + 3 * 4 * dims.n_vocab), transient=True))
+    # One admission of `enc` utterances (with the cross keys/values made in the encoder's graph, its
+    # projections come out of the graphs' pool, which the encoder's own activations exceed).
+    items.append(Need(f"largest step transient, estimated (admitting {enc})", step_transient_bytes(dims, elem, enc),
+                      transient=True))
     return EngineNeed("Whisper", "whisper_kv_fraction", items)
+
+
+def step_transient_bytes(dims: ModelDims, elem: int, enc: int) -> int:
+    """The room the memory plan keeps for one step's transients: an admission of `enc` utterances (their
+    audio on the device, the features gathered per row, for beams, and one layer's cross key or value
+    projection, and the prefill's float32 logits with softmax). The word timings' forced passes are
+    grouped to fit in it (`WhisperEngine._align`)."""
+    return enc * (N_SAMPLES * 4 + 2 * dims.n_audio_ctx * dims.n_text_state * elem + 3 * 4 * dims.n_vocab)
 
 
 def prefill_graph_needs(dims: ModelDims, elem: int, buckets: list[int]) -> list[Need]:
@@ -1016,10 +1023,13 @@ class WhisperEngine:
         per_position = self.dims.n_vocab * 4 * 2 + len(self.alignment_heads) * a * 4 * 3  # logits, scores
         per_request = a * d * (2 * self.cache.cross_k.element_size() + 4)  # a layer's gathered cross k/v
         most = ALIGN_GRAPH_ROWS[-1] if self.align_passes is not None else len(fits)  # (a graph's rows at most)
+        budget = ALIGN_GROUP_BYTES
+        if self.is_cuda:
+            budget = min(budget, step_transient_bytes(self.dims, self.dtype.itemsize, self.max_encoder_batch))
         groups, size = [], 0
         for k in fits:
             need = per_request + per_position * len(forced[k].tokens(self.tok))
-            if not groups or size + need > ALIGN_GROUP_BYTES or len(groups[-1]) == most:
+            if not groups or size + need > budget or len(groups[-1]) == most:
                 groups.append([])
                 size = 0
             groups[-1].append(k)
