@@ -6,7 +6,7 @@
 R requests (cuts of 1.5-6 s of the WAV, each forced to the same number of tokens) are decoded together, with
 word timings and without (the reference, in the same run), and with the time warping on the GPU and on the
 host (VOICED_WHISPER_DTW_KERNEL=1 / 0), and with the forced pass from CUDA graphs (a second engine built
-with VOICED_WHISPER_ALIGN_GRAPHS=1; the reference is the first engine's); for each: the wall and the thread CPU of the steps (the engine's
+with align_graphs on; the reference is the first engine's); for each: the wall and the thread CPU of the steps (the engine's
 thread: what the other engine waits for where the two share it), and the GPU kernels' own time (torch.
 profiler). The per-request cost of word timings is the difference over R. The smart end-of-turn rule asks
 for word timings at every pause (issue 25 bounds what it costs the GPU at 64 callers). Needs a CUDA GPU.
@@ -15,7 +15,6 @@ for word timings at every pause (issue 25 bounds what it costs the GPU at 64 cal
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 from pathlib import Path
@@ -25,7 +24,7 @@ import torch
 CUTS_S = (1.5, 3.0, 4.5, 6.0)
 
 
-def build(args):
+def build(args, align_graphs: bool):
     from voiced.engines.whisper.engine import WhisperEngine
 
     if args.asr_model:
@@ -33,7 +32,7 @@ def build(args):
         from voiced.hub import cache_dir
 
         return WhisperEngine.load(registry.resolve(args.asr_model, cache_dir()), device="cuda", max_batch=64,
-                                  max_encoder_batch=16)
+                                  max_encoder_batch=16, align_graphs=align_graphs)
     from voiced.bench import whisper_bench
     from voiced.engines.whisper.tokenizer import WhisperTokenizer
 
@@ -41,7 +40,7 @@ def build(args):
     tok = WhisperTokenizer.load(dims.multilingual, dims.num_languages, [args.tiktoken_dir] if args.tiktoken_dir else None)
     model = whisper_bench.random_model(dims, "cuda", torch.float16)
     return WhisperEngine(model, tok, model_name=f"{args.dims} (random)", max_batch=64, max_encoder_batch=16,
-                         cuda_graphs=True)
+                         cuda_graphs=True, align_graphs=align_graphs)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -60,15 +59,12 @@ def main(argv: list[str] | None = None) -> int:
     from torch.profiler import ProfilerActivity, profile
 
     from voiced.audio.wavfile import load_16k
+    from voiced.bench.report import emit
     from voiced.engines.base import ASROptions, ASRRequest
 
-    os.environ["VOICED_WHISPER_ALIGN_GRAPHS"] = "0"
-    eager = build(args)
+    eager, graphed = build(args, False), build(args, True)
     eager.warmup()
-    os.environ["VOICED_WHISPER_ALIGN_GRAPHS"] = "1"
-    graphed = build(args)
     graphed.warmup()
-    os.environ.pop("VOICED_WHISPER_ALIGN_GRAPHS")
     audio = load_16k(args.wav)
     clips = [audio[: int(s * 16000)] for s in CUTS_S]
     ids = iter(range(10**9))
@@ -110,10 +106,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{row['words, GPU warping']['per_request']} | host warping {row['words, host warping']['per_request']}"
               f" | graphed pass {row['words, graphed pass']['per_request']}")
     os.environ.pop("VOICED_WHISPER_DTW_KERNEL", None)
-    text = json.dumps(out, indent=1)
-    if args.out:
-        args.out.write_text(text)
-    print(text)
+    emit(out, args.out)
     return 0
 
 

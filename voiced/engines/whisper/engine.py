@@ -89,14 +89,18 @@ class _Forced:
     """A finished request's text as the word-timing pass forces it through the decoder."""
 
     row: int  # the cache row holding its audio's cross keys/values
-    language: str
+    language: str  # for splitting words ("en" where the plan had none: an English-only model)
     prefix: list[int]  # <|startoftranscript|> [<|lang|> <|task|>] <|notimestamps|>
     text: list[int]
     spans: list[SegmentSpan]
     audio: np.ndarray
+    tokens: list[int]  # the whole forced sequence: prefix, text, <|endoftext|>
 
-    def tokens(self, tok: WhisperTokenizer) -> list[int]:
-        return [*self.prefix, *self.text, tok.eot]
+    @classmethod
+    def of(cls, tok: WhisperTokenizer, row: int, language: str | None, task: str, text: list[int],
+           spans: list[SegmentSpan], audio: np.ndarray) -> _Forced:
+        prefix = [*tok.sot_sequence(language, task), tok.no_timestamps]
+        return cls(row, language or "en", prefix, text, spans, audio, [*prefix, *text, tok.eot])
 
 
 # Bytes one forced word-timing pass may hold at once (its logits, the heads' scores and a layer's cross
@@ -412,7 +416,8 @@ class WhisperEngine:
              compile_encoder: bool | None = None, attn_backend: str | None = None,
              fast_decoder: bool | None = None, compile_decoder: bool | None = None,
              memory_limit: tuple[int, float] | None = None, prefill_graphs: bool | None = None,
-             cross_in_encoder: bool | None = None, chunk_graphs: bool | None = None) -> WhisperEngine:
+             cross_in_encoder: bool | None = None, chunk_graphs: bool | None = None,
+             align_graphs: bool | None = None) -> WhisperEngine:
         """Load an official name (from the model cache), an OpenAI `.pt`, a Hugging Face or a
         CTranslate2 (faster-whisper) directory.
 
@@ -433,7 +438,8 @@ class WhisperEngine:
         history writes) replayed as one CUDA graph per batch bucket, captured at warm-up, instead of one
         replay and two writes per step (the served tokens are the same bits); a chunk cut short by a row's
         length limit, or a bucket warm-up did not capture, runs step by step. None: CHUNK_GRAPHS_DEFAULT
-        (on), unless VOICED_WHISPER_CHUNK_GRAPHS is 1 or 0.
+        (on), unless VOICED_WHISPER_CHUNK_GRAPHS is 1 or 0. align_graphs: the word timings' forced pass from
+        CUDA graphs captured at warm-up (fast.AlignmentPasses); None: off, unless VOICED_WHISPER_ALIGN_GRAPHS=1.
         """
         if prefill_graphs is None:
             prefill_graphs = prefill_graphs_default()
@@ -466,7 +472,7 @@ class WhisperEngine:
                      cuda_graphs=cuda_graphs, max_queue=max_queue, decode_chunk=decode_chunk,
                      compile_encoder=compile_encoder, attn_backend=attn_backend, fast_decoder=fast_decoder,
                      compile_decoder=compile_decoder, alignment_heads=heads, prefill_graphs=prefill_graphs,
-                     cross_in_encoder=cross_in_encoder, chunk_graphs=chunk_graphs)
+                     cross_in_encoder=cross_in_encoder, chunk_graphs=chunk_graphs, align_graphs=align_graphs)
         engine.memory_need = need
         engine.checkpoint_format = ckpt.format
         return engine
@@ -989,8 +995,7 @@ class WhisperEngine:
                 spans = [SegmentSpan(s.start, s.end, s.tokens) for s in result.segments]
             else:
                 spans = [SegmentSpan(0.0, audio.shape[0] // HOP_LENGTH * HOP_LENGTH / SAMPLE_RATE, text)]
-            prefix = [*self.tok.sot_sequence(plan.language, plan.task), self.tok.no_timestamps]
-            forced.append(_Forced(req.rows[0], plan.language or "en", prefix, text, spans, audio))
+            forced.append(_Forced.of(self.tok, req.rows[0], plan.language, plan.task, text, spans, audio))
         for (req, result), aligned in zip(timed, (yield from self._align(forced))):
             if aligned is None:
                 result.words, result.end_prob, result.stop_prob = [], None, None
@@ -1014,7 +1019,7 @@ class WhisperEngine:
         host, all requests' at once. Yields while each pass runs (returns a list: None or the above)."""
         fits = []
         for k, f in enumerate(forced):
-            if len(f.tokens(self.tok)) > self.dims.n_text_ctx:  # only with max_new_tokens near the whole context
+            if len(f.tokens) > self.dims.n_text_ctx:  # only with max_new_tokens near the whole context
                 log.warning("no word timings: %d text tokens do not fit the decoder's %d positions with the prompt",
                             len(f.text), self.dims.n_text_ctx)
             else:
@@ -1028,7 +1033,7 @@ class WhisperEngine:
             budget = min(budget, step_transient_bytes(self.dims, self.dtype.itemsize, self.max_encoder_batch))
         groups, size = [], 0
         for k in fits:
-            need = per_request + per_position * len(forced[k].tokens(self.tok))
+            need = per_request + per_position * len(forced[k].tokens)
             if not groups or size + need > budget or len(groups[-1]) == most:
                 groups.append([])
                 size = 0
@@ -1055,7 +1060,7 @@ class WhisperEngine:
         back in one copy, after a yield (the shared engine thread launches the other engine's work while
         the pass runs)."""
         tok, dev = self.tok, self.model.device
-        seqs = [f.tokens(tok) for f in group]
+        seqs = [f.tokens for f in group]
         t = max(len(x) for x in seqs)
         graphed = self.align_passes.bucket(len(group), t) if self.align_passes is not None else None
         if graphed is not None:
@@ -1116,10 +1121,9 @@ class WhisperEngine:
         kernel is compiled for every block size here too, and the forced pass's graphs (when on) captured."""
         audio = np.zeros(SAMPLE_RATE, dtype=np.float32)
         text = self.tok.encode(" One, two, three.")
-        prefix = [*self.tok.sot_sequence("en", "transcribe"), self.tok.no_timestamps]
         if self.align_passes is not None:
             self.align_passes.capture()
-        finish(self._align([_Forced(0, "en", prefix, text, [SegmentSpan(0.0, 1.0, text)], audio)]))
+        finish(self._align([_Forced.of(self.tok, 0, "en", "transcribe", text, [SegmentSpan(0.0, 1.0, text)], audio)]))
         dtw_kernel.warm(self.model.device)
 
     def _release(self, leaving: list[_Active]) -> None:
