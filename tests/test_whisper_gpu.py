@@ -19,7 +19,7 @@ from tests.gpu_phrases import BATCH, REFERENCE, WHISPER
 from voiced.engines.base import ASROptions, ASRRequest
 from voiced.engines.rows import _PinnedRing, to_device
 from voiced.engines.whisper.engine import WhisperEngine, _Active
-from voiced.engines.whisper.fast import Prefills
+from voiced.engines.whisper.fast import ALIGN_GRAPH_ROWS, ALIGN_GRAPH_TOKENS, Prefills
 from voiced.engines.whisper.model import decode_attention_kernels
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -519,7 +519,8 @@ def test_word_timings_of_requests_finishing_together_are_each_alone(tmp_path, cl
 
 def test_word_timing_graphs_give_the_eager_pass_s_words(tmp_path, clips, monkeypatch):
     """VOICED_WHISPER_ALIGN_GRAPHS=1: the forced word-timing pass replayed from its CUDA graphs (captured at
-    warm-up) gives the words and times of the eager pass, for one request and for three finishing together."""
+    warm-up) gives the words and times of the eager pass, for one request and for three finishing together;
+    the memory plan counts what the graphs hold."""
     ckpt = make_openai_checkpoint(tmp_path, n_mels=128, seed=4)
     o = ASROptions(language="en", max_new_tokens=20, min_new_tokens=20, word_timestamps=True)
     out = {}
@@ -528,6 +529,11 @@ def test_word_timing_graphs_give_the_eager_pass_s_words(tmp_path, clips, monkeyp
         eng = WhisperEngine.load(ckpt, device="cuda", max_batch=8, max_encoder_batch=4)
         assert (eng.align_passes is not None) == (mode == "1")
         eng.warmup()
+        if mode == "1":  # every bucket captured at warm-up, and what they hold is what the memory plan counts
+            passes = eng.align_passes
+            assert len(passes.graphs) == len(ALIGN_GRAPH_ROWS) * len(ALIGN_GRAPH_TOKENS)
+            held = [n for n in eng.memory_need.items if n.what.startswith("word-timing graphs") and not n.transient]
+            assert [n.bytes for n in held] == [sum(t.nbytes for t in (passes.inputs, passes.hidden, passes.scores))]
         alone = [eng.transcribe(ASRRequest(clips[0], o))]
         for i, c in enumerate(clips):
             eng.submit(i, ASRRequest(c, o))

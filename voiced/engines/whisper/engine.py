@@ -55,6 +55,7 @@ from .cpu import column_major_embedding_, int8_available, quantize_int8_
 from .decoding import DecodePlan, RequestDecoder, Suppression
 from .fast import (
     ALIGN_GRAPH_ROWS,
+    ALIGN_GRAPH_TOKENS,
     PREFILL_GRAPH_TOKENS,
     AlignmentPasses,
     CudaGraphs,
@@ -157,7 +158,8 @@ def chunk_graphs_default() -> bool:
 
 def align_graphs_default() -> bool:
     """The word timings' forced pass from CUDA graphs (`fast.AlignmentPasses`, captured at warm-up): on
-    with VOICED_WHISPER_ALIGN_GRAPHS=1. Off by default until measured live and counted by the memory plan."""
+    with VOICED_WHISPER_ALIGN_GRAPHS=1. Off by default until measured live (the memory plan counts them:
+    align_graph_needs)."""
     return os.environ.get("VOICED_WHISPER_ALIGN_GRAPHS", "0") == "1"
 
 
@@ -183,8 +185,10 @@ def build_model(dims: ModelDims, state: dict[str, torch.Tensor], where: str = "c
 
 def memory_need(dims: ModelDims, dtype: torch.dtype, weight_bytes: int, max_batch: int, *, cuda: bool,
                 max_encoder_batch: int | None = None, cuda_graphs: bool = True, decode_chunk: int = 8,
-                workspace_bytes: int = 0, prefill_graphs: bool = False, cross_in_encoder: bool = False) -> EngineNeed:
-    """What `WhisperEngine(...)` with these settings holds on its device (see voiced.memory_plan)."""
+                workspace_bytes: int = 0, prefill_graphs: bool = False, cross_in_encoder: bool = False,
+                align_graphs: bool = False, alignment_heads: int = 0) -> EngineNeed:
+    """What `WhisperEngine(...)` with these settings holds on its device (see voiced.memory_plan).
+    alignment_heads: how many the word timings read (counted with align_graphs)."""
     rows = max_batch
     items = [Need("weights", weight_bytes),
              Need(f"KV cache: self {dims.n_text_ctx} + cross {dims.n_audio_ctx} positions x {rows} rows",
@@ -215,6 +219,8 @@ def memory_need(dims: ModelDims, dtype: torch.dtype, weight_bytes: int, max_batc
                           sum(eb) * (N_SAMPLES * 4 + dims.n_audio_ctx * dims.n_audio_state * elem)))
         if prefill_graphs:
             items += prefill_graph_needs(dims, elem, eb)
+        if align_graphs:
+            items += align_graph_needs(dims, elem, alignment_heads)
     items.append(Need("cuBLAS workspace (the engine's stream)", workspace_bytes))
     # One admission of `enc` utterances (with the cross keys/values made in the encoder's graph, its
     # projections come out of the graphs' pool, which the encoder's own activations exceed).
@@ -257,6 +263,23 @@ def prefill_graph_needs(dims: ModelDims, elem: int, buckets: list[int]) -> list[
     return [Need(f"prefill graphs: inputs, last logits out, batch {buckets} x 2 prompt lengths",
                  rows * (1 + t) * 8 + outputs),
             Need(f"prefill graphs: the largest capture's transients (batch {rows})", transient, transient=True)]
+
+
+def align_graph_needs(dims: ModelDims, elem: int, heads: int) -> list[Need]:
+    """What the word timings' forced-pass graphs (fast.AlignmentPasses) hold, counted from what they
+    allocate: the static input block [rows, slot + tokens] int64 and the one pair of outputs every graph
+    writes a corner of, at the largest bucket: the activations [rows, tokens, width] in the model's dtype
+    and the heads' scores [rows, heads, tokens, audio positions] float32. The largest capture's transients
+    (the scores once more, per layer then joined; a layer's cross keys and values gathered for its rows;
+    the heads' keys as float32) come out of the engine's graph pool, as the prefill graphs' do, and are
+    counted as a step transient."""
+    rows, t, a = ALIGN_GRAPH_ROWS[-1], ALIGN_GRAPH_TOKENS[-1], dims.n_audio_ctx
+    scores = rows * heads * t * a * 4
+    head_width = dims.n_text_state // dims.n_text_head
+    return [Need(f"word-timing graphs: inputs, activations and {heads} heads' scores out, "
+                 f"{rows} rows x {t} tokens", rows * (1 + t) * 8 + rows * t * dims.n_text_state * elem + scores),
+            Need(f"word-timing graphs: the largest capture's transients ({rows} rows)",
+                 2 * scores + rows * a * (2 * dims.n_text_state * elem + heads * head_width * 4), transient=True)]
 
 
 def _official_heads(name: str, dims: ModelDims) -> list[tuple[int, int]] | None:
@@ -353,7 +376,7 @@ class WhisperEngine:
                                   CudaGraphs(self._stream, pool) if prefill_graphs and self.cuda_graphs else None)
                          if self.is_cuda else None)
         # The word timings' forced pass from CUDA graphs (fast.AlignmentPasses; off by default: not yet measured
-        # live, and the memory plan does not count its graphs yet).
+        # live).
         if align_graphs is None:
             align_graphs = align_graphs_default()
         self.align_passes = (AlignmentPasses(model.decoder, self.cache, self.alignment_heads, tokenizer.eot,
@@ -455,19 +478,23 @@ class WhisperEngine:
         int8 = dtype == "int8"
         dtype = _weights_dtype(dtype, device)
         cuda = device.startswith("cuda")
+        if align_graphs is None:
+            align_graphs = align_graphs_default()
+        name = path.stem if path.is_file() else path.name
+        heads = ckpt.alignment_heads or _official_heads(name, dims)
+        n_heads = len(check_heads(heads or default_alignment_heads(dims), dims, str(path)))
         rows = rows_in_budget(max_batch or (64 if cuda else 8), kv_cache_bytes, KVCache.bytes_per_slot(dims, dtype),
                               owner="ASR", row="decoder row")
         need = memory_need(dims, dtype, tensor_bytes(model, dtype), rows, cuda=cuda,
                            max_encoder_batch=max_encoder_batch, cuda_graphs=cuda_graphs,
                            decode_chunk=decode_chunk if decode_chunk is not None else 8,
                            workspace_bytes=stream_workspace_bytes(device) if cuda else 0,
-                           prefill_graphs=prefill_graphs, cross_in_encoder=cross_in_encoder)
+                           prefill_graphs=prefill_graphs, cross_in_encoder=cross_in_encoder,
+                           align_graphs=align_graphs and cuda_graphs and cuda, alignment_heads=n_heads)
         check_memory_limit(need, memory_limit)  # before anything goes to the GPU
         model = model.to(device=device, dtype=dtype)
         if int8:
             quantize_int8_(model)
-        name = path.stem if path.is_file() else path.name
-        heads = ckpt.alignment_heads or _official_heads(name, dims)
         engine = cls(model, tok, model_name=name, max_batch=rows, max_encoder_batch=max_encoder_batch,
                      cuda_graphs=cuda_graphs, max_queue=max_queue, decode_chunk=decode_chunk,
                      compile_encoder=compile_encoder, attn_backend=attn_backend, fast_decoder=fast_decoder,

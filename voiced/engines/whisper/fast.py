@@ -540,17 +540,21 @@ class AlignmentPasses:
     The inputs are one static block [row, slot | tokens] written on the device from the pass's own index
     copy; a group of n rows runs as its bucket b >= n, the padding rows repeating the last real row (the
     pass writes nothing: they only cost their share of the work), its tokens padded with end-of-text at
-    the end (the self-attention is causal: padding changes no real position). The outputs (the final
-    activations and the heads' scores) are the graph's static buffers: read them before the next replay.
+    the end (the self-attention is causal: padding changes no real position). Every graph writes its
+    outputs (the final activations and the heads' scores) into one pair of buffers of the largest bucket,
+    of which it returns its corner: one bucket's outputs are held, not eight (`align_graph_needs`), at
+    the cost of one copy each. Read them before the next replay.
     Attention runs under `decode_attention_kernels` (cuDNN's picked other kernels for captured calls).
     """
 
     def __init__(self, decoder: TextDecoder, cache: KVCache, heads: list[tuple[int, int]], eot: int,
                  graphs: CudaGraphs) -> None:
         self.decoder, self.cache, self.heads, self.graphs = decoder, cache, heads, graphs
-        self.inputs = torch.full((ALIGN_GRAPH_ROWS[-1], 1 + ALIGN_GRAPH_TOKENS[-1]), eot, dtype=torch.long,
-                                 device=cache.self_k.device)
+        b, t, dev = ALIGN_GRAPH_ROWS[-1], ALIGN_GRAPH_TOKENS[-1], cache.self_k.device
+        self.inputs = torch.full((b, 1 + t), eot, dtype=torch.long, device=dev)
         self.inputs[:, 0] = 0
+        self.hidden = torch.empty(b, t, decoder.token_embedding.weight.shape[1], dtype=cache.cross_k.dtype, device=dev)
+        self.scores = torch.empty(b, len(heads), t, cache.cross_k.shape[2], dtype=torch.float32, device=dev)
 
     def bucket(self, rows: int, tokens: int) -> tuple[int, int] | None:
         """The (rows, tokens) bucket a group runs in, None where it runs eagerly."""
@@ -561,8 +565,12 @@ class AlignmentPasses:
     def _pass(self, b: int, t: int):
         def run():
             with decode_attention_kernels(True):
-                return self.decoder.alignment_hidden(self.inputs[:b, 1:1 + t], self.inputs[:b, 0], self.cache,
-                                                     self.heads)
+                x, scores = self.decoder.alignment_hidden(self.inputs[:b, 1:1 + t], self.inputs[:b, 0], self.cache,
+                                                          self.heads)
+            hidden, held = self.hidden[:b, :t], self.scores[:b, :, :t]
+            hidden.copy_(x)
+            held.copy_(scores)
+            return hidden, held
         return run
 
     def capture(self) -> None:
