@@ -312,6 +312,23 @@ def test_word_timing_graphs_are_counted_in_the_memory_need():
         == [n.what for n in memory_need(dims, align_graphs=False, **{**kw, "cuda": False}).items]
 
 
+def test_word_timing_graphs_setting(monkeypatch, tmp_path):
+    """VOICED_WHISPER_ALIGN_GRAPHS=1 / 0 when set, else engine.ALIGN_GRAPHS_DEFAULT (on since measured live on a
+    GPU); on the CPU (no CUDA graphs) the engine has no graphed pass and its plan counts none, whatever is asked."""
+    from voiced.engines.whisper import engine as engine_mod
+
+    monkeypatch.delenv("VOICED_WHISPER_ALIGN_GRAPHS", raising=False)
+    assert engine_mod.ALIGN_GRAPHS_DEFAULT is True and engine_mod.align_graphs_default() is True
+    for env, want in (("1", True), ("0", False), (" 0 ", False), ("", True), ("no", False)):
+        monkeypatch.setenv("VOICED_WHISPER_ALIGN_GRAPHS", env)
+        assert engine_mod.align_graphs_default() is want, env
+    monkeypatch.setenv("VOICED_WHISPER_ALIGN_GRAPHS", "1")
+    ckpt = make_openai_checkpoint(tmp_path, seed=4)
+    eng = WhisperEngine.load(ckpt, max_batch=2, align_graphs=True)
+    assert eng.align_passes is None
+    assert not any(n.what.startswith("word-timing graphs") for n in eng.memory_need.items)
+
+
 def test_chunk_graphs_setting(monkeypatch, tmp_path):
     """VOICED_WHISPER_CHUNK_GRAPHS=1 / 0 when set, else engine.CHUNK_GRAPHS_DEFAULT (on since measured on a
     GPU); on the CPU (no CUDA graphs) the engine never takes the chunk graph path, whatever is asked."""
