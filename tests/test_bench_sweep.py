@@ -204,6 +204,32 @@ def test_a_callers_clock_times_a_reply_from_the_turn_the_daemon_ended_not_from_i
     assert last_sound < at
 
 
+def test_a_turn_the_daemon_drops_takes_no_reply_from_the_next_turn():
+    """A door that names its turns: a turn the daemon ended but dropped (no transcript: its words a
+    hallucination, such as the tail of a word where a looped WAV starts) is owed no reply. The next turn's
+    reply is timed from that turn's own end, not from the dropped one's (a queue did that: one sentence's
+    period, ~4.8 s, added to a p99), and nothing is left unanswered."""
+    from voiced.bench.phone_callers import EndOfSpeech
+
+    quiet = bytes(640)
+    clock = EndOfSpeech(door_decides=True)
+    out = {"v2v_client_ms": [], "v2v_real_end_ms": [], "unmatched_replies": []}
+    clock.sent(quiet, 0.7)
+    clock.decided(0.7, turn=1)  # the fragment: SPEECH_ENDED, then no transcript
+    clock.sent(quiet, 6.5)
+    clock.decided(6.5, turn=2)
+    clock.transcribed(2)
+    clock.reply_started(out, 6.7, turn=2)
+    clock.decided(11.0, turn=3)
+    clock.transcribed(3)  # the last turn: words, and no reply before the caller hung up
+    assert out["v2v_client_ms"] == [pytest.approx(200.0)] and out["unmatched_replies"] == []
+    assert clock.unanswered() == 1
+    clock.reply_started(out, 11.3, turn=3)
+    clock.reply_started(out, 12.0, turn=7)  # a reply to no turn the caller saw end
+    assert out["v2v_client_ms"] == [pytest.approx(200.0), pytest.approx(300.0)]
+    assert out["unmatched_replies"] == [1] and clock.unanswered() == 0 and clock.utterances == 3
+
+
 def test_bench_callers_hang_up_after_what_they_are_saying_so_no_turn_ends_at_the_hang_up():
     """Every bench caller stops at the end of its level; one that stopped mid-sentence would have the daemon
     end that turn on the spot, and with all callers stopping at one instant those turns all end together,

@@ -442,9 +442,11 @@ async def one_caller(address: str, pcm: bytes, start_frame: int, duration_s: flo
                     # says when a smart detector ended the turn (the real end stays the last sound sent).
                     clock.door_decides = True
                 elif kind == "speech" and ev.speech.type == pb.SpeechActivity.SPEECH_ENDED and clock.door_decides:
-                    clock.decided(now)
+                    clock.decided(now, ev.turn_id)
                 elif kind == "transcript" and ev.transcript.is_final:
                     out["asr_ms"].append(ev.transcript.latency_ms)
+                    if ev.transcript.text.strip():
+                        clock.transcribed(ev.turn_id)
                 elif kind == "agent_text" and ev.agent_text.latency_ms > 0:
                     out["agent_ms"].append(ev.agent_text.latency_ms)
                     replies[ev.turn_id] = {"agent_ms": ev.agent_text.latency_ms, "t_text": now, "bytes": 0}
@@ -453,7 +455,7 @@ async def one_caller(address: str, pcm: bytes, start_frame: int, duration_s: flo
                     r["bytes"] += len(ev.audio.audio)
                     r["t_last"] = now
                     if ev.audio.sequence == 0:
-                        clock.reply_started(out, now)
+                        clock.reply_started(out, now, ev.turn_id if clock.door_decides else None)
                         out["first_audio_ms"].append(ev.audio.latency_ms)
                         if "agent_ms" in r:
                             out["tts_first_chunk_ms"].append(ev.audio.latency_ms - r["agent_ms"])
@@ -477,7 +479,7 @@ async def one_caller(address: str, pcm: bytes, start_frame: int, duration_s: flo
         await call.done_writing()
         clock.finished(time.monotonic())
         await reader
-        out.setdefault("unanswered", []).append(len(clock.ends))  # utterances whose reply never came
+        out.setdefault("unanswered", []).append(clock.unanswered())  # utterances whose reply never came
 
 
 async def realtime_caller(address: str, pcm: bytes, start_frame: int, duration_s: float, reply_s: float, seed: int,

@@ -53,6 +53,11 @@ class EndOfSpeech:
         self._utterance = Utterance
         # (decided, real end) send times of utterance ends not yet matched to a reply
         self.ends: collections.deque[tuple[float, float]] = collections.deque()
+        # the same for the turns the door ended, by turn id; those with words (a final transcript with text)
+        # are owed a reply. A turn the daemon drops (its words a hallucination, such as a fragment of a word
+        # at the start of a looped WAV) gets neither: in a queue it would take the next turn's reply.
+        self.turns: dict[int, tuple[float, float]] = {}
+        self.owed: set[int] = set()
         self.utterances = 0
         self._last_sound = 0.0  # when the last loud sample was spoken
         self.door_decides = door_decides
@@ -71,10 +76,23 @@ class EndOfSpeech:
                     self.ends.append((at, min(self._last_sound, at)))
                     self.utterances += 1
 
-    def decided(self, at: float) -> None:
-        """The door said the utterance ended (received at `at`); its real end is the last sound sent."""
-        self.ends.append((at, min(self._last_sound, at)))
+    def decided(self, at: float, turn: int | None = None) -> None:
+        """The door said the utterance (turn id `turn`, where it says) ended (received at `at`); its real end
+        is the last sound sent."""
+        end = (at, min(self._last_sound, at))
+        if turn is None:
+            self.ends.append(end)
+        else:
+            self.turns[turn] = end
         self.utterances += 1
+
+    def transcribed(self, turn: int) -> None:
+        """The turn's final transcript came, with words: it is owed a reply."""
+        self.owed.add(turn)
+
+    def unanswered(self) -> int:
+        """Utterances whose reply never came: those with words, where the door names turns."""
+        return len(self.ends) + len(self.owed & self.turns.keys())
 
     def finished(self, at: float) -> None:
         """The caller finished sending (gRPC's half-close): the daemon ends the utterance in progress."""
@@ -87,9 +105,11 @@ class EndOfSpeech:
                 self.ends.append((at, min(self._last_sound, at)))
                 self.utterances += 1
 
-    def reply_started(self, out: dict, at: float) -> None:
-        if self.ends:
-            decided, real_end = self.ends.popleft()
+    def reply_started(self, out: dict, at: float, turn: int | None = None) -> None:
+        """A reply's first audio (to turn `turn`, where the door names it) reached the caller at `at`."""
+        end = self.turns.pop(turn, None) if turn is not None else self.ends.popleft() if self.ends else None
+        if end is not None:
+            decided, real_end = end
             out["v2v_client_ms"].append((at - decided) * 1000)
             out.setdefault("v2v_real_end_ms", []).append((at - real_end) * 1000)
         else:
