@@ -9,11 +9,12 @@ renormalised top-k/top-p distribution.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 
-from . import decode_linear
+from . import decode_linear, topk_kernel
 
 MASK32 = 0xFFFFFFFF
 # Candidate cap when top_k is 0 (off): the mass beyond the 1024 most likely of 166000 tokens is
@@ -56,6 +57,7 @@ def sample(
     steps: torch.Tensor,
     candidates: int | None = None,
     id_offset: int = 0,
+    draw=None,
 ) -> torch.Tensor:
     """logits `[B, V]` (fp32, disallowed tokens already -inf) and per-row params -> token ids `[B]`.
 
@@ -65,17 +67,32 @@ def sample(
     not depend on it: candidates past a row's own limit are masked out.
     `id_offset`: `logits` covers vocabulary ids id_offset.. (a slice of the head); returned ids and the
     noise are those of the full vocabulary, so a slice draws exactly what the full logits would.
+    `draw`: what draws from the candidates (`draw_candidates`, or its compiled self: `compiled_sample`).
     """
     b, v = logits.shape
-    limit = torch.where(top_k > 0, top_k, torch.full_like(top_k, MAX_CANDIDATES)).clamp(max=min(v, MAX_CANDIDATES))
-    k = int(limit.max().item()) if candidates is None else min(candidates, v)
+    k = int(_limit(top_k, v).max().item()) if candidates is None else min(candidates, v)
     vals, idx = top_k_candidates(logits, k)  # sorted, largest first
+    return (draw or draw_candidates)(vals, idx, temperature, top_k, top_p, seeds, steps, v, id_offset)
+
+
+def _limit(top_k: torch.Tensor, v: int) -> torch.Tensor:
+    """Each row's candidate count: its top_k, or MAX_CANDIDATES for 0 (off), at most the vocabulary."""
+    return torch.where(top_k > 0, top_k, torch.full_like(top_k, MAX_CANDIDATES)).clamp(max=min(v, MAX_CANDIDATES))
+
+
+def draw_candidates(vals: torch.Tensor, idx: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                    top_p: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor, v: int,
+                    id_offset: int = 0) -> torch.Tensor:
+    """The draw of `sample` from a row's k candidates (values `[B, k]` sorted largest first, their ids in
+    a vocabulary of `v` from `id_offset`): temperature, the row's own top-k and top-p, Gumbel noise."""
+    k = vals.shape[1]
+    limit = _limit(top_k, v)
     if id_offset:
         idx = idx + id_offset
     greedy = (temperature <= 0) | (top_k == 1)
     temp = torch.where(greedy, torch.ones_like(temperature), temperature).clamp(min=1e-5)
     scaled = vals / temp[:, None]
-    pos = torch.arange(k, device=logits.device)[None, :]
+    pos = torch.arange(k, device=vals.device)[None, :]
     scaled = scaled.masked_fill(pos >= limit[:, None], float("-inf"))
     probs = torch.softmax(scaled, dim=-1)
     # top-p: drop a candidate when the mass before it already reaches p (the first always survives)
@@ -91,10 +108,14 @@ def top_k_candidates(logits: torch.Tensor, k: int, segments: int = 16) -> tuple[
     """`torch.topk(logits, k)` (sorted), in two rounds when rows are long: the top k of each of
     `segments` slices of a row, then the top k of those. On a GPU one long row is one thread block
     (~70 µs for the 13.5k speech ids on an H200, the costliest kernel of a batch-1 decode step); the
-    first round spreads it over `segments` blocks. The same candidates come out, in the same order."""
+    first round spreads it over `segments` blocks. The same candidates come out, in the same order
+    (between equal values, which torch.topk leaves unordered, lower ids first on the kernels' path). With
+    VOICED_SPARK_TOPK_KERNEL=1 each round is one Triton kernel on a CUDA GPU (`topk_kernel`)."""
     b, v = logits.shape
     if v < 4 * segments * k:
         return torch.topk(logits, k, dim=-1)
+    if topk_kernel.enabled(logits, k, segments):
+        return topk_kernel.top_k(logits, k, segments)
     width = -(-v // segments)
     padded = torch.nn.functional.pad(logits, (0, width * segments - v), value=float("-inf"))
     vals, idx = padded.view(b, segments, width).topk(k, dim=-1)
@@ -105,16 +126,18 @@ def top_k_candidates(logits: torch.Tensor, k: int, segments: int = 16) -> tuple[
     return vals, idx.view(b, -1).gather(1, pick).clamp_(max=v - 1)
 
 
-_compiled_sample = None
+_compiled_draw = None
 
 
 def compiled_sample():
-    """`sample` through torch.compile: its ~40 small per-step ops (the hash, the top-p scan) fuse into
-    a few kernels. Compiled once per process, on first use (the engine's warm-up)."""
-    global _compiled_sample
-    if _compiled_sample is None:
-        _compiled_sample = torch.compile(sample, dynamic=None)
-    return _compiled_sample
+    """`sample` with its draw through torch.compile: the draw's ~40 small per-step ops (the hash, the top-p
+    scan) fuse into a few kernels; the candidates are taken before it (`top_k_candidates`: torch.topk or
+    the Triton kernels, which the compiled graph does not hold). Compiled once per process, on first use
+    (the engine's warm-up)."""
+    global _compiled_draw
+    if _compiled_draw is None:
+        _compiled_draw = torch.compile(draw_candidates, dynamic=None)
+    return functools.partial(sample, draw=_compiled_draw)
 
 
 def candidate_bucket(top_k: list[int], vocab: int) -> int:
