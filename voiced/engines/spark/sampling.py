@@ -109,8 +109,8 @@ def top_k_candidates(logits: torch.Tensor, k: int, segments: int = 16) -> tuple[
     `segments` slices of a row, then the top k of those. On a GPU one long row is one thread block
     (~70 µs for the 13.5k speech ids on an H200, the costliest kernel of a batch-1 decode step); the
     first round spreads it over `segments` blocks. The same candidates come out, in the same order
-    (between equal values, which torch.topk leaves unordered, lower ids first on the kernels' path). With
-    VOICED_SPARK_TOPK_KERNEL=1 each round is one Triton kernel on a CUDA GPU (`topk_kernel`)."""
+    (between equal values, which torch.topk leaves unordered, lower ids first on the kernels' path). On a
+    CUDA GPU each round is one Triton kernel (`topk_kernel`), unless VOICED_SPARK_TOPK_KERNEL=0."""
     b, v = logits.shape
     if v < 4 * segments * k:
         return torch.topk(logits, k, dim=-1)
