@@ -69,6 +69,7 @@ from voiced.bench.gil_profile import GilProfile
 from voiced.bench.report import emit
 from voiced.bench.saturation import next_level, saturation
 from voiced.bench.steps import STEP_PARTS, LoopLag, RequestTimer, StepTimer, pct
+from voiced.engines.switches import env_switch
 
 log = logging.getLogger("voiced.bench.e2e")
 TARGET_KEYS = ("door_overhead_p50_ms_audiosocket_16", "door_overhead_p50_ms_media_ws_16")
@@ -230,7 +231,7 @@ def _bench_tts(args, dev: str):
     # as the engine benchmark does.
     tts.force_reply_lengths()
     tts.use_random_voice(seed=0)
-    if not args.tiny_cpu and os.environ.get("VOICED_SPARK_COMPILE", "1") != "0":
+    if not args.tiny_cpu and env_switch("VOICED_SPARK_COMPILE", True):
         tts.lm.compile_decode()  # what SparkTTSEngine.load does on CUDA (unless VOICED_SPARK_COMPILE=0)
     return tts
 

@@ -40,6 +40,7 @@ from pathlib import Path
 
 from voiced.bench.report import emit
 from voiced.bench.steps import pct
+from voiced.engines.switches import env_switch
 
 log = logging.getLogger("voiced.bench.speech")
 
@@ -164,7 +165,7 @@ def main(argv: list[str] | None = None) -> dict:
     result = {"bench": "speech", "gpu": "cpu (dry run)" if args.tiny_cpu else torch.cuda.get_device_name(),
               "torch": torch.__version__, "python": platform.python_version(), "reply_seconds": args.reply_seconds,
               "first_chunk_tokens": args.first_chunk_tokens, "asr_dims": server_args.asr_dims,
-              "tts_compiled": not args.tiny_cpu and os.environ.get("VOICED_SPARK_COMPILE", "1") != "0",
+              "tts_compiled": not args.tiny_cpu and env_switch("VOICED_SPARK_COMPILE", True),
               "text": TEXT, "voice": VOICE, "duration_s": args.duration, "date": time.strftime("%Y-%m-%d"), "levels": {}}
     for n in args.concurrency:
         cmd = [sys.executable, "-m", "voiced.bench.speech_bench", "--tiktoken-dir", str(args.tiktoken_dir),

@@ -4,7 +4,6 @@ its caches), and how row indices made on the host reach the device."""
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Sequence
 
@@ -12,6 +11,7 @@ import numpy as np
 import torch
 
 from voiced.engines.base import EngineError
+from voiced.engines.switches import env_switch
 
 
 def to_device(values: Sequence, device: torch.device | str) -> torch.Tensor:
@@ -37,7 +37,7 @@ def _pinned_copy(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
 
 # `to_device` through `_PinnedRing`: on unless VOICED_PINNED_STAGING_RING=0 (read at import); the GPU suite
 # passed with it on (H100, 2026-11-27: tests/test_whisper_gpu.py -k staging, and every engine test).
-STAGING_RING = os.environ.get("VOICED_PINNED_STAGING_RING", "1") == "1"
+STAGING_RING = env_switch("VOICED_PINNED_STAGING_RING", True)
 
 
 class _PinnedRing:

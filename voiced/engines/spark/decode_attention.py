@@ -25,11 +25,11 @@ dependent launch (each one's blocks start while the kernel before it drains, the
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
 # (the engine compiles with Triton only where it is found too: engine._has_triton; without it: `reference`)
+from voiced.engines.switches import env_switch
 from voiced.engines.triton_lang import tl, triton
 
 BLOCK_N = 64  # cache positions per inner iteration (a multiple of 16: tl.dot's smallest tile)
@@ -109,10 +109,7 @@ def launch_overlap(t: torch.Tensor) -> bool:
         return False
     if getattr(getattr(tl.extra, "cuda", None), "gdc_wait", None) is None:
         return False
-    env = os.environ.get("VOICED_SPARK_PDL", "").strip()
-    if env not in ("", "0", "1"):
-        raise ValueError(f"VOICED_SPARK_PDL={env!r}: use 1 (on) or 0 (off)")
-    return env == "1" if env else PDL_DEFAULT
+    return env_switch("VOICED_SPARK_PDL", PDL_DEFAULT)
 
 
 def overlap_args(t: torch.Tensor) -> dict:

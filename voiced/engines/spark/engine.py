@@ -60,6 +60,7 @@ from voiced.engines.base import (
 )
 from voiced.engines.footprint import check_memory_limit, parse_dtype
 from voiced.engines.rows import compaction, to_device
+from voiced.engines.switches import env_switch
 from voiced.memory_plan import EngineNeed
 
 from . import lm_steps, vocoder_schedule
@@ -93,8 +94,7 @@ VOCODER_GRAPHS_DEFAULT = True
 
 def vocoder_graphs_default() -> bool:
     """VOICED_SPARK_VOCODER_GRAPHS=1 or 0 if set, else VOCODER_GRAPHS_DEFAULT."""
-    env = os.environ.get("VOICED_SPARK_VOCODER_GRAPHS", "").strip()
-    return VOCODER_GRAPHS_DEFAULT if env == "" else env == "1"
+    return env_switch("VOICED_SPARK_VOCODER_GRAPHS", VOCODER_GRAPHS_DEFAULT)
 
 
 @dataclass
@@ -220,7 +220,7 @@ class SparkTTSEngine:
             raise EngineError(f"{ckpt.llm_dir}: vocab_size {lm.config.vocab_size} has no room for the BiCodec tokens")
         codec = load_bicodec(ckpt.bicodec_dir, ckpt.root_config, device, c_dtype)
         if compile_lm is None:
-            compile_lm = cuda and os.environ.get("VOICED_SPARK_COMPILE", "1") != "0" and _has_triton()
+            compile_lm = cuda and env_switch("VOICED_SPARK_COMPILE", True) and _has_triton()
         if compile_lm:
             lm.compile_decode()
         engine = cls(ckpt, lm, codec, tokenizer, special, device=device, max_batch=rows, max_seq_len=max_seq_len,

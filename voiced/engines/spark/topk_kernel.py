@@ -24,6 +24,7 @@ import os
 
 import torch
 
+from voiced.engines.switches import env_switch
 from voiced.engines.triton_lang import tl, triton
 
 # On since measured (H200, 2026-11-28, `voiced bench spark-env`, both orders): the decode step 0.826 -> 0.783 ms at
@@ -36,10 +37,7 @@ MAX_SLICE = 4096  # the most ids one program sorts
 def enabled(logits: torch.Tensor, k: int, segments: int) -> bool:
     """Whether `top_k` takes these logits: float32 on a CUDA device (or Triton's interpreter), k a power of
     two up to MAX_K, slices of k to MAX_SLICE ids, unless VOICED_SPARK_TOPK_KERNEL=0."""
-    env = os.environ.get("VOICED_SPARK_TOPK_KERNEL", "").strip()
-    if env not in ("", "0", "1"):
-        raise ValueError(f"VOICED_SPARK_TOPK_KERNEL={env!r}: use 1 (on) or 0 (off)")
-    on = env == "1" if env else KERNEL_DEFAULT
+    on = env_switch("VOICED_SPARK_TOPK_KERNEL", KERNEL_DEFAULT)
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     width = -(-logits.shape[1] // segments)
     return (on and triton is not None and (logits.is_cuda or interpreted) and logits.dtype == torch.float32

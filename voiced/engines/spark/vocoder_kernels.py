@@ -27,11 +27,12 @@ a ROCm build takes the kernels too, its sin unchecked against torch's).
 from __future__ import annotations
 
 import importlib
-import os
 
 import torch
 
 # Triton as decode_attention finds it (it comes with torch's CUDA builds, the only place these run)
+from voiced.engines.switches import env_switch
+
 from .decode_attention import tl, triton
 
 BLOCK = 1024  # samples of one channel per program
@@ -44,8 +45,7 @@ KERNELS_DEFAULT = True
 def enabled() -> bool:
     """Whether the wave generator takes the kernels on CUDA (and meta): Triton is installed and
     VOICED_SPARK_VOCODER_KERNELS (1 or 0) does not turn them off."""
-    env = os.environ.get("VOICED_SPARK_VOCODER_KERNELS", "").strip()
-    return triton is not None and (KERNELS_DEFAULT if env == "" else env == "1")
+    return triton is not None and env_switch("VOICED_SPARK_VOCODER_KERNELS", KERNELS_DEFAULT)
 
 
 def _launch(kernel, x: torch.Tensor, *args, **constants) -> None:

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from voiced.engines.rows import to_device
+from voiced.engines.switches import env_switch
 from voiced.engines.triton_lang import tl, triton
 
 # On wherever Triton is (paths equal to the host's: tests/test_dtw_kernel*.py); the environment's
@@ -32,10 +33,7 @@ KERNEL_DEFAULT = True
 def supported(device: torch.device) -> bool:
     """Whether word timings on `device` warp on it: a CUDA device (or Triton's interpreter) with Triton,
     unless VOICED_WHISPER_DTW_KERNEL=0."""
-    env = os.environ.get("VOICED_WHISPER_DTW_KERNEL", "").strip()
-    if env not in ("", "0", "1"):
-        raise ValueError(f"VOICED_WHISPER_DTW_KERNEL={env!r}: use 1 (on) or 0 (off)")
-    on = env == "1" if env else KERNEL_DEFAULT
+    on = env_switch("VOICED_WHISPER_DTW_KERNEL", KERNEL_DEFAULT)
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     return on and triton is not None and (device.type == "cuda" or interpreted)
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,6 +45,7 @@ from voiced.engines.base import (
 )
 from voiced.engines.footprint import DTYPES, check_memory_limit, parse_dtype, tensor_bytes
 from voiced.engines.rows import compaction, doubling, rows_in_budget, to_device
+from voiced.engines.switches import env_switch
 from voiced.memory_plan import EngineNeed, Need, stream_workspace_bytes
 
 from . import dtw_kernel
@@ -126,7 +126,7 @@ class _Active:
 def prefill_graphs_default() -> bool:
     """The admission's prefill from CUDA graphs on a GPU: on unless VOICED_WHISPER_PREFILL_GRAPHS=0 (issue 26:
     measured on an H100 with the other host-side changes, 128 callers' final transcript p50 236 -> 72 ms)."""
-    return os.environ.get("VOICED_WHISPER_PREFILL_GRAPHS", "1") != "0"
+    return env_switch("VOICED_WHISPER_PREFILL_GRAPHS", True)
 
 
 def cross_in_encoder_default() -> bool:
@@ -137,7 +137,7 @@ def cross_in_encoder_default() -> bool:
     at 128 callers the slowest admissions' cache writes fell from 33-74 ms to 1-19 ms (docs/BENCHMARKS.md).
     It holds one more largest-bucket buffer of every layer's cross keys/values (~469 MiB for large-v3-turbo
     in bf16 at encoder batch 16), which the memory plan counts."""
-    return os.environ.get("VOICED_WHISPER_CROSS_IN_ENCODER", "1") == "1"
+    return env_switch("VOICED_WHISPER_CROSS_IN_ENCODER", True)
 
 
 # Whether a chunk of greedy steps replays as one CUDA graph on a GPU (`chunk_graphs_default`): on since the GPU
@@ -152,8 +152,7 @@ def chunk_graphs_default() -> bool:
     calls per chunk at 8 steps, each of which waits to win the GIL back (issue 26: 50-110 ms wall for
     6-18 ms of CPU per recognition step at 128 callers). VOICED_WHISPER_CHUNK_GRAPHS=1 or 0 if set, else
     CHUNK_GRAPHS_DEFAULT (on)."""
-    env = os.environ.get("VOICED_WHISPER_CHUNK_GRAPHS", "").strip()
-    return CHUNK_GRAPHS_DEFAULT if env == "" else env == "1"
+    return env_switch("VOICED_WHISPER_CHUNK_GRAPHS", CHUNK_GRAPHS_DEFAULT)
 
 
 # On since measured live (H200, 2026-11-28, 64 callers with smart turn detection): the recognition thread's
@@ -165,8 +164,7 @@ def align_graphs_default() -> bool:
     """The word timings' forced pass from CUDA graphs (`fast.AlignmentPasses`, captured at warm-up; the
     memory plan counts them: `align_graph_needs`). VOICED_WHISPER_ALIGN_GRAPHS=1 or 0 if set, else
     ALIGN_GRAPHS_DEFAULT (on)."""
-    env = os.environ.get("VOICED_WHISPER_ALIGN_GRAPHS", "").strip()
-    return ALIGN_GRAPHS_DEFAULT if env == "" else env == "1"
+    return env_switch("VOICED_WHISPER_ALIGN_GRAPHS", ALIGN_GRAPHS_DEFAULT)
 
 
 def build_model(dims: ModelDims, state: dict[str, torch.Tensor], where: str = "checkpoint") -> Whisper:
@@ -357,8 +355,9 @@ class WhisperEngine:
         # their history writes (captured at warm-up only: `warmup`, `_greedy_chunk`).
         self.cuda_graphs = cuda_graphs and self.is_cuda
         # (Its capture's two eager pre-runs take rows from position 0 to 2 x decode_chunk - 1.)
-        self.chunk_graphs = (self.cuda_graphs and (chunk_graphs_default() if chunk_graphs is None else chunk_graphs)
-                             and 2 * self.decode_chunk <= self.dims.n_text_ctx)
+        if chunk_graphs is None:
+            chunk_graphs = chunk_graphs_default()  # (read on every device: a misspelt value is refused everywhere)
+        self.chunk_graphs = self.cuda_graphs and chunk_graphs and 2 * self.decode_chunk <= self.dims.n_text_ctx
         self.buckets = doubling(max_batch) if self.is_cuda else []
         self._stream: torch.cuda.Stream | None = torch.cuda.Stream(device=model.device) if self.is_cuda else None
         pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
