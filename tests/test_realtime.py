@@ -545,3 +545,37 @@ def test_an_engine_fault_is_a_server_error_without_its_text_and_the_connection_g
         assert FAULT_TEXT not in text and "RuntimeError" not in text
     assert "server log" in heard_fault.error.message
     assert heard.item_id  # the next turn was heard
+
+
+def test_a_turn_whose_words_are_dropped_completes_its_item_empty_and_gets_no_response(models, tmp_path, speech):
+    """Thresholds that judge every result a hallucination (Whisper's words on a cough or noise): the turn was
+    committed, so its user item is completed with an empty transcript (a client waiting on it moves on), and
+    no response follows; the next turn goes the same way, and the connection stays open."""
+    config = http_config()
+    config.asr.no_speech_threshold, config.asr.logprob_threshold = -1.0, 0.0
+    d = start_http_daemon(models, tmp_path, config)
+    data = wire_audio(speech, PCM24)
+    try:
+        async def go(c: Conn):
+            await c.until("session.created")
+            await c.conn.session.update(session=session())
+            await c.until("session.updated")
+            done = []
+            for _ in range(2):
+                await c.send_audio(data, PCM24)
+                done.append(await c.until("conversation.item.done"))
+            await asyncio.sleep(1.0)  # a response would have started by now
+            await c.conn.session.update(session=session(instructions="Still here."))
+            await c.until("session.updated")
+            return done, c
+
+        done, c = asyncio.run(connect(d, go))
+    finally:
+        d.stop()
+    committed = [e.item_id for e in c.of("input_audio_buffer.committed")]
+    heard = c.of("conversation.item.input_audio_transcription.completed")
+    assert len(committed) == 2 and [e.item_id for e in heard] == committed
+    assert [e.transcript for e in heard] == ["", ""]
+    assert [e.item.id for e in done] == committed and all(e.item.content[0].transcript == "" for e in done)
+    assert c.of("response.created") == []
+    assert d.services.metrics.transcripts_dropped._value.get() == 2

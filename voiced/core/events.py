@@ -99,6 +99,18 @@ class TranscriptOut:
 
 
 @dataclass
+class TurnWithoutWords:
+    """A turn the session ended (SpeechEnded was sent) that has no transcript: its words were judged a
+    hallucination (Whisper's output on a cough, noise, or the tail of a word) and dropped, so no transcript
+    and no reply follow. A door whose protocol promised the caller the turn's transcript closes it here."""
+
+    session_id: str
+    turn_id: int
+    start_ms: int
+    end_ms: int
+
+
+@dataclass
 class AgentTextOut:
     session_id: str
     turn_id: int
@@ -165,5 +177,5 @@ class HangupOut:
     reason: str
 
 
-OutputEvent = (Started | SpeechStarted | SpeechEnded | TranscriptOut | AgentTextOut | ReplyStarted | ReplyFinished
-               | ReplyInterrupted | AudioOut | NoticeOut | HangupOut)
+OutputEvent = (Started | SpeechStarted | SpeechEnded | TranscriptOut | TurnWithoutWords | AgentTextOut | ReplyStarted
+               | ReplyFinished | ReplyInterrupted | AudioOut | NoticeOut | HangupOut)

@@ -58,6 +58,7 @@ from voiced.core.events import (
     TalkEnd,
     TalkStart,
     TranscriptOut,
+    TurnWithoutWords,
     UserText,
 )
 from voiced.core.outbound import cost, over_capacity, too_long
@@ -506,6 +507,8 @@ class Session:
                 self.services.metrics.transcripts_dropped.inc()
                 log.debug("session %s turn %d: dropped %r as a hallucination", self.spec.session_id,
                           turn.turn_id, result.text)
+                u = turn.utterance
+                await self.send(TurnWithoutWords(self.spec.session_id, turn.turn_id, ms(u.start), ms(u.end)))
                 continue
             if result.words and not self.spec.asr.word_timestamps:
                 result = replace(result, words=[])  # read by the end-of-turn rule, not asked for

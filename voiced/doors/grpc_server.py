@@ -101,7 +101,9 @@ class VoicedService(pb_grpc.VoicedServicer):
                 # waited forever for an answer.
                 await context.send_initial_metadata(())
                 async for event in session.run(_SessionInputs(context)):
-                    await session.writing(context.write(wire.event_to_proto(event, config)))
+                    message = wire.event_to_proto(event, config)
+                    if message is not None:
+                        await session.writing(context.write(message))
         except Exception as e:
             await self._abort(context, e)
         finally:
