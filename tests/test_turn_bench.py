@@ -45,6 +45,29 @@ def test_a_reply_is_timed_from_the_last_sound_the_caller_sent_as_well_as_from_th
     assert 480 <= out["v2v_real_end_ms"][0] - out["v2v_client_ms"][0] <= 560
 
 
+def test_with_silence_detection_the_daemon_s_turn_ids_name_the_clock_s_utterances():
+    """With silence detection the caller's clock finds each utterance's end itself (the daemon's segmenter's
+    settings, the very frames); the daemon's SPEECH_ENDED, arriving later, only names it. A turn the daemon
+    ends and drops (no transcript with words) is owed no reply and does not take the next turn's: the next
+    reply is timed from its own utterance's end."""
+    from voiced.bench.phone_callers import EndOfSpeech
+
+    speech = layout(["Can you read me the last message again?", "Thank you."], lead_s=0.4, gap_s=2.0, tail_s=1.5)
+    pcm = (np.clip(speech.audio, -1, 1) * 32767).astype("<i2").tobytes()
+    clock = EndOfSpeech()
+    for n in range(len(pcm) // 640):
+        clock.sent(pcm[n * 640: (n + 1) * 640], (n + 1) * 0.02)
+    assert clock.utterances == 2
+    first_end, second_end = (clock.ends[0][0], clock.ends[1][0])
+    clock.decided(first_end + 0.05, turn=1)  # the daemon ends turn 1 ... and drops its words
+    clock.decided(second_end + 0.05, turn=2)
+    clock.transcribed(2)
+    out = {"v2v_client_ms": [], "unmatched_replies": []}
+    clock.reply_started(out, second_end + 0.3, turn=2)
+    assert out["v2v_client_ms"] == [pytest.approx(300.0)] and out["unmatched_replies"] == []
+    assert clock.utterances == 2 and clock.unanswered() == 0 and clock.without_words == 1
+
+
 def test_the_turn_set_pauses_only_where_a_sentence_cannot_end_and_knows_where_speech_ends(tmp_path):
     need_espeak()
     from voiced_client.wavio import read_wav

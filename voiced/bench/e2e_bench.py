@@ -36,8 +36,10 @@ from the caller's real end of speech with the detector's wait in it (issue 25's 
 speech with pauses as --wav (Spark stays random, as above). `--turn-detection silence` runs the same
 Whisper with turns ended on silence: the A/B of what the detector costs the engines.
 
-Every level also records what went wrong (failed_callers, notices, unanswered: utterances no reply
-answered) and, on a GPU, its own memory peak (gpu_memory). A caller sweep (`--sessions 1 2 4 8 16 24
+Every level also records what went wrong (failed_callers, notices, unanswered: utterances with words no
+reply answered; turns_without_words: turns the daemon ended and dropped, their words a hallucination, which
+are owed no reply) and, on a GPU, its own memory peak (gpu_memory). Replies are paired with the turn they
+answer by its id (gRPC). A caller sweep (`--sessions 1 2 4 8 16 24
 32 48 64`) runs every level on the same warm daemon; after them, the run reports where it saturates
 (`saturation`: the largest caller count whose voice-to-voice p99 as heard stays under
 `--saturation-ms`, voiced.bench.saturation), and `--refine N` measures up to N more levels that halve
@@ -442,8 +444,8 @@ async def one_caller(address: str, pcm: bytes, start_frame: int, duration_s: flo
                     # The caller's own copy of the segmenter only knows silence: the daemon's SPEECH_ENDED
                     # says when a smart detector ended the turn (the real end stays the last sound sent).
                     clock.door_decides = True
-                elif kind == "speech" and ev.speech.type == pb.SpeechActivity.SPEECH_ENDED and clock.door_decides:
-                    clock.decided(now, ev.turn_id)
+                elif kind == "speech" and ev.speech.type == pb.SpeechActivity.SPEECH_ENDED:
+                    clock.decided(now, ev.turn_id)  # (with silence detection: names the utterance its own clock found)
                 elif kind == "transcript" and ev.transcript.is_final:
                     out["asr_ms"].append(ev.transcript.latency_ms)
                     if ev.transcript.text.strip():
@@ -456,7 +458,7 @@ async def one_caller(address: str, pcm: bytes, start_frame: int, duration_s: flo
                     r["bytes"] += len(ev.audio.audio)
                     r["t_last"] = now
                     if ev.audio.sequence == 0:
-                        clock.reply_started(out, now, ev.turn_id if clock.door_decides else None)
+                        clock.reply_started(out, now, ev.turn_id)
                         out["first_audio_ms"].append(ev.audio.latency_ms)
                         if "agent_ms" in r:
                             out["tts_first_chunk_ms"].append(ev.audio.latency_ms - r["agent_ms"])
@@ -481,6 +483,7 @@ async def one_caller(address: str, pcm: bytes, start_frame: int, duration_s: flo
         clock.finished(time.monotonic())
         await reader
         out.setdefault("unanswered", []).append(clock.unanswered())  # utterances whose reply never came
+        out.setdefault("turns_without_words", []).append(clock.without_words)
 
 
 async def realtime_caller(address: str, pcm: bytes, start_frame: int, duration_s: float, reply_s: float, seed: int,
@@ -577,7 +580,8 @@ async def callers(address: str, wav: Path, sessions: int, duration_s: float, rep
     pcm = samples.astype("<i2").tobytes()
     n_frames = len(pcm) // 640
     out = {k: [] for k in ("asr_ms", "agent_ms", "first_audio_ms", "tts_first_chunk_ms", "rtf", "late_ms", "notices",
-                           "v2v_client_ms", "v2v_real_end_ms", "asr_client_ms", "unmatched_replies", "unanswered")}
+                           "v2v_client_ms", "v2v_real_end_ms", "asr_client_ms", "unmatched_replies", "unanswered",
+                           "turns_without_words")}
 
     def caller(k: int):
         start = (n_frames * k) // sessions
@@ -601,10 +605,13 @@ async def callers(address: str, wav: Path, sessions: int, duration_s: float, rep
     # One caller's failure is that caller's, counted for its level; the others' figures still stand.
     failed = [r for r in await asyncio.gather(*(caller(k) for k in range(sessions)), return_exceptions=True)
               if isinstance(r, BaseException)]
-    report = {k: pct(v) for k, v in out.items() if k not in ("notices", "unmatched_replies", "unanswered") and v}
+    counts = ("unanswered", "turns_without_words")
+    report = {k: pct(v) for k, v in out.items() if k not in ("notices", "unmatched_replies", *counts) and v}
     report["callers"] = sessions
     report["unmatched_replies"] = len(out["unmatched_replies"])
     report["unanswered"] = sum(out["unanswered"])
+    # turns the daemon ended and dropped (their words a hallucination): no transcript, no reply owed
+    report["turns_without_words"] = sum(out["turns_without_words"])
     report["failed_callers"] = dict(Counter(f"{type(e).__name__}: {str(e)[:160]}" for e in failed))
     report["notices"] = dict(Counter(out["notices"]))
     report["wall_s"] = round(time.monotonic() - t0, 1)

@@ -78,13 +78,27 @@ class EndOfSpeech:
 
     def decided(self, at: float, turn: int | None = None) -> None:
         """The door said the utterance (turn id `turn`, where it says) ended (received at `at`); its real end
-        is the last sound sent."""
+        is the last sound sent.
+
+        Where this clock's own segmenter decides (silence detection: it hears the very frames with the
+        daemon's settings, and sooner), the door's end only names the utterance it found first: its times
+        stay the segmenter's, now under the turn's id."""
+        if not self.door_decides and turn is not None:
+            if self.ends:
+                self.turns[turn] = self.ends.popleft()
+                return
+            # (the segmenter found no utterance: the door's decision is the only one there is)
         end = (at, min(self._last_sound, at))
         if turn is None:
             self.ends.append(end)
         else:
             self.turns[turn] = end
         self.utterances += 1
+
+    @property
+    def without_words(self) -> int:
+        """Turns the door ended that got no transcript with words (nor a reply): dropped, such as a word's tail."""
+        return len(self.turns.keys() - self.owed)
 
     def transcribed(self, turn: int) -> None:
         """The turn's final transcript came, with words: it is owed a reply."""
