@@ -83,11 +83,10 @@ class EndOfSpeech:
         Where this clock's own segmenter decides (silence detection: it hears the very frames with the
         daemon's settings, and sooner), the door's end only names the utterance it found first: its times
         stay the segmenter's, now under the turn's id."""
-        if not self.door_decides and turn is not None:
-            if self.ends:
-                self.turns[turn] = self.ends.popleft()
-                return
-            # (the segmenter found no utterance: the door's decision is the only one there is)
+        if turn is not None and not self.door_decides and self.ends:
+            self.turns[turn] = self.ends.popleft()
+            return
+        # (a door that decides, or a segmenter that found no utterance: the door's end is the only one there is)
         end = (at, min(self._last_sound, at))
         if turn is None:
             self.ends.append(end)

@@ -410,7 +410,9 @@ class RealtimeConnection:
         elif isinstance(ev, core.TranscriptOut):
             await self._transcript(ev)
         elif isinstance(ev, core.TurnWithoutWords):
-            await self._no_words(ev)
+            # its words were dropped (a hallucination): the item is completed empty, as the Realtime API does
+            # for audio without speech, so a client waiting on it moves on; no response follows
+            await self._complete(ev, "")
         elif isinstance(ev, core.AgentTextOut):
             response = await self._open_response(ev.turn_id)
             await self._transcript_delta(response, ev.text if not response.transcript else " " + ev.text)
@@ -453,23 +455,17 @@ class RealtimeConnection:
                 await self.send({"type": "conversation.item.input_audio_transcription.delta",
                                  "item_id": turn.item_id, "content_index": 0, "delta": delta})
             return
-        await self._complete(ev.turn_id, turn, text, ev.end_ms - ev.start_ms)
+        await self._complete(ev, text)
 
-    async def _complete(self, turn_id: int, turn: _Turn, text: str, duration_ms: int) -> None:
-        """The turn's user item is done, with its transcript."""
-        self.turns.pop(turn_id, None)
+    async def _complete(self, ev, text: str) -> None:
+        """The user item of `ev`'s turn (a final transcript, or a turn without words) is done, with `text`."""
+        turn = self.turns.pop(ev.turn_id, None)
+        if turn is None:
+            return
         await self.send({"type": "conversation.item.input_audio_transcription.completed", "item_id": turn.item_id,
                          "content_index": 0, "transcript": text,
-                         "usage": {"type": "duration", "seconds": round(max(0.0, duration_ms / 1000), 3)}})
+                         "usage": {"type": "duration", "seconds": round(max(0.0, (ev.end_ms - ev.start_ms) / 1000), 3)}})
         await self.send({"type": "conversation.item.done", "item": rt.user_item(turn.item_id, text)})
-
-    async def _no_words(self, ev) -> None:
-        """A committed turn whose words were dropped (a hallucination): its item is completed with an empty
-        transcript, as the Realtime API does for audio without speech, so a client waiting on it moves on;
-        no response follows."""
-        turn = self.turns.get(ev.turn_id)
-        if turn is not None:
-            await self._complete(ev.turn_id, turn, "", ev.end_ms - ev.start_ms)
 
     def _part(self, r: _Response) -> dict:
         return {"response_id": r.response_id, "item_id": r.item_id, "output_index": 0, "content_index": 0}

@@ -37,11 +37,11 @@ MAX_SLICE = 4096  # the most ids one program sorts
 def enabled(logits: torch.Tensor, k: int, segments: int) -> bool:
     """Whether `top_k` takes these logits: float32 on a CUDA device (or Triton's interpreter), k a power of
     two up to MAX_K, slices of k to MAX_SLICE ids, unless VOICED_SPARK_TOPK_KERNEL=0."""
-    on = env_switch("VOICED_SPARK_TOPK_KERNEL", KERNEL_DEFAULT)
-    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     width = -(-logits.shape[1] // segments)
-    return (on and triton is not None and (logits.is_cuda or interpreted) and logits.dtype == torch.float32
-            and k <= MAX_K and k & (k - 1) == 0 and k <= width <= MAX_SLICE and logits.stride(1) == 1)
+    fits = (triton is not None and logits.dtype == torch.float32 and k <= MAX_K and k & (k - 1) == 0
+            and k <= width <= MAX_SLICE and logits.stride(1) == 1)
+    where = logits.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+    return fits and where and env_switch("VOICED_SPARK_TOPK_KERNEL", KERNEL_DEFAULT)
 
 
 def top_k(logits: torch.Tensor, k: int, segments: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -286,6 +286,15 @@ def align_graph_needs(dims: ModelDims, elem: int, heads: int) -> list[Need]:
                  2 * scores + rows * a * (2 * dims.n_text_state * elem + heads * head_width * 4), transient=True)]
 
 
+def _alignment_heads(heads: list[tuple[int, int]] | None, dims: ModelDims, where: str) -> list[tuple[int, int]]:
+    """The (layer, head) pairs word timings read: `heads` (the checkpoint's or openai-whisper's), else the
+    default for these dimensions, checked and sorted by layer (CheckpointError where they do not fit)."""
+    try:
+        return check_heads(heads or default_alignment_heads(dims), dims, where)
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
+
+
 def _official_heads(name: str, dims: ModelDims) -> list[tuple[int, int]] | None:
     """openai-whisper's alignment heads when a checkpoint's name is an official model's
     (`tiny.en.pt`, a `faster-whisper-tiny.en` or `whisper-tiny.en` directory) and its table fits."""
@@ -326,11 +335,7 @@ class WhisperEngine:
         self.max_encoder_batch = min(max_encoder_batch or (16 if self.is_cuda else 4), max_batch)
         self.max_queue = max_queue
         # (decoder layer, head) pairs whose cross-attention gives word timings (timing.py).
-        try:
-            self.alignment_heads = check_heads(alignment_heads or default_alignment_heads(self.dims), self.dims,
-                                               model_name)
-        except ValueError as e:
-            raise CheckpointError(str(e)) from None
+        self.alignment_heads = _alignment_heads(alignment_heads, self.dims, model_name)
         self.cache = model.allocate_cache(max_batch)
         self.suppress = Suppression.build(tokenizer, self.dims.n_vocab, model.device)
         self._queue: dict[int, _Active] = {}
@@ -485,9 +490,9 @@ class WhisperEngine:
         cuda = device.startswith("cuda")
         if align_graphs is None:
             align_graphs = align_graphs_default()
+        align_graphs = align_graphs and cuda_graphs and cuda
         name = path.stem if path.is_file() else path.name
-        heads = ckpt.alignment_heads or _official_heads(name, dims)
-        n_heads = len(check_heads(heads or default_alignment_heads(dims), dims, str(path)))
+        heads = _alignment_heads(ckpt.alignment_heads or _official_heads(name, dims), dims, name)
         rows = rows_in_budget(max_batch or (64 if cuda else 8), kv_cache_bytes, KVCache.bytes_per_slot(dims, dtype),
                               owner="ASR", row="decoder row")
         need = memory_need(dims, dtype, tensor_bytes(model, dtype), rows, cuda=cuda,
@@ -495,7 +500,7 @@ class WhisperEngine:
                            decode_chunk=decode_chunk if decode_chunk is not None else 8,
                            workspace_bytes=stream_workspace_bytes(device) if cuda else 0,
                            prefill_graphs=prefill_graphs, cross_in_encoder=cross_in_encoder,
-                           align_graphs=align_graphs and cuda_graphs and cuda, alignment_heads=n_heads)
+                           align_graphs=align_graphs, alignment_heads=len(heads))
         check_memory_limit(need, memory_limit)  # before anything goes to the GPU
         model = model.to(device=device, dtype=dtype)
         if int8:
