@@ -40,8 +40,8 @@ def _child() -> dict:
     from voiced.engines.spark.qwen2 import (
         Qwen2Config,
         Qwen2LM,
-        _rms,
         decode_mask,
+        embed_norm,
         layer_decode,
         layer_decode_tail,
         rope_tables,
@@ -100,7 +100,7 @@ def _child() -> dict:
         lm.prefill(prompt[:17], 1)
         if fast:
             lm.fuse_projections()
-            lm._layer_fn, lm._rms_fn, lm._tail_fn = layer_decode, _rms, layer_decode_tail  # compile_decode on a GPU, uncompiled
+            lm._layer_fn, lm._embed_fn, lm._tail_fn = layer_decode, embed_norm, layer_decode_tail  # compile_decode on a GPU, uncompiled
             lm._gemv = gemv
         tokens, positions, steps = torch.tensor([5, 9]), torch.tensor([40, 17]), []
         for _ in range(6):

@@ -1,6 +1,7 @@
 """The sampler's top-k kernels on a GPU (skipped without CUDA): at the speech ids' width (~13.5k, slices of 848)
 and batch 1 to 64, with ties, masked ids and a row with fewer allowed ids than k, the candidates are the k
-largest values (torch.topk's, bit for bit) with their ids, lower ids first between equal values; and `sample`
+largest values (torch.topk's, bit for bit) with their ids, lower ids first between equal values, also from the
+head's bfloat16 output with the phase mask the kernel adds; and `sample`
 replayed from a CUDA graph draws what it draws eagerly, and what it draws through torch.topk."""
 
 from __future__ import annotations
@@ -26,6 +27,20 @@ def test_kernel_candidates_on_a_gpu(rows, monkeypatch):
     assert np.array_equal(vals.cpu().numpy(), want_vals)
     assert np.array_equal(ids.cpu().numpy(), want_ids)
     assert torch.equal(vals, torch.topk(gx, 64).values)
+
+
+@pytest.mark.parametrize("rows", [1, 64])
+def test_kernel_adds_the_phase_mask_to_the_head_s_bfloat16_output(rows, monkeypatch):
+    monkeypatch.setenv("VOICED_SPARK_TOPK_KERNEL", "1")
+    x = logits_of(rows, 13_563, seed=rows + 1).to(torch.bfloat16)
+    wide = torch.zeros(2, 14_000)
+    wide[0, 1_000:] = float("-inf")  # as the engine's: globals, then semantic tokens, a slice of a wider mask
+    wide[1, :1_200] = float("-inf")
+    bias, phase = wide[:, 300:13_863], torch.arange(rows) % 2
+    vals, ids = sampling.top_k_candidates(x.cuda(), 64, bias=bias.cuda(), phase=phase.cuda())
+    want_vals, want_ids = expected(x.float() + bias[phase], 64)
+    assert np.array_equal(vals.cpu().numpy(), want_vals)
+    assert np.array_equal(ids.cpu().numpy(), want_ids)
 
 
 def test_sample_from_a_graph_draws_the_eager_and_the_torch_topk_tokens(monkeypatch):

@@ -1,7 +1,8 @@
 """The sampler's top-k kernels (voiced/engines/spark/topk_kernel.py) on the CPU, under Triton's interpreter (in a
 child process: TRITON_INTERPRET=1 is read when a kernel is defined): for rows of the speech slice's width and
 others, with ties, masked (-inf) ids and rows with fewer allowed ids than k, the candidates are the k largest
-values with their ids, lower ids first between equal values, and the values are torch.topk's bit for bit;
+values with their ids, lower ids first between equal values, and the values are torch.topk's bit for bit
+(also from bfloat16 logits with a phase mask the kernel adds itself);
 and the tokens `sample` draws through them are those it draws through torch.topk.
 tests/test_spark_gpu.py runs the kernels on a GPU."""
 
@@ -57,6 +58,16 @@ def _child() -> dict:
         if not (np.array_equal(vals.numpy(), want_vals) and np.array_equal(ids.numpy(), want_ids)
                 and torch.equal(vals, ref_vals)):
             wrong.append([rows, v, k])
+    # the head's bfloat16 output with the rows' phase mask added by the kernel (the mask a column slice of a
+    # wider one, as the engine's): the candidates of `logits.float() + bias[phase]`
+    x16 = logits_of(3, 2_000, 7).to(torch.bfloat16)
+    wide = torch.zeros(2, 2_500)
+    wide[0, 1_250:] = float("-inf")
+    wide[1, :550] = float("-inf")
+    bias, phase = wide[:, 250:2_250], torch.tensor([1, 0, 1])
+    vals, ids = sampling.top_k_candidates(x16, 16, bias=bias, phase=phase)
+    want_vals, want_ids = expected(x16.float() + bias[phase], 16)
+    masked = [np.array_equal(vals.numpy(), want_vals), np.array_equal(ids.numpy(), want_ids)]
     # sample's draw through the kernels and through torch.topk (rows without ties: the same candidates)
     x = torch.randn(3, 2_000, generator=torch.Generator().manual_seed(9))
     args = (torch.tensor([0.8, 0.0, 1.2]), torch.tensor([8, 8, 0]), torch.tensor([0.95, 0.95, 0.5]),
@@ -67,21 +78,22 @@ def _child() -> dict:
         tokens[mode] = [sampling.sample(x, *args, torch.tensor([s] * 3), candidates=16, id_offset=151_665).tolist()
                         for s in range(2)]
     os.environ.pop("VOICED_SPARK_TOPK_KERNEL")
-    return {"wrong": wrong, "tokens": tokens}
+    return {"wrong": wrong, "masked": masked, "tokens": tokens}
 
 
 @pytest.mark.slow
 def test_kernel_candidates_are_the_k_largest_and_sample_draws_the_same():
     got = run_interpreted("tests.test_spark_topk_kernel", timeout=900)
     assert got["wrong"] == []
+    assert got["masked"] == [True, True]
     assert got["tokens"]["1"] == got["tokens"]["0"]
     assert got["tokens"]["1"][0] != got["tokens"]["1"][1]  # steps draw differently: not a constant
 
 
 def test_kernel_setting_and_what_it_takes(monkeypatch):
     """VOICED_SPARK_TOPK_KERNEL=0 keeps torch.topk (1 takes the kernels; unset: KERNEL_DEFAULT); the kernels
-    never take the CPU outside the interpreter, nor a k past their bucket or not a power of two, nor float16
-    logits, nor slices narrower than k."""
+    never take the CPU outside the interpreter, nor a k past their bucket or not a power of two, nor integer
+    or float64 logits, nor slices narrower than k; they take float32, bfloat16 and float16 logits."""
     from voiced.engines.spark import topk_kernel
 
     monkeypatch.setenv("VOICED_SPARK_TOPK_KERNEL", "1")
@@ -90,7 +102,10 @@ def test_kernel_setting_and_what_it_takes(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert topk_kernel.enabled(x, 64, 16) == (topk_kernel.triton is not None)
     assert not topk_kernel.enabled(x, 128, 16) and not topk_kernel.enabled(x, 48, 16)
-    assert not topk_kernel.enabled(x.half(), 64, 16) and not topk_kernel.enabled(x[:, :800], 64, 16)
+    assert all(topk_kernel.enabled(x.to(dt), 64, 16) == (topk_kernel.triton is not None)
+               for dt in (torch.bfloat16, torch.float16))
+    assert not topk_kernel.enabled(x.double(), 64, 16) and not topk_kernel.enabled(x.long(), 64, 16)
+    assert not topk_kernel.enabled(x[:, :800], 64, 16)
     monkeypatch.setenv("VOICED_SPARK_TOPK_KERNEL", "0")
     assert not topk_kernel.enabled(x, 64, 16)
     monkeypatch.setenv("VOICED_SPARK_TOPK_KERNEL", "yes")

@@ -70,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
             tokens, _ = sb.steps_decode(eng, prompt, 200, 1, use_graph=True)
             first_tokens = first_tokens or tokens
             r["greedy_tokens_equal_first_mode"] = tokens == first_tokens
+            r["greedy_tokens"] = tokens  # (to compare runs of two trees)
             for b in (1, 16, 64):
                 times = [sb.steps_decode(eng, prompt, 96, 50, use_graph=True, batch=b)[1] for _ in range(3)]
                 r[f"step_ms_b{b}"] = round(1000 * statistics.median(times), 3)

@@ -197,6 +197,13 @@ def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return w * x32.to(x.dtype)
 
 
+def embed_norm(tokens: torch.Tensor, emb_w: torch.Tensor, ln: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decode step's input: the tokens' embeddings `[B, 1, C]` and the first layer's input norm of them
+    (compiled: one kernel, the gather inside the norm's)."""
+    x = F.embedding(tokens[:, None], emb_w)
+    return x, _rms(x, ln, eps)
+
+
 def layer_decode_tail(x, attn, ow, ln2, w_gate_up, dw, ln_next, eps: float):
     """A decoder layer after its attention (`attn [B, 1, H*D]`): output projection, residual, MLP,
     residual, and then the NEXT layer's input norm (`ln_next`; the final norm after the last layer),
@@ -301,7 +308,7 @@ class Qwen2LM(nn.Module):
         self._layer_fn = None  # compile_decode() sets layer_decode, compiled
         self._prefill_fn = None  # and layer_prefill
         self._tail_fn = None  # compile_decode(): the compiled layer after its Triton attention (GPU)
-        self._rms_fn = None  # and the first layer's input norm (both fused paths)
+        self._embed_fn = None  # and a step's embedding with the first layer's input norm (both fused paths)
         self._gemv = False  # compile_decode(): _decode_fast's projections through decode_linear's kernels
         self._layer_weights: list[tuple] = []
         self._capture: torch.cuda.Stream | None = None
@@ -428,9 +435,13 @@ class Qwen2LM(nn.Module):
 
     def decode_hidden(self, tokens: torch.Tensor, positions: torch.Tensor, kv_len: int) -> torch.Tensor:
         """One step for rows 0..B-1: `tokens [B]`, `positions [B]` -> final-normed hidden `[B, C]`."""
-        x = self.model.embed_tokens(tokens[:, None])
-        if self._tail_fn is not None:
-            return self._decode_fast(x, positions, kv_len)[:, 0]
+        if self._layer_fn is None:
+            x = self.model.embed_tokens(tokens[:, None])
+        else:
+            cfg = self.config
+            x, h = self._embed_fn(tokens, self.model.embed_tokens.weight, self._layer_weights[0][0], cfg.rms_norm_eps)
+            if self._tail_fn is not None:
+                return self._decode_fast(x, h, positions, kv_len)[:, 0]
         rows = torch.arange(tokens.shape[0], device=tokens.device)
         # Per step, not per layer: the mask and the rope factors in the activations' dtype (apply_rope's
         # casts become no-ops). A decode step is ~1000 small kernels, and their count sets its time.
@@ -442,9 +453,7 @@ class Qwen2LM(nn.Module):
                 x = x + layer.self_attn.decode(layer.input_layernorm(x), cos, sin, kc, vc, rows, positions, kv_len, mask)
                 x = x + layer.mlp(layer.post_attention_layernorm(x))
             return self.model.norm(x[:, 0])
-        cfg = self.config
         dims = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
-        h = self._rms_fn(x, self._layer_weights[0][0], cfg.rms_norm_eps)
         for i, (w, kc, vc) in enumerate(zip(self._layer_weights, self.k_caches, self.v_caches)):
             x, h = self._layer_fn(x, h, cos, sin, mask, kc, vc, rows, positions, w, cfg.rms_norm_eps, dims,
                                   self._next_norm(i))
@@ -455,15 +464,14 @@ class Qwen2LM(nn.Module):
         w = self._layer_weights
         return w[i + 1][0] if i + 1 < len(w) else self.model.norm.weight
 
-    def _decode_fast(self, x: torch.Tensor, positions: torch.Tensor, kv_len: int) -> torch.Tensor:
-        """The GPU step: per layer the qkv GEMM, one Triton kernel for rope + cache write + attention
-        (decode_attention.triton_attention, which reads the rope tables at `positions` itself: no
-        per-step mask or rope gathers), and the compiled rest of the layer with the next norm fused in.
-        About 9 kernels a layer instead of 15."""
+    def _decode_fast(self, x: torch.Tensor, h: torch.Tensor, positions: torch.Tensor, kv_len: int) -> torch.Tensor:
+        """The GPU step from the embeddings `x` and their first norm `h`: per layer the qkv GEMM, one Triton
+        kernel for rope + cache write + attention (decode_attention.triton_attention, which reads the rope
+        tables at `positions` itself: no per-step mask or rope gathers), and the compiled rest of the layer
+        with the next norm fused in. About 9 kernels a layer instead of 15."""
         cfg = self.config
         b, eps = x.shape[0], cfg.rms_norm_eps
         dims = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
-        h = self._rms_fn(x, self._layer_weights[0][0], eps)
         if self._gemv:
             return self._decode_gemv(x.view(b, -1), h.view(b, -1), positions, kv_len, dims).view(b, 1, -1)
         for i, (w, kc, vc) in enumerate(zip(self._layer_weights, self.k_caches, self.v_caches)):
@@ -544,7 +552,7 @@ class Qwen2LM(nn.Module):
         if fused_attention and not can:
             raise ValueError("fused_attention needs a compiled LM on a CUDA device with Triton and a head size of "
                              "16..256 (a power of two)")
-        self._rms_fn = torch.compile(_rms, **kwargs) if compile else _rms
+        self._embed_fn = torch.compile(embed_norm, **kwargs) if compile else embed_norm
         self._tail_fn = torch.compile(layer_decode_tail, **kwargs) if can and fused_attention is not False else None
         gemv = self._tail_fn is not None and decode_linear.supported(p.dtype, p.device)
         if fused_linear and not gemv:
@@ -578,9 +586,8 @@ class Qwen2LM(nn.Module):
         top = self.max_seq - 1
         for i in range(n_steps):
             h = self.decode_hidden(tokens, positions, kv_len)
-            out[:batch, i] = pick(self, h, st, slice(0, batch))  # also advances tokens/steps/phase
-            # clamp: a row at the cache's end keeps rewriting its last entry; the host ends it there
-            positions.add_(1).clamp_(max=top)
+            # the sampler writes the tokens into `out` and advances tokens, steps, phase and positions
+            pick(self, h, st, slice(0, batch), out=out[:batch, i], last_position=top)
 
     @torch.no_grad()
     def run_steps(self, pick, batch: int, n_steps: int, max_pos: int, use_graph: bool | None = None) -> torch.Tensor:
@@ -732,6 +739,14 @@ class StepState:
         """Copy host-built `[7, n]` long and `[2, n]` float blocks (field order as above) in."""
         self._ints.copy_(ints, non_blocking=True)
         self._floats.copy_(floats, non_blocking=True)
+
+    def columns(self, rows: slice | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The `[7, n]` long and `[2, n]` float blocks of `rows`: views for a slice (a sampler updates them
+        in place), copies for an index tensor (written back with `store_ints`)."""
+        return self._ints[:, rows], self._floats[:, rows]
+
+    def store_ints(self, rows: torch.Tensor, ints: torch.Tensor) -> None:
+        self._ints[:, rows] = ints
 
 
 class _StepsGraph:

@@ -104,18 +104,22 @@ def draw_candidates(vals: torch.Tensor, idx: torch.Tensor, temperature: torch.Te
     return idx.gather(1, choice[:, None])[:, 0]
 
 
-def top_k_candidates(logits: torch.Tensor, k: int, segments: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
-    """`torch.topk(logits, k)` (sorted), in two rounds when rows are long: the top k of each of
-    `segments` slices of a row, then the top k of those. On a GPU one long row is one thread block
-    (~70 µs for the 13.5k speech ids on an H200, the costliest kernel of a batch-1 decode step); the
-    first round spreads it over `segments` blocks. The same candidates come out, in the same order
-    (between equal values, which torch.topk leaves unordered, lower ids first on the kernels' path). On a
-    CUDA GPU each round is one Triton kernel (`topk_kernel`), unless VOICED_SPARK_TOPK_KERNEL=0."""
+def top_k_candidates(logits: torch.Tensor, k: int, segments: int = 16, bias: torch.Tensor | None = None,
+                     phase: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`torch.topk(logits.float() + bias[phase], k)` (sorted; the sum only when `bias` is given), in two
+    rounds when rows are long: the top k of each of `segments` slices of a row, then the top k of those. On
+    a GPU one long row is one thread block (~70 µs for the 13.5k speech ids on an H200, the costliest kernel
+    of a batch-1 decode step); the first round spreads it over `segments` blocks. The same candidates come
+    out, in the same order (between equal values, which torch.topk leaves unordered, lower ids first on the
+    kernels' path). On a CUDA GPU each round is one Triton kernel (`topk_kernel`), which also reads the
+    logits in their own dtype and adds the mask itself, unless VOICED_SPARK_TOPK_KERNEL=0."""
     b, v = logits.shape
-    if v < 4 * segments * k:
+    two_rounds = v >= 4 * segments * k
+    if two_rounds and topk_kernel.enabled(logits, k, segments):
+        return topk_kernel.top_k(logits, k, segments, bias, phase)
+    logits = logits.float() if bias is None else logits.float() + bias[phase]
+    if not two_rounds:
         return torch.topk(logits, k, dim=-1)
-    if topk_kernel.enabled(logits, k, segments):
-        return topk_kernel.top_k(logits, k, segments)
     width = -(-v // segments)
     padded = torch.nn.functional.pad(logits, (0, width * segments - v), value=float("-inf"))
     vals, idx = padded.view(b, segments, width).topk(k, dim=-1)
@@ -126,18 +130,50 @@ def top_k_candidates(logits: torch.Tensor, k: int, segments: int = 16) -> tuple[
     return vals, idx.view(b, -1).gather(1, pick).clamp_(max=v - 1)
 
 
-_compiled_draw = None
+def draw_step(vals: torch.Tensor, idx: torch.Tensor, ints: torch.Tensor, floats: torch.Tensor, v: int, id_offset: int,
+              switch: tuple[int, int, int, int, int], out: torch.Tensor | None = None,
+              last_position: int | None = None) -> torch.Tensor:
+    """A decode step's draw and what it advances, in place: `ints` `[7, n]` and `floats` `[2, n]` are the
+    rows' sampler state (qwen2.StepState's fields in its INT_FIELDS and FLOAT_FIELDS order). Draws each row's
+    token from its candidates (`draw_candidates`), feeds it back (tokens), counts the step, and moves a row
+    from phase `switch[0]` to `switch[1]` once it has `switch[4]` tokens of ids [switch[2], switch[3]) (a
+    controllable voice's globals, then its semantic tokens; the host applies the same rule). With
+    `last_position`, the positions advance too, clamped there (a row at the cache's end keeps rewriting its
+    last entry; the host ends it there); with `out`, the tokens are written into it as well. One function, so
+    that compiled it is a couple of kernels in a decode step instead of ~20 small ones."""
+    tokens, positions, steps, phase, n_global, seeds, top_k = ints.unbind(0)
+    temperature, top_p = floats.unbind(0)
+    tok = draw_candidates(vals, idx, temperature, top_k, top_p, seeds, steps, v, id_offset)
+    from_phase, to_phase, g_lo, g_hi, n_needed = switch
+    in_from = phase == from_phase
+    n_global.add_((in_from & (tok >= g_lo) & (tok < g_hi)).long())
+    phase.copy_(torch.where(in_from & (n_global >= n_needed), to_phase, phase))
+    steps.add_(1)
+    tokens.copy_(tok)
+    if last_position is not None:
+        positions.copy_((positions + 1).clamp(max=last_position))
+    if out is not None:
+        out.copy_(tok)
+    return tok
+
+
+_compiled_draw_step = None
+
+
+def compiled_draw_step():
+    """`draw_step` through torch.compile: its ~40 small per-step ops (the hash, the top-p scan, the
+    bookkeeping) fuse into a few kernels; the candidates are taken before it (`top_k_candidates`: torch.topk
+    or the Triton kernels, which the compiled graph does not hold). Compiled once per process, on first use
+    (the engine's warm-up)."""
+    global _compiled_draw_step
+    if _compiled_draw_step is None:
+        _compiled_draw_step = torch.compile(draw_step, dynamic=None)
+    return _compiled_draw_step
 
 
 def compiled_sample():
-    """`sample` with its draw through torch.compile: the draw's ~40 small per-step ops (the hash, the top-p
-    scan) fuse into a few kernels; the candidates are taken before it (`top_k_candidates`: torch.topk or
-    the Triton kernels, which the compiled graph does not hold). Compiled once per process, on first use
-    (the engine's warm-up)."""
-    global _compiled_draw
-    if _compiled_draw is None:
-        _compiled_draw = torch.compile(draw_candidates, dynamic=None)
-    return functools.partial(sample, draw=_compiled_draw)
+    """`sample` with its draw compiled (tests compare it with the eager draw)."""
+    return functools.partial(sample, draw=torch.compile(draw_candidates, dynamic=None))
 
 
 def candidate_bucket(top_k: list[int], vocab: int) -> int:
@@ -167,33 +203,28 @@ class PhaseSampler:
     def __init__(self, lo: int, hi: int, bias: torch.Tensor, candidates: int, *, from_phase: int, to_phase: int,
                  g_lo: int, g_hi: int, n_needed: int) -> None:
         self.lo, self.hi, self.bias, self.candidates = lo, hi, bias, candidates
-        self.from_phase, self.to_phase = from_phase, to_phase
-        self.g_lo, self.g_hi, self.n_needed = g_lo, g_hi, n_needed
+        self.switch = (from_phase, to_phase, g_lo, g_hi, n_needed)
         self.graph_key = ("phase", lo, hi, candidates, id(bias))
 
     def logits(self, lm, h: torch.Tensor) -> torch.Tensor:
+        """The head over the slice, in the LM's dtype (`top_k_candidates` takes it as float32)."""
         w = lm.lm_head.weight[self.lo : self.hi]
         if lm.fused_linear:  # the GEMV kernel reads the slice near the memory's speed (cuBLAS: ~half)
-            return decode_linear.linear(h.contiguous(), w, block_n=128).float()
-        return torch.nn.functional.linear(h, w).float()
+            return decode_linear.linear(h.contiguous(), w, block_n=128)
+        return torch.nn.functional.linear(h, w)
 
-    def __call__(self, lm, h: torch.Tensor, st, rows: slice | torch.Tensor) -> torch.Tensor:
+    def __call__(self, lm, h: torch.Tensor, st, rows: slice | torch.Tensor, out: torch.Tensor | None = None,
+                 last_position: int | None = None) -> torch.Tensor:
         """Sample for `h [n, C]` (final-normed hidden of `st`'s rows `rows`); advances those rows'
-        tokens, steps, phase and global count; returns the ids `[n]`. `rows`: a slice (the decode
-        steps; updated in place through views), or an index tensor (the first tokens of prompts
-        prefilled together, whose rows need not be consecutive: gathered, then written back)."""
-        phase = st.phase[rows]
-        logits = self.logits(lm, h) + self.bias[phase]
-        steps = st.steps[rows]
-        tok = (compiled_sample() if lm.compiled else sample)(logits, st.temperature[rows], st.top_k[rows], st.top_p[rows], st.seeds[rows], steps,
-                     candidates=self.candidates, id_offset=self.lo)
-        in_from = phase == self.from_phase
-        n_global = st.n_global[rows]
-        n_global.add_((in_from & (tok >= self.g_lo) & (tok < self.g_hi)).long())
-        phase.copy_(torch.where(in_from & (n_global >= self.n_needed), torch.full_like(phase, self.to_phase), phase))
-        steps.add_(1)
-        if isinstance(rows, slice):
-            st.tokens[rows].copy_(tok)
-        else:
-            st.phase[rows], st.n_global[rows], st.steps[rows], st.tokens[rows] = phase, n_global, steps, tok
+        tokens, steps, phase and global count (and positions, to `last_position`, and writes the tokens
+        into `out`: see `draw_step`); returns the ids `[n]`. `rows`: a slice (the decode steps; updated
+        in place through views), or an index tensor (the first tokens of prompts prefilled together,
+        whose rows need not be consecutive: gathered, then written back)."""
+        ints, floats = st.columns(rows)
+        vals, idx = top_k_candidates(self.logits(lm, h), min(self.candidates, self.hi - self.lo), bias=self.bias,
+                                     phase=ints[st.INT_FIELDS.index("phase")])
+        draw = compiled_draw_step() if lm.compiled else draw_step
+        tok = draw(vals, idx, ints, floats, self.hi - self.lo, self.lo, self.switch, out, last_position)
+        if not isinstance(rows, slice):
+            st.store_ints(rows, ints)
         return tok
