@@ -183,8 +183,7 @@ def linear_partials(x: torch.Tensor | SplitAttention, w: torch.Tensor, block_n: 
         src, w, w, out, m, n, k, per, 0 if split else x.stride(0), m * n, **attn,
         HAS_BIAS=False, SWIGLU=False, PARTIAL=True, COMBINE=split, BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=BLOCK_K,
         IEEE=dtype == torch.float32, num_warps=4,
-        # (a split attention's tiles are not pipelined: their NS x 3 loads a stage would not fit in shared memory)
-        num_stages=1 if split else _stages(bm, block_n, torch.finfo(dtype).bits // 8, 3, _smem(w)), **overlap_args(w))
+        num_stages=_stages(bm, block_n, torch.finfo(dtype).bits // 8, 3, _smem(w)), **overlap_args(w))
     return out
 
 
