@@ -37,7 +37,6 @@ def test_split_plan_covers_the_cache_in_whole_blocks(batch, kv_len):
 def _child() -> dict:
     """Run in the child (TRITON_INTERPRET=1): every check's worst difference, as JSON."""
     from voiced.engines.spark import decode_attention as da
-    from voiced.engines.spark import decode_linear as dl
     from voiced.engines.spark.qwen2 import (
         Qwen2Config,
         Qwen2LM,
@@ -47,6 +46,8 @@ def _child() -> dict:
         layer_decode_tail,
         rope_tables,
     )
+
+    from voiced.engines.spark import decode_linear as dl
 
     out: dict = {"kernel": []}
     cos_t, sin_t = rope_tables(Qwen2Config(), 1024)
