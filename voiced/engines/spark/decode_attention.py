@@ -25,7 +25,6 @@ dependent launch (each one's blocks start while the kernel before it drains, the
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 
 import torch
 
@@ -129,35 +128,14 @@ def split_plan(batch: int, n_kv: int, kv_len: int, sms: int) -> tuple[int, int]:
     return per, -(-kv_len // per)
 
 
-@dataclass
-class SplitAttention:
-    """A split attention's uncombined output (`triton_attention(..., combine=False)`): for each (row, KV
-    head, split) the unnormalised values `part [B, KV, n_splits, GP, D]` (float32) and their running max
-    and sum `ml [2, B, KV, n_splits, GP]`, which the output projection combines as it reads them
-    (decode_linear.linear_partials)."""
-
-    part: torch.Tensor
-    ml: torch.Tensor
-    n_splits: int
-    dims: tuple  # (heads, KV heads, head size)
-    dtype: torch.dtype  # the activations' (the combined output is rounded to it)
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        n_heads, _, head_dim = self.dims
-        return self.part.shape[0], n_heads * head_dim
-
-
 def triton_attention(qkv: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor, k_cache: torch.Tensor,
                      v_cache: torch.Tensor, positions: torch.Tensor, kv_len: int, dims: tuple,
-                     sms: int | None = None, out: torch.Tensor | None = None,
-                     combine: bool = True) -> torch.Tensor | SplitAttention:
+                     sms: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """`reference`'s arithmetic in one kernel (plus a combine when split): qkv `[B, N]` (contiguous),
     rope_cos/rope_sin the LM's fp32 tables `[max_seq, D]`, positions `[B]` long -> `[B, H*D]` in qkv's dtype.
     Writes each row's roped k and its v into the caches at its position. `sms`: the multiprocessors to
     fill (default: the device's; one under Triton's CPU interpreter, where tests run it). `out`: where
-    to write (a new tensor by default). `combine=False`: a split attention is returned uncombined
-    (`SplitAttention`), for the next kernel to combine as it reads it; one split is the output as ever."""
+    to write (a new tensor by default)."""
     n_heads, n_kv, head_dim = dims
     b = qkv.shape[0]
     group = n_heads // n_kv
@@ -179,8 +157,6 @@ def triton_attention(qkv: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.
         b * n_kv * n_splits * gp, head_dim**-0.5,
         H=n_heads, KV=n_kv, G=group, GP=gp, D=head_dim, BLOCK=BLOCK_N, ONE_SPLIT=one,
         IEEE=qkv.dtype == torch.float32, num_warps=4, **overlap)
-    if not one and not combine:
-        return SplitAttention(part, ml, n_splits, dims, qkv.dtype)
     if not one:
         _combine[(b, n_kv)](part, ml, out, n_splits, b * n_kv * n_splits * gp,
                             KV=n_kv, G=group, GP=gp, D=head_dim, SB=min(8, triton.next_power_of_2(n_splits)),
@@ -313,5 +289,5 @@ if triton is not None:
         o = acc / total[:, None]
         tl.store(out_ptr + row * (KV * G * D) + (kvh * G + g)[:, None] * D + d[None, :], o.to(DT), mask=(g < G)[:, None])
 
-__all__ = ["reference", "supported", "triton_attention", "SplitAttention", "split_plan", "apply_rope", "sm_count", "launch_overlap",
+__all__ = ["reference", "supported", "triton_attention", "split_plan", "apply_rope", "sm_count", "launch_overlap",
            "overlap_args", "wait_for_previous"]

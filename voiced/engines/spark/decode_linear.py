@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 # Triton as decode_attention finds it (it comes with torch's CUDA builds, the only place these run)
-from .decode_attention import SplitAttention, overlap_args, sm_count, tl, triton
+from .decode_attention import overlap_args, sm_count, tl, triton
 
 BLOCK_K = 128  # reduction depth per iteration: one 256-byte row segment of a bf16 weight per thread group
 MAX_ROWS = 64  # the largest batch one program multiplies (the engine's largest batch bucket)
@@ -54,13 +54,6 @@ def _rows_block(m: int) -> int:
     # multiplying, so the idle rows cost nothing measurable)
     return 16 if m <= 16 else 32 if m <= 32 else MAX_ROWS
 
-
-# A split attention (decode_attention.SplitAttention) combined by the output projection's programs as they
-# read it, instead of by a kernel of its own, up to this many rows: each of the projection's ~28 column
-# tiles combines its slice again, which costs nothing at a few rows and reads the splits 28 times at 64.
-# Off until measured (VOICED_SPARK_FOLD_COMBINE=1 turns it on).
-FOLD_COMBINE_ROWS = 16
-FOLD_COMBINE_DEFAULT = False
 
 MAX_SPLITS = 8  # `add_norm` reads every partial of a row in one program: more splits cost it more than they give
 
@@ -101,11 +94,6 @@ def split_plan(n: int, k: int, block_n: int, sms: int) -> tuple[int, int]:
     return per, -(-k // per)
 
 
-def _no_attention(w: torch.Tensor) -> dict:
-    """`_gemv`'s split-attention arguments where its input is a plain matrix (unused: any pointer serves)."""
-    return dict(ml_ptr=w, l_offset=0, NS=1, KV=1, G=1, GP=1, D=1)
-
-
 def _sms(t: torch.Tensor) -> int:
     return sm_count(t.device.index or 0) if t.is_cuda else 1
 
@@ -138,8 +126,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, b
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     bm = _rows_block(m)
     _gemv[(-(-n // block_n), 1, -(-m // bm))](
-        x, w, bias if bias is not None else w, out, m, n, k, k, x.stride(0), 0, **_no_attention(w),
-        HAS_BIAS=bias is not None, SWIGLU=False, PARTIAL=False, COMBINE=False, BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=BLOCK_K,
+        x, w, bias if bias is not None else w, out, m, n, k, k, x.stride(0), 0,
+        HAS_BIAS=bias is not None, SWIGLU=False, PARTIAL=False, BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=BLOCK_K,
         IEEE=x.dtype == torch.float32, num_warps=4,
         num_stages=_stages(bm, block_n, x.element_size(), 4, _smem(x)), **overlap_args(x))
     return out
@@ -152,38 +140,25 @@ def swiglu_linear(h: torch.Tensor, w_gate_up: torch.Tensor, block_n: int = 64) -
     out = torch.empty(m, n, dtype=h.dtype, device=h.device)
     bm = _rows_block(m)
     _gemv[(-(-n // block_n), 1, -(-m // bm))](
-        h, w_gate_up, w_gate_up, out, m, n, k, k, h.stride(0), 0, **_no_attention(w_gate_up),
-        HAS_BIAS=False, SWIGLU=True, PARTIAL=False, COMBINE=False, BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=BLOCK_K,
+        h, w_gate_up, w_gate_up, out, m, n, k, k, h.stride(0), 0,
+        HAS_BIAS=False, SWIGLU=True, PARTIAL=False, BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=BLOCK_K,
         IEEE=h.dtype == torch.float32, num_warps=4,
         num_stages=_stages(bm, 2 * block_n, h.element_size(), 3, _smem(h)), **overlap_args(h))
     return out
 
 
-def linear_partials(x: torch.Tensor | SplitAttention, w: torch.Tensor, block_n: int = 32,
-                    sms: int | None = None) -> torch.Tensor:
-    """x @ w.T split along K: fp32 partial sums `[S, M, N]` for `add_norm` to reduce. `x` may be a split
-    attention's uncombined output: each program then combines the slice of it that it multiplies (as
-    decode_attention's `_combine` does, one split after another) and rounds it to the activations'
-    dtype first, so the combine is no kernel of its own."""
+def linear_partials(x: torch.Tensor, w: torch.Tensor, block_n: int = 32, sms: int | None = None) -> torch.Tensor:
+    """x @ w.T split along K: fp32 partial sums `[S, M, N]` for `add_norm` to reduce."""
     m, k = x.shape
     n = w.shape[0]
-    split = isinstance(x, SplitAttention)
-    dtype = x.dtype
-    src = x.part if split else x
-    per, splits = split_plan(n, k, block_n, sms or _sms(w))
-    out = torch.empty(splits, m, n, dtype=torch.float32, device=w.device)
+    per, splits = split_plan(n, k, block_n, sms or _sms(x))
+    out = torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
     bm = _rows_block(m)
-    if split:
-        n_heads, n_kv, head_dim = x.dims
-        attn = dict(ml_ptr=x.ml, l_offset=x.ml.stride(0), NS=x.n_splits, KV=n_kv, G=n_heads // n_kv,
-                    GP=x.part.shape[3], D=head_dim)
-    else:
-        attn = _no_attention(w)
     _gemv[(-(-n // block_n), splits, -(-m // bm))](
-        src, w, w, out, m, n, k, per, 0 if split else x.stride(0), m * n, **attn,
-        HAS_BIAS=False, SWIGLU=False, PARTIAL=True, COMBINE=split, BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=BLOCK_K,
-        IEEE=dtype == torch.float32, num_warps=4,
-        num_stages=_stages(bm, block_n, torch.finfo(dtype).bits // 8, 3, _smem(w)), **overlap_args(w))
+        x, w, w, out, m, n, k, per, x.stride(0), m * n,
+        HAS_BIAS=False, SWIGLU=False, PARTIAL=True, BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=BLOCK_K,
+        IEEE=x.dtype == torch.float32, num_warps=4,
+        num_stages=_stages(bm, block_n, x.element_size(), 3, _smem(x)), **overlap_args(x))
     return out
 
 
@@ -201,42 +176,14 @@ if triton is not None:
     from .decode_attention import wait_for_previous  # a Triton function: defined only where Triton is
 
     @triton.jit
-    def _split_attention_tile(part_ptr, ml_ptr, rm, k, ok, l_offset, NS: tl.constexpr, KV: tl.constexpr,
-                              G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DT: tl.constexpr):
-        """The attention output at rows `rm` and columns `k` (head k // D, element k % D) combined from its
-        NS splits, one after another with a running max (decode_attention._combine's arithmetic), rounded
-        to DT; 0 where not `ok`."""
-        head = k // D
-        cell = (rm[:, None] * KV + (head // G)[None, :]) * NS  # [BM, BK]: split 0 of each (row, KV head)
-        g = (head % G)[None, :]
-        dd = (k % D)[None, :]
-        m = tl.full(cell.shape, float("-inf"), tl.float32)
-        total = tl.zeros(cell.shape, tl.float32)
-        acc = tl.zeros(cell.shape, tl.float32)
-        for s in tl.static_range(NS):
-            at = (cell + s) * GP + g
-            ms = tl.load(ml_ptr + at, mask=ok, other=float("-inf"))
-            ls = tl.load(ml_ptr + l_offset + at, mask=ok, other=0.0)
-            ps = tl.load(part_ptr + at * D + dd, mask=ok, other=0.0)
-            m_new = tl.maximum(m, ms)
-            alpha = tl.exp(m - m_new)  # split 0 always holds position 0: from it on, m is finite where ok
-            w = tl.exp(ms - m_new)  # a split past the row's position: exp(-inf) = 0
-            total = total * alpha + w * ls
-            acc = acc * alpha + w * ps
-            m = m_new
-        return tl.where(ok, acc / total, 0.0).to(DT)
-
-    @triton.jit
     def _gemv(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, k_per, stride_xm, stride_os,
-              ml_ptr, l_offset, NS: tl.constexpr, KV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
-              D: tl.constexpr,
-              HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, PARTIAL: tl.constexpr, COMBINE: tl.constexpr,
+              HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, PARTIAL: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
               PDL: tl.constexpr):
         pid_n = tl.program_id(0)
         split = tl.program_id(1)
         pid_m = tl.program_id(2)
-        DT = w_ptr.dtype.element_ty
+        DT = x_ptr.dtype.element_ty
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
@@ -252,12 +199,7 @@ if triton is not None:
         for k0 in range(lo, hi, BLOCK_K):
             k = k0 + rk
             k_ok = k < hi
-            if COMBINE:  # x_ptr: a split attention's values (decode_attention.SplitAttention)
-                x = _split_attention_tile(x_ptr, ml_ptr, rm, k, m_ok[:, None] & k_ok[None, :], l_offset,
-                                          NS, KV, G, GP, D, DT)
-            else:
-                x = tl.load(x_ptr + rm[:, None] * stride_xm + k[None, :], mask=m_ok[:, None] & k_ok[None, :],
-                            other=0.0)
+            x = tl.load(x_ptr + rm[:, None] * stride_xm + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
             w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             if IEEE:
                 acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")

@@ -36,8 +36,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from voiced.engines.switches import env_switch
-
 from . import decode_attention, decode_linear
 from .decode_attention import apply_rope
 
@@ -312,7 +310,6 @@ class Qwen2LM(nn.Module):
         self._tail_fn = None  # compile_decode(): the compiled layer after its Triton attention (GPU)
         self._embed_fn = None  # and a step's embedding with the first layer's input norm (both fused paths)
         self._gemv = False  # compile_decode(): _decode_fast's projections through decode_linear's kernels
-        self._fold_combine = False  # and a split attention combined by the output projection (decode_linear)
         self._layer_weights: list[tuple] = []
         self._capture: torch.cuda.Stream | None = None
 
@@ -490,12 +487,10 @@ class Qwen2LM(nn.Module):
         attention splits, each reading its weights near the memory's speed). `x [B, C]`, the residual
         stream, is updated in place; returns the final-normed hidden `[B, C]`."""
         eps = self.config.rms_norm_eps
-        combine = not (self._fold_combine and x.shape[0] <= decode_linear.FOLD_COMBINE_ROWS)
         for i, (w, kc, vc) in enumerate(zip(self._layer_weights, self.k_caches, self.v_caches)):
             _, w_qkv, b_qkv, ow, ln2, w_gate_up, dw = w
             qkv = decode_linear.linear(h, w_qkv, b_qkv)
-            attn = decode_attention.triton_attention(qkv, self.rope_cos, self.rope_sin, kc, vc, positions, kv_len, dims,
-                                                     combine=combine)
+            attn = decode_attention.triton_attention(qkv, self.rope_cos, self.rope_sin, kc, vc, positions, kv_len, dims)
             h = decode_linear.add_norm(decode_linear.linear_partials(attn, ow), x, ln2, eps)
             a = decode_linear.swiglu_linear(h, w_gate_up)
             h = decode_linear.add_norm(decode_linear.linear_partials(a, dw), x, self._next_norm(i), eps)
@@ -563,7 +558,6 @@ class Qwen2LM(nn.Module):
         if fused_linear and not gemv:
             raise ValueError("fused_linear needs the fused attention (a compiled LM on a CUDA device with Triton)")
         self._gemv = gemv and fused_linear is not False
-        self._fold_combine = self._gemv and env_switch("VOICED_SPARK_FOLD_COMBINE", decode_linear.FOLD_COMBINE_DEFAULT)
         self._graphs.clear()
         self._step_graphs.clear()
         self._prefill_graphs.clear()
