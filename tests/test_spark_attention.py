@@ -1,4 +1,4 @@
-"""The Spark LM's fused decode attention (voiced/engines/spark/decode_attention.py) and projections
+"""The Spark LM's fused decode attention (voiced/engines/kernels/decode_attention.py) and projections
 (decode_linear.py) on the CPU.
 
 The Triton kernel runs here under Triton's interpreter (TRITON_INTERPRET=1, in a child process: the
@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from tests.triton_interpreter import run_interpreted
-from voiced.engines.spark.decode_attention import BLOCK_N, split_plan
+from voiced.engines.kernels.decode_attention import BLOCK_N, split_plan
 
 H, KV, D = 14, 2, 64  # Spark-TTS-0.5B's layout: 14 query heads over 2 KV heads of 64
 
@@ -36,7 +36,7 @@ def test_split_plan_covers_the_cache_in_whole_blocks(batch, kv_len):
 
 def _child() -> dict:
     """Run in the child (TRITON_INTERPRET=1): every check's worst difference, as JSON."""
-    from voiced.engines.spark import decode_attention as da
+    from voiced.engines.kernels import decode_attention as da
     from voiced.engines.spark.qwen2 import (
         Qwen2Config,
         Qwen2LM,
@@ -66,7 +66,7 @@ def _child() -> dict:
                               "k_cache": (k1 - k2).abs().max().item(), "v_cache": (v1 - v2).abs().max().item()})
     # the projections' GEMV kernels (decode_linear) against their torch arithmetic: rows padded to a
     # 16-row tile and past it, outputs and K not multiples of the tiles, K split over programs
-    from voiced.engines.spark import decode_linear as dl
+    from voiced.engines.kernels import decode_linear as dl
 
     out["linear"] = []
     for m in (1, 3, 17, 40):
@@ -157,7 +157,7 @@ if __name__ == "__main__":
 def test_programmatic_launch_is_never_asked_for_off_an_nvidia_gpu(monkeypatch):
     """The CPU path (and Triton's interpreter, which runs these kernels here) never gets the launch
     option or the kernels' wait instruction, whatever VOICED_SPARK_PDL says."""
-    from voiced.engines.spark import decode_attention as da
+    from voiced.engines.kernels import decode_attention as da
 
     for value in ("", "0", "1"):
         monkeypatch.setenv("VOICED_SPARK_PDL", value)
@@ -177,7 +177,8 @@ def test_the_engine_imports_where_triton_is_not_installed():
         "            raise ImportError('no triton in this install')\n"
         "sys.meta_path.insert(0, NoTriton())\n"
         "import torch\n"
-        "from voiced.engines.spark import decode_attention, decode_linear, engine, qwen2\n"
+        "from voiced.engines.kernels import decode_attention, decode_linear\n"
+        "from voiced.engines.spark import engine, qwen2\n"
         "assert decode_attention.triton is None\n"
         "assert not decode_linear.supported(torch.bfloat16, 'cpu')\n"
         "assert decode_attention.launch_overlap(torch.zeros(1)) is False\n"

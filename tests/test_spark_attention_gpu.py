@@ -1,4 +1,4 @@
-"""GPU checks of the Spark LM's fused decode attention (voiced/engines/spark/decode_attention.py) and
+"""GPU checks of the Spark LM's fused decode attention (voiced/engines/kernels/decode_attention.py) and
 its projections' GEMV kernels (decode_linear.py):
 the Triton kernel against the torch arithmetic it replaces, at Spark-TTS-0.5B's head layout (14 query
 heads over 2 KV heads of 64) in bf16 and float32, and a compiled, graphed LM with the kernel against
@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from voiced.engines.spark import decode_attention as da
-from voiced.engines.spark import decode_linear as dl
+from voiced.engines.kernels import decode_attention as da
+from voiced.engines.kernels import decode_linear as dl
 from voiced.engines.spark.qwen2 import Qwen2Config, Qwen2LM, decode_mask, rope_tables
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),

@@ -141,18 +141,22 @@ def test_fast_decoder_step_is_the_default_and_close_to_the_reference(tmp_path):
     assert err <= 2e-2 * scale, f"fused step vs modules' step: max |diff| {err:.3g} > 2e-2 x max |logit| {scale:.3g}"
 
 
+@pytest.mark.parametrize("gemv", ["0", "1"], ids=["fused", "gemv"])
 @pytest.mark.parametrize("n_mels,seed", [(80, 0), (128, 2)])
-def test_float32_gpu_path_equals_openai_whisper(tmp_path, n_mels, seed):
-    """Compares the GPU engine in float32 (warmed up: compiled encoder, fused compiled decoder step,
-    CUDA graphs) with openai-whisper's own model and decode (float32, CPU) on the same checkpoint and
-    audio: greedy tokens, 48 at most, English and German."""
+def test_float32_gpu_path_equals_openai_whisper(tmp_path, n_mels, seed, gemv, monkeypatch):
+    """Compares the GPU engine in float32 (warmed up: compiled encoder, fused compiled decoder step or,
+    with VOICED_WHISPER_GEMV_DECODER=1, the step through the GEMV kernels, CUDA graphs) with openai-whisper's
+    own model and decode (float32, CPU) on the same checkpoint and audio: greedy tokens, 48 at most, English
+    and German."""
     whisper = pytest.importorskip("whisper")
     from voiced.engines.whisper.audio import window_features
 
+    monkeypatch.setenv("VOICED_WHISPER_GEMV_DECODER", gemv)
     path = make_openai_checkpoint(tmp_path, n_mels=n_mels, seed=seed)
     engine = WhisperEngine.load(path, device="cuda", dtype=torch.float32, max_batch=4, max_encoder_batch=2)
     engine.warmup()
     assert engine.dtype == torch.float32 and engine.cuda_graphs
+    assert engine.decoder_path == ("GEMV kernels" if gemv == "1" else "fused, compiled")
     ref = openai_reference_model(path)
     ours, theirs = {}, {}
     for name, (voice, text) in REFERENCE.items():

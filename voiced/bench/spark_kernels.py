@@ -5,7 +5,7 @@
 For each projection of Spark-TTS-0.5B's decode step (q/k/v with bias, output, gate/up, down, the
 head's speech-token slice) at 1, 16 and 64 rows: microseconds per call as a CUDA graph replays it (20
 calls per graph, so launch costs are those a decode graph pays), cuBLAS through `F.linear` beside
-voiced/engines/spark/decode_linear.py's kernels at several tile widths, and the weight-read floor at
+voiced/engines/kernels/decode_linear.py's kernels at several tile widths, and the weight-read floor at
 the H200's 4.8 TB/s. Then the whole sampled decode step (random full-size weights, compiled, graphs)
 with the GEMV kernels and with cuBLAS, and whether greedy tokens agree over 200 steps. Prints JSON.
 """
@@ -50,7 +50,7 @@ def graph_us(fn, reps: int = 400) -> float:
 
 
 def kernels(rows: int) -> dict:
-    from voiced.engines.spark import decode_linear as dl
+    from voiced.engines.kernels import decode_linear as dl
 
     def randn(*shape):
         return torch.randn(*shape, device="cuda", dtype=torch.bfloat16)

@@ -36,8 +36,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from . import decode_attention, decode_linear
-from .decode_attention import apply_rope
+from voiced.engines.kernels import decode_attention, decode_linear
+from voiced.engines.kernels.decode_attention import apply_rope
 
 log = logging.getLogger(__name__)
 
@@ -223,7 +223,7 @@ def layer_decode(x, h, cos, sin, mask, k_cache, v_cache, rows, positions, w: tup
     (see `layer_decode_tail`). Being a free function, one `torch.compile` of it serves all 24 layers: a
     small graph that compiles in seconds. `w` holds q/k/v as one matrix and gate/up as one (see
     `Qwen2LM.fuse_projections`): at one token per row every GEMM is a few-µs launch, so fewer is faster.
-    On a GPU the compiled step replaces the attention part by one Triton kernel (decode_attention.py)."""
+    On a GPU the compiled step replaces the attention part by one Triton kernel (voiced/engines/kernels/decode_attention.py)."""
     _, w_qkv, b_qkv, ow, ln2, w_gate_up, dw = w
     attn = decode_attention.reference(F.linear(h, w_qkv, b_qkv), cos, sin, mask, k_cache, v_cache, rows, positions,
                                       dims)

@@ -14,7 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
-from . import decode_linear, topk_kernel
+from voiced.engines.kernels import decode_linear
+
+from . import topk_kernel
 
 MASK32 = 0xFFFFFFFF
 # Candidate cap when top_k is 0 (off): the mass beyond the 1024 most likely of 166000 tokens is

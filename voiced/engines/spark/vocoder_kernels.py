@@ -32,8 +32,7 @@ import torch
 
 # Triton as decode_attention finds it (it comes with torch's CUDA builds, the only place these run)
 from voiced.engines.switches import env_switch
-
-from .decode_attention import tl, triton
+from voiced.engines.triton_lang import tl, triton
 
 BLOCK = 1024  # samples of one channel per program
 

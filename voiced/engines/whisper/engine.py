@@ -56,6 +56,7 @@ from .decoding import DecodePlan, RequestDecoder, Suppression
 from .fast import (
     ALIGN_GRAPH_ROWS,
     ALIGN_GRAPH_TOKENS,
+    GEMV_DEFAULT,
     PREFILL_GRAPH_TOKENS,
     AlignmentPasses,
     CudaGraphs,
@@ -64,6 +65,7 @@ from .fast import (
     FastEncoder,
     Prefills,
     encoder_pieces,
+    gemv_supported,
 )
 from .language import detect_languages
 from .model import KVCache, ModelDims, TextDecoder, Whisper
@@ -165,6 +167,13 @@ def align_graphs_default() -> bool:
     memory plan counts them: `align_graph_needs`). VOICED_WHISPER_ALIGN_GRAPHS=1 or 0 if set, else
     ALIGN_GRAPHS_DEFAULT (on)."""
     return env_switch("VOICED_WHISPER_ALIGN_GRAPHS", ALIGN_GRAPHS_DEFAULT)
+
+
+def gemv_decoder_default() -> bool:
+    """The decoder step through the shared GEMV and attention kernels (`fast.FastDecoder`'s `gemv`) on a GPU
+    that runs them: VOICED_WHISPER_GEMV_DECODER=1 or 0 if set, else `fast.GEMV_DEFAULT` (off: written for
+    issue 26's <= 15 ms an utterance, tested under Triton's interpreter, not yet run on a GPU)."""
+    return env_switch("VOICED_WHISPER_GEMV_DECODER", GEMV_DEFAULT)
 
 
 def build_model(dims: ModelDims, state: dict[str, torch.Tensor], where: str = "checkpoint") -> Whisper:
@@ -437,7 +446,10 @@ class WhisperEngine:
             column_major_embedding_(self.model.decoder)  # (cpu.py: the logits' memory order)
         fast_decoder = True if fast_decoder is None else fast_decoder
         compile_decoder = fast_decoder and self.is_cuda and compile_decoder is not False
-        return FastDecoder(self.model.decoder, compile_decoder) if fast_decoder else None
+        if not fast_decoder:
+            return None
+        gemv = gemv_decoder_default() and gemv_supported(self.model.decoder, self.dtype, self.device)
+        return FastDecoder(self.model.decoder, compile_decoder and not gemv, gemv=gemv)
 
     # ----------------------------------------------------------------------------------- loading
     @classmethod
@@ -521,9 +533,11 @@ class WhisperEngine:
 
     @property
     def decoder_path(self) -> str:
-        """Which decoder step runs: "reference" (the modules), "fused" or "fused, compiled"."""
+        """Which decoder step runs: "reference" (the modules), "fused", "fused, compiled" or "GEMV kernels"."""
         if self.fast_decoder is None:
             return "reference"
+        if self.fast_decoder.gemv:
+            return "GEMV kernels"
         return "fused, compiled" if self.fast_decoder.compiled else "fused"
 
     # ------------------------------------------------------------------------------ the contract

@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from voiced.engines.kernels import decode_attention, decode_linear
 from voiced.engines.rows import to_device
 
 from .audio import N_SAMPLES, log_mel_spectrogram
@@ -342,14 +343,41 @@ def step_inputs(tokens: Tensor, positions: Tensor, emb_w: Tensor, pos_emb: Tenso
     return x, mask, torch.arange(tokens.shape[0], device=tokens.device)
 
 
+# The decoder step through the GEMV kernels (`FastDecoder(gemv=True)`): off until measured on a GPU.
+GEMV_DEFAULT = False
+
+
+def gemv_supported(decoder: TextDecoder, dtype: torch.dtype, device: torch.device | str) -> bool:
+    """Whether the GEMV step can run: the shared kernels' GPU and dtypes, and a head size they tile."""
+    n_head = decoder.blocks[0].attn.n_head
+    width = decoder.token_embedding.weight.shape[1]
+    return (decode_linear.supported(dtype, device)
+            and decode_attention.supported(dtype, device, (n_head, n_head, width // n_head)))
+
+
+def _heads_view(cache: Tensor, n_head: int) -> Tensor:
+    """One layer's `[slots, ctx, width]` cache as the kernel's `[slots, heads, ctx, head size]` (a view)."""
+    slots, ctx, width = cache.shape
+    return cache.view(slots, ctx, n_head, width // n_head).permute(0, 2, 1, 3)
+
+
 class FastDecoder:
     """The text decoder's one-token step, GPU layout (see module doc); called like `TextDecoder.step`.
 
     Prefill (a few calls per request) keeps the modules' path; the step runs once per token.
+
+    `gemv` (a CUDA GPU with Triton; VOICED_WHISPER_GEMV_DECODER=1): the step through the kernels the Spark
+    LM's step runs (voiced.engines.kernels), about 13 a layer with programmatic launch between them, in
+    place of cuBLAS's GEMMs and the compiled layer: every projection a GEMV reading its weight once (the
+    output projections split along K, their partial sums reduced with the bias, the residual add and the
+    next layer norm in one small kernel), the self-attention's cache write and attention one kernel, the
+    cross-attention one kernel over the audio's keys and values, the head a GEMV over the tied embedding.
+    The arithmetic is the layer's, rounded where the torch path rounds; sums run in another order.
     """
 
-    def __init__(self, decoder: TextDecoder, compile_layers: bool = False):
+    def __init__(self, decoder: TextDecoder, compile_layers: bool = False, gemv: bool = False):
         self.dec = decoder
+        self.gemv = gemv
         self.n_head = decoder.blocks[0].attn.n_head
         self.layers: list[tuple[Tensor, ...]] = []
         for blk in decoder.blocks:
@@ -365,6 +393,8 @@ class FastDecoder:
 
     def step(self, tokens: Tensor, positions: Tensor, cache: KVCache, kv_len: int, masked: bool = True) -> Tensor:
         """tokens [B] at positions [B] for slots 0..B-1 -> logits [B, vocab] (see `TextDecoder.step`)."""
+        if self.gemv and masked:
+            return self._gemv_step(tokens, positions, cache, kv_len)
         with decode_attention_kernels(tokens.is_cuda):
             dec = self.dec
             x, mask, rows = self._inputs(tokens, positions, dec.token_embedding.weight, dec.positional_embedding,
@@ -373,6 +403,29 @@ class FastDecoder:
                 x = self._layer(x, mask, rows, positions, cache.self_k[i], cache.self_v[i], cache.cross_k[i],
                                 cache.cross_v[i], kv_len, self.n_head, *p)
             return dec._logits(x[:, 0])
+
+
+    def _gemv_step(self, tokens: Tensor, positions: Tensor, cache: KVCache, kv_len: int) -> Tensor:
+        """`step` through the GEMV kernels (see the class doc); each row attends to its positions 0..pos."""
+        dec, n = self.dec, self.n_head
+        x = (F.embedding(tokens, dec.token_embedding.weight) + dec.positional_embedding[positions]).to(cache.self_k.dtype)
+        dims = (n, n, x.shape[1] // n)
+        norms = [(p[0], p[1]) for p in self.layers[1:]] + [(dec.ln.weight, dec.ln.bias)]  # each layer's next norm
+        h = F.layer_norm(x, x.shape[-1:], self.layers[0][0], self.layers[0][1], 1e-5)
+        for i, (p, (next_w, next_b)) in enumerate(zip(self.layers, norms)):
+            _, _, w_qkv, b_qkv, w_o, b_o, ln2_w, ln2_b, w_cq, b_cq, w_co, b_co, ln3_w, ln3_b, w_1, b_1, w_2, b_2 = p
+            self_k, self_v = _heads_view(cache.self_k[i], n), _heads_view(cache.self_v[i], n)
+            cross_k, cross_v = _heads_view(cache.cross_k[i], n), _heads_view(cache.cross_v[i], n)
+            o = decode_attention.triton_attention(decode_linear.linear(h, w_qkv, b_qkv), None, None, self_k, self_v,
+                                                  positions, kv_len, dims)
+            h = decode_linear.add_layer_norm(decode_linear.linear_partials(o, w_o), x, b_o, ln2_w, ln2_b, 1e-5)
+            o = decode_attention.triton_attention(decode_linear.linear(h, w_cq, b_cq), None, None, cross_k, cross_v,
+                                                  positions, cross_k.shape[2], dims, cross=True)
+            h = decode_linear.add_layer_norm(decode_linear.linear_partials(o, w_co), x, b_co, ln3_w, ln3_b, 1e-5)
+            a = decode_linear.linear(h, w_1, b_1, gelu=True)
+            h = decode_linear.add_layer_norm(decode_linear.linear_partials(a, w_2), x, b_2, next_w, next_b, 1e-5)
+        # `h` is the final layer norm's output: the logits are its product with the tied embedding
+        return decode_linear.linear(h, dec.token_embedding.weight.to(h.dtype), block_n=128).float()
 
 
 class DecoderSteps:

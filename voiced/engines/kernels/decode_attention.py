@@ -18,6 +18,10 @@ concatenates them); caches `[max_batch, KV, max_seq, D]`; row b of the step is c
 its new k/v at `positions[b]` (rows past the live batch are a graph's padding: they write position 0
 of free rows, as the torch path does).
 
+Whisper's decoder (opt-in, `whisper.fast.FastDecoder`) runs the same kernel without rope (its heads are
+their own KV heads, G = 1) over its `[slots, ctx, width]` caches seen as `[slots, heads, ctx, D]`, and for its
+cross-attention with `cross=True`: the queries alone, nothing written, all of the audio's positions.
+
 `launch_overlap` decides, for these kernels and decode_linear's, whether they use programmatic
 dependent launch (each one's blocks start while the kernel before it drains, then wait for it).
 """
@@ -128,14 +132,19 @@ def split_plan(batch: int, n_kv: int, kv_len: int, sms: int) -> tuple[int, int]:
     return per, -(-kv_len // per)
 
 
-def triton_attention(qkv: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor, k_cache: torch.Tensor,
-                     v_cache: torch.Tensor, positions: torch.Tensor, kv_len: int, dims: tuple,
-                     sms: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+def triton_attention(qkv: torch.Tensor, rope_cos: torch.Tensor | None, rope_sin: torch.Tensor | None,
+                     k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor, kv_len: int, dims: tuple,
+                     sms: int | None = None, out: torch.Tensor | None = None, cross: bool = False) -> torch.Tensor:
     """`reference`'s arithmetic in one kernel (plus a combine when split): qkv `[B, N]` (contiguous),
-    rope_cos/rope_sin the LM's fp32 tables `[max_seq, D]`, positions `[B]` long -> `[B, H*D]` in qkv's dtype.
-    Writes each row's roped k and its v into the caches at its position. `sms`: the multiprocessors to
-    fill (default: the device's; one under Triton's CPU interpreter, where tests run it). `out`: where
-    to write (a new tensor by default)."""
+    rope_cos/rope_sin the LM's fp32 tables `[max_seq, D]` (None: no rotation, as Whisper's decoder),
+    positions `[B]` long -> `[B, H*D]` in qkv's dtype. Writes each row's roped k and its v into the caches at
+    its position. `sms`: the multiprocessors to fill (default: the device's; one under Triton's CPU
+    interpreter, where tests run it). `out`: where to write (a new tensor by default).
+
+    The caches are `[rows, KV, positions, D]` views of any strides but the last (Whisper's `[slots, ctx,
+    H*D]` cache is one, permuted). `cross`: cross-attention, as Whisper's decoder: `qkv` holds the queries
+    alone `[B, H*D]`, nothing is written and every row attends over the first `kv_len` positions of its
+    cache row (the audio's keys and values)."""
     n_heads, n_kv, head_dim = dims
     b = qkv.shape[0]
     group = n_heads // n_kv
@@ -151,11 +160,14 @@ def triton_attention(qkv: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.
     else:
         part = torch.empty(b, n_kv, n_splits, gp, head_dim, dtype=torch.float32, device=qkv.device)
         ml = torch.empty(2, b, n_kv, n_splits, gp, dtype=torch.float32, device=qkv.device)
+    if k_cache.stride(3) != 1 or v_cache.stride() != k_cache.stride():
+        raise ValueError("the caches' last dimension must be contiguous, and their layouts alike")
+    rope = rope_cos is not None
     _attend[(b, n_kv, n_splits)](
-        qkv, rope_cos, rope_sin, k_cache, v_cache, positions, out, part, ml,
+        qkv, rope_cos if rope else qkv, rope_sin if rope else qkv, k_cache, v_cache, positions, out, part, ml,
         qkv.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), per, n_splits,
-        b * n_kv * n_splits * gp, head_dim**-0.5,
-        H=n_heads, KV=n_kv, G=group, GP=gp, D=head_dim, BLOCK=BLOCK_N, ONE_SPLIT=one,
+        b * n_kv * n_splits * gp, head_dim**-0.5, kv_len,
+        H=n_heads, KV=n_kv, G=group, GP=gp, D=head_dim, BLOCK=BLOCK_N, ONE_SPLIT=one, ROPE=rope, CROSS=cross,
         IEEE=qkv.dtype == torch.float32, num_warps=4, **overlap)
     if not one:
         _combine[(b, n_kv)](part, ml, out, n_splits, b * n_kv * n_splits * gp,
@@ -187,39 +199,51 @@ if triton is not None:
 
     @triton.jit
     def _attend(qkv_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, pos_ptr, out_ptr, part_ptr, ml_ptr,
-                stride_qkv, stride_cb, stride_ch, stride_ct, per, n_splits, l_offset, scale,
+                stride_qkv, stride_cb, stride_ch, stride_ct, per, n_splits, l_offset, scale, kv_len,
                 H: tl.constexpr, KV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
-                BLOCK: tl.constexpr, ONE_SPLIT: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
+                BLOCK: tl.constexpr, ONE_SPLIT: tl.constexpr, ROPE: tl.constexpr, CROSS: tl.constexpr,
+                IEEE: tl.constexpr, PDL: tl.constexpr):
         wait_for_previous(PDL)
         row = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
         DT = qkv_ptr.dtype.element_ty
-        pos = tl.load(pos_ptr + row).to(tl.int32)
         d = tl.arange(0, D)
         g = tl.arange(0, GP)
         live = g < G
-        # rope factors at this row's position, rounded to the activations' dtype as the torch path casts them
-        cos = tl.load(cos_ptr + pos * D + d).to(DT).to(tl.float32)
-        sin = tl.load(sin_ptr + pos * D + d).to(DT).to(tl.float32)
         src = qkv_ptr + row * stride_qkv
         # this KV head's G query heads as G rows (padded to GP with zeros: tl.dot's 16-row tile)
         qh = src + (kvh * G + g)[:, None] * D
-        qx = tl.load(qh + d[None, :], mask=live[:, None], other=0.0).to(tl.float32)
-        qr = tl.load(qh + ((d + D // 2) % D)[None, :], mask=live[:, None], other=0.0).to(tl.float32)
-        qr = tl.where((d < D // 2)[None, :], -qr, qr)
-        q = (qx * cos[None, :] + qr * sin[None, :]).to(DT)
-        k_new = _rope(src + (H + kvh) * D, d, D, cos, sin, DT)
-        v_new = tl.load(src + (H + KV + kvh) * D + d)
         kb = k_ptr + row.to(tl.int64) * stride_cb + kvh * stride_ch
         vb = v_ptr + row.to(tl.int64) * stride_cb + kvh * stride_ch
         lo = split * per
-        # the program whose span holds the new position writes it; every program that reads that
-        # position takes it from registers (a store is not ordered before other threads' loads)
-        mine = d < tl.where((pos >= lo) & (pos < lo + per), D, 0)
-        tl.store(kb + pos * stride_ct + d, k_new, mask=mine)
-        tl.store(vb + pos * stride_ct + d, v_new, mask=mine)
-        hi = tl.minimum(lo + per, pos + 1)
+        if CROSS:  # the audio's keys and values: all of them, nothing new
+            pos = -1
+            q = tl.load(qh + d[None, :], mask=live[:, None], other=0.0)
+            k_new = tl.zeros([D], DT)
+            v_new = tl.zeros([D], DT)
+            hi = tl.minimum(lo + per, kv_len)
+        else:
+            pos = tl.load(pos_ptr + row).to(tl.int32)
+            if ROPE:
+                # rope factors at this row's position, rounded to the activations' dtype as the torch path casts them
+                cos = tl.load(cos_ptr + pos * D + d).to(DT).to(tl.float32)
+                sin = tl.load(sin_ptr + pos * D + d).to(DT).to(tl.float32)
+                qx = tl.load(qh + d[None, :], mask=live[:, None], other=0.0).to(tl.float32)
+                qr = tl.load(qh + ((d + D // 2) % D)[None, :], mask=live[:, None], other=0.0).to(tl.float32)
+                qr = tl.where((d < D // 2)[None, :], -qr, qr)
+                q = (qx * cos[None, :] + qr * sin[None, :]).to(DT)
+                k_new = _rope(src + (H + kvh) * D, d, D, cos, sin, DT)
+            else:
+                q = tl.load(qh + d[None, :], mask=live[:, None], other=0.0)
+                k_new = tl.load(src + (H + kvh) * D + d)
+            v_new = tl.load(src + (H + KV + kvh) * D + d)
+            # the program whose span holds the new position writes it; every program that reads that
+            # position takes it from registers (a store is not ordered before other threads' loads)
+            mine = d < tl.where((pos >= lo) & (pos < lo + per), D, 0)
+            tl.store(kb + pos * stride_ct + d, k_new, mask=mine)
+            tl.store(vb + pos * stride_ct + d, v_new, mask=mine)
+            hi = tl.minimum(lo + per, pos + 1)
         m_i = tl.full([GP], float("-inf"), tl.float32)
         l_i = tl.zeros([GP], tl.float32)
         acc = tl.zeros([GP, D], tl.float32)

@@ -1,4 +1,5 @@
-"""A decode step's projections for the Spark-TTS LM: GEMVs that read each weight once, at full speed.
+"""A decode step's projections for the Spark-TTS LM (and Whisper's decoder, opt-in): GEMVs that read each
+weight once, at full speed.
 
 At one to sixty-four tokens per step every projection of a layer is a matrix-vector product whose
 time is the time to read its weights. cuBLAS picks kernels for these shapes that reach a fraction of
@@ -23,6 +24,11 @@ of the fp32 accumulation, as between any two GEMM kernels. The reductions are de
 atomics): a CUDA graph and an eager run of a step give the same bits. On Hopper and newer each kernel
 starts while the one before it drains and waits for its results at its top (`decode_attention.
 launch_overlap`), which changes no bit either.
+
+Whisper's decoder layer (`whisper.fast.FastDecoder`, VOICED_WHISPER_GEMV_DECODER=1) takes the same
+kernels with two variants: `linear(..., gelu=True)` (its MLP's first projection with the bias and GELU)
+and `add_layer_norm` (the residual add of a projection with its bias, then a layer norm with weight and
+bias instead of the RMS norm).
 
 `reference_*` are the same arithmetic in torch: the CPU path, and what the tests compare against.
 """
@@ -119,15 +125,17 @@ def reference_add_norm(x: torch.Tensor, y: torch.Tensor, ln: torch.Tensor, eps: 
 
 # ------------------------------------------------------------------------------------------- Triton
 
-def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, block_n: int = 16) -> torch.Tensor:
-    """x `[M, K]` @ w `[N, K]`.T (+ bias) -> `[M, N]` in x's dtype; one program per BLOCK_N outputs."""
+def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, block_n: int = 16,
+           gelu: bool = False) -> torch.Tensor:
+    """x `[M, K]` @ w `[N, K]`.T (+ bias) -> `[M, N]` in x's dtype; one program per BLOCK_N outputs.
+    `gelu`: GELU (erf) of that, as `F.gelu(F.linear(x, w, bias))` rounds it (Whisper's MLP)."""
     m, k = x.shape
     n = w.shape[0]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     bm = _rows_block(m)
     _gemv[(-(-n // block_n), 1, -(-m // bm))](
         x, w, bias if bias is not None else w, out, m, n, k, k, x.stride(0), 0,
-        HAS_BIAS=bias is not None, SWIGLU=False, PARTIAL=False, BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=BLOCK_K,
+        HAS_BIAS=bias is not None, SWIGLU=False, PARTIAL=False, GELU=gelu, BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=BLOCK_K,
         IEEE=x.dtype == torch.float32, num_warps=4,
         num_stages=_stages(bm, block_n, x.element_size(), 4, _smem(x)), **overlap_args(x))
     return out
@@ -141,7 +149,7 @@ def swiglu_linear(h: torch.Tensor, w_gate_up: torch.Tensor, block_n: int = 64) -
     bm = _rows_block(m)
     _gemv[(-(-n // block_n), 1, -(-m // bm))](
         h, w_gate_up, w_gate_up, out, m, n, k, k, h.stride(0), 0,
-        HAS_BIAS=False, SWIGLU=True, PARTIAL=False, BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=BLOCK_K,
+        HAS_BIAS=False, SWIGLU=True, PARTIAL=False, GELU=False, BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=BLOCK_K,
         IEEE=h.dtype == torch.float32, num_warps=4,
         num_stages=_stages(bm, 2 * block_n, h.element_size(), 3, _smem(h)), **overlap_args(h))
     return out
@@ -156,10 +164,29 @@ def linear_partials(x: torch.Tensor, w: torch.Tensor, block_n: int = 32, sms: in
     bm = _rows_block(m)
     _gemv[(-(-n // block_n), splits, -(-m // bm))](
         x, w, w, out, m, n, k, per, x.stride(0), m * n,
-        HAS_BIAS=False, SWIGLU=False, PARTIAL=True, BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=BLOCK_K,
+        HAS_BIAS=False, SWIGLU=False, PARTIAL=True, GELU=False, BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=BLOCK_K,
         IEEE=x.dtype == torch.float32, num_warps=4,
         num_stages=_stages(bm, block_n, x.element_size(), 3, _smem(x)), **overlap_args(x))
     return out
+
+
+def reference_add_layer_norm(x: torch.Tensor, y: torch.Tensor, ln_w: torch.Tensor, ln_b: torch.Tensor,
+                             eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """x + y (y a projection's output with its bias, in x's dtype), and that sum layer-normed (Whisper)."""
+    x = x + y
+    return x, F.layer_norm(x, x.shape[-1:], ln_w, ln_b, eps)
+
+
+def add_layer_norm(partials: torch.Tensor, x: torch.Tensor, bias: torch.Tensor, ln_w: torch.Tensor,
+                   ln_b: torch.Tensor, eps: float) -> torch.Tensor:
+    """`add_norm` for Whisper's layers: x += (the sum of `partials` + `bias`, rounded to x's dtype as a GEMM
+    with its bias writes it), in place; returns that new x layer-normed by `ln_w`, `ln_b`
+    (`reference_add_layer_norm`'s arithmetic)."""
+    s, m, n = partials.shape
+    h = torch.empty_like(x)
+    _add_norm[(m,)](partials, x, ln_w, h, s, m, n, x.stride(0), eps, bias, ln_b, LAYER=True,
+                    BLOCK=triton.next_power_of_2(n), S_BLOCK=triton.next_power_of_2(s), num_warps=8, **overlap_args(x))
+    return h
 
 
 def add_norm(partials: torch.Tensor, x: torch.Tensor, ln: torch.Tensor, eps: float) -> torch.Tensor:
@@ -167,7 +194,7 @@ def add_norm(partials: torch.Tensor, x: torch.Tensor, ln: torch.Tensor, eps: flo
     place; returns that new x RMS-normed by `ln` (`reference_add_norm`'s arithmetic)."""
     s, m, n = partials.shape
     h = torch.empty_like(x)
-    _add_norm[(m,)](partials, x, ln, h, s, m, n, x.stride(0), eps,
+    _add_norm[(m,)](partials, x, ln, h, s, m, n, x.stride(0), eps, ln, ln, LAYER=False,
                     BLOCK=triton.next_power_of_2(n), S_BLOCK=triton.next_power_of_2(s), num_warps=8, **overlap_args(x))
     return h
 
@@ -177,7 +204,7 @@ if triton is not None:
 
     @triton.jit
     def _gemv(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, k_per, stride_xm, stride_os,
-              HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, PARTIAL: tl.constexpr,
+              HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, PARTIAL: tl.constexpr, GELU: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
               PDL: tl.constexpr):
         pid_n = tl.program_id(0)
@@ -222,10 +249,13 @@ if triton is not None:
                 g = y.to(DT).to(tl.float32)
                 u = acc2.to(DT).to(tl.float32)
                 y = (g * tl.sigmoid(g)).to(DT).to(tl.float32) * u
+            if GELU:  # torch: the product (with its bias) rounded, GELU in float32, rounded
+                y = y.to(DT).to(tl.float32)
+                y = 0.5 * y * (1.0 + tl.math.erf(y * 0.7071067811865476))
             tl.store(out_ptr + rm[:, None] * N + rn[None, :], y.to(DT), mask=ok)
 
     @triton.jit
-    def _add_norm(part_ptr, x_ptr, ln_ptr, h_ptr, S, M, N, stride_xm, eps,
+    def _add_norm(part_ptr, x_ptr, ln_ptr, h_ptr, S, M, N, stride_xm, eps, bias_ptr, ln_b_ptr, LAYER: tl.constexpr,
                   BLOCK: tl.constexpr, S_BLOCK: tl.constexpr, PDL: tl.constexpr):
         wait_for_previous(PDL)
         row = tl.program_id(0)
@@ -235,16 +265,25 @@ if triton is not None:
         n_ok = n < N
         p = tl.load(part_ptr + s[:, None] * (M * N) + row * N + n[None, :], mask=(s < S)[:, None] & n_ok[None, :],
                     other=0.0)
-        y = tl.sum(p, 0).to(DT).to(tl.float32)  # the projection's output, rounded as a GEMM writes it
+        y = tl.sum(p, 0)
+        if LAYER:  # Whisper's projections have a bias, added before the GEMM's rounding
+            y += tl.load(bias_ptr + n, mask=n_ok, other=0.0).to(tl.float32)
+        y = y.to(DT).to(tl.float32)  # the projection's output, rounded as a GEMM writes it
         xb = x_ptr + row * stride_xm + n
         x = (tl.load(xb, mask=n_ok, other=0.0).to(tl.float32) + y).to(DT)
         tl.store(xb, x, mask=n_ok)
         x32 = x.to(tl.float32)
-        rstd = 1.0 / tl.sqrt(tl.sum(x32 * x32, 0) / N + eps)
-        normed = (x32 * rstd).to(DT).to(tl.float32)
         w = tl.load(ln_ptr + n, mask=n_ok, other=0.0).to(tl.float32)
-        tl.store(h_ptr + row * stride_xm + n, (w * normed).to(DT), mask=n_ok)
+        if LAYER:  # layer norm (float32, as torch's): centred, biased variance, weight and bias
+            mean = tl.sum(x32, 0) / N
+            c = tl.where(n_ok, x32 - mean, 0.0)
+            rstd = 1.0 / tl.sqrt(tl.sum(c * c, 0) / N + eps)
+            out = c * rstd * w + tl.load(ln_b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)
+        else:  # RMS norm as `qwen2._rms`: normed and rounded, then the weight
+            rstd = 1.0 / tl.sqrt(tl.sum(x32 * x32, 0) / N + eps)
+            out = w * (x32 * rstd).to(DT).to(tl.float32)
+        tl.store(h_ptr + row * stride_xm + n, out.to(DT), mask=n_ok)
 
 
-__all__ = ["supported", "split_plan", "linear", "swiglu_linear", "linear_partials", "add_norm",
-           "reference_linear", "reference_swiglu_linear", "reference_add_norm"]
+__all__ = ["supported", "split_plan", "linear", "swiglu_linear", "linear_partials", "add_norm", "add_layer_norm",
+           "reference_linear", "reference_swiglu_linear", "reference_add_norm", "reference_add_layer_norm"]

@@ -1,0 +1,131 @@
+"""Whisper's decoder step through the shared GEMV and attention kernels (`FastDecoder(gemv=True)`,
+VOICED_WHISPER_GEMV_DECODER=1) on the CPU, under Triton's interpreter (in a child process: TRITON_INTERPRET=1
+is read when a kernel is defined): over several steps of two rows at different positions, the logits and the
+keys/values written are the modules' step's (`TextDecoder.step`) within float32 rounding, and greedy picks
+the same tokens; the attention kernel's two Whisper modes (no rope, and cross-attention over the audio's keys
+and values) against torch, with their spans split over programs; the GELU projection and the layer-norm
+epilogue against torch. tests/test_whisper_gpu.py runs the step on a GPU."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.triton_interpreter import run_interpreted
+
+H, D = 4, 32  # a small decoder's heads and head size
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+def _child() -> dict:
+    from voiced.engines.kernels import decode_attention as da
+    from voiced.engines.kernels import decode_linear as dl
+    from voiced.engines.whisper.fast import FastDecoder, _heads_view
+    from voiced.engines.whisper.model import KVCache, ModelDims, Whisper
+
+    out: dict = {}
+    g = torch.Generator().manual_seed(0)
+    # the attention kernel without rope, and as cross-attention, one program per (row, head) and split
+    out["attention"] = []
+    width, ctx, audio = H * D, 256, 200
+    for b, sms, pos in [(1, 1, [40]), (2, 8, [0, 199]), (3, 32, [5, 64, 255])]:
+        cache = torch.randn(4, ctx, width, generator=g), torch.randn(4, ctx, width, generator=g)
+        cross = torch.randn(4, audio, width, generator=g), torch.randn(4, audio, width, generator=g)
+        qkv = torch.randn(b, 3 * width, generator=g)
+        positions = torch.tensor(pos)
+        k_got, v_got = cache[0].clone(), cache[1].clone()
+        got = da.triton_attention(qkv, None, None, _heads_view(k_got, H), _heads_view(v_got, H), positions, ctx,
+                                  (H, H, D), sms=sms)
+        k_want, v_want = cache[0].clone(), cache[1].clone()
+        q, k, v = qkv.view(b, 3, H, D).unbind(1)
+        want = []
+        for r in range(b):
+            k_want[r, pos[r]], v_want[r, pos[r]] = k[r].reshape(-1), v[r].reshape(-1)
+            keys = k_want[r, : pos[r] + 1].view(-1, H, D).transpose(0, 1)
+            values = v_want[r, : pos[r] + 1].view(-1, H, D).transpose(0, 1)
+            want.append(F.scaled_dot_product_attention(q[r][:, None], keys, values).reshape(-1))
+        want = torch.stack(want)
+        q_cross = torch.randn(b, width, generator=g)
+        got_cross = da.triton_attention(q_cross, None, None, _heads_view(cross[0], H), _heads_view(cross[1], H),
+                                        positions, audio, (H, H, D), sms=sms, cross=True)
+        want_cross = F.scaled_dot_product_attention(q_cross.view(b, H, 1, D), cross[0][:b].view(b, audio, H, D).transpose(1, 2),
+                                                    cross[1][:b].view(b, audio, H, D).transpose(1, 2)).reshape(b, -1)
+        out["attention"].append({"case": [b, sms], "splits": da.split_plan(b, H, ctx, sms)[1],
+                                 "self": _rel(got, want), "cache": bool(torch.equal(k_got, k_want) and torch.equal(v_got, v_want)),
+                                 "cross": _rel(got_cross, want_cross)})
+    # the GELU projection and the bias + residual + layer norm epilogue
+    out["epilogues"] = []
+    for m in (1, 5):
+        x, w, bias = torch.randn(m, 96, generator=g), torch.randn(70, 96, generator=g), torch.randn(70, generator=g)
+        resid, ln_w, ln_b = torch.randn(m, 70, generator=g), torch.rand(70, generator=g) + 0.5, torch.randn(70, generator=g)
+        want_x, want_h = dl.reference_add_layer_norm(resid, F.linear(x, w, bias), ln_w, ln_b, 1e-5)
+        got_x = resid.clone()
+        got_h = dl.add_layer_norm(dl.linear_partials(x, w, sms=8), got_x, bias, ln_w, ln_b, 1e-5)
+        out["epilogues"].append({"gelu": _rel(dl.linear(x, w, bias, gelu=True), F.gelu(F.linear(x, w, bias))),
+                                 "x": _rel(got_x, want_x), "h": _rel(got_h, want_h)})
+    # the whole step against the modules', two rows at different positions, six steps
+    torch.manual_seed(1)
+    dims = ModelDims(n_mels=80, n_audio_ctx=48, n_audio_state=H * D, n_audio_head=H, n_audio_layer=1, n_vocab=300,
+                     n_text_ctx=32, n_text_state=H * D, n_text_head=H, n_text_layer=2)
+    model = Whisper(dims).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2)
+    dec = model.decoder
+    caches = []
+    with torch.no_grad():
+        features = torch.randn(2, dims.n_audio_ctx, dims.n_audio_state)
+        for _ in range(2):
+            cache = KVCache.allocate(dims, 2, torch.float32, "cpu")
+            dec.write_cross(cache, torch.arange(2), features)
+            dec.prefill(torch.tensor([[1, 2, 3, 4, 5], [6, 7, 8, 9, 10]]), torch.arange(2), cache)
+            caches.append(cache)
+        gemv = FastDecoder(dec, gemv=True)
+        tokens, positions, worst, same = torch.tensor([11, 12]), torch.tensor([5, 9]), 0.0, True
+        for _ in range(6):
+            want = dec.step(tokens, positions, caches[0], dims.n_text_ctx)
+            got = gemv.step(tokens, positions, caches[1], dims.n_text_ctx)
+            worst = max(worst, _rel(got, want))
+            same &= bool(torch.equal(got.argmax(-1), want.argmax(-1)))
+            tokens, positions = want.argmax(-1), positions + 1
+    out["step"] = {"logits": worst, "argmax_equal": same,
+                   "self_cache": max(_rel(a, b) for a, b in ((caches[1].self_k, caches[0].self_k),
+                                                              (caches[1].self_v, caches[0].self_v)))}
+    return out
+
+
+@pytest.fixture(scope="module")
+def interpreted():
+    return run_interpreted("tests.test_whisper_gemv", timeout=900)
+
+
+def test_attention_kernel_without_rope_and_across_to_the_audio(interpreted):
+    """Whisper's self-attention (its new key and value written at the row's position, attending to 0..pos)
+    and cross-attention (all of the audio's positions, nothing written) through the Spark LM's kernel,
+    within float32 rounding of torch's attention, with one program per (row, head) and spans split."""
+    for case in interpreted["attention"]:
+        assert case["self"] <= 1e-5 and case["cross"] <= 1e-5 and case["cache"], case
+    assert {c["splits"] > 1 for c in interpreted["attention"]} == {True, False}
+
+
+def test_gelu_projection_and_layer_norm_epilogue(interpreted):
+    for row in interpreted["epilogues"]:
+        assert max(row.values()) <= 1e-5, row
+
+
+def test_decoder_step_through_the_kernels_equals_the_modules(interpreted):
+    """Six steps of a small decoder (two rows at different positions, audio keys/values and prompts
+    prefilled by the modules): the GEMV step's logits and the keys/values it writes equal the modules'
+    within float32 rounding, and the greedy tokens are the same."""
+    step = interpreted["step"]
+    assert step["logits"] <= 1e-4 and step["self_cache"] <= 1e-5 and step["argmax_equal"], step
+
+
+if __name__ == "__main__":
+    print(json.dumps(_child()))
