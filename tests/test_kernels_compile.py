@@ -1,0 +1,85 @@
+"""The decode step's Triton kernels compile for the GPUs they run on, here without one: every configuration
+the engines launch (the Spark LM's attention with rope, one split or several; Whisper's self- and
+cross-attention without rope; the GEMVs with a bias, SwiGLU, GELU or split along K; both norms after a
+split product; the sampler's top-k rounds with and without the phase mask), compiled ahead of time by
+Triton for Hopper (sm_90, with programmatic launch) and Ampere (sm_80, without) down to machine code.
+The interpreter tests check the arithmetic; this is what catches a kernel Triton cannot compile, which
+otherwise only a GPU run would show (CI has none)."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+
+triton = pytest.importorskip("triton")
+compiler = pytest.importorskip("triton.compiler")
+GPUTarget = pytest.importorskip("triton.backends.compiler").GPUTarget
+
+from voiced.engines.kernels import decode_attention as da  # noqa: E402
+from voiced.engines.kernels import decode_linear as dl  # noqa: E402
+from voiced.engines.spark import topk_kernel  # noqa: E402
+
+
+def _ptr(t: str) -> str:
+    return "*" + t
+
+
+ATTEND = dict(qkv_ptr=_ptr("bf16"), cos_ptr=_ptr("fp32"), sin_ptr=_ptr("fp32"), k_ptr=_ptr("bf16"),
+              v_ptr=_ptr("bf16"), pos_ptr=_ptr("i64"), out_ptr=_ptr("bf16"), part_ptr=_ptr("fp32"),
+              ml_ptr=_ptr("fp32"), stride_qkv="i32", stride_cb="i32", stride_ch="i32", stride_ct="i32", per="i32",
+              n_splits="i32", l_offset="i32", scale="fp32", kv_len="i32")
+SPARK_HEADS = dict(H=14, KV=2, G=7, GP=16, D=64, BLOCK=da.BLOCK_N)
+WHISPER_HEADS = dict(H=20, KV=20, G=1, GP=16, D=64, BLOCK=da.BLOCK_N)
+ADD_NORM = dict(part_ptr=_ptr("fp32"), x_ptr=_ptr("bf16"), ln_ptr=_ptr("bf16"), h_ptr=_ptr("bf16"), S="i32",
+                M="i32", N="i32", stride_xm="i32", eps="fp32", bias_ptr=_ptr("bf16"), ln_b_ptr=_ptr("bf16"))
+GEMV = dict(x_ptr=_ptr("bf16"), w_ptr=_ptr("bf16"), b_ptr=_ptr("bf16"), out_ptr=_ptr("bf16"), M="i32", N="i32",
+            K="i32", k_per="i32", stride_xm="i32", stride_os="i32")
+NO_EPILOGUE = dict(HAS_BIAS=False, SWIGLU=False, PARTIAL=False, GELU=False)
+
+CASES = {
+    "spark attention, split": (da._attend, ATTEND, dict(SPARK_HEADS, ONE_SPLIT=False, ROPE=True, CROSS=False)),
+    "spark attention, one split": (da._attend, ATTEND, dict(SPARK_HEADS, ONE_SPLIT=True, ROPE=True, CROSS=False)),
+    "whisper self-attention": (da._attend, dict(ATTEND, cos_ptr=_ptr("bf16"), sin_ptr=_ptr("bf16")),
+                               dict(WHISPER_HEADS, ONE_SPLIT=False, ROPE=False, CROSS=False)),
+    "whisper cross-attention": (da._attend, dict(ATTEND, cos_ptr=_ptr("bf16"), sin_ptr=_ptr("bf16")),
+                                dict(WHISPER_HEADS, ONE_SPLIT=False, ROPE=False, CROSS=True)),
+    "combine": (da._combine, dict(part_ptr=_ptr("fp32"), ml_ptr=_ptr("fp32"), out_ptr=_ptr("bf16"), n_splits="i32",
+                                  l_offset="i32"), dict(KV=2, G=7, GP=16, D=64, SB=8)),
+    "rms norm after a split product": (dl._add_norm, ADD_NORM, dict(LAYER=False, BLOCK=1024, S_BLOCK=8)),
+    "layer norm after a split product": (dl._add_norm, ADD_NORM, dict(LAYER=True, BLOCK=2048, S_BLOCK=8)),
+    "gemv with bias": (dl._gemv, GEMV, dict(NO_EPILOGUE, HAS_BIAS=True)),
+    "gemv swiglu": (dl._gemv, GEMV, dict(NO_EPILOGUE, SWIGLU=True)),
+    "gemv split along K": (dl._gemv, dict(GEMV, out_ptr=_ptr("fp32")), dict(NO_EPILOGUE, PARTIAL=True)),
+    "gemv gelu": (dl._gemv, GEMV, dict(NO_EPILOGUE, HAS_BIAS=True, GELU=True)),
+}
+
+
+def _compile(fn, signature: dict, constants: dict, target) -> None:
+    names = list(inspect.signature(fn.fn).parameters)
+    sig = {n: signature.get(n, "constexpr") for n in names}
+    src = compiler.ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in constants.items()})
+    kernel = compiler.compile(src, target=target, options={"num_warps": 4})
+    assert kernel.asm.get("cubin"), "no machine code"
+
+
+@pytest.mark.parametrize("arch", [90, 80])
+@pytest.mark.parametrize("case", list(CASES))
+def test_decode_kernel_compiles(case, arch):
+    fn, signature, constants = CASES[case]
+    constants = dict(constants)
+    if fn is dl._gemv:
+        constants.update(BLOCK_M=16, BLOCK_N=16, BLOCK_K=dl.BLOCK_K, IEEE=False)
+    if "PDL" in inspect.signature(fn.fn).parameters:
+        constants["PDL"] = arch >= 90
+    _compile(fn, signature, constants, GPUTarget("cuda", arch, 32))
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_top_k_kernels_compile(bias):
+    target = GPUTarget("cuda", 90, 32)
+    _compile(topk_kernel._slice_top, dict(x_ptr=_ptr("bf16"), bias_ptr=_ptr("fp32"), phase_ptr=_ptr("i64"),
+                                          key_ptr=_ptr("i64"), V="i32", W="i32", stride_x="i32", stride_bias="i32"),
+             dict(K=64, HAS_BIAS=bias, BLOCK=1024), target)
+    _compile(topk_kernel._merge_top, dict(key_ptr=_ptr("i64"), val_ptr=_ptr("fp32"), id_ptr=_ptr("i64"), V="i32"),
+             dict(K=64, N=1024, BLOCK=1024), target)
