@@ -9,7 +9,6 @@ renormalised top-k/top-p distribution.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -69,7 +68,7 @@ def sample(
     not depend on it: candidates past a row's own limit are masked out.
     `id_offset`: `logits` covers vocabulary ids id_offset.. (a slice of the head); returned ids and the
     noise are those of the full vocabulary, so a slice draws exactly what the full logits would.
-    `draw`: what draws from the candidates (`draw_candidates`, or its compiled self: `compiled_sample`).
+    `draw`: what draws from the candidates (`draw_candidates` by default, or a compiled copy of it).
     """
     b, v = logits.shape
     k = int(_limit(top_k, v).max().item()) if candidates is None else min(candidates, v)
@@ -171,11 +170,6 @@ def compiled_draw_step():
     if _compiled_draw_step is None:
         _compiled_draw_step = torch.compile(draw_step, dynamic=None)
     return _compiled_draw_step
-
-
-def compiled_sample():
-    """`sample` with its draw compiled (tests compare it with the eager draw)."""
-    return functools.partial(sample, draw=torch.compile(draw_candidates, dynamic=None))
 
 
 def candidate_bucket(top_k: list[int], vocab: int) -> int:
