@@ -56,7 +56,6 @@ from .decoding import DecodePlan, RequestDecoder, Suppression
 from .fast import (
     ALIGN_GRAPH_ROWS,
     ALIGN_GRAPH_TOKENS,
-    GEMV_DEFAULT,
     PREFILL_GRAPH_TOKENS,
     AlignmentPasses,
     CudaGraphs,
@@ -169,9 +168,14 @@ def align_graphs_default() -> bool:
     return env_switch("VOICED_WHISPER_ALIGN_GRAPHS", ALIGN_GRAPHS_DEFAULT)
 
 
+# Whether the decoder step runs through the shared GEMV kernels (`gemv_decoder_default`): off until measured on
+# a GPU (written in session 17 after the device time ran out).
+GEMV_DEFAULT = False
+
+
 def gemv_decoder_default() -> bool:
     """The decoder step through the shared GEMV and attention kernels (`fast.FastDecoder`'s `gemv`) on a GPU
-    that runs them: VOICED_WHISPER_GEMV_DECODER=1 or 0 if set, else `fast.GEMV_DEFAULT` (off: written for
+    that runs them: VOICED_WHISPER_GEMV_DECODER=1 or 0 if set, else GEMV_DEFAULT (off: written for
     issue 26's <= 15 ms an utterance, tested under Triton's interpreter, not yet run on a GPU)."""
     return env_switch("VOICED_WHISPER_GEMV_DECODER", GEMV_DEFAULT)
 

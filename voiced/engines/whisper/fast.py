@@ -333,18 +333,19 @@ def additive_mask(positions: Tensor, kv_len: int, dtype: torch.dtype) -> Tensor:
     return mask.masked_fill_(allowed, 0.0)[:, None, None, :]
 
 
+def step_embeddings(tokens: Tensor, positions: Tensor, emb_w: Tensor, pos_emb: Tensor, dtype: torch.dtype) -> Tensor:
+    """A step's activations [B, D]: each row's token embedding plus its position's, in the cache's dtype."""
+    return (F.embedding(tokens, emb_w) + pos_emb[positions]).to(dtype)
+
+
 def step_inputs(tokens: Tensor, positions: Tensor, emb_w: Tensor, pos_emb: Tensor, kv_len: int, masked: bool,
                 dtype: torch.dtype) -> tuple[Tensor, Tensor | None, Tensor]:
     """What every layer of a step takes: activations [B, 1, D] (token + position embeddings), the
     additive mask (None when unmasked) and the row indices 0..B-1. A function of its own so that
     it compiles too (seven small kernels -> two)."""
-    x = (F.embedding(tokens, emb_w) + pos_emb[positions]).to(dtype)[:, None, :]
+    x = step_embeddings(tokens, positions, emb_w, pos_emb, dtype)[:, None, :]
     mask = additive_mask(positions, kv_len, dtype) if masked else None
     return x, mask, torch.arange(tokens.shape[0], device=tokens.device)
-
-
-# The decoder step through the GEMV kernels (`FastDecoder(gemv=True)`): off until measured on a GPU.
-GEMV_DEFAULT = False
 
 
 def gemv_supported(decoder: TextDecoder, dtype: torch.dtype, device: torch.device | str) -> bool:
@@ -388,6 +389,9 @@ class FastDecoder:
                                 c.out.weight, c.out.bias, blk.mlp_ln.weight, blk.mlp_ln.bias,
                                 blk.mlp[0].weight, blk.mlp[0].bias, blk.mlp[2].weight, blk.mlp[2].bias))
         self.compiled = compile_layers
+        # the layer norm after each layer: the next layer's first, or the decoder's final one (the GEMV step
+        # applies it with the residual add that ends the layer)
+        self.next_norms = [(p[0], p[1]) for p in self.layers[1:]] + [(decoder.ln.weight, decoder.ln.bias)]
         self._inputs = compile_static(step_inputs) if compile_layers else step_inputs
         self._layer = compile_static(decoder_layer_step) if compile_layers else decoder_layer_step
 
@@ -404,15 +408,13 @@ class FastDecoder:
                                 cache.cross_v[i], kv_len, self.n_head, *p)
             return dec._logits(x[:, 0])
 
-
     def _gemv_step(self, tokens: Tensor, positions: Tensor, cache: KVCache, kv_len: int) -> Tensor:
         """`step` through the GEMV kernels (see the class doc); each row attends to its positions 0..pos."""
         dec, n = self.dec, self.n_head
-        x = (F.embedding(tokens, dec.token_embedding.weight) + dec.positional_embedding[positions]).to(cache.self_k.dtype)
+        x = step_embeddings(tokens, positions, dec.token_embedding.weight, dec.positional_embedding, cache.self_k.dtype)
         dims = (n, n, x.shape[1] // n)
-        norms = [(p[0], p[1]) for p in self.layers[1:]] + [(dec.ln.weight, dec.ln.bias)]  # each layer's next norm
         h = F.layer_norm(x, x.shape[-1:], self.layers[0][0], self.layers[0][1], 1e-5)
-        for i, (p, (next_w, next_b)) in enumerate(zip(self.layers, norms)):
+        for i, (p, (next_w, next_b)) in enumerate(zip(self.layers, self.next_norms)):
             _, _, w_qkv, b_qkv, w_o, b_o, ln2_w, ln2_b, w_cq, b_cq, w_co, b_co, ln3_w, ln3_b, w_1, b_1, w_2, b_2 = p
             self_k, self_v = _heads_view(cache.self_k[i], n), _heads_view(cache.self_v[i], n)
             cross_k, cross_v = _heads_view(cache.cross_k[i], n), _heads_view(cache.cross_v[i], n)
