@@ -115,13 +115,19 @@ def test_cuda_graphs_match_eager_full_batch(tmp_path):
     assert same, f"encoder bucket 4, graph vs eager: max |diff| {diff:.3g}"
 
 
-def test_fast_decoder_step_is_the_default_and_close_to_the_reference(tmp_path):
-    """On CUDA the engine's decoder step is the fused, compiled one; in fp16 its logits match the
-    modules' step up to rounding (tests/test_whisper_fast.py pins the arithmetic exactly in fp32)."""
+@pytest.mark.parametrize("gemv,path", [(None, "GEMV kernels"), ("0", "fused, compiled")], ids=["default", "fused"])
+def test_fast_decoder_step_is_the_default_and_close_to_the_reference(tmp_path, gemv, path, monkeypatch):
+    """On CUDA the engine's decoder step is the one through the GEMV kernels (the fused, compiled one with
+    VOICED_WHISPER_GEMV_DECODER=0); in fp16 its logits match the modules' step up to rounding
+    (tests/test_whisper_fast.py and tests/test_whisper_gemv.py pin the arithmetic in fp32)."""
+    if gemv is not None:
+        monkeypatch.setenv("VOICED_WHISPER_GEMV_DECODER", gemv)
+    else:
+        monkeypatch.delenv("VOICED_WHISPER_GEMV_DECODER", raising=False)
     ckpt = make_openai_checkpoint(tmp_path, n_mels=128, seed=6)
     fast = WhisperEngine.load(ckpt, device="cuda", max_batch=8)
     ref = WhisperEngine.load(ckpt, device="cuda", max_batch=8, fast_decoder=False)
-    assert fast.decoder_path == "fused, compiled" and ref.decoder_path == "reference"
+    assert fast.decoder_path == path and ref.decoder_path == "reference"
     # Both engines are driven from fast's stream below; ref's caches were zeroed on the default stream
     # after fast's stream was made: let those fills finish first.
     torch.cuda.synchronize()
@@ -144,8 +150,8 @@ def test_fast_decoder_step_is_the_default_and_close_to_the_reference(tmp_path):
 @pytest.mark.parametrize("gemv", ["0", "1"], ids=["fused", "gemv"])
 @pytest.mark.parametrize("n_mels,seed", [(80, 0), (128, 2)])
 def test_float32_gpu_path_equals_openai_whisper(tmp_path, n_mels, seed, gemv, monkeypatch):
-    """Compares the GPU engine in float32 (warmed up: compiled encoder, fused compiled decoder step or,
-    with VOICED_WHISPER_GEMV_DECODER=1, the step through the GEMV kernels, CUDA graphs) with openai-whisper's
+    """Compares the GPU engine in float32 (warmed up: compiled encoder, the decoder step through the GEMV
+    kernels, the default, or with VOICED_WHISPER_GEMV_DECODER=0 the fused compiled one; CUDA graphs) with openai-whisper's
     own model and decode (float32, CPU) on the same checkpoint and audio: greedy tokens, 48 at most, English
     and German."""
     whisper = pytest.importorskip("whisper")

@@ -18,7 +18,7 @@ concatenates them); caches `[max_batch, KV, max_seq, D]`; row b of the step is c
 its new k/v at `positions[b]` (rows past the live batch are a graph's padding: they write position 0
 of free rows, as the torch path does).
 
-Whisper's decoder (opt-in, `whisper.fast.FastDecoder`) runs the same kernel without rope (its heads are
+Whisper's decoder (`whisper.fast.FastDecoder`) runs the same kernel without rope (its heads are
 their own KV heads, G = 1) over its `[slots, ctx, width]` caches seen as `[slots, heads, ctx, D]`, and for its
 cross-attention with `cross=True`: the queries alone, nothing written, all of the audio's positions.
 

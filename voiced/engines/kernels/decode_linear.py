@@ -1,4 +1,4 @@
-"""A decode step's projections for the Spark-TTS LM (and Whisper's decoder, opt-in): GEMVs that read each
+"""A decode step's projections for the Spark-TTS LM (and Whisper's decoder): GEMVs that read each
 weight once, at full speed.
 
 At one to sixty-four tokens per step every projection of a layer is a matrix-vector product whose
@@ -25,8 +25,8 @@ atomics): a CUDA graph and an eager run of a step give the same bits. On Hopper 
 starts while the one before it drains and waits for its results at its top (`decode_attention.
 launch_overlap`), which changes no bit either.
 
-Whisper's decoder layer (`whisper.fast.FastDecoder`, VOICED_WHISPER_GEMV_DECODER=1) takes the same
-kernels with two variants: `linear(..., gelu=True)` (its MLP's first projection with the bias and GELU)
+Whisper's decoder layer (`whisper.fast.FastDecoder`; VOICED_WHISPER_GEMV_DECODER=0 turns it off) takes the
+same kernels with two variants: `linear(..., gelu=True)` (its MLP's first projection with the bias and GELU)
 and `add_layer_norm` (the residual add of a projection with its bias, then a layer norm with weight and
 bias instead of the RMS norm).
 

@@ -168,15 +168,16 @@ def align_graphs_default() -> bool:
     return env_switch("VOICED_WHISPER_ALIGN_GRAPHS", ALIGN_GRAPHS_DEFAULT)
 
 
-# Whether the decoder step runs through the shared GEMV kernels (`gemv_decoder_default`): off until measured on
-# a GPU (written in session 17 after the device time ran out).
-GEMV_DEFAULT = False
+# Whether the decoder step runs through the shared GEMV kernels (`gemv_decoder_default`): on (measured on the
+# H200 in session 18: a batch-1 step 0.387 -> 0.342 ms, batch 256 5.62 -> 2.83 ms, one utterance 22.4 -> 19.2 ms,
+# the same tokens; docs/BENCHMARKS.md).
+GEMV_DEFAULT = True
 
 
 def gemv_decoder_default() -> bool:
     """The decoder step through the shared GEMV and attention kernels (`fast.FastDecoder`'s `gemv`) on a GPU
-    that runs them: VOICED_WHISPER_GEMV_DECODER=1 or 0 if set, else GEMV_DEFAULT (off: written for
-    issue 26's <= 15 ms an utterance, tested under Triton's interpreter, not yet run on a GPU)."""
+    that runs them: VOICED_WHISPER_GEMV_DECODER=1 or 0 if set, else GEMV_DEFAULT (on; 0 gives the compiled
+    layer with cuBLAS's GEMMs)."""
     return env_switch("VOICED_WHISPER_GEMV_DECODER", GEMV_DEFAULT)
 
 
