@@ -27,46 +27,31 @@ def _ptr(t: str) -> str:
 
 ATTEND = dict(qkv_ptr=_ptr("bf16"), cos_ptr=_ptr("fp32"), sin_ptr=_ptr("fp32"), k_ptr=_ptr("bf16"),
               v_ptr=_ptr("bf16"), pos_ptr=_ptr("i64"), out_ptr=_ptr("bf16"), part_ptr=_ptr("fp32"),
-              ml_ptr=_ptr("fp32"), count_ptr=_ptr("i32"), stride_qkv="i32", stride_cb="i32", stride_ch="i32", stride_ct="i32", per="i32",
+              ml_ptr=_ptr("fp32"), stride_qkv="i32", stride_cb="i32", stride_ch="i32", stride_ct="i32", per="i32",
               n_splits="i32", l_offset="i32", scale="fp32", kv_len="i32")
 SPARK_HEADS = dict(H=14, KV=2, G=7, GP=16, D=64, BLOCK=da.BLOCK_N)
 WHISPER_HEADS = dict(H=20, KV=20, G=1, GP=16, D=64, BLOCK=da.BLOCK_N)
 ADD_NORM = dict(part_ptr=_ptr("fp32"), x_ptr=_ptr("bf16"), ln_ptr=_ptr("bf16"), h_ptr=_ptr("bf16"), S="i32",
                 M="i32", N="i32", stride_xm="i32", eps="fp32", bias_ptr=_ptr("bf16"), ln_b_ptr=_ptr("bf16"))
 GEMV = dict(x_ptr=_ptr("bf16"), w_ptr=_ptr("bf16"), b_ptr=_ptr("bf16"), out_ptr=_ptr("bf16"), M="i32", N="i32",
-            K="i32", stride_xm="i32")
-NO_EPILOGUE = dict(HAS_BIAS=False, SWIGLU=False, GELU=False)
-PARTIALS = dict(a_ptr=_ptr("bf16"), w_ptr=_ptr("bf16"), part_ptr=_ptr("fp32"), x_ptr=_ptr("bf16"), ln_ptr=_ptr("bf16"),
-                h_ptr=_ptr("bf16"), bias_ptr=_ptr("bf16"), ln_b_ptr=_ptr("bf16"), count_ptr=_ptr("i32"), M="i32",
-                N="i32", K="i32", k_per="i32", stride_am="i32", stride_xm="i32", eps="fp32")
+            K="i32", k_per="i32", stride_xm="i32", stride_os="i32")
+NO_EPILOGUE = dict(HAS_BIAS=False, SWIGLU=False, PARTIAL=False, GELU=False)
 
-SEPARATE = dict(COMBINE=False, SB=8)
 CASES = {
-    "spark attention, split": (da._attend, ATTEND, dict(SPARK_HEADS, **SEPARATE, ONE_SPLIT=False, ROPE=True,
-                                                        CROSS=False)),
-    "spark attention, split, combined by its last program": (
-        da._attend, ATTEND, dict(SPARK_HEADS, ONE_SPLIT=False, ROPE=True, CROSS=False, COMBINE=True, SB=8)),
-    "spark attention, one split": (da._attend, ATTEND, dict(SPARK_HEADS, **SEPARATE, ONE_SPLIT=True, ROPE=True,
-                                                            CROSS=False)),
+    "spark attention, split": (da._attend, ATTEND, dict(SPARK_HEADS, ONE_SPLIT=False, ROPE=True, CROSS=False)),
+    "spark attention, one split": (da._attend, ATTEND, dict(SPARK_HEADS, ONE_SPLIT=True, ROPE=True, CROSS=False)),
     "whisper self-attention": (da._attend, dict(ATTEND, cos_ptr=_ptr("bf16"), sin_ptr=_ptr("bf16")),
-                               dict(WHISPER_HEADS, **SEPARATE, ONE_SPLIT=False, ROPE=False, CROSS=False)),
+                               dict(WHISPER_HEADS, ONE_SPLIT=False, ROPE=False, CROSS=False)),
     "whisper cross-attention": (da._attend, dict(ATTEND, cos_ptr=_ptr("bf16"), sin_ptr=_ptr("bf16")),
-                                dict(WHISPER_HEADS, **SEPARATE, ONE_SPLIT=False, ROPE=False, CROSS=True)),
-    "whisper cross-attention, combined by its last program": (
-        da._attend, dict(ATTEND, cos_ptr=_ptr("bf16"), sin_ptr=_ptr("bf16")),
-        dict(WHISPER_HEADS, ONE_SPLIT=False, ROPE=False, CROSS=True, COMBINE=True, SB=8)),
+                                dict(WHISPER_HEADS, ONE_SPLIT=False, ROPE=False, CROSS=True)),
     "combine": (da._combine, dict(part_ptr=_ptr("fp32"), ml_ptr=_ptr("fp32"), out_ptr=_ptr("bf16"), n_splits="i32",
                                   l_offset="i32"), dict(KV=2, G=7, GP=16, D=64, SB=8)),
     "rms norm after a split product": (dl._add_norm, ADD_NORM, dict(LAYER=False, BLOCK=1024, S_BLOCK=8)),
     "layer norm after a split product": (dl._add_norm, ADD_NORM, dict(LAYER=True, BLOCK=2048, S_BLOCK=8)),
     "gemv with bias": (dl._gemv, GEMV, dict(NO_EPILOGUE, HAS_BIAS=True)),
     "gemv swiglu": (dl._gemv, GEMV, dict(NO_EPILOGUE, SWIGLU=True)),
+    "gemv split along K": (dl._gemv, dict(GEMV, out_ptr=_ptr("fp32")), dict(NO_EPILOGUE, PARTIAL=True)),
     "gemv gelu": (dl._gemv, GEMV, dict(NO_EPILOGUE, HAS_BIAS=True, GELU=True)),
-    "gemv split along K": (dl._gemv_partials, PARTIALS, dict(NORM=False, LAYER=False, NORM_BLOCK=1024, S_BLOCK=8)),
-    "gemv split along K, rms norm by its last program": (
-        dl._gemv_partials, PARTIALS, dict(NORM=True, LAYER=False, NORM_BLOCK=1024, S_BLOCK=8)),
-    "gemv split along K, layer norm by its last program": (
-        dl._gemv_partials, PARTIALS, dict(NORM=True, LAYER=True, NORM_BLOCK=2048, S_BLOCK=8)),
 }
 
 
@@ -83,8 +68,8 @@ def _compile(fn, signature: dict, constants: dict, target) -> None:
 def test_decode_kernel_compiles(case, arch):
     fn, signature, constants = CASES[case]
     constants = dict(constants)
-    if fn in (dl._gemv, dl._gemv_partials):
-        constants.update(BLOCK_M=16, BLOCK_N=16 if fn is dl._gemv else 32, BLOCK_K=dl.BLOCK_K, IEEE=False)
+    if fn is dl._gemv:
+        constants.update(BLOCK_M=16, BLOCK_N=16, BLOCK_K=dl.BLOCK_K, IEEE=False)
     if "PDL" in inspect.signature(fn.fn).parameters:
         constants["PDL"] = arch >= 90
     _compile(fn, signature, constants, GPUTarget("cuda", arch, 32))

@@ -17,7 +17,7 @@ import sys
 import pytest
 import torch
 
-from tests.triton_interpreter import run_interpreted, switched
+from tests.triton_interpreter import run_interpreted
 from voiced.engines.kernels.decode_attention import BLOCK_N, split_plan
 
 H, KV, D = 14, 2, 64  # Spark-TTS-0.5B's layout: 14 query heads over 2 KV heads of 64
@@ -61,16 +61,9 @@ def _child() -> dict:
         ref = da.reference(qkv[:, None], cos, sin, decode_mask(positions, kv_len), k1, v1, torch.arange(b),
                            positions, (H, KV, D))[:, 0]
         got = da.triton_attention(qkv, cos_t, sin_t, k2, v2, positions, kv_len, (H, KV, D), sms=sms)
-        # the combine in the attention's last program: the same bits, twice on one set of counters
-        arrivals = da.arrival_counters("cpu")
-        with switched(VOICED_DECODE_FUSED_COMBINE="1"):
-            fused = [da.triton_attention(qkv, cos_t, sin_t, kc.clone(), vc.clone(), positions, kv_len, (H, KV, D),
-                                         sms=sms, arrivals=arrivals) for _ in range(2)]
         out["kernel"].append({"case": [b, kv_len, sms], "splits": da.split_plan(b, KV, kv_len, sms)[1],
                               "out": (got - ref).abs().max().item(), "scale": ref.abs().max().item(),
-                              "k_cache": (k1 - k2).abs().max().item(), "v_cache": (v1 - v2).abs().max().item(),
-                              "combined_in_attention_equal": all(torch.equal(f, got) for f in fused),
-                              "counters_back_to_zero": not arrivals.any().item()})
+                              "k_cache": (k1 - k2).abs().max().item(), "v_cache": (v1 - v2).abs().max().item()})
     # the projections' GEMV kernels (decode_linear) against their torch arithmetic: rows padded to a
     # 16-row tile and past it, outputs and K not multiples of the tiles, K split over programs
     from voiced.engines.kernels import decode_linear as dl
@@ -86,23 +79,13 @@ def _child() -> dict:
         # differences relative to the largest value (float32 accumulation order)
         row = {"m": m, "linear": ((dl.linear(x, w, bias) - ref_lin).abs().max() / ref_lin.abs().max()).item(),
                "swiglu": ((dl.swiglu_linear(x, w_gu) - ref_glu).abs().max() / ref_glu.abs().max()).item()}
-        arrivals = da.arrival_counters("cpu")
         for sms in (1, 8):
+            parts = dl.linear_partials(x, w, sms=sms)
             got_x = resid.clone()
-            got_h = dl.linear_add_norm(x, w, got_x, ln, 1e-6, sms=sms)
-            row[f"splits_{sms}"] = dl.split_plan(90, 320, 32, sms)[1]
+            got_h = dl.add_norm(parts, got_x, ln, 1e-6)
+            row[f"splits_{sms}"] = parts.shape[0]
             row[f"add_norm_x_{sms}"] = ((got_x - ref_x).abs().max() / ref_x.abs().max()).item()
             row[f"add_norm_h_{sms}"] = ((got_h - ref_h).abs().max() / ref_h.abs().max()).item()
-            # the add and norm in the product's last program (up to 16 rows; past that, their own kernel):
-            # the same bits, twice on one set of counters
-            with switched(VOICED_DECODE_FUSED_NORM="1"):
-                same = True
-                for _ in range(2):
-                    fused_x = resid.clone()
-                    fused_h = dl.linear_add_norm(x, w, fused_x, ln, 1e-6, arrivals=arrivals, sms=sms)
-                    same &= torch.equal(fused_x, got_x) and torch.equal(fused_h, got_h)
-            row[f"norm_in_projection_equal_{sms}"] = same
-        row["counters_back_to_zero"] = not arrivals.any().item()
         out["linear"].append(row)
     # a whole decode step through the GPU path's structure (qkv GEMM, the kernel, the layer's tail with
     # the next norm) against the modules, over several steps of a growing cache
@@ -111,25 +94,23 @@ def _child() -> dict:
                              num_key_value_heads=2, vocab_size=512)).eval()
     prompt = torch.randint(0, 512, (40,), generator=g)
     logits = []
-    for fast, gemv, fused in ((False, False, False), (True, False, False), (True, True, False), (True, True, True)):
+    for fast, gemv in ((False, False), (True, False), (True, True)):
         lm.setup_cache(max_batch=2, max_seq=256)
         lm.prefill(prompt, 0)
         lm.prefill(prompt[:17], 1)
         if fast:
             lm.fuse_projections()
             lm._layer_fn, lm._embed_fn, lm._tail_fn = layer_decode, embed_norm, layer_decode_tail  # compile_decode on a GPU, uncompiled
-            lm._gemv, lm._arrivals = gemv, da.arrival_counters("cpu")
+            lm._gemv = gemv
         tokens, positions, steps = torch.tensor([5, 9]), torch.tensor([40, 17]), []
-        with switched(VOICED_DECODE_FUSED_COMBINE="1" if fused else "0", VOICED_DECODE_FUSED_NORM="1" if fused else "0"):
-            for _ in range(6):
-                steps.append(lm.decode(tokens, positions, use_graph=False))
-                tokens, positions = steps[-1].argmax(-1), positions + 1
+        for _ in range(6):
+            steps.append(lm.decode(tokens, positions, use_graph=False))
+            tokens, positions = steps[-1].argmax(-1), positions + 1
         logits.append(torch.stack(steps))
     out["step"] = {"logits": (logits[0] - logits[1]).abs().max().item(), "scale": logits[0].abs().max().item(),
                    "argmax_equal": bool(torch.equal(logits[0].argmax(-1), logits[1].argmax(-1)))}
     out["step_gemv"] = {"logits": (logits[0] - logits[2]).abs().max().item(), "scale": logits[0].abs().max().item(),
                         "argmax_equal": bool(torch.equal(logits[0].argmax(-1), logits[2].argmax(-1)))}
-    out["step_last_arrival_equal"] = bool(torch.equal(logits[2], logits[3]))
     return out
 
 
@@ -148,14 +129,6 @@ def test_kernel_equals_the_torch_arithmetic_in_float32(interpreted):
     assert {c["splits"] > 1 for c in interpreted["kernel"]} == {True, False}
 
 
-def test_combine_in_the_attention_s_last_program_gives_the_combine_kernel_s_bits(interpreted):
-    """VOICED_DECODE_FUSED_COMBINE=1: a split attention's last program to finish combines the splits (no
-    second kernel): the very output of the combine kernel, one split or several, and a second launch on the
-    same counters gives it again (the last program sets them back to zero)."""
-    for case in interpreted["kernel"]:
-        assert case["combined_in_attention_equal"] and case["counters_back_to_zero"], case
-
-
 def test_decode_step_through_the_kernel_equals_the_modules(interpreted):
     """Six decode steps of a small LM (two rows at different positions) through the GPU path's
     structure give the modules' logits within float32 rounding, and the same greedy tokens; also with
@@ -164,8 +137,6 @@ def test_decode_step_through_the_kernel_equals_the_modules(interpreted):
         step = interpreted[key]
         assert step["logits"] <= 1e-4 * max(1.0, step["scale"]), (key, step)
         assert step["argmax_equal"], (key, step)
-    # and with the combines and norms in their kernels' last programs: the same logits, bit for bit
-    assert interpreted["step_last_arrival_equal"]
 
 
 def test_gemv_kernels_equal_the_torch_arithmetic_in_float32(interpreted):
@@ -177,15 +148,6 @@ def test_gemv_kernels_equal_the_torch_arithmetic_in_float32(interpreted):
             if key.startswith(("linear", "swiglu", "add_norm")):
                 assert value <= 1e-5, (key, row)
         assert row["splits_1"] == 1 and row["splits_8"] > 1, row
-
-
-def test_norm_in_the_product_s_last_program_gives_the_norm_kernel_s_bits(interpreted):
-    """VOICED_DECODE_FUSED_NORM=1: the residual add and RMS norm after a split product done by its last
-    program (up to 16 rows; more keep their kernel) write the very residual and normed rows the separate
-    kernel writes, one split or several, twice on one set of counters."""
-    for row in interpreted["linear"]:
-        assert row["norm_in_projection_equal_1"] and row["norm_in_projection_equal_8"], row
-        assert row["counters_back_to_zero"], row
 
 
 if __name__ == "__main__":

@@ -4,7 +4,6 @@ has imported the kernels)."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import subprocess
@@ -20,18 +19,3 @@ def run_interpreted(module: str, timeout: float) -> dict:
     proc = subprocess.run([sys.executable, "-m", module], capture_output=True, text=True, env=env, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
-@contextlib.contextmanager
-def switched(**env: str):
-    """The engines' switches set in os.environ (read at each kernel launch) for the block, then put back."""
-    before = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        for k, v in before.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v

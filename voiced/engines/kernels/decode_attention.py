@@ -24,11 +24,6 @@ cross-attention with `cross=True`: the queries alone, nothing written, all of th
 
 `launch_overlap` decides, for these kernels and decode_linear's, whether they use programmatic
 dependent launch (each one's blocks start while the kernel before it drains, then wait for it).
-
-With `combine_in_attention` (VOICED_DECODE_FUSED_COMBINE=1, off until measured on a GPU) a split attention
-has no second kernel: each program counts itself done on a counter of its (row, KV head) in `arrivals`, and
-the last one to arrive combines the splits (`arrive_last`). The combine's arithmetic and order are the
-separate kernel's, so both give the same bits.
 """
 
 from __future__ import annotations
@@ -46,12 +41,6 @@ BLOCK_N = 64  # cache positions per inner iteration (a multiple of 16: tl.dot's 
 # Programmatic dependent launch of the decode kernels (`launch_overlap`): on wherever it runs; the
 # environment's VOICED_SPARK_PDL=0 turns it off (docs/BENCHMARKS.md has the A/B).
 PDL_DEFAULT = True
-# The split attention's combine done by its last program instead of a second kernel (`combine_in_attention`):
-# off until measured on a GPU (written in session 18).
-FUSED_COMBINE_DEFAULT = False
-# Counters in one engine's `arrival_counters`: enough for every (row, KV head) of the largest decode batch
-# either engine runs (Whisper: 256 rows x 20 heads).
-ARRIVALS = 1 << 14
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -133,30 +122,6 @@ def overlap_args(t: torch.Tensor) -> dict:
     return {"PDL": True, "launch_pdl": True} if launch_overlap(t) else {"PDL": False}
 
 
-def combine_in_attention() -> bool:
-    """Whether a split attention's last program combines the splits (no `_combine` kernel):
-    VOICED_DECODE_FUSED_COMBINE=1 or 0 if set, else FUSED_COMBINE_DEFAULT."""
-    return env_switch("VOICED_DECODE_FUSED_COMBINE", FUSED_COMBINE_DEFAULT)
-
-
-def arrival_counters(device: torch.device | str) -> torch.Tensor:
-    """Zeroed int32 counters for the decode kernels' last-arrival epilogues (`arrive_last`), one set per
-    engine, made outside any CUDA graph capture and kept for the engine's life. Every kernel returns the
-    counters it used to zero before it ends, so the kernels of one stream take turns with the same set;
-    two engines' steps can run at once on the GPU, so each engine has its own."""
-    return torch.zeros(ARRIVALS, dtype=torch.int32, device=device)
-
-
-def _arrivals(arrivals: torch.Tensor | None, n: int, like: torch.Tensor) -> torch.Tensor:
-    """`arrivals` (an engine's `arrival_counters`), checked to hold n counters; None: a fresh zeroed set
-    (one more small kernel: for tests and one-off calls)."""
-    if arrivals is None:
-        return torch.zeros(n, dtype=torch.int32, device=like.device)
-    if arrivals.dtype != torch.int32 or arrivals.numel() < n or arrivals.device != like.device:
-        raise ValueError(f"arrival counters must be int32 on {like.device} with at least {n} entries")
-    return arrivals
-
-
 def split_plan(batch: int, n_kv: int, kv_len: int, sms: int) -> tuple[int, int]:
     """(positions per program, programs per (row, KV head)): enough programs to cover the GPU about twice
     (one (row, KV head) alone reads its whole cache on one multiprocessor), each a whole number of
@@ -169,8 +134,7 @@ def split_plan(batch: int, n_kv: int, kv_len: int, sms: int) -> tuple[int, int]:
 
 def triton_attention(qkv: torch.Tensor, rope_cos: torch.Tensor | None, rope_sin: torch.Tensor | None,
                      k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor, kv_len: int, dims: tuple,
-                     sms: int | None = None, out: torch.Tensor | None = None, cross: bool = False,
-                     arrivals: torch.Tensor | None = None) -> torch.Tensor:
+                     sms: int | None = None, out: torch.Tensor | None = None, cross: bool = False) -> torch.Tensor:
     """`reference`'s arithmetic in one kernel (plus a combine when split): qkv `[B, N]` (contiguous),
     rope_cos/rope_sin the LM's fp32 tables `[max_seq, D]` (None: no rotation, as Whisper's decoder),
     positions `[B]` long -> `[B, H*D]` in qkv's dtype. Writes each row's roped k and its v into the caches at
@@ -180,8 +144,7 @@ def triton_attention(qkv: torch.Tensor, rope_cos: torch.Tensor | None, rope_sin:
     The caches are `[rows, KV, positions, D]` views of any strides but the last (Whisper's `[slots, ctx,
     H*D]` cache is one, permuted). `cross`: cross-attention, as Whisper's decoder: `qkv` holds the queries
     alone `[B, H*D]`, nothing is written and every row attends over the first `kv_len` positions of its
-    cache row (the audio's keys and values). `arrivals`: the engine's `arrival_counters`, for the combine in
-    the attention's last program (`combine_in_attention`)."""
+    cache row (the audio's keys and values)."""
     n_heads, n_kv, head_dim = dims
     b = qkv.shape[0]
     group = n_heads // n_kv
@@ -200,18 +163,16 @@ def triton_attention(qkv: torch.Tensor, rope_cos: torch.Tensor | None, rope_sin:
     if k_cache.stride(3) != 1 or v_cache.stride() != k_cache.stride():
         raise ValueError("the caches' last dimension must be contiguous, and their layouts alike")
     rope = rope_cos is not None
-    fused = not one and combine_in_attention()
-    counts = _arrivals(arrivals, b * n_kv, qkv) if fused else out
-    sb = min(8, triton.next_power_of_2(n_splits))
     _attend[(b, n_kv, n_splits)](
         qkv, rope_cos if rope else qkv, rope_sin if rope else qkv, k_cache, v_cache, positions, out, part, ml,
-        counts, qkv.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), per, n_splits,
+        qkv.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), per, n_splits,
         b * n_kv * n_splits * gp, head_dim**-0.5, kv_len,
         H=n_heads, KV=n_kv, G=group, GP=gp, D=head_dim, BLOCK=BLOCK_N, ONE_SPLIT=one, ROPE=rope, CROSS=cross,
-        COMBINE=fused, SB=sb, IEEE=qkv.dtype == torch.float32, num_warps=4, **overlap)
-    if not one and not fused:
+        IEEE=qkv.dtype == torch.float32, num_warps=4, **overlap)
+    if not one:
         _combine[(b, n_kv)](part, ml, out, n_splits, b * n_kv * n_splits * gp,
-                            KV=n_kv, G=group, GP=gp, D=head_dim, SB=sb, num_warps=4, **overlap)
+                            KV=n_kv, G=group, GP=gp, D=head_dim, SB=min(8, triton.next_power_of_2(n_splits)),
+                            num_warps=4, **overlap)
     return out
 
 
@@ -229,20 +190,6 @@ if triton is not None:
             tl.extra.cuda.gdc_launch_dependents()
 
     @triton.jit
-    def arrive_last(count_ptr, n_arrivals):
-        """Whether this program is the last of `n_arrivals` to arrive at `count_ptr` (an int32 counter at 0
-        before the first): the others' writes before their arrival are then visible to every thread of this
-        one, which alone goes on (to reduce what they wrote, loading it with `.cg`, from L2, which holds it)
-        and sets the counter back to 0 for the next launch. The barrier ends this program's own writes first;
-        the atomic (one thread's, its result shared with the program) releases them and acquires the others'."""
-        tl.debug_barrier()
-        done = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
-        last = done == n_arrivals - 1
-        if last:
-            tl.store(count_ptr, 0)
-        return last
-
-    @triton.jit
     def _rope(base, d, D: tl.constexpr, cos, sin, DT: tl.constexpr):
         """One head's D values at `base` rotated by cos/sin (fp32, already rounded to DT), rounded to DT."""
         x = tl.load(base + d).to(tl.float32)
@@ -251,11 +198,11 @@ if triton is not None:
         return (x * cos + r * sin).to(DT)
 
     @triton.jit
-    def _attend(qkv_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, pos_ptr, out_ptr, part_ptr, ml_ptr, count_ptr,
+    def _attend(qkv_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, pos_ptr, out_ptr, part_ptr, ml_ptr,
                 stride_qkv, stride_cb, stride_ch, stride_ct, per, n_splits, l_offset, scale, kv_len,
                 H: tl.constexpr, KV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
                 BLOCK: tl.constexpr, ONE_SPLIT: tl.constexpr, ROPE: tl.constexpr, CROSS: tl.constexpr,
-                COMBINE: tl.constexpr, SB: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
+                IEEE: tl.constexpr, PDL: tl.constexpr):
         wait_for_previous(PDL)
         row = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -333,25 +280,16 @@ if triton is not None:
             tl.store(part_ptr + (cell * GP + g)[:, None] * D + d[None, :], acc)
             tl.store(ml_ptr + cell * GP + g, m_i)
             tl.store(ml_ptr + l_offset + cell * GP + g, l_i)
-            if COMBINE:
-                if arrive_last(count_ptr + row * KV + kvh, n_splits):
-                    _combine_cell(part_ptr, ml_ptr, out_ptr, row, kvh, n_splits, l_offset, KV, G, GP, D, SB)
 
     @triton.jit
     def _combine(part_ptr, ml_ptr, out_ptr, n_splits, l_offset,
                  KV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, SB: tl.constexpr,
                  PDL: tl.constexpr):
         wait_for_previous(PDL)
-        _combine_cell(part_ptr, ml_ptr, out_ptr, tl.program_id(0), tl.program_id(1), n_splits, l_offset, KV, G, GP,
-                      D, SB)
-
-    @triton.jit
-    def _combine_cell(part_ptr, ml_ptr, out_ptr, row, kvh, n_splits, l_offset,
-                      KV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, SB: tl.constexpr):
-        """The splits of one (row, KV head) combined into its G heads' outputs. SB splits per load, rescaled
-        online: one program serves a (row, KV head), so reading its splits one by one would chain ~3
-        dependent loads per split (4 us at 8 splits on an H200). The loads skip L1 (`.cg`): in the attention's
-        last program they read what other multiprocessors wrote."""
+        # SB splits per load, rescaled online: one program serves a (row, KV head), so reading its
+        # splits one by one would chain ~3 dependent loads per split (4 us at 8 splits on an H200)
+        row = tl.program_id(0)
+        kvh = tl.program_id(1)
         DT = out_ptr.dtype.element_ty
         d = tl.arange(0, D)
         g = tl.arange(0, GP)
@@ -363,10 +301,9 @@ if triton is not None:
         for s0 in range(0, n_splits, SB):
             ok = (s0 + sb) < n_splits
             cell = (first + s0 + sb)[:, None] * GP + g[None, :]  # [SB, GP]
-            ms = tl.load(ml_ptr + cell, mask=ok[:, None], other=float("-inf"), cache_modifier=".cg")
-            ls = tl.load(ml_ptr + l_offset + cell, mask=ok[:, None], other=0.0, cache_modifier=".cg")
-            ps = tl.load(part_ptr + cell[:, :, None] * D + d[None, None, :], mask=ok[:, None, None], other=0.0,
-                         cache_modifier=".cg")
+            ms = tl.load(ml_ptr + cell, mask=ok[:, None], other=float("-inf"))
+            ls = tl.load(ml_ptr + l_offset + cell, mask=ok[:, None], other=0.0)
+            ps = tl.load(part_ptr + cell[:, :, None] * D + d[None, None, :], mask=ok[:, None, None], other=0.0)
             m_new = tl.maximum(m, tl.max(ms, 0))
             alpha = tl.exp(m - m_new)  # the first block: exp(-inf) = 0 (split 0 always holds position 0)
             w = tl.exp(ms - m_new[None, :])  # an empty span or a missing split: exp(-inf) = 0
@@ -377,4 +314,4 @@ if triton is not None:
         tl.store(out_ptr + row * (KV * G * D) + (kvh * G + g)[:, None] * D + d[None, :], o.to(DT), mask=(g < G)[:, None])
 
 __all__ = ["reference", "supported", "triton_attention", "split_plan", "apply_rope", "sm_count", "launch_overlap",
-           "overlap_args", "wait_for_previous", "arrive_last", "arrival_counters", "combine_in_attention"]
+           "overlap_args", "wait_for_previous"]

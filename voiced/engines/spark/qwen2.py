@@ -310,7 +310,6 @@ class Qwen2LM(nn.Module):
         self._tail_fn = None  # compile_decode(): the compiled layer after its Triton attention (GPU)
         self._embed_fn = None  # and a step's embedding with the first layer's input norm (both fused paths)
         self._gemv = False  # compile_decode(): _decode_fast's projections through decode_linear's kernels
-        self._arrivals: torch.Tensor | None = None  # compile_decode(): the decode kernels' arrival counters
         self._layer_weights: list[tuple] = []
         self._capture: torch.cuda.Stream | None = None
 
@@ -478,8 +477,7 @@ class Qwen2LM(nn.Module):
         for i, (w, kc, vc) in enumerate(zip(self._layer_weights, self.k_caches, self.v_caches)):
             _, w_qkv, b_qkv, ow, ln2, w_gate_up, dw = w
             qkv = F.linear(h, w_qkv, b_qkv).view(b, -1)
-            attn = decode_attention.triton_attention(qkv, self.rope_cos, self.rope_sin, kc, vc, positions, kv_len, dims,
-                                                     arrivals=self._arrivals)
+            attn = decode_attention.triton_attention(qkv, self.rope_cos, self.rope_sin, kc, vc, positions, kv_len, dims)
             x, h = self._tail_fn(x, attn.view(b, 1, -1), ow, ln2, w_gate_up, dw, self._next_norm(i), eps)
         return h
 
@@ -492,11 +490,10 @@ class Qwen2LM(nn.Module):
         for i, (w, kc, vc) in enumerate(zip(self._layer_weights, self.k_caches, self.v_caches)):
             _, w_qkv, b_qkv, ow, ln2, w_gate_up, dw = w
             qkv = decode_linear.linear(h, w_qkv, b_qkv)
-            attn = decode_attention.triton_attention(qkv, self.rope_cos, self.rope_sin, kc, vc, positions, kv_len, dims,
-                                                     arrivals=self._arrivals)
-            h = decode_linear.linear_add_norm(attn, ow, x, ln2, eps, arrivals=self._arrivals)
+            attn = decode_attention.triton_attention(qkv, self.rope_cos, self.rope_sin, kc, vc, positions, kv_len, dims)
+            h = decode_linear.add_norm(decode_linear.linear_partials(attn, ow), x, ln2, eps)
             a = decode_linear.swiglu_linear(h, w_gate_up)
-            h = decode_linear.linear_add_norm(a, dw, x, self._next_norm(i), eps, arrivals=self._arrivals)
+            h = decode_linear.add_norm(decode_linear.linear_partials(a, dw), x, self._next_norm(i), eps)
         return h
 
     def _fused_layers(self, fn, x, cos, sin, mask, rows, positions) -> torch.Tensor:
@@ -557,7 +554,6 @@ class Qwen2LM(nn.Module):
                              "16..256 (a power of two)")
         self._embed_fn = torch.compile(embed_norm, **kwargs) if compile else embed_norm
         self._tail_fn = torch.compile(layer_decode_tail, **kwargs) if can and fused_attention is not False else None
-        self._arrivals = decode_attention.arrival_counters(p.device) if self._tail_fn is not None else None
         gemv = self._tail_fn is not None and decode_linear.supported(p.dtype, p.device)
         if fused_linear and not gemv:
             raise ValueError("fused_linear needs the fused attention (a compiled LM on a CUDA device with Triton)")

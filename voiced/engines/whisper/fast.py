@@ -379,8 +379,6 @@ class FastDecoder:
     def __init__(self, decoder: TextDecoder, compile_layers: bool = False, gemv: bool = False):
         self.dec = decoder
         self.gemv = gemv
-        # the GEMV step's kernels count their programs done here (decode_attention.arrival_counters)
-        self.arrivals = decode_attention.arrival_counters(decoder.token_embedding.weight.device) if gemv else None
         self.n_head = decoder.blocks[0].attn.n_head
         self.layers: list[tuple[Tensor, ...]] = []
         for blk in decoder.blocks:
@@ -421,13 +419,13 @@ class FastDecoder:
             self_k, self_v = _heads_view(cache.self_k[i], n), _heads_view(cache.self_v[i], n)
             cross_k, cross_v = _heads_view(cache.cross_k[i], n), _heads_view(cache.cross_v[i], n)
             o = decode_attention.triton_attention(decode_linear.linear(h, w_qkv, b_qkv), None, None, self_k, self_v,
-                                                  positions, kv_len, dims, arrivals=self.arrivals)
-            h = decode_linear.linear_add_norm(o, w_o, x, ln2_w, 1e-5, b_o, ln2_b, arrivals=self.arrivals)
+                                                  positions, kv_len, dims)
+            h = decode_linear.add_layer_norm(decode_linear.linear_partials(o, w_o), x, b_o, ln2_w, ln2_b, 1e-5)
             o = decode_attention.triton_attention(decode_linear.linear(h, w_cq, b_cq), None, None, cross_k, cross_v,
-                                                  positions, cross_k.shape[2], dims, cross=True, arrivals=self.arrivals)
-            h = decode_linear.linear_add_norm(o, w_co, x, ln3_w, 1e-5, b_co, ln3_b, arrivals=self.arrivals)
+                                                  positions, cross_k.shape[2], dims, cross=True)
+            h = decode_linear.add_layer_norm(decode_linear.linear_partials(o, w_co), x, b_co, ln3_w, ln3_b, 1e-5)
             a = decode_linear.linear(h, w_1, b_1, gelu=True)
-            h = decode_linear.linear_add_norm(a, w_2, x, next_w, 1e-5, b_2, next_b, arrivals=self.arrivals)
+            h = decode_linear.add_layer_norm(decode_linear.linear_partials(a, w_2), x, b_2, next_w, next_b, 1e-5)
         # `h` is the final layer norm's output: the logits are its product with the tied embedding
         return decode_linear.linear(h, dec.token_embedding.weight.to(h.dtype), block_n=128).float()
 
