@@ -41,9 +41,7 @@ import torch
 import torch.nn.functional as F
 
 # Triton as decode_attention finds it (it comes with torch's CUDA builds, the only place these run)
-from voiced.engines.switches import env_switch
-
-from .decode_attention import launch_overlap, overlap_args, sm_count, tl, triton
+from .decode_attention import overlap_args, sm_count, tl, triton
 
 BLOCK_K = 128  # reduction depth per iteration: one 256-byte row segment of a bf16 weight per thread group
 MAX_ROWS = 64  # the largest batch one program multiplies (the engine's largest batch bucket)
@@ -61,19 +59,6 @@ def _rows_block(m: int) -> int:
     # tl.dot's smallest tile is 16 rows: a batch of 1 pads to 16 (the GPU is reading weights, not
     # multiplying, so the idle rows cost nothing measurable)
     return 16 if m <= 16 else 32 if m <= 32 else MAX_ROWS
-
-
-# Under programmatic launch a GEMV's blocks start while the kernel before them runs and wait for it at their
-# top; the weights they read do not depend on it, so with this on they first ask L2 for their slice of the
-# weight (`prefetch_weights`). Off until measured on a GPU (written in session 18).
-PREFETCH_DEFAULT = False
-
-
-def prefetch_weights(t: torch.Tensor) -> dict:
-    """The GEMVs' PREFETCH constant for t's device: under `launch_overlap`, VOICED_DECODE_PREFETCH=1 or 0 if
-    set, else PREFETCH_DEFAULT; off wherever the kernels do not overlap (nothing to hide the prefetch behind)."""
-    return {"PREFETCH": launch_overlap(t) and env_switch("VOICED_DECODE_PREFETCH", PREFETCH_DEFAULT),
-            "LINE": 128 // t.element_size()}
 
 
 MAX_SPLITS = 8  # `add_norm` reads every partial of a row in one program: more splits cost it more than they give
@@ -152,7 +137,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, b
         x, w, bias if bias is not None else w, out, m, n, k, k, x.stride(0), 0,
         HAS_BIAS=bias is not None, SWIGLU=False, PARTIAL=False, GELU=gelu, BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=BLOCK_K,
         IEEE=x.dtype == torch.float32, num_warps=4,
-        num_stages=_stages(bm, block_n, x.element_size(), 4, _smem(x)), **overlap_args(x), **prefetch_weights(w))
+        num_stages=_stages(bm, block_n, x.element_size(), 4, _smem(x)), **overlap_args(x))
     return out
 
 
@@ -166,8 +151,7 @@ def swiglu_linear(h: torch.Tensor, w_gate_up: torch.Tensor, block_n: int = 64) -
         h, w_gate_up, w_gate_up, out, m, n, k, k, h.stride(0), 0,
         HAS_BIAS=False, SWIGLU=True, PARTIAL=False, GELU=False, BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=BLOCK_K,
         IEEE=h.dtype == torch.float32, num_warps=4,
-        num_stages=_stages(bm, 2 * block_n, h.element_size(), 3, _smem(h)), **overlap_args(h),
-        **prefetch_weights(w_gate_up))
+        num_stages=_stages(bm, 2 * block_n, h.element_size(), 3, _smem(h)), **overlap_args(h))
     return out
 
 
@@ -182,7 +166,7 @@ def linear_partials(x: torch.Tensor, w: torch.Tensor, block_n: int = 32, sms: in
         x, w, w, out, m, n, k, per, x.stride(0), m * n,
         HAS_BIAS=False, SWIGLU=False, PARTIAL=True, GELU=False, BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=BLOCK_K,
         IEEE=x.dtype == torch.float32, num_warps=4,
-        num_stages=_stages(bm, block_n, x.element_size(), 3, _smem(x)), **overlap_args(x), **prefetch_weights(w))
+        num_stages=_stages(bm, block_n, x.element_size(), 3, _smem(x)), **overlap_args(x))
     return out
 
 
@@ -219,21 +203,10 @@ if triton is not None:
     from .decode_attention import wait_for_previous  # a Triton function: defined only where Triton is
 
     @triton.jit
-    def prefetch_rows(rows, lo, hi, LINE: tl.constexpr):
-        """Asks L2 for columns lo..hi-1 of the weight rows whose starts `rows` ([R, 1] pointers) holds: one
-        prefetch per 128-byte line (LINE elements), 8 lines a row at a time; nothing is waited for or
-        written."""
-        c = tl.arange(0, 8) * LINE
-        for k0 in range(lo, hi, 8 * LINE):
-            k = tl.minimum(k0 + c, hi - 1)  # (past the slice: its last line again, never another address)
-            tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [rows + k[None, :]],
-                                      dtype=tl.int32, is_pure=False, pack=1)
-
-    @triton.jit
     def _gemv(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, k_per, stride_xm, stride_os,
               HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, PARTIAL: tl.constexpr, GELU: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
-              PDL: tl.constexpr, PREFETCH: tl.constexpr, LINE: tl.constexpr):
+              PDL: tl.constexpr):
         pid_n = tl.program_id(0)
         split = tl.program_id(1)
         pid_m = tl.program_id(2)
@@ -247,11 +220,6 @@ if triton is not None:
         w_rows = w_ptr + rn.to(tl.int64)[:, None] * K
         lo = split * k_per
         hi = tl.minimum(lo + k_per, K)
-        if PREFETCH:  # while the kernel before runs (see PREFETCH_DEFAULT); rows past N: the last one again
-            rows = w_ptr + tl.minimum(rn, N - 1).to(tl.int64)[:, None] * K
-            prefetch_rows(rows, lo, hi, LINE)
-            if SWIGLU:
-                prefetch_rows(rows + N * K, lo, hi, LINE)
         wait_for_previous(PDL)
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         acc2 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
