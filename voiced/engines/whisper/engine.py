@@ -67,7 +67,7 @@ from .fast import (
     gemv_supported,
 )
 from .language import detect_languages
-from .model import KVCache, ModelDims, TextDecoder, Whisper
+from .model import KVCache, ModelDims, TextDecoder, Whisper, decode_attention_kernels
 from .registry import resolve
 from .timing import (
     SegmentSpan,
@@ -1138,9 +1138,11 @@ class WhisperEngine:
             [len(p) for p in parts])
         if graphed is not None:
             x, scores = self.align_passes.run(tokens.view(len(group), t), rows, graphed)
-        else:
-            x, scores = self.model.decoder.alignment_hidden(tokens.view(len(group), t), rows, self.cache,
-                                                            self.alignment_heads)
+        else:  # under the graphs' attention kernels: the same scores as a replay (cuDNN's differ by ulps, and a
+            # near-tie in the warping then moves a word's times)
+            with decode_attention_kernels(self.is_cuda):
+                x, scores = self.model.decoder.alignment_hidden(tokens.view(len(group), t), rows, self.cache,
+                                                                self.alignment_heads)
         logits = self.model.decoder.alignment_logits(x, at_d)
         token_probs = logits[:, :tok.eot].softmax(dim=-1).gather(1, targets[:, None])[:, 0]
         # Over the text tokens and end-of-text (timestamps and other specials cannot follow here).
