@@ -151,9 +151,9 @@ def test_fast_decoder_step_is_the_default_and_close_to_the_reference(tmp_path, g
 @pytest.mark.parametrize("n_mels,seed", [(80, 0), (128, 2)])
 def test_float32_gpu_path_equals_openai_whisper(tmp_path, n_mels, seed, gemv, monkeypatch):
     """Compares the GPU engine in float32 (warmed up: compiled encoder, the decoder step through the GEMV
-    kernels, the default, or with VOICED_WHISPER_GEMV_DECODER=0 the fused compiled one; CUDA graphs) with openai-whisper's
-    own model and decode (float32, CPU) on the same checkpoint and audio: greedy tokens, 48 at most, English
-    and German."""
+    kernels, the default, or with VOICED_WHISPER_GEMV_DECODER=0 the fused compiled one; CUDA graphs) with
+    openai-whisper's own model and decode (float32, CPU) on the same checkpoint and audio: greedy tokens, 48 at
+    most, English and German."""
     whisper = pytest.importorskip("whisper")
     from voiced.engines.whisper.audio import window_features
 

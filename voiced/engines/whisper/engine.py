@@ -169,8 +169,8 @@ def align_graphs_default() -> bool:
 
 
 # Whether the decoder step runs through the shared GEMV kernels (`gemv_decoder_default`): on (measured on the
-# H200 in session 18: a batch-1 step 0.387 -> 0.342 ms, batch 256 5.62 -> 2.83 ms, one utterance 22.4 -> 19.2 ms,
-# the same tokens; docs/BENCHMARKS.md).
+# H200 in session 18: a batch-1 step 0.387 -> 0.342 ms, batch 256 5.62 -> 2.83 ms, one utterance 22.4 -> 19.2 ms;
+# in float32 the same tokens as openai-whisper; docs/BENCHMARKS.md).
 GEMV_DEFAULT = True
 
 
