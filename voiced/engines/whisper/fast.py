@@ -371,8 +371,9 @@ class FastDecoder:
     the step through the kernels the Spark LM's step runs (voiced.engines.kernels), about 13 a layer with
     programmatic launch between them, in place of cuBLAS's GEMMs and the compiled layer: every projection a
     GEMV reading its weight once (the output projections split along K, their partial sums reduced with the
-    bias, the residual add and the next layer norm in one small kernel), the self-attention's cache write and attention one kernel, the
-    cross-attention one kernel over the audio's keys and values, the head a GEMV over the tied embedding.
+    bias, the residual add and the next layer norm in one small kernel), the self-attention's cache write and
+    attention one kernel, the cross-attention one kernel over the audio's keys and values, the head a GEMV over
+    the tied embedding.
     The arithmetic is the layer's, rounded where the torch path rounds; sums run in another order.
     """
 
