@@ -506,6 +506,31 @@ def test_chunk_graphs_serve_the_same_tokens(tmp_path, clips, dtype):
     assert len(on.steps.graphs) == warm, "serving captured a decoder graph warm-up had not"
 
 
+@pytest.mark.parametrize("gemv", ["1", "0"], ids=["gemv", "fused"])
+def test_compiled_tail_serves_the_same_tokens(tmp_path, clips, gemv, monkeypatch):
+    """VOICED_WHISPER_COMPILED_TAIL=1 (the greedy choice and its bookkeeping, and the GEMV step's embeddings,
+    compiled) against =0, both warmed up and graphed, with either decoder step: the same greedy tokens for
+    single requests, requests joining and leaving, and twelve joining four at a time; the average
+    log-probabilities within 1e-4 (the compiled log-softmax may round its last bits otherwise)."""
+    monkeypatch.setenv("VOICED_WHISPER_GEMV_DECODER", gemv)
+    ckpt = make_openai_checkpoint(tmp_path, n_mels=128, seed=4)
+    served = {}
+    for tail in ("1", "0"):
+        monkeypatch.setenv("VOICED_WHISPER_COMPILED_TAIL", tail)
+        eng = WhisperEngine.load(ckpt, device="cuda", max_batch=16, max_encoder_batch=4)
+        assert eng.fast_decoder.compiled_tail == (tail == "1")
+        eng.warmup()
+        o = ASROptions(language="en", max_new_tokens=24, min_new_tokens=24)
+        single = {i: (r.tokens, r.avg_logprob) for i, c in enumerate(clips) for r in [eng.transcribe(ASRRequest(c, o))]}
+        served[tail] = (single, joining_and_leaving(eng, clips), chunk_mix(eng, clips))
+    for what, on, off in zip(("single requests", "joining/leaving", "twelve joining"), served["1"], served["0"]):
+        tok_on = {k: v[0] if isinstance(v, tuple) else v for k, v in on.items()}
+        tok_off = {k: v[0] if isinstance(v, tuple) else v for k, v in off.items()}
+        assert tok_on == tok_off, f"{what}, compiled tail on vs off:\n" + differences(tok_on, tok_off, "on", "off")
+        lp = {k: (on[k][1], off[k][1]) for k in on if isinstance(on[k], tuple) and abs(on[k][1] - off[k][1]) > 1e-4}
+        assert not lp, f"{what}: average log-probabilities (on, off) apart: {lp}"
+
+
 def test_word_timings_of_requests_finishing_together_are_each_alone(tmp_path, clips):
     """On CUDA (graphs, float16) the requests finishing in one step go through one forced word-timing
     pass: each gets the words, times and end probabilities it gets alone."""

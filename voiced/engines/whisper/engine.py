@@ -174,6 +174,20 @@ def align_graphs_default() -> bool:
 GEMV_DEFAULT = True
 
 
+# Whether the decoder step's small eager work is compiled (`compiled_tail_default`): off until measured on a GPU
+# (written in session 18 after the device time ran out).
+COMPILED_TAIL_DEFAULT = False
+
+
+def compiled_tail_default() -> bool:
+    """On a GPU with the decoder step compiled or through the GEMV kernels: the greedy choice and its bookkeeping
+    after each step (`token_choice.greedy_advance`, ~12 small kernels eagerly) and the GEMV step's embeddings
+    (`fast.step_embeddings`, 3) each compiled into a few kernels; the tokens are the same (the choice is exact),
+    the log-probabilities may differ in their last bits. VOICED_WHISPER_COMPILED_TAIL=1 or 0 if set, else
+    COMPILED_TAIL_DEFAULT (off: not yet run on a GPU)."""
+    return env_switch("VOICED_WHISPER_COMPILED_TAIL", COMPILED_TAIL_DEFAULT)
+
+
 def gemv_decoder_default() -> bool:
     """The decoder step through the shared GEMV and attention kernels (`fast.FastDecoder`'s `gemv`) on a GPU
     that runs them: VOICED_WHISPER_GEMV_DECODER=1 or 0 if set, else GEMV_DEFAULT (on; 0 gives the compiled
@@ -389,7 +403,8 @@ class WhisperEngine:
         self._decoder: FastDecoder | TextDecoder = self.fast_decoder or model.decoder
         self.steps = DecoderSteps(self._decoder, self.cache, self.dims.n_text_ctx, max_batch, model.device,
                                   self.suppress.always, tokenizer.eot,
-                                  CudaGraphs(self._stream, pool) if self.cuda_graphs else None, self._hist)
+                                  CudaGraphs(self._stream, pool) if self.cuda_graphs else None, self._hist,
+                                  compile_tail=self.fast_decoder is not None and self.fast_decoder.compiled_tail)
         # On a GPU the admission's prefill of SOT sequences runs padded to its encoder bucket (fast.Prefills),
         # graphed or not, so that the graph and the eager pass run the very same kernels (an unpadded pass
         # rounds differently, enough to flip a bf16 near-tie); the graph is one replay per (prompt length,
@@ -454,7 +469,8 @@ class WhisperEngine:
         if not fast_decoder:
             return None
         gemv = gemv_decoder_default() and gemv_supported(self.model.decoder, self.dtype, self.device)
-        return FastDecoder(self.model.decoder, compile_decoder and not gemv, gemv=gemv)
+        return FastDecoder(self.model.decoder, compile_decoder and not gemv, gemv=gemv,
+                           compile_tail=compile_decoder and compiled_tail_default())
 
     # ----------------------------------------------------------------------------------- loading
     @classmethod

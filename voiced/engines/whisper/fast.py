@@ -42,7 +42,7 @@ from voiced.engines.rows import to_device
 
 from .audio import N_SAMPLES, log_mel_spectrogram
 from .model import Attention, AudioEncoder, KVCache, TextDecoder, decode_attention_kernels
-from .token_choice import greedy_choice
+from .token_choice import greedy_advance
 
 log = logging.getLogger(__name__)
 
@@ -377,7 +377,8 @@ class FastDecoder:
     The arithmetic is the layer's, rounded where the torch path rounds; sums run in another order.
     """
 
-    def __init__(self, decoder: TextDecoder, compile_layers: bool = False, gemv: bool = False):
+    def __init__(self, decoder: TextDecoder, compile_layers: bool = False, gemv: bool = False,
+                 compile_tail: bool = False):
         self.dec = decoder
         self.gemv = gemv
         self.n_head = decoder.blocks[0].attn.n_head
@@ -394,6 +395,10 @@ class FastDecoder:
         # applies it with the residual add that ends the layer)
         self.next_norms = [(p[0], p[1]) for p in self.layers[1:]] + [(decoder.ln.weight, decoder.ln.bias)]
         self._inputs = compile_static(step_inputs) if compile_layers else step_inputs
+        # the GEMV step's embeddings (three kernels eagerly), compiled with the engine's compiled tail
+        # (`DecoderSteps`); the layer norm after them stays torch's (compiled, it would round otherwise)
+        self.compiled_tail = compile_tail
+        self._embed = compile_static(step_embeddings) if compile_tail else step_embeddings
         self._layer = compile_static(decoder_layer_step) if compile_layers else decoder_layer_step
 
     def step(self, tokens: Tensor, positions: Tensor, cache: KVCache, kv_len: int, masked: bool = True) -> Tensor:
@@ -412,7 +417,7 @@ class FastDecoder:
     def _gemv_step(self, tokens: Tensor, positions: Tensor, cache: KVCache, kv_len: int) -> Tensor:
         """`step` through the GEMV kernels (see the class doc); each row attends to its positions 0..pos."""
         dec, n = self.dec, self.n_head
-        x = step_embeddings(tokens, positions, dec.token_embedding.weight, dec.positional_embedding, cache.self_k.dtype)
+        x = self._embed(tokens, positions, dec.token_embedding.weight, dec.positional_embedding, cache.self_k.dtype)
         dims = (n, n, x.shape[1] // n)
         h = F.layer_norm(x, x.shape[-1:], self.layers[0][0], self.layers[0][1], 1e-5)
         for i, (p, (next_w, next_b)) in enumerate(zip(self.layers, self.next_norms)):
@@ -454,7 +459,7 @@ class DecoderSteps:
 
     def __init__(self, decoder: FastDecoder | TextDecoder, cache: KVCache, n_text_ctx: int, max_batch: int,
                  device: torch.device, always: Tensor, eot: int, graphs: CudaGraphs | None = None,
-                 hist: Tensor | None = None) -> None:
+                 hist: Tensor | None = None, compile_tail: bool = False) -> None:
         self.decoder, self.cache, self.n_text_ctx = decoder, cache, n_text_ctx
         self.always, self.eot = always, eot
         self.hist = hist  # the engine's greedy history [max_batch, decode_chunk, 2] float64 (`chunk` writes it)
@@ -464,6 +469,9 @@ class DecoderSteps:
         self.tok, self.pos, self.minleft = self.inputs.unbind(0)
         self.lp = torch.zeros(max_batch, dtype=torch.float32, device=device)
         self.graphs = graphs
+        # The greedy choice and its bookkeeping after each step (`token_choice.greedy_advance`); compiled with
+        # the engine's compiled tail (VOICED_WHISPER_COMPILED_TAIL), in graphs and out of them alike.
+        self._advance = compile_static(greedy_advance) if compile_tail else greedy_advance
 
     def plain(self, b: int) -> Tensor:
         """The step over the whole context with a mask (the graph and the eager path run the very same
@@ -474,10 +482,7 @@ class DecoderSteps:
         """Decoder step + greedy choice, all on the device (kv_len / masked: as `TextDecoder.step`;
         the CPU attends only as far as it must)."""
         logits = self.decoder.step(self.tok[:b], self.pos[:b], self.cache, kv_len or self.n_text_ctx, masked)
-        nxt, self.lp[:b] = greedy_choice(logits, self.always, self.eot, self.minleft[:b])
-        self.tok[:b] = nxt
-        self.pos[:b] += 1
-        self.minleft[:b] -= 1
+        self._advance(logits, self.always, self.eot, self.inputs[:, :b], self.lp[:b])
 
     def chunk(self, b: int) -> None:
         """`hist.shape[1]` greedy steps, each followed by writing its tokens and log-probabilities into
