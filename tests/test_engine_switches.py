@@ -23,7 +23,8 @@ def test_a_switch_is_1_or_0_or_its_default(monkeypatch):
 
 
 @pytest.mark.parametrize("name", ["VOICED_WHISPER_PREFILL_GRAPHS", "VOICED_WHISPER_CROSS_IN_ENCODER",
-                                  "VOICED_WHISPER_CHUNK_GRAPHS", "VOICED_WHISPER_ALIGN_GRAPHS"])
+                                  "VOICED_WHISPER_CHUNK_GRAPHS", "VOICED_WHISPER_ALIGN_GRAPHS",
+                                  "VOICED_WHISPER_GEMV_DECODER", "VOICED_WHISPER_COMPILED_TAIL"])
 def test_loading_whisper_with_a_misspelt_switch_says_which(name, monkeypatch, tmp_path):
     from voiced.engines.whisper.engine import WhisperEngine
 

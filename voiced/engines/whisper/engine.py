@@ -470,7 +470,7 @@ class WhisperEngine:
             return None
         gemv = gemv_decoder_default() and gemv_supported(self.model.decoder, self.dtype, self.device)
         return FastDecoder(self.model.decoder, compile_decoder and not gemv, gemv=gemv,
-                           compile_tail=compile_decoder and compiled_tail_default())
+                           compile_tail=compiled_tail_default() and compile_decoder)  # (read everywhere: checked)
 
     # ----------------------------------------------------------------------------------- loading
     @classmethod
