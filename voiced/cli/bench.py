@@ -6,6 +6,8 @@
                                                     kernels per shape, and the whole step with each (JSON)
     voiced bench spark-env VAR=V1 VAR=V2 ...        the Spark engine under each environment setting in turn, one
                                                     process: decode step, first chunk, audio at 64 (JSON)
+    voiced bench spark-knockout [KIND ...]          the Spark decode step with one kind of kernel left out at a
+                                                    time: what each costs inside the step's chain (JSON)
     voiced bench vocoder VAR=V1 VAR=V2 ...          BiCodec window decodes (eager and graphed) under each
                                                     environment setting in turn, one process (JSON)
     voiced bench e2e --wav W --tiktoken-dir DIR     N concurrent calls through gRPC (JSON); --front grpc
@@ -37,6 +39,7 @@ import argparse
 
 SUITES = {"whisper": "voiced.bench.whisper_bench", "spark": "voiced.bench.spark_bench",
           "spark-kernels": "voiced.bench.spark_kernels", "spark-env": "voiced.bench.spark_env_ab",
+          "spark-knockout": "voiced.bench.spark_knockout",
           "vocoder": "voiced.bench.vocoder_bench", "words": "voiced.bench.words_bench",
           "e2e": "voiced.bench.e2e_bench", "speech": "voiced.bench.speech_bench",
           "memory": "voiced.bench.memory_bench", "turns": "voiced.bench.turn_bench", "frames": "voiced.bench.frame_cost",
