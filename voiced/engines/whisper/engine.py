@@ -67,7 +67,7 @@ from .fast import (
     gemv_supported,
 )
 from .language import detect_languages
-from .model import KVCache, ModelDims, TextDecoder, Whisper, decode_attention_kernels
+from .model import KVCache, ModelDims, TextDecoder, Whisper
 from .registry import resolve
 from .timing import (
     SegmentSpan,
@@ -470,7 +470,8 @@ class WhisperEngine:
             return None
         gemv = gemv_decoder_default() and gemv_supported(self.model.decoder, self.dtype, self.device)
         return FastDecoder(self.model.decoder, compile_decoder and not gemv, gemv=gemv,
-                           compile_tail=compiled_tail_default() and compile_decoder)  # (read everywhere: checked)
+                           # (the switch read first: a misspelt value is refused on the CPU too)
+                           compile_tail=compiled_tail_default() and compile_decoder)
 
     # ----------------------------------------------------------------------------------- loading
     @classmethod
@@ -1154,11 +1155,9 @@ class WhisperEngine:
             [len(p) for p in parts])
         if graphed is not None:
             x, scores = self.align_passes.run(tokens.view(len(group), t), rows, graphed)
-        else:  # under the graphs' attention kernels: the same scores as a replay (cuDNN's differ by ulps, and a
-            # near-tie in the warping then moves a word's times)
-            with decode_attention_kernels(self.is_cuda):
-                x, scores = self.model.decoder.alignment_hidden(tokens.view(len(group), t), rows, self.cache,
-                                                                self.alignment_heads)
+        else:
+            x, scores = self.model.decoder.alignment_hidden(tokens.view(len(group), t), rows, self.cache,
+                                                            self.alignment_heads)
         logits = self.model.decoder.alignment_logits(x, at_d)
         token_probs = logits[:, :tok.eot].softmax(dim=-1).gather(1, targets[:, None])[:, 0]
         # Over the text tokens and end-of-text (timestamps and other specials cannot follow here).

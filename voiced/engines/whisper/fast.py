@@ -605,7 +605,8 @@ class AlignmentPasses:
     outputs (the final activations and the heads' scores) into one pair of buffers of the largest bucket,
     of which it returns its corner: one bucket's outputs are held, not eight (`align_graph_needs`), at
     the cost of one copy each. Read them before the next replay.
-    Attention runs under `decode_attention_kernels` (cuDNN's picked other kernels for captured calls).
+    Attention runs under `decode_attention_kernels` (`alignment_hidden` takes them, graphed or not: cuDNN's
+    picked other kernels for captured calls).
     """
 
     def __init__(self, decoder: TextDecoder, cache: KVCache, heads: list[tuple[int, int]], eot: int,
@@ -625,9 +626,8 @@ class AlignmentPasses:
 
     def _pass(self, b: int, t: int):
         def run():
-            with decode_attention_kernels(True):
-                x, scores = self.decoder.alignment_hidden(self.inputs[:b, 1:1 + t], self.inputs[:b, 0], self.cache,
-                                                          self.heads)
+            x, scores = self.decoder.alignment_hidden(self.inputs[:b, 1:1 + t], self.inputs[:b, 0], self.cache,
+                                                      self.heads)
             hidden, held = self.hidden[:b, :t], self.scores[:b, :, :t]
             hidden.copy_(x)
             held.copy_(scores)

@@ -267,20 +267,23 @@ class TextDecoder(nn.Module):
         if [(a, b) for a in sorted(wanted) for b in wanted[a]] != list(heads):
             raise ValueError("alignment heads must be sorted by layer (as timing.check_heads leaves them)")
         scores = []
-        for i, block in enumerate(self.blocks):
-            h = block.attn_ln(x)
-            x = x + block.attn.attend(block.attn.query(h), block.attn.key(h), block.attn.value(h), causal=t > 1)
-            h = block.cross_attn_ln(x)
-            q = block.cross_attn.query(h)
-            k, v = cache.cross_k[i, slots], cache.cross_v[i, slots]
-            x = x + block.cross_attn.attend(q, k, v)
-            if i in wanted:  # this layer's heads, all in one product: [R, heads, T, A]
-                n_head = block.cross_attn.n_head
-                pick = self._head_index(i, wanted[i], q.device)
-                qh = _heads(q, n_head).index_select(1, pick).float()
-                kh = _heads(k, n_head).index_select(1, pick).float()
-                scores.append(torch.matmul(qh, kh.transpose(-1, -2)) * qh.shape[-1] ** -0.5)
-            x = x + block.mlp(block.mlp_ln(x))
+        # the step's attention kernels, eagerly as in a graph replay (fast.AlignmentPasses): cuDNN's scores
+        # differ by ulps, and a near-tie in the warping then moves a word's times
+        with decode_attention_kernels(tokens.is_cuda):
+            for i, block in enumerate(self.blocks):
+                h = block.attn_ln(x)
+                x = x + block.attn.attend(block.attn.query(h), block.attn.key(h), block.attn.value(h), causal=t > 1)
+                h = block.cross_attn_ln(x)
+                q = block.cross_attn.query(h)
+                k, v = cache.cross_k[i, slots], cache.cross_v[i, slots]
+                x = x + block.cross_attn.attend(q, k, v)
+                if i in wanted:  # this layer's heads, all in one product: [R, heads, T, A]
+                    n_head = block.cross_attn.n_head
+                    pick = self._head_index(i, wanted[i], q.device)
+                    qh = _heads(q, n_head).index_select(1, pick).float()
+                    kh = _heads(k, n_head).index_select(1, pick).float()
+                    scores.append(torch.matmul(qh, kh.transpose(-1, -2)) * qh.shape[-1] ** -0.5)
+                x = x + block.mlp(block.mlp_ln(x))
         return x, torch.cat(scores, dim=1)
 
     def _head_index(self, layer: int, heads: list[int], device: torch.device) -> Tensor:
