@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from voiced.bench import spark_knockout as sk
 from voiced.bench.spark_knockout import KINDS, left_out
 from voiced.engines.kernels import decode_attention, decode_linear
 
@@ -45,3 +46,11 @@ def test_each_kind_stands_in_with_the_step_s_shapes_and_is_put_back(monkeypatch)
              if hasattr(mod, name)}
     assert after == before
     assert set(KINDS) >= {"none", "attention", "combine", "norms", "out-down", "gate-up", "qkv", "head"}
+
+
+def test_the_command_line_measures_the_full_step_first_and_every_kind_by_default():
+    assert sk.parse_args([]).kinds == list(sk.KINDS)
+    assert sk.parse_args(["head", "norms"]).kinds == ["none", "head", "norms"]
+    assert sk.parse_args(["none", "qkv"]).kinds == ["none", "qkv"]
+    with pytest.raises(SystemExit):
+        sk.parse_args(["mlp"])

@@ -86,19 +86,33 @@ def left_out(kind: str):
             setattr(mod, name, fn)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("kinds", nargs="*", default=list(KINDS), choices=KINDS)
+    # (checked here, not by `choices`: argparse tests an empty or default nargs="*" list against the
+    # choices as one value, and Python 3.11 and 3.12 differ in how)
+    ap.add_argument("kinds", nargs="*", metavar="KIND", help=f"kinds to leave out, of {', '.join(KINDS)} "
+                                                              "(default: every kind)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
+    unknown = [k for k in args.kinds if k not in KINDS]
+    if unknown:
+        ap.error(f"unknown kind {', '.join(unknown)}: choose from {', '.join(KINDS)}")
+    kinds = [k for k in args.kinds or KINDS if k != "none"]
+    args.kinds = ["none", *kinds]  # the full step first: every other kind is measured against it
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("spark_knockout needs a CUDA GPU")
     if sampling.decode_linear is not decode_linear:
         raise SystemExit("spark_knockout: the sampler's head no longer goes through decode_linear")
-    kinds = args.kinds if args.kinds[:1] == ["none"] else ["none", *args.kinds]
+    kinds = args.kinds
     res: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "runs": []}
     with tempfile.TemporaryDirectory() as tmp:
         eng = sb.build("cuda", torch.bfloat16, torch.bfloat16, 64, 1024, Path(tmp))
+        eng.lm.compile_decode()  # as the engine's warm-up does; `build` leaves the LM eager
         if not eng.lm.fused_linear:
             raise SystemExit("spark_knockout: the LM's decode step does not run the GEMV kernels here")
         prompt = torch.randint(0, 151643, (300,), generator=torch.Generator().manual_seed(0)).cuda()

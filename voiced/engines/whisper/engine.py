@@ -174,9 +174,9 @@ def align_graphs_default() -> bool:
 GEMV_DEFAULT = True
 
 
-# Whether the decoder step's small eager work is compiled (`compiled_tail_default`): off until measured on a GPU
-# (written in session 18 after the device time ran out).
-COMPILED_TAIL_DEFAULT = False
+# Whether the decoder step's small eager work is compiled (`compiled_tail_default`): on since session 19 measured
+# it on an H200 (batch-1 step 0.339 -> 0.313 ms, one utterance 18.94 -> 18.71 ms; docs/BENCHMARKS.md).
+COMPILED_TAIL_DEFAULT = True
 
 
 def compiled_tail_default() -> bool:
@@ -184,7 +184,7 @@ def compiled_tail_default() -> bool:
     after each step (`token_choice.greedy_advance`, ~12 small kernels eagerly) and the GEMV step's embeddings
     (`fast.step_embeddings`, 3) each compiled into a few kernels; the tokens are the same (the choice is exact),
     the log-probabilities may differ in their last bits. VOICED_WHISPER_COMPILED_TAIL=1 or 0 if set, else
-    COMPILED_TAIL_DEFAULT (off: not yet run on a GPU)."""
+    COMPILED_TAIL_DEFAULT (on)."""
     return env_switch("VOICED_WHISPER_COMPILED_TAIL", COMPILED_TAIL_DEFAULT)
 
 
