@@ -44,6 +44,8 @@ def warm_up(engine, first_chunk_tokens: int | None = None, chunk_tokens: int | N
 
     peaks.append(peak())
     t1 = time.perf_counter()
+    # (each phase logged as it ends: a start-up of minutes on a GPU shows where it is, and where a cut-off one stopped)
+    log.info("TTS warm-up: %d decode graphs in %.1f s", len(lm._step_graphs), t1 - t0)
     # The vocoder before the prefill: its graphs' pool (when on) is the GPU's from its capture on, so the
     # prefill phase holds it and the longest prefill's transient at once, as serving can (what the memory
     # plan adds up). Between replays nothing in the pool counts as allocated: that phase's peak is what
@@ -53,6 +55,8 @@ def warm_up(engine, first_chunk_tokens: int | None = None, chunk_tokens: int | N
     graphs = getattr(engine.codec, "_graphs", None)
     pool = graphs.pool_bytes() if graphs is not None else 0
     t2 = time.perf_counter()
+    log.info("TTS warm-up: %d vocoder shapes in %.1f s; now the prefill lengths and the first-token sampler",
+             shapes, t2 - t1)
     lengths = warm_prefill(engine, pick)
     peaks.append(peak(pool))
     t3 = time.perf_counter()
@@ -75,10 +79,13 @@ def warm_prefill(engine, pick) -> int:
     longest = longest_prompt(engine.max_seq_len)
     lm = engine.lm
     count = 0
+    t0 = time.perf_counter()
     for n in range(PREFILL_BUCKET, min(engine.max_seq_len, padded_to(longest, PREFILL_BUCKET)) + 1, PREFILL_BUCKET):
         # as `_prefill_fresh` sends prompts; on a GPU this captures the graph of each length graphed
         h = lm.prefill_many([[0] * n], [0], pad_to=PREFILL_BUCKET, use_graph=engine.use_cuda_graphs)
         count += 1
+    t1 = time.perf_counter()
+    log.info("TTS warm-up: %d prefill lengths (%d graphed) in %.1f s", count, len(lm._prefill_graphs), t1 - t0)
     engine._load_state()
     # The first-token sampler as `_prefill_step` calls it, for every number of prompts a step can
     # prefill, on consecutive rows and on scattered ones: the head's GEMV kernel is specialised per
@@ -91,6 +98,7 @@ def warm_prefill(engine, pick) -> int:
     engine._speaker([0] * N_GLOBAL)
     if str(engine.device).startswith("cuda"):
         torch.cuda.synchronize()
+    log.info("TTS warm-up: the first-token sampler at 1..%d rows in %.1f s", engine.max_batch, time.perf_counter() - t1)
     return count
 
 
