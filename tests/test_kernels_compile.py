@@ -72,7 +72,16 @@ def test_decode_kernel_compiles(case, arch):
         constants.update(BLOCK_M=16, BLOCK_N=16, BLOCK_K=dl.BLOCK_K, IEEE=False)
     if "PDL" in inspect.signature(fn.fn).parameters:
         constants["PDL"] = arch >= 90
+    if "EARLY" in inspect.signature(fn.fn).parameters:
+        constants["EARLY"] = False
     _compile(fn, signature, constants, GPUTarget("cuda", arch, 32))
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if "EARLY" in inspect.signature(CASES[c][0].fn).parameters])
+def test_small_reductions_compile_releasing_the_next_kernel_first(case):
+    """The combine and the add + norm kernels under VOICED_DECODE_EARLY_RELEASE=1 (Hopper: programmatic launch)."""
+    fn, signature, constants = CASES[case]
+    _compile(fn, signature, dict(constants, PDL=True, EARLY=True), GPUTarget("cuda", 90, 32))
 
 
 @pytest.mark.parametrize("bias", [False, True])

@@ -156,7 +156,8 @@ def test_programmatic_launch_changes_no_bit_of_a_graphed_decode_step(monkeypatch
     """Spark-TTS-0.5B's layer shapes, bf16, compiled and replayed from CUDA graphs at 1 and 16 rows:
     with the decode kernels started while the one before them ends (VOICED_SPARK_PDL, on by default
     on Hopper) every logit and every cache entry is the same bit as with each kernel waiting for the
-    last, over 16 steps (a kernel that read its input before the previous one finished would differ)."""
+    last, over 16 steps (a kernel that read its input before the previous one finished would differ); also
+    with the combine and the add + norm releasing the next kernel before they wait (VOICED_DECODE_EARLY_RELEASE=1)."""
     cfg = Qwen2Config(num_hidden_layers=4, vocab_size=4096)
     torch.manual_seed(0)
     with torch.device("cuda"):
@@ -165,11 +166,13 @@ def test_programmatic_launch_changes_no_bit_of_a_graphed_decode_step(monkeypatch
     prompt = torch.randint(0, 4096, (300,), device="cuda")
     for rows in (1, 16):
         runs = []
-        for pdl in ("0", "1"):
+        for pdl, early in (("0", "0"), ("1", "0"), ("1", "1")):
             monkeypatch.setenv("VOICED_SPARK_PDL", pdl)
+            monkeypatch.setenv("VOICED_DECODE_EARLY_RELEASE", early)
             lm.setup_cache(max_batch=16, max_seq=1024)
             lm.compile_decode()
             assert lm.fused_linear and da.launch_overlap(prompt) == (pdl == "1")
+            assert da.reduction_overlap_args(prompt)["EARLY"] == (early == "1")
             for r in range(rows):
                 lm.prefill(prompt[: 300 - 7 * r], r)
             tokens = torch.arange(rows, device="cuda") + 7
@@ -180,5 +183,6 @@ def test_programmatic_launch_changes_no_bit_of_a_graphed_decode_step(monkeypatch
                 logits.append(out.clone())
                 tokens, positions = out.argmax(-1), positions + 1
             runs.append((torch.stack(logits), [k[:rows].clone() for k in lm.k_caches]))
-        assert torch.equal(runs[0][0], runs[1][0]), rows
-        assert all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1])), rows
+        for run in runs[1:]:
+            assert torch.equal(runs[0][0], run[0]), rows
+            assert all(torch.equal(a, b) for a, b in zip(runs[0][1], run[1])), rows

@@ -41,6 +41,10 @@ BLOCK_N = 64  # cache positions per inner iteration (a multiple of 16: tl.dot's 
 # Programmatic dependent launch of the decode kernels (`launch_overlap`): on wherever it runs; the
 # environment's VOICED_SPARK_PDL=0 turns it off (docs/BENCHMARKS.md has the A/B).
 PDL_DEFAULT = True
+# The small reductions (the split attention's combine, the add + norm after a split product) letting the next
+# kernel's blocks start before they wait themselves (`reduction_overlap_args`): off until measured on a GPU;
+# VOICED_DECODE_EARLY_RELEASE=1 turns it on.
+EARLY_RELEASE_DEFAULT = False
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -122,6 +126,21 @@ def overlap_args(t: torch.Tensor) -> dict:
     return {"PDL": True, "launch_pdl": True} if launch_overlap(t) else {"PDL": False}
 
 
+def reduction_overlap_args(t: torch.Tensor) -> dict:
+    """`overlap_args` for the combine and the add + norm kernels, with their EARLY constant: under
+    `launch_overlap` and VOICED_DECODE_EARLY_RELEASE=1, they release the next kernel before they wait.
+
+    Why these two: each is one or two programs with a body of about a microsecond between a wide kernel
+    and a wide GEMV. Waiting first, the GEMV's ~200 blocks are placed only once the reduction's wait has
+    ended, so their placement is on the chain (the knock-out bench: the combine costs 5.4 us at batch 1, a
+    norm 1.6). Released first, they are placed while the reduction waits; the chain stays in order, as
+    every kernel still waits for the one before it to complete before it reads anything. Only these
+    release early: every kernel doing so lets a whole layer's blocks sit waiting (session 13: slower)."""
+    args = overlap_args(t)
+    args["EARLY"] = args["PDL"] and env_switch("VOICED_DECODE_EARLY_RELEASE", EARLY_RELEASE_DEFAULT)
+    return args
+
+
 def split_plan(batch: int, n_kv: int, kv_len: int, sms: int) -> tuple[int, int]:
     """(positions per program, programs per (row, KV head)): enough programs to cover the GPU about twice
     (one (row, KV head) alone reads its whole cache on one multiprocessor), each a whole number of
@@ -172,7 +191,7 @@ def triton_attention(qkv: torch.Tensor, rope_cos: torch.Tensor | None, rope_sin:
     if not one:
         _combine[(b, n_kv)](part, ml, out, n_splits, b * n_kv * n_splits * gp,
                             KV=n_kv, G=group, GP=gp, D=head_dim, SB=min(8, triton.next_power_of_2(n_splits)),
-                            num_warps=4, **overlap)
+                            num_warps=4, **reduction_overlap_args(qkv))
     return out
 
 
@@ -188,6 +207,14 @@ if triton is not None:
         if PDL:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
+
+    @triton.jit
+    def release_then_wait(PDL: tl.constexpr):
+        """`wait_for_previous` the other way round, for the small reductions (`reduction_overlap_args`): the
+        next kernel's blocks may start at once; this one still waits for the kernel before it to finish."""
+        if PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
 
     @triton.jit
     def _rope(base, d, D: tl.constexpr, cos, sin, DT: tl.constexpr):
@@ -285,8 +312,11 @@ if triton is not None:
     @triton.jit
     def _combine(part_ptr, ml_ptr, out_ptr, n_splits, l_offset,
                  KV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, SB: tl.constexpr,
-                 PDL: tl.constexpr):
-        wait_for_previous(PDL)
+                 PDL: tl.constexpr, EARLY: tl.constexpr):
+        if EARLY:
+            release_then_wait(PDL)
+        else:
+            wait_for_previous(PDL)
         # SB splits per load, rescaled online: one program serves a (row, KV head), so reading its
         # splits one by one would chain ~3 dependent loads per split (4 us at 8 splits on an H200)
         row = tl.program_id(0)
@@ -316,4 +346,4 @@ if triton is not None:
         tl.store(out_ptr + row * (KV * G * D) + (kvh * G + g)[:, None] * D + d[None, :], o.to(DT), mask=live[:, None])
 
 __all__ = ["reference", "supported", "triton_attention", "split_plan", "apply_rope", "sm_count", "launch_overlap",
-           "overlap_args", "wait_for_previous"]
+           "overlap_args", "reduction_overlap_args", "wait_for_previous", "release_then_wait"]

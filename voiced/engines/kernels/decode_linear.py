@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 
 # Triton as decode_attention finds it (it comes with torch's CUDA builds, the only place these run)
-from .decode_attention import overlap_args, sm_count, tl, triton
+from .decode_attention import overlap_args, reduction_overlap_args, sm_count, tl, triton
 
 BLOCK_K = 128  # reduction depth per iteration: one 256-byte row segment of a bf16 weight per thread group
 MAX_ROWS = 64  # the largest batch one program multiplies (the engine's largest batch bucket)
@@ -185,7 +185,8 @@ def add_layer_norm(partials: torch.Tensor, x: torch.Tensor, bias: torch.Tensor, 
     s, m, n = partials.shape
     h = torch.empty_like(x)
     _add_norm[(m,)](partials, x, ln_w, h, s, m, n, x.stride(0), eps, bias, ln_b, LAYER=True,
-                    BLOCK=triton.next_power_of_2(n), S_BLOCK=triton.next_power_of_2(s), num_warps=8, **overlap_args(x))
+                    BLOCK=triton.next_power_of_2(n), S_BLOCK=triton.next_power_of_2(s), num_warps=8,
+                    **reduction_overlap_args(x))
     return h
 
 
@@ -195,12 +196,13 @@ def add_norm(partials: torch.Tensor, x: torch.Tensor, ln: torch.Tensor, eps: flo
     s, m, n = partials.shape
     h = torch.empty_like(x)
     _add_norm[(m,)](partials, x, ln, h, s, m, n, x.stride(0), eps, ln, ln, LAYER=False,
-                    BLOCK=triton.next_power_of_2(n), S_BLOCK=triton.next_power_of_2(s), num_warps=8, **overlap_args(x))
+                    BLOCK=triton.next_power_of_2(n), S_BLOCK=triton.next_power_of_2(s), num_warps=8,
+                    **reduction_overlap_args(x))
     return h
 
 
 if triton is not None:
-    from .decode_attention import wait_for_previous  # a Triton function: defined only where Triton is
+    from .decode_attention import release_then_wait, wait_for_previous  # Triton functions: only where Triton is
 
     @triton.jit
     def _gemv(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, k_per, stride_xm, stride_os,
@@ -256,8 +258,11 @@ if triton is not None:
 
     @triton.jit
     def _add_norm(part_ptr, x_ptr, ln_ptr, h_ptr, S, M, N, stride_xm, eps, bias_ptr, ln_b_ptr, LAYER: tl.constexpr,
-                  BLOCK: tl.constexpr, S_BLOCK: tl.constexpr, PDL: tl.constexpr):
-        wait_for_previous(PDL)
+                  BLOCK: tl.constexpr, S_BLOCK: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr):
+        if EARLY:
+            release_then_wait(PDL)
+        else:
+            wait_for_previous(PDL)
         row = tl.program_id(0)
         DT = x_ptr.dtype.element_ty
         n = tl.arange(0, BLOCK)
