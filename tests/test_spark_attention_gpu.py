@@ -75,10 +75,13 @@ def test_kernel_equals_the_torch_arithmetic(dtype, b, kv_len, positions):
     assert torch.equal(caches["kernel"][0][b:], caches["torch"][0][b:])  # rows past the batch untouched
 
 
-def test_compiled_graphed_lm_with_the_kernel_equals_the_eager_modules_in_float32():
+@pytest.mark.parametrize("combine_in", ["0", "1"], ids=["combine-kernel", "combine-in-projection"])
+def test_compiled_graphed_lm_with_the_kernel_equals_the_eager_modules_in_float32(combine_in, monkeypatch):
     """A small LM with Spark's head size (64) and GQA: 24 greedy decode steps for two rows at different
     positions, compiled + fused attention + CUDA graphs against the modules' eager steps, float32:
-    the same tokens, logits within float32 rounding."""
+    the same tokens, logits within float32 rounding; also with the split attention's combine left to the
+    output projection (VOICED_DECODE_COMBINE_IN_PROJECTION=1)."""
+    monkeypatch.setenv("VOICED_DECODE_COMBINE_IN_PROJECTION", combine_in)
     torch.manual_seed(0)
     cfg = Qwen2Config(hidden_size=256, intermediate_size=512, num_hidden_layers=3, num_attention_heads=4,
                       num_key_value_heads=2, vocab_size=1024)
@@ -148,6 +151,25 @@ def test_gemv_kernels_equal_the_torch_arithmetic(dtype, m):
         x64, h64 = dl.reference_add_norm(resid.double(), dl.reference_linear(a.double(), w.double()), ln.double(), 1e-6)
         check(x_k, x_t, x64)
         check(h_k, h_t, h64)
+
+
+@pytest.mark.parametrize("m,kv_len", [(1, 512), (1, 1024), (5, 768), (16, 1024), (33, 1024)])
+def test_output_projection_combining_the_attention_equals_the_combine_kernel_then_the_projection(m, kv_len):
+    """bf16, Spark's heads and output projection, each row at its own position: the projection reading the
+    split attention (each program combining the heads of its K slice) gives the partial sums of the combine's
+    kernel followed by the projection, within the rounding of a bf16 input (past 16 rows it runs the combine's
+    kernel itself)."""
+    g = torch.Generator(device="cuda").manual_seed(kv_len + m)
+    cos_t, sin_t = (t.cuda() for t in rope_tables(Qwen2Config(), 1024))
+    k, v = (torch.randn(m, KV, 1024, D, device="cuda", generator=g).bfloat16() for _ in range(2))
+    qkv = torch.randn(m, (H + 2 * KV) * D, device="cuda", generator=g).bfloat16()
+    w = (torch.randn(*SHAPES["o"], device="cuda", generator=g) * 0.03).bfloat16()
+    pos = torch.randint(0, kv_len, (m,), device="cuda", generator=g)
+    splits = da.triton_attention(qkv, cos_t, sin_t, k, v, pos, kv_len, (H, KV, D), defer_combine=True)
+    assert isinstance(splits, da.AttentionSplits) and splits.n_splits > 1
+    fused, separate = dl.linear_partials(splits, w), dl.linear_partials(splits.combine(), w)
+    assert torch.isfinite(fused).all()
+    assert rel(fused.sum(0).double(), separate.sum(0).double()) < 1e-3
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),

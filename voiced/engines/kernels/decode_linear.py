@@ -41,10 +41,30 @@ import torch
 import torch.nn.functional as F
 
 # Triton as decode_attention finds it (it comes with torch's CUDA builds, the only place these run)
-from .decode_attention import overlap_args, reduction_overlap_args, sm_count, tl, triton
+from voiced.engines.switches import env_switch
+
+from .decode_attention import AttentionSplits, overlap_args, reduction_overlap_args, sm_count, tl, triton
 
 BLOCK_K = 128  # reduction depth per iteration: one 256-byte row segment of a bf16 weight per thread group
 MAX_ROWS = 64  # the largest batch one program multiplies (the engine's largest batch bucket)
+
+# The output projections combine a split attention as they read it (`linear_partials` of an
+# `AttentionSplits`) rather than after the combine's own kernel: off. Session 19 measured it slower on an
+# H200 with two waves of programs (docs/BENCHMARKS.md); in one wave (`_one_wave_block`) it is not yet
+# measured. VOICED_DECODE_COMBINE_IN_PROJECTION=1 turns it on.
+COMBINE_IN_PROJECTION_DEFAULT = False
+# At most this many rows combine in the projection: its tiles are 8 splits x 16 rows x 128 columns in 8 warps
+# (184 registers a thread for sm_90 with 32 outputs a program, no spills); at 32 or 64 rows they spill even 2 or 1
+# splits at a time, and there the combine's own kernel is a smaller part of a longer step
+COMBINE_ROWS = 16
+COMBINE_SPLITS = 8  # splits per load in `combined_tile` (more take more loads, one after another)
+PLAIN_INPUT = dict(COMBINE=False, KV=1, G=1, GP=1, D=1, SB=1)  # `_gemv`'s attention constants, for a plain x
+
+
+def combine_in_projection() -> bool:
+    """Whether the decode steps leave the attention's combine to the output projection (the caller passes
+    this as `triton_attention(..., defer_combine=...)`)."""
+    return env_switch("VOICED_DECODE_COMBINE_IN_PROJECTION", COMBINE_IN_PROJECTION_DEFAULT)
 
 
 def supported(dtype: torch.dtype, device: torch.device | str) -> bool:
@@ -134,7 +154,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, b
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     bm = _rows_block(m)
     _gemv[(-(-n // block_n), 1, -(-m // bm))](
-        x, w, bias if bias is not None else w, out, m, n, k, k, x.stride(0), 0,
+        x, w, bias if bias is not None else w, out, m, n, k, k, x.stride(0), 0, x, 1, 0, **PLAIN_INPUT,
         HAS_BIAS=bias is not None, SWIGLU=False, PARTIAL=False, GELU=gelu, BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=BLOCK_K,
         IEEE=x.dtype == torch.float32, num_warps=4,
         num_stages=_stages(bm, block_n, x.element_size(), 4, _smem(x)), **overlap_args(x))
@@ -148,26 +168,53 @@ def swiglu_linear(h: torch.Tensor, w_gate_up: torch.Tensor, block_n: int = 64) -
     out = torch.empty(m, n, dtype=h.dtype, device=h.device)
     bm = _rows_block(m)
     _gemv[(-(-n // block_n), 1, -(-m // bm))](
-        h, w_gate_up, w_gate_up, out, m, n, k, k, h.stride(0), 0,
+        h, w_gate_up, w_gate_up, out, m, n, k, k, h.stride(0), 0, h, 1, 0, **PLAIN_INPUT,
         HAS_BIAS=False, SWIGLU=True, PARTIAL=False, GELU=False, BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=BLOCK_K,
         IEEE=h.dtype == torch.float32, num_warps=4,
         num_stages=_stages(bm, 2 * block_n, h.element_size(), 3, _smem(h)), **overlap_args(h))
     return out
 
 
-def linear_partials(x: torch.Tensor, w: torch.Tensor, block_n: int = 32, sms: int | None = None) -> torch.Tensor:
-    """x @ w.T split along K: fp32 partial sums `[S, M, N]` for `add_norm` to reduce."""
+def linear_partials(x: torch.Tensor | AttentionSplits, w: torch.Tensor, block_n: int = 32,
+                    sms: int | None = None) -> torch.Tensor:
+    """x @ w.T split along K: fp32 partial sums `[S, M, N]` for `add_norm` to reduce. x may be a split
+    attention left uncombined (`AttentionSplits`): each program then combines the heads of its K slice as
+    it loads them (`decode_attention.combined_tile`, `_combine`'s arithmetic), which saves the combine's
+    own kernel; its output tile is then `_one_wave_block`'s, not block_n."""
     m, k = x.shape
     n = w.shape[0]
-    per, splits = split_plan(n, k, block_n, sms or _sms(x))
-    out = torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
     bm = _rows_block(m)
+    sms = sms or _sms(w)
+    if isinstance(x, AttentionSplits):
+        block_n = _one_wave_block(n, k, sms)
+        if block_n is None or m > COMBINE_ROWS or BLOCK_K % x.dims[2] or k % BLOCK_K or x.dtype != w.dtype:
+            # (the tile combines whole heads, in the weight's dtype, of up to COMBINE_ROWS rows, in one wave)
+            x, block_n = x.combine(), 32
+    if isinstance(x, AttentionSplits):
+        src, ml, stride_xm, n_att, l_offset, warps = x.part, x.ml, 0, x.n_splits, x.ml.stride(0), 8
+        heads = dict(COMBINE=True, **x.combine_args(), SB=min(triton.next_power_of_2(n_att), COMBINE_SPLITS))
+    else:
+        src, ml, stride_xm, n_att, l_offset, warps = x, x, x.stride(0), 1, 0, 4
+        heads = PLAIN_INPUT
+    per, splits = split_plan(n, k, block_n, sms)
+    out = torch.empty(splits, m, n, dtype=torch.float32, device=w.device)
     _gemv[(-(-n // block_n), splits, -(-m // bm))](
-        x, w, w, out, m, n, k, per, x.stride(0), m * n,
+        src, w, w, out, m, n, k, per, stride_xm, m * n, ml, n_att, l_offset, **heads,
         HAS_BIAS=False, SWIGLU=False, PARTIAL=True, GELU=False, BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=BLOCK_K,
-        IEEE=x.dtype == torch.float32, num_warps=4,
-        num_stages=_stages(bm, block_n, x.element_size(), 3, _smem(x)), **overlap_args(x))
+        IEEE=w.dtype == torch.float32, num_warps=warps,
+        num_stages=_stages(bm, block_n, w.element_size(), 3, _smem(w)), **overlap_args(w))
     return out
+
+
+def _one_wave_block(n: int, k: int, sms: int) -> int | None:
+    """The narrowest output tile (32, 64 or 128) whose split-K grid fits the GPU in one wave at one block per
+    multiprocessor, the most a combining projection's 8 warps at ~190 registers leave room for (session 19:
+    at 32 the Spark projection's 196 programs ran in two waves, and the step was slower than with the
+    combine's own kernel); None where none does."""
+    for block in (32, 64, 128):
+        if -(-n // block) * split_plan(n, k, block, sms)[1] <= sms:
+            return block
+    return None
 
 
 def reference_add_layer_norm(x: torch.Tensor, y: torch.Tensor, ln_w: torch.Tensor, ln_b: torch.Tensor,
@@ -202,17 +249,24 @@ def add_norm(partials: torch.Tensor, x: torch.Tensor, ln: torch.Tensor, eps: flo
 
 
 if triton is not None:
-    from .decode_attention import release_then_wait, wait_for_previous  # Triton functions: only where Triton is
+    # (Triton functions: defined only where Triton is)
+    from .decode_attention import combined_tile, release_then_wait, wait_for_previous
 
     @triton.jit
-    def _gemv(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, k_per, stride_xm, stride_os,
-              HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, PARTIAL: tl.constexpr, GELU: tl.constexpr,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
-              PDL: tl.constexpr):
+    def _gemv(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, k_per, stride_xm, stride_os, ml_ptr, n_att_splits, l_offset,
+              COMBINE: tl.constexpr, KV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
+              SB: tl.constexpr, HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, PARTIAL: tl.constexpr,
+              GELU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+              IEEE: tl.constexpr, PDL: tl.constexpr):
+        """COMBINE: x is a split attention (`AttentionSplits`: x_ptr its part, ml_ptr its ml, n_att_splits
+        splits with the sums at l_offset, KV/G/GP/D its heads), combined as each K slice is loaded."""
         pid_n = tl.program_id(0)
         split = tl.program_id(1)
         pid_m = tl.program_id(2)
-        DT = x_ptr.dtype.element_ty
+        if COMBINE:  # x_ptr is the attention's fp32 partials; the activations are the weight's dtype
+            DT = w_ptr.dtype.element_ty
+        else:
+            DT = x_ptr.dtype.element_ty
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
@@ -228,7 +282,12 @@ if triton is not None:
         for k0 in range(lo, hi, BLOCK_K):
             k = k0 + rk
             k_ok = k < hi
-            x = tl.load(x_ptr + rm[:, None] * stride_xm + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            if COMBINE:  # (K slices of whole heads: k_ok holds throughout)
+                x = combined_tile(x_ptr, ml_ptr, rm, k0, m_ok, n_att_splits, l_offset, KV, G, GP, D, SB, BLOCK_M,
+                                  BLOCK_K).to(DT)
+            else:
+                x = tl.load(x_ptr + rm[:, None] * stride_xm + k[None, :], mask=m_ok[:, None] & k_ok[None, :],
+                            other=0.0)
             w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             if IEEE:
                 acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
@@ -290,5 +349,5 @@ if triton is not None:
         tl.store(h_ptr + row * stride_xm + n, out.to(DT), mask=n_ok)
 
 
-__all__ = ["supported", "split_plan", "linear", "swiglu_linear", "linear_partials", "add_norm", "add_layer_norm",
+__all__ = ["supported", "combine_in_projection", "split_plan", "linear", "swiglu_linear", "linear_partials", "add_norm", "add_layer_norm",
            "reference_linear", "reference_swiglu_linear", "reference_add_norm", "reference_add_layer_norm"]
