@@ -191,6 +191,16 @@ if __name__ == "__main__":
     print(json.dumps(_child()))
 
 
+@pytest.mark.parametrize("n,sms,want", [(4864, 132, 32), (4864, 76, 64), (4864, 114, 32), (4864, 600, 16),
+                                         (896, 132, 16), (100, 1, 64)])
+def test_the_filling_gate_up_tile_is_the_widest_that_covers_the_gpu(n, sms, want):
+    """VOICED_DECODE_GATE_UP_FILL's output tile: Spark's 4864 gate/up outputs at 64 a program are 76 programs,
+    short of an H200's 132 multiprocessors, so 32 (152); never narrower than tl.dot's 16."""
+    from voiced.engines.kernels.decode_linear import filling_block
+
+    assert filling_block(n, sms) == want
+
+
 def test_programmatic_launch_is_never_asked_for_off_an_nvidia_gpu(monkeypatch):
     """The CPU path (and Triton's interpreter, which runs these kernels here) never gets the launch
     option or the kernels' wait instruction, whatever VOICED_SPARK_PDL says."""
