@@ -209,10 +209,11 @@ def linear_partials(x: torch.Tensor | AttentionSplits, w: torch.Tensor, block_n:
     bm = _rows_block(m)
     sms = sms or _sms(w)
     if isinstance(x, AttentionSplits):
-        block_n = _one_wave_block(n, k, sms)
-        if block_n is None or m > COMBINE_ROWS or BLOCK_K % x.dims[2] or k % BLOCK_K or x.dtype != w.dtype:
-            # (the tile combines whole heads, in the weight's dtype, of up to COMBINE_ROWS rows, in one wave)
-            x, block_n = x.combine(), 32
+        one_wave = _one_wave_block(n, k, sms)
+        if one_wave is None or m > COMBINE_ROWS or BLOCK_K % x.dims[2] or k % BLOCK_K or x.dtype != w.dtype:
+            x = x.combine()  # (the tile combines whole heads, in the weight's dtype, of up to COMBINE_ROWS rows)
+        else:
+            block_n = one_wave
     if isinstance(x, AttentionSplits):
         src, ml, stride_xm, n_att, l_offset, warps = x.part, x.ml, 0, x.n_splits, x.ml.stride(0), 8
         heads = dict(COMBINE=True, **x.combine_args(), SB=min(triton.next_power_of_2(n_att), COMBINE_SPLITS))
