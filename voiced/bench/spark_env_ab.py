@@ -31,7 +31,17 @@ def parse_mode(mode: str) -> dict[str, str]:
     pairs = [p.split("=", 1) for p in mode.split(",")]
     if any(len(p) != 2 or not p[0] for p in pairs):
         raise SystemExit(f"spark_env_ab: mode {mode!r} is not VAR=VALUE[,VAR=VALUE...] or 'default'")
+    unknown = [name for name, _ in pairs if not read_by_voiced(name)]
+    if unknown:  # a misspelt name would measure the default twice and call it an A/B
+        raise SystemExit(f"spark_env_ab: {', '.join(unknown)} in mode {mode!r}: no such setting is read anywhere "
+                         "in voiced (the engines' switches are listed in the README)")
     return dict(pairs)
+
+
+def read_by_voiced(name: str) -> bool:
+    """Whether `name` appears, quoted, in the voiced package's source: every setting the engines read does."""
+    quoted = f'"{name}"'
+    return any(quoted in p.read_text(encoding="utf-8") for p in Path(__file__).parents[1].rglob("*.py"))
 
 
 def set_mode(env: dict[str, str], modes: list[tuple[str, dict[str, str]]]) -> None:
