@@ -13,6 +13,7 @@ full-size weights (Spark-TTS-0.5B). Repeat the first mode last to see the drift 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -40,8 +41,12 @@ def parse_mode(mode: str) -> dict[str, str]:
 
 def read_by_voiced(name: str) -> bool:
     """Whether `name` appears, quoted, in the voiced package's source: every setting the engines read does."""
-    quoted = f'"{name}"'
-    return any(quoted in p.read_text(encoding="utf-8") for p in Path(__file__).parents[1].rglob("*.py"))
+    return f'"{name}"' in _voiced_source()
+
+
+@functools.cache
+def _voiced_source() -> str:
+    return "\n".join(p.read_text(encoding="utf-8") for p in Path(__file__).parents[1].rglob("*.py"))
 
 
 def set_mode(env: dict[str, str], modes: list[tuple[str, dict[str, str]]]) -> None:

@@ -209,9 +209,11 @@ def linear_partials(x: torch.Tensor | AttentionSplits, w: torch.Tensor, block_n:
     bm = _rows_block(m)
     sms = sms or _sms(w)
     if isinstance(x, AttentionSplits):
-        one_wave = _one_wave_block(n, k, sms)
-        if one_wave is None or m > COMBINE_ROWS or BLOCK_K % x.dims[2] or k % BLOCK_K or x.dtype != w.dtype:
-            x = x.combine()  # (the tile combines whole heads, in the weight's dtype, of up to COMBINE_ROWS rows)
+        # (the tile combines whole heads, in the weight's dtype, of up to COMBINE_ROWS rows, in one wave)
+        fusable = m <= COMBINE_ROWS and not BLOCK_K % x.dims[2] and not k % BLOCK_K and x.dtype == w.dtype
+        one_wave = _one_wave_block(n, k, sms) if fusable else None
+        if one_wave is None:
+            x = x.combine()
         else:
             block_n = one_wave
     if isinstance(x, AttentionSplits):
