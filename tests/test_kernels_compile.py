@@ -1,7 +1,6 @@
 """The decode step's Triton kernels compile for the GPUs they run on, here without one: every configuration
 the engines launch (the Spark LM's attention with rope, one split or several; Whisper's self- and
-cross-attention without rope; the GEMVs with a bias, SwiGLU, GELU or split along K, the last also reading a
-split attention and combining it; both norms after a
+cross-attention without rope; the GEMVs with a bias, SwiGLU, GELU or split along K; both norms after a
 split product; the sampler's top-k rounds with and without the phase mask), compiled ahead of time by
 Triton for Hopper (sm_90, with programmatic launch) and Ampere (sm_80, without) down to machine code.
 The interpreter tests check the arithmetic; this is what catches a kernel Triton cannot compile, which
@@ -35,10 +34,7 @@ WHISPER_HEADS = dict(H=20, KV=20, G=1, GP=16, D=64, BLOCK=da.BLOCK_N)
 ADD_NORM = dict(part_ptr=_ptr("fp32"), x_ptr=_ptr("bf16"), ln_ptr=_ptr("bf16"), h_ptr=_ptr("bf16"), S="i32",
                 M="i32", N="i32", stride_xm="i32", eps="fp32", bias_ptr=_ptr("bf16"), ln_b_ptr=_ptr("bf16"))
 GEMV = dict(x_ptr=_ptr("bf16"), w_ptr=_ptr("bf16"), b_ptr=_ptr("bf16"), out_ptr=_ptr("bf16"), M="i32", N="i32",
-            K="i32", k_per="i32", stride_xm="i32", stride_os="i32", ml_ptr=_ptr("bf16"), n_att_splits="i32",
-            l_offset="i32")
-# the output projection reading a split attention (`linear_partials` of `AttentionSplits`)
-GEMV_COMBINE = dict(GEMV, x_ptr=_ptr("fp32"), ml_ptr=_ptr("fp32"), out_ptr=_ptr("fp32"))
+            K="i32", k_per="i32", stride_xm="i32", stride_os="i32")
 NO_EPILOGUE = dict(HAS_BIAS=False, SWIGLU=False, PARTIAL=False, GELU=False)
 
 CASES = {
@@ -56,18 +52,14 @@ CASES = {
     "gemv swiglu": (dl._gemv, GEMV, dict(NO_EPILOGUE, SWIGLU=True)),
     "gemv split along K": (dl._gemv, dict(GEMV, out_ptr=_ptr("fp32")), dict(NO_EPILOGUE, PARTIAL=True)),
     "gemv gelu": (dl._gemv, GEMV, dict(NO_EPILOGUE, HAS_BIAS=True, GELU=True)),
-    "gemv combining spark's split attention": (dl._gemv, GEMV_COMBINE, dict(NO_EPILOGUE, PARTIAL=True, COMBINE=True,
-                                                                           KV=2, G=7, GP=16, D=64, SB=8)),
-    "gemv combining whisper's split attention": (dl._gemv, GEMV_COMBINE, dict(NO_EPILOGUE, PARTIAL=True, COMBINE=True,
-                                                                             KV=20, G=1, GP=16, D=64, SB=8)),
 }
 
 
-def _compile(fn, signature: dict, constants: dict, target, num_warps: int = 4) -> None:
+def _compile(fn, signature: dict, constants: dict, target) -> None:
     names = list(inspect.signature(fn.fn).parameters)
     sig = {n: signature.get(n, "constexpr") for n in names}
     src = compiler.ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in constants.items()})
-    kernel = compiler.compile(src, target=target, options={"num_warps": num_warps})
+    kernel = compiler.compile(src, target=target, options={"num_warps": 4})
     assert kernel.asm.get("cubin"), "no machine code"
 
 
@@ -77,20 +69,10 @@ def test_decode_kernel_compiles(case, arch):
     fn, signature, constants = CASES[case]
     constants = dict(constants)
     if fn is dl._gemv:
-        constants = {**dl.PLAIN_INPUT, **constants, "BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": dl.BLOCK_K, "IEEE": False}
+        constants.update(BLOCK_M=16, BLOCK_N=16, BLOCK_K=dl.BLOCK_K, IEEE=False)
     if "PDL" in inspect.signature(fn.fn).parameters:
         constants["PDL"] = arch >= 90
-    if "EARLY" in inspect.signature(fn.fn).parameters:
-        constants["EARLY"] = False
-    # (the projection that combines the attention runs 8 warps: `decode_linear.linear_partials`)
-    _compile(fn, signature, constants, GPUTarget("cuda", arch, 32), 8 if constants.get("COMBINE") else 4)
-
-
-@pytest.mark.parametrize("case", [c for c in CASES if "EARLY" in inspect.signature(CASES[c][0].fn).parameters])
-def test_small_reductions_compile_releasing_the_next_kernel_first(case):
-    """The combine and the add + norm kernels under VOICED_DECODE_EARLY_RELEASE=1 (Hopper: programmatic launch)."""
-    fn, signature, constants = CASES[case]
-    _compile(fn, signature, dict(constants, PDL=True, EARLY=True), GPUTarget("cuda", 90, 32))
+    _compile(fn, signature, constants, GPUTarget("cuda", arch, 32))
 
 
 @pytest.mark.parametrize("bias", [False, True])

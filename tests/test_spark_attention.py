@@ -10,9 +10,7 @@ interpreter's bf16 matrix products are not IEEE-exact.
 
 from __future__ import annotations
 
-import functools
 import json
-import os
 import subprocess
 import sys
 
@@ -66,27 +64,10 @@ def _child() -> dict:
         out["kernel"].append({"case": [b, kv_len, sms], "splits": da.split_plan(b, KV, kv_len, sms)[1],
                               "out": (got - ref).abs().max().item(), "scale": ref.abs().max().item(),
                               "k_cache": (k1 - k2).abs().max().item(), "v_cache": (v1 - v2).abs().max().item()})
-    # a split attention left uncombined, combined by the output projection as it reads it, against the
-    # combine's kernel then the projection: fewer splits than one load of them takes (8) and more, splits not
-    # reached by a row (position 0), a full 16-row tile, and past it (where the combine's kernel runs first)
-    from voiced.engines.kernels import decode_linear as dl
-
-    out["combine_in_projection"] = []
-    w_o = torch.randn(70, H * D, generator=g)
-    for b, kv_len, sms, pos in [(1, 448, 132, [447]), (2, 1024, 32, [0, 900]), (16, 512, 132, list(range(0, 510, 32))),
-                                (17, 512, 132, list(range(0, 510, 30)))]:
-        kc, vc = torch.randn(b, KV, 1024, D, generator=g), torch.randn(b, KV, 1024, D, generator=g)
-        qkv = torch.randn(b, (H + 2 * KV) * D, generator=g)
-        splits = da.triton_attention(qkv, cos_t, sin_t, kc, vc, torch.tensor(pos), kv_len, (H, KV, D), sms=sms,
-                                     defer_combine=True)
-        # (summed over K's splits: the combining projection takes its own output tile, so its own K split)
-        fused = dl.linear_partials(splits, w_o, sms=8).sum(0)
-        separate = dl.linear_partials(splits.combine(), w_o, sms=8).sum(0)
-        out["combine_in_projection"].append({"case": [b, kv_len, sms], "splits": splits.n_splits,
-                                             "diff": (fused - separate).abs().max().item(),
-                                             "scale": separate.abs().max().item()})
     # the projections' GEMV kernels (decode_linear) against their torch arithmetic: rows padded to a
     # 16-row tile and past it, outputs and K not multiples of the tiles, K split over programs
+    from voiced.engines.kernels import decode_linear as dl
+
     out["linear"] = []
     for m in (1, 3, 17, 40):
         x = torch.randn(m, 320, generator=g)
@@ -113,12 +94,7 @@ def _child() -> dict:
                              num_key_value_heads=2, vocab_size=512)).eval()
     prompt = torch.randint(0, 512, (40,), generator=g)
     logits = []
-    attention = da.triton_attention
-    for fast, gemv, combine_in in ((False, False, "0"), (True, False, "0"), (True, True, "0"), (True, True, "1")):
-        os.environ["VOICED_DECODE_COMBINE_IN_PROJECTION"] = combine_in
-        # (the combine left to the projection: the cache split as across an H200's 132 multiprocessors,
-        # where the interpreter's one would not split it)
-        da.triton_attention = functools.partial(attention, sms=132) if combine_in == "1" else attention
+    for fast, gemv in ((False, False), (True, False), (True, True)):
         lm.setup_cache(max_batch=2, max_seq=256)
         lm.prefill(prompt, 0)
         lm.prefill(prompt[:17], 1)
@@ -133,9 +109,8 @@ def _child() -> dict:
         logits.append(torch.stack(steps))
     out["step"] = {"logits": (logits[0] - logits[1]).abs().max().item(), "scale": logits[0].abs().max().item(),
                    "argmax_equal": bool(torch.equal(logits[0].argmax(-1), logits[1].argmax(-1)))}
-    for key, i in (("step_gemv", 2), ("step_gemv_combine_in_projection", 3)):
-        out[key] = {"logits": (logits[0] - logits[i]).abs().max().item(), "scale": logits[0].abs().max().item(),
-                    "argmax_equal": bool(torch.equal(logits[0].argmax(-1), logits[i].argmax(-1)))}
+    out["step_gemv"] = {"logits": (logits[0] - logits[2]).abs().max().item(), "scale": logits[0].abs().max().item(),
+                        "argmax_equal": bool(torch.equal(logits[0].argmax(-1), logits[2].argmax(-1)))}
     return out
 
 
@@ -154,23 +129,11 @@ def test_kernel_equals_the_torch_arithmetic_in_float32(interpreted):
     assert {c["splits"] > 1 for c in interpreted["kernel"]} == {True, False}
 
 
-def test_output_projection_combines_a_split_attention_as_the_combine_kernel_does(interpreted):
-    """The output projection reading a split attention's partial results (each program combining the heads
-    of its K slice) gives the partial sums of the combine's kernel followed by the projection, within float32
-    rounding: at one row, at two rows with a split no row reaches, at 16 rows, and past them."""
-    cases = interpreted["combine_in_projection"]
-    for case in cases:
-        assert case["diff"] <= 1e-6 * max(1.0, case["scale"]), case
-    splits = [c["splits"] for c in cases]
-    assert min(splits) > 1 and max(splits) > 8  # split everywhere, and once past one load of the tile
-
-
 def test_decode_step_through_the_kernel_equals_the_modules(interpreted):
     """Six decode steps of a small LM (two rows at different positions) through the GPU path's
     structure give the modules' logits within float32 rounding, and the same greedy tokens; also with
-    every projection through the GEMV kernels, and with the attention's combine left to the output
-    projection (VOICED_DECODE_COMBINE_IN_PROJECTION=1)."""
-    for key in ("step", "step_gemv", "step_gemv_combine_in_projection"):
+    every projection through the GEMV kernels."""
+    for key in ("step", "step_gemv"):
         step = interpreted[key]
         assert step["logits"] <= 1e-4 * max(1.0, step["scale"]), (key, step)
         assert step["argmax_equal"], (key, step)
@@ -189,16 +152,6 @@ def test_gemv_kernels_equal_the_torch_arithmetic_in_float32(interpreted):
 
 if __name__ == "__main__":
     print(json.dumps(_child()))
-
-
-@pytest.mark.parametrize("n,sms,want", [(4864, 132, 32), (4864, 76, 64), (4864, 114, 32), (4864, 600, 16),
-                                         (896, 132, 16), (100, 1, 64)])
-def test_the_filling_gate_up_tile_is_the_widest_that_covers_the_gpu(n, sms, want):
-    """VOICED_DECODE_GATE_UP_FILL's output tile: Spark's 4864 gate/up outputs at 64 a program are 76 programs,
-    short of an H200's 132 multiprocessors, so 32 (152); never narrower than tl.dot's 16."""
-    from voiced.engines.kernels.decode_linear import filling_block
-
-    assert filling_block(n, sms) == want
 
 
 def test_programmatic_launch_is_never_asked_for_off_an_nvidia_gpu(monkeypatch):

@@ -11,11 +11,11 @@ from voiced.bench.spark_env_ab import parse_mode
 def test_modes_name_the_settings_the_engines_read():
     assert parse_mode("default") == {}
     assert parse_mode("VOICED_SPARK_PDL=0") == {"VOICED_SPARK_PDL": "0"}
-    assert parse_mode("VOICED_DECODE_EARLY_RELEASE=1,VOICED_DECODE_GATE_UP_FILL=1") == {
-        "VOICED_DECODE_EARLY_RELEASE": "1", "VOICED_DECODE_GATE_UP_FILL": "1"}
+    assert parse_mode("VOICED_SPARK_PDL=0,VOICED_SPARK_TOPK_KERNEL=0") == {
+        "VOICED_SPARK_PDL": "0", "VOICED_SPARK_TOPK_KERNEL": "0"}
 
 
-@pytest.mark.parametrize("mode", ["VOICED_DECODE_EARLY_RELASE=1", "VOICED_SPARK_PDL=1,VOICED_SPARK_PLD=0"])
+@pytest.mark.parametrize("mode", ["VOICED_SPARK_TOPK_KERNAL=0", "VOICED_SPARK_PDL=1,VOICED_SPARK_PLD=0"])
 def test_a_misspelt_setting_is_refused_by_name(mode):
     with pytest.raises(SystemExit, match="no such setting"):
         parse_mode(mode)

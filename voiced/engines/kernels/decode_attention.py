@@ -24,16 +24,11 @@ cross-attention with `cross=True`: the queries alone, nothing written, all of th
 
 `launch_overlap` decides, for these kernels and decode_linear's, whether they use programmatic
 dependent launch (each one's blocks start while the kernel before it drains, then wait for it).
-
-`triton_attention(..., defer_combine=True)` leaves a split attention uncombined (`AttentionSplits`): the
-output projection that reads it (`decode_linear.linear_partials`) combines the splits of each head as it
-loads its input (`combined_tile`), and the combine's own kernel, one link of the step's chain, is gone.
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 
 import torch
 
@@ -46,10 +41,6 @@ BLOCK_N = 64  # cache positions per inner iteration (a multiple of 16: tl.dot's 
 # Programmatic dependent launch of the decode kernels (`launch_overlap`): on wherever it runs; the
 # environment's VOICED_SPARK_PDL=0 turns it off (docs/BENCHMARKS.md has the A/B).
 PDL_DEFAULT = True
-# The small reductions (the split attention's combine, the add + norm after a split product) letting the next
-# kernel's blocks start before they wait themselves (`reduction_overlap_args`): off until measured on a GPU;
-# VOICED_DECODE_EARLY_RELEASE=1 turns it on.
-EARLY_RELEASE_DEFAULT = False
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -131,21 +122,6 @@ def overlap_args(t: torch.Tensor) -> dict:
     return {"PDL": True, "launch_pdl": True} if launch_overlap(t) else {"PDL": False}
 
 
-def reduction_overlap_args(t: torch.Tensor) -> dict:
-    """`overlap_args` for the combine and the add + norm kernels, with their EARLY constant: under
-    `launch_overlap` and VOICED_DECODE_EARLY_RELEASE=1, they release the next kernel before they wait.
-
-    Why these two: each is one or two programs with a body of about a microsecond between a wide kernel
-    and a wide GEMV. Waiting first, the GEMV's ~200 blocks are placed only once the reduction's wait has
-    ended, so their placement is on the chain (the knock-out bench: the combine costs 5.4 us at batch 1, a
-    norm 1.6). Released first, they are placed while the reduction waits; the chain stays in order, as
-    every kernel still waits for the one before it to complete before it reads anything. Only these
-    release early: every kernel doing so lets a whole layer's blocks sit waiting (session 13: slower)."""
-    args = overlap_args(t)
-    args["EARLY"] = args["PDL"] and env_switch("VOICED_DECODE_EARLY_RELEASE", EARLY_RELEASE_DEFAULT)
-    return args
-
-
 def split_plan(batch: int, n_kv: int, kv_len: int, sms: int) -> tuple[int, int]:
     """(positions per program, programs per (row, KV head)): enough programs to cover the GPU about twice
     (one (row, KV head) alone reads its whole cache on one multiprocessor), each a whole number of
@@ -156,46 +132,9 @@ def split_plan(batch: int, n_kv: int, kv_len: int, sms: int) -> tuple[int, int]:
     return per, -(-kv_len // per)
 
 
-@dataclass(frozen=True)
-class AttentionSplits:
-    """A split attention's results before the combine (`triton_attention(..., defer_combine=True)`): per
-    (row, KV head, split) the unnormalised values `part [B, KV, S, GP, D]` and the running max and sum
-    `ml [2, B, KV, S, GP]` (fp32), for `dims` heads; the output would be `[B, H*D]` in `dtype`."""
-
-    part: torch.Tensor
-    ml: torch.Tensor
-    dims: tuple
-    dtype: torch.dtype
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        n_heads, _, head_dim = self.dims
-        return self.part.shape[0], n_heads * head_dim
-
-    @property
-    def n_splits(self) -> int:
-        return self.part.shape[2]
-
-    def combine_args(self) -> dict:
-        """The constants `_combine` and `combined_tile` take for this layout (GP: the group padded to tl.dot's rows)."""
-        n_heads, n_kv, head_dim = self.dims
-        return dict(KV=n_kv, G=n_heads // n_kv, GP=self.part.shape[3], D=head_dim)
-
-    def combine(self, out: torch.Tensor | None = None) -> torch.Tensor:
-        """The attention's output `[B, H*D]`, by the combine's own kernel (where its reader cannot fuse it)."""
-        b, s = self.part.shape[0], self.n_splits
-        if out is None:
-            out = torch.empty(self.shape, dtype=self.dtype, device=self.part.device)
-        a = self.combine_args()
-        _combine[(b, a["KV"])](self.part, self.ml, out, s, self.ml.stride(0), **a,
-                               SB=min(8, triton.next_power_of_2(s)), num_warps=4, **reduction_overlap_args(self.part))
-        return out
-
-
 def triton_attention(qkv: torch.Tensor, rope_cos: torch.Tensor | None, rope_sin: torch.Tensor | None,
                      k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor, kv_len: int, dims: tuple,
-                     sms: int | None = None, out: torch.Tensor | None = None, cross: bool = False,
-                     defer_combine: bool = False) -> torch.Tensor | AttentionSplits:
+                     sms: int | None = None, out: torch.Tensor | None = None, cross: bool = False) -> torch.Tensor:
     """`reference`'s arithmetic in one kernel (plus a combine when split): qkv `[B, N]` (contiguous),
     rope_cos/rope_sin the LM's fp32 tables `[max_seq, D]` (None: no rotation, as Whisper's decoder),
     positions `[B]` long -> `[B, H*D]` in qkv's dtype. Writes each row's roped k and its v into the caches at
@@ -205,19 +144,16 @@ def triton_attention(qkv: torch.Tensor, rope_cos: torch.Tensor | None, rope_sin:
     The caches are `[rows, KV, positions, D]` views of any strides but the last (Whisper's `[slots, ctx,
     H*D]` cache is one, permuted). `cross`: cross-attention, as Whisper's decoder: `qkv` holds the queries
     alone `[B, H*D]`, nothing is written and every row attends over the first `kv_len` positions of its
-    cache row (the audio's keys and values).
-
-    `defer_combine`: where the cache is split, return the splits uncombined (`AttentionSplits`) for the
-    reader to combine; a single split writes its output as always."""
+    cache row (the audio's keys and values)."""
     n_heads, n_kv, head_dim = dims
     b = qkv.shape[0]
     group = n_heads // n_kv
     gp = max(16, triton.next_power_of_2(group))
     sms = sms or (sm_count(qkv.device.index or 0) if qkv.is_cuda else 1)
     per, n_splits = split_plan(b, n_kv, kv_len, sms)
-    one = n_splits == 1
-    if out is None and (one or not defer_combine):
+    if out is None:
         out = torch.empty(b, n_heads * head_dim, dtype=qkv.dtype, device=qkv.device)
+    one = n_splits == 1
     overlap = overlap_args(qkv)
     if one:
         part = ml = out  # unused
@@ -228,16 +164,16 @@ def triton_attention(qkv: torch.Tensor, rope_cos: torch.Tensor | None, rope_sin:
         raise ValueError("the caches' last dimension must be contiguous, and their layouts alike")
     rope = rope_cos is not None
     _attend[(b, n_kv, n_splits)](
-        qkv, rope_cos if rope else qkv, rope_sin if rope else qkv, k_cache, v_cache, positions,
-        part if out is None else out, part, ml,
+        qkv, rope_cos if rope else qkv, rope_sin if rope else qkv, k_cache, v_cache, positions, out, part, ml,
         qkv.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), per, n_splits,
         b * n_kv * n_splits * gp, head_dim**-0.5, kv_len,
         H=n_heads, KV=n_kv, G=group, GP=gp, D=head_dim, BLOCK=BLOCK_N, ONE_SPLIT=one, ROPE=rope, CROSS=cross,
         IEEE=qkv.dtype == torch.float32, num_warps=4, **overlap)
-    if one:
-        return out
-    splits = AttentionSplits(part, ml, dims, qkv.dtype)
-    return splits if defer_combine else splits.combine(out)
+    if not one:
+        _combine[(b, n_kv)](part, ml, out, n_splits, b * n_kv * n_splits * gp,
+                            KV=n_kv, G=group, GP=gp, D=head_dim, SB=min(8, triton.next_power_of_2(n_splits)),
+                            num_warps=4, **overlap)
+    return out
 
 
 if triton is not None:
@@ -252,14 +188,6 @@ if triton is not None:
         if PDL:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
-
-    @triton.jit
-    def release_then_wait(PDL: tl.constexpr):
-        """`wait_for_previous` the other way round, for the small reductions (`reduction_overlap_args`): the
-        next kernel's blocks may start at once; this one still waits for the kernel before it to finish."""
-        if PDL:
-            tl.extra.cuda.gdc_launch_dependents()
-            tl.extra.cuda.gdc_wait()
 
     @triton.jit
     def _rope(base, d, D: tl.constexpr, cos, sin, DT: tl.constexpr):
@@ -357,11 +285,8 @@ if triton is not None:
     @triton.jit
     def _combine(part_ptr, ml_ptr, out_ptr, n_splits, l_offset,
                  KV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, SB: tl.constexpr,
-                 PDL: tl.constexpr, EARLY: tl.constexpr):
-        if EARLY:
-            release_then_wait(PDL)
-        else:
-            wait_for_previous(PDL)
+                 PDL: tl.constexpr):
+        wait_for_previous(PDL)
         # SB splits per load, rescaled online: one program serves a (row, KV head), so reading its
         # splits one by one would chain ~3 dependent loads per split (4 us at 8 splits on an H200)
         row = tl.program_id(0)
@@ -390,38 +315,5 @@ if triton is not None:
         o = acc / total[:, None]
         tl.store(out_ptr + row * (KV * G * D) + (kvh * G + g)[:, None] * D + d[None, :], o.to(DT), mask=live[:, None])
 
-    @triton.jit
-    def combined_tile(part_ptr, ml_ptr, rows, k0, rows_ok, n_splits, l_offset, KV: tl.constexpr, G: tl.constexpr,
-                      GP: tl.constexpr, D: tl.constexpr, SB: tl.constexpr, BLOCK_M: tl.constexpr,
-                      BLOCK_K: tl.constexpr):
-        """`_combine`'s output for `rows` and columns k0..k0+BLOCK_K (BLOCK_K // D whole heads) of an
-        `AttentionSplits`, as fp32 `[BLOCK_M, BLOCK_K]` (rows not ok: zeros), combined as `_combine` does:
-        SB splits per load, rescaled online."""
-        HC: tl.constexpr = BLOCK_K // D
-        head = k0 // D + tl.arange(0, HC)
-        d = tl.arange(0, D)
-        sb = tl.arange(0, SB)
-        first = (rows[:, None] * KV + head[None, :] // G) * n_splits  # [BLOCK_M, HC]: each head's split 0
-        g = head % G
-        m = tl.full([BLOCK_M, HC], float("-inf"), tl.float32)
-        total = tl.zeros([BLOCK_M, HC], tl.float32)
-        acc = tl.zeros([BLOCK_M, HC, D], tl.float32)
-        for s0 in range(0, n_splits, SB):
-            ok = ((s0 + sb) < n_splits)[:, None, None] & rows_ok[None, :, None]  # [SB, BLOCK_M, 1]
-            cell = (first[None, :, :] + (s0 + sb)[:, None, None]) * GP + g[None, None, :]  # [SB, BLOCK_M, HC]
-            ms = tl.load(ml_ptr + cell, mask=ok, other=float("-inf"))
-            ls = tl.load(ml_ptr + l_offset + cell, mask=ok, other=0.0)
-            ps = tl.load(part_ptr + cell[:, :, :, None] * D + d[None, None, None, :], mask=ok[:, :, :, None],
-                         other=0.0)
-            m_new = tl.maximum(m, tl.max(ms, 0))
-            alpha = tl.exp(m - m_new)
-            w = tl.exp(ms - m_new[None, :, :])
-            total = total * alpha + tl.sum(w * ls, 0)
-            acc = acc * alpha[:, :, None] + tl.sum(w[:, :, :, None] * ps, 0)
-            m = m_new
-        o = acc / total[:, :, None]
-        o = tl.where(rows_ok[:, None, None], o, 0.0)  # (a row past the batch computed 0/0)
-        return tl.reshape(o, (BLOCK_M, BLOCK_K))
-
-__all__ = ["AttentionSplits", "reference", "supported", "triton_attention", "split_plan", "apply_rope", "sm_count", "launch_overlap",
-           "overlap_args", "reduction_overlap_args", "wait_for_previous", "release_then_wait", "combined_tile"]
+__all__ = ["reference", "supported", "triton_attention", "split_plan", "apply_rope", "sm_count", "launch_overlap",
+           "overlap_args", "wait_for_previous"]

@@ -41,50 +41,10 @@ import torch
 import torch.nn.functional as F
 
 # Triton as decode_attention finds it (it comes with torch's CUDA builds, the only place these run)
-from voiced.engines.switches import env_switch
-
-from .decode_attention import AttentionSplits, overlap_args, reduction_overlap_args, sm_count, tl, triton
+from .decode_attention import overlap_args, sm_count, tl, triton
 
 BLOCK_K = 128  # reduction depth per iteration: one 256-byte row segment of a bf16 weight per thread group
 MAX_ROWS = 64  # the largest batch one program multiplies (the engine's largest batch bucket)
-
-# The output projections combine a split attention as they read it (`linear_partials` of an
-# `AttentionSplits`) rather than after the combine's own kernel: off. Session 19 measured it slower on an
-# H200 with two waves of programs (docs/BENCHMARKS.md); in one wave (`_one_wave_block`) it is not yet
-# measured. VOICED_DECODE_COMBINE_IN_PROJECTION=1 turns it on.
-COMBINE_IN_PROJECTION_DEFAULT = False
-# At most this many rows combine in the projection: its tiles are 8 splits x 16 rows x 128 columns in 8 warps
-# (184 registers a thread for sm_90 with 32 outputs a program, no spills); at 32 or 64 rows they spill even 2 or 1
-# splits at a time, and there the combine's own kernel is a smaller part of a longer step
-COMBINE_ROWS = 16
-COMBINE_SPLITS = 8  # splits per load in `combined_tile` (more take more loads, one after another)
-PLAIN_INPUT = dict(COMBINE=False, KV=1, G=1, GP=1, D=1, SB=1)  # `_gemv`'s attention constants, for a plain x
-
-
-def combine_in_projection() -> bool:
-    """Whether the decode steps leave the attention's combine to the output projection (the caller passes
-    this as `triton_attention(..., defer_combine=...)`)."""
-    return env_switch("VOICED_DECODE_COMBINE_IN_PROJECTION", COMBINE_IN_PROJECTION_DEFAULT)
-
-
-# The gate/up projection's output tile narrowed until its programs cover every multiprocessor
-# (`filling_block`): off until measured on a GPU; VOICED_DECODE_GATE_UP_FILL=1 turns it on. Why: at 64
-# outputs a program Spark's 4864 make 76 programs, so 56 of an H200's 132 multiprocessors read none of the
-# layer's largest weight (17.4 MB: 3.6 us at the memory's speed, 7.2 us inside the step by the knock-out).
-GATE_UP_FILL_DEFAULT = False
-
-
-def gate_up_fill() -> bool:
-    return env_switch("VOICED_DECODE_GATE_UP_FILL", GATE_UP_FILL_DEFAULT)
-
-
-def filling_block(n: int, sms: int, widest: int = 64) -> int:
-    """The widest output tile, from `widest` down to 16 (tl.dot's smallest), whose ceil(n / tile) programs
-    are at least the multiprocessors."""
-    block = widest
-    while block > 16 and -(-n // block) < sms:
-        block //= 2
-    return block
 
 
 def supported(dtype: torch.dtype, device: torch.device | str) -> bool:
@@ -174,73 +134,40 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, b
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     bm = _rows_block(m)
     _gemv[(-(-n // block_n), 1, -(-m // bm))](
-        x, w, bias if bias is not None else w, out, m, n, k, k, x.stride(0), 0, x, 1, 0, **PLAIN_INPUT,
+        x, w, bias if bias is not None else w, out, m, n, k, k, x.stride(0), 0,
         HAS_BIAS=bias is not None, SWIGLU=False, PARTIAL=False, GELU=gelu, BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=BLOCK_K,
         IEEE=x.dtype == torch.float32, num_warps=4,
         num_stages=_stages(bm, block_n, x.element_size(), 4, _smem(x)), **overlap_args(x))
     return out
 
 
-def swiglu_linear(h: torch.Tensor, w_gate_up: torch.Tensor, block_n: int | None = None) -> torch.Tensor:
-    """SiLU(h @ gate.T) * (h @ up.T) -> `[M, I]`, `w_gate_up` `[2I, K]` (gate rows, then up rows); `block_n`
-    outputs a program (default 64, or under `gate_up_fill` the widest that still covers the GPU)."""
+def swiglu_linear(h: torch.Tensor, w_gate_up: torch.Tensor, block_n: int = 64) -> torch.Tensor:
+    """SiLU(h @ gate.T) * (h @ up.T) -> `[M, I]`, `w_gate_up` `[2I, K]` (gate rows, then up rows)."""
     m, k = h.shape
     n = w_gate_up.shape[0] // 2
-    if block_n is None:
-        block_n = filling_block(n, _sms(h)) if gate_up_fill() else 64
     out = torch.empty(m, n, dtype=h.dtype, device=h.device)
     bm = _rows_block(m)
     _gemv[(-(-n // block_n), 1, -(-m // bm))](
-        h, w_gate_up, w_gate_up, out, m, n, k, k, h.stride(0), 0, h, 1, 0, **PLAIN_INPUT,
+        h, w_gate_up, w_gate_up, out, m, n, k, k, h.stride(0), 0,
         HAS_BIAS=False, SWIGLU=True, PARTIAL=False, GELU=False, BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=BLOCK_K,
         IEEE=h.dtype == torch.float32, num_warps=4,
         num_stages=_stages(bm, 2 * block_n, h.element_size(), 3, _smem(h)), **overlap_args(h))
     return out
 
 
-def linear_partials(x: torch.Tensor | AttentionSplits, w: torch.Tensor, block_n: int = 32,
-                    sms: int | None = None) -> torch.Tensor:
-    """x @ w.T split along K: fp32 partial sums `[S, M, N]` for `add_norm` to reduce. x may be a split
-    attention left uncombined (`AttentionSplits`): each program then combines the heads of its K slice as
-    it loads them (`decode_attention.combined_tile`, `_combine`'s arithmetic), which saves the combine's
-    own kernel; its output tile is then `_one_wave_block`'s, not block_n."""
+def linear_partials(x: torch.Tensor, w: torch.Tensor, block_n: int = 32, sms: int | None = None) -> torch.Tensor:
+    """x @ w.T split along K: fp32 partial sums `[S, M, N]` for `add_norm` to reduce."""
     m, k = x.shape
     n = w.shape[0]
+    per, splits = split_plan(n, k, block_n, sms or _sms(x))
+    out = torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
     bm = _rows_block(m)
-    sms = sms or _sms(w)
-    if isinstance(x, AttentionSplits):
-        # (the tile combines whole heads, in the weight's dtype, of up to COMBINE_ROWS rows, in one wave)
-        fusable = m <= COMBINE_ROWS and not BLOCK_K % x.dims[2] and not k % BLOCK_K and x.dtype == w.dtype
-        one_wave = _one_wave_block(n, k, sms) if fusable else None
-        if one_wave is None:
-            x = x.combine()
-        else:
-            block_n = one_wave
-    if isinstance(x, AttentionSplits):
-        src, ml, stride_xm, n_att, l_offset, warps = x.part, x.ml, 0, x.n_splits, x.ml.stride(0), 8
-        heads = dict(COMBINE=True, **x.combine_args(), SB=min(triton.next_power_of_2(n_att), COMBINE_SPLITS))
-    else:
-        src, ml, stride_xm, n_att, l_offset, warps = x, x, x.stride(0), 1, 0, 4
-        heads = PLAIN_INPUT
-    per, splits = split_plan(n, k, block_n, sms)
-    out = torch.empty(splits, m, n, dtype=torch.float32, device=w.device)
     _gemv[(-(-n // block_n), splits, -(-m // bm))](
-        src, w, w, out, m, n, k, per, stride_xm, m * n, ml, n_att, l_offset, **heads,
+        x, w, w, out, m, n, k, per, x.stride(0), m * n,
         HAS_BIAS=False, SWIGLU=False, PARTIAL=True, GELU=False, BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=BLOCK_K,
-        IEEE=w.dtype == torch.float32, num_warps=warps,
-        num_stages=_stages(bm, block_n, w.element_size(), 3, _smem(w)), **overlap_args(w))
+        IEEE=x.dtype == torch.float32, num_warps=4,
+        num_stages=_stages(bm, block_n, x.element_size(), 3, _smem(x)), **overlap_args(x))
     return out
-
-
-def _one_wave_block(n: int, k: int, sms: int) -> int | None:
-    """The narrowest output tile (32, 64 or 128) whose split-K grid fits the GPU in one wave at one block per
-    multiprocessor, the most a combining projection's 8 warps at ~190 registers leave room for (session 19:
-    at 32 the Spark projection's 196 programs ran in two waves, and the step was slower than with the
-    combine's own kernel); None where none does."""
-    for block in (32, 64, 128):
-        if -(-n // block) * split_plan(n, k, block, sms)[1] <= sms:
-            return block
-    return None
 
 
 def reference_add_layer_norm(x: torch.Tensor, y: torch.Tensor, ln_w: torch.Tensor, ln_b: torch.Tensor,
@@ -258,8 +185,7 @@ def add_layer_norm(partials: torch.Tensor, x: torch.Tensor, bias: torch.Tensor, 
     s, m, n = partials.shape
     h = torch.empty_like(x)
     _add_norm[(m,)](partials, x, ln_w, h, s, m, n, x.stride(0), eps, bias, ln_b, LAYER=True,
-                    BLOCK=triton.next_power_of_2(n), S_BLOCK=triton.next_power_of_2(s), num_warps=8,
-                    **reduction_overlap_args(x))
+                    BLOCK=triton.next_power_of_2(n), S_BLOCK=triton.next_power_of_2(s), num_warps=8, **overlap_args(x))
     return h
 
 
@@ -269,30 +195,22 @@ def add_norm(partials: torch.Tensor, x: torch.Tensor, ln: torch.Tensor, eps: flo
     s, m, n = partials.shape
     h = torch.empty_like(x)
     _add_norm[(m,)](partials, x, ln, h, s, m, n, x.stride(0), eps, ln, ln, LAYER=False,
-                    BLOCK=triton.next_power_of_2(n), S_BLOCK=triton.next_power_of_2(s), num_warps=8,
-                    **reduction_overlap_args(x))
+                    BLOCK=triton.next_power_of_2(n), S_BLOCK=triton.next_power_of_2(s), num_warps=8, **overlap_args(x))
     return h
 
 
 if triton is not None:
-    # (Triton functions: defined only where Triton is)
-    from .decode_attention import combined_tile, release_then_wait, wait_for_previous
+    from .decode_attention import wait_for_previous  # a Triton function: defined only where Triton is
 
     @triton.jit
-    def _gemv(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, k_per, stride_xm, stride_os, ml_ptr, n_att_splits, l_offset,
-              COMBINE: tl.constexpr, KV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
-              SB: tl.constexpr, HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, PARTIAL: tl.constexpr,
-              GELU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-              IEEE: tl.constexpr, PDL: tl.constexpr):
-        """COMBINE: x is a split attention (`AttentionSplits`: x_ptr its part, ml_ptr its ml, n_att_splits
-        splits with the sums at l_offset, KV/G/GP/D its heads), combined as each K slice is loaded."""
+    def _gemv(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, k_per, stride_xm, stride_os,
+              HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, PARTIAL: tl.constexpr, GELU: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
+              PDL: tl.constexpr):
         pid_n = tl.program_id(0)
         split = tl.program_id(1)
         pid_m = tl.program_id(2)
-        if COMBINE:  # x_ptr is the attention's fp32 partials; the activations are the weight's dtype
-            DT = w_ptr.dtype.element_ty
-        else:
-            DT = x_ptr.dtype.element_ty
+        DT = x_ptr.dtype.element_ty
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
@@ -308,12 +226,7 @@ if triton is not None:
         for k0 in range(lo, hi, BLOCK_K):
             k = k0 + rk
             k_ok = k < hi
-            if COMBINE:  # (K slices of whole heads: k_ok holds throughout)
-                x = combined_tile(x_ptr, ml_ptr, rm, k0, m_ok, n_att_splits, l_offset, KV, G, GP, D, SB, BLOCK_M,
-                                  BLOCK_K).to(DT)
-            else:
-                x = tl.load(x_ptr + rm[:, None] * stride_xm + k[None, :], mask=m_ok[:, None] & k_ok[None, :],
-                            other=0.0)
+            x = tl.load(x_ptr + rm[:, None] * stride_xm + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
             w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             if IEEE:
                 acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
@@ -343,11 +256,8 @@ if triton is not None:
 
     @triton.jit
     def _add_norm(part_ptr, x_ptr, ln_ptr, h_ptr, S, M, N, stride_xm, eps, bias_ptr, ln_b_ptr, LAYER: tl.constexpr,
-                  BLOCK: tl.constexpr, S_BLOCK: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr):
-        if EARLY:
-            release_then_wait(PDL)
-        else:
-            wait_for_previous(PDL)
+                  BLOCK: tl.constexpr, S_BLOCK: tl.constexpr, PDL: tl.constexpr):
+        wait_for_previous(PDL)
         row = tl.program_id(0)
         DT = x_ptr.dtype.element_ty
         n = tl.arange(0, BLOCK)
@@ -375,5 +285,5 @@ if triton is not None:
         tl.store(h_ptr + row * stride_xm + n, out.to(DT), mask=n_ok)
 
 
-__all__ = ["supported", "combine_in_projection", "gate_up_fill", "filling_block", "split_plan", "linear", "swiglu_linear", "linear_partials", "add_norm", "add_layer_norm",
+__all__ = ["supported", "split_plan", "linear", "swiglu_linear", "linear_partials", "add_norm", "add_layer_norm",
            "reference_linear", "reference_swiglu_linear", "reference_add_norm", "reference_add_layer_norm"]

@@ -484,16 +484,13 @@ class Qwen2LM(nn.Module):
     def _decode_gemv(self, x: torch.Tensor, h: torch.Tensor, positions: torch.Tensor, kv_len: int,
                      dims: tuple) -> torch.Tensor:
         """`_decode_fast` with every projection through decode_linear (6 kernels a layer, 7 when the
-        attention splits and its combine is not left to the output projection, each reading its weights near
-        the memory's speed). `x [B, C]`, the residual
+        attention splits, each reading its weights near the memory's speed). `x [B, C]`, the residual
         stream, is updated in place; returns the final-normed hidden `[B, C]`."""
         eps = self.config.rms_norm_eps
-        defer = decode_linear.combine_in_projection()
         for i, (w, kc, vc) in enumerate(zip(self._layer_weights, self.k_caches, self.v_caches)):
             _, w_qkv, b_qkv, ow, ln2, w_gate_up, dw = w
             qkv = decode_linear.linear(h, w_qkv, b_qkv)
-            attn = decode_attention.triton_attention(qkv, self.rope_cos, self.rope_sin, kc, vc, positions, kv_len, dims,
-                                                     defer_combine=defer)
+            attn = decode_attention.triton_attention(qkv, self.rope_cos, self.rope_sin, kc, vc, positions, kv_len, dims)
             h = decode_linear.add_norm(decode_linear.linear_partials(attn, ow), x, ln2, eps)
             a = decode_linear.swiglu_linear(h, w_gate_up)
             h = decode_linear.add_norm(decode_linear.linear_partials(a, dw), x, self._next_norm(i), eps)

@@ -419,17 +419,16 @@ class FastDecoder:
         dec, n = self.dec, self.n_head
         x = self._embed(tokens, positions, dec.token_embedding.weight, dec.positional_embedding, cache.self_k.dtype)
         dims = (n, n, x.shape[1] // n)
-        defer = decode_linear.combine_in_projection()
         h = F.layer_norm(x, x.shape[-1:], self.layers[0][0], self.layers[0][1], 1e-5)
         for i, (p, (next_w, next_b)) in enumerate(zip(self.layers, self.next_norms)):
             _, _, w_qkv, b_qkv, w_o, b_o, ln2_w, ln2_b, w_cq, b_cq, w_co, b_co, ln3_w, ln3_b, w_1, b_1, w_2, b_2 = p
             self_k, self_v = _heads_view(cache.self_k[i], n), _heads_view(cache.self_v[i], n)
             cross_k, cross_v = _heads_view(cache.cross_k[i], n), _heads_view(cache.cross_v[i], n)
             o = decode_attention.triton_attention(decode_linear.linear(h, w_qkv, b_qkv), None, None, self_k, self_v,
-                                                  positions, kv_len, dims, defer_combine=defer)
+                                                  positions, kv_len, dims)
             h = decode_linear.add_layer_norm(decode_linear.linear_partials(o, w_o), x, b_o, ln2_w, ln2_b, 1e-5)
             o = decode_attention.triton_attention(decode_linear.linear(h, w_cq, b_cq), None, None, cross_k, cross_v,
-                                                  positions, cross_k.shape[2], dims, cross=True, defer_combine=defer)
+                                                  positions, cross_k.shape[2], dims, cross=True)
             h = decode_linear.add_layer_norm(decode_linear.linear_partials(o, w_co), x, b_co, ln3_w, ln3_b, 1e-5)
             a = decode_linear.linear(h, w_1, b_1, gelu=True)
             h = decode_linear.add_layer_norm(decode_linear.linear_partials(a, w_2), x, b_2, next_w, next_b, 1e-5)
