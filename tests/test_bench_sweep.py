@@ -80,11 +80,14 @@ def env() -> dict:
 
 @pytest.mark.slow
 def test_the_e2e_sweep_measures_every_level_on_one_daemon_and_refines_the_saturation_bracket(tmp_path):
+    from voiced_client.wavio import resample
+
     from tests.speech import layout, write_wav
     from voiced.engines.whisper.tokenizer import find_tiktoken_file
 
-    wav = tmp_path / "speech.wav"
-    write_wav(wav, layout(["What time does the shop open tomorrow?"], lead_s=0.3, gap_s=0.5, tail_s=1.0).audio)
+    wav = tmp_path / "speech.wav"  # at 22.05 kHz, as espeak-ng writes: the bench resamples it
+    audio = layout(["What time does the shop open tomorrow?"], lead_s=0.3, gap_s=0.5, tail_s=1.0).audio
+    write_wav(wav, resample(audio, 16000, 22050), rate=22050)
     out = tmp_path / "sweep.json"
     # A limit no level can meet: level 2 fails, so --refine measures level 1 (the bracket 0..2), which
     # fails too, and then stops (0..1 is adjacent): a deterministic refinement on the CPU.
@@ -268,3 +271,12 @@ def test_the_e2e_bench_refuses_turn_detection_without_a_real_whisper(tmp_path):
                            "--tiktoken-dir", str(tmp_path), "--turn-detection", "smart"],
                           capture_output=True, text=True, env=env(), timeout=120)
     assert proc.returncode == 2 and "--turn-detection needs --asr-model" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_the_e2e_bench_refuses_a_wav_it_cannot_read_before_anything_loads(tmp_path):
+    bad = tmp_path / "speech.wav"
+    bad.write_bytes(b"not a wav file at all")
+    proc = subprocess.run([sys.executable, "-m", "voiced.bench.e2e_bench", "--tiny-cpu", "--wav", str(bad),
+                           "--tiktoken-dir", str(tmp_path)], capture_output=True, text=True, env=env(), timeout=120)
+    assert proc.returncode == 2 and f"--wav {bad}" in proc.stderr, proc.stderr[-2000:]
+    assert "Loading" not in proc.stderr and "warm" not in proc.stderr.lower()

@@ -95,6 +95,38 @@ def test_run_steps_equals_decode_then_sample_per_step(lm, top_k):
     assert st.positions.tolist() == [len(p) + n_steps for p in prompts]
 
 
+def test_first_tokens_of_any_row_count_compile_nothing_on_a_compiled_lm(lm, monkeypatch):
+    """The decode steps' draw is compiled, once per batch bucket; torch compiles it once per row count,
+    so the first tokens (a prefill step's prompts, any count of them) must not take it: 64 counts of them
+    made a GPU daemon's start-up ~6 minutes longer. They draw what the uncompiled step draws."""
+    from voiced.engines.spark import sampling
+
+    compiled_calls = []
+
+    def counting(*args, **kwargs):
+        compiled_calls.append(args[0].shape[0])
+        return sampling.draw_step(*args, **kwargs)
+
+    monkeypatch.setattr(sampling, "compiled_draw_step", lambda: counting)
+    lo, hi = 151645, 151645 + 300
+    bias = _bias(lm.config.vocab_size, lo, hi)
+    pick = PhaseSampler(lo, hi, bias[:, lo:hi], candidate_bucket([50], hi - lo), from_phase=0, to_phase=1,
+                        g_lo=lo, g_hi=lo + 40, n_needed=3)
+    lm.setup_cache(max_batch=8, max_seq=64)
+    h = lm.prefill_many([torch.arange(5 + i) for i in range(8)], list(range(8)))
+    monkeypatch.setattr(type(lm), "compiled", property(lambda self: True))
+    for m in (1, 3, 5, 8):
+        st = lm.state
+        st.load(torch.tensor([[0] * 8, [9] * 8, [0] * 8, [0] * 8, [0] * 8, list(range(8)), [50] * 8]),
+                torch.tensor([[0.8] * 8, [0.95] * 8]))
+        got = pick(lm, h[:m], st, slice(0, m)).tolist()
+        scattered = pick(lm, h[:m], st, torch.arange(m).flip(0)).tolist()
+        assert len(got) == len(scattered) == m and all(lo <= t < hi for t in got + scattered)
+    assert compiled_calls == []
+    lm.run_steps(pick, 2, 1, max_pos=20, use_graph=False)  # a decode step does take it
+    assert compiled_calls == [2]
+
+
 def test_candidate_bucket():
     assert candidate_bucket([50, 1], 13000) == 64
     assert candidate_bucket([100], 13000) == 128

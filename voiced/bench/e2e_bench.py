@@ -571,13 +571,12 @@ async def realtime_caller(address: str, pcm: bytes, start_frame: int, duration_s
 
 async def callers(address: str, wav: Path, sessions: int, duration_s: float, reply_s: float,
                   front: str = "grpc", hang_up: str = "after-utterance") -> dict:
-    from voiced_client.wavio import read_wav
+    from voiced_client.wavio import float_to_int16
 
+    from voiced.audio.wavfile import load_16k
     from voiced.bench.phone_callers import audiosocket_caller, media_ws_caller, talk_seconds
 
-    samples, rate = read_wav(wav)
-    assert rate == 16000, "the bench WAV must be 16 kHz"
-    pcm = samples.astype("<i2").tobytes()
+    pcm = float_to_int16(load_16k(wav)).astype("<i2").tobytes()  # any rate: the callers send 16 kHz
     n_frames = len(pcm) // 640
     out = {k: [] for k in ("asr_ms", "agent_ms", "first_audio_ms", "tts_first_chunk_ms", "rtf", "late_ms", "notices",
                            "v2v_client_ms", "v2v_real_end_ms", "asr_client_ms", "unmatched_replies", "unanswered",
@@ -632,7 +631,7 @@ def vocoder_graphs(args) -> bool:
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--wav", type=Path, required=True, help="16 kHz speech with pauses (looped by every caller)")
+    ap.add_argument("--wav", type=Path, required=True, help="speech with pauses, a WAV file of any rate (resampled to 16 kHz; looped by every caller)")
     ap.add_argument("--tiktoken-dir", type=Path, default=None,
                     help="folder holding multilingual.tiktoken (the random Whisper's tokenizer; not with --asr-model)")
     ap.add_argument("--asr-model", default=None,
@@ -708,6 +707,11 @@ def main(argv: list[str] | None = None) -> dict:
         ap.error("--tiktoken-dir is needed for the random Whisper (or give a real one with --asr-model)")
     if args.turn_detection and args.asr_model is None:
         ap.error("--turn-detection needs --asr-model: with random weights turns end on silence")
+    from voiced.audio.wavfile import WavError, load_16k
+    try:  # here, not after a GPU daemon's minutes of start-up
+        load_16k(args.wav)
+    except (OSError, WavError) as e:
+        ap.error(f"--wav {args.wav}: {e}")
 
     import gc
 

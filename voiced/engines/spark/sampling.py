@@ -165,7 +165,9 @@ def compiled_draw_step():
     """`draw_step` through torch.compile: its ~40 small per-step ops (the hash, the top-p scan, the
     bookkeeping) fuse into a few kernels; the candidates are taken before it (`top_k_candidates`: torch.topk
     or the Triton kernels, which the compiled graph does not hold). Compiled once per process, on first use
-    (the engine's warm-up)."""
+    (the engine's warm-up), and specialised per row count: torch (2.11-2.13) refines the count to a constant
+    even with dynamic=True (the in-place updates of views of `ints`, and sizes equal to the state's 7 and 2
+    fields), so it serves only the decode steps' batch buckets."""
     global _compiled_draw_step
     if _compiled_draw_step is None:
         _compiled_draw_step = torch.compile(draw_step, dynamic=None)
@@ -219,7 +221,11 @@ class PhaseSampler:
         ints, floats = st.columns(rows)
         vals, idx = top_k_candidates(self.logits(lm, h), min(self.candidates, self.hi - self.lo), bias=self.bias,
                                      phase=ints[st.INT_FIELDS.index("phase")])
-        draw = compiled_draw_step() if lm.compiled else draw_step
+        # Compiled for the decode steps only (`out` is theirs): their row counts are the few batch buckets,
+        # each compiled once at warm-up. The first tokens come in any count of rows, and torch.compile
+        # makes one graph per count (see `compiled_draw_step`): 64 counts cost a GPU start-up minutes, for
+        # a draw that runs once per prefill step, beside a prefill pass that costs far more.
+        draw = compiled_draw_step() if lm.compiled and out is not None else draw_step
         tok = draw(vals, idx, ints, floats, self.hi - self.lo, self.lo, self.switch, out, last_position)
         if not isinstance(rows, slice):
             st.store_ints(rows, ints)

@@ -89,7 +89,8 @@ def warm_prefill(engine, pick) -> int:
     engine._load_state()
     # The first-token sampler as `_prefill_step` calls it, for every number of prompts a step can
     # prefill, on consecutive rows and on scattered ones: the head's GEMV kernel is specialised per
-    # row-count class and the compiled sampler per input layout, and serving must compile nothing.
+    # row-count class, and serving must compile nothing. (The draw itself runs uncompiled here: see
+    # PhaseSampler.__call__.)
     for m in range(1, engine.max_batch + 1):
         hm = h[:1].expand(m, -1).contiguous()
         pick(lm, hm, lm.state, slice(0, m)).tolist()
