@@ -220,8 +220,33 @@ def passive_openmp_waits() -> None:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # inherited by an engine process (engines.process)
 
 
+def compile_caches_beside_models() -> None:
+    """Keep torch.compile's and Triton's compiled kernels in the model cache (`VOICED_CACHE`, default
+    ~/.cache/voiced, under compile/), which deployments keep across restarts (a mounted volume), where
+    their defaults (/tmp/torchinductor_USER, ~/.triton) are often lost with the container. A GPU daemon's
+    start-up compiles for a minute or more: on an H200 it took 140 s on a machine new to the kernels and
+    57-60 s when the same machine started it again (docs/BENCHMARKS.md, 2026-11-28, session 20). Both
+    settings are read at the first compile, which is in the engines' warm-up, after this; an operator's
+    own settings are kept, and a cache that cannot be written leaves torch's defaults."""
+    from voiced.hub import cache_dir
+
+    wanted = {var: cache_dir() / "compile" / sub for var, sub in
+              (("TORCHINDUCTOR_CACHE_DIR", "inductor"), ("TRITON_CACHE_DIR", "triton")) if var not in os.environ}
+    try:
+        for path in wanted.values():
+            path.mkdir(parents=True, exist_ok=True)
+            if not os.access(path, os.W_OK):
+                raise PermissionError(f"{path} is not writable")
+    except OSError as e:
+        log.warning("compiled kernels stay in torch's default caches: %s", e)
+        return
+    for var, path in wanted.items():
+        os.environ[var] = str(path)  # inherited by an engine process (engines.process)
+
+
 def run(args: argparse.Namespace) -> int:
     passive_openmp_waits()
+    compile_caches_beside_models()
     from voiced.config import ConfigError, load_config
 
     try:
