@@ -98,7 +98,7 @@ def test_run_steps_equals_decode_then_sample_per_step(lm, top_k):
 def test_first_tokens_of_any_row_count_compile_nothing_on_a_compiled_lm(lm, monkeypatch):
     """The decode steps' draw is compiled, once per batch bucket; torch compiles it once per row count,
     so the first tokens (a prefill step's prompts, any count of them) must not take it: 64 counts of them
-    made a GPU daemon's start-up ~6 minutes longer. They draw what the uncompiled step draws."""
+    made a GPU daemon's start-up ~6 minutes longer. A decode step still takes it."""
     from voiced.engines.spark import sampling
 
     compiled_calls = []

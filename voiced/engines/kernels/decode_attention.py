@@ -128,8 +128,8 @@ def overlap_args(t: torch.Tensor) -> dict:
 
 def split_plan(batch: int, n_kv: int, kv_len: int, sms: int, min_positions: int = BLOCK_N) -> tuple[int, int]:
     """(positions per program, programs per (row, KV head)): enough programs to cover the GPU about twice
-    (one (row, KV head) alone reads its whole cache on one multiprocessor), each a whole number of
-    BLOCK_N blocks and at least `min_positions` of them, never more programs than blocks. A split costs a
+    (one (row, KV head) alone reads its whole cache on one multiprocessor), each reading a whole number of
+    BLOCK_N blocks and at least `min_positions` positions (or the whole cache), never more programs than blocks. A split costs a
     combine kernel after it (at one row, 5.4 us of Spark's step per layer, more than the attention kernel's
     3.1 on an H200: docs/BENCHMARKS.md, session 19), so fewer, longer programs may win where the cache is
     short; `min_positions` >= kv_len runs one program per (row, KV head) and no combine."""
