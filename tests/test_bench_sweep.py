@@ -280,3 +280,35 @@ def test_the_e2e_bench_refuses_a_wav_it_cannot_read_before_anything_loads(tmp_pa
                            "--tiktoken-dir", str(tmp_path)], capture_output=True, text=True, env=env(), timeout=120)
     assert proc.returncode == 2 and f"--wav {bad}" in proc.stderr, proc.stderr[-2000:]
     assert "Loading" not in proc.stderr and "warm" not in proc.stderr.lower()
+
+
+class _Node:
+    """A cyclic object of a type no other code makes, to find in the census."""
+
+    def __init__(self):
+        self.me = self
+
+
+def test_a_slow_full_collection_is_reported_with_what_it_freed_and_what_the_collector_still_tracks():
+    import gc
+
+    from voiced.bench.e2e_bench import GcPauses
+
+    pauses = GcPauses(census_ms=0.0)  # every full collection counts as slow here
+    kept = [_Node() for _ in range(3000)]
+    gc.callbacks.append(pauses)
+    gc.disable()  # no automatic collection frees the garbage before the full one
+    try:
+        for _ in range(2000):
+            _Node()  # garbage only a collection frees
+        gc.collect()
+    finally:
+        gc.enable()
+        gc.callbacks.remove(pauses)
+    out = pauses.take()
+    assert out["gen2"]["n"] >= 1
+    census = out["slow_full"][-1]
+    assert census["collected"] >= 2000
+    assert census["top"].get(_Node.__qualname__, 0) >= len(kept)
+    assert census["tracked"] >= len(kept)
+    assert "slow_full" not in pauses.take()  # each level reports its own

@@ -355,16 +355,29 @@ class EngineProfile:
 
 
 class GcPauses:
-    """Records every garbage collection of the server process: generation and pause in ms."""
+    """Records every garbage collection of the server process: generation and pause in ms. After a full
+    collection of `census_ms` or longer it also counts what the collector still tracks, by type (the
+    largest few), and what that collection freed: what made the pause long."""
 
-    def __init__(self):
-        self._t0, self.pauses = 0.0, []
+    def __init__(self, census_ms: float = 50.0, top: int = 12):
+        self._t0, self.pauses, self.census_ms, self.top, self.censuses = 0.0, [], census_ms, top, []
 
     def __call__(self, phase: str, info: dict) -> None:
         if phase == "start":
             self._t0 = time.perf_counter()
-        else:
-            self.pauses.append((info["generation"], (time.perf_counter() - self._t0) * 1e3))
+            return
+        ms = (time.perf_counter() - self._t0) * 1e3
+        self.pauses.append((info["generation"], ms))
+        if info["generation"] == 2 and ms >= self.census_ms:
+            import gc
+            from collections import Counter
+
+            t0 = time.perf_counter()
+            kinds = Counter(type(o).__qualname__ for o in gc.get_objects())
+            self.censuses.append({"pause_ms": round(ms, 1), "collected": info["collected"],
+                                  "uncollectable": info["uncollectable"], "tracked": kinds.total(),
+                                  "frozen": gc.get_freeze_count(), "top": dict(kinds.most_common(self.top)),
+                                  "census_ms": round((time.perf_counter() - t0) * 1e3, 1)})
 
     def take(self) -> dict:
         p, self.pauses = self.pauses, []
@@ -373,6 +386,8 @@ class GcPauses:
             ms = [m for g, m in p if g == gen]
             out[f"gen{gen}"] = {"n": len(ms), "max_ms": round(max(ms), 1) if ms else 0.0,
                                 "total_ms": round(sum(ms), 1)}
+        if self.censuses:
+            out["slow_full"], self.censuses = self.censuses, []
         return out
 
 
