@@ -105,6 +105,16 @@ def test_a_conversation_is_transcribed_and_answered_by_the_engine_process(served
     assert sum(len(c.audio) for c in chunks) > 0.5 * 16000 * 2  # at least half the reply's second of audio
 
 
+def test_both_processes_take_their_start_up_heaps_out_of_the_collectors_scans(served):
+    """The engine process freezes what loading made, and the daemon's process what its own start-up made:
+    unfrozen, the daemon's imports alone cost full collections of ~100 ms on the event loop mid-call."""
+    proc, _, child, log, _, _ = served
+    frozen = {int(pid): int(n) for n, pid in
+              re.findall(r"froze (\d+) objects allocated at start-up .* \(process (\d+)\)", log.read_text())}
+    assert set(frozen) == {proc.pid, child}, log.read_text()[-3000:]
+    assert min(frozen.values()) > 10000, frozen  # each process's imports at the least
+
+
 def test_voices_and_server_info_reach_through_the_engine_process(served):
     """What the daemon reads of the engines it does not hold: ServerInfo names both models; a voice added
     from a recording (its tokens computed in the engine process) is listed, speaks, and a name the server

@@ -99,4 +99,5 @@ def freeze_heap() -> None:
 
     gc.collect()
     gc.freeze()
-    log.info("froze %d objects allocated at start-up out of the garbage collector's scans", gc.get_freeze_count())
+    log.info("froze %d objects allocated at start-up out of the garbage collector's scans (process %d)",
+             gc.get_freeze_count(), os.getpid())

@@ -279,6 +279,10 @@ def start_server(args):
         built = build_engines(args)
         services.asr, services.tts, services.voices = built.workers["asr"], built.workers["tts"], built.voices
         level_stats, engine_pids = built.calls["bench.level_stats"], []
+    if engine_pids and not getattr(args, "no_gc_freeze", False):
+        from voiced.heap import freeze_heap
+
+        freeze_heap()  # this process's start-up, as `voiced serve`'s daemon process freezes its own
     server = Daemon(config, services=services)
     port, loop, _ = start_in_thread(server)
     server.level_stats = level_stats  # the engines' steps and GPU memory of a level (bench only)

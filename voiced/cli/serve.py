@@ -87,6 +87,7 @@ def load_engines(services) -> None:
     """Runs on a thread while health says NOT_SERVING: the engines here or in a process of their own
     (engines.process, voiced.engine_process), and the end-of-turn model here."""
     from voiced.engines.loader import load_turn_model
+    from voiced.heap import freeze_heap
 
     config = services.config
     if engine_process(config) == "separate":
@@ -98,6 +99,10 @@ def load_engines(services) -> None:
         services.asr, services.tts = built.workers["asr"], built.workers.get("tts")
         services.voices = built.voices
     services.turn_model = load_turn_model(config)
+    # This process's own start-up too (the doors, the turn model; the engines' objects, where they load
+    # here, were frozen already): with the engines in a process of their own, the daemon's process ran
+    # full collections of ~100 ms over what its imports made, at a level's start (BENCHMARKS, session 21).
+    freeze_heap()
 
 
 def engine_overlap(config, gpu: bool) -> bool:
