@@ -118,8 +118,11 @@ def test_cuda_graphs_match_eager_full_batch(tmp_path):
 @pytest.mark.parametrize("gemv,path", [(None, "GEMV kernels"), ("0", "fused, compiled")], ids=["default", "fused"])
 def test_fast_decoder_step_is_the_default_and_close_to_the_reference(tmp_path, gemv, path, monkeypatch):
     """On CUDA the engine's decoder step is the one through the GEMV kernels (the fused, compiled one with
-    VOICED_WHISPER_GEMV_DECODER=0); in fp16 its logits match the modules' step up to rounding
-    (tests/test_whisper_fast.py and tests/test_whisper_gemv.py pin the arithmetic in fp32)."""
+    VOICED_WHISPER_GEMV_DECODER=0); in fp16 its logits lie no further from the exact (fp32) step than the
+    modules' own fp16 step does, up to a factor for rounding at other places (tests/test_whisper_fast.py and
+    tests/test_whisper_gemv.py pin the arithmetic in fp32). Measured against fp32, not against the fp16
+    modules' step alone: over 40 random inputs that difference reached 3.9 % of the largest logit, both paths
+    rounding (session 21; a fixed fraction of it failed one input in six)."""
     if gemv is not None:
         monkeypatch.setenv("VOICED_WHISPER_GEMV_DECODER", gemv)
     else:
@@ -127,24 +130,30 @@ def test_fast_decoder_step_is_the_default_and_close_to_the_reference(tmp_path, g
     ckpt = make_openai_checkpoint(tmp_path, n_mels=128, seed=6)
     fast = WhisperEngine.load(ckpt, device="cuda", max_batch=8)
     ref = WhisperEngine.load(ckpt, device="cuda", max_batch=8, fast_decoder=False)
+    exact = WhisperEngine.load(ckpt, device="cuda", dtype=torch.float32, max_batch=8, fast_decoder=False)
     assert fast.decoder_path == path and ref.decoder_path == "reference"
-    # Both engines are driven from fast's stream below; ref's caches were zeroed on the default stream
+    # All engines are driven from fast's stream below; the others' caches were zeroed on the default stream
     # after fast's stream was made: let those fills finish first.
     torch.cuda.synchronize()
+    generator = torch.Generator(device="cuda").manual_seed(0)
     with torch.inference_mode(), fast.on_stream():
-        feats = torch.randn(8, 1500, fast.dims.n_audio_state, device="cuda", dtype=fast.dtype)
-        for eng in (fast, ref):
-            eng.model.decoder.write_cross(eng.cache, torch.arange(8, device="cuda"), feats)
-            eng.steps.tok[:8] = torch.arange(8, device="cuda") + 1000
-            eng.steps.pos[:8] = 0
-        a = fast.steps.plain(8).float()
-        b = ref.steps.plain(8).float()
-        # Read on the stream that wrote them. The engines' stream is a non-blocking side stream: the
-        # default stream does not wait for it, so a difference taken there (as this test once did) can
-        # read `b` before its last kernel wrote it (a fresh allocation: zeros), giving max |diff| =
-        # max |a| ~ max |b|, whenever the host runs ahead of the GPU (a cold process).
-        err, scale = (a - b).abs().max().item(), b.abs().max().item()
-    assert err <= 2e-2 * scale, f"fused step vs modules' step: max |diff| {err:.3g} > 2e-2 x max |logit| {scale:.3g}"
+        for _ in range(4):  # four inputs: rounding's share varies from one to the next
+            feats = torch.randn(8, 1500, fast.dims.n_audio_state, device="cuda", generator=generator).half()
+            logits = []
+            for eng in (fast, ref, exact):
+                eng.model.decoder.write_cross(eng.cache, torch.arange(8, device="cuda"), feats.to(eng.dtype))
+                eng.steps.tok[:8] = torch.arange(8, device="cuda") + 1000
+                eng.steps.pos[:8] = 0
+                logits.append(eng.steps.plain(8).float())
+            a, b, c = logits
+            # Read on the stream that wrote them. The engines' stream is a non-blocking side stream: the
+            # default stream does not wait for it, so a difference taken there (as this test once did) can
+            # read a result before its last kernel wrote it (a fresh allocation: zeros), whenever the host
+            # runs ahead of the GPU (a cold process).
+            err, rounding, scale = (a - c).abs().max().item(), (b - c).abs().max().item(), c.abs().max().item()
+            assert err <= 2 * rounding + 1e-3 * scale, (
+                f"{path} step vs fp32: max |diff| {err:.3g}, more than twice the fp16 modules' step's {rounding:.3g} "
+                f"(max |logit| {scale:.3g})")
 
 
 @pytest.mark.parametrize("gemv", ["0", "1"], ids=["fused", "gemv"])
