@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from tests.whisper_fixtures import make_openai_checkpoint
-from voiced.engines.switches import env_count, env_switch
+from voiced.engines.switches import env_switch
 
 
 def test_a_switch_is_1_or_0_or_its_default(monkeypatch):
@@ -20,18 +20,6 @@ def test_a_switch_is_1_or_0_or_its_default(monkeypatch):
         monkeypatch.setenv("VOICED_TEST_SWITCH", value)
         with pytest.raises(ValueError, match=f"VOICED_TEST_SWITCH='{value}': use 1 \\(on\\) or 0 \\(off\\)"):
             env_switch("VOICED_TEST_SWITCH", True)
-
-
-def test_a_count_is_a_whole_number_at_least_its_minimum_or_its_default(monkeypatch):
-    monkeypatch.delenv("VOICED_TEST_COUNT", raising=False)
-    assert env_count("VOICED_TEST_COUNT", 64) == 64
-    for value, want in (("512", 512), (" 1\n", 1), ("", 64)):
-        monkeypatch.setenv("VOICED_TEST_COUNT", value)
-        assert env_count("VOICED_TEST_COUNT", 64) == want, value
-    for value in ("0", "-64", "1e3", "64.0", "many"):
-        monkeypatch.setenv("VOICED_TEST_COUNT", value)
-        with pytest.raises(ValueError, match=f"VOICED_TEST_COUNT='{value}': use a whole number of at least 1"):
-            env_count("VOICED_TEST_COUNT", 64)
 
 
 @pytest.mark.parametrize("name", ["VOICED_WHISPER_PREFILL_GRAPHS", "VOICED_WHISPER_CROSS_IN_ENCODER",

@@ -32,12 +32,6 @@ def test_split_plan_covers_the_cache_in_whole_blocks(batch, kv_len):
         assert n == 1  # enough programs already: no split, no combine kernel
     else:
         assert batch * KV * n >= min(2 * 132, batch * KV * kv_len // BLOCK_N) / 2
-    for least in (100, 256, 1024, 8192):  # VOICED_DECODE_ATTN_MIN_POSITIONS: fewer, longer programs
-        per2, n2 = split_plan(batch, KV, kv_len, sms=132, min_positions=least)
-        assert per2 % BLOCK_N == 0 and per2 * n2 >= kv_len > per2 * (n2 - 1)
-        assert per2 >= min(least, kv_len) and n2 <= n
-        if least >= kv_len:
-            assert n2 == 1  # one program per (row, KV head) reads the whole cache: no combine
 
 
 def _child() -> dict:

@@ -1,6 +1,6 @@
 """The engines' switches from the environment (VOICED_WHISPER_..., VOICED_SPARK_..., ...): each is 1 (on) or 0
-(off), or for a few a whole number; unset or empty for its default. Any other value is refused: a misspelt
-value that quietly took the default would run, and measure, something other than what was asked."""
+(off), unset or empty for its default. Any other value is refused: a misspelt value that quietly took the
+default would run, and measure, something other than what was asked."""
 
 from __future__ import annotations
 
@@ -14,15 +14,3 @@ def env_switch(name: str, default: bool) -> bool:
     if value not in ("", "0", "1"):
         raise ValueError(f"{name}={value!r}: use 1 (on) or 0 (off), or leave it unset for the default")
     return default if value == "" else value == "1"
-
-
-def env_count(name: str, default: int, minimum: int = 1) -> int:
-    """Environment variable `name` as a whole number of at least `minimum`, `default` where it is unset or
-    empty; raises ValueError naming the variable for any other value."""
-    value = os.environ.get(name, "").strip()
-    if value == "":
-        return default
-    if not value.isdigit() or int(value) < minimum:
-        raise ValueError(f"{name}={value!r}: use a whole number of at least {minimum}, or leave it unset for the "
-                         f"default ({default})")
-    return int(value)

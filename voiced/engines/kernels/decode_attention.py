@@ -33,14 +33,10 @@ import functools
 import torch
 
 # (the engine compiles with Triton only where it is found too: engine._has_triton; without it: `reference`)
-from voiced.engines.switches import env_count, env_switch
+from voiced.engines.switches import env_switch
 from voiced.engines.triton_lang import tl, triton
 
 BLOCK_N = 64  # cache positions per inner iteration (a multiple of 16: tl.dot's smallest tile)
-
-# The fewest cache positions a split program reads (`split_plan`): BLOCK_N by default, as far as the GPU's
-# cover asks; VOICED_DECODE_ATTN_MIN_POSITIONS=N asks for longer programs and fewer splits (not yet measured).
-MIN_POSITIONS_VAR = "VOICED_DECODE_ATTN_MIN_POSITIONS"
 
 # Programmatic dependent launch of the decode kernels (`launch_overlap`): on wherever it runs; the
 # environment's VOICED_SPARK_PDL=0 turns it off (docs/BENCHMARKS.md has the A/B).
@@ -126,17 +122,13 @@ def overlap_args(t: torch.Tensor) -> dict:
     return {"PDL": True, "launch_pdl": True} if launch_overlap(t) else {"PDL": False}
 
 
-def split_plan(batch: int, n_kv: int, kv_len: int, sms: int, min_positions: int = BLOCK_N) -> tuple[int, int]:
+def split_plan(batch: int, n_kv: int, kv_len: int, sms: int) -> tuple[int, int]:
     """(positions per program, programs per (row, KV head)): enough programs to cover the GPU about twice
-    (one (row, KV head) alone reads its whole cache on one multiprocessor), each reading a whole number of
-    BLOCK_N blocks and at least `min_positions` positions (or the whole cache), never more programs than blocks. A split costs a
-    combine kernel after it (at one row, 5.4 us of Spark's step per layer, more than the attention kernel's
-    3.1 on an H200: docs/BENCHMARKS.md, session 19), so fewer, longer programs may win where the cache is
-    short; `min_positions` >= kv_len runs one program per (row, KV head) and no combine."""
+    (one (row, KV head) alone reads its whole cache on one multiprocessor), each a whole number of
+    BLOCK_N blocks, never more programs than blocks."""
     blocks = -(-kv_len // BLOCK_N)
     want = max(1, -(-2 * sms // (batch * n_kv)))
-    most = max(1, blocks // -(-min_positions // BLOCK_N))
-    per = -(-blocks // min(blocks, want, most)) * BLOCK_N
+    per = -(-blocks // min(blocks, want)) * BLOCK_N
     return per, -(-kv_len // per)
 
 
@@ -158,7 +150,7 @@ def triton_attention(qkv: torch.Tensor, rope_cos: torch.Tensor | None, rope_sin:
     group = n_heads // n_kv
     gp = max(16, triton.next_power_of_2(group))
     sms = sms or (sm_count(qkv.device.index or 0) if qkv.is_cuda else 1)
-    per, n_splits = split_plan(b, n_kv, kv_len, sms, env_count(MIN_POSITIONS_VAR, BLOCK_N))
+    per, n_splits = split_plan(b, n_kv, kv_len, sms)
     if out is None:
         out = torch.empty(b, n_heads * head_dim, dtype=qkv.dtype, device=qkv.device)
     one = n_splits == 1
