@@ -118,11 +118,13 @@ def test_cuda_graphs_match_eager_full_batch(tmp_path):
 @pytest.mark.parametrize("gemv,path", [(None, "GEMV kernels"), ("0", "fused, compiled")], ids=["default", "fused"])
 def test_fast_decoder_step_is_the_default_and_close_to_the_reference(tmp_path, gemv, path, monkeypatch):
     """On CUDA the engine's decoder step is the one through the GEMV kernels (the fused, compiled one with
-    VOICED_WHISPER_GEMV_DECODER=0); in fp16 its logits lie no further from the exact (fp32) step than the
-    modules' own fp16 step does, up to a factor for rounding at other places (tests/test_whisper_fast.py and
-    tests/test_whisper_gemv.py pin the arithmetic in fp32). Measured against fp32, not against the fp16
-    modules' step alone: over 40 random inputs that difference reached 3.9 % of the largest logit, both paths
-    rounding (session 21; a fixed fraction of it failed one input in six)."""
+    VOICED_WHISPER_GEMV_DECODER=0); in fp16 its logits lie, on average over eight inputs, no further than twice
+    as far from the exact (fp32) step as the modules' own fp16 step does (tests/test_whisper_fast.py and
+    tests/test_whisper_gemv.py pin the arithmetic in fp32). Held to fp32 rather than to the fp16 step, and on
+    average: on the H200 over 40 random inputs (session 21) the GEMV step's largest error was 1.3 % of the
+    largest logit at the median (5.2 % at most) and the modules' fp16 step's 1.0 % (4.5 %); one input's
+    ratio ranged 0.27-4.3, so a bound per input, or on the two fp16 steps' difference (which reached 3.9 %),
+    fails on rounding alone now and then. A race or a wrong kernel is far outside it (one once gave 16.8)."""
     if gemv is not None:
         monkeypatch.setenv("VOICED_WHISPER_GEMV_DECODER", gemv)
     else:
@@ -137,7 +139,8 @@ def test_fast_decoder_step_is_the_default_and_close_to_the_reference(tmp_path, g
     torch.cuda.synchronize()
     generator = torch.Generator(device="cuda").manual_seed(0)
     with torch.inference_mode(), fast.on_stream():
-        for _ in range(4):  # four inputs: rounding's share varies from one to the next
+        errs, roundings = [], []
+        for _ in range(8):  # eight inputs: rounding's share varies much from one to the next
             feats = torch.randn(8, 1500, fast.dims.n_audio_state, device="cuda", generator=generator).half()
             logits = []
             for eng in (fast, ref, exact):
@@ -150,10 +153,12 @@ def test_fast_decoder_step_is_the_default_and_close_to_the_reference(tmp_path, g
             # default stream does not wait for it, so a difference taken there (as this test once did) can
             # read a result before its last kernel wrote it (a fresh allocation: zeros), whenever the host
             # runs ahead of the GPU (a cold process).
-            err, rounding, scale = (a - c).abs().max().item(), (b - c).abs().max().item(), c.abs().max().item()
-            assert err <= 2 * rounding + 1e-3 * scale, (
-                f"{path} step vs fp32: max |diff| {err:.3g}, more than twice the fp16 modules' step's {rounding:.3g} "
-                f"(max |logit| {scale:.3g})")
+            scale = c.abs().max().item()
+            errs.append((a - c).abs().max().item() / scale)
+            roundings.append((b - c).abs().max().item() / scale)
+    assert sum(errs) <= 2 * sum(roundings), (
+        f"{path} step vs fp32: max |diff| / max |logit| {[round(e, 4) for e in errs]}, more than twice the fp16 "
+        f"modules' step's {[round(r, 4) for r in roundings]} on average")
 
 
 @pytest.mark.parametrize("gemv", ["0", "1"], ids=["fused", "gemv"])
