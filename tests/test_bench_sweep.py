@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -109,6 +110,31 @@ def test_the_e2e_sweep_measures_every_level_on_one_daemon_and_refines_the_satura
     sat = result["saturation"]["grpc"]
     assert (sat["capacity"], sat["first_over"], sat["levels"], sat["limit_ms"]) == (0, 1, [1, 2], 0.0)
     assert result["startup_s"] > 0 and result["duration_s"] == 2.0
+
+
+def test_the_e2e_bench_reports_each_processs_garbage_collections_with_the_engines_in_their_own(tmp_path):
+    """With the engines in a process of their own (as `voiced serve` runs them on a GPU) each level reports
+    the daemon's process's collections and the engines' process's apart: either one stalls every caller."""
+    from tests.speech import layout, write_wav
+    from voiced.engines.whisper.tokenizer import find_tiktoken_file
+
+    wav = tmp_path / "speech.wav"
+    write_wav(wav, layout(["What time does the shop open tomorrow?"], lead_s=0.3, tail_s=1.0).audio)
+    out = tmp_path / "e2e.json"
+    proc = subprocess.run([sys.executable, "-m", "voiced.bench.e2e_bench", "--tiny-cpu", "--asr-dims", "tiny-random",
+                           "--engine-process", "separate", "--wav", str(wav),
+                           "--tiktoken-dir", str(find_tiktoken_file("multilingual.tiktoken").parent),
+                           "--sessions", "2", "--duration", "2", "--reply-seconds", "0.3", "--asr-tokens", "4",
+                           "--out", str(out)], capture_output=True, text=True, env=env(), timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert len(set(re.findall(r"froze \d+ objects .* \(process (\d+)\)", proc.stderr))) == 2, \
+        proc.stderr[-3000:]  # each process froze its own start-up
+    [lv] = json.loads(out.read_text())["levels"].values()
+    assert lv["unanswered"] == 0 and lv["failed_callers"] == {}, lv
+    for key in ("gc", "engine_gc"):
+        assert {"gen0", "gen1", "gen2"} <= set(lv[key]), (key, lv.get(key))
+    # replying moves tensors and numpy arrays through the engines' process: its young generation collects
+    assert lv["engine_gc"]["gen0"]["n"] > 0, lv["engine_gc"]
 
 
 @pytest.mark.slow

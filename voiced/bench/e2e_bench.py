@@ -166,12 +166,21 @@ def build_engines(args, names: tuple[str, ...] = ("asr", "tts")):
     for worker in workers.values():
         worker.engine.step = StepTimer(worker.engine, STEP_PARTS[worker.name])
     requests = {"asr": RequestTimer(workers["asr"])} if "asr" in workers else {}
+    collections = None
+    if engine_process(args) != "inline":  # this is the engines' process: its own collections stall the steps
+        import gc
+
+        collections = GcPauses()
+        gc.callbacks.append(collections)
 
     def level_stats(label: str) -> dict:
-        """This level's engine steps (and the timers restarted), and its GPU memory (the peak restarted)."""
+        """This level's engine steps (and the timers restarted), its GPU memory (the peak restarted), and,
+        in a process of the engines' own, its garbage collections."""
         out = {"steps": {n: w.stats.steps for n, w in workers.items()},
                "step_ms": {n: w.engine.step.take() for n, w in workers.items()},
                "engine_ms": {n: t.take() for n, t in requests.items()}}
+        if collections is not None:
+            out["gc"] = collections.take()
         memory = gpu_memory(label, args)
         if memory:
             out["gpu_memory"] = MEMORY.pop(label)
@@ -798,6 +807,8 @@ def main(argv: list[str] | None = None) -> dict:
         for key, gil in gils.items():
             level[key] = gil.summary
         level["gc"] = gc_pauses.take()
+        if "gc" in engines:
+            level["engine_gc"] = engines["gc"]
         level["step_ms"] = engines["step_ms"]
         if "asr" in engines.get("engine_ms", {}):
             level["asr_engine_ms"] = engines["engine_ms"]["asr"]  # asr_ms's share in the engines' process
