@@ -127,7 +127,7 @@ def test_the_e2e_bench_reports_each_processs_garbage_collections_with_the_engine
                            "--sessions", "2", "--duration", "2", "--reply-seconds", "0.3", "--asr-tokens", "4",
                            "--out", str(out)], capture_output=True, text=True, env=env(), timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert len(set(re.findall(r"froze \d+ objects .* \(process (\d+)\)", proc.stderr))) == 2, \
+    assert len(set(re.findall(r"froze \d+ objects .* process (\d+)\)", proc.stderr))) == 2, \
         proc.stderr[-3000:]  # each process froze its own start-up
     [lv] = json.loads(out.read_text())["levels"].values()
     assert lv["unanswered"] == 0 and lv["failed_callers"] == {}, lv

@@ -110,7 +110,7 @@ def test_both_processes_take_their_start_up_heaps_out_of_the_collectors_scans(se
     unfrozen, the daemon's imports alone cost full collections of ~100 ms on the event loop mid-call."""
     proc, _, child, log, _, _ = served
     frozen = {int(pid): int(n) for n, pid in
-              re.findall(r"froze (\d+) objects allocated at start-up .* \(process (\d+)\)", log.read_text())}
+              re.findall(r"froze \d+ objects allocated at start-up .* \((\d+) in all, process (\d+)\)", log.read_text())}
     assert set(frozen) == {proc.pid, child}, log.read_text()[-3000:]
     assert min(frozen.values()) > 10000, frozen  # each process's imports at the least
 

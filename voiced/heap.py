@@ -97,7 +97,8 @@ def freeze_heap() -> None:
     """
     import gc
 
+    before = gc.get_freeze_count()  # (called again once more has loaded: the turn model after the engines)
     gc.collect()
     gc.freeze()
-    log.info("froze %d objects allocated at start-up out of the garbage collector's scans (process %d)",
-             gc.get_freeze_count(), os.getpid())
+    log.info("froze %d objects allocated at start-up out of the garbage collector's scans (%d in all, process %d)",
+             gc.get_freeze_count() - before, gc.get_freeze_count(), os.getpid())
