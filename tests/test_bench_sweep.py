@@ -338,3 +338,23 @@ def test_a_slow_full_collection_is_reported_with_what_it_freed_and_what_the_coll
     assert census["top"].get(_Node.__qualname__, 0) >= len(kept)
     assert census["tracked"] >= len(kept)
     assert "slow_full" not in pauses.take()  # each level reports its own
+
+
+def test_a_caller_that_falls_behind_still_says_all_it_was_to_say():
+    """The bench's callers send a fixed length of audio, paced against the clock: one slowed down (a busy
+    machine) catches up rather than hanging up early, mid-utterance, on a turn it was meant to finish."""
+    import asyncio
+    import time
+
+    from voiced.bench.phone_callers import paced
+
+    frames = [bytes([k]) * 640 for k in range(7)]
+    sent, out = [], {"late_ms": []}
+
+    async def slow_send(frame: bytes) -> None:
+        time.sleep(0.03)  # longer than a frame: the caller falls behind the clock
+        sent.append(frame[0])
+
+    asyncio.run(paced(frames, 5, 0.3, slow_send, out))
+    assert sent == [(5 + n) % 7 for n in range(15)]  # 0.3 s of 20 ms frames, looped from frame 5
+    assert len(out["late_ms"]) == 15 and max(out["late_ms"]) > 100  # it fell behind, and said so

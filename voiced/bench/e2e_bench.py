@@ -456,7 +456,7 @@ async def one_caller(address: str, pcm: bytes, start_frame: int, duration_s: flo
     cfg = pb.SessionConfig(input_format=fmt, output_format=fmt, barge_in=pb.BargeInConfig(enabled=False),
                            speech=pb.SpeechConfig(seed=seed, max_seconds=reply_s),
                            recognition=pb.RecognitionConfig(language="en"))
-    from voiced.bench.phone_callers import EndOfSpeech
+    from voiced.bench.phone_callers import EndOfSpeech, paced
 
     clock = EndOfSpeech()
     async with grpc.aio.insecure_channel(address) as channel:
@@ -495,18 +495,12 @@ async def one_caller(address: str, pcm: bytes, start_frame: int, duration_s: flo
                 elif kind == "notice":
                     out["notices"].append(f"{ev.notice.code}: {ev.notice.message[:120]}")
 
+        async def send(frame: bytes) -> None:
+            await call.write(pb.SessionRequest(audio=frame))
+            clock.sent(frame, time.monotonic())
+
         reader = asyncio.create_task(read())
-        t0 = time.monotonic()
-        i = start_frame
-        n = 0
-        while time.monotonic() - t0 < duration_s:
-            await call.write(pb.SessionRequest(audio=frames[i % len(frames)]))
-            clock.sent(frames[i % len(frames)], time.monotonic())
-            i += 1
-            n += 1
-            # Pace against the clock, not by sleeping 20 ms each time (sleeps add up late).
-            await asyncio.sleep(max(0.0, t0 + n * 0.02 - time.monotonic()))
-            out["late_ms"].append(max(0.0, (time.monotonic() - (t0 + n * 0.02)) * 1000))
+        await paced(frames, start_frame, duration_s, send, out)
         await call.done_writing()
         clock.finished(time.monotonic())
         await reader
@@ -523,6 +517,8 @@ async def realtime_caller(address: str, pcm: bytes, start_frame: int, duration_s
     import aiohttp
     import numpy as np
     import soxr
+
+    from voiced.bench.phone_callers import paced
 
     x = soxr.resample(np.frombuffer(pcm, dtype="<i2").astype(np.float32) / 32768, 16000, 24000)
     pcm24 = (np.clip(x, -1, 1) * 32767).astype("<i2").tobytes()
@@ -577,22 +573,16 @@ async def realtime_caller(address: str, pcm: bytes, start_frame: int, duration_s
                 elif kind == "error":
                     out["notices"].append(f"{ev['error']['code']}: {ev['error']['message'][:120]}")
 
-        reader = asyncio.create_task(read())
-        t0 = time.monotonic()
-        i = start_frame  # the same 20 ms grid as the 16 kHz WAV
-        n = 0
-        while time.monotonic() - t0 < duration_s:
+        async def send(frame: bytes) -> None:  # (the same 20 ms grid as the 16 kHz WAV)
             await ws.send_str(json.dumps({"type": "input_audio_buffer.append",
-                                          "audio": base64.b64encode(frames[i % len(frames)]).decode()}))
-            i += 1
-            n += 1
-            await asyncio.sleep(max(0.0, t0 + n * 0.02 - time.monotonic()))
-            out["late_ms"].append(max(0.0, (time.monotonic() - (t0 + n * 0.02)) * 1000))
+                                          "audio": base64.b64encode(frame).decode()}))
+
+        reader = asyncio.create_task(read())
+        await paced(frames, start_frame, duration_s, send, out)
         # Let the last reply finish, as the gRPC caller's half-close does, then hang up.
-        while replies or answered:
+        deadline = time.monotonic() + 30
+        while (replies or answered) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-            if time.monotonic() - t0 > duration_s + 30:
-                break
         await ws.close()
         await reader
 

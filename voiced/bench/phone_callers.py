@@ -155,13 +155,13 @@ def talk_seconds(pcm16k: bytes, start_frame: int, duration_s: float) -> float:
 
 
 async def paced(frames: list[bytes], start_frame: int, duration_s: float, send, out: dict) -> None:
-    """Send frames (looped from start_frame) one every 20 ms against the clock."""
+    """Send `duration_s` of frames (looped from start_frame) through `send`, one every 20 ms against the
+    clock. The count is fixed, not the time: a caller that falls behind (a busy machine) catches up and
+    still says all it was to say; one stopped by the clock would hang up mid-utterance, ending a turn
+    `talk_seconds` chose not to (counted unanswered when the daemon drops the fragment)."""
     t0 = time.monotonic()
-    i, n = start_frame, 0
-    while time.monotonic() - t0 < duration_s:
-        await send(frames[i % len(frames)])
-        i += 1
-        n += 1
+    for n in range(1, round(duration_s / FRAME_S) + 1):
+        await send(frames[(start_frame + n - 1) % len(frames)])
         await asyncio.sleep(max(0.0, t0 + n * FRAME_S - time.monotonic()))
         out["late_ms"].append(max(0.0, (time.monotonic() - (t0 + n * FRAME_S)) * 1000))
 

@@ -30,7 +30,6 @@ import time
 from pathlib import Path
 
 FRAME_BYTES = 640  # 20 ms of 16 kHz 16-bit mono
-FRAME_S = 0.02
 FORMAT = {"rate": 16000, "width": 2, "channels": 1}
 
 
@@ -42,6 +41,7 @@ async def wyoming_caller(address: str, pcm: bytes, start_frame: int, duration_s:
     from wyoming.client import AsyncTcpClient
     from wyoming.tts import Synthesize
 
+    from voiced.bench.phone_callers import paced
     from voiced.config import Config
     from voiced.core.segmenter import Segmenter, SpeechStarted, Utterance
     from voiced.core.spec import segmentation_for
@@ -87,10 +87,8 @@ async def wyoming_caller(address: str, pcm: bytes, start_frame: int, duration_s:
                     out["notices"].append(f"synthesize: {event.data.get('text', '')[:120]}")
                     return
 
-    t0 = time.monotonic()
-    i, n = start_frame, 0
-    while time.monotonic() - t0 < duration_s:
-        frame = frames[i % len(frames)]
+    async def send(frame: bytes) -> None:
+        nonlocal stt
         recent.append(frame)
         events = segmenter.push(np.frombuffer(frame, dtype="<i2"))
         for ev in events:
@@ -109,10 +107,8 @@ async def wyoming_caller(address: str, pcm: bytes, start_frame: int, duration_s:
                 await stt.write_event(AudioStop().event())
                 tasks.append(asyncio.create_task(answer(stt, time.monotonic())))
                 stt = None
-        i += 1
-        n += 1
-        await asyncio.sleep(max(0.0, t0 + n * FRAME_S - time.monotonic()))
-        out["late_ms"].append(max(0.0, (time.monotonic() - (t0 + n * FRAME_S)) * 1000))
+
+    await paced(frames, start_frame, duration_s, send, out)
     if stt is not None:
         await stt.disconnect()  # the call ends mid-command: Home Assistant would drop it too
     await asyncio.gather(*tasks)
