@@ -138,6 +138,30 @@ def test_the_e2e_bench_reports_each_processs_garbage_collections_with_the_engine
 
 
 @pytest.mark.slow
+def test_callers_at_every_door_wait_for_their_answer_before_hanging_up(tmp_path):
+    """Through each door the bench's callers hold the line (silence, as a phone or an open microphone
+    sends) until what they said is answered: a hang-up ends a phone call and its reply, and the bench
+    then measured one reply fewer at the phone doors and the Realtime API than at gRPC, at no cost."""
+    from tests.speech import layout, write_wav
+    from voiced.engines.whisper.tokenizer import find_tiktoken_file
+
+    wav = tmp_path / "speech.wav"
+    write_wav(wav, layout(["What time does the shop open tomorrow?"], lead_s=0.3, gap_s=0.5, tail_s=1.0).audio)
+    out = tmp_path / "doors.json"
+    proc = subprocess.run([sys.executable, "-m", "voiced.bench.e2e_bench", "--tiny-cpu", "--asr-dims", "tiny-random",
+                           "--wav", str(wav), "--tiktoken-dir", str(find_tiktoken_file("multilingual.tiktoken").parent),
+                           "--sessions", "2", "--duration", "2", "--reply-seconds", "0.3", "--asr-tokens", "4",
+                           "--front", "grpc", "audiosocket", "media_ws", "realtime", "--out", str(out)],
+                          capture_output=True, text=True, env=env(), timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    fronts = {front: levels["2"] for front, levels in json.loads(out.read_text())["fronts"].items()}
+    for front, lv in fronts.items():
+        assert (lv["failed_callers"], lv["notices"], lv["unanswered"]) == ({}, {}, 0), (front, lv)
+        # every caller's utterance answered, as over gRPC (whose callers half-close and wait)
+        assert lv["v2v_client_ms"]["n"] == fronts["grpc"]["v2v_client_ms"]["n"] >= 2, (front, lv["v2v_client_ms"])
+
+
+@pytest.mark.slow
 def test_the_e2e_bench_with_a_real_whisper_decides_turns_with_the_smart_detector(tmp_path):
     from tests.real_whisper import CACHE, tiny_en_dir
     from tests.speech import layout, write_wav

@@ -535,6 +535,7 @@ async def realtime_caller(address: str, pcm: bytes, start_frame: int, duration_s
             if json.loads(msg.data)["type"] == "session.updated":
                 break
         ended: dict[str, float] = {}  # user item -> when its speech_stopped arrived
+        speaking = [False]  # the server heard speech start and not yet stop
         answered: deque[float] = deque()  # speech-ended times of heard turns, in the order replies come
         replies: dict[str, dict] = {}
 
@@ -544,7 +545,10 @@ async def realtime_caller(address: str, pcm: bytes, start_frame: int, duration_s
                     break
                 ev = json.loads(msg.data)
                 kind, now = ev["type"], time.monotonic()
-                if kind == "input_audio_buffer.speech_stopped":
+                if kind == "input_audio_buffer.speech_started":
+                    speaking[0] = True
+                elif kind == "input_audio_buffer.speech_stopped":
+                    speaking[0] = False
                     ended[ev["item_id"]] = now
                 elif kind == "conversation.item.input_audio_transcription.completed":
                     t_end = ended.pop(ev["item_id"], None)
@@ -579,10 +583,12 @@ async def realtime_caller(address: str, pcm: bytes, start_frame: int, duration_s
 
         reader = asyncio.create_task(read())
         await paced(frames, start_frame, duration_s, send, out)
-        # Let the last reply finish, as the gRPC caller's half-close does, then hang up.
-        deadline = time.monotonic() + 30
-        while (replies or answered) and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
+        # Wait for the answer before hanging up, the microphone still open (silence: the server's VAD ends
+        # the turn in progress on it), until the last reply has finished.
+        deadline, silence = time.monotonic() + 30, bytes(len(frames[0]))
+        while (speaking[0] or ended or answered or replies) and time.monotonic() < deadline:
+            await paced([silence], 0, 0.02, send, out)
+        out.setdefault("unanswered", []).append(len(ended) + len(answered))  # heard, never answered
         await ws.close()
         await reader
 

@@ -118,6 +118,12 @@ class EndOfSpeech:
                 self.ends.append((at, min(self._last_sound, at)))
                 self.utterances += 1
 
+    @property
+    def waiting(self) -> bool:
+        """Whether the caller still waits for an answer: an utterance it said has no reply yet, or one is
+        still in progress (this clock's own segmenter: the doors that leave the decision to it)."""
+        return bool(self.ends) or self._segmenter.in_speech
+
     def reply_started(self, out: dict, at: float, turn: int | None = None) -> None:
         """A reply's first audio (to turn `turn`, where the door names it) reached the caller at `at`."""
         end = self.turns.pop(turn, None) if turn is not None else self.ends.popleft() if self.ends else None
@@ -166,6 +172,16 @@ async def paced(frames: list[bytes], start_frame: int, duration_s: float, send, 
         out["late_ms"].append(max(0.0, (time.monotonic() - (t0 + n * FRAME_S)) * 1000))
 
 
+async def hold_line(silence: bytes, send, clock: EndOfSpeech, out: dict, limit_s: float = 30.0) -> None:
+    """After talking, keep the line open, sending silence as a phone line does, until every utterance said
+    has its reply started (`limit_s` at most): a caller waits for the answer before hanging up, and a hang-up
+    ends a phone call, its reply with it. Then count what went unanswered."""
+    deadline = time.monotonic() + limit_s
+    while clock.waiting and time.monotonic() < deadline:
+        await paced([silence], 0, FRAME_S, send, out)
+    out.setdefault("unanswered", []).append(len(clock.ends))
+
+
 async def audiosocket_caller(address: str, pcm16k: bytes, start_frame: int, duration_s: float, reply_s: float,
                              out: dict) -> None:
     """An Asterisk channel driver call in slin16 (type 0x12): the same samples gRPC callers send."""
@@ -198,6 +214,7 @@ async def audiosocket_caller(address: str, pcm16k: bytes, start_frame: int, dura
 
     reading = asyncio.create_task(read())
     await paced(frames, start_frame, duration_s, send, out)
+    await hold_line(bytes(640), send, clock, out)
     writer.write(b"\x00\x00\x00")  # hang up
     await writer.drain()
     await reading
@@ -245,5 +262,6 @@ async def media_ws_caller(address: str, pcm16k: bytes, start_frame: int, duratio
 
         reading = asyncio.create_task(read())
         await paced(frames, start_frame, duration_s, send, out)
+        await hold_line(encode_pcm(np.zeros(160, np.int16), "MULAW"), send, clock, out)
         await ws.send_str(json.dumps({"event": "stop", "streamSid": sid, "stop": {}}))
         await reading
