@@ -52,7 +52,7 @@ run: $(VENV)/.run-installed
 	$(BIN)/voiced serve $(if $(HTTP),--http $(HTTP)) $(ARGS)
 
 # Every test CI needs, the slow ones included (about 21 minutes on 2 cores with the installs; on a fresh
-# clone, 2026-11-28, session 21: 1076 passed, 84 skipped, 13 minutes of tests).
+# clone, 2026-11-28, session 21: 1077 passed, 84 skipped, 13 minutes of tests).
 test: system-deps $(VENV)/.test-installed
 	$(BIN)/python -m pytest -q $(ARGS)
 
