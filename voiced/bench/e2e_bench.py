@@ -518,7 +518,7 @@ async def realtime_caller(address: str, pcm: bytes, start_frame: int, duration_s
     import numpy as np
     import soxr
 
-    from voiced.bench.phone_callers import paced
+    from voiced.bench.phone_callers import hold_line, paced
 
     x = soxr.resample(np.frombuffer(pcm, dtype="<i2").astype(np.float32) / 32768, 16000, 24000)
     pcm24 = (np.clip(x, -1, 1) * 32767).astype("<i2").tobytes()
@@ -535,20 +535,21 @@ async def realtime_caller(address: str, pcm: bytes, start_frame: int, duration_s
             if json.loads(msg.data)["type"] == "session.updated":
                 break
         ended: dict[str, float] = {}  # user item -> when its speech_stopped arrived
-        speaking = [False]  # the server heard speech start and not yet stop
+        speaking = False  # the server heard speech start and not yet stop
         answered: deque[float] = deque()  # speech-ended times of heard turns, in the order replies come
         replies: dict[str, dict] = {}
 
         async def read():
+            nonlocal speaking
             async for msg in ws:
                 if msg.type != aiohttp.WSMsgType.TEXT:
                     break
                 ev = json.loads(msg.data)
                 kind, now = ev["type"], time.monotonic()
                 if kind == "input_audio_buffer.speech_started":
-                    speaking[0] = True
+                    speaking = True
                 elif kind == "input_audio_buffer.speech_stopped":
-                    speaking[0] = False
+                    speaking = False
                     ended[ev["item_id"]] = now
                 elif kind == "conversation.item.input_audio_transcription.completed":
                     t_end = ended.pop(ev["item_id"], None)
@@ -583,12 +584,10 @@ async def realtime_caller(address: str, pcm: bytes, start_frame: int, duration_s
 
         reader = asyncio.create_task(read())
         await paced(frames, start_frame, duration_s, send, out)
-        # Wait for the answer before hanging up, the microphone still open (silence: the server's VAD ends
-        # the turn in progress on it), until the last reply has finished.
-        deadline, silence = time.monotonic() + 30, bytes(len(frames[0]))
-        while (speaking[0] or ended or answered or replies) and time.monotonic() < deadline:
-            await paced([silence], 0, 0.02, send, out)
-        out.setdefault("unanswered", []).append(len(ended) + len(answered))  # heard, never answered
+        # Wait for the answer before hanging up (the server's VAD ends the turn in progress on the silence),
+        # until the last reply has finished.
+        await hold_line(bytes(len(frames[0])), send, lambda: bool(speaking or ended or answered or replies), out)
+        out["unanswered"].append(len(ended) + len(answered))  # heard, never answered
         await ws.close()
         await reader
 

@@ -172,14 +172,13 @@ async def paced(frames: list[bytes], start_frame: int, duration_s: float, send, 
         out["late_ms"].append(max(0.0, (time.monotonic() - (t0 + n * FRAME_S)) * 1000))
 
 
-async def hold_line(silence: bytes, send, clock: EndOfSpeech, out: dict, limit_s: float = 30.0) -> None:
-    """After talking, keep the line open, sending silence as a phone line does, until every utterance said
-    has its reply started (`limit_s` at most): a caller waits for the answer before hanging up, and a hang-up
-    ends a phone call, its reply with it. Then count what went unanswered."""
+async def hold_line(silence: bytes, send, waiting, out: dict, limit_s: float = 30.0) -> None:
+    """After talking, keep the line open, sending silence as a phone line or an open microphone does, while
+    `waiting()` says an answer is still owed (`limit_s` at most): a caller waits for the answer before
+    hanging up, and a hang-up ends a phone call, its reply with it."""
     deadline = time.monotonic() + limit_s
-    while clock.waiting and time.monotonic() < deadline:
+    while waiting() and time.monotonic() < deadline:
         await paced([silence], 0, FRAME_S, send, out)
-    out.setdefault("unanswered", []).append(len(clock.ends))
 
 
 async def audiosocket_caller(address: str, pcm16k: bytes, start_frame: int, duration_s: float, reply_s: float,
@@ -214,7 +213,8 @@ async def audiosocket_caller(address: str, pcm16k: bytes, start_frame: int, dura
 
     reading = asyncio.create_task(read())
     await paced(frames, start_frame, duration_s, send, out)
-    await hold_line(bytes(640), send, clock, out)
+    await hold_line(bytes(640), send, lambda: clock.waiting, out)
+    out["unanswered"].append(len(clock.ends))
     writer.write(b"\x00\x00\x00")  # hang up
     await writer.drain()
     await reading
@@ -262,6 +262,7 @@ async def media_ws_caller(address: str, pcm16k: bytes, start_frame: int, duratio
 
         reading = asyncio.create_task(read())
         await paced(frames, start_frame, duration_s, send, out)
-        await hold_line(encode_pcm(np.zeros(160, np.int16), "MULAW"), send, clock, out)
+        await hold_line(encode_pcm(np.zeros(160, np.int16), "MULAW"), send, lambda: clock.waiting, out)
+        out["unanswered"].append(len(clock.ends))
         await ws.send_str(json.dumps({"event": "stop", "streamSid": sid, "stop": {}}))
         await reading
