@@ -92,13 +92,15 @@ async def exchange(address: str, data: bytes) -> bytes:
         writer.write(data)
         await writer.drain()
         writer.write_eof()
-    except ConnectionError:
-        pass  # the door may have closed already (a refusal before we were done)
+    except OSError:
+        # the door may have closed already (a refusal before we were done): a reset or broken pipe, or,
+        # when its close lands between our write and our shutdown, ENOTCONN, which is no ConnectionError
+        pass
     received = bytearray()
     try:
         while chunk := await reader.read(65536):
             received += chunk
-    except ConnectionError:
+    except OSError:
         pass  # cut by the door (a caller that sent garbage it stopped reading)
     writer.close()
     return bytes(received)
