@@ -132,3 +132,11 @@ def test_event_loop_setting_is_checked_and_the_flag_reaches_it():
 
     assert event_loop.run(kind(), "uvloop") == "uvloop"
     assert event_loop.run(kind(), "asyncio") == "asyncio"
+
+
+@pytest.mark.parametrize("key", ["asr.max_batch", "tts.max_batch"])
+def test_a_negative_batch_is_refused_saying_what_zero_means(key):
+    load_config(env={}).validate()  # 0 by default: as many rows as the GPU's share holds
+    c = load_config(env={}, overrides={key: "-4"})
+    with pytest.raises(ConfigError, match=f"{key} is -4; set the rows to hold, or 0 for as many"):
+        c.validate()

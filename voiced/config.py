@@ -77,7 +77,8 @@ class ASRConfig:
     backend: str = "auto"  # auto | torch | trtllm
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: str = ""  # empty: float16 on GPU, float32 on CPU; "int8": int8 GEMMs on the CPU (approximate, faster)
-    max_batch: int = 32
+    # decoder rows shared by all callers; 0: on a GPU the most, up to 64, that whisper_kv_fraction holds, 8 on a CPU
+    max_batch: int = 0
     language: str = ""  # default for sessions; empty: detect
     beam_size: int = 1
     max_new_tokens: int = 0  # 0: the model's limit (half its text context)
@@ -94,7 +95,8 @@ class TTSConfig:
     backend: str = "auto"
     device: str = "auto"
     dtype: str = ""
-    max_batch: int = 32
+    # replies generated together; 0: on a GPU the most, up to 64, that tts_kv_fraction holds, 16 on a CPU
+    max_batch: int = 0
     voice: str = ""  # default voice; empty: the engine's default preset
     voices_dir: str = ""  # cloned voices; empty: <cache>/voices
     first_chunk_tokens: int = 10
@@ -218,6 +220,10 @@ class Config:
             raise ConfigError(f"engines.process is {self.engines.process!r}; use {', '.join(ENGINE_PROCESS)}")
         if self.engines.overlap not in ENGINE_OVERLAP:
             raise ConfigError(f"engines.overlap is {self.engines.overlap!r}; use {', '.join(ENGINE_OVERLAP)}")
+        for key, value in (("asr.max_batch", self.asr.max_batch), ("tts.max_batch", self.tts.max_batch)):
+            if value < 0:
+                raise ConfigError(f"{key} is {value}; set the rows to hold, or 0 for as many as the GPU's "
+                                  "[memory] share holds (up to 64)")
         if self.asr.backend not in BACKENDS or self.tts.backend not in BACKENDS:
             raise ConfigError(f"backend must be one of {', '.join(BACKENDS)}")
         for key in ("server.idle_timeout_s", "server.max_session_s", "agent.reply_timeout_s"):

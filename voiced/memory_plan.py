@@ -241,10 +241,14 @@ class EngineNeed:
         return sum(i.bytes for i in self.items if not i.transient) + max(
             (i.bytes for i in self.items if i.transient), default=0)
 
+    def fits(self, free_bytes: int, fraction: float) -> bool:
+        """Whether the need is within its share of the free memory."""
+        return self.total <= int(free_bytes * fraction)
+
     def check(self, free_bytes: int, fraction: float) -> None:
         """Refuse (MemoryPlanError) a need larger than its share of the free memory, or than the free memory."""
         cap = int(free_bytes * fraction)
-        if self.total > cap:
+        if not self.fits(free_bytes, fraction):
             raise MemoryPlanError(
                 f"{self.engine} needs {_gib(self.total)} on the GPU but [memory] {self.setting} = {fraction:g} allows "
                 f"{_gib(cap)} of the {_gib(free_bytes)} free; raise {self.setting} (env {ENV_VARS[self.setting]}) "

@@ -1,15 +1,25 @@
 """What a torch engine holds on its device, as its `load` computes it before anything goes there: the
-bytes of a module's weights in a dtype, the dtype a setting names, and the check of the computed need
-against the engine's share of the GPU (voiced.memory_plan)."""
+bytes of a module's weights in a dtype, the dtype a setting names, the check of the computed need
+against the engine's share of the GPU (voiced.memory_plan), and the rows an engine takes on a GPU when
+none are set."""
 
 from __future__ import annotations
 
 import itertools
+import logging
+from collections.abc import Callable
 
 import torch
 
 from voiced.engines.base import EngineError
 from voiced.memory_plan import EngineNeed, MemoryPlanError
+
+log = logging.getLogger(__name__)
+
+# The batch rows a torch engine takes on a GPU when none are set ([asr] / [tts] max_batch = 0): the rows
+# the daemon's caller capacity was measured with (docs/BENCHMARKS.md: both engines at 64 on an H200).
+# Fewer rows cap the callers whose turns or replies run at once; more were not measured.
+AUTO_GPU_ROWS = 64
 
 # The dtype names a setting (or a command-line flag) may use.
 DTYPES: dict[str, torch.dtype] = {"float16": torch.float16, "fp16": torch.float16, "bfloat16": torch.bfloat16,
@@ -46,3 +56,20 @@ def check_memory_limit(need: EngineNeed, memory_limit: tuple[int, float] | None)
         need.check(*memory_limit)
     except MemoryPlanError as e:
         raise EngineError(str(e)) from None
+
+
+def rows_that_fit(top: int, need_at: Callable[[int], EngineNeed], memory_limit: tuple[int, float] | None,
+                  what: str) -> tuple[int, EngineNeed]:
+    """The most rows of `top`, top/2, top/4, ... 1 whose need (`need_at(rows)`) fits `memory_limit` (free
+    GPU bytes, the engine's [memory] fraction), and that need: a GPU too small for `top` rows still starts,
+    with fewer. Where not even one row fits, one row's need, which `check_memory_limit` then refuses with
+    what to change. No limit: `top`."""
+    rows = top
+    while True:
+        need = need_at(rows)
+        if memory_limit is None or rows == 1 or need.fits(*memory_limit):
+            break
+        rows //= 2
+    log.info("%s: %d rows (max_batch unset: the most, up to %d, that [memory] %s holds)", what, rows, top,
+             need.setting)
+    return rows, need

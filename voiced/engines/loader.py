@@ -59,14 +59,16 @@ def load_asr(config: Config):
         from voiced.engines.trtllm.whisper_runner import TrtllmWhisperEngine
 
         return TrtllmWhisperEngine.load(engine_dir(config, "whisper", c.model), plan=config.memory,
-                                        max_batch=c.max_batch)
+                                        max_batch=c.max_batch or None)  # 0: the engine's built batch
     from voiced.engines.whisper.engine import WhisperEngine
 
     # The torch engine computes what it will hold and checks it against its share of the memory free
-    # now (the fraction is a cap: its caches are sized by max_batch, not by the share).
+    # now (the fraction is a cap: its caches are sized by max_batch, not by the share; max_batch 0: the
+    # most rows, up to 64, within it).
     mem = gpu_memory(device)
     limit = (mem.free, config.memory.whisper_kv_fraction) if mem else None
-    return WhisperEngine.load(c.model, device=device, dtype=c.dtype or None, max_batch=c.max_batch, memory_limit=limit)
+    return WhisperEngine.load(c.model, device=device, dtype=c.dtype or None, max_batch=c.max_batch or None,
+                              memory_limit=limit)
 
 
 def load_turn_model(config: Config):
@@ -100,7 +102,7 @@ def load_tts(config: Config):
     mem = gpu_memory(device)
     from voiced.engines.spark.engine import SparkTTSEngine
 
-    kwargs = dict(device=device, dtype=c.dtype or None, max_batch=c.max_batch, voices_dir=c.voices_dir or None)
+    kwargs = dict(device=device, dtype=c.dtype or None, max_batch=c.max_batch or None, voices_dir=c.voices_dir or None)
     if backend == "trtllm":
         from voiced.engines.trtllm.spark_runner import TrtllmSparkEngine
 

@@ -58,7 +58,7 @@ from voiced.engines.base import (
     finish,
     resumed_in,
 )
-from voiced.engines.footprint import check_memory_limit, parse_dtype
+from voiced.engines.footprint import AUTO_GPU_ROWS, check_memory_limit, parse_dtype, rows_that_fit
 from voiced.engines.rows import compaction, to_device
 from voiced.engines.switches import env_switch
 from voiced.memory_plan import EngineNeed
@@ -177,13 +177,15 @@ class SparkTTSEngine:
 
     @classmethod
     def load(cls, name_or_path: str | Path = "spark-tts-0.5b", device: str | None = None,
-             dtype: str | torch.dtype | None = None, max_batch: int = 16, voices_dir: str | Path | None = None,
+             dtype: str | torch.dtype | None = None, max_batch: int | None = None, voices_dir: str | Path | None = None,
              kv_cache_bytes: int | None = None, max_seq_len: int = 4096, codec_dtype: str | torch.dtype | None = None,
              use_cuda_graphs: bool = True, decode_steps: int = DECODE_STEPS,
              compile_lm: bool | None = None, memory_limit: tuple[int, float] | None = None,
              vocoder_graphs: bool | None = None) -> SparkTTSEngine:
         """Load a Spark-TTS-0.5B directory (or the cached model by name).
 
+        max_batch: the requests (rows) decoded together; None or 0: 16 on CPU, and on CUDA the most of 64, 32,
+            16, ... whose need fits memory_limit (footprint.rows_that_fit).
         dtype: the LM's (default bf16 on GPU, fp32 on CPU; fp16 is refused: it overflows in this LM).
         kv_cache_bytes: a budget from the daemon's memory plan; it caps max_batch for max_seq_len.
         compile_lm: torch.compile the decode and prefill layers (fused kernels: 1.2 instead of 3.0 ms per step on an
@@ -206,14 +208,23 @@ class SparkTTSEngine:
         c_dtype = parse_dtype(codec_dtype, "bfloat16 or float32") or (torch.bfloat16 if cuda else torch.float32)
         tokenizer = TextTokenizer(ckpt.llm_dir)
         special = load_special_tokens(ckpt.llm_dir, tokenizer)
-        rows = rows_for_budget(Qwen2Config.from_json(ckpt.llm_dir / "config.json"), max_batch, max_seq_len,
+        wanted = max_batch or (AUTO_GPU_ROWS if cuda else 16)
+        rows = rows_for_budget(Qwen2Config.from_json(ckpt.llm_dir / "config.json"), wanted, max_seq_len,
                                lm_dtype, kv_cache_bytes)
-        if rows < max_batch:
-            log.info("TTS KV budget fits %d concurrent requests (asked for %d)", rows, max_batch)
+        if rows < wanted:
+            log.info("TTS KV budget fits %d concurrent requests (asked for %d)", rows, wanted)
         if vocoder_graphs is None:
             vocoder_graphs = vocoder_graphs_default()
         vocoder_graphs = vocoder_graphs and cuda and use_cuda_graphs
-        need = plan(ckpt, device, lm_dtype, c_dtype, rows, max_seq_len, use_cuda_graphs, decode_steps, vocoder_graphs)
+
+        def need_at(rows: int):
+            return plan(ckpt, device, lm_dtype, c_dtype, rows, max_seq_len, use_cuda_graphs, decode_steps,
+                        vocoder_graphs)
+
+        if cuda and not max_batch:
+            rows, need = rows_that_fit(rows, need_at, memory_limit, "TTS")
+        else:
+            need = need_at(rows)
         check_memory_limit(need, memory_limit)  # before anything goes to the GPU
         lm = load_qwen2(ckpt.llm_dir, device, lm_dtype)
         if lm.config.vocab_size < special.semantic_base + special.n_semantic:

@@ -43,7 +43,7 @@ from voiced.engines.base import (
     finish,
     resumed_in,
 )
-from voiced.engines.footprint import DTYPES, check_memory_limit, parse_dtype, tensor_bytes
+from voiced.engines.footprint import AUTO_GPU_ROWS, DTYPES, check_memory_limit, parse_dtype, rows_that_fit, tensor_bytes
 from voiced.engines.rows import compaction, doubling, rows_in_budget, to_device
 from voiced.engines.switches import env_switch
 from voiced.memory_plan import EngineNeed, Need, stream_workspace_bytes
@@ -490,8 +490,8 @@ class WhisperEngine:
         device: "cpu", "cuda" or "cuda:N". dtype: default float16 on CUDA, float32 on CPU; "int8"
         (CPU only) runs the many-row products (encoder, cross-attention key/value projections, output
         projection) as dynamically quantized int8 GEMMs (cpu.py): faster, approximate.
-        max_batch: decoder rows (a beam-search request takes `beam_size` rows); default 8 on CPU,
-        64 on CUDA. kv_cache_bytes: a memory budget for the self+cross KV caches; the row count is
+        max_batch: decoder rows (a beam-search request takes `beam_size` rows); None or 0: 8 on CPU, and on
+        CUDA the most of 64, 32, 16, ... whose need fits memory_limit (footprint.rows_that_fit). kv_cache_bytes: a memory budget for the self+cross KV caches; the row count is
         the smaller of what it allows and max_batch. compile_encoder, compile_decoder: the GPU paths,
         None meaning on for CUDA; fast_decoder: the fused decoder step, None meaning on (see __init__).
         memory_limit: (free GPU bytes, the [memory] whisper_kv_fraction): the computed need
@@ -527,14 +527,21 @@ class WhisperEngine:
         align_graphs = align_graphs and cuda_graphs and cuda
         name = path.stem if path.is_file() else path.name
         heads = _alignment_heads(ckpt.alignment_heads or _official_heads(name, dims), dims, name)
-        rows = rows_in_budget(max_batch or (64 if cuda else 8), kv_cache_bytes, KVCache.bytes_per_slot(dims, dtype),
-                              owner="ASR", row="decoder row")
-        need = memory_need(dims, dtype, tensor_bytes(model, dtype), rows, cuda=cuda,
-                           max_encoder_batch=max_encoder_batch, cuda_graphs=cuda_graphs,
-                           decode_chunk=decode_chunk if decode_chunk is not None else 8,
-                           workspace_bytes=stream_workspace_bytes(device) if cuda else 0,
-                           prefill_graphs=prefill_graphs, cross_in_encoder=cross_in_encoder,
-                           align_graphs=align_graphs, alignment_heads=len(heads))
+        rows = rows_in_budget(max_batch or (AUTO_GPU_ROWS if cuda else 8), kv_cache_bytes,
+                              KVCache.bytes_per_slot(dims, dtype), owner="ASR", row="decoder row")
+        weight_bytes, workspace = tensor_bytes(model, dtype), stream_workspace_bytes(device) if cuda else 0
+
+        def need_at(rows: int) -> EngineNeed:
+            return memory_need(dims, dtype, weight_bytes, rows, cuda=cuda, max_encoder_batch=max_encoder_batch,
+                               cuda_graphs=cuda_graphs, decode_chunk=decode_chunk if decode_chunk is not None else 8,
+                               workspace_bytes=workspace, prefill_graphs=prefill_graphs,
+                               cross_in_encoder=cross_in_encoder, align_graphs=align_graphs,
+                               alignment_heads=len(heads))
+
+        if cuda and not max_batch:
+            rows, need = rows_that_fit(rows, need_at, memory_limit, "ASR decoder")
+        else:
+            need = need_at(rows)
         check_memory_limit(need, memory_limit)  # before anything goes to the GPU
         model = model.to(device=device, dtype=dtype)
         if int8:
