@@ -151,7 +151,7 @@ def test_callers_at_every_door_wait_for_their_answer_before_hanging_up(tmp_path)
     proc = subprocess.run([sys.executable, "-m", "voiced.bench.e2e_bench", "--tiny-cpu", "--asr-dims", "tiny-random",
                            "--wav", str(wav), "--tiktoken-dir", str(find_tiktoken_file("multilingual.tiktoken").parent),
                            "--sessions", "2", "--duration", "2", "--reply-seconds", "0.3", "--asr-tokens", "4",
-                           "--front", "grpc", "audiosocket", "media_ws", "realtime", "--out", str(out)],
+                           "--front", "grpc", "audiosocket", "media_ws", "realtime", "wyoming", "--out", str(out)],
                           capture_output=True, text=True, env=env(), timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     fronts = {front: levels["2"] for front, levels in json.loads(out.read_text())["fronts"].items()}

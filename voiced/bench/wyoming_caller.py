@@ -14,6 +14,10 @@ daemon itself detects the end of speech on gRPC. The transcript is the echo agen
 - asr_ms: audio-stop sent -> transcript received
 - tts_first_chunk_ms: synthesize sent -> first audio chunk received
 - rtf: synthesize sent -> last chunk, over the reply's audio duration
+- unanswered: commands whose answer never sounded (no transcript, or no audio)
+
+A satellite that is still in a command when its time is up finishes it with silence, as an open
+microphone does, and waits for the answer: every door's callers are owed the same replies.
 
 Against a running daemon (`voiced serve --wyoming tcp://127.0.0.1:10300`):
 
@@ -41,7 +45,7 @@ async def wyoming_caller(address: str, pcm: bytes, start_frame: int, duration_s:
     from wyoming.client import AsyncTcpClient
     from wyoming.tts import Synthesize
 
-    from voiced.bench.phone_callers import paced
+    from voiced.bench.phone_callers import hold_line, paced
     from voiced.config import Config
     from voiced.core.segmenter import Segmenter, SpeechStarted, Utterance
     from voiced.core.spec import segmentation_for
@@ -56,12 +60,17 @@ async def wyoming_caller(address: str, pcm: bytes, start_frame: int, duration_s:
     stt: AsyncTcpClient | None = None
 
     async def answer(c: AsyncTcpClient, stopped_at: float) -> None:
+        """Transcript, then the spoken answer; an utterance whose answer never sounded counts unanswered."""
+        if not await speak_answer(c, stopped_at):
+            out["unanswered"].append(1)
+
+    async def speak_answer(c: AsyncTcpClient, stopped_at: float) -> bool:
         try:
             while (event := await c.read_event()) is not None and not Transcript.is_type(event.type):
                 pass
             if event is None:
                 out["notices"].append("transcription: connection closed without a transcript")
-                return
+                return False
             heard = time.monotonic()
             out["asr_ms"].append((heard - stopped_at) * 1000)
             text = Transcript.from_event(event).text.strip() or "I did not catch that."
@@ -82,10 +91,11 @@ async def wyoming_caller(address: str, pcm: bytes, start_frame: int, duration_s:
                 elif AudioStop.is_type(event.type):
                     if samples:
                         out["rtf"].append((time.monotonic() - asked) / (samples / 16000))
-                    return
+                    break
                 elif event.type == "error":
                     out["notices"].append(f"synthesize: {event.data.get('text', '')[:120]}")
-                    return
+                    break
+            return first is not None
 
     async def send(frame: bytes) -> None:
         nonlocal stt
@@ -109,8 +119,12 @@ async def wyoming_caller(address: str, pcm: bytes, start_frame: int, duration_s:
                 stt = None
 
     await paced(frames, start_frame, duration_s, send, out)
+    # A command still open (the segmenter has not ended it) is finished with the silence an open microphone
+    # sends, as the other doors' callers hold their line: every utterance spoken is owed its answer.
+    await hold_line(bytes(FRAME_BYTES), send, lambda: stt is not None, out)
     if stt is not None:
-        await stt.disconnect()  # the call ends mid-command: Home Assistant would drop it too
+        await stt.disconnect()
+        out["unanswered"].append(1)
     await asyncio.gather(*tasks)
 
 
@@ -126,12 +140,13 @@ async def callers(address: str, wav: Path, sessions: int, duration_s: float) -> 
         raise SystemExit("the bench WAV must be 16 kHz")
     pcm = samples.astype("<i2").tobytes()
     n_frames = len(pcm) // FRAME_BYTES
-    out = {k: [] for k in ("asr_ms", "tts_first_chunk_ms", "v2v_client_ms", "rtf", "late_ms", "notices")}
+    out = {k: [] for k in ("asr_ms", "tts_first_chunk_ms", "v2v_client_ms", "rtf", "late_ms", "notices", "unanswered")}
     t0 = time.monotonic()
     await asyncio.gather(*(wyoming_caller(address, pcm, (n_frames * k) // sessions, duration_s, out)
                            for k in range(sessions)))
-    report = {k: pct(v) for k, v in out.items() if k != "notices"}
+    report = {k: pct(v) for k, v in out.items() if k not in ("notices", "unanswered")}
     report["notices"] = dict(Counter(out["notices"]))
+    report["unanswered"] = sum(out["unanswered"])
     report["wall_s"] = round(time.monotonic() - t0, 1)
     return report
 
