@@ -591,3 +591,20 @@ def test_word_timing_graphs_give_the_eager_pass_s_words(tmp_path, clips, monkeyp
             together.update({r.request_id: r.value for r in eng.step()})
         out[mode] = [[(w.word, w.start_s, w.end_s) for w in r.words] for r in alone + [together[i] for i in range(3)]]
     assert all(out["1"]) and out["1"] == out["0"]
+
+
+def test_unset_rows_are_the_most_the_memory_share_holds(tmp_path):
+    """`max_batch` unset (the daemon's default, 0) on a GPU: 64 decoder rows where the engine's share of the
+    free memory holds them, else the most of 32, 16, ... that it does, and the engine holds what its need
+    says. The shares here are made from the engine's own needs at 16 and 32 rows."""
+    ckpt = make_openai_checkpoint(tmp_path, seed=2)
+    free = torch.cuda.mem_get_info()[0]
+    big = WhisperEngine.load(ckpt, device="cuda", memory_limit=(free, 0.25), cuda_graphs=False)
+    assert big.max_batch == 64 and big.memory_need.total <= free * 0.25
+    need = {rows: WhisperEngine.load(ckpt, device="cuda", max_batch=rows, cuda_graphs=False).memory_need.total
+            for rows in (16, 32)}
+    assert need[16] < need[32] < big.memory_need.total
+    share = (need[16] + need[32]) / 2 / free  # holds 16 rows, not 32
+    small = WhisperEngine.load(ckpt, device="cuda", memory_limit=(free, share), cuda_graphs=False)
+    assert small.max_batch == 16 and small.memory_need.total == need[16]
+    assert small.cache.cross_k.shape[1] == 16  # the cache is sized by the rows taken
