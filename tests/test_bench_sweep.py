@@ -382,3 +382,36 @@ def test_a_caller_that_falls_behind_still_says_all_it_was_to_say():
     asyncio.run(paced(frames, 5, 0.3, slow_send, out))
     assert sent == [(5 + n) % 7 for n in range(15)]  # 0.3 s of 20 ms frames, looped from frame 5
     assert len(out["late_ms"]) == 15 and max(out["late_ms"]) > 100  # it fell behind, and said so
+
+
+def test_the_request_timer_splits_a_replys_time_into_waiting_for_a_row_and_holding_one(tmp_path_factory):
+    """The e2e bench's tts_engine_ms: a reply that finds every TTS row taken shows its wait as queue_ms, and
+    the reply in the row shows none; what separates "the rows are full" from "the steps are slow" at
+    saturation."""
+    from types import SimpleNamespace
+
+    from tests.spark_fixtures import cached_spark_checkpoint
+    from voiced.bench.steps import RequestTimer
+    from voiced.engines.base import TTSOptions, TTSRequest
+    from voiced.engines.spark.engine import SparkTTSEngine
+
+    engine = SparkTTSEngine.load(str(cached_spark_checkpoint(tmp_path_factory)), device="cpu", max_batch=1,
+                                 voices_dir=tmp_path_factory.mktemp("voices"))
+    finals = []
+    worker = SimpleNamespace(engine=engine, _submit=engine.submit, _cancel=engine.cancel,
+                             _deliver=lambda out: finals.append(out.request_id) if out.final else None)
+    timer = RequestTimer(worker)
+    opts = TTSOptions(seed=1, max_seconds=0.4, first_chunk_tokens=5, chunk_tokens=5)
+    for rid in (1, 2):
+        worker._submit(rid, TTSRequest("Hello there, how are you today?", opts))
+    while engine.has_work():
+        for out in engine.step():
+            worker._deliver(out)
+    assert finals == [1, 2]  # one row: the second reply began once the first had left it
+    got = timer.take()
+    assert got["n"] == 2 and got["queue_ms"]["n"] == 2
+    first, second = sorted(got["slowest"], key=lambda r: r["queued_ms"])
+    # the first had its row at the next step; the second waited about as long as the first held it
+    assert second["queued_ms"] > 10 * first["queued_ms"], got["slowest"]
+    assert second["queued_ms"] >= 0.9 * (first["ms"] - first["queued_ms"]), got["slowest"]
+    assert got["held_ms"]["p50"] > 0

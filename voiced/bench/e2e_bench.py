@@ -9,6 +9,8 @@ starting at a different point of the loop. Reported per concurrency level, p50/p
 - asr_ms: end of speech detected -> final transcript sent (server-measured `latency_ms`)
 - asr_engine_ms: the part of asr_ms in the engines' process, from the request's submission to its worker to its
   transcript (the command queue and the engine); asr_worker_ms: the same on the daemon's side (with the pipe)
+- tts_engine_ms: a reply's time in the engines' process, submission to last chunk; its queue_ms is the wait
+  for a batch row (all taken), held_ms the time in one (prefill, decode and the vocoder's last windows)
 - loop_lag_ms: how late the daemon's event loop ran a callback due every 10 ms (its worst, and when in the level)
 - agent_ms: end of speech -> the agent's first text
 - first_audio_ms (voice-to-voice): end of speech detected -> first reply audio chunk sent
@@ -165,7 +167,7 @@ def build_engines(args, names: tuple[str, ...] = ("asr", "tts")):
         freeze_heap()  # as `voiced serve` does after warm-up
     for worker in workers.values():
         worker.engine.step = StepTimer(worker.engine, STEP_PARTS[worker.name])
-    requests = {"asr": RequestTimer(workers["asr"])} if "asr" in workers else {}
+    requests = {name: RequestTimer(worker) for name, worker in workers.items()}
     collections = None
     if engine_process(args) != "inline":  # this is the engines' process: its own collections stall the steps
         import gc
@@ -807,6 +809,8 @@ def main(argv: list[str] | None = None) -> dict:
         level["step_ms"] = engines["step_ms"]
         if "asr" in engines.get("engine_ms", {}):
             level["asr_engine_ms"] = engines["engine_ms"]["asr"]  # asr_ms's share in the engines' process
+        if "tts" in engines.get("engine_ms", {}):
+            level["tts_engine_ms"] = engines["engine_ms"]["tts"]  # a reply's wait for a row, and its time in one
         if server.asr_worker is not None:
             level["asr_worker_ms"] = server.asr_worker.take()  # ... and with the pipe there and back
         level["loop_lag_ms"] = server.loop_lag.take()

@@ -136,9 +136,9 @@ class RequestTimer:
     output or error (`_deliver`). On an engine process's worker that is the command queue and the engine
     (asr_engine_ms); on the daemon's side of the pipe (RemoteWorker), the pipe both ways besides
     (asr_worker_ms). Beside the session's figure (from the end of speech), the rest is the event loop.
-    Where the worker's engine admits requests into batch rows (`_give_rows`, WhisperEngine), the engine's
-    share is split into the wait for a row and the decode (`take`'s "queue_ms" and "held_ms", and its
-    slowest requests)."""
+    Where the worker's engine admits requests into batch rows (`_give_rows`: WhisperEngine, SparkTTSEngine),
+    the engine's share is split into the wait for a row and the time in one (`take`'s "queue_ms" and
+    "held_ms", and its slowest requests): a wait for a row means every row was taken."""
 
     def __init__(self, worker):
         self.requests: list[tuple[float, float | None, int, float]] = []  # (total, queued, tokens, submitted)
@@ -163,7 +163,8 @@ class RequestTimer:
                 if t0 is not None:
                     now = time.perf_counter()
                     queued = None if admitted is None else (admitted - t0) * 1e3
-                    tokens = len(getattr(out.value, "tokens", None) or ())
+                    tokens = getattr(out.value, "tokens", None) or ()  # a transcript's ids; a reply's count
+                    tokens = tokens if isinstance(tokens, int) else len(tokens)
                     self.requests.append(((now - t0) * 1e3, queued, tokens, t0 - self._since))
             deliver(out)
 

@@ -560,11 +560,17 @@ class SparkTTSEngine:
         return build_prompt(self.special, self.tokenizer.encode, r.voice, r.segments[seg], r.global_ids)
 
     def _admit(self) -> None:
+        """Queued requests into the free rows, highest priority first."""
         if not self._queue or len(self._active) >= self.max_batch:
             return
         self._queue.sort(key=lambda r: (-r.options.priority, self._order.get(r.rid, 0)))
-        while self._queue and len(self._active) < self.max_batch:
-            r = self._queue.pop(0)
+        free = self.max_batch - len(self._active)
+        chosen, self._queue = self._queue[:free], self._queue[free:]
+        self._give_rows(chosen)
+
+    def _give_rows(self, chosen: list[Request]) -> None:
+        """Give each of `chosen` the next row; its sentence's prefill comes next."""
+        for r in chosen:
             r.slot = len(self._active)
             self._active.append(r)
             if r.voice.kind == "cloned":
