@@ -6,13 +6,35 @@ import threading
 
 import torch
 
-from voiced.bench.trace_summary import load, overlap_us, summarize, union_us
+from voiced.bench.trace_summary import gpu_gaps, load, overlap_us, summarize, union_us
 
 
 def test_union_and_overlap_count_shared_time_once():
     assert union_us([(0, 10), (5, 15), (20, 30)]) == 25
     assert union_us([(0, 30), (5, 10)]) == 30
     assert overlap_us([(0, 10), (5, 15), (20, 30)], 8, 25) == 12
+
+
+def test_the_gpus_idle_time_is_put_down_to_the_host_range_and_call_in_progress():
+    """One request's 10 ms: the encoder kernel (0-5 ms), then 1 ms idle while the host chooses a token
+    after a sync, a chunk of steps (6-9 ms) with 0.5 ms of launch gaps in it, then 1 ms idle at the end;
+    gaps shorter than the threshold (a kernel boundary) are not idle time."""
+    ev = [
+        {"ph": "X", "cat": "user_annotation", "name": "_admit", "tid": 1, "ts": 0, "dur": 6_000},
+        {"ph": "X", "cat": "user_annotation", "name": "_select", "tid": 1, "ts": 5_000, "dur": 1_000},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaMemcpyAsync", "tid": 1, "ts": 4_900, "dur": 300},
+        {"ph": "X", "cat": "user_annotation", "name": "_greedy_chunk", "tid": 1, "ts": 6_000, "dur": 4_000},
+        {"ph": "X", "cat": "kernel", "name": "encoder", "tid": 7, "ts": 0, "dur": 5_000},
+        {"ph": "X", "cat": "kernel", "name": "step", "tid": 7, "ts": 6_000, "dur": 1_000},
+        {"ph": "X", "cat": "kernel", "name": "step", "tid": 7, "ts": 7_002, "dur": 998},  # a 2 us boundary
+        {"ph": "X", "cat": "kernel", "name": "step", "tid": 7, "ts": 8_500, "dur": 500},
+        {"ph": "X", "cat": "user_annotation", "name": "_finish", "tid": 1, "ts": 9_000, "dur": 1_000},
+    ]
+    g = gpu_gaps(ev, top=2)
+    assert g["idle_ms"] == 2.5
+    assert g["by_range"] == {"_select": 1.0, "_finish": 1.0, "_greedy_chunk": 0.5}
+    assert g["longest"][0] == {"ms": 1.0, "at_ms": 5.0, "range": "_select", "call": None}
+    assert [x["range"] for x in g["longest"]] == ["_select", "_finish"]
 
 
 def test_a_range_waiting_on_another_threads_kernels_is_told_apart(tmp_path):

@@ -307,9 +307,16 @@ def test_benchmark_script_runs_on_cpu(tmp_path):
     assets = Path(whisper.__file__).parent / "assets"
     report = whisper_bench.main(["--dims", "tiny-random", "--device", "cpu", "--tiktoken-dir", str(assets),
                                  "--tokens", "4", "--max-batch", "4", "--encoder-batch", "2",
-                                 "--throughput-utts", "4", "--latency-runs", "1", "--skip-hf",
+                                 "--throughput-utts", "4", "--latency-runs", "1", "--skip-hf", "--timeline",
                                  "--out", str(tmp_path / "r.json")])
-    assert "equality_error" not in report and "speed_error" not in report
+    assert "equality_error" not in report and "speed_error" not in report and "timeline_error" not in report
+    # one utterance's time by engine part (a part that yields: a range per resume): its encoder pass once,
+    # its tokens in a chunk launched and read back, its end
+    parts = report["timeline"]["ranges"]
+    assert parts["_encode_into_cache"]["n"] == 1 and parts["_greedy_chunk"]["n"] == 2, parts
+    assert parts["_finish"]["n"] >= 1, parts
+    assert 0 < parts["_encode_into_cache"]["total_ms"] <= report["timeline"]["wall_ms"]
+    assert (tmp_path / report["timeline"]["trace"]).exists()
     assert all(report["graphs_equal_eager"][k] for k in ("staggered_12", "single", "batch_16"))
     assert report["throughput_ours_cuda_graphs"]["utts"] == 4
     assert json.loads((tmp_path / "r.json").read_text())["dims"] == "tiny-random"

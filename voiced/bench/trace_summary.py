@@ -101,6 +101,44 @@ def summarize(events: list[dict], top: int = 5) -> dict:
     return out
 
 
+def gpu_gaps(events: list[dict], top: int = 10, min_us: float = 5.0) -> dict:
+    """Where the GPU sat idle within the timeline's window (no kernel, copy or memset on any stream) and
+    what the CPU was in then: each gap of at least `min_us` is put down to the innermost marked range
+    (record_function) in progress at its middle, and to the CUDA runtime call in progress there (a sync,
+    a copy that waits, a launch), if any. For one request's timeline this is the time its latency spends
+    off the GPU: host work between launches, and the host's own waits."""
+    gpu = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") in GPU_CATS)
+    if not events:
+        return {"idle_ms": 0.0, "by_range": {}, "longest": []}
+    lo = min(e["ts"] for e in events)
+    hi = max(e["ts"] + e["dur"] for e in events)
+    gaps, end = [], lo
+    for a, b in gpu:
+        if a - end >= min_us:
+            gaps.append((end, a))
+        end = max(end, b)
+    if hi - end >= min_us:
+        gaps.append((end, hi))
+    ranges = [e for e in events if e.get("cat") == "user_annotation" and not e["name"].startswith("ProfilerStep")]
+    calls = [e for e in events if e.get("cat") == "cuda_runtime"]
+
+    def innermost(evs: list[dict], t: float) -> str | None:
+        inside = [e for e in evs if e["ts"] <= t < e["ts"] + e["dur"]]
+        return min(inside, key=lambda e: e["dur"])["name"] if inside else None
+
+    by_range: dict[str, float] = defaultdict(float)
+    described = []
+    for a, b in gaps:
+        mid = (a + b) / 2
+        where = innermost(ranges, mid) or "(no marked range)"
+        by_range[where] += b - a
+        described.append({"ms": round((b - a) / 1e3, 3), "at_ms": round((a - lo) / 1e3, 3), "range": where,
+                          "call": innermost(calls, mid)})
+    return {"idle_ms": round(sum(b - a for a, b in gaps) / 1e3, 3),
+            "by_range": {k: round(v / 1e3, 3) for k, v in sorted(by_range.items(), key=lambda kv: -kv[1])},
+            "longest": sorted(described, key=lambda g: -g["ms"])[:top]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("trace", type=Path, help="a Chrome-trace JSON (.json or .json.gz) from torch.profiler")

@@ -15,7 +15,9 @@ comparable. Measures, in one process:
 * latency: one utterance, 30 s window, wall time from submit to transcript (median of runs);
 * throughput: many utterances submitted at once, continuous batching, utterances per second;
 * the same latency and a batched throughput with transformers' WhisperForConditionalGeneration
-  .generate (SDPA attention, fp16) on the same weights.
+  .generate (SDPA attention, fp16) on the same weights;
+* with --timeline, one utterance profiled: wall time per engine part and, on a GPU, the GPU's idle
+  time and what the host was doing then (`timeline`).
 
 Prints one JSON object (and writes it to --out).
 """
@@ -216,6 +218,9 @@ def main(argv: list[str] | None = None) -> dict:
                     help="pin the encoder's attention kernel")
     ap.add_argument("--diagnose", action="store_true",
                     help="GPU: latency split + profile, encoder variants, graph-vs-eager kernel probes")
+    ap.add_argument("--timeline", action="store_true",
+                    help="one utterance profiled: wall time per engine part and, on a GPU, where the GPU sat idle "
+                         "(report's \"timeline\"; the trace beside --out)")
     ap.add_argument("--probe-only", action="store_true", help="only the graph-vs-eager probes (subprocess use)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
@@ -297,6 +302,14 @@ def main(argv: list[str] | None = None) -> dict:
         report["speed_error"] = repr(e)
     save(report)
     del eager
+    if args.timeline:
+        try:
+            report["timeline"] = timeline(graphs, ASRRequest(audio[1], opts), dev)
+            log.info("timeline: %s", json.dumps(report["timeline"]))
+        except Exception as e:
+            log.exception("timeline section failed")
+            report["timeline_error"] = repr(e)
+        save(report)
     if args.diagnose and dev.startswith("cuda"):
         try:
             diagnose(report, graphs, model, audio, opts, args)
@@ -433,6 +446,47 @@ def probe(eng: WhisperEngine) -> dict:
             m.allow_fp16_reduced_precision_reduction = base_red
             torch.backends.cuda.preferred_blas_library(base_blas)
             eng.steps.graphs.clear()
+    return out
+
+
+def timeline(eng: WhisperEngine, request: ASRRequest, dev: str) -> dict:
+    """Where one utterance's time goes: `request` transcribed alone under torch.profiler, with the engine's
+    parts marked (the e2e bench's step parts), after one unprofiled run. Per part: calls and wall time; on
+    a GPU, how busy it was and where it sat idle (`trace_summary.gpu_gaps`: the host work between launches
+    and the host's own waits, the part of the latency a faster kernel cannot take). The profiler adds its
+    own host cost: the wall time here is above the unprofiled latency measured by `speed`."""
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from voiced.bench.steps import STEP_PARTS, StepTimer
+    from voiced.bench.trace_summary import gpu_gaps, load, summarize
+
+    cuda = dev.startswith("cuda")
+    timer = StepTimer(eng, STEP_PARTS["asr"])
+    try:
+        eng.transcribe(request)
+        sync(dev)
+        with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+            t0 = time.perf_counter()
+            eng.transcribe(request)
+            sync(dev)
+            wall = time.perf_counter() - t0
+    finally:
+        timer.remove()
+    path = (_OUT.parent if _OUT is not None else Path(tempfile.mkdtemp())) / "timeline_b1.json"
+    prof.export_chrome_trace(str(path))
+    events = load(path)
+    summary = summarize(events)
+    ranges: dict[str, dict] = {}
+    for thread in summary["threads"].values():
+        for name, r in thread["ranges"].items():
+            ranges[name] = {"n": r["n"], "total_ms": r["total_ms"]}
+    out = {"wall_ms": round(wall * 1e3, 2), "window_ms": summary["window_ms"], "ranges": ranges,
+           "trace": path.name}
+    if cuda:
+        out["gpu_busy"] = summary["gpu_busy"]
+        out["gpu_idle"] = gpu_gaps(events)
     return out
 
 
