@@ -51,8 +51,8 @@ run: $(VENV)/.run-installed
 	@$(if $(HTTP),echo "voiced: open http://$(HTTP)/ in a browser (OpenAI-compatible API: http://$(HTTP)/v1)",true)
 	$(BIN)/voiced serve $(if $(HTTP),--http $(HTTP)) $(ARGS)
 
-# Every test CI needs, the slow ones included (about 21 minutes on 2 cores with the installs; on a fresh
-# clone, 2026-11-28, session 21: 1077 passed, 84 skipped, 13 minutes of tests).
+# Every test CI needs, the slow ones included (about 16 minutes on 2 cores with the installs; on a fresh
+# clone, 2026-11-29, session 22 at 80e77af: 1086 passed, 85 skipped, 13 minutes of tests).
 test: system-deps $(VENV)/.test-installed
 	$(BIN)/python -m pytest -q $(ARGS)
 
