@@ -359,3 +359,54 @@ def test_merging_per_step_keeps_merging_while_new_replies_keep_arriving(engine, 
         assert step[1][rid] <= batch[1][rid] + 2, (rid, step[1], batch[1])  # a turn is two steps at most
     per_token = {p: run[3]["decoded_tokens"] / run[3]["audio_tokens"] for p, run in runs.items()}
     assert per_token["step"] < 0.8 * per_token["batch"], per_token
+
+
+def _in_order(engine, requests: dict[int, TTSRequest], cancel_when_draining: int | None = None):
+    """Step until done; returns ({id: audio}, the events in order: ("prefill",) for each prefill step,
+    ("final", id) for each request's last chunk)."""
+    for rid, r in requests.items():
+        engine.submit(rid, r)
+    got = {rid: [] for rid in requests}
+    events = []
+    while engine.has_work():
+        for out in engine.step():
+            assert out.error is None, out.error
+            got[out.request_id].append(out.value.samples)
+            if out.final:
+                events.append(("final", out.request_id))
+        if engine.last_step.get("prefilled"):
+            events.append(("prefill",))
+        if cancel_when_draining is not None and any(r.rid == cancel_when_draining for r in engine._draining):
+            engine.cancel(cancel_when_draining)
+            events.append(("cancelled", cancel_when_draining))
+            cancel_when_draining = None
+    return {rid: np.concatenate(a) if a else np.zeros(0) for rid, a in got.items()}, events
+
+
+@pytest.mark.parametrize("early", [False, True], ids=["held", "early"])
+def test_early_row_release_gives_a_finished_replys_row_to_the_next_before_its_last_audio(ckpt, tmp_path_factory,
+                                                                                          early):
+    """One row, two replies. With early row release the LM's row goes to the second reply as soon as the LM
+    has finished the first, whose last windows are vocoded after the second's prefill; held (the default),
+    the second waits for the first's last audio. Either way each reply's audio is what it gives alone."""
+    engine = SparkTTSEngine.load(ckpt, device="cpu", max_batch=1, max_seq_len=512, early_row_release=early,
+                                 voices_dir=tmp_path_factory.mktemp("voices"))
+    reqs = {1: _request(1, 0.6), 2: _request(2, 0.6)}
+    alone = {rid: _in_order(engine, {rid: reqs[rid]})[0][rid] for rid in reqs}
+    audio, events = _in_order(engine, reqs)
+    second_prefill = [i for i, e in enumerate(events) if e == ("prefill",)][1]
+    assert (second_prefill < events.index(("final", 1))) == early, events
+    for rid in reqs:
+        assert np.allclose(audio[rid], alone[rid], atol=1e-4), rid
+    assert not engine.has_work() and engine.active_requests() == 0
+
+
+def test_a_reply_cancelled_while_it_waits_for_its_last_windows_gets_nothing_more(ckpt, tmp_path_factory):
+    engine = SparkTTSEngine.load(ckpt, device="cpu", max_batch=2, max_seq_len=512, early_row_release=True,
+                                 voices_dir=tmp_path_factory.mktemp("voices"))
+    reqs = {1: _request(1, 0.6), 2: _request(2, 0.6)}
+    full = _in_order(engine, {1: reqs[1]})[0][1]
+    audio, events = _in_order(engine, reqs, cancel_when_draining=1)
+    assert ("cancelled", 1) in events and ("final", 1) not in events and ("final", 2) in events, events
+    assert len(audio[1]) < len(full)  # at most what came before the cancel: its last windows never came
+    assert not engine.has_work() and engine.active_requests() == 0
