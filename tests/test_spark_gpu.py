@@ -184,11 +184,9 @@ def test_streamed_audio_equals_the_offline_decode_of_the_same_tokens(served, alo
         f"audio peak {max(float(np.abs(r.audio).max()) for r in alone.values()):.3f}")
 
 
-def test_batch_mates_change_nothing(served, alone):
-    """Compares each request's tokens and audio alone with the same request sharing the batch with the
-    others, joining at different steps (the engine holds 4 rows; they leave at different lengths):
-    tokens equal, audio within the bf16 bound (the vocoder batches windows differently)."""
-    together = run(served, requests(), submit_at={1: 0, 2: 1, 3: 5, 4: 12})
+def assert_as_alone(together: dict[int, Result], alone: dict[int, Result], what: str) -> None:
+    """Each request's tokens equal to its tokens alone, its audio within the bf16 bound (the vocoder batches
+    windows differently)."""
     problems, worst = [], {}
     for rid, res in alone.items():
         if together[rid].tokens != res.tokens or together[rid].global_ids != res.global_ids:
@@ -196,8 +194,46 @@ def test_batch_mates_change_nothing(served, alone):
                             f"globals equal: {together[rid].global_ids == res.global_ids}")
         else:
             worst[rid] = audio_difference(together[rid].audio, res.audio)
-    assert not problems, "with batch mates vs alone:\n" + "\n".join(problems)
-    assert max(worst.values()) <= BF16_BOUND, f"with batch mates vs alone, max |audio diff| per request {worst}"
+    assert not problems, f"{what} vs alone:\n" + "\n".join(problems)
+    assert max(worst.values()) <= BF16_BOUND, f"{what} vs alone, max |audio diff| per request {worst}"
+
+
+def test_batch_mates_change_nothing(served, alone):
+    """Compares each request's tokens and audio alone with the same request sharing the batch with the
+    others, joining at different steps (the engine holds 4 rows; they leave at different lengths):
+    tokens equal, audio within the bf16 bound (the vocoder batches windows differently)."""
+    assert_as_alone(run(served, requests(), submit_at={1: 0, 2: 1, 3: 5, 4: 12}), alone, "with batch mates")
+
+
+def test_early_row_release_changes_no_reply(served, alone):
+    """`VOICED_SPARK_EARLY_ROW_RELEASE=1`'s path on the served engine (graphed, compiled, bf16): the same
+    joins as above with a fifth request waiting for a row, which it gets once the LM has finished one of the
+    four (the order is checked on the CPU: tests/test_spark_schedule.py); every request's tokens are its
+    tokens alone, its audio within the bf16 bound."""
+    reqs = requests()
+    reqs[5] = TTSRequest("A fifth reply waits for a free row.", TTSOptions(seed=99, max_seconds=1.0))
+    fifth = run(served, {5: reqs[5]})[5]
+    served.early_row_release = True
+    try:
+        together = run(served, reqs, submit_at={1: 0, 2: 1, 3: 5, 4: 12, 5: 13})
+    finally:
+        served.early_row_release = False
+    assert_as_alone(together, {**alone, 5: fifth}, "with early row release")
+    assert served.active_requests() == 0 and not served.has_work()
+
+
+def test_unset_rows_are_the_most_the_memory_share_holds(ckpt, tmp_path):
+    """`max_batch` unset (the daemon's default, 0) on a GPU: 64 rows where the engine's share of the free
+    memory holds them, else the most of 32, 16, ... that it does (the shares here made from the engine's own
+    needs at 16 and 32 rows), and the engine holds that need."""
+    free = torch.cuda.mem_get_info()[0]
+    kw = dict(device="cuda", max_seq_len=MAX_SEQ, voices_dir=tmp_path, compile_lm=False)
+    big = SparkTTSEngine.load(ckpt, memory_limit=(free, 0.35), **kw)
+    assert big.max_batch == 64 and big.memory_need.total <= free * 0.35
+    need = {rows: SparkTTSEngine.load(ckpt, max_batch=rows, **kw).memory_need.total for rows in (16, 32)}
+    assert need[16] < need[32] < big.memory_need.total
+    small = SparkTTSEngine.load(ckpt, memory_limit=(free, (need[16] + need[32]) / 2 / free), **kw)
+    assert small.max_batch == 16 and small.memory_need.total == need[16]
 
 
 def test_a_cancelled_request_frees_its_slot(served, alone):
