@@ -3,6 +3,7 @@ the engine's methods the time went to."""
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import statistics
 import time
@@ -125,11 +126,8 @@ def _resumes_timed(parts, record, name: str | None = None):
         while True:
             c0 = time.thread_time()
             try:
-                if name is None:
+                with record_function(name) if name is not None else contextlib.nullcontext():
                     next(parts)
-                else:
-                    with record_function(name):
-                        next(parts)
             except StopIteration as done:
                 return done.value
             finally:

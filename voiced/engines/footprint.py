@@ -59,11 +59,14 @@ def check_memory_limit(need: EngineNeed, memory_limit: tuple[int, float] | None)
 
 
 def rows_that_fit(top: int, need_at: Callable[[int], EngineNeed], memory_limit: tuple[int, float] | None,
-                  what: str) -> tuple[int, EngineNeed]:
-    """The most rows of `top`, top/2, top/4, ... 1 whose need (`need_at(rows)`) fits `memory_limit` (free
-    GPU bytes, the engine's [memory] fraction), and that need: a GPU too small for `top` rows still starts,
-    with fewer. Where not even one row fits, one row's need, which `check_memory_limit` then refuses with
-    what to change. No limit: `top`."""
+                  what: str, fit: bool = True) -> tuple[int, EngineNeed]:
+    """The rows a torch engine takes and their need (`need_at(rows)`). With `fit` (max_batch unset, on a
+    GPU): the most rows of `top`, top/2, top/4, ... 1 whose need fits `memory_limit` (free GPU bytes, the
+    engine's [memory] fraction), so a GPU too small for `top` rows still starts, with fewer; where not even
+    one row fits, one row's need, which `check_memory_limit` then refuses with what to change; no limit:
+    `top`. Without `fit` (rows set, or a CPU): `top` as it is."""
+    if not fit:
+        return top, need_at(top)
     rows = top
     while True:
         need = need_at(rows)

@@ -240,10 +240,7 @@ class SparkTTSEngine:
             return plan(ckpt, device, lm_dtype, c_dtype, rows, max_seq_len, use_cuda_graphs, decode_steps,
                         vocoder_graphs)
 
-        if cuda and not max_batch:
-            rows, need = rows_that_fit(rows, need_at, memory_limit, "TTS")
-        else:
-            need = need_at(rows)
+        rows, need = rows_that_fit(rows, need_at, memory_limit, "TTS", fit=cuda and not max_batch)
         check_memory_limit(need, memory_limit)  # before anything goes to the GPU
         lm = load_qwen2(ckpt.llm_dir, device, lm_dtype)
         if lm.config.vocab_size < special.semantic_base + special.n_semantic:

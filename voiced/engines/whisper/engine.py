@@ -491,8 +491,9 @@ class WhisperEngine:
         (CPU only) runs the many-row products (encoder, cross-attention key/value projections, output
         projection) as dynamically quantized int8 GEMMs (cpu.py): faster, approximate.
         max_batch: decoder rows (a beam-search request takes `beam_size` rows); None or 0: 8 on CPU, and on
-        CUDA the most of 64, 32, 16, ... whose need fits memory_limit (footprint.rows_that_fit). kv_cache_bytes: a memory budget for the self+cross KV caches; the row count is
-        the smaller of what it allows and max_batch. compile_encoder, compile_decoder: the GPU paths,
+        CUDA the most of 64, 32, 16, ... whose need fits memory_limit (footprint.rows_that_fit).
+        kv_cache_bytes: a memory budget for the self+cross KV caches; the row count is the smaller of what
+        it allows and max_batch. compile_encoder, compile_decoder: the GPU paths,
         None meaning on for CUDA; fast_decoder: the fused decoder step, None meaning on (see __init__).
         memory_limit: (free GPU bytes, the [memory] whisper_kv_fraction): the computed need
         (`memory_need`) is checked against that share before the weights go to the GPU; a need above it
@@ -538,10 +539,7 @@ class WhisperEngine:
                                cross_in_encoder=cross_in_encoder, align_graphs=align_graphs,
                                alignment_heads=len(heads))
 
-        if cuda and not max_batch:
-            rows, need = rows_that_fit(rows, need_at, memory_limit, "ASR decoder")
-        else:
-            need = need_at(rows)
+        rows, need = rows_that_fit(rows, need_at, memory_limit, "ASR decoder", fit=cuda and not max_batch)
         check_memory_limit(need, memory_limit)  # before anything goes to the GPU
         model = model.to(device=device, dtype=dtype)
         if int8:
