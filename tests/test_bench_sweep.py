@@ -411,7 +411,7 @@ def test_the_request_timer_splits_a_replys_time_into_waiting_for_a_row_and_holdi
     got = timer.take()
     assert got["n"] == 2 and got["queue_ms"]["n"] == 2
     first, second = sorted(got["slowest"], key=lambda r: r["queued_ms"])
-    # the first had its row at the next step; the second waited while the first had it, which was until
-    # the first's last audio at most (its last windows, with early row release, come after the row is free)
-    assert 10 * first["queued_ms"] < second["queued_ms"] <= first["ms"], got["slowest"]
+    # the first had its row at the next step; the second waited about as long as the first held it
+    assert second["queued_ms"] > 10 * first["queued_ms"], got["slowest"]
+    assert second["queued_ms"] >= 0.9 * (first["ms"] - first["queued_ms"]), got["slowest"]
     assert got["held_ms"]["p50"] > 0

@@ -205,23 +205,6 @@ def test_batch_mates_change_nothing(served, alone):
     assert_as_alone(run(served, requests(), submit_at={1: 0, 2: 1, 3: 5, 4: 12}), alone, "with batch mates")
 
 
-def test_early_row_release_changes_no_reply(served, alone):
-    """`VOICED_SPARK_EARLY_ROW_RELEASE=1`'s path on the served engine (graphed, compiled, bf16): the same
-    joins as above with a fifth request waiting for a row, which it gets once the LM has finished one of the
-    four (the order is checked on the CPU: tests/test_spark_schedule.py); every request's tokens are its
-    tokens alone, its audio within the bf16 bound."""
-    reqs = requests()
-    reqs[5] = TTSRequest("A fifth reply waits for a free row.", TTSOptions(seed=99, max_seconds=1.0))
-    fifth = run(served, {5: reqs[5]})[5]
-    served.early_row_release = True
-    try:
-        together = run(served, reqs, submit_at={1: 0, 2: 1, 3: 5, 4: 12, 5: 13})
-    finally:
-        served.early_row_release = False
-    assert_as_alone(together, {**alone, 5: fifth}, "with early row release")
-    assert served.active_requests() == 0 and not served.has_work()
-
-
 def test_unset_rows_are_the_most_the_memory_share_holds(ckpt, tmp_path):
     """`max_batch` unset (the daemon's default, 0) on a GPU: 64 rows where the engine's share of the free
     memory holds them, else the most of 32, 16, ... that it does (the shares here made from the engine's own

@@ -10,7 +10,7 @@ starting at a different point of the loop. Reported per concurrency level, p50/p
 - asr_engine_ms: the part of asr_ms in the engines' process, from the request's submission to its worker to its
   transcript (the command queue and the engine); asr_worker_ms: the same on the daemon's side (with the pipe)
 - tts_engine_ms: a reply's time in the engines' process, submission to last chunk; its queue_ms is the wait
-  for a batch row (all taken), held_ms the rest (from its row to its last chunk)
+  for a batch row (all taken), held_ms the time in one (prefill, decode and the vocoder's last windows)
 - loop_lag_ms: how late the daemon's event loop ran a callback due every 10 ms (its worst, and when in the level)
 - agent_ms: end of speech -> the agent's first text
 - first_audio_ms (voice-to-voice): end of speech detected -> first reply audio chunk sent
@@ -753,7 +753,6 @@ def main(argv: list[str] | None = None) -> dict:
     log.info("daemon up after %.1f s (engines loaded and warmed up)", startup_s)
     gc_pauses = GcPauses()
     gc.callbacks.append(gc_pauses)
-    from voiced.engines.spark.engine import early_row_release_default
     from voiced.engines.whisper.engine import chunk_graphs_default as whisper_chunk_graphs_default
 
     result = {"bench": "e2e", "gpu": "cpu (dry run)" if args.tiny_cpu else torch.cuda.get_device_name(), "torch": torch.__version__,
@@ -763,8 +762,7 @@ def main(argv: list[str] | None = None) -> dict:
               "hang_up": args.hang_up, "engine_threads": engine_threads(args), "engine_process": engine_process(args),
               "engine_overlap": engine_overlap(args) and engine_threads(args) == "shared", "merge_policy": args.merge_policy or "default",
               "vocoder_graphs": vocoder_graphs(args), "prefill_graphs": args.prefill_graphs or "default",
-              "whisper_chunk_graphs": whisper_chunk_graphs_default(), "spark_early_row_release": early_row_release_default(),
-              "switch_interval_s": sys.getswitchinterval(),
+              "whisper_chunk_graphs": whisper_chunk_graphs_default(), "switch_interval_s": sys.getswitchinterval(),
               "gc_freeze": not args.no_gc_freeze, "duration_s": args.duration, "startup_s": startup_s,
               "date": time.strftime("%Y-%m-%d"), "fronts": {}, "saturation": {}}
     serving_peak = 0.0
@@ -812,7 +810,7 @@ def main(argv: list[str] | None = None) -> dict:
         if "asr" in engines.get("engine_ms", {}):
             level["asr_engine_ms"] = engines["engine_ms"]["asr"]  # asr_ms's share in the engines' process
         if "tts" in engines.get("engine_ms", {}):
-            level["tts_engine_ms"] = engines["engine_ms"]["tts"]  # a reply's wait for a row, and the rest
+            level["tts_engine_ms"] = engines["engine_ms"]["tts"]  # a reply's wait for a row, and its time in one
         if server.asr_worker is not None:
             level["asr_worker_ms"] = server.asr_worker.take()  # ... and with the pipe there and back
         level["loop_lag_ms"] = server.loop_lag.take()

@@ -97,20 +97,6 @@ def vocoder_graphs_default() -> bool:
     return env_switch("VOICED_SPARK_VOCODER_GRAPHS", VOCODER_GRAPHS_DEFAULT)
 
 
-# Early row release: a request whose last sentence the LM has finished gives its row (its KV cache, its
-# place in every decode step) back at once and waits for its last windows outside the batch, instead of
-# holding the row until the vocoder has caught up with it. Under load the vocoder serves first chunks
-# first, so a finished reply's last windows (well ahead of real time) can wait several vocoder turns, its
-# row running along each decode step as padding while new replies wait for a row. Off until measured on
-# a GPU (VOICED_SPARK_EARLY_ROW_RELEASE=1 turns it on).
-EARLY_ROW_RELEASE_DEFAULT = False
-
-
-def early_row_release_default() -> bool:
-    """VOICED_SPARK_EARLY_ROW_RELEASE=1 or 0 if set, else EARLY_ROW_RELEASE_DEFAULT."""
-    return env_switch("VOICED_SPARK_EARLY_ROW_RELEASE", EARLY_ROW_RELEASE_DEFAULT)
-
-
 @dataclass
 class SynthesisResult:
     """What the one-shot `synthesize` returns (the CLI prints it with --json)."""
@@ -140,7 +126,7 @@ class SparkTTSEngine:
                  special: SpecialTokens, *, device: str, max_batch: int, max_seq_len: int,
                  voices_dir: str | Path | None = None, use_cuda_graphs: bool = True,
                  model_name: str = "Spark-TTS-0.5B", decode_steps: int = DECODE_STEPS,
-                 vocoder_graphs: bool = False, early_row_release: bool | None = None) -> None:
+                 vocoder_graphs: bool = False) -> None:
         self.checkpoint = checkpoint
         # Inference only: with parameters that require grad, every forward run outside no_grad (warm-up
         # ran the vocoder so) records an autograd graph that keeps each activation alive until the output
@@ -176,9 +162,6 @@ class SparkTTSEngine:
         self._ints_np, self._floats_np = self._host_ints.numpy(), self._host_floats.numpy()
         self._queue: list[Request] = []
         self._active: list[Request] = []  # index == cache row
-        # Requests the LM is done with, rowless, waiting for their last windows (early row release).
-        self._draining: list[Request] = []
-        self.early_row_release = early_row_release_default() if early_row_release is None else early_row_release
         self._arrival = itertools.count()
         self._order: dict[int, int] = {}
         self._last_kind = PHASES[-1]
@@ -198,7 +181,7 @@ class SparkTTSEngine:
              kv_cache_bytes: int | None = None, max_seq_len: int = 4096, codec_dtype: str | torch.dtype | None = None,
              use_cuda_graphs: bool = True, decode_steps: int = DECODE_STEPS,
              compile_lm: bool | None = None, memory_limit: tuple[int, float] | None = None,
-             vocoder_graphs: bool | None = None, early_row_release: bool | None = None) -> SparkTTSEngine:
+             vocoder_graphs: bool | None = None) -> SparkTTSEngine:
         """Load a Spark-TTS-0.5B directory (or the cached model by name).
 
         max_batch: the requests (rows) decoded together; None or 0: 16 on CPU, and on CUDA the most of 64, 32,
@@ -213,8 +196,6 @@ class SparkTTSEngine:
         vocoder_graphs: replay the vocoder's window decodes from CUDA graphs captured at warm-up (one host call
             instead of ~400 launches a vocoder turn; vocoder_graphs.py). Default: `vocoder_graphs_default()`,
             VOCODER_GRAPHS_DEFAULT unless the environment sets VOICED_SPARK_VOCODER_GRAPHS (1 or 0).
-        early_row_release: a request the LM is done with gives its row back before its last windows are vocoded
-            (EARLY_ROW_RELEASE_DEFAULT's comment). Default: `early_row_release_default()`.
         """
         ckpt = resolve(name_or_path)
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -252,7 +233,7 @@ class SparkTTSEngine:
             lm.compile_decode()
         engine = cls(ckpt, lm, codec, tokenizer, special, device=device, max_batch=rows, max_seq_len=max_seq_len,
                      voices_dir=voices_dir, use_cuda_graphs=use_cuda_graphs, model_name=ckpt.root.name,
-                     decode_steps=decode_steps, vocoder_graphs=vocoder_graphs, early_row_release=early_row_release)
+                     decode_steps=decode_steps, vocoder_graphs=vocoder_graphs)
         engine.memory_need = need
         return engine
 
@@ -270,7 +251,7 @@ class SparkTTSEngine:
           bucket a vocoder step can use, plus the end-masked variant.
         Nothing to do on the CPU. Skipped while requests are in flight (it uses their cache rows).
         The pieces are in warmup.py."""
-        if self.has_work() or not str(self.device).startswith("cuda"):
+        if self._active or self._queue or not str(self.device).startswith("cuda"):
             return
         warm_up(self, first_chunk_tokens, chunk_tokens)
 
@@ -326,16 +307,16 @@ class SparkTTSEngine:
             if r.rid == request_id:
                 del self._queue[i]
                 return
-        for r in self._active + self._draining:
+        for r in self._active:
             if r.rid == request_id:
                 self._release(r)
                 return
 
     def has_work(self) -> bool:
-        return bool(self._queue or self._active or self._draining)
+        return bool(self._queue or self._active)
 
     def active_requests(self) -> int:
-        return len(self._queue) + len(self._active) + len(self._draining)
+        return len(self._queue) + len(self._active)
 
     def step(self) -> list[EngineOutput]:
         return finish(self.step_parts())
@@ -348,22 +329,20 @@ class SparkTTSEngine:
     def _step(self) -> StepParts:
         outputs: list[EngineOutput] = []
         self._admit()
-        if not self._active and not self._draining:
+        if not self._active:
             self.last_step = {"kind": None}
             return outputs
         now = time.perf_counter()
-        # What the vocoder serves: the rows, and the rowless requests waiting for their last windows.
-        flight = self._active + self._draining if self._draining else self._active
         # For a request alone, which kind runs depends only on what is pending, never on the clock: it is
         # stepped the same way (and its windows batched the same way) in the daemon and in `synthesize`.
-        ready = self.vocoder.ready_rows(flight, now)
+        ready = self.vocoder.ready_rows(self._active, now)
         work = {"prefill": any(r.state is State.PREFILL for r in self._active),
                 "decode": any(r.state is State.DECODING for r in self._active),
                 "vocode": bool(ready)}
         if work["vocode"] and work["decode"] and vocoder_schedule.first_chunk_decoding(self._active):
             # A caller is waiting for the first sound of a reply: its decode steps go back to back,
             # and the others' chunks wait while their audio stays VOCODER_SLACK_S ahead of playback.
-            work["vocode"] = vocoder_schedule.urgent(flight, now)
+            work["vocode"] = vocoder_schedule.urgent(self._active, now)
         start = PHASES.index(self._last_kind) + 1
         kind = next((k for k in PHASES[start:] + PHASES[:start] if work[k]), None)
         jump = kind not in (None, "prefill") and not self._jumped and self._first_prefill_waiting()
@@ -376,7 +355,7 @@ class SparkTTSEngine:
             # follows a jump, so decode and vocode keep at least every other step however fast
             # requests arrive.
             kind = "prefill"
-        self.last_step = {"kind": kind, "out_of_turn": jump, "draining": len(self._draining)}
+        self.last_step = {"kind": kind, "out_of_turn": jump}
         if kind is None:
             return outputs
         if not jump:
@@ -387,7 +366,7 @@ class SparkTTSEngine:
             yield from self._decode_step(outputs)
         else:
             with record_function("spark.vocode"):
-                turn = self.vocoder.launch(ready, now, self._order, flight, self.last_step)
+                turn = self.vocoder.launch(ready, now, self._order, self._active, self.last_step)
             try:
                 yield
             except BaseException:  # closed unread (the thread stopping): the windows go back
@@ -434,7 +413,6 @@ class SparkTTSEngine:
                 self._advance(r, token)
             except Exception as e:  # this request's token: its fault alone
                 outputs.append(self._fault(r, e))
-        self._retire_finished()
         self.last_step["prefilled"] = len(fresh)
 
     def _prefill_failed(self, group: list[Request], error: Exception, outputs: list[EngineOutput]) -> None:
@@ -476,7 +454,6 @@ class SparkTTSEngine:
                     self._advance(r, t)
             except Exception as e:  # this request's tokens: its fault alone
                 outputs.append(self._fault(r, e))
-        self._retire_finished()
         self.last_step["decoded_rows"] = len(rows)
 
     def _prefill_fresh(self, outputs: list[EngineOutput]) -> tuple[list[Request], torch.Tensor | None]:
@@ -663,12 +640,12 @@ class SparkTTSEngine:
         sentence, or end it."""
         outputs: list[EngineOutput] = []
         for r in rows:
-            if r.left:  # released meanwhile (cancelled, or failed)
+            if r.slot < 0:
                 continue
             pieces = pending.get(id(r), [])
             # The sentence is over once its last window has gone out.
             done = r.sentence_over and (r.planner is None or r.planner.emitted >= len(r.semantic))
-            final = done and r.lm_done
+            final = done and (r.state is State.STOPPED or r.seg + 1 >= len(r.segments))
             if final and r.phase == PHASE_GLOBAL and not r.global_ids:
                 outputs.append(self._fail(r, "the model did not produce a speaker for this voice (no global tokens)"))
                 continue
@@ -700,16 +677,10 @@ class SparkTTSEngine:
         return fault_output(r.rid, "speech synthesis", error)
 
     def _release(self, r: Request) -> None:
-        """r leaves the engine (its end, a fault, a cancel): its row, or its place among the draining, goes."""
-        self._order.pop(r.rid, None)
-        r.left = True
-        if r in self._active:
-            self._free_row(r)
-        elif r in self._draining:
-            self._draining.remove(r)
-
-    def _free_row(self, r: Request) -> None:
         """Free r's row and keep rows compact: the last active row moves into the hole."""
+        self._order.pop(r.rid, None)
+        if r not in self._active:
+            return
         rows = self._active
         for src, dst in compaction([x is not r for x in rows]):
             mover = rows[src]
@@ -718,15 +689,6 @@ class SparkTTSEngine:
             rows[dst] = mover
         rows.pop()
         r.slot = -1
-
-    def _retire_finished(self) -> None:
-        """With early row release: the requests the LM is done with give their rows back and wait for their
-        last windows among the draining (the vocoder serves them as before)."""
-        if not self.early_row_release:
-            return
-        for r in [r for r in self._active if r.lm_done]:
-            self._free_row(r)
-            self._draining.append(r)
 
     # ------------------------------------------------------------------- voice registration
 

@@ -4,9 +4,7 @@ A request's life: QUEUED (no row yet) -> PREFILL (a row; its sentence's prompt w
 step) -> DECODING (the LM writes the sentence's tokens) -> SENTENCE_END (the sentence ended: its last
 windows go to the vocoder) -> PREFILL for the next sentence, or the end after the last one. STOPPED
 is SENTENCE_END for a request that ends early (its duration cap, or no speaker produced): no sentence
-follows. A request leaves at its end, on a fault, or when cancelled (its row goes; `slot` becomes -1;
-`left` is set). With the engine's early row release, a request the LM is done with (`lm_done`) gives its
-row back at once and waits for its last windows outside the batch (`slot` -1, not `left`).
+follows. A request leaves at its end, on a fault, or when cancelled (its row goes; `slot` becomes -1).
 """
 
 from __future__ import annotations
@@ -65,18 +63,11 @@ class Request:
     # Prefilled alone from now on: a group prefill it was in failed and the culprit is being found. A
     # mark on the request (kept for its later sentences), not a stage of its life.
     solo: bool = False
-    left: bool = False  # released (ended, failed or cancelled): nothing more is emitted for it
 
     @property
     def sentence_over(self) -> bool:
         """The LM is done with the current sentence: what is left of it is vocoder work."""
         return self.state in (State.SENTENCE_END, State.STOPPED)
-
-    @property
-    def lm_done(self) -> bool:
-        """The LM is done with the whole request (its last sentence ended, or it stopped early): what is
-        left is vocoder work, which needs no row."""
-        return self.state is State.STOPPED or (self.state is State.SENTENCE_END and self.seg + 1 >= len(self.segments))
 
 
 def phase_bias(sp: SpecialTokens, vocab_size: int, device) -> torch.Tensor:
