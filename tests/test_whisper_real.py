@@ -164,6 +164,28 @@ def test_transcribe_gives_openai_whispers_tokens_and_the_words_spoken_english(ti
         assert not rec["is_hallucination"]
 
 
+def test_utterances_admitted_together_each_hear_only_their_own_audio(tiny_en, tmp_path):
+    """The engine lays each admission's audio out in one kept block (one row per utterance, as wide as the
+    longest): after a longer utterance has been through it, two of different lengths admitted together
+    each give openai-whisper's tokens for that utterance alone, and its words."""
+    from voiced.engines.base import ASROptions, ASRRequest
+    from voiced.engines.whisper.engine import WhisperEngine
+
+    engine = WhisperEngine.load(tiny_en, device="cpu", max_batch=2)
+    long = speech("Thank you for calling. How can I help you? " * 2, tmp_path)
+    assert engine.transcribe(ASRRequest(long, ASROptions(language="en"))).text
+    clips = {i: speech(ENGLISH[i], tmp_path) for i in (0, 2)}
+    assert len(clips[2]) < len(clips[0]) < len(long)
+    for i, audio in clips.items():
+        engine.submit(i, ASRRequest(audio, ASROptions(language="en")))
+    got = {}
+    while len(got) < len(clips):
+        got.update((out.request_id, out.value) for out in engine.step() if out.final)
+    for i, audio in clips.items():
+        assert got[i].tokens == ref_decode(tiny_en, audio).tokens, ENGLISH[i]
+        assert words(got[i].text, "en") == words(ENGLISH[i], "en"), got[i].text
+
+
 def test_transcribe_detects_the_language_as_openai_whisper_does(base, tmp_path, capsys):
     clips, spoken = {}, {}
     for lang, text in [*OTHERS.items(), ("en", ENGLISH[0])]:

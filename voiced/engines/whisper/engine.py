@@ -425,6 +425,11 @@ class WhisperEngine:
         self._host_inputs = (torch.zeros(3, max_batch, dtype=torch.long, pin_memory=True) if self.is_cuda
                              else self.steps.inputs)
         self._host_np = self._host_inputs.numpy()
+        # The admitted audio's staging block (`_audio`; pinned on CUDA), kept: a fresh pinned [n, 30 s] block
+        # per admission cost ~5 ms of host time before the encoder could start (whisper_bench --timeline,
+        # H200, session 23).
+        self._host_audio: torch.Tensor | None = None  # made at the first admission, grown when too small
+        self._audio_sent = torch.cuda.Event() if self.is_cuda else None  # the copy that last read it
         if self._stream is not None:
             # The weights (moved, fused), caches and buffers above were queued on the creating thread's
             # stream; kernels on the engine's own stream must not overtake those fills and copies.
@@ -968,16 +973,29 @@ class WhisperEngine:
             self._active[req.rid] = req
 
     def _audio(self, chosen: list[_Active]) -> torch.Tensor:
-        """The requests' audio as padded 30 s windows [n, N_SAMPLES] on the model's device: laid out on
-        the host through numpy (no torch call per request), in pinned memory on CUDA, sent in one copy.
-        `submit` refused anything longer than a window, so each is only padded."""
-        audio = torch.zeros(len(chosen), N_SAMPLES, pin_memory=self.is_cuda)
-        host = audio.numpy()
-        for i, r in enumerate(chosen):
-            host[i, :r.request.audio.shape[0]] = r.request.audio
+        """The requests' audio as padded 30 s windows [n, N_SAMPLES] on the model's device. Only the
+        longest request's span crosses to the device, laid out on the host through numpy (no torch call per
+        request) in the kept staging block (pinned on CUDA) and sent in one copy; the padding to 30 s is made on the device.
+        `submit` refused anything longer than a window."""
+        lens = [r.request.audio.shape[0] for r in chosen]
+        n, width = len(chosen), max(lens)
         if self.is_cuda:
-            audio = audio.to(self.model.device, non_blocking=True)
-        return audio
+            # The previous admission's copy has read the block by now (its tokens were read back since):
+            # the wait is a guard that costs nothing.
+            self._audio_sent.synchronize()
+        if self._host_audio is None or self._host_audio.numel() < n * width:
+            self._host_audio = torch.empty(max(n, self.max_encoder_batch) * N_SAMPLES, pin_memory=self.is_cuda)
+        # Each row is written whole (its audio, then zeros to `width`): nothing of an earlier admission's
+        # longer audio is left in it.
+        host = self._host_audio[:n * width].view(n, width)
+        host_np = host.numpy()
+        for i, r in enumerate(chosen):
+            host_np[i, :lens[i]] = r.request.audio
+            host_np[i, lens[i]:] = 0
+        if self.is_cuda:
+            host = host.to(self.model.device, non_blocking=True)
+            self._audio_sent.record(torch.cuda.current_stream(self.model.device))
+        return torch.nn.functional.pad(host, (0, N_SAMPLES - width))
 
     def _detect_languages(self, detect: list[_Active]) -> None:
         """Language detection (language.py) for the requests that did not give theirs."""
