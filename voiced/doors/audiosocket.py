@@ -93,6 +93,19 @@ class AudioSocketDoor:
                 await last_words(writer.wait_closed(), writer.transport)
 
 
+@contextlib.contextmanager
+def _socket_faults_as_lost():
+    """The socket's own faults that are not ConnectionErrors (a keepalive timeout, an unreachable host or
+    network) end the call as a lost connection, as a reset does, not as an internal error; only the socket's
+    reads and writes run under this, so a TimeoutError of the session's own still reads as what it is."""
+    try:
+        yield
+    except ConnectionError:
+        raise
+    except OSError as e:
+        raise ConnectionError(f"{type(e).__name__}: {e}") from e
+
+
 class _Call:
     def __init__(self, door: AudioSocketDoor, reader, writer, task):
         self.door = door
@@ -113,7 +126,7 @@ class _Call:
     async def run(self) -> None:
         try:
             try:
-                first = await asyncio.wait_for(wire.read_message(self.reader), UUID_TIMEOUT_S)
+                first = await asyncio.wait_for(self._read(), UUID_TIMEOUT_S)
             except TimeoutError:
                 raise wire.Malformed(f"no UUID message within {UUID_TIMEOUT_S:g} s of connecting") from None
             if first is None:
@@ -155,7 +168,7 @@ class _Call:
         early: list = []
         while True:
             try:
-                msg = await asyncio.wait_for(wire.read_message(self.reader), FIRST_AUDIO_TIMEOUT_S)
+                msg = await asyncio.wait_for(self._read(), FIRST_AUDIO_TIMEOUT_S)
             except TimeoutError:
                 raise wire.Malformed(f"no audio within {FIRST_AUDIO_TIMEOUT_S:g} s of the UUID") from None
             ended = self._caller_ended(msg)
@@ -206,6 +219,11 @@ class _Call:
 
     # ------------------------------------------------------------------ the caller's side
 
+    async def _read(self) -> wire.Message | None:
+        """The caller's next message (None: the socket closed between messages)."""
+        with _socket_faults_as_lost():
+            return await wire.read_message(self.reader)
+
     def _caller_ended(self, msg: wire.Message | None) -> str:
         """Why this message ends the call from Asterisk's side ("" if it does not)."""
         if msg is None:
@@ -233,7 +251,7 @@ class _Call:
 
     async def _read_caller(self, inputs: CallInputs) -> None:
         while True:
-            msg = await wire.read_message(self.reader)
+            msg = await self._read()
             ended = self._caller_ended(msg)
             if ended:
                 log.info("%s: %s", self._who(), ended)
@@ -273,8 +291,9 @@ class _Call:
         await self._write(wire.encode(self.kind, frame))
 
     async def _write(self, data: bytes) -> None:
-        self.writer.write(data)
-        await self.writer.drain()
+        with _socket_faults_as_lost():
+            self.writer.write(data)
+            await self.writer.drain()
 
     async def _send_error(self, code: str) -> None:
         self.services.count_error(FRONT, code)
