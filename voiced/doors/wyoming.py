@@ -179,6 +179,9 @@ class _Handler(AsyncEventHandler):
             while self._is_running:
                 try:
                     event = await async_read_event(self.reader)  # invalid JSON reads as the end
+                except OSError as e:  # the socket's own fault (a reset, a keepalive timeout): nothing to answer
+                    log.info("wyoming %s: connection lost: %s: %s", self.peer, type(e).__name__, e)
+                    break
                 except Exception as e:  # a header that is JSON but not an event: a list, no "type"
                     log.info("wyoming %s: unreadable event (%s: %s); closing the connection",
                              self.peer, type(e).__name__, e)
