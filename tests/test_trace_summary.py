@@ -6,7 +6,7 @@ import threading
 
 import torch
 
-from voiced.bench.trace_summary import gpu_gaps, load, overlap_us, summarize, union_us
+from voiced.bench.trace_summary import gpu_gaps, host_waits, load, overlap_us, summarize, union_us
 
 
 def test_union_and_overlap_count_shared_time_once():
@@ -35,6 +35,33 @@ def test_the_gpus_idle_time_is_put_down_to_the_host_range_and_call_in_progress()
     assert g["by_range"] == {"_select": 1.0, "_finish": 1.0, "_greedy_chunk": 0.5}
     assert g["longest"][0] == {"ms": 1.0, "at_ms": 5.0, "range": "_select", "call": None}
     assert [x["range"] for x in g["longest"]] == ["_select", "_finish"]
+
+
+def test_each_host_wait_is_put_down_to_the_operator_that_made_it():
+    """An admission's token choice: an indexed assignment copies its value from pageable memory and waits
+    5 ms for the encoder inside `aten::index_put_`; the read-back after it waits 0.01 ms (under the 20 us
+    threshold); a chunk's read-back waits 2 ms inside `aten::to`. Another thread's wait is its own; an event
+    query that returns at once is no wait."""
+    op = lambda name, ts, dur, tid=1: {"ph": "X", "cat": "cpu_op", "name": name, "tid": tid, "ts": ts, "dur": dur}
+    rt = lambda name, ts, dur, tid=1: {"ph": "X", "cat": "cuda_runtime", "name": name, "tid": tid, "ts": ts, "dur": dur}
+    ev = [
+        {"ph": "X", "cat": "user_annotation", "name": "_admit", "tid": 1, "ts": 0, "dur": 12_000},
+        {"ph": "X", "cat": "user_annotation", "name": "_select", "tid": 1, "ts": 1_000, "dur": 6_000},
+        op("aten::index_put_", 1_100, 5_200), op("aten::to", 1_150, 5_100), op("aten::copy_", 1_160, 5_080),
+        rt("cudaMemcpyAsync", 1_170, 10), rt("cudaStreamSynchronize", 1_190, 5_000),
+        op("aten::to", 6_500, 30), rt("cudaMemcpyAsync", 6_510, 10),
+        {"ph": "X", "cat": "user_annotation", "name": "_greedy_chunk", "tid": 1, "ts": 8_000, "dur": 3_000},
+        op("aten::to", 8_100, 2_100), op("aten::copy_", 8_110, 2_080), rt("cudaMemcpyAsync", 8_120, 2_000),
+        rt("cudaEventQuery", 10_500, 3),
+        op("aten::to", 3_000, 1_000, tid=2), rt("cudaStreamSynchronize", 3_100, 800, tid=2),
+    ]
+    w = host_waits(ev, top=2)
+    assert w["by_op"] == {"_select: aten::index_put_": 5.0, "_greedy_chunk: aten::to": 2.0,
+                          "(no marked range): aten::to": 0.8}
+    assert w["wait_ms"] == 7.8
+    assert w["longest"] == [
+        {"ms": 5.0, "at_ms": 1.19, "where": "_select: aten::index_put_", "call": "cudaStreamSynchronize"},
+        {"ms": 2.0, "at_ms": 8.12, "where": "_greedy_chunk: aten::to", "call": "cudaMemcpyAsync"}]
 
 
 def test_a_range_waiting_on_another_threads_kernels_is_told_apart(tmp_path):

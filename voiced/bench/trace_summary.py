@@ -119,24 +119,62 @@ def gpu_gaps(events: list[dict], top: int = 10, min_us: float = 5.0) -> dict:
         end = max(end, b)
     if hi - end >= min_us:
         gaps.append((end, hi))
-    ranges = [e for e in events if e.get("cat") == "user_annotation" and not e["name"].startswith("ProfilerStep")]
+    ranges = _marked_ranges(events)
     calls = [e for e in events if e.get("cat") == "cuda_runtime"]
-
-    def innermost(evs: list[dict], t: float) -> str | None:
-        inside = [e for e in evs if e["ts"] <= t < e["ts"] + e["dur"]]
-        return min(inside, key=lambda e: e["dur"])["name"] if inside else None
-
     by_range: dict[str, float] = defaultdict(float)
     described = []
     for a, b in gaps:
         mid = (a + b) / 2
-        where = innermost(ranges, mid) or "(no marked range)"
+        inner = _innermost(ranges, mid)
+        where = inner["name"] if inner else "(no marked range)"
         by_range[where] += b - a
+        call = _innermost(calls, mid)
         described.append({"ms": round((b - a) / 1e3, 3), "at_ms": round((a - lo) / 1e3, 3), "range": where,
-                          "call": innermost(calls, mid)})
+                          "call": call["name"] if call else None})
     return {"idle_ms": round(sum(b - a for a, b in gaps) / 1e3, 3),
             "by_range": {k: round(v / 1e3, 3) for k, v in sorted(by_range.items(), key=lambda kv: -kv[1])},
             "longest": sorted(described, key=lambda g: -g["ms"])[:top]}
+
+
+def host_waits(events: list[dict], top: int = 10, min_us: float = 20.0) -> dict:
+    """Where the host waited for the GPU: each CUDA runtime call that waits (WAITING_CALLS) for at least
+    `min_us`, put down to the innermost marked range around it and to the outermost operator of that range
+    which made it: the call from Python that synchronised, which the runtime call's name does not say (an
+    indexed assignment whose value is copied from pageable memory is `aten::index_put_`; a read-back,
+    `aten::to` or `aten::_local_scalar_dense`)."""
+    ranges, ops = _marked_ranges(events), [e for e in events if e.get("cat") == "cpu_op"]
+    by_op: dict[str, float] = defaultdict(float)
+    described = []
+    lo = min((e["ts"] for e in events), default=0.0)
+    for w in events:
+        if w.get("cat") != "cuda_runtime" or w["dur"] < min_us or not any(c in w["name"] for c in WAITING_CALLS):
+            continue
+        mine = [e for e in ops if e.get("tid") == w.get("tid")]
+        inner = _innermost([e for e in ranges if e.get("tid") == w.get("tid")], w["ts"])
+        since = inner["ts"] if inner else float("-inf")
+        op = _outermost([e for e in mine if e["ts"] >= since], w["ts"])
+        where = f"{inner['name'] if inner else '(no marked range)'}: {op['name'] if op else w['name']}"
+        by_op[where] += w["dur"]
+        described.append({"ms": round(w["dur"] / 1e3, 3), "at_ms": round((w["ts"] - lo) / 1e3, 3),
+                          "where": where, "call": w["name"]})
+    return {"wait_ms": round(sum(by_op.values()) / 1e3, 3),
+            "by_op": {k: round(v / 1e3, 3) for k, v in sorted(by_op.items(), key=lambda kv: -kv[1])},
+            "longest": sorted(described, key=lambda d: -d["ms"])[:top]}
+
+
+def _marked_ranges(events: list[dict]) -> list[dict]:
+    """The record_function ranges (the StepTimer's engine parts), without the profiler's own steps."""
+    return [e for e in events if e.get("cat") == "user_annotation" and not e["name"].startswith("ProfilerStep")]
+
+
+def _innermost(evs: list[dict], t: float) -> dict | None:
+    inside = [e for e in evs if e["ts"] <= t < e["ts"] + e["dur"]]
+    return min(inside, key=lambda e: e["dur"]) if inside else None
+
+
+def _outermost(evs: list[dict], t: float) -> dict | None:
+    inside = [e for e in evs if e["ts"] <= t < e["ts"] + e["dur"]]
+    return max(inside, key=lambda e: e["dur"]) if inside else None
 
 
 def main() -> None:

@@ -17,7 +17,8 @@ comparable. Measures, in one process:
 * the same latency and a batched throughput with transformers' WhisperForConditionalGeneration
   .generate (SDPA attention, fp16) on the same weights;
 * with --timeline, one utterance profiled: wall time per engine part and, on a GPU, the GPU's idle
-  time and what the host was doing then (`timeline`).
+  time and what the host was doing then, and where the host waited for the GPU and which operator made
+  it wait (`timeline`).
 
 Prints one JSON object (and writes it to --out).
 """
@@ -453,14 +454,15 @@ def timeline(eng: WhisperEngine, request: ASRRequest, dev: str) -> dict:
     """Where one utterance's time goes: `request` transcribed alone under torch.profiler, with the engine's
     parts marked (the e2e bench's step parts), after one unprofiled run. Per part: calls and wall time; on
     a GPU, how busy it was and where it sat idle (`trace_summary.gpu_gaps`: the host work between launches
-    and the host's own waits, the part of the latency a faster kernel cannot take). The profiler adds its
+    and the host's own waits, the part of the latency a faster kernel cannot take), and each host wait with
+    the operator that made it (`trace_summary.host_waits`). The profiler adds its
     own host cost: the wall time here is above the unprofiled latency measured by `speed`."""
     import tempfile
 
     from torch.profiler import ProfilerActivity, profile
 
     from voiced.bench.steps import STEP_PARTS, StepTimer
-    from voiced.bench.trace_summary import gpu_gaps, load, summarize
+    from voiced.bench.trace_summary import gpu_gaps, host_waits, load, summarize
 
     cuda = dev.startswith("cuda")
     timer = StepTimer(eng, STEP_PARTS["asr"])
@@ -487,6 +489,7 @@ def timeline(eng: WhisperEngine, request: ASRRequest, dev: str) -> dict:
     if cuda:
         out["gpu_busy"] = summary["gpu_busy"]
         out["gpu_idle"] = gpu_gaps(events)
+        out["host_waits"] = host_waits(events)
     return out
 
 
