@@ -257,6 +257,38 @@ def test_a_callers_clock_times_a_reply_from_the_turn_the_daemon_ended_not_from_i
     assert last_sound < at
 
 
+def test_a_turn_the_daemon_ends_before_the_callers_own_clock_does_is_counted_once():
+    """Silence detection: the caller's clock runs the daemon's segmenter over the frames it sends and finds
+    each end with the daemon. On a busy machine the daemon's SPEECH_ENDED can arrive before the clock has
+    heard the frame that ends the utterance; the clock's own end that follows is the same utterance, so the
+    reply to that turn answers it and nothing is left unanswered (it counted one, 3 runs in 12 of the sweep
+    test with both cores busy)."""
+    from voiced.bench.phone_callers import EndOfSpeech
+
+    rate, frame = 16000, 320
+    t = np.arange(frame) / rate
+    voice = (0.3 * 32767 * np.sin(2 * np.pi * 220 * t)).astype(np.int16).tobytes()
+    quiet = bytes(2 * frame)
+    talk = [voice] * 50 + [quiet] * 60
+    twin = EndOfSpeech()  # where the segmenter ends the utterance: the frame the daemon decides on
+    end = next(i for i, f in enumerate(talk) if (twin.sent(f, i * 0.02), twin.ends)[1])
+    for door_first in (False, True):
+        clock = EndOfSpeech()
+        out = {"v2v_client_ms": [], "v2v_real_end_ms": [], "unmatched_replies": []}
+        for i, f in enumerate(talk):
+            if door_first and i == end:
+                clock.decided(i * 0.02 + 0.001, turn=1)  # SPEECH_ENDED before the clock heard this frame
+            clock.sent(f, i * 0.02)
+            if not door_first and i == end:
+                clock.decided(i * 0.02 + 0.001, turn=1)
+        clock.transcribed(1)
+        clock.reply_started(out, end * 0.02 + 0.2, turn=1)
+        clock.finished(len(talk) * 0.02)
+        assert clock.unanswered() == 0 and clock.utterances == 1 and not clock.ends, door_first
+        assert out["unmatched_replies"] == [] and len(out["v2v_client_ms"]) == 1
+        assert out["v2v_client_ms"][0] == pytest.approx(200.0 if not door_first else 199.0, abs=0.01)
+
+
 def test_a_turn_the_daemon_drops_takes_no_reply_from_the_next_turn():
     """A door that names its turns: a turn the daemon ended but dropped (no transcript: its words a
     hallucination, such as the tail of a word where a looped WAV starts) is owed no reply. The next turn's

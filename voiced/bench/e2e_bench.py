@@ -498,8 +498,10 @@ async def one_caller(address: str, pcm: bytes, start_frame: int, duration_s: flo
                     out["notices"].append(f"{ev.notice.code}: {ev.notice.message[:120]}")
 
         async def send(frame: bytes) -> None:
-            await call.write(pb.SessionRequest(audio=frame))
+            # The clock hears the frame as it goes out: fed after the write, it could hear the frame that ends
+            # an utterance after the daemon's SPEECH_ENDED for it had arrived (a busy machine).
             clock.sent(frame, time.monotonic())
+            await call.write(pb.SessionRequest(audio=frame))
 
         reader = asyncio.create_task(read())
         await paced(frames, start_frame, duration_s, send, out)

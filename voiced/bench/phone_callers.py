@@ -61,6 +61,8 @@ class EndOfSpeech:
         self.utterances = 0
         self._last_sound = 0.0  # when the last loud sample was spoken
         self.door_decides = door_decides
+        # turns the door ended before this clock's segmenter found their end (`decided`), oldest first
+        self._ahead: collections.deque[int] = collections.deque()
 
     def sent(self, data: bytes, at: float) -> None:
         from voiced.bench.turn_set import LOUD
@@ -73,8 +75,7 @@ class EndOfSpeech:
                 continue
             for event in self._segmenter.push(frame):
                 if isinstance(event, self._utterance) and len(event.audio):
-                    self.ends.append((at, min(self._last_sound, at)))
-                    self.utterances += 1
+                    self._found_end(at)
 
     def decided(self, at: float, turn: int | None = None) -> None:
         """The door said the utterance (turn id `turn`, where it says) ended (received at `at`); its real end
@@ -86,12 +87,16 @@ class EndOfSpeech:
         if turn is not None and not self.door_decides and self.ends:
             self.turns[turn] = self.ends.popleft()
             return
-        # (a door that decides, or a segmenter that found no utterance: the door's end is the only one there is)
+        # A door that decides, or one whose end came before this clock's segmenter found it (a caller that
+        # feeds the clock after its write, on a busy machine): the door's end is the one counted, and the
+        # segmenter's later end of the same utterance is not another.
         end = (at, min(self._last_sound, at))
         if turn is None:
             self.ends.append(end)
         else:
             self.turns[turn] = end
+            if not self.door_decides:
+                self._ahead.append(turn)
         self.utterances += 1
 
     @property
@@ -115,8 +120,15 @@ class EndOfSpeech:
             self._segmenter.push(frame)
         for event in self._segmenter.flush():
             if isinstance(event, self._utterance) and len(event.audio):
-                self.ends.append((at, min(self._last_sound, at)))
-                self.utterances += 1
+                self._found_end(at)
+
+    def _found_end(self, at: float) -> None:
+        """This clock's segmenter found an utterance's end at `at`."""
+        if self._ahead:  # the door's end of this utterance came first: it is counted already
+            self._ahead.popleft()
+            return
+        self.ends.append((at, min(self._last_sound, at)))
+        self.utterances += 1
 
     @property
     def waiting(self) -> bool:
@@ -256,9 +268,9 @@ async def media_ws_caller(address: str, pcm16k: bytes, start_frame: int, duratio
 
         async def send(frame: bytes):
             chunk[0] += 1
+            clock.sent(frame, time.monotonic())  # as it goes out: the send may wait
             await ws.send_str(json.dumps({"event": "media", "streamSid": sid, "media": {
                 "track": "inbound", "chunk": str(chunk[0]), "payload": base64.b64encode(frame).decode()}}))
-            clock.sent(frame, time.monotonic())
 
         reading = asyncio.create_task(read())
         await paced(frames, start_frame, duration_s, send, out)
