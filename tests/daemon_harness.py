@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -172,3 +173,21 @@ def engine_fault(engine):
     with pytest.MonkeyPatch.context() as m:
         m.setattr(engine, "step", step)
         yield
+
+
+@contextlib.contextmanager
+def socket_timeout(module, read: str, on_call: int):
+    """A dead peer's socket under a door: while the block lasts, the `on_call`-th call of `module.read` (the
+    door's read of its connection) raises the kernel's keepalive timeout (ETIMEDOUT), as reading such a socket
+    does; the other calls read as usual. Yields the count of calls ({"n": ...})."""
+    real, calls = getattr(module, read), {"n": 0}
+
+    async def reading(reader):
+        calls["n"] += 1
+        if calls["n"] == on_call:
+            raise TimeoutError(errno.ETIMEDOUT, "Connection timed out")
+        return await real(reader)
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(module, read, reading)
+        yield calls

@@ -25,6 +25,7 @@ from tests.daemon_harness import (
     audio_requests,
     daemon_config,
     session_config,
+    socket_timeout,
     start_daemon,
     stream_blocking,
     wire_audio,
@@ -395,25 +396,16 @@ async def test_audiosocket_malformed_messages_end_only_their_own_call(daemon, bo
     await until(lambda: idle(daemon))
 
 
-async def test_audiosocket_a_socket_fault_ends_the_call_as_a_lost_connection(daemon, book, caplog, monkeypatch):
+async def test_audiosocket_a_socket_fault_ends_the_call_as_a_lost_connection(daemon, book, caplog):
     """A fault of the call's socket that is not a reset (here the kernel's keepalive timeout, ETIMEDOUT, on a
     read) ends that call as a lost connection: logged as one, no internal error sent to Asterisk or logged
     with a traceback, the session and its work gone; the next call is served."""
     import contextlib
-    import errno
 
     from voiced.doors import audiosocket_frames as wire
 
-    read, reads = wire.read_message, {"n": 0}
-
-    async def times_out_on_the_fifth(reader):
-        reads["n"] += 1
-        if reads["n"] == 5:
-            raise TimeoutError(errno.ETIMEDOUT, "Connection timed out")
-        return await read(reader)
-
-    monkeypatch.setattr(wire, "read_message", times_out_on_the_fifth)
-    with caplog.at_level(logging.INFO, logger="voiced.doors.audiosocket"):
+    with socket_timeout(wire, "read_message", on_call=5) as reads, \
+            caplog.at_level(logging.INFO, logger="voiced.doors.audiosocket"):
         call = await AsteriskCall.dial(daemon.services.doors["audiosocket"])
         with contextlib.suppress(ConnectionError):  # (the daemon may close before the last frames)
             for _ in range(8):
@@ -425,7 +417,6 @@ async def test_audiosocket_a_socket_fault_ends_the_call_as_a_lost_connection(dae
     assert any("connection lost" in r.getMessage() and "TimeoutError" in r.getMessage() for r in caplog.records)
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], [r.getMessage() for r in caplog.records]
     await until(lambda: idle(daemon))
-    monkeypatch.setattr(wire, "read_message", read)
     after = await AsteriskCall.dial(daemon.services.doors["audiosocket"])
     await after.say(slin(layout(QUESTION, tail_s=0.0).audio))
     await after.talk_until(lambda: after.audio_s() >= REPLY_S)

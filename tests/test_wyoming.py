@@ -29,7 +29,7 @@ from wyoming.tts import (
     SynthesizeVoice,
 )
 
-from tests.daemon_harness import FAULT_TEXT, daemon_config, engine_fault, start_daemon
+from tests.daemon_harness import FAULT_TEXT, daemon_config, engine_fault, socket_timeout, start_daemon
 from tests.spark_fixtures import make_spark_checkpoint
 from tests.speech import RATE, layout
 from tests.whisper_fixtures import make_openai_checkpoint
@@ -401,35 +401,24 @@ def test_a_malformed_event_ends_that_connection_only(daemon, data, words):
     assert Transcript.from_event(good[1]).text == recognize(daemon, x, RATE)
 
 
-def test_a_socket_fault_ends_that_connection_as_lost_not_as_an_unreadable_event(daemon, monkeypatch, caplog):
+def test_a_socket_fault_ends_that_connection_as_lost_not_as_an_unreadable_event(daemon, caplog):
     """A fault of the connection's socket while reading (here the kernel's keepalive timeout, ETIMEDOUT) ends
     that connection as lost: no error event answered on it, not logged as an unreadable event; the next
     connection is served."""
-    import errno
-
     from voiced.doors import wyoming as door
-
-    read, reads = door.async_read_event, {"n": 0}
-
-    async def times_out_on_the_second(reader):
-        reads["n"] += 1
-        if reads["n"] == 2:
-            raise TimeoutError(errno.ETIMEDOUT, "Connection timed out")
-        return await read(reader)
 
     async def describe(*until: str):
         async with client(daemon) as c:
             await c.write_event(Describe().event())
             return await read_until(c, *until)  # (none: up to the end of the connection)
 
-    monkeypatch.setattr(door, "async_read_event", times_out_on_the_second)
-    with caplog.at_level(logging.INFO, logger="voiced.doors.wyoming"):
+    with socket_timeout(door, "async_read_event", on_call=2), \
+            caplog.at_level(logging.INFO, logger="voiced.doors.wyoming"):
         events = run(describe())
     assert types(events) == ["info"]  # its answer, then the end: no error event
     said = [r.getMessage() for r in caplog.records]
     assert any("connection lost: TimeoutError" in m for m in said), said
     assert not any("unreadable" in m for m in said), said
-    monkeypatch.setattr(door, "async_read_event", read)
     assert types(run(describe("info"))) == ["info"]
 
 
