@@ -59,7 +59,7 @@ class StepTimer:
             self._parts[name] = (w + wall, c + cpu)
 
         if inspect.isgeneratorfunction(fn):  # a part that yields (step_parts): timed across its resumes
-            return lambda *a, **kw: _resumes_timed(fn(*a, **kw), add, name)
+            return lambda *a, **kw: _resumes_timed(fn(*a, **kw), add, lambda: record_function(name))
 
         def run(*a, **kw):
             t0, c0 = time.perf_counter(), time.thread_time()
@@ -114,19 +114,17 @@ class StepTimer:
         return {**pct(d), "max": round(max(d), 1) if d else 0.0, "cpu_s": round(cpu / 1e3, 2), "slow": slow}
 
 
-def _resumes_timed(parts, record, name: str | None = None):
+def _resumes_timed(parts, record, mark=contextlib.nullcontext):
     """Run a generator's parts as they are asked for; at the end, `record(wall_ms, cpu_ms)`: wall from
-    the first resume to the last, CPU of this thread during its own resumes only. With `name`, each resume
-    is a range of that name in a profile (one range per resume: across its yields the thread may run
-    another engine's parts, which a range spanning them would wrongly contain)."""
-    from torch.profiler import record_function
-
+    the first resume to the last, CPU of this thread during its own resumes only. Each resume runs inside
+    `mark()` (a part's named range in a profile: one range per resume, since across its yields the thread
+    may run another engine's parts, which a range spanning them would wrongly contain)."""
     t0, cpu = time.perf_counter(), 0.0
     try:
         while True:
             c0 = time.thread_time()
             try:
-                with record_function(name) if name is not None else contextlib.nullcontext():
+                with mark():
                     next(parts)
             except StopIteration as done:
                 return done.value

@@ -125,10 +125,10 @@ def gpu_gaps(events: list[dict], top: int = 10, min_us: float = 5.0) -> dict:
     described = []
     for a, b in gaps:
         mid = (a + b) / 2
-        inner = _innermost(ranges, mid)
+        inner = _enclosing(ranges, mid)
         where = inner["name"] if inner else "(no marked range)"
         by_range[where] += b - a
-        call = _innermost(calls, mid)
+        call = _enclosing(calls, mid)
         described.append({"ms": round((b - a) / 1e3, 3), "at_ms": round((a - lo) / 1e3, 3), "range": where,
                           "call": call["name"] if call else None})
     return {"idle_ms": round(sum(b - a for a, b in gaps) / 1e3, 3),
@@ -142,17 +142,21 @@ def host_waits(events: list[dict], top: int = 10, min_us: float = 20.0) -> dict:
     which made it: the call from Python that synchronised, which the runtime call's name does not say (an
     indexed assignment whose value is copied from pageable memory is `aten::index_put_`; a read-back,
     `aten::to` or `aten::_local_scalar_dense`)."""
-    ranges, ops = _marked_ranges(events), [e for e in events if e.get("cat") == "cpu_op"]
+    ranges, ops = defaultdict(list), defaultdict(list)  # each thread's
+    for e in _marked_ranges(events):
+        ranges[e.get("tid")].append(e)
+    for e in events:
+        if e.get("cat") == "cpu_op":
+            ops[e.get("tid")].append(e)
     by_op: dict[str, float] = defaultdict(float)
     described = []
     lo = min((e["ts"] for e in events), default=0.0)
     for w in events:
         if w.get("cat") != "cuda_runtime" or w["dur"] < min_us or not any(c in w["name"] for c in WAITING_CALLS):
             continue
-        mine = [e for e in ops if e.get("tid") == w.get("tid")]
-        inner = _innermost([e for e in ranges if e.get("tid") == w.get("tid")], w["ts"])
+        inner = _enclosing(ranges[w.get("tid")], w["ts"], min)
         since = inner["ts"] if inner else float("-inf")
-        op = _outermost([e for e in mine if e["ts"] >= since], w["ts"])
+        op = _enclosing([e for e in ops[w.get("tid")] if e["ts"] >= since], w["ts"], max)
         where = f"{inner['name'] if inner else '(no marked range)'}: {op['name'] if op else w['name']}"
         by_op[where] += w["dur"]
         described.append({"ms": round(w["dur"] / 1e3, 3), "at_ms": round((w["ts"] - lo) / 1e3, 3),
@@ -167,14 +171,10 @@ def _marked_ranges(events: list[dict]) -> list[dict]:
     return [e for e in events if e.get("cat") == "user_annotation" and not e["name"].startswith("ProfilerStep")]
 
 
-def _innermost(evs: list[dict], t: float) -> dict | None:
+def _enclosing(evs: list[dict], t: float, pick=min) -> dict | None:
+    """Of the events in progress at `t`, the innermost (`pick` min: the shortest) or the outermost (max)."""
     inside = [e for e in evs if e["ts"] <= t < e["ts"] + e["dur"]]
-    return min(inside, key=lambda e: e["dur"]) if inside else None
-
-
-def _outermost(evs: list[dict], t: float) -> dict | None:
-    inside = [e for e in evs if e["ts"] <= t < e["ts"] + e["dur"]]
-    return max(inside, key=lambda e: e["dur"]) if inside else None
+    return pick(inside, key=lambda e: e["dur"]) if inside else None
 
 
 def main() -> None:

@@ -221,7 +221,8 @@ def main(argv: list[str] | None = None) -> dict:
                     help="GPU: latency split + profile, encoder variants, graph-vs-eager kernel probes")
     ap.add_argument("--timeline", action="store_true",
                     help="one utterance profiled: wall time per engine part and, on a GPU, where the GPU sat idle "
-                         "(report's \"timeline\"; the trace beside --out)")
+                         "and where the host waited for it, by operator (report's \"timeline\"; the trace beside "
+                         "--out)")
     ap.add_argument("--probe-only", action="store_true", help="only the graph-vs-eager probes (subprocess use)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
@@ -455,8 +456,8 @@ def timeline(eng: WhisperEngine, request: ASRRequest, dev: str) -> dict:
     parts marked (the e2e bench's step parts), after one unprofiled run. Per part: calls and wall time; on
     a GPU, how busy it was and where it sat idle (`trace_summary.gpu_gaps`: the host work between launches
     and the host's own waits, the part of the latency a faster kernel cannot take), and each host wait with
-    the operator that made it (`trace_summary.host_waits`). The profiler adds its
-    own host cost: the wall time here is above the unprofiled latency measured by `speed`."""
+    the operator that made it (`trace_summary.host_waits`). The profiler adds its own host cost: the wall
+    time here is above the unprofiled latency measured by `speed`."""
     import tempfile
 
     from torch.profiler import ProfilerActivity, profile

@@ -975,8 +975,8 @@ class WhisperEngine:
     def _audio(self, chosen: list[_Active]) -> torch.Tensor:
         """The requests' audio as padded 30 s windows [n, N_SAMPLES] on the model's device. Only the
         longest request's span crosses to the device, laid out on the host through numpy (no torch call per
-        request) in the kept staging block (pinned on CUDA) and sent in one copy; the padding to 30 s is made on the device.
-        `submit` refused anything longer than a window."""
+        request) in the kept staging block (pinned on CUDA) and sent in one copy; the padding to 30 s is
+        made on the device. `submit` refused anything longer than a window."""
         lens = [r.request.audio.shape[0] for r in chosen]
         n, width = len(chosen), max(lens)
         if self.is_cuda:
