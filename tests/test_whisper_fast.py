@@ -459,3 +459,20 @@ def test_only_full_chunks_of_captured_buckets_take_the_chunk_graph(tmp_path):
         # for request 1 alone. The chunk's eager stand-in makes its 8 steps through `greedy` too.
         tail = [("step", 3)] * 8 + [("step", 2)] * 4 + [("step", 1)] * 7
         assert runs == ([("chunk", 3)] if captured else []) + tail
+
+
+def test_the_gpu_encoder_s_attention_is_pinned_to_flash_only_when_asked(monkeypatch):
+    """VOICED_WHISPER_FLASH_ENCODER=1 pins it to flash attention where flash runs (fp16/bf16, compute
+    capability >= 8.0); float32, older GPUs and the CPU keep torch's choice, as does the default (flash is not
+    batch-invariant for models with few heads); a misspelt value is refused, naming the variable."""
+    from voiced.engines.whisper.engine import encoder_attention_default as pick
+
+    monkeypatch.delenv("VOICED_WHISPER_FLASH_ENCODER", raising=False)
+    assert pick(torch.float16, (9, 0)) is None
+    monkeypatch.setenv("VOICED_WHISPER_FLASH_ENCODER", "1")
+    assert pick(torch.float16, (9, 0)) == pick(torch.bfloat16, (8, 0)) == "flash"
+    assert pick(torch.float32, (9, 0)) is None and pick(torch.float16, (7, 5)) is None
+    assert pick(torch.float16, None) is None
+    monkeypatch.setenv("VOICED_WHISPER_FLASH_ENCODER", "yes")
+    with pytest.raises(ValueError, match="VOICED_WHISPER_FLASH_ENCODER"):
+        pick(torch.float16, (9, 0))

@@ -608,3 +608,35 @@ def test_unset_rows_are_the_most_the_memory_share_holds(tmp_path):
     small = WhisperEngine.load(ckpt, device="cuda", memory_limit=(free, share), cuda_graphs=False)
     assert small.max_batch == 16 and small.memory_need.total == need[16]
     assert small.cache.cross_k.shape[1] == 16  # the cache is sized by the rows taken
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 0),
+                    reason="flash attention needs compute capability 8.0 or newer")
+@pytest.mark.parametrize("switch,flash", [(None, False), ("1", True)], ids=["default", "on"])
+def test_the_encoder_attends_with_flash_attention_when_asked(tmp_path, clips, monkeypatch, switch, flash):
+    """VOICED_WHISPER_FLASH_ENCODER=1: an fp16 engine's encoder runs flash attention's kernel, not torch's own
+    pick (cuDNN's, ~1.5 ms slower a large-v3-turbo utterance on an H200); unset, the pick is torch's. Eager
+    encoder, so the kernels are the ones the context selects now (a compiled layer keeps what it was traced
+    with); cuDNN's kernel names hold "flash" too, so they are told apart by "cudnn"."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from voiced.engines.whisper.audio import N_SAMPLES
+
+    if switch is None:
+        monkeypatch.delenv("VOICED_WHISPER_FLASH_ENCODER", raising=False)
+    else:
+        monkeypatch.setenv("VOICED_WHISPER_FLASH_ENCODER", switch)
+    eng = WhisperEngine.load(make_openai_checkpoint(tmp_path, n_mels=128, seed=2), device="cuda",
+                             dtype=torch.float16, max_batch=2, compile_encoder=False, cuda_graphs=False)
+    assert eng.fast_encoder.attn_backend == ("flash" if flash else None)
+    if not flash:
+        return  # (which kernel torch picks then depends on the shapes)
+    audio = torch.zeros(1, N_SAMPLES, device="cuda")
+    audio[0, : len(clips[0])] = torch.from_numpy(clips[0])
+    with eng.on_stream():
+        eng.fast_encoder(audio, torch.float16)  # lazy initialisations outside the profile
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            eng.fast_encoder(audio, torch.float16)
+            torch.cuda.synchronize()
+    kernels = [e.key for e in prof.key_averages()]
+    assert any("flash" in k.lower() and "cudnn" not in k.lower() for k in kernels), kernels

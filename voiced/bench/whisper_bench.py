@@ -216,7 +216,8 @@ def main(argv: list[str] | None = None) -> dict:
                     help="the admission's decoder prefill from CUDA graphs (fast.Prefills; the graph engine only); "
                          "default: the engine's (on, unless VOICED_WHISPER_PREFILL_GRAPHS=0)")
     ap.add_argument("--attn-backend", default=None, choices=["flash", "cudnn", "efficient"],
-                    help="pin the encoder's attention kernel")
+                    help="pin the encoder's attention kernel (default: the engine's, torch's pick (cuDNN's on "
+                         "Hopper), or flash with VOICED_WHISPER_FLASH_ENCODER=1)")
     ap.add_argument("--diagnose", action="store_true",
                     help="GPU: latency split + profile, encoder variants, graph-vs-eager kernel probes")
     ap.add_argument("--timeline", action="store_true",
@@ -680,26 +681,33 @@ def speed(report, graphs, eager, audio, opts, args, dev) -> None:
         log.info("throughput ours: %s", report[key])
         save(report)
     graphs.max_encoder_batch = args.encoder_batch
-    # ---- the encoder alone (log-mel + encoder), the ceiling for any decoder
+    # ---- the encoder alone (log-mel + encoder), the ceiling for any decoder: the engine's own pass (its
+    # compiled layers replayed from the bucket's graph, the decoder's cross keys/values projected in it where
+    # the engine does that) and, for reference, the model module's eager forward
     from voiced.engines.whisper.audio import log_mel_spectrogram, pad_or_trim
 
+    b = args.encoder_batch
     with torch.inference_mode(), graphs.on_stream():
-        x = torch.stack([pad_or_trim(torch.from_numpy(a)) for a in audio[: args.encoder_batch]]).to(dev)
-        for _ in range(2):
-            graphs.model.encoder(log_mel_spectrogram(x, graphs.dims.n_mels).to(graphs.dtype))
-        sync(dev)
-        t0 = time.perf_counter()
-        reps = 4
-        for _ in range(reps):
-            graphs.model.encoder(log_mel_spectrogram(x, graphs.dims.n_mels).to(graphs.dtype))
-        sync(dev)
-        secs = time.perf_counter() - t0
-    n = reps * args.encoder_batch
-    flops = 2 * n * graphs.dims.n_audio_ctx * graphs.dims.n_audio_layer * (
-        12 * graphs.dims.n_audio_state**2 + 2 * graphs.dims.n_audio_ctx * graphs.dims.n_audio_state)
-    report["encoder_only"] = {"batch": args.encoder_batch, "utt_per_s": round(n / secs, 1),
-                              "tflops": round(flops / secs / 1e12, 1)}
-    log.info("encoder only: %s", report["encoder_only"])
+        x = torch.stack([pad_or_trim(torch.from_numpy(a)) for a in audio[:b]]).to(dev)
+        passes = {"encoder_only": lambda: graphs.fast_encoder.run(x, b, graphs.dtype),
+                  "encoder_reference_module": lambda: graphs.model.encoder(
+                      log_mel_spectrogram(x, graphs.dims.n_mels).to(graphs.dtype))}
+        if graphs.fast_encoder is None:
+            del passes["encoder_only"]
+        d = graphs.dims
+        flops = 2 * b * d.n_audio_ctx * d.n_audio_layer * (12 * d.n_audio_state**2 + 2 * d.n_audio_ctx * d.n_audio_state)
+        for key, run in passes.items():
+            for _ in range(2):
+                run()
+            sync(dev)
+            t0 = time.perf_counter()
+            reps = 4
+            for _ in range(reps):
+                run()
+            sync(dev)
+            secs = (time.perf_counter() - t0) / reps
+            report[key] = {"batch": b, "utt_per_s": round(b / secs, 1), "tflops": round(flops / secs / 1e12, 1)}
+            log.info("%s: %s", key, report[key])
     save(report)
 
 

@@ -141,6 +141,26 @@ def cross_in_encoder_default() -> bool:
     return env_switch("VOICED_WHISPER_CROSS_IN_ENCODER", True)
 
 
+# Whether the GPU encoder's attention is pinned to flash attention (`encoder_attention_default`): off. At one
+# utterance of large-v3-turbo it saved ~1.5 ms of ~19 on an H200 (2026-11-29, alternating runs: 17.33 / 17.95
+# against 19.34 / 18.90 ms; 32 utterances at once ran alike). But with it on by default the GPU suite had two
+# failures of "together equals alone" (two copies of one clip in one batch decoded differently; word timings
+# of requests finishing together differed from each alone), which the same two files did not show with it
+# off (30 passed); a run of the first test alone with it on passed. A likely cause, not shown: flash
+# attention splits the keys of a small grid (few heads, one utterance) across blocks, so a model with few
+# heads, as the suite's tiny checkpoints, would encode an utterance alone and in a batch slightly
+# differently (docs/BENCHMARKS.md, session 24).
+FLASH_ENCODER_DEFAULT = False
+
+
+def encoder_attention_default(dtype: torch.dtype, capability: tuple[int, int] | None) -> str | None:
+    """The SDPA backend the GPU encoder is pinned to: "flash" where VOICED_WHISPER_FLASH_ENCODER=1 (unset:
+    FLASH_ENCODER_DEFAULT) and flash runs (fp16/bf16, compute capability 8.0 or newer), else None (torch's
+    choice: cuDNN's attention on Hopper with torch 2.11). `capability`: the device's, None on the CPU."""
+    fits = capability is not None and capability >= (8, 0) and dtype in (torch.float16, torch.bfloat16)
+    return "flash" if fits and env_switch("VOICED_WHISPER_FLASH_ENCODER", FLASH_ENCODER_DEFAULT) else None
+
+
 # Whether a chunk of greedy steps replays as one CUDA graph on a GPU (`chunk_graphs_default`): on since the GPU
 # suite passed with it (H100, 2026-11-27: tests/test_whisper_gpu.py -k chunk, bit for bit against the per-step
 # graphs, and every exactness test) and 128 callers' final transcript fell (docs/BENCHMARKS.md, issue 26).
@@ -454,6 +474,8 @@ class WhisperEngine:
         if not self.is_cuda:
             return None
         compile_encoder = self.is_cuda if compile_encoder is None else compile_encoder
+        if attn_backend is None:
+            attn_backend = encoder_attention_default(self.dtype, torch.cuda.get_device_capability(self.model.device))
         return FastEncoder(self.model.encoder, self.dims.n_mels, attn_backend, compile_encoder,
                            cross=self.model.decoder if cross_in_encoder else None,
                            cross_rows=self.encoder_buckets()[-1])
@@ -512,7 +534,9 @@ class WhisperEngine:
         length limit, or a bucket warm-up did not capture, runs step by step. None: CHUNK_GRAPHS_DEFAULT
         (on), unless VOICED_WHISPER_CHUNK_GRAPHS is 1 or 0. align_graphs: the word timings' forced pass from
         CUDA graphs captured at warm-up (fast.AlignmentPasses); None: ALIGN_GRAPHS_DEFAULT (on), unless
-        VOICED_WHISPER_ALIGN_GRAPHS is 1 or 0.
+        VOICED_WHISPER_ALIGN_GRAPHS is 1 or 0. attn_backend: the GPU encoder's attention ("flash", "cudnn",
+        "efficient", "math"); None: `encoder_attention_default` (torch's choice, unless
+        VOICED_WHISPER_FLASH_ENCODER=1 pins flash in half precision).
         """
         if prefill_graphs is None:
             prefill_graphs = prefill_graphs_default()
