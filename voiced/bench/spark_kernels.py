@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from voiced.bench.gpu_time import per_call_ms
 from voiced.bench.report import emit
 
 # (outputs, inputs) of each projection at Spark-TTS-0.5B's size
@@ -38,15 +39,7 @@ def graph_us(fn, reps: int = 400) -> float:
     with torch.cuda.graph(graph):
         for _ in range(20):
             fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps // 20):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return round(start.elapsed_time(end) * 1000 / reps, 2)
+    return round(per_call_ms(graph.replay, reps // 20) * 1000 / 20, 2)
 
 
 def kernels(rows: int) -> dict:

@@ -19,20 +19,13 @@ from pathlib import Path
 
 import torch
 
+from voiced.bench.gpu_time import per_call_ms
+
 SHAPES = ((1, 80), (4, 176), (1, 1024), (16, 64))
 
 
 def timed(fn, n: int = 20) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(n):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return round(start.elapsed_time(end) / n, 3)
+    return round(per_call_ms(fn, n, warmup=3), 3)
 
 
 def main(argv: list[str] | None = None) -> int:

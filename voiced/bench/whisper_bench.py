@@ -37,6 +37,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from voiced.bench.gpu_time import per_call_ms
 from voiced.bench.report import emit
 from voiced.engines.base import ASROptions, ASRRequest
 from voiced.engines.whisper.checkpoint import hf_config_from_dims, openai_to_hf_name
@@ -384,14 +385,7 @@ def decode_step_ms(eng: WhisperEngine, reps: int = 20) -> dict:
             eng.steps.tok[:b] = 1000
             eng.steps.pos[:b] = 4  # positions advance by one per step: 4 + reps + 1 stays in the context
             eng.steps.minleft[:b] = reps + 1
-            eng.steps.run("greedy", b)
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(reps):
-                eng.steps.run("greedy", b)
-            end.record()
-            torch.cuda.synchronize()
-            out[f"b{b}"] = round(start.elapsed_time(end) / reps, 4)
+            out[f"b{b}"] = round(per_call_ms(lambda b=b: eng.steps.run("greedy", b), reps), 4)
         for t in (eng.steps.tok, eng.steps.pos, eng.steps.minleft):
             t.zero_()
     return out
@@ -512,15 +506,7 @@ def diagnose(report, graphs, model, audio, opts, args) -> None:
 
     def ev_time(fn, reps=10) -> float:
         with torch.inference_mode(), graphs.on_stream():
-            fn()
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda.synchronize()
-            s.record()
-            for _ in range(reps):
-                fn()
-            e.record()
-            torch.cuda.synchronize()
-        return round(s.elapsed_time(e) / reps, 3)
+            return round(per_call_ms(fn, reps), 3)
 
     # graph vs eager under cuBLAS settings
     small = WhisperEngine(model, graphs.tok, max_batch=16, max_encoder_batch=1, cuda_graphs=True,
@@ -697,15 +683,7 @@ def speed(report, graphs, eager, audio, opts, args, dev) -> None:
         d = graphs.dims
         flops = 2 * b * d.n_audio_ctx * d.n_audio_layer * (12 * d.n_audio_state**2 + 2 * d.n_audio_ctx * d.n_audio_state)
         for key, run in passes.items():
-            for _ in range(2):
-                run()
-            sync(dev)
-            t0 = time.perf_counter()
-            reps = 4
-            for _ in range(reps):
-                run()
-            sync(dev)
-            secs = (time.perf_counter() - t0) / reps
+            secs = per_call_ms(run, 4, warmup=2, device=dev) / 1000
             report[key] = {"batch": b, "utt_per_s": round(b / secs, 1), "tflops": round(flops / secs / 1e12, 1)}
             log.info("%s: %s", key, report[key])
     save(report)
