@@ -457,10 +457,10 @@ class DecoderSteps:
       text context;
     - `chunk_head(b)` and `chunk_tail(b)`: the same chunk as two graphs, its first `head` steps and the
       rest (`head` > 0: the engine's split chunk launch), replayed one after the other: the same kernels in
-      the same order, so the same bits. Launching a graph costs the host time in proportion to its kernels
-      (an 8-step chunk of large-v3-turbo's step at one row: ~0.45 ms, during which the GPU, having read back
-      the last chunk, has nothing to run); split, the GPU waits only for the head's launch, and the tail's
-      is made while the head runs.
+      the same order, so the same bits. The launch of an 8-step chunk of large-v3-turbo's step at one row
+      left the GPU idle ~0.45 ms (it had read back the last chunk and had nothing to run), presumably host
+      work in proportion to the graph's kernels; split, the GPU would wait only for the head's launch, the
+      tail's being made while the head runs.
     """
 
     def __init__(self, decoder: FastDecoder | TextDecoder, cache: KVCache, n_text_ctx: int, max_batch: int,
