@@ -52,7 +52,7 @@ run: $(VENV)/.run-installed
 	$(BIN)/voiced serve $(if $(HTTP),--http $(HTTP)) $(ARGS)
 
 # Every test CI needs, the slow ones included (about 16 minutes on 2 cores with the installs; on a fresh
-# clone, 2026-11-29, session 23 at 83571d6: 1092 passed, 86 skipped, 13.6 minutes of tests, 15 with installs).
+# clone, 2026-11-29, session 24 at c47b6da: 1097 passed, 90 skipped, 13.9 minutes of tests, 15.3 with installs).
 test: system-deps $(VENV)/.test-installed
 	$(BIN)/python -m pytest -q $(ARGS)
 
