@@ -308,7 +308,7 @@ def test_benchmark_script_runs_on_cpu(tmp_path):
     report = whisper_bench.main(["--dims", "tiny-random", "--device", "cpu", "--tiktoken-dir", str(assets),
                                  "--tokens", "4", "--max-batch", "4", "--encoder-batch", "2",
                                  "--throughput-utts", "4", "--latency-runs", "1", "--skip-hf", "--timeline",
-                                 "--out", str(tmp_path / "r.json")])
+                                 "--batch-invariance", "--out", str(tmp_path / "r.json")])
     assert "equality_error" not in report and "speed_error" not in report and "timeline_error" not in report
     # one utterance's time by engine part (a part that yields: a range per resume): its encoder pass once,
     # its tokens in a chunk launched and read back, its end
@@ -321,4 +321,8 @@ def test_benchmark_script_runs_on_cpu(tmp_path):
     assert report["throughput_ours_cuda_graphs"]["utts"] == 4
     # the encoder alone is the engine's own pass where it has one (a GPU); on a CPU only the module's forward
     assert report["encoder_reference_module"]["utt_per_s"] > 0 and "encoder_only" not in report
+    # alone against batches of 2 and 4, with torch's attention and flash's (on a CPU in float32: within rounding)
+    inv = report["encoder_batch_invariance"]
+    assert inv["heads"] == 4 and all(0 <= inv[k][f"batch_{b}_max_abs_diff"] < 1e-3
+                                     for k in ("default", "flash") for b in (2, 4)), inv
     assert json.loads((tmp_path / "r.json").read_text())["dims"] == "tiny-random"
