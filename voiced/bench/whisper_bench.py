@@ -247,8 +247,7 @@ def main(argv: list[str] | None = None) -> dict:
     report: dict = {"cublas_workspace_config": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
                     "decode_chunk": args.decode_chunk, "dims": args.dims, "device": dev, "dtype": str(dtype).replace("torch.", ""),
                     "tokens_per_utt": args.tokens, "torch": torch.__version__, "python": platform.python_version(),
-                    "chunk_graphs": chunk_graphs_default(), "split_chunk_launch": split_chunk_launch_default(),
-                    "flash_encoder": os.environ.get("VOICED_WHISPER_FLASH_ENCODER", "")}
+                    "chunk_graphs": chunk_graphs_default(), "split_chunk_launch": split_chunk_launch_default()}
     if dev.startswith("cuda"):
         report["gpu"] = torch.cuda.get_device_name()
     t0 = time.perf_counter()
@@ -274,6 +273,8 @@ def main(argv: list[str] | None = None) -> dict:
                           max_encoder_batch=args.encoder_batch, cuda_graphs=False, decode_chunk=args.decode_chunk,
                           **fast)
     report["decoder_step_path"] = graphs.decoder_path
+    # the encoder's attention as the engine resolved it (None: torch's choice), not as asked
+    report["attn_backend"] = graphs.fast_encoder.attn_backend if graphs.fast_encoder is not None else None
     t0 = time.perf_counter()
     graphs.warmup()
     report["warmup_graphs_s"] = round(time.perf_counter() - t0, 2)

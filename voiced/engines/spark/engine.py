@@ -251,7 +251,7 @@ class SparkTTSEngine:
           bucket a vocoder step can use, plus the end-masked variant.
         Nothing to do on the CPU. Skipped while requests are in flight (it uses their cache rows).
         The pieces are in warmup.py."""
-        if self._active or self._queue or not str(self.device).startswith("cuda"):
+        if self.has_work() or not str(self.device).startswith("cuda"):
             return
         warm_up(self, first_chunk_tokens, chunk_tokens)
 
