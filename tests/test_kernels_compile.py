@@ -35,6 +35,7 @@ ADD_NORM = dict(part_ptr=_ptr("fp32"), x_ptr=_ptr("bf16"), ln_ptr=_ptr("bf16"), 
                 M="i32", N="i32", stride_xm="i32", eps="fp32", bias_ptr=_ptr("bf16"), ln_b_ptr=_ptr("bf16"))
 GEMV = dict(x_ptr=_ptr("bf16"), w_ptr=_ptr("bf16"), b_ptr=_ptr("bf16"), out_ptr=_ptr("bf16"), M="i32", N="i32",
             K="i32", k_per="i32", stride_xm="i32", stride_os="i32")
+COMBINE = dict(part_ptr=_ptr("fp32"), ml_ptr=_ptr("fp32"), out_ptr=_ptr("bf16"), n_splits="i32", l_offset="i32")
 NO_EPILOGUE = dict(HAS_BIAS=False, SWIGLU=False, PARTIAL=False, GELU=False)
 
 CASES = {
@@ -44,8 +45,8 @@ CASES = {
                                dict(WHISPER_HEADS, ONE_SPLIT=False, ROPE=False, CROSS=False)),
     "whisper cross-attention": (da._attend, dict(ATTEND, cos_ptr=_ptr("bf16"), sin_ptr=_ptr("bf16")),
                                 dict(WHISPER_HEADS, ONE_SPLIT=False, ROPE=False, CROSS=True)),
-    "combine": (da._combine, dict(part_ptr=_ptr("fp32"), ml_ptr=_ptr("fp32"), out_ptr=_ptr("bf16"), n_splits="i32",
-                                  l_offset="i32"), dict(KV=2, G=7, GP=16, D=64, SB=8)),
+    "combine": (da._combine, COMBINE, dict(KV=2, G=7, GP=16, D=64, SB=8)),
+    "combine per query head": (da._combine_head, COMBINE, dict(KV=2, G=7, GP=16, D=64, SB=8)),
     "rms norm after a split product": (dl._add_norm, ADD_NORM, dict(LAYER=False, BLOCK=1024, S_BLOCK=8)),
     "layer norm after a split product": (dl._add_norm, ADD_NORM, dict(LAYER=True, BLOCK=2048, S_BLOCK=8)),
     "gemv with bias": (dl._gemv, GEMV, dict(NO_EPILOGUE, HAS_BIAS=True)),
