@@ -393,26 +393,6 @@ def test_decoder_steps_chunk_is_the_engines_per_step_loop(chunk, b):
     assert (a.hist[:, :, 1] < 0).all() and len(set(a.hist[:, :, 0].flatten().tolist())) > 1
 
 
-@pytest.mark.parametrize("chunk,b", [(8, 3), (4, SMALL_BATCH + 1)])
-def test_a_chunk_split_into_head_and_tail_is_the_whole_chunk(chunk, b):
-    """`chunk_head` then `chunk_tail` (the split chunk launch's two graphs) against the whole `chunk`, on the
-    CPU in float32: the same steps in the same order, so exactly the same history, step buffers and caches.
-    A head as long as the chunk is refused."""
-    from voiced.engines.whisper.fast import DecoderSteps
-
-    a, ref = _steps_fixture(chunk, b)
-    a.head = 2
-    assert a.chunk_kinds == ("chunk_head", "chunk_tail") and ref.chunk_kinds == ("chunk",)
-    with torch.inference_mode():
-        for kind in a.chunk_kinds:
-            a._fn(kind)(b)
-        ref.chunk(b)
-    assert torch.equal(a.hist, ref.hist) and torch.equal(a.inputs, ref.inputs) and torch.equal(a.lp, ref.lp)
-    assert torch.equal(a.cache.self_k, ref.cache.self_k) and torch.equal(a.cache.self_v, ref.cache.self_v)
-    with pytest.raises(ValueError, match="shorter than the chunk"):
-        DecoderSteps(a.decoder, a.cache, 448, b, torch.device("cpu"), a.always, a.eot, hist=a.hist, head=chunk)
-
-
 def test_a_chunk_graph_is_never_captured_by_run():
     """With graphs, `run("chunk", b)` of a bucket warm-up did not capture refuses (its pre-runs would advance
     live rows past their limits); the plain and greedy steps may still be captured on first use."""
@@ -427,19 +407,18 @@ def test_a_chunk_graph_is_never_captured_by_run():
     assert not a.has_graph("chunk", 2)
 
 
-def _fake_chunk_graph(eng: WhisperEngine, captured: bool, head: int = 0) -> list[tuple[str, int]]:
-    """Turn a CPU engine's chunk graphs on, with `run(kind, b)` of a chunk's graph the eager `DecoderSteps`
-    function (and the graphs there for every bucket when `captured`; `head`: the chunk split in two);
-    returns the list where every chunk run and every greedy step go, as (kind | "step", batch)."""
+def _fake_chunk_graph(eng: WhisperEngine, captured: bool) -> list[tuple[str, int]]:
+    """Turn a CPU engine's chunk graphs on, with `run("chunk", b)` the eager `DecoderSteps.chunk` (and the
+    graph there for every bucket when `captured`); returns the list where every chunk run and every greedy
+    step go, as ("chunk" | "step", batch)."""
     steps, runs = eng.steps, []
     greedy = steps.greedy
     eng.chunk_graphs = True
-    steps.head = head
-    steps.has_graph = lambda kind, b: captured and kind in steps.chunk_kinds
+    steps.has_graph = lambda kind, b: captured and kind == "chunk"
 
     def run(kind: str, b: int) -> None:
         runs.append((kind, b))
-        steps._fn(kind)(b)
+        steps.chunk(b)
 
     def counted(b: int, *a, **kw) -> None:
         runs.append(("step", b))
@@ -470,19 +449,16 @@ def test_only_full_chunks_of_captured_buckets_take_the_chunk_graph(tmp_path):
 
     want = serve(WhisperEngine.load(ckpt, max_batch=4, decode_chunk=8))
     assert [len(want[i]) for i in range(3)] == lengths
-    for captured, head in ((True, 0), (False, 0), (True, 2)):
+    for captured in (True, False):
         eng = WhisperEngine.load(ckpt, max_batch=4, decode_chunk=8)
-        runs = _fake_chunk_graph(eng, captured, head)
+        runs = _fake_chunk_graph(eng, captured)
         got = serve(eng)
-        assert got == want, f"chunk graph {'captured' if captured else 'missing'}, head {head}"
+        assert got == want, f"chunk graph {'captured' if captured else 'missing'}"
         # Step 1 admits all three (first token each); then rows of 12, 19 and 8 tokens to go: one full chunk
         # (request 2 finishes with it); then 4 to go for request 0 (a short chunk: step by step), then 7
         # for request 1 alone. The chunk's eager stand-in makes its 8 steps through `greedy` too.
-        # Split, the head's 2 steps come between its run and the tail's.
-        chunk = ([("chunk_head", 3), ("step", 3), ("step", 3), ("chunk_tail", 3)] + [("step", 3)] * 6 if head
-                 else [("chunk", 3)] + [("step", 3)] * 8)
-        rest = [("step", 2)] * 4 + [("step", 1)] * 7
-        assert runs == (chunk if captured else [("step", 3)] * 8) + rest
+        tail = [("step", 3)] * 8 + [("step", 2)] * 4 + [("step", 1)] * 7
+        assert runs == ([("chunk", 3)] if captured else []) + tail
 
 
 def test_the_gpu_encoder_s_attention_is_pinned_to_flash_only_when_asked(monkeypatch):

@@ -402,25 +402,20 @@ def test_to_device_staging_ring_never_hands_out_a_block_still_being_read(monkeyp
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["float16", "bfloat16"])
-@pytest.mark.parametrize("split", ["0", "1"], ids=["one-graph", "split-launch"])
-def test_chunk_graph_replay_is_the_per_step_graphs_bit_for_bit(tmp_path, dtype, split, monkeypatch):
+def test_chunk_graph_replay_is_the_per_step_graphs_bit_for_bit(tmp_path, dtype):
     """One replay of a bucket's chunk graph (`chunk_graphs=True`, VOICED_WHISPER_CHUNK_GRAPHS=1's path,
-    captured at warm-up), or with VOICED_WHISPER_SPLIT_CHUNK_LAUNCH=1 the replays of its head's and its
-    tail's graphs, against the engine's per-step loop from the same state (decode_chunk replays of
+    captured at warm-up) against the engine's per-step loop from the same state (decode_chunk replays of
     the greedy graph, each followed by the two history writes): the history buffer (tokens and
     log-probabilities of every step), the step buffers (token, position, countdown, log-probability) and
     every layer's self keys/values of all slots, exactly equal, for every bucket (1..16 rows: written-out
     attention and SDPA), rows at scattered positions with some still under their minimum length. Cross
     keys/values of every slot are random and different, so a row reading another slot's audio shows."""
-    monkeypatch.setenv("VOICED_WHISPER_SPLIT_CHUNK_LAUNCH", split)
     ckpt = make_openai_checkpoint(tmp_path, n_mels=128, seed=9)
     eng = WhisperEngine.load(ckpt, device="cuda", dtype=dtype, max_batch=16, max_encoder_batch=4, chunk_graphs=True)
     assert eng.chunk_graphs and eng.decode_chunk == 8 and eng.buckets == [1, 2, 4, 8, 16]
-    kinds = ("chunk_head", "chunk_tail") if split == "1" else ("chunk",)
-    assert eng.steps.chunk_kinds == kinds
     eng.warmup()
     steps, cache = eng.steps, eng.cache
-    assert all(steps.has_graph(k, b) for b in eng.buckets for k in kinds), "warm-up captures the chunk's graphs"
+    assert all(steps.has_graph("chunk", b) for b in eng.buckets), "warm-up captures a chunk graph per bucket"
     g = torch.Generator().manual_seed(0)
     torch.cuda.synchronize()  # warm-up's last work; all below runs on the engine's stream
     with torch.inference_mode(), eng.on_stream():
@@ -441,8 +436,7 @@ def test_chunk_graph_replay_is_the_per_step_graphs_bit_for_bit(tmp_path, dtype, 
                 steps.lp.zero_()
                 eng._hist.fill_(float("nan"))
                 if path == "chunk":
-                    for kind in kinds:
-                        steps.run(kind, b)
+                    steps.run("chunk", b)
                 else:
                     hist_tok, hist_lp = eng._hist[:b, :, 0], eng._hist[:b, :, 1]
                     for k in range(eng.decode_chunk):

@@ -756,7 +756,6 @@ def main(argv: list[str] | None = None) -> dict:
     gc_pauses = GcPauses()
     gc.callbacks.append(gc_pauses)
     from voiced.engines.whisper.engine import chunk_graphs_default as whisper_chunk_graphs_default
-    from voiced.engines.whisper.engine import split_chunk_launch_default
 
     result = {"bench": "e2e", "gpu": "cpu (dry run)" if args.tiny_cpu else torch.cuda.get_device_name(), "torch": torch.__version__,
               "python": platform.python_version(), "asr_dims": args.asr_dims, "asr_tokens": args.asr_tokens,
@@ -765,8 +764,7 @@ def main(argv: list[str] | None = None) -> dict:
               "hang_up": args.hang_up, "engine_threads": engine_threads(args), "engine_process": engine_process(args),
               "engine_overlap": engine_overlap(args) and engine_threads(args) == "shared", "merge_policy": args.merge_policy or "default",
               "vocoder_graphs": vocoder_graphs(args), "prefill_graphs": args.prefill_graphs or "default",
-              "whisper_chunk_graphs": whisper_chunk_graphs_default(),
-              "whisper_split_chunk_launch": split_chunk_launch_default(), "switch_interval_s": sys.getswitchinterval(),
+              "whisper_chunk_graphs": whisper_chunk_graphs_default(), "switch_interval_s": sys.getswitchinterval(),
               "gc_freeze": not args.no_gc_freeze, "duration_s": args.duration, "startup_s": startup_s,
               "date": time.strftime("%Y-%m-%d"), "fronts": {}, "saturation": {}}
     serving_peak = 0.0

@@ -41,7 +41,7 @@ from voiced.bench.gpu_time import per_call_ms
 from voiced.bench.report import emit
 from voiced.engines.base import ASROptions, ASRRequest
 from voiced.engines.whisper.checkpoint import hf_config_from_dims, openai_to_hf_name
-from voiced.engines.whisper.engine import WhisperEngine, chunk_graphs_default, split_chunk_launch_default
+from voiced.engines.whisper.engine import WhisperEngine, chunk_graphs_default
 from voiced.engines.whisper.model import ModelDims, Whisper, sinusoids
 from voiced.engines.whisper.tokenizer import WhisperTokenizer
 
@@ -247,7 +247,7 @@ def main(argv: list[str] | None = None) -> dict:
     report: dict = {"cublas_workspace_config": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
                     "decode_chunk": args.decode_chunk, "dims": args.dims, "device": dev, "dtype": str(dtype).replace("torch.", ""),
                     "tokens_per_utt": args.tokens, "torch": torch.__version__, "python": platform.python_version(),
-                    "chunk_graphs": chunk_graphs_default(), "split_chunk_launch": split_chunk_launch_default()}
+                    "chunk_graphs": chunk_graphs_default()}
     if dev.startswith("cuda"):
         report["gpu"] = torch.cuda.get_device_name()
     t0 = time.perf_counter()

@@ -176,23 +176,6 @@ def chunk_graphs_default() -> bool:
     return env_switch("VOICED_WHISPER_CHUNK_GRAPHS", CHUNK_GRAPHS_DEFAULT)
 
 
-# Whether a chunk graph is launched as two (`split_chunk_launch_default`): off until measured on a GPU.
-SPLIT_CHUNK_LAUNCH_DEFAULT = False
-# Steps in the first of the two: long enough on the GPU (~0.6 ms at one row of large-v3-turbo) to cover the
-# launch of the rest (~0.35 ms of host time), short enough that its own launch is brief (~0.1 ms).
-CHUNK_HEAD_STEPS = 2
-
-
-def split_chunk_launch_default() -> bool:
-    """A chunk of greedy steps replayed as two CUDA graphs, its first CHUNK_HEAD_STEPS steps and the rest,
-    instead of one (`fast.DecoderSteps.chunk_head`): the same kernels, so the same bits. Launching the one
-    graph of an 8-step chunk took ~0.45 ms of host time in which the GPU sat idle, three times in a
-    32-token utterance (issue 26's timeline of one utterance, H200, session 23); split, the tail's launch
-    runs while the head computes. VOICED_WHISPER_SPLIT_CHUNK_LAUNCH=1 or 0 if set, else
-    SPLIT_CHUNK_LAUNCH_DEFAULT (off: written without device time, not yet measured)."""
-    return env_switch("VOICED_WHISPER_SPLIT_CHUNK_LAUNCH", SPLIT_CHUNK_LAUNCH_DEFAULT)
-
-
 # On since measured live (H200, 2026-11-28, 64 callers with smart turn detection): the recognition thread's
 # CPU 2.37 s per 20 s against 5.08 s with the eager pass (1.53 s with silence), its p99 step 9.4 ms against 155.
 ALIGN_GRAPHS_DEFAULT = True
@@ -441,9 +424,7 @@ class WhisperEngine:
         self.steps = DecoderSteps(self._decoder, self.cache, self.dims.n_text_ctx, max_batch, model.device,
                                   self.suppress.always, tokenizer.eot,
                                   CudaGraphs(self._stream, pool) if self.cuda_graphs else None, self._hist,
-                                  compile_tail=self.fast_decoder is not None and self.fast_decoder.compiled_tail,
-                                  head=CHUNK_HEAD_STEPS if (self.chunk_graphs and self.decode_chunk > CHUNK_HEAD_STEPS
-                                                            and split_chunk_launch_default()) else 0)
+                                  compile_tail=self.fast_decoder is not None and self.fast_decoder.compiled_tail)
         # On a GPU the admission's prefill of SOT sequences runs padded to its encoder bucket (fast.Prefills),
         # graphed or not, so that the graph and the eager pass run the very same kernels (an unpadded pass
         # rounds differently, enough to flip a bf16 near-tie); the graph is one replay per (prompt length,
@@ -833,8 +814,7 @@ class WhisperEngine:
         b = self._load_inputs(n, [toks, pos, minleft])
         lo, hi = min(pos), max(pos)
         if self._chunk_replay(k_max, b):
-            for kind in self.steps.chunk_kinds:  # decode_chunk steps and their history writes: one call (or two)
-                self.steps.run(kind, b)
+            self.steps.run("chunk", b)  # decode_chunk steps and their history writes: one call
         else:
             # Views made once per chunk, not per step: every torch call from Python is a GIL round trip.
             tok, lp = self.steps.tok[:b], self.steps.lp[:b]
@@ -865,8 +845,7 @@ class WhisperEngine:
         chunk_graphs, a full chunk, and a graph warm-up captured (a missing one is never captured here).
         A full chunk is as long as the graph's, the history's length (what decode_chunk was at warm-up: a
         benchmark that lowers decode_chunk afterwards, whisper_bench's chunk-1 latency, runs step by step)."""
-        return (self.chunk_graphs and k_max == self._hist.shape[1]
-                and all(self.steps.has_graph(kind, b) for kind in self.steps.chunk_kinds))
+        return self.chunk_graphs and k_max == self._hist.shape[1] and self.steps.has_graph("chunk", b)
 
     def warmup(self) -> None:
         """Make every shape the engine will run now (only while idle), so no request pays a
@@ -883,7 +862,7 @@ class WhisperEngine:
             for t in (steps.tok, steps.pos, steps.minleft):
                 t.zero_()
             if self.cuda_graphs:
-                kinds = ("plain", "greedy", *(self.steps.chunk_kinds if self.chunk_graphs else ()))
+                kinds = ("plain", "greedy", "chunk") if self.chunk_graphs else ("plain", "greedy")
                 for b in self.buckets:
                     for kind in kinds:
                         if (kind, b) not in steps.graphs:

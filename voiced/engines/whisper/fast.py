@@ -454,24 +454,15 @@ class DecoderSteps:
       host call instead of 3 x decode_chunk (issue 26: each call waits to win the GIL back). Its graph
       is only ever captured at warm-up (`capture`, never by `run`): its eager pre-runs advance rows by
       2 x decode_chunk positions, which from a live row near its length limit would index past the
-      text context;
-    - `chunk_head(b)` and `chunk_tail(b)`: the same chunk as two graphs, its first `head` steps and the
-      rest (`head` > 0: the engine's split chunk launch), replayed one after the other: the same kernels in
-      the same order, so the same bits. The launch of an 8-step chunk of large-v3-turbo's step at one row
-      left the GPU idle ~0.45 ms (it had read back the last chunk and had nothing to run), presumably host
-      work in proportion to the graph's kernels; split, the GPU would wait only for the head's launch, the
-      tail's being made while the head runs.
+      text context.
     """
 
     def __init__(self, decoder: FastDecoder | TextDecoder, cache: KVCache, n_text_ctx: int, max_batch: int,
                  device: torch.device, always: Tensor, eot: int, graphs: CudaGraphs | None = None,
-                 hist: Tensor | None = None, compile_tail: bool = False, head: int = 0) -> None:
+                 hist: Tensor | None = None, compile_tail: bool = False) -> None:
         self.decoder, self.cache, self.n_text_ctx = decoder, cache, n_text_ctx
         self.always, self.eot = always, eot
         self.hist = hist  # the engine's greedy history [max_batch, decode_chunk, 2] float64 (`chunk` writes it)
-        if head and not (hist is not None and 0 < head < hist.shape[1]):
-            raise ValueError(f"a chunk's head of {head} steps must be shorter than the chunk")
-        self.head = head  # steps in `chunk_head` (0: the chunk is not split)
         # Token, position and minimum-length countdown are rows of one block, so the host writes all
         # of a step's inputs with one copy (`WhisperEngine._load_inputs`).
         self.inputs = torch.zeros(3, max_batch, dtype=torch.long, device=device)
@@ -493,30 +484,17 @@ class DecoderSteps:
         logits = self.decoder.step(self.tok[:b], self.pos[:b], self.cache, kv_len or self.n_text_ctx, masked)
         self._advance(logits, self.always, self.eot, self.inputs[:, :b], self.lp[:b])
 
-    def chunk(self, b: int, first: int = 0, end: int | None = None) -> None:
-        """Greedy steps `first`..`end`-1 of a chunk (all `hist.shape[1]` by default), each followed by writing
-        its tokens and log-probabilities into that step of `hist[:b]` (the engine's per-step loop, call for
-        call)."""
+    def chunk(self, b: int) -> None:
+        """`hist.shape[1]` greedy steps, each followed by writing its tokens and log-probabilities into
+        that step of `hist[:b]` (the engine's per-step loop, call for call)."""
         tok, lp, hist_tok, hist_lp = self.tok[:b], self.lp[:b], self.hist[:b, :, 0], self.hist[:b, :, 1]
-        for k in range(first, self.hist.shape[1] if end is None else end):
+        for k in range(self.hist.shape[1]):
             self.greedy(b)
             hist_tok[:, k] = tok
             hist_lp[:, k] = lp
 
-    def chunk_head(self, b: int) -> None:
-        self.chunk(b, 0, self.head)
-
-    def chunk_tail(self, b: int) -> None:
-        self.chunk(b, self.head)
-
-    @property
-    def chunk_kinds(self) -> tuple[str, ...]:
-        """The graphs one chunk replays, in order."""
-        return ("chunk_head", "chunk_tail") if self.head else ("chunk",)
-
     def _fn(self, kind: str):
-        return {"plain": self.plain, "greedy": self.greedy, "chunk": self.chunk, "chunk_head": self.chunk_head,
-                "chunk_tail": self.chunk_tail}[kind]
+        return {"plain": self.plain, "greedy": self.greedy, "chunk": self.chunk}[kind]
 
     def has_graph(self, kind: str, b: int) -> bool:
         """Whether `kind`'s graph for bucket `b` has been captured."""
@@ -529,8 +507,8 @@ class DecoderSteps:
         fn = self._fn(kind)
         if self.graphs is None:
             return fn(b)
-        if kind.startswith("chunk") and (kind, b) not in self.graphs:
-            raise RuntimeError(f"the {kind} graph of batch {b} was not captured at warm-up (never mid-stream)")
+        if kind == "chunk" and (kind, b) not in self.graphs:
+            raise RuntimeError(f"the chunk graph of batch {b} was not captured at warm-up (never mid-stream)")
         return self.graphs.replay((kind, b), lambda: fn(b), restore=(self.tok, self.pos, self.minleft))
 
     def capture(self, kind: str, b: int) -> None:
@@ -541,7 +519,7 @@ class DecoderSteps:
         mid-stream; "chunk" only at warm-up, from rows at position 0 (its two pre-runs reach position
         2 x decode_chunk - 1)."""
         fn = self._fn(kind)
-        if kind.startswith("chunk") and 2 * self.hist.shape[1] > self.n_text_ctx:
+        if kind == "chunk" and 2 * self.hist.shape[1] > self.n_text_ctx:
             raise ValueError(f"a chunk of {self.hist.shape[1]} steps does not fit twice in {self.n_text_ctx} positions")
         self.graphs.capture((kind, b), lambda: fn(b), restore=(self.tok, self.pos, self.minleft))
 
