@@ -46,7 +46,6 @@ CASES = {
     "whisper cross-attention": (da._attend, dict(ATTEND, cos_ptr=_ptr("bf16"), sin_ptr=_ptr("bf16")),
                                 dict(WHISPER_HEADS, ONE_SPLIT=False, ROPE=False, CROSS=True)),
     "combine": (da._combine, COMBINE, dict(KV=2, G=7, GP=16, D=64, SB=8)),
-    "combine per query head": (da._combine_head, COMBINE, dict(KV=2, G=7, GP=16, D=64, SB=8)),
     "rms norm after a split product": (dl._add_norm, ADD_NORM, dict(LAYER=False, BLOCK=1024, S_BLOCK=8)),
     "layer norm after a split product": (dl._add_norm, ADD_NORM, dict(LAYER=True, BLOCK=2048, S_BLOCK=8)),
     "gemv with bias": (dl._gemv, GEMV, dict(NO_EPILOGUE, HAS_BIAS=True)),

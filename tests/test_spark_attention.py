@@ -10,9 +10,7 @@ interpreter's bf16 matrix products are not IEEE-exact.
 
 from __future__ import annotations
 
-import itertools
 import json
-import os
 import subprocess
 import sys
 
@@ -53,11 +51,8 @@ def _child() -> dict:
     cos_t, sin_t = rope_tables(Qwen2Config(), 1024)
     g = torch.Generator().manual_seed(0)
     # (rows, kv_len, multiprocessors to fill): one program per (row, KV head), and split spans
-    # each case with both combines of a split span (`combine_per_head`: per KV head, per query head)
-    cases = [(1, 256, 1, [255]), (3, 512, 1, [0, 200, 511]), (2, 512, 4, [255, 256]), (1, 1024, 132, [700]),
-             (4, 256, 132, [0, 63, 64, 129])]
-    for (b, kv_len, sms, pos), per_head in itertools.product(cases, ("0", "1")):
-        os.environ["VOICED_DECODE_COMBINE_PER_HEAD"] = per_head
+    for b, kv_len, sms, pos in [(1, 256, 1, [255]), (3, 512, 1, [0, 200, 511]), (2, 512, 4, [255, 256]),
+                                (1, 1024, 132, [700]), (4, 256, 132, [0, 63, 64, 129])]:
         kc, vc = torch.randn(4, KV, 1024, D, generator=g), torch.randn(4, KV, 1024, D, generator=g)
         qkv = torch.randn(b, (H + 2 * KV) * D, generator=g)
         positions = torch.tensor(pos)
@@ -66,7 +61,7 @@ def _child() -> dict:
         ref = da.reference(qkv[:, None], cos, sin, decode_mask(positions, kv_len), k1, v1, torch.arange(b),
                            positions, (H, KV, D))[:, 0]
         got = da.triton_attention(qkv, cos_t, sin_t, k2, v2, positions, kv_len, (H, KV, D), sms=sms)
-        out["kernel"].append({"case": [b, kv_len, sms], "per_head": per_head == "1", "splits": da.split_plan(b, KV, kv_len, sms)[1],
+        out["kernel"].append({"case": [b, kv_len, sms], "splits": da.split_plan(b, KV, kv_len, sms)[1],
                               "out": (got - ref).abs().max().item(), "scale": ref.abs().max().item(),
                               "k_cache": (k1 - k2).abs().max().item(), "v_cache": (v1 - v2).abs().max().item()})
     # the projections' GEMV kernels (decode_linear) against their torch arithmetic: rows padded to a
@@ -127,13 +122,11 @@ def interpreted():
 def test_kernel_equals_the_torch_arithmetic_in_float32(interpreted):
     """Attention output within float32 rounding of the torch path, for one program per (row, KV head) and
     for spans split across programs (combined after), new positions at span edges; the caches get the
-    same roped keys and values. Split spans are combined per KV head and, with VOICED_DECODE_COMBINE_PER_HEAD=1,
-    per query head."""
+    same roped keys and values."""
     for case in interpreted["kernel"]:
         assert case["out"] <= 1e-5 * max(1.0, case["scale"]), case
         assert case["k_cache"] <= 1e-6 and case["v_cache"] == 0, case
     assert {c["splits"] > 1 for c in interpreted["kernel"]} == {True, False}
-    assert {c["per_head"] for c in interpreted["kernel"] if c["splits"] > 1} == {True, False}
 
 
 def test_decode_step_through_the_kernel_equals_the_modules(interpreted):

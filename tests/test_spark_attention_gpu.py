@@ -52,15 +52,12 @@ CASES = [(1, 256, [255]), (1, 1024, [700]), (1, 2048, [2047]), (3, 512, [0, 257,
          (64, 2048, None)]
 
 
-@pytest.mark.parametrize("combine", ["per-kv-head", "per-query-head"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("b,kv_len,positions", CASES)
-def test_kernel_equals_the_torch_arithmetic(dtype, b, kv_len, positions, combine, monkeypatch):
+def test_kernel_equals_the_torch_arithmetic(dtype, b, kv_len, positions):
     """Against the float64 arithmetic of the same inputs, the kernel errs no more than torch's own path
     in the same dtype (float32: within 1e-6 relative; bf16: within bf16 rounding), writes every output,
-    and leaves the caches as torch's path leaves them (v exactly; k up to the rope's rounding). Split
-    spans combined either way (VOICED_DECODE_COMBINE_PER_HEAD)."""
-    monkeypatch.setenv("VOICED_DECODE_COMBINE_PER_HEAD", "1" if combine == "per-query-head" else "0")
+    and leaves the caches as torch's path leaves them (v exactly; k up to the rope's rounding)."""
     if positions is None:
         positions = torch.randint(0, kv_len, (b,), generator=torch.Generator().manual_seed(b)).tolist()
     outs, caches = attend(dtype, b, kv_len, positions, seed=b + kv_len)

@@ -42,10 +42,6 @@ BLOCK_N = 64  # cache positions per inner iteration (a multiple of 16: tl.dot's 
 # environment's VOICED_SPARK_PDL=0 turns it off (docs/BENCHMARKS.md has the A/B).
 PDL_DEFAULT = True
 
-# The split attention's combine with one program per query head instead of one per KV head
-# (`combine_per_head`); off until measured on a GPU.
-COMBINE_PER_HEAD_DEFAULT = False
-
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x `[..., D]` rotated (half-rotation layout, as Qwen2/NeoX) by cos/sin in x's dtype."""
@@ -120,16 +116,6 @@ def launch_overlap(t: torch.Tensor) -> bool:
     return env_switch("VOICED_SPARK_PDL", PDL_DEFAULT)
 
 
-def combine_per_head() -> bool:
-    """Whether a split attention's partial sums are combined by one program per (row, query head) (`_combine_head`)
-    rather than per (row, KV head) (`_combine`). The knockout of session 19 put the combine at 5.4 us of a Spark
-    layer at one row (8 splits) and 3.1 us at 64 rows (3 splits): its cost follows the tile one program reduces
-    (`[splits, 16, 64]` for Spark's 7 query heads a KV head, padded to tl.dot's 16; Whisper's 1 of 16), not the
-    number of programs, so a `[splits, 64]` tile per head, 7x (Whisper: 20x) as many programs, should shorten
-    it. Same sums in the same order of splits; VOICED_DECODE_COMBINE_PER_HEAD=1 turns it on."""
-    return env_switch("VOICED_DECODE_COMBINE_PER_HEAD", COMBINE_PER_HEAD_DEFAULT)
-
-
 def overlap_args(t: torch.Tensor) -> dict:
     """A decode kernel's launch arguments for `launch_overlap` on t's device: its PDL constant, and when
     on, Triton's launch option (off, none: a Triton that predates the option takes no such keyword)."""
@@ -184,13 +170,9 @@ def triton_attention(qkv: torch.Tensor, rope_cos: torch.Tensor | None, rope_sin:
         H=n_heads, KV=n_kv, G=group, GP=gp, D=head_dim, BLOCK=BLOCK_N, ONE_SPLIT=one, ROPE=rope, CROSS=cross,
         IEEE=qkv.dtype == torch.float32, num_warps=4, **overlap)
     if not one:
-        sb = min(8, triton.next_power_of_2(n_splits))
-        if combine_per_head():
-            _combine_head[(b, n_heads)](part, ml, out, n_splits, b * n_kv * n_splits * gp,
-                                        KV=n_kv, G=group, GP=gp, D=head_dim, SB=sb, num_warps=2, **overlap)
-        else:
-            _combine[(b, n_kv)](part, ml, out, n_splits, b * n_kv * n_splits * gp,
-                                KV=n_kv, G=group, GP=gp, D=head_dim, SB=sb, num_warps=4, **overlap)
+        _combine[(b, n_heads)](part, ml, out, n_splits, b * n_kv * n_splits * gp,
+                               KV=n_kv, G=group, GP=gp, D=head_dim, SB=min(8, triton.next_power_of_2(n_splits)),
+                               num_warps=2, **overlap)
     return out
 
 
@@ -304,40 +286,11 @@ if triton is not None:
     def _combine(part_ptr, ml_ptr, out_ptr, n_splits, l_offset,
                  KV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, SB: tl.constexpr,
                  PDL: tl.constexpr):
-        wait_for_previous(PDL)
-        # SB splits per load, rescaled online: one program serves a (row, KV head), so reading its
-        # splits one by one would chain ~3 dependent loads per split (4 us at 8 splits on an H200)
-        row = tl.program_id(0)
-        kvh = tl.program_id(1)
-        DT = out_ptr.dtype.element_ty
-        d = tl.arange(0, D)
-        g = tl.arange(0, GP)
-        sb = tl.arange(0, SB)
-        first = (row * KV + kvh) * n_splits
-        m = tl.full([GP], float("-inf"), tl.float32)
-        total = tl.zeros([GP], tl.float32)
-        acc = tl.zeros([GP, D], tl.float32)
-        live = g < G  # (the padding rows were not written; what they compute is not stored)
-        for s0 in range(0, n_splits, SB):
-            ok = ((s0 + sb) < n_splits)[:, None] & live[None, :]
-            cell = (first + s0 + sb)[:, None] * GP + g[None, :]  # [SB, GP]
-            ms = tl.load(ml_ptr + cell, mask=ok, other=float("-inf"))
-            ls = tl.load(ml_ptr + l_offset + cell, mask=ok, other=0.0)
-            ps = tl.load(part_ptr + cell[:, :, None] * D + d[None, None, :], mask=ok[:, :, None], other=0.0)
-            m_new = tl.maximum(m, tl.max(ms, 0))
-            alpha = tl.exp(m - m_new)  # the first block: exp(-inf) = 0 (split 0 always holds position 0)
-            w = tl.exp(ms - m_new[None, :])  # an empty span or a missing split: exp(-inf) = 0
-            total = total * alpha + tl.sum(w * ls, 0)
-            acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * ps, 0)
-            m = m_new
-        o = acc / total[:, None]
-        tl.store(out_ptr + row * (KV * G * D) + (kvh * G + g)[:, None] * D + d[None, :], o.to(DT), mask=live[:, None])
-
-    @triton.jit
-    def _combine_head(part_ptr, ml_ptr, out_ptr, n_splits, l_offset,
-                      KV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, SB: tl.constexpr,
-                      PDL: tl.constexpr):
-        """`_combine`'s arithmetic for one query head of one row (`combine_per_head`)."""
+        """One query head of one row: its splits' partial sums `[splits, D]`, rescaled online SB splits a load.
+        One program a query head, not a KV head: with a program per KV head (its G heads' `[splits, 16, D]`
+        tile, padded to tl.dot's 16 rows) the combine cost 5.4 us of a Spark layer in the chain at one row, more
+        than the attention kernel; per query head it made the whole Spark step 0.757 -> 0.684 ms and Whisper's
+        0.301 -> 0.266 ms on an H200 (docs/BENCHMARKS.md, session 25)."""
         wait_for_previous(PDL)
         row = tl.program_id(0)
         head = tl.program_id(1)
@@ -364,4 +317,4 @@ if triton is not None:
         tl.store(out_ptr + row * (KV * G * D) + head * D + d, (acc / total).to(DT))
 
 __all__ = ["reference", "supported", "triton_attention", "split_plan", "apply_rope", "sm_count", "launch_overlap",
-           "overlap_args", "wait_for_previous", "combine_per_head"]
+           "overlap_args", "wait_for_previous"]
