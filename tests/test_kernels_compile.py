@@ -55,12 +55,19 @@ CASES = {
 }
 
 
-def _compile(fn, signature: dict, constants: dict, target) -> None:
+def _compile(fn, signature: dict, constants: dict, target, num_stages: int | None = None, divisible: tuple = ()):
+    """Compiled as a launch specializes it: every pointer 16-byte aligned (as torch allocates), and the integer
+    arguments named in `divisible` multiples of 16 (without these hints Triton neither vectorizes the loads nor
+    pipelines the loops, and the shared memory would not be what runs)."""
     names = list(inspect.signature(fn.fn).parameters)
     sig = {n: signature.get(n, "constexpr") for n in names}
-    src = compiler.ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in constants.items()})
-    kernel = compiler.compile(src, target=target, options={"num_warps": 4})
+    aligned = [n for n in names if sig[n].startswith("*") or n in divisible]
+    src = compiler.ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in constants.items()},
+                             attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
+    options = {"num_warps": 4} if num_stages is None else {"num_warps": 4, "num_stages": num_stages}
+    kernel = compiler.compile(src, target=target, options=options)
     assert kernel.asm.get("cubin"), "no machine code"
+    return kernel
 
 
 @pytest.mark.parametrize("arch", [90, 80])
@@ -73,6 +80,29 @@ def test_decode_kernel_compiles(case, arch):
     if "PDL" in inspect.signature(fn.fn).parameters:
         constants["PDL"] = arch >= 90
     _compile(fn, signature, constants, GPUTarget("cuda", arch, 32))
+
+
+@pytest.mark.parametrize("full_pipeline", ["0", "1"])
+@pytest.mark.parametrize("rows", [1, 64])
+@pytest.mark.parametrize("kind,k", [("q/k/v", 896), ("gate/up", 896), ("down, split", 4864), ("whisper q/k/v", 1280)])
+def test_gemv_pipeline_depth_fits_a_hopper_block(kind, k, rows, full_pipeline, monkeypatch):
+    """The GEMVs at the pipeline depth the engines launch them with (deeper with VOICED_DECODE_FULL_PIPELINE=1)
+    compile for sm_90 within the shared memory one block may have there (227 KiB), for Spark's and Whisper's
+    shapes at one row and at 64."""
+    monkeypatch.setenv("VOICED_DECODE_FULL_PIPELINE", full_pipeline)
+    bm = dl._rows_block(rows)
+    block_n, cols, want = {"q/k/v": (16, 16, 4), "gate/up": (64, 128, 3), "down, split": (32, 32, 3),
+                           "whisper q/k/v": (16, 16, 4)}[kind]
+    per = dl.split_plan(896, k, block_n, 132)[0] if kind == "down, split" else k
+    stages = dl._stages(bm, cols, 2, dl._depth(want, per), 227 * 1024 - dl.SMEM_RESERVE)
+    constants = dict(NO_EPILOGUE, SWIGLU=kind == "gate/up", PARTIAL=kind == "down, split", BLOCK_M=bm,
+                     BLOCK_N=block_n, BLOCK_K=dl.BLOCK_K, IEEE=False, PDL=True)
+    signature = dict(GEMV, out_ptr=_ptr("fp32")) if kind == "down, split" else GEMV
+    kernel = _compile(dl._gemv, signature, constants, GPUTarget("cuda", 90, 32), num_stages=stages,
+                      divisible=("K", "k_per", "stride_xm"))
+    assert kernel.metadata.shared <= 227 * 1024, (stages, kernel.metadata.shared)
+    if stages > 2:  # pipelined: the loop's tiles staged in shared memory, one buffer per stage but the last
+        assert kernel.metadata.shared >= (stages - 1) * (bm + cols) * dl.BLOCK_K * 2, (stages, kernel.metadata.shared)
 
 
 @pytest.mark.parametrize("bias", [False, True])
