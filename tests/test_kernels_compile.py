@@ -82,19 +82,15 @@ def test_decode_kernel_compiles(case, arch):
     _compile(fn, signature, constants, GPUTarget("cuda", arch, 32))
 
 
-@pytest.mark.parametrize("full_pipeline", ["0", "1"])
 @pytest.mark.parametrize("rows", [1, 64])
-@pytest.mark.parametrize("kind,k", [("q/k/v", 896), ("gate/up", 896), ("down, split", 4864), ("whisper q/k/v", 1280)])
-def test_gemv_pipeline_depth_fits_a_hopper_block(kind, k, rows, full_pipeline, monkeypatch):
-    """The GEMVs at the pipeline depth the engines launch them with (deeper with VOICED_DECODE_FULL_PIPELINE=1)
-    compile for sm_90 within the shared memory one block may have there (227 KiB), for Spark's and Whisper's
-    shapes at one row and at 64."""
-    monkeypatch.setenv("VOICED_DECODE_FULL_PIPELINE", full_pipeline)
+@pytest.mark.parametrize("kind", ["q/k/v", "gate/up", "down, split"])
+def test_gemv_pipeline_depth_fits_a_hopper_block(kind, rows):
+    """The GEMVs at the pipeline depth the engines launch them with compile for sm_90 within the shared memory
+    one block may have there (227 KiB), pipelined (their tiles staged in shared memory), at Spark's tiles for
+    one row and for 64."""
     bm = dl._rows_block(rows)
-    block_n, cols, want = {"q/k/v": (16, 16, 4), "gate/up": (64, 128, 3), "down, split": (32, 32, 3),
-                           "whisper q/k/v": (16, 16, 4)}[kind]
-    per = dl.split_plan(896, k, block_n, 132)[0] if kind == "down, split" else k
-    stages = dl._stages(bm, cols, 2, dl._depth(want, per), 227 * 1024 - dl.SMEM_RESERVE)
+    block_n, cols, want = {"q/k/v": (16, 16, 4), "gate/up": (64, 128, 3), "down, split": (32, 32, 3)}[kind]
+    stages = dl._stages(bm, cols, 2, want, 227 * 1024 - dl.SMEM_RESERVE)
     constants = dict(NO_EPILOGUE, SWIGLU=kind == "gate/up", PARTIAL=kind == "down, split", BLOCK_M=bm,
                      BLOCK_N=block_n, BLOCK_K=dl.BLOCK_K, IEEE=False, PDL=True)
     signature = dict(GEMV, out_ptr=_ptr("fp32")) if kind == "down, split" else GEMV

@@ -41,8 +41,6 @@ import torch
 import torch.nn.functional as F
 
 # Triton as decode_attention finds it (it comes with torch's CUDA builds, the only place these run)
-from voiced.engines.switches import env_switch
-
 from .decode_attention import overlap_args, sm_count, tl, triton
 
 BLOCK_K = 128  # reduction depth per iteration: one 256-byte row segment of a bf16 weight per thread group
@@ -92,22 +90,6 @@ def _stages(rows: int, cols: int, itemsize: int, want: int, budget: int = SMEM_B
     return max(1, min(want, budget // per_stage))
 
 
-# Every K step of a program in flight at once (`_depth`); off until measured on a GPU.
-FULL_PIPELINE_DEFAULT = False
-
-
-def _depth(want: int, k: int) -> int:
-    """The pipeline depth to ask `_stages` for, for a program reading `k` of K: `want`, or with
-    VOICED_DECODE_FULL_PIPELINE=1 one more than its BLOCK_K steps (Triton buffers one fewer than it counts), so
-    that every weight tile's load is issued before the first product. At one row a program's tile is 4 KB
-    (q/k/v: 16 outputs x 128), and with 3 tiles in flight its 7 steps wait on memory's latency about 3 times
-    over, not on bandwidth; the combine's lesson (session 25: its cost was its program's serial work, not the
-    program count) suggests the same of these loops. Capped by shared memory in `_stages`."""
-    if not env_switch("VOICED_DECODE_FULL_PIPELINE", FULL_PIPELINE_DEFAULT):
-        return want
-    return max(want, -(-k // BLOCK_K) + 1)
-
-
 def split_plan(n: int, k: int, block_n: int, sms: int) -> tuple[int, int]:
     """(K per program, programs along K) for a split-K GEMV of N outputs: about two programs per
     multiprocessor (at most MAX_SPLITS along K), each a whole number of BLOCK_K steps."""
@@ -155,7 +137,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, b
         x, w, bias if bias is not None else w, out, m, n, k, k, x.stride(0), 0,
         HAS_BIAS=bias is not None, SWIGLU=False, PARTIAL=False, GELU=gelu, BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=BLOCK_K,
         IEEE=x.dtype == torch.float32, num_warps=4,
-        num_stages=_stages(bm, block_n, x.element_size(), _depth(4, k), _smem(x)), **overlap_args(x))
+        num_stages=_stages(bm, block_n, x.element_size(), 4, _smem(x)), **overlap_args(x))
     return out
 
 
@@ -169,7 +151,7 @@ def swiglu_linear(h: torch.Tensor, w_gate_up: torch.Tensor, block_n: int = 64) -
         h, w_gate_up, w_gate_up, out, m, n, k, k, h.stride(0), 0,
         HAS_BIAS=False, SWIGLU=True, PARTIAL=False, GELU=False, BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=BLOCK_K,
         IEEE=h.dtype == torch.float32, num_warps=4,
-        num_stages=_stages(bm, 2 * block_n, h.element_size(), _depth(3, k), _smem(h)), **overlap_args(h))
+        num_stages=_stages(bm, 2 * block_n, h.element_size(), 3, _smem(h)), **overlap_args(h))
     return out
 
 
@@ -184,7 +166,7 @@ def linear_partials(x: torch.Tensor, w: torch.Tensor, block_n: int = 32, sms: in
         x, w, w, out, m, n, k, per, x.stride(0), m * n,
         HAS_BIAS=False, SWIGLU=False, PARTIAL=True, GELU=False, BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=BLOCK_K,
         IEEE=x.dtype == torch.float32, num_warps=4,
-        num_stages=_stages(bm, block_n, x.element_size(), _depth(3, per), _smem(x)), **overlap_args(x))
+        num_stages=_stages(bm, block_n, x.element_size(), 3, _smem(x)), **overlap_args(x))
     return out
 
 
