@@ -9,7 +9,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import gc
 import threading
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -191,3 +193,27 @@ def socket_timeout(module, read: str, on_call: int):
     with pytest.MonkeyPatch.context() as m:
         m.setattr(module, read, reading)
         yield calls
+
+
+@contextlib.contextmanager
+def collector_off():
+    """With the cyclic collector off for the block, yields `new_call_objects()`: the sessions, conversations,
+    segmenters and frame decoders made in the block and still tracked. Without a collection, an object in a
+    reference cycle stays tracked after its call has ended, so a call that leaves none has none left once it
+    has wound down (the daemon's threads run meanwhile)."""
+    from voiced.core.conversation import Conversation
+    from voiced.core.segmenter import Segmenter
+    from voiced.core.session import Session
+
+    kinds = (Session, Conversation, Segmenter, FrameDecoder)
+
+    def tracked():
+        return [o for o in gc.get_objects() if type(o) in kinds]
+
+    gc.collect()
+    earlier = weakref.WeakSet(tracked())
+    gc.disable()
+    try:
+        yield lambda: [o for o in tracked() if o not in earlier]
+    finally:
+        gc.enable()

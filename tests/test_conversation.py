@@ -18,6 +18,7 @@ from voiced_client.proto import voiced_pb2_grpc as pb_grpc
 
 from tests.daemon_harness import (
     audio_requests,
+    collector_off,
     daemon_config,
     frames_of,
     of_kind,
@@ -266,6 +267,21 @@ def test_a_refused_session_leaves_nothing_behind(daemon):
         assert code == grpc.StatusCode.INVALID_ARGUMENT
     until(lambda: not [o for o in alive() if o not in earlier], "the refused sessions to be collected",
           interval_s=0.05)
+
+
+def test_a_finished_call_is_freed_when_it_ends_not_by_the_collector(daemon):
+    """A call that ran to its end (a turn heard, answered and spoken) leaves nothing in a reference cycle: its
+    session, conversation, segmenter and codecs go as soon as the call does. Objects in a cycle outlive the
+    call until the collector's next full pass, which pauses the event loop every caller shares for as long
+    as it takes to free them (60 ms at 224 callers on an H200, docs/BENCHMARKS.md session 25)."""
+    lay = layout(["Hello, I would like to book a table for two."], tail_s=0.8)
+    requests = audio_requests(converse_config(), wire_audio(lay.audio, PHONE), PHONE)
+    with collector_off() as new_call_objects:
+        events, code, details = stream_blocking(daemon.address, requests, "Converse")
+        assert code == grpc.StatusCode.OK, details
+        assert of_kind(events, "audio")[-1].audio.last  # answered and spoken to the end
+        until(lambda: not new_call_objects(), "the finished call's objects to be freed", timeout_s=10,
+              interval_s=0.05)
 
 
 # ----------------------------------------------------------------------------- the openai agent

@@ -23,6 +23,7 @@ from websockets.asyncio.client import connect as ws_connect
 
 from tests.daemon_harness import (
     audio_requests,
+    collector_off,
     daemon_config,
     session_config,
     socket_timeout,
@@ -591,6 +592,30 @@ async def test_media_stream_caller_hangup_ends_the_session(daemon, book, reply_s
         await stream.ws.close()
     await stream.closed()
     await until(lambda: idle(daemon))
+
+
+@pytest.mark.parametrize("door", ["audiosocket", "media stream"])
+async def test_a_finished_phone_call_is_freed_when_it_ends_not_by_the_collector(daemon, book, door):
+    """As over gRPC (tests/test_conversation.py): a phone call answered and hung up leaves none of its
+    session's objects in a reference cycle for the collector's next full pass to find."""
+    speech = layout(QUESTION, tail_s=0.0).audio
+    with collector_off() as new_call_objects:
+        if door == "audiosocket":
+            call = await AsteriskCall.dial(daemon.services.doors["audiosocket"])
+            await call.say(slin(speech))
+            await call.talk_until(lambda: call.audio_s() >= REPLY_S)
+            call.hang_up()
+            await call.closed.wait()
+            await call.close()
+        else:
+            stream = await TwilioStream.open(ws_url(daemon))
+            await stream.say(mulaw(speech))
+            await stream.talk_until(lambda: "mark" in stream.events())
+            await stream.stop()
+            await stream.closed()
+        await until(lambda: idle(daemon))
+        assert book.heard and book.heard[0].strip()  # the call was heard and answered
+        await until(lambda: not new_call_objects(), timeout=10)
 
 
 async def test_media_stream_protocol_errors_close_only_that_stream(daemon, book, caplog):

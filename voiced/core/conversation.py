@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import logging
 import time
+import weakref
 from dataclasses import dataclass, replace
 
 from voiced.audio.ingest import FrameEncoder, ms
@@ -86,7 +87,9 @@ class Held:
 
 class Conversation:
     def __init__(self, session):
-        self.session = session
+        # The session owns its conversation; the way back is weak, so that nothing of a finished call is
+        # left in a reference cycle for the collector (see `Session.spawn`)
+        self._session = weakref.ref(session)
         self.services = session.services
         self.spec = session.spec
         if self.services.tts is not None:
@@ -105,6 +108,10 @@ class Conversation:
         self._reply_ids = 0
         self._interrupted: dict[int, int] = {}  # reply id -> caller audio time (ms) of the cut
         self._speculation: Reply | None = None  # a reply prepared during a pause (module docstring)
+
+    @property
+    def session(self):
+        return self._session()
 
     def tasks(self) -> list[asyncio.Task]:
         spec = self._speculation.task if self._speculation is not None else None
@@ -139,7 +146,7 @@ class Conversation:
             return
         reply = Reply(self._reply_ids + 1, turn_id, None, question=text)  # the id it takes if confirmed
         reply.held = Held(self.session.send)
-        reply.task = asyncio.create_task(self._speak(reply), name=f"reply-{reply.reply_id}-speculative")
+        reply.task = self.session.spawn(self._speak(reply), f"reply-{reply.reply_id}-speculative")
         self._speculation = reply
 
     async def cancel_speculation(self) -> None:
@@ -239,7 +246,7 @@ class Conversation:
                     await reply.held.release(reply.ended_at, self.services.metrics)
                 else:
                     self._sent_samples = 0
-                    self._current = asyncio.create_task(self._speak(reply), name=f"reply-{reply.reply_id}")
+                    self._current = self.session.spawn(self._speak(reply), f"reply-{reply.reply_id}")
                 try:
                     await self._current
                 except asyncio.CancelledError:
