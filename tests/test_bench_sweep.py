@@ -95,13 +95,14 @@ def test_the_e2e_sweep_measures_every_level_on_one_daemon_and_refines_the_satura
     proc = subprocess.run([sys.executable, "-m", "voiced.bench.e2e_bench", "--tiny-cpu", "--asr-dims", "tiny-random",
                            "--wav", str(wav), "--tiktoken-dir", str(find_tiktoken_file("multilingual.tiktoken").parent),
                            "--sessions", "2", "--duration", "2", "--reply-seconds", "0.3", "--asr-tokens", "4",
-                           "--saturation-ms", "0", "--refine", "3", "--out", str(out)],
+                           "--saturation-ms", "0", "--refine", "3", "--caller-processes", "2", "--out", str(out)],
                           capture_output=True, text=True, env=env(), timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert list(result["levels"]) == ["1", "2"]  # the refined level sorted in
     for n, lv in result["levels"].items():
-        assert lv["callers"] == int(n)
+        # the callers split over two processes where there are two, their figures merged as one level's
+        assert lv["callers"] == int(n) and lv["caller_processes"] == int(n), lv
         assert (lv["failed_callers"], lv["notices"], lv["unanswered"]) == ({}, {}, 0), lv
         for figure in ("v2v_client_ms", "v2v_real_end_ms", "first_audio_ms", "asr_ms", "tts_first_chunk_ms", "rtf"):
             assert lv[figure]["n"] >= int(n) and {"p50", "p90", "p99"} <= set(lv[figure]), (n, figure)
