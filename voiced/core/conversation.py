@@ -113,10 +113,6 @@ class Conversation:
     def session(self):
         return self._session()
 
-    def tasks(self) -> list[asyncio.Task]:
-        spec = self._speculation.task if self._speculation is not None else None
-        return [t for t in (self._worker, self._current, spec) if t is not None and not t.done()]
-
     # ------------------------------------------------------------------ inputs
 
     async def on_transcript(self, turn, transcript) -> None:

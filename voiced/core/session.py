@@ -366,9 +366,7 @@ class Session:
         for timer in (self._idle, self._deadline):
             if timer is not None:
                 timer.cancel()
-        tasks = [t for t in self._tasks if not t.done()]
-        if self.conversation is not None:
-            tasks += self.conversation.tasks()
+        tasks = [t for t in self._tasks if not t.done()]  # (the conversation's replies among them: `spawn`)
         for task in tasks:
             task.cancel()
         if tasks:
