@@ -51,8 +51,8 @@ run: $(VENV)/.run-installed
 	@$(if $(HTTP),echo "voiced: open http://$(HTTP)/ in a browser (OpenAI-compatible API: http://$(HTTP)/v1)",true)
 	$(BIN)/voiced serve $(if $(HTTP),--http $(HTTP)) $(ARGS)
 
-# Every test CI needs, the slow ones included (about 16 minutes on 2 cores with the installs; on a fresh
-# clone, 2026-11-29, session 24 at c47b6da: 1097 passed, 90 skipped, 13.9 minutes of tests, 15.3 with installs).
+# Every test CI needs, the slow ones included (about 17 minutes on 2 cores with the installs; on a fresh
+# clone, 2026-11-29, session 25 at 7219255: 1104 passed, 88 skipped, 14.0 minutes of tests, 16.7 with installs).
 test: system-deps $(VENV)/.test-installed
 	$(BIN)/python -m pytest -q $(ARGS)
 
