@@ -463,8 +463,9 @@ def test_only_full_chunks_of_captured_buckets_take_the_chunk_graph(tmp_path):
 
 def test_the_gpu_encoder_s_attention_is_pinned_to_flash_only_when_asked(monkeypatch):
     """VOICED_WHISPER_FLASH_ENCODER=1 pins it to flash attention where flash runs (fp16/bf16, compute
-    capability >= 8.0); float32, older GPUs and the CPU keep torch's choice, as does the default (flash is not
-    batch-invariant for models with few heads); a misspelt value is refused, naming the variable."""
+    capability >= 8.0); float32, older GPUs and the CPU keep torch's choice, as does the default (with flash,
+    the suite's tiny checkpoints decode an utterance differently alone and batched); a misspelt value is refused,
+    naming the variable."""
     from voiced.engines.whisper.engine import encoder_attention_default as pick
 
     monkeypatch.delenv("VOICED_WHISPER_FLASH_ENCODER", raising=False)

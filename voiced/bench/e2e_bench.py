@@ -800,8 +800,7 @@ def main(argv: list[str] | None = None) -> dict:
             server.asr_worker.take()
         server.loop_lag.take()
         cmd = [sys.executable, "-m", "voiced.bench.e2e_bench", "--wav", str(args.wav), "--duration", str(args.duration),
-               "--reply-seconds",
-               str(args.reply_seconds), "--hang-up", args.hang_up, "--caller", f"{front}@{addresses[front]}@{n}"]
+               "--reply-seconds", str(args.reply_seconds), "--hang-up", args.hang_up]
         timer = None
         if n in args.profile_level:
             profile = EngineProfile(server.services.asr.thread, args.profile_seconds,
@@ -816,7 +815,9 @@ def main(argv: list[str] | None = None) -> dict:
                 gils[key] = GilProfile(pid, args.profile_seconds, out.parent, f"{out.stem}-{front}-{n}{suffix}")
             gil_timers = [g.start_after(max(0.0, args.duration / 2 - args.profile_seconds)) for g in gils.values()]
         k = caller_processes(args.caller_processes, n)
-        procs = [subprocess.Popen([*cmd[:-1], f"{cmd[-1]}@{n * i // k}@{n * (i + 1) // k}"], stdout=subprocess.PIPE,
+        # process i runs callers n*i//k .. n*(i+1)//k of the level's n
+        spec = f"{front}@{addresses[front]}@{n}"
+        procs = [subprocess.Popen([*cmd, "--caller", f"{spec}@{n * i // k}@{n * (i + 1) // k}"], stdout=subprocess.PIPE,
                                   stderr=subprocess.PIPE, text=True, env=os.environ) for i in range(k)]
         outputs = [(p, *p.communicate()) for p in procs]
         if timer is not None:

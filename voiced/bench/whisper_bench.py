@@ -708,11 +708,11 @@ def speed(report, graphs, eager, audio, opts, args, dev) -> None:
     b = args.encoder_batch
     with torch.inference_mode(), graphs.on_stream():
         x = torch.stack([pad_or_trim(torch.from_numpy(a)) for a in audio[:b]]).to(dev)
-        passes = {"encoder_only": lambda: graphs.fast_encoder.run(x, b, graphs.dtype),
-                  "encoder_reference_module": lambda: graphs.model.encoder(
-                      log_mel_spectrogram(x, graphs.dims.n_mels).to(graphs.dtype))}
-        if graphs.fast_encoder is None:
-            del passes["encoder_only"]
+        passes = {}
+        if graphs.fast_encoder is not None:  # (a GPU engine's)
+            passes["encoder_only"] = lambda: graphs.fast_encoder.run(x, b, graphs.dtype)
+        passes["encoder_reference_module"] = lambda: graphs.model.encoder(
+            log_mel_spectrogram(x, graphs.dims.n_mels).to(graphs.dtype))
         d = graphs.dims
         flops = 2 * b * d.n_audio_ctx * d.n_audio_layer * (12 * d.n_audio_state**2 + 2 * d.n_audio_ctx * d.n_audio_state)
         for key, run in passes.items():

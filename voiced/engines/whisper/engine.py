@@ -143,13 +143,11 @@ def cross_in_encoder_default() -> bool:
 
 # Whether the GPU encoder's attention is pinned to flash attention (`encoder_attention_default`): off. At one
 # utterance of large-v3-turbo it saved ~1.5 ms of ~19 on an H200 (2026-11-29, alternating runs: 17.33 / 17.95
-# against 19.34 / 18.90 ms; 32 utterances at once ran alike). But with it on by default the GPU suite had two
-# failures of "together equals alone" (two copies of one clip in one batch decoded differently; word timings
-# of requests finishing together differed from each alone), which the same two files did not show with it
-# off (30 passed); a run of the first test alone with it on passed. A likely cause, not shown: flash
-# attention splits the keys of a small grid (few heads, one utterance) across blocks, so a model with few
-# heads, as the suite's tiny checkpoints, would encode an utterance alone and in a batch slightly
-# differently (docs/BENCHMARKS.md, session 24).
+# against 19.34 / 18.90 ms; 32 utterances at once ran alike), and there the encoder gave an utterance the same
+# features alone and in batches of 2 and 4 with either kernel. But with it on, two GPU tests of "together equals
+# alone" fail on the suite's tiny checkpoints (4 heads of 16) in every run (4 of 4: two copies of one clip in one
+# batch decoded differently; word timings of requests finishing together differed from each alone), and at
+# tiny.en's shapes neither kernel is batch-invariant in fp16 (docs/BENCHMARKS.md, sessions 24 and 25).
 FLASH_ENCODER_DEFAULT = False
 
 
