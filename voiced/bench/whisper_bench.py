@@ -41,7 +41,7 @@ from voiced.bench.gpu_time import per_call_ms
 from voiced.bench.report import emit
 from voiced.engines.base import ASROptions, ASRRequest
 from voiced.engines.whisper.checkpoint import hf_config_from_dims, openai_to_hf_name
-from voiced.engines.whisper.engine import WhisperEngine, chunk_graphs_default, flash_never_splits
+from voiced.engines.whisper.engine import WhisperEngine, chunk_graphs_default
 from voiced.engines.whisper.model import ModelDims, Whisper, sinusoids
 from voiced.engines.whisper.tokenizer import WhisperTokenizer
 
@@ -219,8 +219,8 @@ def main(argv: list[str] | None = None) -> dict:
                     help="the admission's decoder prefill from CUDA graphs (fast.Prefills; the graph engine only); "
                          "default: the engine's (on, unless VOICED_WHISPER_PREFILL_GRAPHS=0)")
     ap.add_argument("--attn-backend", default=None, choices=["flash", "cudnn", "efficient"],
-                    help="pin the encoder's attention kernel (default: the engine's: flash where it cannot split the keys "
-                         "at any batch (engine.flash_never_splits), else torch's pick, cuDNN's on Hopper)")
+                    help="pin the encoder's attention kernel (default: the engine's, torch's pick (cuDNN's on "
+                         "Hopper), or flash with VOICED_WHISPER_FLASH_ENCODER=1)")
     ap.add_argument("--diagnose", action="store_true",
                     help="GPU: latency split + profile, encoder variants, graph-vs-eager kernel probes")
     ap.add_argument("--timeline", action="store_true",
@@ -404,26 +404,23 @@ def decode_step_ms(eng: WhisperEngine, reps: int = 20) -> dict:
 
 def batch_invariance(model: Whisper, dims: ModelDims, audio: list[np.ndarray], dev: str, dtype: torch.dtype) -> dict:
     """The encoder's features of four utterances each encoded alone against the same utterances encoded in
-    batches of 2 and of 4, with torch's choice of attention and with flash's and the memory-efficient kernel's
-    pinned: the largest difference per batch size, 0.0 where the encoder gives an utterance the same bits whatever it is admitted
-    with (what the engine's "together equals alone" tests need). Eager layers: a compiled layer keeps the
+    batches of 2 and of 4 (and 2 against 4), with torch's choice of attention and with flash's and the
+    memory-efficient kernel's pinned: the largest difference per batch size, 0.0 where the encoder gives an
+    utterance the same bits whatever it is admitted with (what the engine's "together equals alone" tests
+    need). Eager layers: a compiled layer keeps the
     attention it was traced with, whatever is pinned later in the process."""
     from voiced.engines.whisper.audio import pad_or_trim
     from voiced.engines.whisper.fast import FastEncoder
 
     x = torch.stack([pad_or_trim(torch.from_numpy(a)) for a in audio[:4]]).to(dev)
     out: dict = {"heads": dims.n_audio_head}
-    if dev.startswith("cuda"):  # the engine's rule for flash as its default (engine.encoder_attention_default)
-        out["flash_never_splits"] = flash_never_splits(
-            dims.n_audio_head, dims.n_audio_ctx, torch.cuda.get_device_properties(dev).multi_processor_count)
     with torch.inference_mode():
         for backend in (None, "flash", "efficient"):
             fe = FastEncoder(model.encoder, dims.n_mels, backend)
             try:
                 runs = {b: torch.cat([fe(x[j:j + b], dtype) for j in range(0, 4, b)]).float() for b in (1, 2, 4)}
                 diffs = {f"batch_{b}_max_abs_diff": (runs[b] - runs[1]).abs().max().item() for b in (2, 4)}
-                # batches of 2 against 4: 0.0 with a 1.0 alone where only a lone utterance's pass is summed
-                # another way (flash's split keys below its occupancy threshold)
+                # batches of 2 against 4: 0.0 where only a lone utterance's pass is summed another way
                 diffs["batch_2_vs_4_max_abs_diff"] = (runs[2] - runs[4]).abs().max().item()
                 out[backend or "default"] = diffs
             except RuntimeError as e:  # (a kernel where it does not run: an old GPU, float32 on a GPU)

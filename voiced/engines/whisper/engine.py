@@ -141,37 +141,22 @@ def cross_in_encoder_default() -> bool:
     return env_switch("VOICED_WHISPER_CROSS_IN_ENCODER", True)
 
 
-# Whether the GPU encoder's attention is pinned to flash attention (`encoder_attention_default`). Flash is
-# ~1.5 ms faster an utterance of large-v3-turbo than torch's pick (cuDNN's) on an H200 (2026-11-29, alternating
-# runs: 17.33 / 17.95 against 19.34 / 18.90 ms), but it must not make an utterance's features depend on what it
-# is admitted with: the engine promises the same tokens alone and batched. torch's flash forward (FlashAttention
-# 2, aten/src/ATen/native/transformers/cuda/flash_attn/flash_api.cpp: set_params_splitkv, num_splits_heuristic)
-# splits the keys over several blocks, summing them in another order, when batch x heads x ceil(queries / 64)
-# is under 0.8 x 2 x the multiprocessors. Where one utterance's heads x blocks already reach that, no batch
-# splits, and each (utterance, head, query block) is summed alone in one fixed order: batch-invariant by
-# construction (large-v3-turbo's 20 heads: 480 >= 211 on an H200, measured 0.0 between alone and batches of 2
-# and 4). Under it (tiny.en's 6 heads, base's 8, the suite's tiny checkpoints' 4) a lone utterance is split
-# and a batched one is not: the "together equals alone" GPU tests failed 4 of 4 with flash forced there
-# (sessions 24-25). So flash is the default exactly where it cannot split.
-FLASH_SPLIT_OCCUPANCY = 0.8 * 2  # flash_api.cpp: splits below 0.8 x (2 x multiprocessors) blocks of 128 threads
-FLASH_QUERY_BLOCK = 64  # flash_api.cpp: the query block its split heuristic counts
+# Whether the GPU encoder's attention is pinned to flash attention (`encoder_attention_default`): off. At one
+# utterance of large-v3-turbo it saved ~1.5 ms of ~19 on an H200 (2026-11-29, alternating runs: 17.33 / 17.95
+# against 19.34 / 18.90 ms; 32 utterances at once ran alike), and there the encoder gave an utterance the same
+# features alone and in batches of 2 and 4 with either kernel. But with it on, two GPU tests of "together equals
+# alone" fail on the suite's tiny checkpoints (4 heads of 16) in every run (4 of 4: two copies of one clip in one
+# batch decoded differently; word timings of requests finishing together differed from each alone), and at
+# tiny.en's shapes neither kernel is batch-invariant in fp16 (docs/BENCHMARKS.md, sessions 24 and 25).
+FLASH_ENCODER_DEFAULT = False
 
 
-def flash_never_splits(n_head: int, n_ctx: int, sms: int) -> bool:
-    """Whether torch's flash forward over `n_ctx` queries and keys with `n_head` heads keeps every batch, one
-    utterance included, to one pass over the keys (no split-KV) on a GPU of `sms` multiprocessors."""
-    return n_head * -(-n_ctx // FLASH_QUERY_BLOCK) >= FLASH_SPLIT_OCCUPANCY * sms
-
-
-def encoder_attention_default(dtype: torch.dtype, capability: tuple[int, int] | None, *, n_head: int, n_ctx: int,
-                              sms: int) -> str | None:
-    """The SDPA backend the GPU encoder is pinned to: "flash" where flash runs (fp16/bf16, compute capability 8.0
-    or newer) and either VOICED_WHISPER_FLASH_ENCODER=1 or, unset, `flash_never_splits` holds for the encoder's
-    heads and context on this GPU; else None (torch's choice: cuDNN's attention on Hopper with torch 2.11).
-    VOICED_WHISPER_FLASH_ENCODER=0 keeps torch's choice everywhere. `capability`: the device's, None on the CPU."""
+def encoder_attention_default(dtype: torch.dtype, capability: tuple[int, int] | None) -> str | None:
+    """The SDPA backend the GPU encoder is pinned to: "flash" where VOICED_WHISPER_FLASH_ENCODER=1 (unset:
+    FLASH_ENCODER_DEFAULT) and flash runs (fp16/bf16, compute capability 8.0 or newer), else None (torch's
+    choice: cuDNN's attention on Hopper with torch 2.11). `capability`: the device's, None on the CPU."""
     fits = capability is not None and capability >= (8, 0) and dtype in (torch.float16, torch.bfloat16)
-    return "flash" if fits and env_switch("VOICED_WHISPER_FLASH_ENCODER", flash_never_splits(n_head, n_ctx, sms)) \
-        else None
+    return "flash" if fits and env_switch("VOICED_WHISPER_FLASH_ENCODER", FLASH_ENCODER_DEFAULT) else None
 
 
 # Whether a chunk of greedy steps replays as one CUDA graph on a GPU (`chunk_graphs_default`): on since the GPU
@@ -488,10 +473,7 @@ class WhisperEngine:
             return None
         compile_encoder = self.is_cuda if compile_encoder is None else compile_encoder
         if attn_backend is None:
-            dev = self.model.device
-            attn_backend = encoder_attention_default(
-                self.dtype, torch.cuda.get_device_capability(dev), n_head=self.dims.n_audio_head,
-                n_ctx=self.dims.n_audio_ctx, sms=torch.cuda.get_device_properties(dev).multi_processor_count)
+            attn_backend = encoder_attention_default(self.dtype, torch.cuda.get_device_capability(self.model.device))
         return FastEncoder(self.model.encoder, self.dims.n_mels, attn_backend, compile_encoder,
                            cross=self.model.decoder if cross_in_encoder else None,
                            cross_rows=self.encoder_buckets()[-1])
