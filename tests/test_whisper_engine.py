@@ -329,3 +329,20 @@ def test_benchmark_script_runs_on_cpu(tmp_path):
                                                "batch_2_vs_4_max_abs_diff")), inv
     assert "No viable backend" in inv["efficient"], inv
     assert json.loads((tmp_path / "r.json").read_text())["dims"] == "tiny-random"
+
+
+def test_encoder_layer_bench_weights_fit_the_engine_s_layer_and_it_asks_for_a_gpu():
+    """The layer benchmark's random weights are in `fast.encoder_layer`'s argument order (a wrong order fails
+    on the shapes), the layer keeps activations finite at those scales, and without a GPU the benchmark stops
+    saying it needs one."""
+    import torch
+
+    from voiced.bench import encoder_layer_bench
+    from voiced.engines.whisper.fast import encoder_layer
+
+    w = encoder_layer_bench.layer_weights(64, "cpu", torch.float32)
+    y = encoder_layer(torch.randn(2, 30, 64), 4, *w)
+    assert y.shape == (2, 30, 64) and torch.isfinite(y).all() and y.abs().max() < 100
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+            encoder_layer_bench.main(["--dims", "tiny-random"])
