@@ -90,8 +90,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--cases", nargs="+", default=["eager:default", "eager:flash", "eager:cudnn", "eager:efficient",
                                                    "compiled:default", "compiled:flash", "autotune:default",
                                                    "autotune:flash"],
-                    help="MODE:ATTENTION pairs; MODE one of %s, ATTENTION default (torch's pick) or one of %s"
-                         % (", ".join(COMPILE_MODES), ", ".join(_BACKENDS)))
+                    help=f"MODE:ATTENTION pairs; MODE one of {', '.join(COMPILE_MODES)}, ATTENTION default (torch's "
+                         f"pick) or one of {', '.join(_BACKENDS)}")
     ap.add_argument("--reps", type=int, default=4, help="layer calls per graph replay")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
