@@ -209,8 +209,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--latency-runs", type=int, default=20)
     ap.add_argument("--decode-chunk", type=int, default=8, help="greedy steps per host sync")
     ap.add_argument("--skip-hf", action="store_true")
-    ap.add_argument("--no-compile-encoder", dest="compile_encoder", action="store_false",
-                    help="don't torch.compile the GPU encoder's layers (the engine's default on CUDA)")
+    ap.add_argument("--compile-encoder", choices=["on", "off"], default=None,
+                    help="the GPU encoder's layers through torch.compile (default: the engine's, off unless "
+                         "VOICED_WHISPER_COMPILE_ENCODER=1)")
     ap.add_argument("--reference-decoder", dest="fast_decoder", action="store_const", const=False, default=None,
                     help="decoder steps through the modules (TextDecoder.step), not the fused GPU step")
     ap.add_argument("--no-compile-decoder", dest="compile_decoder", action="store_const", const=False, default=None,
@@ -260,8 +261,9 @@ def main(argv: list[str] | None = None) -> dict:
 
     opts = ASROptions(language="en", max_new_tokens=args.tokens, min_new_tokens=args.tokens)
     audio = test_audio(max(args.throughput_utts, args.hf_throughput_utts, 16))
-    fast = dict(compile_encoder=args.compile_encoder, attn_backend=args.attn_backend, fast_decoder=args.fast_decoder,
-                compile_decoder=args.compile_decoder, prefill_graphs=ON_OFF.get(args.prefill_graphs))
+    fast = dict(compile_encoder=ON_OFF.get(args.compile_encoder), attn_backend=args.attn_backend,
+                fast_decoder=args.fast_decoder, compile_decoder=args.compile_decoder,
+                prefill_graphs=ON_OFF.get(args.prefill_graphs))
     report.update(fast)
     if args.probe_only:
         eng = WhisperEngine(model, tok, model_name=args.dims, max_batch=16, max_encoder_batch=1, **fast)
@@ -277,6 +279,7 @@ def main(argv: list[str] | None = None) -> dict:
     report["decoder_step_path"] = graphs.decoder_path
     # the encoder's attention as the engine resolved it (None: torch's choice), not as asked
     report["attn_backend"] = graphs.fast_encoder.attn_backend if graphs.fast_encoder is not None else None
+    report["compile_encoder"] = graphs.fast_encoder.compiled if graphs.fast_encoder is not None else None
     t0 = time.perf_counter()
     graphs.warmup()
     report["warmup_graphs_s"] = round(time.perf_counter() - t0, 2)
