@@ -461,23 +461,6 @@ def test_only_full_chunks_of_captured_buckets_take_the_chunk_graph(tmp_path):
         assert runs == ([("chunk", 3)] if captured else []) + tail
 
 
-def test_the_gpu_encoder_s_layers_run_eagerly_unless_compiling_is_asked(monkeypatch):
-    """Unset, VOICED_WHISPER_COMPILE_ENCODER leaves the GPU encoder's layers eager inside their CUDA graphs (on an
-    H200 a compiled large-v3-turbo layer was slower at batch 1 and 32, session 26); =1 compiles them, =0 not; a
-    misspelt value is refused, naming the variable."""
-    from voiced.engines.whisper.engine import compile_encoder_default
-
-    monkeypatch.delenv("VOICED_WHISPER_COMPILE_ENCODER", raising=False)
-    assert compile_encoder_default() is False
-    monkeypatch.setenv("VOICED_WHISPER_COMPILE_ENCODER", "1")
-    assert compile_encoder_default() is True
-    monkeypatch.setenv("VOICED_WHISPER_COMPILE_ENCODER", "0")
-    assert compile_encoder_default() is False
-    monkeypatch.setenv("VOICED_WHISPER_COMPILE_ENCODER", "on")
-    with pytest.raises(ValueError, match="VOICED_WHISPER_COMPILE_ENCODER"):
-        compile_encoder_default()
-
-
 def test_the_gpu_encoder_s_attention_is_pinned_to_flash_only_when_asked(monkeypatch):
     """VOICED_WHISPER_FLASH_ENCODER=1 pins it to flash attention where flash runs (fp16/bf16, compute
     capability >= 8.0); float32, older GPUs and the CPU keep torch's choice, as does the default (with flash,

@@ -65,7 +65,7 @@ def clips(tmp_path_factory):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["float16", "bfloat16"])
 def test_cuda_graphs_match_eager_single_and_joining_leaving(tmp_path, clips, dtype):
-    """Compares the greedy tokens of the served path (warmed up: graphed encoder, fused compiled decoder
+    """Compares the greedy tokens of the served path (warmed up: compiled encoder, fused compiled decoder
     step, CUDA graphs) with the same engine stepping eagerly (no graphs): three single requests forced
     to 24 tokens, then requests joining and leaving a running batch."""
     ckpt = make_openai_checkpoint(tmp_path, n_mels=128, seed=4)
@@ -164,7 +164,7 @@ def test_fast_decoder_step_is_the_default_and_close_to_the_reference(tmp_path, g
 @pytest.mark.parametrize("gemv", ["0", "1"], ids=["fused", "gemv"])
 @pytest.mark.parametrize("n_mels,seed", [(80, 0), (128, 2)])
 def test_float32_gpu_path_equals_openai_whisper(tmp_path, n_mels, seed, gemv, monkeypatch):
-    """Compares the GPU engine in float32 (warmed up: graphed encoder, the decoder step through the GEMV
+    """Compares the GPU engine in float32 (warmed up: compiled encoder, the decoder step through the GEMV
     kernels, the default, or with VOICED_WHISPER_GEMV_DECODER=0 the fused compiled one; CUDA graphs) with
     openai-whisper's own model and decode (float32, CPU) on the same checkpoint and audio: greedy tokens, 48 at
     most, English and German."""

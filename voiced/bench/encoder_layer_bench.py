@@ -9,11 +9,13 @@ weights of the given dimensions, at each batch, each way:
   times its Triton GEMM templates against cuBLAS per shape and keeps the fastest, with the bias and GELU in
   the GEMM's epilogue where a template wins);
 
-and reports milliseconds per layer (CUDA events over replays of a graph of the layer, so launches do not
-count) and the TFLOPS that makes, against the eager layer with torch's pick measured in the same run. Each
-row also gives the largest difference of its output from that reference's.
+with the activations either in the layout the engine's layers get them (`FastEncoder` adds the positional
+embedding to the convolutions' output transposed to [B, T, D] as a view, so they sit in memory as [B, D, T],
+and an eager residual add keeps that layout through every layer) or contiguous. It reports milliseconds per
+layer (CUDA events over replays of a graph of the layer, so launches do not count) and the TFLOPS that makes, against the eager layer with torch's pick on the first layout measured in
+the same run. Each row also gives the largest difference of its output from that reference's.
 
-    python3 -m voiced.bench.encoder_layer_bench --batches 1 32 --out layer.json
+    python3 -m voiced.bench.encoder_layer_bench --batches 1 32 --layouts engine contiguous --out layer.json
 """
 
 from __future__ import annotations
@@ -82,6 +84,16 @@ def run_case(mode: str, attn: str, x: torch.Tensor, n_head: int, weights: tuple,
     return ms, out.clone()
 
 
+def layer_input(b: int, t: int, d: int, layout: str, dtype: torch.dtype) -> torch.Tensor:
+    """Activations [b, t, d] on the GPU: "engine", strided as FastEncoder's first layer gets them (the
+    convolutions' [b, d, t] output transposed, plus the positional embedding, cast); "contiguous", row-major."""
+    g = torch.Generator().manual_seed(b)
+    if layout == "contiguous":
+        return torch.randn(b, t, d, generator=g).to("cuda", dtype)
+    conv_out = torch.randn(b, d, t, generator=g).to("cuda")
+    return (conv_out.transpose(1, 2) + torch.randn(t, d, generator=g).to("cuda")).to(dtype)
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dims", default="large-v3-turbo", choices=sorted(DIMS))
@@ -92,6 +104,9 @@ def main(argv: list[str] | None = None) -> dict:
                                                    "autotune:flash"],
                     help=f"MODE:ATTENTION pairs; MODE one of {', '.join(COMPILE_MODES)}, ATTENTION default (torch's "
                          f"pick) or one of {', '.join(_BACKENDS)}")
+    ap.add_argument("--layouts", nargs="+", default=["engine"], choices=["engine", "contiguous"],
+                    help="the activations' memory layout: the engine's ([B, D, T] in memory, a transposed view) "
+                         "or contiguous")
     ap.add_argument("--reps", type=int, default=4, help="layer calls per graph replay")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
@@ -104,19 +119,20 @@ def main(argv: list[str] | None = None) -> dict:
     report: dict = {"dims": args.dims, "dtype": args.dtype, "gpu": torch.cuda.get_device_name(),
                     "torch": torch.__version__, "python": platform.python_version(), "reps": args.reps, "rows": []}
     for b in args.batches:
-        x = torch.randn(b, t, d, generator=torch.Generator().manual_seed(b)).to("cuda", dtype)
         flops = 2 * b * t * (12 * d * d + 2 * t * d)
-        ref = None
-        for case in ["eager:default"] + [c for c in args.cases if c != "eager:default"]:
+        ref = None  # the eager layer with torch's attention on the first layout
+        cases = ["eager:default"] + [c for c in args.cases if c != "eager:default"]
+        for layout, case in [(lay, c) for lay in args.layouts for c in cases]:
             mode, attn = case.split(":")
             try:
-                ms, out = run_case(mode, attn, x, h, weights, args.reps)
+                ms, out = run_case(mode, attn, layer_input(b, t, d, layout, dtype), h, weights, args.reps)
             except Exception as e:  # (a kernel that does not run at these shapes or on this GPU)
-                report["rows"].append({"batch": b, "case": case, "error": repr(e)[:300]})
-                log.warning("batch %d %s: %r", b, case, e)
+                report["rows"].append({"batch": b, "layout": layout, "case": case, "error": repr(e)[:300]})
+                log.warning("batch %d %s %s: %r", b, layout, case, e)
                 continue
             ref = (ms, out) if ref is None else ref
-            row = {"batch": b, "case": case, "ms_per_layer": round(ms, 4), "tflops": round(flops / ms / 1e9, 1),
+            row = {"batch": b, "layout": layout, "case": case, "ms_per_layer": round(ms, 4),
+                   "tflops": round(flops / ms / 1e9, 1),
                    "vs_eager_default": round(ref[0] / ms, 3),
                    "max_abs_diff_vs_eager_default": (out.float() - ref[1].float()).abs().max().item()}
             report["rows"].append(row)

@@ -141,21 +141,6 @@ def cross_in_encoder_default() -> bool:
     return env_switch("VOICED_WHISPER_CROSS_IN_ENCODER", True)
 
 
-# Whether the GPU encoder's layers are compiled (`compile_encoder_default`): off since session 26 measured one
-# large-v3-turbo layer from a CUDA graph on an H200 (`python3 -m voiced.bench.encoder_layer_bench`, fp16, torch's
-# attention): eager 0.158 ms at batch 1 and 4.66 ms at batch 32, compiled 0.165 and 4.77 (Inductor's fused layer
-# norms and bias + GELU kernels lose to cuBLAS's bias epilogues and torch's own layer norm), and compiling with
-# max-autotune 0.170 and 4.60. Eager layers also take no compile at warm-up.
-COMPILE_ENCODER_DEFAULT = False
-
-
-def compile_encoder_default() -> bool:
-    """The GPU encoder's layers through torch.compile (one specialisation per batch bucket, made at warm-up)
-    instead of eagerly; either way a CUDA graph per bucket replays them. VOICED_WHISPER_COMPILE_ENCODER=1 or 0
-    if set, else COMPILE_ENCODER_DEFAULT (off)."""
-    return env_switch("VOICED_WHISPER_COMPILE_ENCODER", COMPILE_ENCODER_DEFAULT)
-
-
 # Whether the GPU encoder's attention is pinned to flash attention (`encoder_attention_default`): off. At one
 # utterance of large-v3-turbo it saved ~1.5 ms of ~19 on an H200 (2026-11-29, alternating runs: 17.33 / 17.95
 # against 19.34 / 18.90 ms; 32 utterances at once ran alike), and there the encoder gave an utterance the same
@@ -480,12 +465,13 @@ class WhisperEngine:
                       cross_in_encoder: bool) -> FastEncoder | None:
         """GPU encoder: fused QKV, optional compiled layers; run per batch-size bucket (padded or split
         into buckets) so the graph path and the eager path see the same shapes. compile_encoder None:
-        `compile_encoder_default` (off); on, the layers are compiled per bucket in warmup(). cross_in_encoder:
-        its pass also projects the features to every decoder layer's cross keys/values, into one buffer of the
-        largest bucket's rows (`_copy_cross`)."""
+        on for CUDA (fused layer norm / residual / GELU / head layouts: 165 ms instead of 204 ms per 32
+        utterances on an H200), compiled per bucket in warmup(). cross_in_encoder: its pass also projects the
+        features to every decoder layer's cross keys/values, into one buffer of the largest bucket's rows
+        (`_copy_cross`)."""
         if not self.is_cuda:
             return None
-        compile_encoder = compile_encoder_default() if compile_encoder is None else compile_encoder
+        compile_encoder = self.is_cuda if compile_encoder is None else compile_encoder
         if attn_backend is None:
             attn_backend = encoder_attention_default(self.dtype, torch.cuda.get_device_capability(self.model.device))
         return FastEncoder(self.model.encoder, self.dims.n_mels, attn_backend, compile_encoder,
@@ -532,9 +518,8 @@ class WhisperEngine:
         max_batch: decoder rows (a beam-search request takes `beam_size` rows); None or 0: 8 on CPU, and on
         CUDA the most of 64, 32, 16, ... whose need fits memory_limit (footprint.rows_that_fit).
         kv_cache_bytes: a memory budget for the self+cross KV caches; the row count is the smaller of what
-        it allows and max_batch. compile_encoder: the GPU encoder's layers compiled; None:
-        `compile_encoder_default` (off, unless VOICED_WHISPER_COMPILE_ENCODER=1). compile_decoder: the GPU
-        decoder path, None meaning on for CUDA; fast_decoder: the fused decoder step, None meaning on (see __init__).
+        it allows and max_batch. compile_encoder, compile_decoder: the GPU paths,
+        None meaning on for CUDA; fast_decoder: the fused decoder step, None meaning on (see __init__).
         memory_limit: (free GPU bytes, the [memory] whisper_kv_fraction): the computed need
         (`memory_need`) is checked against that share before the weights go to the GPU; a need above it
         is refused (EngineError naming the setting). prefill_graphs: replay the admission's decoder prefill
