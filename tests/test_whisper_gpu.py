@@ -615,9 +615,9 @@ def test_unset_rows_are_the_most_the_memory_share_holds(tmp_path):
 @pytest.mark.parametrize("switch,flash", [(None, False), ("1", True)], ids=["default", "on"])
 def test_the_encoder_attends_with_flash_attention_when_asked(tmp_path, clips, monkeypatch, switch, flash):
     """VOICED_WHISPER_FLASH_ENCODER=1: an fp16 engine's encoder runs flash attention's kernel, not torch's own
-    pick (cuDNN's, ~1.5 ms slower a large-v3-turbo utterance on an H200); unset, the pick is torch's. Eager
-    encoder, so the kernels are the ones the context selects now (a compiled layer keeps what it was traced
-    with); cuDNN's kernel names hold "flash" too, so they are told apart by "cudnn"."""
+    pick (cuDNN's); unset, the pick is torch's. Eager encoder, so the kernels are the ones the context selects
+    now (a compiled layer keeps what it was traced with); cuDNN's kernel names hold "flash" too, so they are
+    told apart by "cudnn"."""
     from torch.profiler import ProfilerActivity, profile
 
     from voiced.engines.whisper.audio import N_SAMPLES

@@ -141,13 +141,13 @@ def cross_in_encoder_default() -> bool:
     return env_switch("VOICED_WHISPER_CROSS_IN_ENCODER", True)
 
 
-# Whether the GPU encoder's attention is pinned to flash attention (`encoder_attention_default`): off. At one
-# utterance of large-v3-turbo it saved ~1.5 ms of ~19 on an H200 (2026-11-29, alternating runs: 17.33 / 17.95
-# against 19.34 / 18.90 ms; 32 utterances at once ran alike), and there the encoder gave an utterance the same
-# features alone and in batches of 2 and 4 with either kernel. But with it on, two GPU tests of "together equals
-# alone" fail on the suite's tiny checkpoints (4 heads of 16) in every run (4 of 4: two copies of one clip in one
-# batch decoded differently; word timings of requests finishing together differed from each alone), and at
-# tiny.en's shapes neither kernel is batch-invariant in fp16 (docs/BENCHMARKS.md, sessions 24 and 25).
+# Whether the GPU encoder's attention is pinned to flash attention (`encoder_attention_default`): off. Session 24
+# measured one large-v3-turbo utterance ~1.5 ms faster with it on an H200; session 26 did not repeat that (17.83 /
+# 18.25 ms with flash against 16.56 with torch's pick, cuDNN's, and one layer 0.171 against 0.158 ms at batch 1).
+# And with it on, two GPU tests of "together equals alone" fail on the suite's tiny checkpoints (4 heads of 16) in
+# every run (4 of 4: two copies of one clip in one batch decoded differently; word timings of requests finishing
+# together differed from each alone). Under large-v3-turbo's width no attention kernel gives a lone utterance the
+# features it gets batched in fp16 (docs/BENCHMARKS.md, sessions 24-26).
 FLASH_ENCODER_DEFAULT = False
 
 
