@@ -702,7 +702,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--reply-seconds", type=float, default=2.0, help="forced reply length (random weights)")
     ap.add_argument("--first-chunk-tokens", type=int, default=10)
     ap.add_argument("--chunk-tokens", type=int, default=25)
-    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--out", type=Path, default=None,
+                    help="the report as JSON, rewritten after every level (\"complete\": false until the sweep ends)")
     ap.add_argument("--vocoder-graphs", action=argparse.BooleanOptionalAction, default=None,
                     help="replay the vocoder's window decodes from CUDA graphs (voiced.engines.spark.vocoder_graphs);"
                          " default: as `voiced serve` (engine.VOCODER_GRAPHS_DEFAULT, VOICED_SPARK_VOCODER_GRAPHS)")
@@ -850,11 +851,21 @@ def main(argv: list[str] | None = None) -> dict:
         log.info("%s, %d sessions: %s", front, n, json.dumps(level))
         return level
 
+    def save_so_far() -> None:
+        """The report as far as it goes, marked incomplete, after every level: a sweep stopped from outside (a
+        time limit on a lent machine) keeps the levels it measured. Written whole, then renamed over --out."""
+        if args.out:
+            partial = dict(result, complete=False, levels=result["fronts"][args.front[0]])
+            tmp = Path(f"{args.out}.partial")
+            tmp.write_text(json.dumps(partial, indent=2) + "\n")
+            os.replace(tmp, args.out)
+
     for front in args.front:
         levels = result["fronts"][front] = {}
         for i, n in enumerate(args.sessions):
             log.info("%s: level %d of %d, %d callers for %g s", front, i + 1, len(args.sessions), n, args.duration)
             levels[n] = measure(front, n)
+            save_so_far()
         # Narrow the saturation bracket with a few more levels on the same warm daemon.
         for _ in range(args.refine):
             n = next_level(levels, args.saturation_ms)
@@ -862,6 +873,7 @@ def main(argv: list[str] | None = None) -> dict:
                 break
             log.info("%s: refining saturation at %d callers", front, n)
             levels[n] = measure(front, n)
+            save_so_far()
         result["fronts"][front] = levels = dict(sorted(levels.items()))
         sat = result["saturation"][front] = saturation(levels, args.saturation_ms)
         log.info("%s: voice-to-voice p99 under %g ms up to %d callers%s", front, args.saturation_ms, sat["capacity"],
@@ -876,6 +888,7 @@ def main(argv: list[str] | None = None) -> dict:
             result["gpu_memory"] = MEMORY
         result["targets"] = e2e_targets(result["fronts"].get("grpc", result["levels"]))
         result["targets"].update(door_targets(result["door_overhead_ms"]))
+    result["complete"] = True
     emit(result, args.out)
     return result
 
