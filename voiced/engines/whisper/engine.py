@@ -141,6 +141,21 @@ def cross_in_encoder_default() -> bool:
     return env_switch("VOICED_WHISPER_CROSS_IN_ENCODER", True)
 
 
+# Whether the GPU encoder's layers are compiled (`compile_encoder_default`): on. Eager layers lost in the engine in
+# session 26 (one large-v3-turbo utterance 17.82 against 16.49 ms, 139.8 against 167.8 utt/s on an H200) because
+# they ran on the convolutions' transposed layout; since 636e71a the eager path makes its activations contiguous
+# first, and one layer so took 0.162 / 4.76 ms at batch 1 / 32 against the compiled layer's 0.178 / 4.79
+# (encoder_layer_bench). Not yet measured in the engine, nor its float32 tokens against openai-whisper.
+COMPILE_ENCODER_DEFAULT = True
+
+
+def compile_encoder_default() -> bool:
+    """The GPU encoder's layers through torch.compile (one specialisation per batch bucket, made at warm-up)
+    rather than eagerly on contiguous activations; either way a CUDA graph per bucket replays them.
+    VOICED_WHISPER_COMPILE_ENCODER=1 or 0 if set, else COMPILE_ENCODER_DEFAULT (on)."""
+    return env_switch("VOICED_WHISPER_COMPILE_ENCODER", COMPILE_ENCODER_DEFAULT)
+
+
 # Whether the GPU encoder's attention is pinned to flash attention (`encoder_attention_default`): off. Session 24
 # measured one large-v3-turbo utterance ~1.5 ms faster with it on an H200; session 26 did not repeat that (17.83 /
 # 18.25 ms with flash against 16.56 with torch's pick, cuDNN's, and one layer 0.171 against 0.158 ms at batch 1).
@@ -465,13 +480,12 @@ class WhisperEngine:
                       cross_in_encoder: bool) -> FastEncoder | None:
         """GPU encoder: fused QKV, optional compiled layers; run per batch-size bucket (padded or split
         into buckets) so the graph path and the eager path see the same shapes. compile_encoder None:
-        on for CUDA (fused layer norm / residual / GELU / head layouts: 165 ms instead of 204 ms per 32
-        utterances on an H200), compiled per bucket in warmup(). cross_in_encoder: its pass also projects the
+        `compile_encoder_default` (on; compiled per bucket in warmup()). cross_in_encoder: its pass also projects the
         features to every decoder layer's cross keys/values, into one buffer of the largest bucket's rows
         (`_copy_cross`)."""
         if not self.is_cuda:
             return None
-        compile_encoder = self.is_cuda if compile_encoder is None else compile_encoder
+        compile_encoder = compile_encoder_default() if compile_encoder is None else compile_encoder
         if attn_backend is None:
             attn_backend = encoder_attention_default(self.dtype, torch.cuda.get_device_capability(self.model.device))
         return FastEncoder(self.model.encoder, self.dims.n_mels, attn_backend, compile_encoder,
@@ -518,8 +532,9 @@ class WhisperEngine:
         max_batch: decoder rows (a beam-search request takes `beam_size` rows); None or 0: 8 on CPU, and on
         CUDA the most of 64, 32, 16, ... whose need fits memory_limit (footprint.rows_that_fit).
         kv_cache_bytes: a memory budget for the self+cross KV caches; the row count is the smaller of what
-        it allows and max_batch. compile_encoder, compile_decoder: the GPU paths,
-        None meaning on for CUDA; fast_decoder: the fused decoder step, None meaning on (see __init__).
+        it allows and max_batch. compile_encoder: the GPU encoder's layers compiled; None:
+        `compile_encoder_default` (on, unless VOICED_WHISPER_COMPILE_ENCODER=0). compile_decoder: the GPU
+        decoder path, None meaning on for CUDA; fast_decoder: the fused decoder step, None meaning on (see __init__).
         memory_limit: (free GPU bytes, the [memory] whisper_kv_fraction): the computed need
         (`memory_need`) is checked against that share before the weights go to the GPU; a need above it
         is refused (EngineError naming the setting). prefill_graphs: replay the admission's decoder prefill
