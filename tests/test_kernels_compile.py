@@ -109,3 +109,25 @@ def test_top_k_kernels_compile(bias):
              dict(K=64, HAS_BIAS=bias, BLOCK=1024), target)
     _compile(topk_kernel._merge_top, dict(key_ptr=_ptr("i64"), val_ptr=_ptr("fp32"), id_ptr=_ptr("i64"), V="i32"),
              dict(K=64, N=1024, BLOCK=1024), target)
+
+
+def test_triton_keeps_fusing_multiply_adds_whatever_its_version_s_default(tmp_path):
+    """Importing the kernels' Triton pins fused multiply-adds (what every kernel figure and exactness test was
+    measured with) instead of leaving it to the version's default, which Triton 3.10 turns off; Triton 3.9 warns
+    about an unset default, and with the pin it does not. An operator's own TRITON_DEFAULT_FP_FUSION is kept."""
+    import os
+    import subprocess
+    import sys
+
+    triton = pytest.importorskip("triton")
+    if not hasattr(getattr(triton, "knobs", None), "language"):
+        pytest.skip("this Triton has no language knobs")
+    probe = ("import warnings; warnings.simplefilter('error')\n"
+             "from voiced.engines.triton_lang import triton\n"
+             "print(triton.knobs.language.fp_fusion_enabled(None))\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_DEFAULT_FP_FUSION"}
+    run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=120)
+    assert run.returncode == 0 and run.stdout.strip() == "True", run.stderr[-2000:]
+    run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
+                         env={**env, "TRITON_DEFAULT_FP_FUSION": "0"})
+    assert run.returncode == 0 and run.stdout.strip() == "False", run.stderr[-2000:]
