@@ -21,7 +21,6 @@ the same run. Each row also gives the largest difference of its output from that
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import logging
 import platform
@@ -30,8 +29,9 @@ from pathlib import Path
 import torch
 
 from voiced.bench.gpu_time import per_call_ms
+from voiced.bench.report import emit
 from voiced.bench.whisper_bench import DIMS
-from voiced.engines.whisper.fast import _BACKENDS, encoder_layer
+from voiced.engines.whisper.fast import SDPA_BACKENDS, encoder_layer, pinned_attention
 
 log = logging.getLogger("encoder_layer_bench")
 
@@ -51,14 +51,6 @@ def layer_weights(d: int, device: str, dtype: torch.dtype, seed: int = 0) -> tup
             rnd(d, scale=0.1))
 
 
-def attention(name: str) -> contextlib.AbstractContextManager:
-    if name == "default":
-        return contextlib.nullcontext()
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    return sdpa_kernel([getattr(SDPBackend, _BACKENDS[name])])
-
-
 def graphed(fn, x: torch.Tensor, reps: int = 4):
     """`fn` applied `reps` times in a row (each to x, so every call does the same work), captured in one CUDA
     graph; returns the replay and the last output."""
@@ -76,7 +68,7 @@ def graphed(fn, x: torch.Tensor, reps: int = 4):
 
 def run_case(mode: str, attn: str, x: torch.Tensor, n_head: int, weights: tuple, reps: int) -> tuple[float, torch.Tensor]:
     torch._dynamo.reset()  # a compiled layer keeps the attention it was traced with
-    with attention(attn), torch.inference_mode():
+    with pinned_attention(None if attn == "default" else attn), torch.inference_mode():
         layer = encoder_layer if COMPILE_MODES[mode] is None else torch.compile(
             encoder_layer, dynamic=False, fullgraph=True, mode=COMPILE_MODES[mode])
         replay, out = graphed(lambda t: layer(t, n_head, *weights), x, reps)
@@ -103,7 +95,7 @@ def main(argv: list[str] | None = None) -> dict:
                                                    "compiled:default", "compiled:flash", "autotune:default",
                                                    "autotune:flash"],
                     help=f"MODE:ATTENTION pairs; MODE one of {', '.join(COMPILE_MODES)}, ATTENTION default (torch's "
-                         f"pick) or one of {', '.join(_BACKENDS)}")
+                         f"pick) or one of {', '.join(SDPA_BACKENDS)}")
     ap.add_argument("--layouts", nargs="+", default=["engine"], choices=["engine", "contiguous"],
                     help="the activations' memory layout: the engine's ([B, D, T] in memory, a transposed view) "
                          "or contiguous")
@@ -137,8 +129,9 @@ def main(argv: list[str] | None = None) -> dict:
                    "max_abs_diff_vs_eager_default": (out.float() - ref[1].float()).abs().max().item()}
             report["rows"].append(row)
             log.info("%s", row)
-            if args.out:
+            if args.out:  # (every row as it comes: a run stopped by a time limit keeps what it measured)
                 args.out.write_text(json.dumps(report, indent=2))
+    emit(report, args.out)
     return report
 
 

@@ -410,8 +410,8 @@ def batch_invariance(model: Whisper, dims: ModelDims, audio: list[np.ndarray], d
     batches of 2 and of 4 (and 2 against 4), with torch's choice of attention and with flash's and the
     memory-efficient kernel's pinned: the largest difference per batch size, 0.0 where the encoder gives an
     utterance the same bits whatever it is admitted with (what the engine's "together equals alone" tests
-    need). Eager layers: a compiled layer keeps the
-    attention it was traced with, whatever is pinned later in the process."""
+    need). Eager layers: a compiled layer keeps the attention it was traced with, whatever is pinned later in
+    the process."""
     from voiced.engines.whisper.audio import pad_or_trim
     from voiced.engines.whisper.fast import FastEncoder
 

@@ -182,8 +182,18 @@ def encoder_pieces(n: int, buckets: list[int]) -> list[int]:
     return out
 
 
-_BACKENDS = {"flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION", "efficient": "EFFICIENT_ATTENTION",
-             "math": "MATH"}
+SDPA_BACKENDS = {"flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION", "efficient": "EFFICIENT_ATTENTION",
+                 "math": "MATH"}
+
+
+def pinned_attention(backend: str | None) -> contextlib.AbstractContextManager:
+    """Scaled dot-product attention pinned to `backend` (a key of SDPA_BACKENDS) inside the context; None
+    leaves torch's choice."""
+    if backend is None:
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([getattr(SDPBackend, SDPA_BACKENDS[backend])])
 
 
 class FastEncoder:
@@ -252,13 +262,6 @@ class FastEncoder:
             k_out[i].copy_(attn.key(features))
             v_out[i].copy_(attn.value(features))
 
-    def _sdpa_ctx(self) -> contextlib.AbstractContextManager:
-        if self.attn_backend is None:
-            return contextlib.nullcontext()
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
-        return sdpa_kernel([getattr(SDPBackend, _BACKENDS[self.attn_backend])])
-
     @torch.inference_mode()
     def __call__(self, audio: Tensor, dtype: torch.dtype) -> Tensor:
         """audio [B, 480000] float32 (padded windows) -> features [B, n_ctx, D] in `dtype`."""
@@ -274,7 +277,7 @@ class FastEncoder:
             # large-v3-turbo layer 0.212 / 6.00 ms at batch 1 / 32 so, 0.162 / 4.76 contiguous (session 26,
             # encoder_layer_bench). A compiled layer lays out its own buffers (0.178 / 4.79 from this layout).
             x = x.contiguous()
-        with self._sdpa_ctx():
+        with pinned_attention(self.attn_backend):
             for p in self.layers:
                 x = self._layer(x, self.n_head, *p)
         return F.layer_norm(x, x.shape[-1:], enc.ln_post.weight, enc.ln_post.bias, enc.ln_post.eps)
