@@ -1,5 +1,5 @@
 """Faults held to one caller on the GPU (skipped without CUDA): a real CUDA out-of-memory while one
-request is being admitted, on the served path (compiled encoder and decoder step, CUDA graphs). The
+request is being admitted, on the served path (the default encoder and decoder step, CUDA graphs). The
 CPU counterparts, with the error raised by hand, are in tests/test_faults.py."""
 
 from __future__ import annotations

@@ -76,9 +76,7 @@ class ASRConfig:
     model: str = "auto"  # auto: large-v3-turbo on a GPU, base on a CPU; or a name (`voiced models list`) or a path
     backend: str = "auto"  # auto | torch | trtllm
     device: str = "auto"  # auto | cpu | cuda | cuda:N
-    # empty: float16 on GPU, float32 on CPU; "int8": int8 GEMMs on the CPU (approximate, faster); "float8": the
-    # encoder's GEMMs in FP8 on a GPU of compute capability 8.9+ (approximate, faster)
-    dtype: str = ""
+    dtype: str = ""  # empty: float16 on GPU, float32 on CPU; "int8": int8 GEMMs on the CPU (approximate, faster)
     # decoder rows shared by all callers; 0: on a GPU the most, up to 64, that whisper_kv_fraction holds, 8 on a CPU
     max_batch: int = 0
     language: str = ""  # default for sessions; empty: detect

@@ -34,8 +34,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     e.add_argument("--language", default="en", help="the set's language (default en; 'auto': detect)")
     e.add_argument("--beam-size", type=int, default=1, help="1 = greedy (default), for every system")
     e.add_argument("--dtype", default="float32",
-                   help="ours, comma-separated to run several: float32 (default), int8 (CPU), float16, bfloat16, "
-                        "float8 (FP8 encoder GEMMs; emulated on the CPU)")
+                   help="ours, comma-separated to run several: float32 (default), int8 (CPU), float16, bfloat16")
     e.add_argument("--device", default="cpu", help="ours: cpu or cuda[:N] (the references run on the CPU)")
     e.add_argument("--compare", default="auto",
                    help="auto (default: faster-whisper at each of our dtypes and openai-whisper, when installed), "

@@ -31,10 +31,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--initial-prompt", default=None, help="text to condition on (names, spelling, style)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="cap on decoded tokens per 30 s window")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
-    p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16", "int8", "float8"],
-                   help="default: float16 on cuda, float32 on cpu; int8: int8 GEMMs on the cpu (approximate, faster); "
-                        "float8: the encoder's GEMMs in FP8 on a GPU of compute capability 8.9+ (approximate, faster; "
-                        "emulated, slower, on the cpu)")
+    p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16", "int8"],
+                   help="default: float16 on cuda, float32 on cpu; int8: int8 GEMMs on the cpu (approximate, faster)")
     p.add_argument("--json", action="store_true", help="one JSON object per file")
     p.set_defaults(func=run)
 

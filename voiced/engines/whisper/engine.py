@@ -48,7 +48,7 @@ from voiced.engines.rows import compaction, doubling, rows_in_budget, to_device
 from voiced.engines.switches import env_switch
 from voiced.memory_plan import EngineNeed, Need, stream_workspace_bytes
 
-from . import dtw_kernel, float8
+from . import dtw_kernel
 from .audio import HOP_LENGTH, N_FFT, N_SAMPLES, log_mel_spectrogram
 from .checkpoint import CheckpointError, read_checkpoint
 from .cpu import column_major_embedding_, int8_available, quantize_int8_
@@ -142,21 +142,19 @@ def cross_in_encoder_default() -> bool:
 
 
 # Whether the GPU encoder's layers are compiled (`compile_encoder_default`), by what the encoder computes in:
-# - float16 / bfloat16 (what is served): eager, on contiguous activations. Measured on one H200 in session 27, run
-#   alternately (docs/BENCHMARKS.md): one large-v3-turbo utterance 16.04 / 16.57 ms eager against 17.91 compiled,
-#   throughput 167.3 / 167.4 against 164.4 utt/s, and no encoder compiles at start-up. (Session 26's eager layers
-#   lost because they ran on the convolutions' transposed layout: fast.FastEncoder makes it contiguous first.)
+# - float16 / bfloat16 (what is served): eager, on contiguous activations. Measured on H200s in session 27, run
+#   alternately on one machine (docs/BENCHMARKS.md): one large-v3-turbo utterance 16.04 / 16.57 ms eager against
+#   17.91 compiled, throughput 167.3 / 167.4 against 164.4 utt/s; and the warm-up makes no encoder compiles.
+#   (Session 26's eager layers lost because they ran on the convolutions' transposed layout: fast.FastEncoder
+#   makes it contiguous first.)
 # - float32 (the GPU's reference mode, asked for to get openai-whisper's tokens): compiled. Its exactness tests pass
 #   with compiled layers and, in sessions 26 and 27 alike, not with eager ones (a random checkpoint's German request
 #   parts from openai-whisper's at a near tie, token 28 of 48).
-# - float8 (float8.py): compiled, which fuses the per-row quantization of the activations into the layer norm's and
-#   the GELU's kernels.
-def compile_encoder_default(dtype: torch.dtype, fp8: bool = False) -> bool:
+def compile_encoder_default(dtype: torch.dtype) -> bool:
     """The GPU encoder's layers through torch.compile (one specialisation per batch bucket, made at warm-up)
     rather than eagerly on contiguous activations; either way a CUDA graph per bucket replays them.
-    VOICED_WHISPER_COMPILE_ENCODER=1 or 0 if set, else compiled in float32 and with the FP8 products, eager
-    in half precision (see above)."""
-    return env_switch("VOICED_WHISPER_COMPILE_ENCODER", dtype == torch.float32 or fp8)
+    VOICED_WHISPER_COMPILE_ENCODER=1 or 0 if set, else compiled in float32, eager in half precision (above)."""
+    return env_switch("VOICED_WHISPER_COMPILE_ENCODER", dtype == torch.float32)
 
 
 # Whether the GPU encoder's attention is pinned to flash attention (`encoder_attention_default`): off. Session 24
@@ -254,21 +252,15 @@ def build_model(dims: ModelDims, state: dict[str, torch.Tensor], where: str = "c
 def memory_need(dims: ModelDims, dtype: torch.dtype, weight_bytes: int, max_batch: int, *, cuda: bool,
                 max_encoder_batch: int | None = None, cuda_graphs: bool = True, decode_chunk: int = 8,
                 workspace_bytes: int = 0, prefill_graphs: bool = False, cross_in_encoder: bool = False,
-                align_graphs: bool = False, alignment_heads: int = 0, fp8_encoder: bool = False) -> EngineNeed:
+                align_graphs: bool = False, alignment_heads: int = 0) -> EngineNeed:
     """What `WhisperEngine(...)` with these settings holds on its device (see voiced.memory_plan).
-    alignment_heads: how many the word timings read (counted with align_graphs). fp8_encoder: the encoder's
-    linear weights also held quantized (float8.py)."""
+    alignment_heads: how many the word timings read (counted with align_graphs)."""
     rows = max_batch
     items = [Need("weights", weight_bytes),
              Need(f"KV cache: self {dims.n_text_ctx} + cross {dims.n_audio_ctx} positions x {rows} rows",
                   rows * KVCache.bytes_per_slot(dims, dtype)),
              # token, position, min-length countdown, log-prob, chunk history; the suppression mask
              Need("step buffers", rows * (3 * 8 + 4 + decode_chunk * 16) + dims.n_vocab)]
-    if fp8_encoder:
-        d = dims.n_audio_state
-        per_layer = sum(float8.weight_bytes(n, k) for n, k in ((3 * d, d), (d, d), (4 * d, d), (d, 4 * d)))
-        items.append(Need(f"FP8 copies of the encoder's linear weights, {dims.n_audio_layer} layers",
-                          dims.n_audio_layer * per_layer))
     if not cuda:
         return EngineNeed("Whisper", "whisper_kv_fraction", items)
     enc = min(max_encoder_batch or 16, rows)
@@ -389,7 +381,7 @@ class WhisperEngine:
                  fast_decoder: bool | None = None, compile_decoder: bool | None = None,
                  alignment_heads: list[tuple[int, int]] | None = None, prefill_graphs: bool | None = None,
                  cross_in_encoder: bool | None = None, chunk_graphs: bool | None = None,
-                 align_graphs: bool | None = None, fp8_encoder: bool = False):
+                 align_graphs: bool | None = None):
         if tokenizer.n_vocab != model.dims.n_vocab:
             raise CheckpointError(f"tokenizer has {tokenizer.n_vocab} tokens but the model {model.dims.n_vocab}")
         self.model = model.eval().requires_grad_(False)
@@ -399,12 +391,6 @@ class WhisperEngine:
         self.device = str(model.device)
         self.dtype = model.dtype
         self.is_cuda = model.device.type == "cuda"
-        if fp8_encoder and self.is_cuda:
-            _require_fp8_tensor_cores(model.device)
-        elif fp8_encoder:
-            log.warning("whisper: float8 on the CPU is emulated in float32 (slower than float32): for measuring its "
-                        "accuracy, not for serving")
-        self.fp8_encoder = fp8_encoder
         self.max_batch = max_batch
         # An admission never takes more requests than there are rows: encoder buckets (graphs, each
         # holding its input and output) past max_batch would be memory nothing uses.
@@ -484,8 +470,7 @@ class WhisperEngine:
             self._stream.wait_stream(torch.cuda.current_stream(model.device))
         log.info("whisper engine %s on %s (%s%s): %d slots, %.1f MiB of KV cache, cuda graphs %s (prefill %s, "
                  "greedy %s), cross K/V %s, decoder step %s", model_name, self.device,
-                 str(self.dtype).replace("torch.", ""),
-                 ", int8 GEMMs" if self.int8 else ", FP8 encoder GEMMs" if self.fp8_encoder else "", max_batch,
+                 str(self.dtype).replace("torch.", ""), ", int8 GEMMs" if self.int8 else "", max_batch,
                  max_batch * KVCache.bytes_per_slot(self.dims, self.dtype) / 2**20, self.cuda_graphs,
                  "graphed" if self.prefills is not None and self.prefills.graphs is not None else "eager",
                  f"{self.decode_chunk} steps per graph" if self.chunk_graphs else "a graph per step",
@@ -496,19 +481,18 @@ class WhisperEngine:
                       cross_in_encoder: bool) -> FastEncoder | None:
         """GPU encoder: fused QKV, optional compiled layers; run per batch-size bucket (padded or split
         into buckets) so the graph path and the eager path see the same shapes. compile_encoder None:
-        `compile_encoder_default` (compiled per bucket in warmup() in float32 and with `fp8_encoder`, eager in
-        half precision). cross_in_encoder: its pass also projects the features to every decoder layer's cross
-        keys/values, into one buffer of the largest bucket's rows (`_copy_cross`).
-        On the CPU only with `fp8_encoder`, which it emulates (float8.py): uncompiled, no graphs."""
+        `compile_encoder_default` (compiled per bucket in warmup() in float32, eager in half precision).
+        cross_in_encoder: its pass also projects the
+        features to every decoder layer's cross keys/values, into one buffer of the largest bucket's rows
+        (`_copy_cross`)."""
         if not self.is_cuda:
-            return FastEncoder(self.model.encoder, self.dims.n_mels, fp8=True) if self.fp8_encoder else None
-        if compile_encoder is None:
-            compile_encoder = compile_encoder_default(self.dtype, self.fp8_encoder)
+            return None
+        compile_encoder = compile_encoder_default(self.dtype) if compile_encoder is None else compile_encoder
         if attn_backend is None:
             attn_backend = encoder_attention_default(self.dtype, torch.cuda.get_device_capability(self.model.device))
         return FastEncoder(self.model.encoder, self.dims.n_mels, attn_backend, compile_encoder,
                            cross=self.model.decoder if cross_in_encoder else None,
-                           cross_rows=self.encoder_buckets()[-1], fp8=self.fp8_encoder)
+                           cross_rows=self.encoder_buckets()[-1])
 
     def _fast_decoder(self, fast_decoder: bool | None, compile_decoder: bool | None) -> FastDecoder | None:
         """GPU decoder step: fused self-attention QKV, one function per layer, and (compile_decoder,
@@ -546,15 +530,12 @@ class WhisperEngine:
 
         device: "cpu", "cuda" or "cuda:N". dtype: default float16 on CUDA, float32 on CPU; "int8"
         (CPU only) runs the many-row products (encoder, cross-attention key/value projections, output
-        projection) as dynamically quantized int8 GEMMs (cpu.py): faster, approximate. "float8" runs the
-        encoder's linear layers through FP8 tensor cores (float8.py; float16 elsewhere): on a GPU of compute
-        capability 8.9 or newer, faster, approximate; on the CPU emulated in float32 (slower; for measuring
-        its accuracy).
+        projection) as dynamically quantized int8 GEMMs (cpu.py): faster, approximate.
         max_batch: decoder rows (a beam-search request takes `beam_size` rows); None or 0: 8 on CPU, and on
         CUDA the most of 64, 32, 16, ... whose need fits memory_limit (footprint.rows_that_fit).
         kv_cache_bytes: a memory budget for the self+cross KV caches; the row count is the smaller of what
         it allows and max_batch. compile_encoder: the GPU encoder's layers compiled; None:
-        `compile_encoder_default` (compiled in float32 and float8, eager in half precision, unless
+        `compile_encoder_default` (compiled in float32, eager in half precision, unless
         VOICED_WHISPER_COMPILE_ENCODER is 1 or 0). compile_decoder: the GPU
         decoder path, None meaning on for CUDA; fast_decoder: the fused decoder step, None meaning on (see __init__).
         memory_limit: (free GPU bytes, the [memory] whisper_kv_fraction): the computed need
@@ -584,7 +565,7 @@ class WhisperEngine:
         dims = ckpt.dims
         model = build_model(dims, ckpt.state, str(path))
         tok = ckpt.tokenizer()
-        int8, fp8 = dtype == "int8", dtype == "float8"
+        int8 = dtype == "int8"
         dtype = _weights_dtype(dtype, device)
         cuda = device.startswith("cuda")
         if align_graphs is None:
@@ -601,7 +582,7 @@ class WhisperEngine:
                                cuda_graphs=cuda_graphs, decode_chunk=decode_chunk if decode_chunk is not None else 8,
                                workspace_bytes=workspace, prefill_graphs=prefill_graphs,
                                cross_in_encoder=cross_in_encoder, align_graphs=align_graphs,
-                               alignment_heads=len(heads), fp8_encoder=fp8)
+                               alignment_heads=len(heads))
 
         rows, need = rows_that_fit(rows, need_at, memory_limit, "ASR decoder", fit=cuda and not max_batch)
         check_memory_limit(need, memory_limit)  # before anything goes to the GPU
@@ -612,8 +593,7 @@ class WhisperEngine:
                      cuda_graphs=cuda_graphs, max_queue=max_queue, decode_chunk=decode_chunk,
                      compile_encoder=compile_encoder, attn_backend=attn_backend, fast_decoder=fast_decoder,
                      compile_decoder=compile_decoder, alignment_heads=heads, prefill_graphs=prefill_graphs,
-                     cross_in_encoder=cross_in_encoder, chunk_graphs=chunk_graphs, align_graphs=align_graphs,
-                     fp8_encoder=fp8)
+                     cross_in_encoder=cross_in_encoder, chunk_graphs=chunk_graphs, align_graphs=align_graphs)
         engine.memory_need = need
         engine.checkpoint_format = ckpt.format
         return engine
@@ -945,9 +925,6 @@ class WhisperEngine:
         `_copy_cross` copies into the cache with one call per tensor; else `_write_cross` projects them."""
         model, dev = self.model, self.model.device
         if not self.is_cuda:
-            if self.fast_encoder is not None:  # float8, emulated
-                self._write_cross(self.fast_encoder(audio, self.dtype), chosen)
-                return
             mel = log_mel_spectrogram(audio, self.dims.n_mels).to(self.dtype)
             self._write_cross(model.encoder(mel), chosen)
             return
@@ -1306,12 +1283,7 @@ class WhisperEngine:
 
 
 def _weights_dtype(dtype: torch.dtype | str | None, device: str) -> torch.dtype:
-    """The model's dtype from `load`'s: "int8" (a CPU mode) keeps float32 weights (quantized after); "float8"
-    float16 on a GPU (its encoder's products quantized by the engine), float32 on the CPU (emulated)."""
-    if dtype == "float8":
-        if device.startswith("cuda") and torch.cuda.is_available():
-            _require_fp8_tensor_cores(torch.device(device))
-        return _weights_dtype(None, device)
+    """The model's dtype from `load`'s: "int8" (a CPU mode) keeps float32 weights (quantized after)."""
     if dtype == "int8":
         if device != "cpu":
             raise EngineError("dtype int8 is a CPU mode (int8 GEMMs on the CPU); on a GPU use float16")
@@ -1321,12 +1293,5 @@ def _weights_dtype(dtype: torch.dtype | str | None, device: str) -> torch.dtype:
         dtype = torch.float32
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise EngineError("device 'cuda' was asked for but torch sees no CUDA GPU; use --device cpu")
-    dtype = parse_dtype(dtype, f"one of {', '.join(DTYPES)}, int8 (CPU) or float8 (GPU)")
+    dtype = parse_dtype(dtype, f"one of {', '.join(DTYPES)} or int8 (CPU)")
     return dtype or (torch.float16 if device.startswith("cuda") else torch.float32)
-
-
-def _require_fp8_tensor_cores(device: torch.device) -> None:
-    if not float8.tensor_cores(device):
-        cap = ".".join(map(str, torch.cuda.get_device_capability(device)))
-        raise EngineError(f"dtype float8 needs a GPU with FP8 tensor cores (compute capability 8.9 or newer: L4, "
-                          f"L40S, H100, H200); this one's is {cap}: use float16")

@@ -31,7 +31,6 @@ other. In float32 on the CPU the uncompiled functions match the reference to ~1e
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 
 import torch
@@ -41,7 +40,6 @@ from torch import Tensor
 from voiced.engines.kernels import decode_attention, decode_linear
 from voiced.engines.rows import to_device
 
-from . import float8
 from .audio import N_SAMPLES, log_mel_spectrogram
 from .model import Attention, AudioEncoder, KVCache, TextDecoder, decode_attention_kernels
 from .token_choice import greedy_advance
@@ -90,19 +88,18 @@ def compile_static(fn):
     return torch.compile(fn, dynamic=False, fullgraph=True)
 
 
-def encoder_layer(x: Tensor, n_head: int, ln1_w: Tensor, ln1_b: Tensor, w_qkv, b_qkv: Tensor,
-                  w_o, b_o: Tensor, ln2_w: Tensor, ln2_b: Tensor, w_1, b_1: Tensor,
-                  w_2, b_2: Tensor, linear=F.linear) -> Tensor:
-    """One encoder block (pre-norm self-attention, then pre-norm GELU MLP) on x [B, T, D]. `linear` makes the
-    four products from their weights: `F.linear` (weights as tensors) or `float8`'s (weights quantized)."""
+def encoder_layer(x: Tensor, n_head: int, ln1_w: Tensor, ln1_b: Tensor, w_qkv: Tensor, b_qkv: Tensor,
+                  w_o: Tensor, b_o: Tensor, ln2_w: Tensor, ln2_b: Tensor, w_1: Tensor, b_1: Tensor,
+                  w_2: Tensor, b_2: Tensor) -> Tensor:
+    """One encoder block (pre-norm self-attention, then pre-norm GELU MLP) on x [B, T, D]."""
     b, t, d = x.shape
     h = F.layer_norm(x, (d,), ln1_w, ln1_b, 1e-5)
-    qkv = linear(h, w_qkv, b_qkv).view(b, t, 3, n_head, d // n_head)
+    qkv = F.linear(h, w_qkv, b_qkv).view(b, t, 3, n_head, d // n_head)
     q, k, v = qkv.unbind(2)  # [B, T, H, hd] views
     o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
-    x = x + linear(o.transpose(1, 2).reshape(b, t, d), w_o, b_o)
+    x = x + F.linear(o.transpose(1, 2).reshape(b, t, d), w_o, b_o)
     h = F.layer_norm(x, (d,), ln2_w, ln2_b, 1e-5)
-    return x + linear(F.gelu(linear(h, w_1, b_1)), w_2, b_2)
+    return x + F.linear(F.gelu(F.linear(h, w_1, b_1)), w_2, b_2)
 
 
 @contextlib.contextmanager
@@ -203,26 +200,20 @@ class FastEncoder:
     """log-mel + encoder for a batch of padded 30 s windows, GPU layout (see module doc)."""
 
     def __init__(self, encoder: AudioEncoder, n_mels: int, attn_backend: str | None = None,
-                 compile_layers: bool = False, cross: TextDecoder | None = None, cross_rows: int = 0,
-                 fp8: bool = False):
+                 compile_layers: bool = False, cross: TextDecoder | None = None, cross_rows: int = 0):
         self.enc = encoder
         self.n_mels = n_mels
         self.n_head = encoder.blocks[0].attn.n_head
         self.attn_backend = attn_backend
-        # fp8: the layers' four products through FP8 (float8.py), from copies of their weights quantized here
-        self.fp8 = fp8
-        weight = float8.quantize_weight if fp8 else (lambda w: w)
-        self.layers: list[tuple] = []
+        self.layers: list[tuple[Tensor, ...]] = []
         for blk in encoder.blocks:
             a = blk.attn
             w_qkv, b_qkv = fuse_qkv(a)
-            self.layers.append((blk.attn_ln.weight, blk.attn_ln.bias, weight(w_qkv), b_qkv, weight(a.out.weight),
-                                a.out.bias, blk.mlp_ln.weight, blk.mlp_ln.bias, weight(blk.mlp[0].weight),
-                                blk.mlp[0].bias, weight(blk.mlp[2].weight), blk.mlp[2].bias))
+            self.layers.append((blk.attn_ln.weight, blk.attn_ln.bias, w_qkv, b_qkv, a.out.weight, a.out.bias,
+                                blk.mlp_ln.weight, blk.mlp_ln.bias, blk.mlp[0].weight, blk.mlp[0].bias,
+                                blk.mlp[2].weight, blk.mlp[2].bias))
         self.compiled = compile_layers
-        layer = (functools.partial(encoder_layer, linear=float8.linear_for(encoder.conv1.weight.device)) if fp8
-                 else encoder_layer)
-        self._layer = compile_static(layer) if compile_layers else layer
+        self._layer = compile_static(encoder_layer) if compile_layers else encoder_layer
         self.graphs: CudaGraphs | None = None  # set by the engine: `run` replays a graph per batch bucket
         self._inputs: dict[int, Tensor] = {}  # the graphs' static audio input, per batch bucket
         # The decoder's cross-attention key/value projections, run after the encoder in the same pass (in the
