@@ -210,8 +210,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--decode-chunk", type=int, default=8, help="greedy steps per host sync")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--compile-encoder", choices=["on", "off"], default=None,
-                    help="the GPU encoder's layers through torch.compile (default: the engine's: eager in half precision, "
-                         "compiled in float32, unless VOICED_WHISPER_COMPILE_ENCODER is set)")
+                    help="the GPU encoder's layers through torch.compile (default: the engine's: eager in half "
+                         "precision, compiled in float32, unless VOICED_WHISPER_COMPILE_ENCODER is set)")
     ap.add_argument("--reference-decoder", dest="fast_decoder", action="store_const", const=False, default=None,
                     help="decoder steps through the modules (TextDecoder.step), not the fused GPU step")
     ap.add_argument("--no-compile-decoder", dest="compile_decoder", action="store_const", const=False, default=None,

@@ -482,9 +482,8 @@ class WhisperEngine:
         """GPU encoder: fused QKV, optional compiled layers; run per batch-size bucket (padded or split
         into buckets) so the graph path and the eager path see the same shapes. compile_encoder None:
         `compile_encoder_default` (compiled per bucket in warmup() in float32, eager in half precision).
-        cross_in_encoder: its pass also projects the
-        features to every decoder layer's cross keys/values, into one buffer of the largest bucket's rows
-        (`_copy_cross`)."""
+        cross_in_encoder: its pass also projects the features to every decoder layer's cross keys/values, into one
+        buffer of the largest bucket's rows (`_copy_cross`)."""
         if not self.is_cuda:
             return None
         compile_encoder = compile_encoder_default(self.dtype) if compile_encoder is None else compile_encoder
