@@ -370,7 +370,7 @@ def _steps_fixture(chunk: int, b: int, seed: int = 3):
     for c in (cache, _clone(cache)):
         s = DecoderSteps(fast, c, dims.n_text_ctx, b, torch.device("cpu"), always, eot,
                          hist=torch.zeros(b, chunk, 2, dtype=torch.float64))
-        s.inputs.copy_(inputs)
+        s.inputs[:3].copy_(inputs)
         out.append(s)
     return out
 
@@ -391,6 +391,65 @@ def test_decoder_steps_chunk_is_the_engines_per_step_loop(chunk, b):
     assert torch.equal(a.hist, ref.hist) and torch.equal(a.inputs, ref.inputs) and torch.equal(a.lp, ref.lp)
     assert torch.equal(a.cache.self_k, ref.cache.self_k) and torch.equal(a.cache.self_v, ref.cache.self_v)
     assert (a.hist[:, :, 1] < 0).all() and len(set(a.hist[:, :, 0].flatten().tolist())) > 1
+
+
+@pytest.mark.parametrize("stop", ["end_of_text", "limit"])
+def test_a_stopping_chunk_stops_where_a_real_row_ends_or_at_its_limit(stop):
+    """A stopping chunk (`DecoderSteps.stopping`; eagerly here, each conditional step by reading `live`) runs the
+    plain chunk's very steps until a real row (one with a step limit) chooses end-of-text, or its limit is
+    reached, and no step after: its history holds the plain chunk's tokens up to there and -1 after, and its
+    inputs and caches are those of a plain chunk that long. A padding row (limit 0) choosing end-of-text does
+    not stop it."""
+    chunk, b = 8, 4
+    plain, stopping = _steps_fixture(chunk, b)
+    with torch.inference_mode():
+        plain.minleft.zero_()  # (end-of-text is then never suppressed: which id it is changes no choice)
+        plain.chunk(b)
+    toks = plain.hist[:, :, 0].long()
+    real = b - 1
+    if stop == "end_of_text":
+        # the first (step, real row) whose token no real row chose before: made end-of-text, it ends the chunk there
+        seen: set[int] = set()
+        at = None
+        for k in range(chunk):
+            fresh = [int(t) for t in toks[:real, k] if int(t) not in seen]
+            if k > 0 and fresh:
+                at, eot = k, fresh[0]
+                break
+            seen.update(int(t) for t in toks[:real, k])
+        assert at is not None and at < chunk - 1
+        want_steps, limit = at + 1, chunk
+    else:
+        eot = next(t for t in range(plain.always.shape[0]) if t not in set(toks.flatten().tolist()))
+        want_steps = limit = 5
+    again, stopping = _steps_fixture(want_steps, b)  # a plain chunk of exactly the steps that should run
+    with torch.inference_mode():
+        for s in (again, stopping):
+            s.minleft.zero_()
+            s.eot = eot
+        again.chunk(b)
+        stopping.hist = torch.zeros(b, chunk, 2, dtype=torch.float64)
+        stopping.stopping = True
+        stopping.limit[:real] = limit
+        stopping.chunk(b)
+    assert stopping.count.item() == want_steps and not stopping.live.item()
+    assert torch.equal(stopping.hist[:, :want_steps], again.hist)
+    assert (stopping.hist[:, want_steps:, 0] == -1).all()
+    assert torch.equal(stopping.inputs[:3], again.inputs[:3]) and torch.equal(stopping.lp, again.lp)
+    assert torch.equal(stopping.cache.self_k, again.cache.self_k)
+    # the padding row's own end-of-text is ignored: made the padding row's first token, nothing changes
+    pad, pad_ref = _steps_fixture(chunk, b)
+    with torch.inference_mode():
+        for s in (pad, pad_ref):
+            s.minleft.zero_()
+            s.eot = int(toks[real, 0])
+            s.hist = torch.zeros(b, chunk, 2, dtype=torch.float64)
+        assert int(toks[real, 0]) not in set(toks[:real].flatten().tolist())  # (so only the padding row ends)
+        pad.stopping = True
+        pad.limit[:real] = chunk
+        pad.chunk(b)
+        pad_ref.chunk(b)
+    assert pad.count.item() == chunk and torch.equal(pad.hist, pad_ref.hist)
 
 
 def test_a_chunk_graph_is_never_captured_by_run():
@@ -459,6 +518,61 @@ def test_only_full_chunks_of_captured_buckets_take_the_chunk_graph(tmp_path):
         # for request 1 alone. The chunk's eager stand-in makes its 8 steps through `greedy` too.
         tail = [("step", 3)] * 8 + [("step", 2)] * 4 + [("step", 1)] * 7
         assert runs == ([("chunk", 3)] if captured else []) + tail
+
+
+def test_stopping_chunks_serve_the_same_tokens_in_one_chunk_until_a_row_ends(tmp_path):
+    """Chunks that stop on the device (VOICED_WHISPER_STOPPING_CHUNKS), on the CPU with the chunk graph faked
+    as above: every chunk, short ones included, is one chunk run; it stops at the first row's length limit, or
+    at its first end-of-text, or after QUEUED_CHUNK steps while requests wait; and the engine serves the tokens
+    it serves without chunks, forced lengths and free ones alike."""
+    from voiced.engines.whisper import engine as engine_mod
+
+    rng = np.random.default_rng(0)
+    clips = [(0.1 * rng.standard_normal(16000 * (1 + i % 3))).astype(np.float32) for i in range(5)]
+
+    def serve(eng, opts: list[ASROptions]) -> dict[int, list[int]]:
+        for i, o in enumerate(opts):
+            eng.submit(i, ASRRequest(clips[i], o))
+        out = {}
+        while eng.has_work():
+            out.update({o.request_id: o.value.tokens for o in eng.step()})
+        return out
+
+    def stopping(ckpt, max_batch):
+        eng = WhisperEngine.load(ckpt, max_batch=max_batch, decode_chunk=engine_mod.STOPPING_CHUNK)
+        runs = _fake_chunk_graph(eng, True)
+        eng.stopping_chunks = eng.steps.stopping = True
+        return eng, runs
+
+    # forced lengths: 12, 19 and 8 tokens to go after the admission's: chunks of 8 (request 2's limit), 4, 7
+    forced = [ASROptions(language="en", max_new_tokens=t, min_new_tokens=t) for t in (13, 20, 9)]
+    ckpt = make_openai_checkpoint(tmp_path / "forced", seed=5)
+    want = serve(WhisperEngine.load(ckpt, max_batch=4, decode_chunk=8), forced)
+    eng, runs = stopping(ckpt, 4)
+    assert serve(eng, forced) == want
+    assert runs == [("chunk", 3)] + [("step", 3)] * 8 + [("chunk", 2)] + [("step", 2)] * 4 + [("chunk", 1)] + \
+        [("step", 1)] * 7
+    # free lengths (a checkpoint that ends its texts early), more requests than rows: every chunk ends where a row
+    # chose end-of-text, or after QUEUED_CHUNK steps while some wait
+    ckpt = make_openai_checkpoint(tmp_path / "free", seed=5, eot_boost=8.0)
+    free = [ASROptions(language="en", max_new_tokens=40) for _ in clips]
+    want = serve(WhisperEngine.load(ckpt, max_batch=2, decode_chunk=8), free)
+    assert sorted(len(t) for t in want.values())[0] < 20  # some end at end-of-text, well before 40 tokens
+    eng, runs = stopping(ckpt, 2)
+    chunks: list[tuple[int, int, bool]] = []  # (steps run, the chunk's limit, whether requests waited)
+    chunk = eng.steps.chunk
+
+    def counted_chunk(b: int) -> None:
+        waiting = bool(eng._queue)
+        chunk(b)
+        chunks.append((int(eng.steps.count), int(eng.steps.limit[0]), waiting))
+
+    eng.steps.chunk = counted_chunk
+    assert serve(eng, free) == want
+    assert all(limit <= engine_mod.QUEUED_CHUNK for _, limit, waiting in chunks if waiting)
+    assert any(limit > engine_mod.QUEUED_CHUNK for _, limit, waiting in chunks if not waiting)
+    assert any(n < limit for n, limit, _ in chunks), chunks  # stopped at a row's end-of-text
+    assert sum(n for n, _, _ in chunks) == sum(1 for kind, _ in runs if kind == "step")
 
 
 def test_the_gpu_encoder_s_layers_are_eager_in_half_precision_and_compiled_in_float32(monkeypatch):

@@ -19,7 +19,7 @@ from tests.gpu_phrases import BATCH, REFERENCE, WHISPER
 from voiced.engines.base import ASROptions, ASRRequest
 from voiced.engines.rows import _PinnedRing, to_device
 from voiced.engines.whisper.engine import WhisperEngine, _Active
-from voiced.engines.whisper.fast import ALIGN_GRAPH_ROWS, ALIGN_GRAPH_TOKENS, Prefills
+from voiced.engines.whisper.fast import ALIGN_GRAPH_ROWS, ALIGN_GRAPH_TOKENS, Prefills, conditional_nodes_supported
 from voiced.engines.whisper.model import decode_attention_kernels
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -640,3 +640,39 @@ def test_the_encoder_attends_with_flash_attention_when_asked(tmp_path, clips, mo
             torch.cuda.synchronize()
     kernels = [e.key for e in prof.key_averages()]
     assert any("flash" in k.lower() and "cudnn" not in k.lower() for k in kernels), kernels
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not conditional_nodes_supported(),
+                    reason="needs a torch that captures CUDA graph conditional nodes")
+def test_stopping_chunks_serve_the_same_tokens(tmp_path, clips, monkeypatch):
+    """VOICED_WHISPER_STOPPING_CHUNKS=1 (off by default; written without a GPU in session 27): the served engine
+    with chunks that stop on the device decodes the same greedy tokens, with the same average log-probabilities,
+    as with plain chunks: single requests, requests joining and leaving, and twelve joining four at a time; every
+    chunk is one replay, none step by step, and serving captures no graph."""
+    ckpt = make_openai_checkpoint(tmp_path, n_mels=128, seed=4)
+    kw = dict(device="cuda", dtype=torch.float16, max_batch=16, max_encoder_batch=4)
+    monkeypatch.setenv("VOICED_WHISPER_STOPPING_CHUNKS", "1")
+    on = WhisperEngine.load(ckpt, **kw)
+    monkeypatch.setenv("VOICED_WHISPER_STOPPING_CHUNKS", "0")
+    off = WhisperEngine.load(ckpt, **kw)
+    assert on.stopping_chunks and on.decode_chunk == 32 and not off.stopping_chunks
+    on.warmup()
+    off.warmup()
+    warm = len(on.steps.graphs)
+    kinds: dict[str, int] = {}
+    run = on.steps.run
+
+    def counted(kind, b):
+        kinds[kind] = kinds.get(kind, 0) + 1
+        return run(kind, b)
+    on.steps.run = counted
+    o = ASROptions(language="en", max_new_tokens=24, min_new_tokens=24)
+    single_on = {i: (r.tokens, r.avg_logprob) for i, c in enumerate(clips) for r in [on.transcribe(ASRRequest(c, o))]}
+    single_off = {i: (r.tokens, r.avg_logprob) for i, c in enumerate(clips) for r in [off.transcribe(ASRRequest(c, o))]}
+    same_served(single_on, single_off, "single requests")
+    assert kinds == {"chunk": len(clips)}, kinds  # 23 tokens after the admission's: one chunk each
+    batch_on, batch_off = joining_and_leaving(on, clips), joining_and_leaving(off, clips)
+    assert batch_on == batch_off, "joining/leaving, stopping chunks vs plain:\n" + differences(
+        batch_on, batch_off, "stopping", "plain")
+    same_served(chunk_mix(on, clips), chunk_mix(off, clips), "twelve joining")
+    assert "greedy" not in kinds and len(on.steps.graphs) == warm

@@ -63,6 +63,7 @@ from .fast import (
     FastDecoder,
     FastEncoder,
     Prefills,
+    conditional_nodes_supported,
     encoder_pieces,
     gemv_supported,
 )
@@ -190,6 +191,28 @@ def chunk_graphs_default() -> bool:
     return env_switch("VOICED_WHISPER_CHUNK_GRAPHS", CHUNK_GRAPHS_DEFAULT)
 
 
+# Whether chunk graphs stop on the device (`stopping_chunks_default`): off, written in session 27 after the device
+# time ran out, not yet run on a GPU. With it a chunk is STOPPING_CHUNK steps long, every step after the first a CUDA
+# graph conditional node that the GPU skips once a row has ended (fast.DecoderSteps), and the engine comes back to
+# the host only then, or after QUEUED_CHUNK steps while requests wait to be admitted. To measure:
+#   VOICED_WHISPER_STOPPING_CHUNKS=0|1 python3 -m voiced.bench.whisper_bench ... --decode-chunk 32
+#   VOICED_WHISPER_STOPPING_CHUNKS=1 make test-gpu
+STOPPING_CHUNKS_DEFAULT = False
+STOPPING_CHUNK = 32
+QUEUED_CHUNK = 8
+
+
+def stopping_chunks_default() -> bool:
+    """VOICED_WHISPER_STOPPING_CHUNKS=1 or 0 if set, else STOPPING_CHUNKS_DEFAULT (off)."""
+    return env_switch("VOICED_WHISPER_STOPPING_CHUNKS", STOPPING_CHUNKS_DEFAULT)
+
+
+def default_decode_chunk(cuda: bool, stopping: bool) -> int:
+    """Greedy steps a chunk covers when the engine is not told: one on the CPU (see WhisperEngine), 8 on a GPU,
+    STOPPING_CHUNK with chunks that stop on the device."""
+    return (STOPPING_CHUNK if stopping else 8) if cuda else 1
+
+
 # On since measured live (H200, 2026-11-28, 64 callers with smart turn detection): the recognition thread's
 # CPU 2.37 s per 20 s against 5.08 s with the eager pass (1.53 s with silence), its p99 step 9.4 ms against 155.
 ALIGN_GRAPHS_DEFAULT = True
@@ -259,8 +282,8 @@ def memory_need(dims: ModelDims, dtype: torch.dtype, weight_bytes: int, max_batc
     items = [Need("weights", weight_bytes),
              Need(f"KV cache: self {dims.n_text_ctx} + cross {dims.n_audio_ctx} positions x {rows} rows",
                   rows * KVCache.bytes_per_slot(dims, dtype)),
-             # token, position, min-length countdown, log-prob, chunk history; the suppression mask
-             Need("step buffers", rows * (3 * 8 + 4 + decode_chunk * 16) + dims.n_vocab)]
+             # token, position, min-length countdown, chunk step limit, log-prob, chunk history; the suppression mask
+             Need("step buffers", rows * (4 * 8 + 4 + decode_chunk * 16) + dims.n_vocab)]
     if not cuda:
         return EngineNeed("Whisper", "whisper_kv_fraction", items)
     enc = min(max_encoder_batch or 16, rows)
@@ -381,7 +404,7 @@ class WhisperEngine:
                  fast_decoder: bool | None = None, compile_decoder: bool | None = None,
                  alignment_heads: list[tuple[int, int]] | None = None, prefill_graphs: bool | None = None,
                  cross_in_encoder: bool | None = None, chunk_graphs: bool | None = None,
-                 align_graphs: bool | None = None):
+                 align_graphs: bool | None = None, stopping_chunks: bool | None = None):
         if tokenizer.n_vocab != model.dims.n_vocab:
             raise CheckpointError(f"tokenizer has {tokenizer.n_vocab} tokens but the model {model.dims.n_vocab}")
         self.model = model.eval().requires_grad_(False)
@@ -409,10 +432,22 @@ class WhisperEngine:
         self._private_ids = itertools.count(-1, -1)
         self._warming = False
         self._admitting: list[_Active] = []  # the group being admitted (its faults are held to it)
+        # Chunks that stop on the device (STOPPING_CHUNKS_DEFAULT): CUDA graphs of chunks, and a torch that
+        # captures conditional nodes.
+        if chunk_graphs is None:
+            chunk_graphs = chunk_graphs_default()  # (read on every device: a misspelt value is refused everywhere)
+        if stopping_chunks is None:
+            stopping_chunks = stopping_chunks_default()
+        self.stopping_chunks = stopping_chunks and self.is_cuda and cuda_graphs and chunk_graphs
+        if self.stopping_chunks and not conditional_nodes_supported():
+            log.warning("whisper: VOICED_WHISPER_STOPPING_CHUNKS=1 needs CUDA graph conditional nodes, which torch %s "
+                        "does not capture; chunks come back to the host every %d steps", torch.__version__, 8)
+            self.stopping_chunks = False
         # Greedy steps between host syncs. On CUDA a sync stalls the queue of kernels, so 8 steps run
         # blind (a row that ends mid-chunk computes a few tokens nobody reads); on the CPU a sync is
         # free and every wasted step costs a full step, so each token is looked at as it comes.
-        self.decode_chunk = max(1, decode_chunk if decode_chunk is not None else (8 if self.is_cuda else 1))
+        self.decode_chunk = max(1, decode_chunk if decode_chunk is not None
+                                else default_decode_chunk(self.is_cuda, self.stopping_chunks))
         # Each greedy step's token and log-probability, [row, step, (token, log-prob)], read back in one
         # copy per chunk. float64 holds both exactly (token ids < 2**53, float32 log-probabilities).
         self._hist = torch.zeros(max_batch, self.decode_chunk, 2, dtype=torch.float64, device=model.device)
@@ -422,9 +457,8 @@ class WhisperEngine:
         # their history writes (captured at warm-up only: `warmup`, `_greedy_chunk`).
         self.cuda_graphs = cuda_graphs and self.is_cuda
         # (Its capture's two eager pre-runs take rows from position 0 to 2 x decode_chunk - 1.)
-        if chunk_graphs is None:
-            chunk_graphs = chunk_graphs_default()  # (read on every device: a misspelt value is refused everywhere)
         self.chunk_graphs = self.cuda_graphs and chunk_graphs and 2 * self.decode_chunk <= self.dims.n_text_ctx
+        self.stopping_chunks = self.stopping_chunks and self.chunk_graphs
         self.buckets = doubling(max_batch) if self.is_cuda else []
         self._stream: torch.cuda.Stream | None = torch.cuda.Stream(device=model.device) if self.is_cuda else None
         pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
@@ -438,7 +472,8 @@ class WhisperEngine:
         self.steps = DecoderSteps(self._decoder, self.cache, self.dims.n_text_ctx, max_batch, model.device,
                                   self.suppress.always, tokenizer.eot,
                                   CudaGraphs(self._stream, pool) if self.cuda_graphs else None, self._hist,
-                                  compile_tail=self.fast_decoder is not None and self.fast_decoder.compiled_tail)
+                                  compile_tail=self.fast_decoder is not None and self.fast_decoder.compiled_tail,
+                                  stopping=self.stopping_chunks)
         # On a GPU the admission's prefill of SOT sequences runs padded to its encoder bucket (fast.Prefills),
         # graphed or not, so that the graph and the eager pass run the very same kernels (an unpadded pass
         # rounds differently, enough to flip a bf16 near-tie); the graph is one replay per (prompt length,
@@ -456,7 +491,7 @@ class WhisperEngine:
                              if align_graphs and self.cuda_graphs else None)
         # The host side of `steps.inputs`, written through numpy (no torch call per value): pinned on
         # CUDA and sent in one copy; on the CPU the steps' block itself.
-        self._host_inputs = (torch.zeros(3, max_batch, dtype=torch.long, pin_memory=True) if self.is_cuda
+        self._host_inputs = (torch.zeros(4, max_batch, dtype=torch.long, pin_memory=True) if self.is_cuda
                              else self.steps.inputs)
         self._host_np = self._host_inputs.numpy()
         # The admitted audio's staging block (`_audio`; pinned on CUDA), kept: a fresh pinned [n, 30 s] block
@@ -578,7 +613,9 @@ class WhisperEngine:
 
         def need_at(rows: int) -> EngineNeed:
             return memory_need(dims, dtype, weight_bytes, rows, cuda=cuda, max_encoder_batch=max_encoder_batch,
-                               cuda_graphs=cuda_graphs, decode_chunk=decode_chunk if decode_chunk is not None else 8,
+                               cuda_graphs=cuda_graphs,
+                               decode_chunk=decode_chunk if decode_chunk is not None
+                               else default_decode_chunk(cuda, stopping_chunks_default()),
                                workspace_bytes=workspace, prefill_graphs=prefill_graphs,
                                cross_in_encoder=cross_in_encoder, align_graphs=align_graphs,
                                alignment_heads=len(heads))
@@ -820,13 +857,16 @@ class WhisperEngine:
         here: `DecoderSteps.capture`).
         """
         k_max = self.decode_chunk
+        if self.stopping_chunks and self._queue:
+            k_max = min(k_max, QUEUED_CHUNK)  # come back soon enough to admit the waiting
         for q in reqs:
             d = q.dec
             k_max = min(k_max, d.plan.sample_len - d.n_sampled, self.dims.n_text_ctx + 1 - len(d.initial) - d.n_sampled)
         toks, pos = self._row_inputs(n)
         minleft = [max(0, self._owner[r][0].dec.plan.min_new_tokens - self._owner[r][0].dec.n_sampled)
                    for r in range(n)]
-        b = self._load_inputs(n, [toks, pos, minleft])
+        # (a stopping chunk's step limit, on its real rows; the padding rows get 0)
+        b = self._load_inputs(n, [toks, pos, minleft] + ([[k_max] * n] if self.stopping_chunks else []))
         lo, hi = min(pos), max(pos)
         if self._chunk_replay(k_max, b):
             self.steps.run("chunk", b)  # decode_chunk steps and their history writes: one call
@@ -848,6 +888,8 @@ class WhisperEngine:
             r = q.rows[0]
             try:
                 for t, lp in rows[r]:
+                    if t < 0:  # a step a stopping chunk did not run
+                        break
                     q.dec.update_greedy(int(t), lp)
                     if q.dec.done:
                         break
@@ -857,10 +899,12 @@ class WhisperEngine:
 
     def _chunk_replay(self, k_max: int, b: int) -> bool:
         """Whether this chunk of k_max steps for bucket b is one replay of its chunk graph: with
-        chunk_graphs, a full chunk, and a graph warm-up captured (a missing one is never captured here).
-        A full chunk is as long as the graph's, the history's length (what decode_chunk was at warm-up: a
-        benchmark that lowers decode_chunk afterwards, whisper_bench's chunk-1 latency, runs step by step)."""
-        return self.chunk_graphs and k_max == self._hist.shape[1] and self.steps.has_graph("chunk", b)
+        chunk_graphs, a full chunk (any chunk, when chunks stop on the device at their rows' limit), and a
+        graph warm-up captured (a missing one is never captured here). A full chunk is as long as the graph's,
+        the history's length (what decode_chunk was at warm-up: a benchmark that lowers decode_chunk afterwards,
+        whisper_bench's chunk-1 latency, runs step by step)."""
+        full = k_max == self._hist.shape[1] or (self.stopping_chunks and k_max <= self._hist.shape[1])
+        return self.chunk_graphs and full and self.steps.has_graph("chunk", b)
 
     def warmup(self) -> None:
         """Make every shape the engine will run now (only while idle), so no request pays a
@@ -881,7 +925,7 @@ class WhisperEngine:
                 for b in self.buckets:
                     for kind in kinds:
                         if (kind, b) not in steps.graphs:
-                            steps.capture(kind, b)
+                            self._capture_step(kind, b)
             elif self.fast_decoder is not None and self.fast_decoder.compiled:
                 for b in self.buckets:  # compile every bucket's step (the plain and greedy steps share it)
                     steps.plain(b)
@@ -908,6 +952,15 @@ class WhisperEngine:
                 self._warming = False
             self._warm_word_timings()
             torch.cuda.synchronize()
+
+    def _capture_step(self, kind: str, b: int) -> None:
+        try:
+            self.steps.capture(kind, b)
+        except Exception as e:
+            if kind == "chunk" and self.stopping_chunks:  # (not yet run on a GPU: say what to turn off)
+                raise EngineError(f"capturing the stopping chunk graph of batch {b} failed ({type(e).__name__}: {e}); "
+                                  "unset VOICED_WHISPER_STOPPING_CHUNKS") from e
+            raise
 
     # ------------------------------------------------------------------------------ admission
     def encoder_buckets(self) -> list[int]:

@@ -445,6 +445,28 @@ class FastDecoder:
         return decode_linear.linear(h, dec.token_embedding.weight.to(h.dtype), block_n=128).float()
 
 
+def conditional_nodes_supported() -> bool:
+    """Whether this torch captures CUDA graph conditional nodes (`run_if`): CUDAGraph's
+    begin_capture_to_if_node (recent releases; CUDA 12.4 or newer)."""
+    g = torch.cuda.CUDAGraph
+    return all(hasattr(g, m) for m in ("begin_capture_to_if_node", "end_capture_to_conditional_node",
+                                       "get_currently_capturing_graph"))
+
+
+def run_if(pred: Tensor, fn) -> None:
+    """fn() where the bool scalar `pred` is true: inside a CUDA graph capture as a conditional (IF) node, whose
+    body the GPU skips when pred is false at that point of the replay; eagerly by reading pred (a host sync)."""
+    if pred.is_cuda and torch.cuda.is_current_stream_capturing():
+        graph = torch.cuda.CUDAGraph.get_currently_capturing_graph()
+        graph.begin_capture_to_if_node(pred)
+        try:
+            fn()
+        finally:
+            graph.end_capture_to_conditional_node()
+    elif bool(pred):
+        fn()
+
+
 class DecoderSteps:
     """The decoder's one-token step for rows 0..b-1, from static per-row buffers on the model's device
     (token, position, minimum-length countdown, the chosen token's log-probability), by a CUDA graph
@@ -464,18 +486,30 @@ class DecoderSteps:
       is only ever captured at warm-up (`capture`, never by `run`): its eager pre-runs advance rows by
       2 x decode_chunk positions, which from a live row near its length limit would index past the
       text context.
+
+    With `stopping` (VOICED_WHISPER_STOPPING_CHUNKS=1, off by default, not yet run on a GPU), a chunk stops on
+    the device: after each step, `live` says whether the next one runs, false once a real row (`limit` > 0:
+    the host writes the chunk's step limit for its rows, 0 for a bucket's padding rows) has chosen end-of-text
+    or `limit` steps have run, and every step after the first is a CUDA graph conditional node on it
+    (`run_if`), which the GPU skips. The chunk first marks every step of `hist` not run (token -1). So one
+    launch can cover a whole utterance without running steps past its end, where a plain chunk comes back to
+    the host every decode_chunk steps (~1 ms each under the profiler in session 27: docs/BENCHMARKS.md) and
+    runs on past end-of-text to the chunk's end.
     """
 
     def __init__(self, decoder: FastDecoder | TextDecoder, cache: KVCache, n_text_ctx: int, max_batch: int,
                  device: torch.device, always: Tensor, eot: int, graphs: CudaGraphs | None = None,
-                 hist: Tensor | None = None, compile_tail: bool = False) -> None:
+                 hist: Tensor | None = None, compile_tail: bool = False, stopping: bool = False) -> None:
         self.decoder, self.cache, self.n_text_ctx = decoder, cache, n_text_ctx
         self.always, self.eot = always, eot
         self.hist = hist  # the engine's greedy history [max_batch, decode_chunk, 2] float64 (`chunk` writes it)
-        # Token, position and minimum-length countdown are rows of one block, so the host writes all
-        # of a step's inputs with one copy (`WhisperEngine._load_inputs`).
-        self.inputs = torch.zeros(3, max_batch, dtype=torch.long, device=device)
-        self.tok, self.pos, self.minleft = self.inputs.unbind(0)
+        # Token, position, minimum-length countdown and (stopping chunks) the chunk's step limit are rows of one
+        # block, so the host writes all of a step's inputs with one copy (`WhisperEngine._load_inputs`).
+        self.inputs = torch.zeros(4, max_batch, dtype=torch.long, device=device)
+        self.tok, self.pos, self.minleft, self.limit = self.inputs.unbind(0)
+        self.stopping = stopping
+        self.count = torch.zeros((), dtype=torch.long, device=device)  # steps run in this chunk
+        self.live = torch.ones((), dtype=torch.bool, device=device)  # whether the chunk's next step runs
         self.lp = torch.zeros(max_batch, dtype=torch.float32, device=device)
         self.graphs = graphs
         # The greedy choice and its bookkeeping after each step (`token_choice.greedy_advance`); compiled with
@@ -491,16 +525,29 @@ class DecoderSteps:
         """Decoder step + greedy choice, all on the device (kv_len / masked: as `TextDecoder.step`;
         the CPU attends only as far as it must)."""
         logits = self.decoder.step(self.tok[:b], self.pos[:b], self.cache, kv_len or self.n_text_ctx, masked)
-        self._advance(logits, self.always, self.eot, self.inputs[:, :b], self.lp[:b])
+        self._advance(logits, self.always, self.eot, self.inputs[:3, :b], self.lp[:b])
 
     def chunk(self, b: int) -> None:
         """`hist.shape[1]` greedy steps, each followed by writing its tokens and log-probabilities into
-        that step of `hist[:b]` (the engine's per-step loop, call for call)."""
-        tok, lp, hist_tok, hist_lp = self.tok[:b], self.lp[:b], self.hist[:b, :, 0], self.hist[:b, :, 1]
+        that step of `hist[:b]` (the engine's per-step loop, call for call); with `stopping`, the steps
+        after the first each only while `live` (see the class doc)."""
+        if self.stopping:
+            self.count.zero_()
+            self.hist[:b, :, 0].fill_(-1.0)
         for k in range(self.hist.shape[1]):
-            self.greedy(b)
-            hist_tok[:, k] = tok
-            hist_lp[:, k] = lp
+            if self.stopping and k:
+                run_if(self.live, lambda k=k: self._chunk_step(b, k))
+            else:
+                self._chunk_step(b, k)
+
+    def _chunk_step(self, b: int, k: int) -> None:
+        self.greedy(b)
+        self.hist[:b, k, 0] = self.tok[:b]
+        self.hist[:b, k, 1] = self.lp[:b]
+        if self.stopping:
+            self.count.add_(1)
+            ended = ((self.tok[:b] == self.eot) & (self.limit[:b] > 0)).any()
+            torch.logical_and(~ended, self.count < self.limit[0], out=self.live)
 
     def _fn(self, kind: str):
         return {"plain": self.plain, "greedy": self.greedy, "chunk": self.chunk}[kind]
