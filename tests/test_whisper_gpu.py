@@ -473,6 +473,26 @@ def chunk_mix(eng: WhisperEngine, clips: list[np.ndarray]) -> dict[int, tuple]:
     return out
 
 
+def counting_runs(eng: WhisperEngine) -> dict[str, int]:
+    """From now on, how many step runs `eng` makes of each kind ("chunk", "greedy", ...), filled as it serves."""
+    kinds: dict[str, int] = {}
+    run = eng.steps.run
+
+    def counted(kind, b):
+        kinds[kind] = kinds.get(kind, 0) + 1
+        return run(kind, b)
+    eng.steps.run = counted
+    return kinds
+
+
+def same_single_requests(on: WhisperEngine, off: WhisperEngine, clips: list[np.ndarray]) -> None:
+    """Each clip alone, forced to 24 tokens: the same tokens and average log-probabilities from both engines."""
+    o = ASROptions(language="en", max_new_tokens=24, min_new_tokens=24)
+    single_on = {i: (r.tokens, r.avg_logprob) for i, c in enumerate(clips) for r in [on.transcribe(ASRRequest(c, o))]}
+    single_off = {i: (r.tokens, r.avg_logprob) for i, c in enumerate(clips) for r in [off.transcribe(ASRRequest(c, o))]}
+    same_served(single_on, single_off, "single requests")
+
+
 def same_served(on: dict[int, tuple], off: dict[int, tuple], what: str) -> None:
     """{request: (tokens, average log-probability)} with the chunk graphs on equal to off, tokens first."""
     tok_on, tok_off = ({k: v[0] for k, v in d.items()} for d in (on, off))
@@ -497,17 +517,8 @@ def test_chunk_graphs_serve_the_same_tokens(tmp_path, clips, dtype):
     off.warmup()
     warm = len(on.steps.graphs)
     assert warm == len(off.steps.graphs) + len(on.buckets)
-    kinds: dict[str, int] = {}
-    run = on.steps.run
-
-    def counted(kind, b):
-        kinds[kind] = kinds.get(kind, 0) + 1
-        return run(kind, b)
-    on.steps.run = counted
-    o = ASROptions(language="en", max_new_tokens=24, min_new_tokens=24)
-    single_on = {i: (r.tokens, r.avg_logprob) for i, c in enumerate(clips) for r in [on.transcribe(ASRRequest(c, o))]}
-    single_off = {i: (r.tokens, r.avg_logprob) for i, c in enumerate(clips) for r in [off.transcribe(ASRRequest(c, o))]}
-    same_served(single_on, single_off, "single requests")
+    kinds = counting_runs(on)
+    same_single_requests(on, off, clips)
     assert kinds.get("chunk", 0) >= 2 * len(clips), "a 24-token request is two full chunks and a short one"
     batch_on, batch_off = joining_and_leaving(on, clips), joining_and_leaving(off, clips)
     assert sorted(batch_on) == [0, 1, 2, 3]
@@ -659,17 +670,8 @@ def test_stopping_chunks_serve_the_same_tokens(tmp_path, clips, monkeypatch):
     on.warmup()
     off.warmup()
     warm = len(on.steps.graphs)
-    kinds: dict[str, int] = {}
-    run = on.steps.run
-
-    def counted(kind, b):
-        kinds[kind] = kinds.get(kind, 0) + 1
-        return run(kind, b)
-    on.steps.run = counted
-    o = ASROptions(language="en", max_new_tokens=24, min_new_tokens=24)
-    single_on = {i: (r.tokens, r.avg_logprob) for i, c in enumerate(clips) for r in [on.transcribe(ASRRequest(c, o))]}
-    single_off = {i: (r.tokens, r.avg_logprob) for i, c in enumerate(clips) for r in [off.transcribe(ASRRequest(c, o))]}
-    same_served(single_on, single_off, "single requests")
+    kinds = counting_runs(on)
+    same_single_requests(on, off, clips)
     assert kinds == {"chunk": len(clips)}, kinds  # 23 tokens after the admission's: one chunk each
     batch_on, batch_off = joining_and_leaving(on, clips), joining_and_leaving(off, clips)
     assert batch_on == batch_off, "joining/leaving, stopping chunks vs plain:\n" + differences(
