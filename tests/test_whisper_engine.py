@@ -306,7 +306,7 @@ def test_benchmark_script_runs_on_cpu(tmp_path):
 
     assets = Path(whisper.__file__).parent / "assets"
     report = whisper_bench.main(["--dims", "tiny-random", "--device", "cpu", "--tiktoken-dir", str(assets),
-                                 "--tokens", "4", "--max-batch", "4", "--encoder-batch", "2",
+                                 "--tokens", "4", "--max-batch", "4", "--encoder-batch", "2", "--decode-chunk", "8",
                                  "--throughput-utts", "4", "--latency-runs", "1", "--skip-hf", "--timeline",
                                  "--batch-invariance", "--out", str(tmp_path / "r.json")])
     assert "equality_error" not in report and "speed_error" not in report and "timeline_error" not in report

@@ -207,7 +207,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--hf-batch", type=int, default=64, help="batch size of transformers' throughput run")
     ap.add_argument("--hf-throughput-utts", type=int, default=256)
     ap.add_argument("--latency-runs", type=int, default=20)
-    ap.add_argument("--decode-chunk", type=int, default=8, help="greedy steps per host sync")
+    ap.add_argument("--decode-chunk", type=int, default=None,
+                    help="greedy steps per host sync (default: the engine's: 8 on a GPU, 32 with "
+                         "VOICED_WHISPER_STOPPING_CHUNKS=1)")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--compile-encoder", choices=["on", "off"], default=None,
                     help="the GPU encoder's layers through torch.compile (default: the engine's: eager in half "
@@ -277,6 +279,7 @@ def main(argv: list[str] | None = None) -> dict:
                           max_encoder_batch=args.encoder_batch, cuda_graphs=False, decode_chunk=args.decode_chunk,
                           **fast)
     report["decoder_step_path"] = graphs.decoder_path
+    report["decode_chunk"], report["stopping_chunks"] = graphs.decode_chunk, graphs.stopping_chunks
     # the encoder's attention as the engine resolved it (None: torch's choice), not as asked
     report["attn_backend"] = graphs.fast_encoder.attn_backend if graphs.fast_encoder is not None else None
     report["compile_encoder"] = graphs.fast_encoder.compiled if graphs.fast_encoder is not None else None

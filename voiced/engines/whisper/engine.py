@@ -195,7 +195,7 @@ def chunk_graphs_default() -> bool:
 # time ran out, not yet run on a GPU. With it a chunk is STOPPING_CHUNK steps long, every step after the first a CUDA
 # graph conditional node that the GPU skips once a row has ended (fast.DecoderSteps), and the engine comes back to
 # the host only then, or after QUEUED_CHUNK steps while requests wait to be admitted. To measure:
-#   python3 -m voiced.bench.whisper_bench ..., then VOICED_WHISPER_STOPPING_CHUNKS=1 with --decode-chunk 32
+#   python3 -m voiced.bench.whisper_bench ..., then the same with VOICED_WHISPER_STOPPING_CHUNKS=1
 #   VOICED_WHISPER_STOPPING_CHUNKS=1 make test-gpu
 STOPPING_CHUNKS_DEFAULT = False
 STOPPING_CHUNK = 32
