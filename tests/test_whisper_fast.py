@@ -487,6 +487,16 @@ def _fake_chunk_graph(eng: WhisperEngine, captured: bool) -> list[tuple[str, int
     return runs
 
 
+def _serve(eng: WhisperEngine, clips: list[np.ndarray], opts: list[ASROptions]) -> dict[int, list[int]]:
+    """Request i (clip i, options i) all submitted at once, stepped until every one is served: their tokens."""
+    for i, o in enumerate(opts):
+        eng.submit(i, ASRRequest(clips[i], o))
+    out = {}
+    while eng.has_work():
+        out.update({o.request_id: o.value.tokens for o in eng.step()})
+    return out
+
+
 def test_only_full_chunks_of_captured_buckets_take_the_chunk_graph(tmp_path):
     """The engine's choice between one chunk replay and the per-step loop, on the CPU with the chunk
     graph faked (the eager `DecoderSteps.chunk` stands in for its replay): a full chunk (decode_chunk
@@ -497,14 +507,10 @@ def test_only_full_chunks_of_captured_buckets_take_the_chunk_graph(tmp_path):
     rng = np.random.default_rng(0)
     clips = [(0.1 * rng.standard_normal(16000 * (1 + i))).astype(np.float32) for i in range(3)]
     lengths = [13, 20, 9]  # chunks of 8 after the admission's first token: 8 + 4 | 8 + 8 + 3 | 8
+    opts = [ASROptions(language="en", max_new_tokens=t, min_new_tokens=t) for t in lengths]
 
     def serve(eng) -> dict[int, list[int]]:
-        for i, (c, t) in enumerate(zip(clips, lengths)):
-            eng.submit(i, ASRRequest(c, ASROptions(language="en", max_new_tokens=t, min_new_tokens=t)))
-        out = {}
-        while eng.has_work():
-            out.update({o.request_id: o.value.tokens for o in eng.step()})
-        return out
+        return _serve(eng, clips, opts)
 
     want = serve(WhisperEngine.load(ckpt, max_batch=4, decode_chunk=8))
     assert [len(want[i]) for i in range(3)] == lengths
@@ -531,12 +537,7 @@ def test_stopping_chunks_serve_the_same_tokens_in_one_chunk_until_a_row_ends(tmp
     clips = [(0.1 * rng.standard_normal(16000 * (1 + i % 3))).astype(np.float32) for i in range(5)]
 
     def serve(eng, opts: list[ASROptions]) -> dict[int, list[int]]:
-        for i, o in enumerate(opts):
-            eng.submit(i, ASRRequest(clips[i], o))
-        out = {}
-        while eng.has_work():
-            out.update({o.request_id: o.value.tokens for o in eng.step()})
-        return out
+        return _serve(eng, clips, opts)
 
     def stopping(ckpt, max_batch):
         eng = WhisperEngine.load(ckpt, max_batch=max_batch, decode_chunk=engine_mod.STOPPING_CHUNK)

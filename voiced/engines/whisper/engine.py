@@ -198,8 +198,9 @@ def chunk_graphs_default() -> bool:
 #   python3 -m voiced.bench.whisper_bench ..., then the same with VOICED_WHISPER_STOPPING_CHUNKS=1
 #   VOICED_WHISPER_STOPPING_CHUNKS=1 make test-gpu
 STOPPING_CHUNKS_DEFAULT = False
+PLAIN_CHUNK = 8  # a chunk's steps on a GPU otherwise
 STOPPING_CHUNK = 32
-QUEUED_CHUNK = 8
+QUEUED_CHUNK = PLAIN_CHUNK  # a stopping chunk's most while requests wait: back as often as plain chunks come
 
 
 def stopping_chunks_default() -> bool:
@@ -210,7 +211,7 @@ def stopping_chunks_default() -> bool:
 def default_decode_chunk(cuda: bool, stopping: bool) -> int:
     """Greedy steps a chunk covers when the engine is not told: one on the CPU (see WhisperEngine), 8 on a GPU,
     STOPPING_CHUNK with chunks that stop on the device."""
-    return (STOPPING_CHUNK if stopping else 8) if cuda else 1
+    return (STOPPING_CHUNK if stopping else PLAIN_CHUNK) if cuda else 1
 
 
 # On since measured live (H200, 2026-11-28, 64 callers with smart turn detection): the recognition thread's
@@ -438,16 +439,16 @@ class WhisperEngine:
             chunk_graphs = chunk_graphs_default()  # (read on every device: a misspelt value is refused everywhere)
         if stopping_chunks is None:
             stopping_chunks = stopping_chunks_default()
-        self.stopping_chunks = stopping_chunks and self.is_cuda and cuda_graphs and chunk_graphs
-        if self.stopping_chunks and not conditional_nodes_supported():
+        stopping_chunks = stopping_chunks and self.is_cuda and cuda_graphs and chunk_graphs
+        if stopping_chunks and not conditional_nodes_supported():
             log.warning("whisper: VOICED_WHISPER_STOPPING_CHUNKS=1 needs CUDA graph conditional nodes, which torch %s "
-                        "does not capture; chunks come back to the host every %d steps", torch.__version__, 8)
-            self.stopping_chunks = False
+                        "does not capture; chunks come back to the host every %d steps", torch.__version__, PLAIN_CHUNK)
+            stopping_chunks = False
         # Greedy steps between host syncs. On CUDA a sync stalls the queue of kernels, so 8 steps run
         # blind (a row that ends mid-chunk computes a few tokens nobody reads); on the CPU a sync is
         # free and every wasted step costs a full step, so each token is looked at as it comes.
         self.decode_chunk = max(1, decode_chunk if decode_chunk is not None
-                                else default_decode_chunk(self.is_cuda, self.stopping_chunks))
+                                else default_decode_chunk(self.is_cuda, stopping_chunks))
         # Each greedy step's token and log-probability, [row, step, (token, log-prob)], read back in one
         # copy per chunk. float64 holds both exactly (token ids < 2**53, float32 log-probabilities).
         self._hist = torch.zeros(max_batch, self.decode_chunk, 2, dtype=torch.float64, device=model.device)
@@ -458,7 +459,7 @@ class WhisperEngine:
         self.cuda_graphs = cuda_graphs and self.is_cuda
         # (Its capture's two eager pre-runs take rows from position 0 to 2 x decode_chunk - 1.)
         self.chunk_graphs = self.cuda_graphs and chunk_graphs and 2 * self.decode_chunk <= self.dims.n_text_ctx
-        self.stopping_chunks = self.stopping_chunks and self.chunk_graphs
+        self.stopping_chunks = stopping_chunks and self.chunk_graphs
         self.buckets = doubling(max_batch) if self.is_cuda else []
         self._stream: torch.cuda.Stream | None = torch.cuda.Stream(device=model.device) if self.is_cuda else None
         pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
@@ -903,7 +904,7 @@ class WhisperEngine:
         graph warm-up captured (a missing one is never captured here). A full chunk is as long as the graph's,
         the history's length (what decode_chunk was at warm-up: a benchmark that lowers decode_chunk afterwards,
         whisper_bench's chunk-1 latency, runs step by step)."""
-        full = k_max == self._hist.shape[1] or (self.stopping_chunks and k_max <= self._hist.shape[1])
+        full = k_max <= self._hist.shape[1] if self.stopping_chunks else k_max == self._hist.shape[1]
         return self.chunk_graphs and full and self.steps.has_graph("chunk", b)
 
     def warmup(self) -> None:
