@@ -426,7 +426,8 @@ def test_chunk_graph_replay_is_the_per_step_graphs_bit_for_bit(tmp_path, dtype):
             cache.self_v.copy_(torch.randn(cache.self_v.shape, generator=g).to(dtype))
             inputs = torch.stack([torch.randint(0, eng.tok.eot, (16,), generator=g),
                                   torch.randint(0, eng.dims.n_text_ctx - 9, (16,), generator=g),
-                                  torch.randint(0, 6, (16,), generator=g)]).cuda()
+                                  torch.randint(0, 6, (16,), generator=g),
+                                  torch.zeros(16, dtype=torch.long)]).cuda()  # (the step limit: plain chunks)
             start = [t.clone() for t in (cache.self_k, cache.self_v)]
             results = []
             for path in ("chunk", "steps"):
