@@ -4,7 +4,8 @@ is read when a kernel is defined): over several steps of two rows at different p
 keys/values written are the modules' step's (`TextDecoder.step`) within float32 rounding, and greedy picks
 the same tokens; the attention kernel's two Whisper modes (no rope, and cross-attention over the audio's keys
 and values) against torch, with their spans split over programs; the GELU projection and the layer-norm
-epilogue against torch. tests/test_whisper_gpu.py runs the step on a GPU."""
+epilogue against torch; the encoder with its residual adds and layer norms fused the same way
+(VOICED_WHISPER_ENCODER_ADD_NORM). tests/test_whisper_gpu.py runs the step on a GPU."""
 
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def _child() -> dict:
     from voiced.engines.kernels import decode_attention as da
     from voiced.engines.kernels import decode_linear as dl
-    from voiced.engines.whisper.fast import FastDecoder, _heads_view
+    from voiced.engines.whisper.audio import N_SAMPLES, log_mel_spectrogram
+    from voiced.engines.whisper.fast import FastDecoder, FastEncoder, _heads_view
     from voiced.engines.whisper.model import KVCache, ModelDims, Whisper
 
     out: dict = {}
@@ -97,6 +99,20 @@ def _child() -> dict:
     out["step"] = {"logits": worst, "argmax_equal": same,
                    "self_cache": max(_rel(a, b) for a, b in ((caches[1].self_k, caches[0].self_k),
                                                               (caches[1].self_v, caches[0].self_v)))}
+    # the encoder with each residual add and the norm after it in the same kernel, against its plain eager layers
+    # and the module's forward: one 30 s window (1,500 positions: interpreted, ~10 s a layer), two layers
+    edims = ModelDims(n_mels=80, n_audio_ctx=1500, n_audio_state=H * D, n_audio_head=H, n_audio_layer=2,
+                      n_vocab=300, n_text_ctx=32, n_text_state=H * D, n_text_head=H, n_text_layer=1)
+    enc = Whisper(edims).eval().encoder
+    with torch.no_grad():
+        for p in enc.parameters():
+            p.normal_(0, 0.2)
+        audio = torch.randn(1, N_SAMPLES, generator=g) * 0.1
+        audio[:, N_SAMPLES // 3:] = 0  # a 10 s utterance, padded as the engine pads it
+        fused = FastEncoder(enc, edims.n_mels, add_norm=True)(audio, torch.float32)
+        plain = FastEncoder(enc, edims.n_mels)(audio, torch.float32)
+        module = enc(log_mel_spectrogram(audio, edims.n_mels))
+    out["encoder"] = {"vs_plain": _rel(fused, plain), "vs_module": _rel(fused, module)}
     return out
 
 
@@ -125,6 +141,14 @@ def test_decoder_step_through_the_kernels_equals_the_modules(interpreted):
     within float32 rounding, and the greedy tokens are the same."""
     step = interpreted["step"]
     assert step["logits"] <= 1e-4 and step["self_cache"] <= 1e-5 and step["argmax_equal"], step
+
+
+def test_encoder_with_fused_residual_add_and_norm_equals_its_layers(interpreted):
+    """VOICED_WHISPER_ENCODER_ADD_NORM's encoder (each residual add and the layer norm after it one kernel, the
+    last norm the encoder's final one) gives the features of the plain eager layers and of the module's forward
+    within float32 rounding."""
+    enc = interpreted["encoder"]
+    assert enc["vs_plain"] <= 1e-5 and enc["vs_module"] <= 1e-5, enc
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from whisper_fixtures import make_openai_checkpoint, openai_reference_model, spe
 from tests.gpu_phrases import BATCH, REFERENCE, WHISPER
 from voiced.engines.base import ASROptions, ASRRequest
 from voiced.engines.rows import _PinnedRing, to_device
+from voiced.engines.whisper.audio import pad_or_trim
 from voiced.engines.whisper.engine import WhisperEngine, _Active
 from voiced.engines.whisper.fast import ALIGN_GRAPH_ROWS, ALIGN_GRAPH_TOKENS, Prefills, conditional_nodes_supported
 from voiced.engines.whisper.model import decode_attention_kernels
@@ -81,6 +82,30 @@ def test_cuda_graphs_match_eager_single_and_joining_leaving(tmp_path, clips, dty
     batch_g, batch_e = joining_and_leaving(graphs, clips), joining_and_leaving(eager, clips)
     assert sorted(batch_g) == [0, 1, 2, 3]
     assert batch_g == batch_e, "joining/leaving, graphs vs eager:\n" + differences(batch_g, batch_e, "graphs", "eager")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["float16", "bfloat16"])
+def test_encoder_add_norm_gives_the_plain_layers_features(tmp_path, clips, monkeypatch, dtype):
+    """VOICED_WHISPER_ENCODER_ADD_NORM=1 against =0 on one checkpoint: the served encoder (graphs, buckets of 1
+    and 4) gives the eager layers' features within half-precision rounding (the residual stream is the same
+    bits; only the layer norms' sums run in another order), and a batch of four its rows alone."""
+    ckpt = make_openai_checkpoint(tmp_path, n_mels=128, seed=4)
+    feats = {}
+    for on in ("1", "0"):
+        monkeypatch.setenv("VOICED_WHISPER_ENCODER_ADD_NORM", on)
+        eng = WhisperEngine.load(ckpt, device="cuda", dtype=dtype, max_batch=8, max_encoder_batch=4)
+        eng.warmup()
+        assert eng.fast_encoder.add_norm == (on == "1") and not eng.fast_encoder.compiled
+        audio = torch.stack([pad_or_trim(torch.from_numpy(c)) for c in clips + clips[:1]]).cuda()
+        with torch.inference_mode(), eng.on_stream():
+            feats[on] = (eng.fast_encoder.run(audio, 4, dtype).clone(), eng.fast_encoder.run(audio[:1], 1, dtype).clone())
+        torch.cuda.synchronize()
+        del eng
+    (fused4, fused1), (plain4, plain1) = feats["1"], feats["0"]
+    scale = plain4.float().abs().max()
+    assert (fused4.float() - plain4.float()).abs().max() / scale < 2e-2
+    assert (fused1.float() - plain1.float()).abs().max() / scale < 2e-2
+    assert not torch.equal(fused4[0], fused4[1])
 
 
 def test_cuda_graphs_match_eager_full_batch(tmp_path):

@@ -283,6 +283,7 @@ def main(argv: list[str] | None = None) -> dict:
     # the encoder's attention as the engine resolved it (None: torch's choice), not as asked
     report["attn_backend"] = graphs.fast_encoder.attn_backend if graphs.fast_encoder is not None else None
     report["compile_encoder"] = graphs.fast_encoder.compiled if graphs.fast_encoder is not None else None
+    report["encoder_add_norm"] = graphs.fast_encoder.add_norm if graphs.fast_encoder is not None else None
     t0 = time.perf_counter()
     graphs.warmup()
     report["warmup_graphs_s"] = round(time.perf_counter() - t0, 2)

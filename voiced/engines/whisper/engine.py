@@ -44,6 +44,7 @@ from voiced.engines.base import (
     resumed_in,
 )
 from voiced.engines.footprint import AUTO_GPU_ROWS, DTYPES, check_memory_limit, parse_dtype, rows_that_fit, tensor_bytes
+from voiced.engines.kernels import decode_linear
 from voiced.engines.rows import compaction, doubling, rows_in_budget, to_device
 from voiced.engines.switches import env_switch
 from voiced.memory_plan import EngineNeed, Need, stream_workspace_bytes
@@ -156,6 +157,19 @@ def compile_encoder_default(dtype: torch.dtype) -> bool:
     rather than eagerly on contiguous activations; either way a CUDA graph per bucket replays them.
     VOICED_WHISPER_COMPILE_ENCODER=1 or 0 if set, else compiled in float32, eager in half precision (above)."""
     return env_switch("VOICED_WHISPER_COMPILE_ENCODER", dtype == torch.float32)
+
+
+# Whether the eager GPU encoder runs each residual add and the layer norm after it as one kernel
+# (`encoder_add_norm_default`, fast.encoder_layer_add_norm): off until measured on a GPU. Session 28 profiled one
+# large-v3-turbo layer on an H200 (docs/BENCHMARKS.md): at batch 32, 4.23 ms of kernels of which the two residual
+# adds take 0.17 ms and the two layer norms 0.26; at batch 1 they are 0.020 of 0.161 ms.
+ENCODER_ADD_NORM_DEFAULT = False
+
+
+def encoder_add_norm_default() -> bool:
+    """VOICED_WHISPER_ENCODER_ADD_NORM=1 or 0 if set, else ENCODER_ADD_NORM_DEFAULT. Applies to eager encoder
+    layers on a GPU that runs the decode kernels (`decode_linear.supported`)."""
+    return env_switch("VOICED_WHISPER_ENCODER_ADD_NORM", ENCODER_ADD_NORM_DEFAULT)
 
 
 # Whether the GPU encoder's attention is pinned to flash attention (`encoder_attention_default`): off. Session 24
@@ -525,9 +539,10 @@ class WhisperEngine:
         compile_encoder = compile_encoder_default(self.dtype) if compile_encoder is None else compile_encoder
         if attn_backend is None:
             attn_backend = encoder_attention_default(self.dtype, torch.cuda.get_device_capability(self.model.device))
+        add_norm = encoder_add_norm_default() and decode_linear.supported(self.dtype, self.model.device)
         return FastEncoder(self.model.encoder, self.dims.n_mels, attn_backend, compile_encoder,
                            cross=self.model.decoder if cross_in_encoder else None,
-                           cross_rows=self.encoder_buckets()[-1])
+                           cross_rows=self.encoder_buckets()[-1], add_norm=add_norm)
 
     def _fast_decoder(self, fast_decoder: bool | None, compile_decoder: bool | None) -> FastDecoder | None:
         """GPU decoder step: fused self-attention QKV, one function per layer, and (compile_decoder,

@@ -102,6 +102,27 @@ def encoder_layer(x: Tensor, n_head: int, ln1_w: Tensor, ln1_b: Tensor, w_qkv: T
     return x + F.linear(F.gelu(F.linear(h, w_1, b_1)), w_2, b_2)
 
 
+def encoder_layer_add_norm(x: Tensor, h: Tensor, n_head: int, next_w: Tensor, next_b: Tensor, zero: Tensor,
+                           ln1_w: Tensor, ln1_b: Tensor, w_qkv: Tensor, b_qkv: Tensor, w_o: Tensor, b_o: Tensor,
+                           ln2_w: Tensor, ln2_b: Tensor, w_1: Tensor, b_1: Tensor, w_2: Tensor,
+                           b_2: Tensor) -> Tensor:
+    """`encoder_layer` with each residual add and the layer norm after it in one kernel (`decode_linear.
+    add_layer_norm`, the GEMV decoder's): x [B, T, D] contiguous, h its first layer norm (ln1: the caller's, or
+    the previous layer's return). x is updated in place; returns the new x layer-normed by next_w/next_b (the
+    next layer's first norm, or the encoder's final one). The projections keep their bias in cuBLAS's epilogue
+    and the kernel adds `zero` [D], so the residual stream is the same bits as `encoder_layer`'s; only the
+    norms' float32 sums run in another order."""
+    b, t, d = x.shape
+    rows = x.view(b * t, d)
+    q, k, v = F.linear(h, w_qkv, b_qkv).view(b, t, 3, n_head, d // n_head).unbind(2)
+    o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+    h = decode_linear.add_layer_norm(F.linear(o.transpose(1, 2).reshape(1, b * t, d), w_o, b_o), rows, zero,
+                                     ln2_w, ln2_b, 1e-5)
+    h = decode_linear.add_layer_norm(F.linear(F.gelu(F.linear(h, w_1, b_1)), w_2, b_2)[None], rows, zero,
+                                     next_w, next_b, 1e-5)
+    return h.view(b, t, d)
+
+
 @contextlib.contextmanager
 def full_float32_convolutions(on: bool = True):
     """float32 on a GPU is asked for to get the reference's numbers, but cuDNN runs float32
@@ -200,7 +221,8 @@ class FastEncoder:
     """log-mel + encoder for a batch of padded 30 s windows, GPU layout (see module doc)."""
 
     def __init__(self, encoder: AudioEncoder, n_mels: int, attn_backend: str | None = None,
-                 compile_layers: bool = False, cross: TextDecoder | None = None, cross_rows: int = 0):
+                 compile_layers: bool = False, cross: TextDecoder | None = None, cross_rows: int = 0,
+                 add_norm: bool = False):
         self.enc = encoder
         self.n_mels = n_mels
         self.n_head = encoder.blocks[0].attn.n_head
@@ -214,6 +236,11 @@ class FastEncoder:
                                 blk.mlp[2].weight, blk.mlp[2].bias))
         self.compiled = compile_layers
         self._layer = compile_static(encoder_layer) if compile_layers else encoder_layer
+        # Eager layers with each residual add and the norm after it as one kernel (`encoder_layer_add_norm`;
+        # Triton's, so a GPU's or its interpreter's): the norm after each layer is the next one's first, or ln_post.
+        self.add_norm = add_norm and not compile_layers
+        self.next_norms = [(p[0], p[1]) for p in self.layers[1:]] + [(encoder.ln_post.weight, encoder.ln_post.bias)]
+        self._zero = torch.zeros(encoder.ln_post.weight.shape, device=encoder.ln_post.weight.device)
         self.graphs: CudaGraphs | None = None  # set by the engine: `run` replays a graph per batch bucket
         self._inputs: dict[int, Tensor] = {}  # the graphs' static audio input, per batch bucket
         # The decoder's cross-attention key/value projections, run after the encoder in the same pass (in the
@@ -278,6 +305,11 @@ class FastEncoder:
             # encoder_layer_bench). A compiled layer lays out its own buffers (0.178 / 4.79 from this layout).
             x = x.contiguous()
         with pinned_attention(self.attn_backend):
+            if self.add_norm:
+                h = F.layer_norm(x, x.shape[-1:], self.layers[0][0], self.layers[0][1], 1e-5)
+                for p, (next_w, next_b) in zip(self.layers, self.next_norms):
+                    h = encoder_layer_add_norm(x, h, self.n_head, next_w, next_b, self._zero, *p)
+                return h
             for p in self.layers:
                 x = self._layer(x, self.n_head, *p)
         return F.layer_norm(x, x.shape[-1:], enc.ln_post.weight, enc.ln_post.bias, enc.ln_post.eps)
