@@ -519,7 +519,8 @@ class DecoderSteps:
       2 x decode_chunk positions, which from a live row near its length limit would index past the
       text context.
 
-    With `stopping` (VOICED_WHISPER_STOPPING_CHUNKS=1, off by default, not yet run on a GPU), a chunk stops on
+    With `stopping` (VOICED_WHISPER_STOPPING_CHUNKS=1, off by default, never run on a GPU: it needs a torch newer
+    than 2.11, `conditional_nodes_supported`), a chunk stops on
     the device: after each step, `live` says whether the next one runs, false once a real row (`limit` > 0:
     the host writes the chunk's step limit for its rows, 0 for a bucket's padding rows) has chosen end-of-text
     or `limit` steps have run, and every step after the first is a CUDA graph conditional node on it
