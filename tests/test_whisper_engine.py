@@ -317,6 +317,10 @@ def test_benchmark_script_runs_on_cpu(tmp_path):
     assert parts["_finish"]["n"] >= 1, parts
     assert 0 < parts["_encode_into_cache"]["total_ms"] <= report["timeline"]["wall_ms"]
     assert (tmp_path / report["timeline"]["trace"]).exists()
+    # and the saturated run's: four utterances admitted two at a time, so two encoder passes and their audio
+    busy = report["timeline_throughput"]["ranges"]
+    assert busy["_encode_into_cache"]["n"] == 2 and busy["_audio"]["n"] == 2, busy
+    assert (tmp_path / report["timeline_throughput"]["trace"]).exists()
     assert all(report["graphs_equal_eager"][k] for k in ("staggered_12", "single", "batch_16"))
     assert report["throughput_ours_cuda_graphs"]["utts"] == 4
     # the encoder alone is the engine's own pass where it has one (a GPU); on a CPU only the module's forward

@@ -595,6 +595,27 @@ def test_the_gpu_encoder_s_layers_are_eager_in_half_precision_and_compiled_in_fl
         compile_encoder_default(torch.float16)
 
 
+def test_the_encoder_s_fused_add_norm_is_on_unless_turned_off_and_only_for_eager_layers(monkeypatch):
+    """Unset, VOICED_WHISPER_ENCODER_ADD_NORM is on (faster on an H200, session 28); =0 turns it off; a misspelt
+    value is refused, naming the variable. Compiled layers never take it (the compiler fuses on its own)."""
+    from voiced.engines.whisper.engine import encoder_add_norm_default
+    from voiced.engines.whisper.fast import FastEncoder
+    from voiced.engines.whisper.model import ModelDims, Whisper
+
+    monkeypatch.delenv("VOICED_WHISPER_ENCODER_ADD_NORM", raising=False)
+    assert encoder_add_norm_default() is True
+    monkeypatch.setenv("VOICED_WHISPER_ENCODER_ADD_NORM", "0")
+    assert encoder_add_norm_default() is False
+    monkeypatch.setenv("VOICED_WHISPER_ENCODER_ADD_NORM", "yes please")
+    with pytest.raises(ValueError, match="VOICED_WHISPER_ENCODER_ADD_NORM"):
+        encoder_add_norm_default()
+    dims = ModelDims(n_mels=80, n_audio_ctx=1500, n_audio_state=64, n_audio_head=4, n_audio_layer=2, n_vocab=300,
+                     n_text_ctx=32, n_text_state=64, n_text_head=4, n_text_layer=1)
+    enc = Whisper(dims).encoder
+    assert FastEncoder(enc, 80, add_norm=True).add_norm
+    assert not FastEncoder(enc, 80, add_norm=True, compile_layers=True).add_norm
+
+
 def test_the_eager_encoder_runs_its_layers_on_contiguous_activations():
     """Uncompiled (the CPU, or VOICED_WHISPER_COMPILE_ENCODER=0 on a GPU), every encoder layer gets its activations
     contiguous, not in the convolutions' transposed layout that an eager residual add would keep through every

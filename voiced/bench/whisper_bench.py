@@ -16,8 +16,8 @@ comparable. Measures, in one process:
 * throughput: many utterances submitted at once, continuous batching, utterances per second;
 * the same latency and a batched throughput with transformers' WhisperForConditionalGeneration
   .generate (SDPA attention, fp16) on the same weights;
-* with --timeline, one utterance profiled: wall time per engine part and, on a GPU, the GPU's idle
-  time and what the host was doing then, and where the host waited for the GPU and which operator made
+* with --timeline, one utterance and then the throughput run profiled: wall time per engine part and, on a
+  GPU, the GPU's idle time and what the host was doing then, and where the host waited for the GPU and which operator made
   it wait (`timeline`).
 
 Prints one JSON object (and writes it to --out).
@@ -227,9 +227,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--diagnose", action="store_true",
                     help="GPU: latency split + profile, encoder variants, graph-vs-eager kernel probes")
     ap.add_argument("--timeline", action="store_true",
-                    help="one utterance profiled: wall time per engine part and, on a GPU, where the GPU sat idle "
-                         "and where the host waited for it, by operator (report's \"timeline\"; the trace beside "
-                         "--out)")
+                    help="one utterance, then the throughput run, profiled: wall time per engine part and, on a GPU, "
+                         "where the GPU sat idle and where the host waited for it, by operator (report's \"timeline\" "
+                         "and \"timeline_throughput\"; the traces beside --out)")
     ap.add_argument("--batch-invariance", action="store_true",
                     help="the encoder's output for an utterance alone against the same utterance in batches of 2 "
                          "and 4, with torch's attention and with flash's (report's \"encoder_batch_invariance\")")
@@ -326,8 +326,12 @@ def main(argv: list[str] | None = None) -> dict:
     del eager
     if args.timeline:
         try:
-            report["timeline"] = timeline(graphs, ASRRequest(audio[1], opts), dev)
+            report["timeline"] = timeline(graphs, lambda: graphs.transcribe(ASRRequest(audio[1], opts)), dev)
             log.info("timeline: %s", json.dumps(report["timeline"]))
+            reqs = [ASRRequest(a, opts) for a in audio[: args.throughput_utts]]
+            report["timeline_throughput"] = timeline(graphs, lambda: run_until_done(graphs, reqs), dev,
+                                                     "timeline_throughput.json")
+            log.info("timeline_throughput: %s", json.dumps(report["timeline_throughput"]))
         except Exception as e:
             log.exception("timeline section failed")
             report["timeline_error"] = repr(e)
@@ -490,13 +494,14 @@ def probe(eng: WhisperEngine) -> dict:
     return out
 
 
-def timeline(eng: WhisperEngine, request: ASRRequest, dev: str) -> dict:
-    """Where one utterance's time goes: `request` transcribed alone under torch.profiler, with the engine's
-    parts marked (the e2e bench's step parts), after one unprofiled run. Per part: calls and wall time; on
-    a GPU, how busy it was and where it sat idle (`trace_summary.gpu_gaps`: the host work between launches
-    and the host's own waits, the part of the latency a faster kernel cannot take), and each host wait with
-    the operator that made it (`trace_summary.host_waits`). The profiler adds its own host cost: the wall
-    time here is above the unprofiled latency measured by `speed`."""
+def timeline(eng: WhisperEngine, run, dev: str, trace: str = "timeline_b1.json") -> dict:
+    """Where a run's time goes: `run()` (one utterance transcribed alone, or the saturated throughput run) under
+    torch.profiler, with the engine's parts marked (the e2e bench's step parts), after one unprofiled run. Per
+    part: calls and wall time; on a GPU, how busy it was and where it sat idle (`trace_summary.gpu_gaps`: the
+    host work between launches and the host's own waits, the part of the time a faster kernel cannot take), and
+    each host wait with the operator that made it (`trace_summary.host_waits`). The profiler adds its own host
+    cost: the wall time here is above the unprofiled figures measured by `speed`. The trace is written beside
+    the report as `trace`."""
     import tempfile
 
     from torch.profiler import ProfilerActivity, profile
@@ -507,16 +512,16 @@ def timeline(eng: WhisperEngine, request: ASRRequest, dev: str) -> dict:
     cuda = dev.startswith("cuda")
     timer = StepTimer(eng, STEP_PARTS["asr"])
     try:
-        eng.transcribe(request)
+        run()
         sync(dev)
         with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
             t0 = time.perf_counter()
-            eng.transcribe(request)
+            run()
             sync(dev)
             wall = time.perf_counter() - t0
     finally:
         timer.remove()
-    path = (_OUT.parent if _OUT is not None else Path(tempfile.mkdtemp())) / "timeline_b1.json"
+    path = (_OUT.parent if _OUT is not None else Path(tempfile.mkdtemp())) / trace
     prof.export_chrome_trace(str(path))
     events = load(path)
     summary = summarize(events)

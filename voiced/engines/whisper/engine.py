@@ -160,10 +160,12 @@ def compile_encoder_default(dtype: torch.dtype) -> bool:
 
 
 # Whether the eager GPU encoder runs each residual add and the layer norm after it as one kernel
-# (`encoder_add_norm_default`, fast.encoder_layer_add_norm): off until measured on a GPU. Session 28 profiled one
-# large-v3-turbo layer on an H200 (docs/BENCHMARKS.md): at batch 32, 4.23 ms of kernels of which the two residual
-# adds take 0.17 ms and the two layer norms 0.26; at batch 1 they are 0.020 of 0.161 ms.
-ENCODER_ADD_NORM_DEFAULT = False
+# (`encoder_add_norm_default`, fast.encoder_layer_add_norm): on. Session 28 profiled one large-v3-turbo layer on an
+# H200: at batch 32, 4.23 ms of kernels of which the two residual adds took 0.17 ms and the two layer norms 0.26.
+# Then, alternately on one H200 (docs/BENCHMARKS.md): throughput 171.7 / 170.9 utt/s with it against 167.0 / 166.2
+# without, the encoder alone at batch 32 200.0 / 196.9 against 192.4 / 193.7 utt/s; one utterance 15.53 / 16.23 ms
+# against 16.08 / 15.82 (within the runs' spread); and `make test-gpu` with it on passed (90, 1 skipped).
+ENCODER_ADD_NORM_DEFAULT = True
 
 
 def encoder_add_norm_default() -> bool:
