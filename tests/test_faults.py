@@ -87,14 +87,20 @@ def test_a_fault_in_the_shared_forward_pass_fails_the_newest_request_and_the_bat
 def test_a_fault_in_one_requests_own_tokens_fails_that_request_even_when_it_is_the_oldest(
         asr_engine, clips, clean, monkeypatch):
     poison = opts()
-    real_update = RequestDecoder.update_greedy
+    real_update, real_span = RequestDecoder.update_greedy, RequestDecoder.update_greedy_span
 
-    def update_greedy(self, token, logprob):
+    def update_greedy(self, token, logprob):  # a step's token (an admission's first)
         if self.plan.options is poison and self.n_sampled >= 2:
             raise ValueError("injected fault in this request's tokens")
         return real_update(self, token, logprob)
 
+    def update_greedy_span(self, tokens, sums):  # a chunk's tokens
+        if self.plan.options is poison and self.n_sampled >= 2:
+            raise ValueError("injected fault in this request's tokens")
+        return real_span(self, tokens, sums)
+
     monkeypatch.setattr(RequestDecoder, "update_greedy", update_greedy)
+    monkeypatch.setattr(RequestDecoder, "update_greedy_span", update_greedy_span)
     results = run_together(asr_engine, [ASRRequest(clips[2], poison), ASRRequest(clips[0], opts()),
                                         ASRRequest(clips[1], opts())])
     assert isinstance(results[0], EngineFault) and "injected fault in this request's tokens" in str(results[0])

@@ -183,6 +183,23 @@ class RequestDecoder:
         if token == self.tok.eot or self._out_of_room():
             self.done = True
 
+    def update_greedy_span(self, tokens: list[int], sums: np.ndarray) -> None:
+        """`update_greedy` for each of `tokens` in turn, up to where it would stop (end-of-text, or the token that
+        fills the room); sums[j] is the float32 log-probability sum after the first j of them (sums[0] the
+        current one), as update_greedy's additions make it (`token_choice.advance_greedy`)."""
+        if not tokens:
+            return
+        n = self.n_sampled
+        room = min(self.plan.sample_len - n, self.n_text_ctx - len(self.initial) - n + 1)  # as _out_of_room
+        t = min(len(tokens), max(1, room))
+        eot = self.tok.eot
+        if eot in tokens[:t]:
+            t = tokens.index(eot) + 1
+        self.beams[0].extend(tokens[:t])
+        self.sum_logprobs[0] = np.float32(sums[t])
+        if tokens[t - 1] == eot or t >= room:
+            self.done = True
+
     def update_beam(self, top_logprobs: list[list[float]], top_tokens: list[list[int]]) -> list[int]:
         """One beam-search step from each row's top (beam + 1) candidates.
 

@@ -82,7 +82,7 @@ from .timing import (
     official_alignment_heads,
     word_timings,
 )
-from .token_choice import choose_tokens
+from .token_choice import advance_greedy, choose_tokens
 from .tokenizer import WhisperTokenizer
 
 log = logging.getLogger(__name__)
@@ -901,20 +901,7 @@ class WhisperEngine:
                 hist_tok[:, k] = tok
                 hist_lp[:, k] = lp
         yield  # the chunk is launched
-        rows = self._hist[:n, :k_max].tolist()  # the chunk's one sync
-        failed = []
-        for q in reqs:
-            r = q.rows[0]
-            try:
-                for t, lp in rows[r]:
-                    if t < 0:  # a step a stopping chunk did not run
-                        break
-                    q.dec.update_greedy(int(t), lp)
-                    if q.dec.done:
-                        break
-            except Exception as e:  # this request's tokens: its fault alone
-                failed.append((q, e))
-        return failed
+        return advance_greedy(reqs, self._hist[:n, :k_max].cpu().numpy())  # the chunk's one sync
 
     def _chunk_replay(self, k_max: int, b: int) -> bool:
         """Whether this chunk of k_max steps for bucket b is one replay of its chunk graph: with
