@@ -209,9 +209,10 @@ def chunk_graphs_default() -> bool:
 
 # Whether chunk graphs stop on the device (`stopping_chunks_default`): off, written in session 27 after the device
 # time ran out, never run on a GPU: the H200 image's torch 2.11 has no CUDAGraph.begin_capture_to_if_node (checked
-# in session 28; the switch then warns and runs plain chunks). With it a chunk is STOPPING_CHUNK steps long, every step after the first a CUDA
-# graph conditional node that the GPU skips once a row has ended (fast.DecoderSteps), and the engine comes back to
-# the host only then, or after QUEUED_CHUNK steps while requests wait to be admitted. To measure:
+# in session 28; the switch then warns and runs plain chunks). With it a chunk is STOPPING_CHUNK steps long, every
+# step after the first a CUDA graph conditional node that the GPU skips once a row has ended (fast.DecoderSteps),
+# and the engine comes back to the host only then, or after QUEUED_CHUNK steps while requests wait to be admitted.
+# To measure, on a torch that has it:
 #   python3 -m voiced.bench.whisper_bench ..., then the same with VOICED_WHISPER_STOPPING_CHUNKS=1
 #   VOICED_WHISPER_STOPPING_CHUNKS=1 make test-gpu
 STOPPING_CHUNKS_DEFAULT = False
