@@ -52,7 +52,7 @@ run: $(VENV)/.run-installed
 	$(BIN)/voiced serve $(if $(HTTP),--http $(HTTP)) $(ARGS)
 
 # Every test CI needs, the slow ones included (about 17 minutes on 2 cores with the installs; on a fresh
-# clone, 2026-11-29, session 27 at 55fbf4f: 1111 passed, 89 skipped, 13.5 minutes of tests, 14.9 with installs).
+# clone, 2026-11-29, session 28 at 4906762: 1114 passed, 91 skipped, 14.0 minutes of tests, 15.4 with installs).
 test: system-deps $(VENV)/.test-installed
 	$(BIN)/python -m pytest -q $(ARGS)
 
