@@ -12,8 +12,9 @@ weights of the given dimensions, at each batch, each way:
 with the activations either in the layout the engine's layers get them (`FastEncoder` adds the positional
 embedding to the convolutions' output transposed to [B, T, D] as a view, so they sit in memory as [B, D, T],
 and an eager residual add keeps that layout through every layer) or contiguous. It reports milliseconds per
-layer (CUDA events over replays of a graph of the layer, so launches do not count) and the TFLOPS that makes, against the eager layer with torch's pick on the first layout measured in
-the same run. Each row also gives the largest difference of its output from that reference's.
+layer (CUDA events over replays of a graph of the layer, so launches do not count) and the TFLOPS that makes,
+against the eager layer with torch's pick on the first layout measured in the same run. Each row also gives the
+largest difference of its output from that reference's.
 
     python3 -m voiced.bench.encoder_layer_bench --batches 1 32 --layouts engine contiguous --out layer.json
 """

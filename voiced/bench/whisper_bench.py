@@ -17,8 +17,8 @@ comparable. Measures, in one process:
 * the same latency and a batched throughput with transformers' WhisperForConditionalGeneration
   .generate (SDPA attention, fp16) on the same weights;
 * with --timeline, one utterance and then the throughput run profiled: wall time per engine part and, on a
-  GPU, the GPU's idle time and what the host was doing then, and where the host waited for the GPU and which operator made
-  it wait (`timeline`).
+  GPU, the GPU's idle time and what the host was doing then, and where the host waited for the GPU and which
+  operator made it wait (`timeline`).
 
 Prints one JSON object (and writes it to --out).
 """

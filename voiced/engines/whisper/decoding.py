@@ -189,8 +189,7 @@ class RequestDecoder:
         current one), as update_greedy's additions make it (`token_choice.advance_greedy`)."""
         if not tokens:
             return
-        n = self.n_sampled
-        room = min(self.plan.sample_len - n, self.n_text_ctx - len(self.initial) - n + 1)  # as _out_of_room
+        room = self.room()
         t = min(len(tokens), max(1, room))
         eot = self.tok.eot
         if eot in tokens[:t]:
@@ -235,9 +234,14 @@ class RequestDecoder:
             self.done = True
         return src
 
-    def _out_of_room(self) -> bool:
+    def room(self) -> int:
+        """Tokens this request may still sample: the one that leaves none (its sample_len, or the text context
+        full) is its last."""
         n = self.n_sampled
-        return n >= self.plan.sample_len or len(self.initial) + n > self.n_text_ctx
+        return min(self.plan.sample_len - n, self.n_text_ctx + 1 - len(self.initial) - n)
+
+    def _out_of_room(self) -> bool:
+        return self.room() <= 0
 
     # ------------------------------------------------------------------------------------- results
     def result(self, audio_seconds: float) -> Transcript:

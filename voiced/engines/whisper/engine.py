@@ -880,8 +880,7 @@ class WhisperEngine:
         if self.stopping_chunks and self._queue:
             k_max = min(k_max, QUEUED_CHUNK)  # come back soon enough to admit the waiting
         for q in reqs:
-            d = q.dec
-            k_max = min(k_max, d.plan.sample_len - d.n_sampled, self.dims.n_text_ctx + 1 - len(d.initial) - d.n_sampled)
+            k_max = min(k_max, q.dec.room())
         toks, pos = self._row_inputs(n)
         minleft = [max(0, self._owner[r][0].dec.plan.min_new_tokens - self._owner[r][0].dec.n_sampled)
                    for r in range(n)]
