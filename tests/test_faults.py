@@ -15,15 +15,20 @@ from tests.whisper_fixtures import make_openai_checkpoint
 from voiced.core.scheduler import EngineWorker
 from voiced.engines.base import ASROptions, ASRRequest, CapacityError, EngineFault, TTSOptions, TTSRequest
 from voiced.engines.whisper import engine as whisper_engine
+from voiced.engines.whisper.chunks import Chunk
 from voiced.engines.whisper.decoding import RequestDecoder
 from voiced.engines.whisper.engine import WhisperEngine
 
 TEXTS = ["Please call me back tomorrow morning.", "Seven apples and three oranges.", "Good evening."]
 
 
-@pytest.fixture(scope="module")
-def asr_engine(tmp_path_factory):
+@pytest.fixture(scope="module", params=["per-step", "ahead"])
+def asr_engine(request, tmp_path_factory):
+    """The CPU's engine as it serves (a token at a time), and with chunks of 3 steps launched ahead of the one
+    being read (decode-ahead), where a fault can strike while a chunk is in flight."""
     ckpt = make_openai_checkpoint(tmp_path_factory.mktemp("whisper"), seed=3)
+    if request.param == "ahead":
+        return WhisperEngine.load(str(ckpt), device="cpu", max_batch=8, decode_chunk=3, decode_ahead=True)
     return WhisperEngine.load(str(ckpt), device="cpu", max_batch=8)
 
 
@@ -82,6 +87,26 @@ def test_a_fault_in_the_shared_forward_pass_fails_the_newest_request_and_the_bat
 
     monkeypatch.setattr(asr_engine._decoder, "step", real_step)
     assert run_together(asr_engine, [ASRRequest(clips[2], opts())])[0].tokens == clean[2]
+
+
+def test_a_fault_reading_the_rows_tokens_back_fails_the_newest_request_and_the_batch_goes_on(
+        asr_engine, clips, clean, monkeypatch):
+    """A fault surfacing where the host waits for a chunk's tokens (where a GPU's asynchronous error is
+    reported), with the next chunk already launched ahead of it: no one can be blamed, so the newest request
+    fails; the others go on from the tokens they had, not from the chunk launched ahead of the lost one."""
+    poison = opts()
+    real_wait = Chunk.wait
+
+    def wait(chunk):
+        if any(q.request.options is poison for q in chunk.reqs):
+            raise RuntimeError("injected fault reading the tokens back")
+        return real_wait(chunk)
+
+    monkeypatch.setattr(Chunk, "wait", wait)
+    results = run_together(asr_engine, [ASRRequest(clips[0], opts()), ASRRequest(clips[1], opts()),
+                                        ASRRequest(clips[2], poison)])
+    assert isinstance(results[2], EngineFault) and "injected fault reading the tokens back" in str(results[2])
+    assert [results[0].tokens, results[1].tokens] == clean[:2]
 
 
 def test_a_fault_in_one_requests_own_tokens_fails_that_request_even_when_it_is_the_oldest(

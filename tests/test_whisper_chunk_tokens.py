@@ -55,7 +55,7 @@ def test_a_chunk_applied_at_once_is_the_token_by_token_rule():
         want = copy.deepcopy(reqs)
         for q in want:
             _token_by_token(q, hist[q.rows[0]].tolist())
-        assert advance_greedy(reqs, hist) == []
+        assert advance_greedy(reqs, [q.rows[0] for q in reqs], hist) == []
         for got, exp in zip(reqs, want):
             assert got.dec.beams == exp.dec.beams, trial
             assert got.dec.done == exp.dec.done, trial

@@ -704,3 +704,38 @@ def test_stopping_chunks_serve_the_same_tokens(tmp_path, clips, monkeypatch):
         batch_on, batch_off, "stopping", "plain")
     same_served(chunk_mix(on, clips), chunk_mix(off, clips), "twelve joining")
     assert "greedy" not in kinds and len(on.steps.graphs) == warm
+
+
+def test_decode_ahead_serves_the_same_tokens(tmp_path, clips):
+    """Decode-ahead (VOICED_WHISPER_DECODE_AHEAD=1): the served engine, launching the next chunk from the inputs
+    the last one left on the device before it reads that one back (the history through pinned copies and their
+    events), decodes what it decodes without: single requests bit for bit (the same rows run the same graphs),
+    requests joining and leaving, and twelve joining four at a time (the same tokens; their average
+    log-probabilities to half-precision rounding, since a chunk launched ahead runs rows beside some that have
+    left since, in a larger bucket). Chunks were launched ahead, and serving captured no graph."""
+    ckpt = make_openai_checkpoint(tmp_path, n_mels=128, seed=4)
+    kw = dict(device="cuda", dtype=torch.float16, max_batch=16, max_encoder_batch=4)
+    on = WhisperEngine.load(ckpt, decode_ahead=True, **kw)
+    off = WhisperEngine.load(ckpt, decode_ahead=False, **kw)
+    assert on.decode_ahead and not off.decode_ahead
+    on.warmup()
+    off.warmup()
+    warm = len(on.steps.graphs)
+    launched = []
+    launch = on._launch_ahead
+
+    def counted(chunk):
+        nxt = launch(chunk)
+        launched.append(nxt is not None)
+        return nxt
+    on._launch_ahead = counted
+    same_single_requests(on, off, clips)
+    assert sum(launched) >= 2 * len(clips), "a 24-token request: one chunk from the host, two launched ahead"
+    batch_on, batch_off = joining_and_leaving(on, clips), joining_and_leaving(off, clips)
+    assert batch_on == batch_off, "joining/leaving, ahead vs not:\n" + differences(batch_on, batch_off, "ahead", "not")
+    mix_on, mix_off = chunk_mix(on, clips), chunk_mix(off, clips)
+    tok_on, tok_off = ({k: v[0] for k, v in d.items()} for d in (mix_on, mix_off))
+    assert len(tok_on) == 12 and tok_on == tok_off, "twelve joining:\n" + differences(tok_on, tok_off, "ahead", "not")
+    for k in mix_on:
+        assert mix_on[k][1] == pytest.approx(mix_off[k][1], abs=2e-3), k
+    assert len(on.steps.graphs) == warm, "serving captured a decoder graph warm-up had not"

@@ -280,6 +280,7 @@ def main(argv: list[str] | None = None) -> dict:
                           **fast)
     report["decoder_step_path"] = graphs.decoder_path
     report["decode_chunk"], report["stopping_chunks"] = graphs.decode_chunk, graphs.stopping_chunks
+    report["decode_ahead"] = graphs.decode_ahead
     # the encoder's attention as the engine resolved it (None: torch's choice), not as asked
     report["attn_backend"] = graphs.fast_encoder.attn_backend if graphs.fast_encoder is not None else None
     report["compile_encoder"] = graphs.fast_encoder.compiled if graphs.fast_encoder is not None else None

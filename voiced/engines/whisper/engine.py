@@ -52,6 +52,7 @@ from voiced.memory_plan import EngineNeed, Need, stream_workspace_bytes
 from . import dtw_kernel
 from .audio import HOP_LENGTH, N_FFT, N_SAMPLES, log_mel_spectrogram
 from .checkpoint import CheckpointError, read_checkpoint
+from .chunks import Chunk, HistoryCopies
 from .cpu import column_major_embedding_, int8_available, quantize_int8_
 from .decoding import DecodePlan, RequestDecoder, Suppression
 from .fast import (
@@ -230,6 +231,20 @@ def default_decode_chunk(cuda: bool, stopping: bool) -> int:
     """Greedy steps a chunk covers when the engine is not told: one on the CPU (see WhisperEngine), 8 on a GPU,
     STOPPING_CHUNK with chunks that stop on the device."""
     return (STOPPING_CHUNK if stopping else PLAIN_CHUNK) if cuda else 1
+
+
+# Whether the next chunk is launched before the last one is read back (`decode_ahead_default`): off until measured
+# on a GPU. To measure:
+#   python3 -m voiced.bench.whisper_bench ..., then the same with VOICED_WHISPER_DECODE_AHEAD=1
+#   VOICED_WHISPER_DECODE_AHEAD=1 make test-gpu
+DECODE_AHEAD_DEFAULT = False
+
+
+def decode_ahead_default() -> bool:
+    """On a GPU, the next chunk of the same rows launched from the inputs the last one left on the device before
+    the host reads that one back (chunks.py), so the GPU does not wait out the host's token bookkeeping at every
+    chunk boundary. VOICED_WHISPER_DECODE_AHEAD=1 or 0 if set, else DECODE_AHEAD_DEFAULT (off)."""
+    return env_switch("VOICED_WHISPER_DECODE_AHEAD", DECODE_AHEAD_DEFAULT)
 
 
 # On since measured live (H200, 2026-11-28, 64 callers with smart turn detection): the recognition thread's
@@ -423,7 +438,8 @@ class WhisperEngine:
                  fast_decoder: bool | None = None, compile_decoder: bool | None = None,
                  alignment_heads: list[tuple[int, int]] | None = None, prefill_graphs: bool | None = None,
                  cross_in_encoder: bool | None = None, chunk_graphs: bool | None = None,
-                 align_graphs: bool | None = None, stopping_chunks: bool | None = None):
+                 align_graphs: bool | None = None, stopping_chunks: bool | None = None,
+                 decode_ahead: bool | None = None):
         if tokenizer.n_vocab != model.dims.n_vocab:
             raise CheckpointError(f"tokenizer has {tokenizer.n_vocab} tokens but the model {model.dims.n_vocab}")
         self.model = model.eval().requires_grad_(False)
@@ -451,6 +467,8 @@ class WhisperEngine:
         self._private_ids = itertools.count(-1, -1)
         self._warming = False
         self._admitting: list[_Active] = []  # the group being admitted (its faults are held to it)
+        self._layout = 0  # counts changes of which request holds which row (a chunk launched ahead checks it)
+        self._ahead: Chunk | None = None  # the chunk launched ahead of the one being read (decode_ahead)
         # Chunks that stop on the device (STOPPING_CHUNKS_DEFAULT): CUDA graphs of chunks, and a torch that
         # captures conditional nodes.
         if chunk_graphs is None:
@@ -470,6 +488,7 @@ class WhisperEngine:
         # Each greedy step's token and log-probability, [row, step, (token, log-prob)], read back in one
         # copy per chunk. float64 holds both exactly (token ids < 2**53, float32 log-probabilities).
         self._hist = torch.zeros(max_batch, self.decode_chunk, 2, dtype=torch.float64, device=model.device)
+        self._hist_copies = HistoryCopies(self._hist)
         # All of the engine's GPU work runs on one stream of its own, graph captures included (why:
         # fast.CudaGraphs). CUDA graphs: per batch-size bucket, the encoder, one plain decoder step
         # and one fused greedy step, and with chunk_graphs a chunk of decode_chunk greedy steps with
@@ -478,6 +497,12 @@ class WhisperEngine:
         # (Its capture's two eager pre-runs take rows from position 0 to 2 x decode_chunk - 1.)
         self.chunk_graphs = self.cuda_graphs and chunk_graphs and 2 * self.decode_chunk <= self.dims.n_text_ctx
         self.stopping_chunks = stopping_chunks and self.chunk_graphs
+        # Decode-ahead (decode_ahead_default): by default only on a GPU, where the host's work between chunks
+        # leaves it idle; on the CPU the steps run on the host's own time, so it would only add wasted steps.
+        # Not with chunks that stop on the device: how many steps one ran is known only once it is read.
+        if decode_ahead is None:
+            decode_ahead = decode_ahead_default() and self.is_cuda
+        self.decode_ahead = decode_ahead and not self.stopping_chunks
         self.buckets = doubling(max_batch) if self.is_cuda else []
         self._stream: torch.cuda.Stream | None = torch.cuda.Stream(device=model.device) if self.is_cuda else None
         pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
@@ -578,7 +603,7 @@ class WhisperEngine:
              fast_decoder: bool | None = None, compile_decoder: bool | None = None,
              memory_limit: tuple[int, float] | None = None, prefill_graphs: bool | None = None,
              cross_in_encoder: bool | None = None, chunk_graphs: bool | None = None,
-             align_graphs: bool | None = None) -> WhisperEngine:
+             align_graphs: bool | None = None, decode_ahead: bool | None = None) -> WhisperEngine:
         """Load an official name (from the model cache), an OpenAI `.pt`, a Hugging Face or a
         CTranslate2 (faster-whisper) directory.
 
@@ -606,7 +631,9 @@ class WhisperEngine:
         CUDA graphs captured at warm-up (fast.AlignmentPasses); None: ALIGN_GRAPHS_DEFAULT (on), unless
         VOICED_WHISPER_ALIGN_GRAPHS is 1 or 0. attn_backend: the GPU encoder's attention ("flash", "cudnn",
         "efficient", "math"); None: `encoder_attention_default` (torch's choice, unless
-        VOICED_WHISPER_FLASH_ENCODER=1 pins flash in half precision).
+        VOICED_WHISPER_FLASH_ENCODER=1 pins flash in half precision). decode_ahead: the next chunk of greedy
+        steps launched before the last one is read back (chunks.py); None: `decode_ahead_default` on a GPU (off
+        unless VOICED_WHISPER_DECODE_AHEAD=1), off on the CPU.
         """
         if prefill_graphs is None:
             prefill_graphs = prefill_graphs_default()
@@ -649,7 +676,8 @@ class WhisperEngine:
                      cuda_graphs=cuda_graphs, max_queue=max_queue, decode_chunk=decode_chunk,
                      compile_encoder=compile_encoder, attn_backend=attn_backend, fast_decoder=fast_decoder,
                      compile_decoder=compile_decoder, alignment_heads=heads, prefill_graphs=prefill_graphs,
-                     cross_in_encoder=cross_in_encoder, chunk_graphs=chunk_graphs, align_graphs=align_graphs)
+                     cross_in_encoder=cross_in_encoder, chunk_graphs=chunk_graphs, align_graphs=align_graphs,
+                     decode_ahead=decode_ahead)
         engine.memory_need = need
         engine.checkpoint_format = ckpt.format
         return engine
@@ -757,22 +785,32 @@ class WhisperEngine:
         return stack
 
     def _step(self) -> StepParts:
-        failed: list[tuple[_Active, Exception]] = []
-        if self._n:
-            # One forward pass for every row: a failure here raises (see `step`).
-            reqs = [self._owner[r][0] for r in range(self._n) if self._owner[r][1] == 0]
-            if all(self._fast(q) for q in reqs):
-                failed = yield from self._greedy_chunk(self._n, reqs)
-            else:
-                logits = self._decode(self._n)
-                yield
-                failed = self._select(logits, reqs, 0)
-        outputs = self._drop(failed) + (yield from self._finish())
+        outputs: list[EngineOutput] = []
         try:
-            return outputs + (yield from self._admit_new())
+            ahead = self._ahead
+            if ahead is not None and ahead.layout != self._layout:
+                # Launched ahead before the rows changed (requests finished, left or came in): its tokens go to
+                # the requests still here before the rows' inputs are loaded from the host again.
+                self._ahead = None
+                outputs += self._drop(self._read_chunk(ahead))
+                outputs += yield from self._finish()
+            failed: list[tuple[_Active, Exception]] = []
+            if self._n:
+                # One forward pass for every row: a failure here raises (see `step`).
+                reqs = [self._owner[r][0] for r in range(self._n) if self._owner[r][1] == 0]
+                if all(self._fast(q) for q in reqs):
+                    failed = yield from self._greedy_chunk(self._n, reqs)
+                else:
+                    logits = self._decode(self._n)
+                    yield
+                    failed = self._select(logits, reqs, 0)
+            outputs += self._drop(failed)
+            outputs += yield from self._finish()
+            outputs += yield from self._admit_new()
         except BaseException:
             self._stash += outputs  # kept for the next step
             raise
+        return outputs
 
     def _admit_new(self) -> StepParts:
         """Admission, with its faults held to the admitted: a group that fails (out of memory, or a
@@ -870,12 +908,23 @@ class WhisperEngine:
         few tokens nobody reads, and they are dropped here. Returns the requests whose tokens failed;
         yields once, between launching the chunk and reading it back (step_parts).
 
-        On a GPU each step is a greedy graph replay and two history writes (3 torch calls a step); with
-        `chunk_graphs`, a full chunk (no row near its limit) of a bucket warm-up captured is one replay
-        of the chunk graph instead: the same kernels in the same order (`DecoderSteps.chunk`), so the
-        same bits. A shorter chunk, or a bucket without its graph, runs step by step (never captured
-        here: `DecoderSteps.capture`).
+        With `decode_ahead`, the chunk read here may be the one the previous step launched ahead, and the
+        next one is launched before this one is read (`_launch_ahead`).
         """
+        chunk, self._ahead = self._ahead, None
+        try:
+            if chunk is None:
+                chunk = self._launch_chunk(n, reqs)
+            self._ahead = self._launch_ahead(chunk)
+            yield  # launched
+            return self._read_chunk(chunk)
+        except BaseException:
+            # Launched from a chunk that is not applied: the next chunk starts from the host's state instead.
+            self._ahead = None
+            raise
+
+    def _launch_chunk(self, n: int, reqs: list[_Active]) -> Chunk:
+        """A chunk for rows 0..n-1 from the host's state of their requests (`reqs`, row order)."""
         k_max = self.decode_chunk
         if self.stopping_chunks and self._queue:
             k_max = min(k_max, QUEUED_CHUNK)  # come back soon enough to admit the waiting
@@ -886,7 +935,28 @@ class WhisperEngine:
                    for r in range(n)]
         # (a stopping chunk's step limit, on its real rows; the padding rows get 0)
         b = self._load_inputs(n, [toks, pos, minleft] + ([[k_max] * n] if self.stopping_chunks else []))
-        lo, hi = min(pos), max(pos)
+        return self._run_chunk(reqs, b, k_max, min(pos), max(pos))
+
+    def _launch_ahead(self, chunk: Chunk) -> Chunk | None:
+        """The chunk after `chunk` for the same rows, launched now from the inputs `chunk` leaves on the device
+        (its steps advance them: `DecoderSteps.greedy`), or None: with `decode_ahead` off, while requests wait
+        (they are admitted after the chunk being read, not after one more), or when a row has no room left after
+        `chunk`. A row that ends in `chunk` computes a chunk nobody reads."""
+        if not self.decode_ahead or self._queue or chunk.layout != self._layout:
+            return None
+        k = min(self.decode_chunk, min(q.dec.room() for q in chunk.reqs) - chunk.steps)
+        if k < 1:
+            return None
+        return self._run_chunk(chunk.reqs, chunk.bucket, k, chunk.lo + chunk.steps, chunk.hi + chunk.steps)
+
+    def _run_chunk(self, reqs: list[_Active], b: int, k_max: int, lo: int, hi: int) -> Chunk:
+        """k_max greedy steps of bucket b from the steps' inputs on the device, then their history's copy to the
+        host queued (`HistoryCopies`). On a GPU each step is a greedy graph replay and two history writes
+        (3 torch calls a step); with `chunk_graphs`, a full chunk (no row near its limit) of a bucket warm-up
+        captured is one replay of the chunk graph instead: the same kernels in the same order
+        (`DecoderSteps.chunk`), so the same bits. A shorter chunk, or a bucket without its graph, runs step by
+        step (never captured here: `DecoderSteps.capture`). lo / hi: the first and last row's position at the
+        first step (the CPU attends exactly that far)."""
         if self._chunk_replay(k_max, b):
             self.steps.run("chunk", b)  # decode_chunk steps and their history writes: one call
         else:
@@ -900,8 +970,18 @@ class WhisperEngine:
                     self.steps.greedy(b, kv_len=hi + k + 1, masked=lo != hi)
                 hist_tok[:, k] = tok
                 hist_lp[:, k] = lp
-        yield  # the chunk is launched
-        return advance_greedy(reqs, self._hist[:n, :k_max].cpu().numpy())  # the chunk's one sync
+        hist, landed = self._hist_copies.send(len(reqs), k_max)
+        return Chunk(reqs, k_max, lo, hi, b, hist, landed, self._layout)
+
+    def _read_chunk(self, chunk: Chunk) -> list[tuple[_Active, Exception]]:
+        """Apply a launched chunk's tokens to those of its requests still here (one left or finished since a
+        chunk launched ahead of it: `_step`) once its history is on the host: the chunk's one sync (none when no
+        one is left to read it). Returns the requests whose tokens failed."""
+        here = [(i, q) for i, q in enumerate(chunk.reqs) if self._active.get(q.rid) is q]
+        if not here:
+            return []
+        hist = chunk.wait()
+        return advance_greedy([q for _, q in here], [i for i, _ in here], hist)
 
     def _chunk_replay(self, k_max: int, b: int) -> bool:
         """Whether this chunk of k_max steps for bucket b is one replay of its chunk graph: with
@@ -1069,6 +1149,7 @@ class WhisperEngine:
                 self._owner[r] = (req, j)
             self._n += len(req.rows)
             self._active[req.rid] = req
+        self._layout += 1
 
     def _audio(self, chosen: list[_Active]) -> torch.Tensor:
         """The requests' audio as padded 30 s windows [n, N_SAMPLES] on the model's device. Only the
@@ -1324,6 +1405,7 @@ class WhisperEngine:
         """Free the rows of `leaving` and pack the live rows back to 0..n-1."""
         if not leaving:
             return
+        self._layout += 1
         for req in leaving:
             for r in req.rows:
                 self._owner[r] = None

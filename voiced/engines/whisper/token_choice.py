@@ -129,10 +129,11 @@ def choose_tokens(logits: Tensor, reqs: list[Rows], base: int, suppress: Suppres
     return failed
 
 
-def advance_greedy(reqs: list[Rows], hist: np.ndarray) -> list[tuple[Rows, Exception]]:
+def advance_greedy(reqs: list[Rows], rows: list[int], hist: np.ndarray) -> list[tuple[Rows, Exception]]:
     """A chunk of greedy steps read back, applied to its requests as `RequestDecoder.update_greedy` token by
-    token would (`update_greedy_span`): hist [rows, steps, (token, log-probability)] float64, request q's at row
-    q.rows[0], up to its first step not run (token -1: a stopping chunk's). The log-probability sums of every row
+    token would (`update_greedy_span`): hist [rows, steps, (token, log-probability)] float64, reqs[i]'s at row
+    rows[i] (where it was when the chunk ran: the engine may have moved it since), up to its first step not run
+    (token -1: a stopping chunk's). The log-probability sums of every row
     after each step are made at once in numpy, one float32 addition at a time as update_greedy adds them, so a
     request costs one call, not one per token (~5 ms of idle GPU per chunk at 256 rows, session 28). Returns the
     requests whose tokens failed; the others have advanced."""
@@ -140,14 +141,13 @@ def advance_greedy(reqs: list[Rows], hist: np.ndarray) -> list[tuple[Rows, Excep
     not_run = hist[..., 0] < 0
     ran = np.where(not_run.any(1), not_run.argmax(1), k).tolist()
     starts = np.zeros((n, 1), dtype=np.float32)
-    for q in reqs:
-        starts[q.rows[0], 0] = q.dec.sum_logprobs[0]
+    for q, r in zip(reqs, rows):
+        starts[r, 0] = q.dec.sum_logprobs[0]
     # sums[r, j]: row r's sum after j of its tokens (a cumulative sum along a row adds in order, in float32)
     sums = np.cumsum(np.concatenate([starts, hist[..., 1].astype(np.float32)], axis=1), axis=1, dtype=np.float32)
     tokens = hist[..., 0].astype(np.int64).tolist()
     failed = []
-    for q in reqs:
-        r = q.rows[0]
+    for q, r in zip(reqs, rows):
         try:
             q.dec.update_greedy_span(tokens[r][:ran[r]], sums[r])
         except Exception as e:  # this request's tokens: its fault alone
