@@ -115,3 +115,20 @@ def test_a_request_cancelled_while_a_chunk_is_in_flight_leaves_the_others_as_the
     got = _results(eng, clips, opts, cancel=cancel)
     assert _same(got, want) and set(got) == {0, 2}
     assert launched
+
+
+def test_decode_ahead_is_on_by_default_on_a_gpu_only_and_its_switch_is_checked(free_ckpt, monkeypatch):
+    """Unset, VOICED_WHISPER_DECODE_AHEAD is on (faster on an H200, session 29), but a CPU engine never takes it
+    unless asked (its steps run on the host's own time: a chunk ahead only adds steps nobody reads); =0 turns it
+    off; a misspelt value is refused, naming the variable."""
+    from voiced.engines.whisper.engine import decode_ahead_default
+
+    monkeypatch.delenv("VOICED_WHISPER_DECODE_AHEAD", raising=False)
+    assert decode_ahead_default()
+    monkeypatch.setenv("VOICED_WHISPER_DECODE_AHEAD", "1")
+    assert not WhisperEngine.load(free_ckpt, max_batch=2).decode_ahead
+    monkeypatch.setenv("VOICED_WHISPER_DECODE_AHEAD", "0")
+    assert not decode_ahead_default()
+    monkeypatch.setenv("VOICED_WHISPER_DECODE_AHEAD", "yes")
+    with pytest.raises(ValueError, match="VOICED_WHISPER_DECODE_AHEAD"):
+        WhisperEngine.load(free_ckpt, max_batch=2)

@@ -233,17 +233,16 @@ def default_decode_chunk(cuda: bool, stopping: bool) -> int:
     return (STOPPING_CHUNK if stopping else PLAIN_CHUNK) if cuda else 1
 
 
-# Whether the next chunk is launched before the last one is read back (`decode_ahead_default`): off until measured
-# on a GPU. To measure:
-#   python3 -m voiced.bench.whisper_bench ..., then the same with VOICED_WHISPER_DECODE_AHEAD=1
-#   VOICED_WHISPER_DECODE_AHEAD=1 make test-gpu
-DECODE_AHEAD_DEFAULT = False
+# Whether the next chunk is launched before the last one is read back (`decode_ahead_default`): on since session 29
+# measured it on an H200 (one large-v3-turbo utterance 15.53 / 15.64 ms against 16.16 / 17.36 without, alternate
+# runs on one machine; throughput 175 against 174 utt/s; docs/BENCHMARKS.md).
+DECODE_AHEAD_DEFAULT = True
 
 
 def decode_ahead_default() -> bool:
     """On a GPU, the next chunk of the same rows launched from the inputs the last one left on the device before
     the host reads that one back (chunks.py), so the GPU does not wait out the host's token bookkeeping at every
-    chunk boundary. VOICED_WHISPER_DECODE_AHEAD=1 or 0 if set, else DECODE_AHEAD_DEFAULT (off)."""
+    chunk boundary. VOICED_WHISPER_DECODE_AHEAD=1 or 0 if set, else DECODE_AHEAD_DEFAULT (on)."""
     return env_switch("VOICED_WHISPER_DECODE_AHEAD", DECODE_AHEAD_DEFAULT)
 
 
@@ -632,8 +631,8 @@ class WhisperEngine:
         VOICED_WHISPER_ALIGN_GRAPHS is 1 or 0. attn_backend: the GPU encoder's attention ("flash", "cudnn",
         "efficient", "math"); None: `encoder_attention_default` (torch's choice, unless
         VOICED_WHISPER_FLASH_ENCODER=1 pins flash in half precision). decode_ahead: the next chunk of greedy
-        steps launched before the last one is read back (chunks.py); None: `decode_ahead_default` on a GPU (off
-        unless VOICED_WHISPER_DECODE_AHEAD=1), off on the CPU.
+        steps launched before the last one is read back (chunks.py); None: `decode_ahead_default` on a GPU (on
+        unless VOICED_WHISPER_DECODE_AHEAD=0), off on the CPU.
         """
         if prefill_graphs is None:
             prefill_graphs = prefill_graphs_default()
