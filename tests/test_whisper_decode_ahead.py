@@ -28,21 +28,29 @@ def clips():
 
 
 def _engine(ckpt, ahead: bool, max_batch: int, chunk: int = 4) -> tuple[WhisperEngine, list]:
-    """A CPU engine with chunks of `chunk` steps; with `ahead`, its launches ahead recorded as (steps, room left
-    after the chunk before it for each row, whether requests waited)."""
+    """A CPU engine with chunks of `chunk` steps; with `ahead`, the chunks it launches before reading the last
+    recorded as (kind, steps, the room each row has left for them, whether requests waited): "ahead" of another
+    chunk, or "first" right after an admission's token choice, before it is read."""
     eng = WhisperEngine.load(ckpt, max_batch=max_batch, decode_chunk=chunk, decode_ahead=ahead)
     assert eng.decode_ahead is ahead
-    launched: list[tuple[int, list[int], bool]] = []
-    real = eng._launch_ahead
+    launched: list[tuple[str, int, list[int], bool]] = []
+    real_ahead, real_first = eng._launch_ahead, eng._launch_first_chunk
 
     def launch_ahead(chunk):
         rooms = [q.dec.room() - chunk.steps for q in chunk.reqs]
-        nxt = real(chunk)
+        nxt = real_ahead(chunk)
         if nxt is not None:
-            launched.append((nxt.steps, rooms, bool(eng._queue)))
+            launched.append(("ahead", nxt.steps, rooms, bool(eng._queue)))
         return nxt
 
-    eng._launch_ahead = launch_ahead
+    def launch_first(choice, base):
+        rooms = [eng._owner[r][0].dec.room() - (r >= base) for r in range(eng._n)]
+        nxt = real_first(choice, base)
+        if nxt is not None:
+            launched.append(("first", nxt.steps, rooms, False))
+        return nxt
+
+    eng._launch_ahead, eng._launch_first_chunk = launch_ahead, launch_first
     return eng, launched
 
 
@@ -77,7 +85,8 @@ def test_chunks_decoded_ahead_serve_the_same_transcripts_as_chunks_read_one_by_o
     """Requests that end at end-of-text mid-chunk, more of them than rows (so rows are freed and taken while a
     chunk launched ahead is in flight), some arriving while others decode: the same tokens (and log-probabilities
     to rounding) as without decode-ahead, and chunks were launched ahead (never while requests waited)."""
-    opts = [ASROptions(language="en", max_new_tokens=40) for _ in clips]
+    # (some at least a few tokens long: their end-of-text waits for a countdown the chunks carry on the device)
+    opts = [ASROptions(language="en", max_new_tokens=40, min_new_tokens=(0, 3, 6)[i % 3]) for i in range(len(clips))]
     for arrive_every in (0, 2):
         want = _results(_engine(free_ckpt, False, 3)[0], clips, opts, arrive_every)
         assert len(want) == len(clips) and min(len(want[i][0]) for i in range(len(clips))) < 20  # ended at end-of-text
@@ -86,22 +95,23 @@ def test_chunks_decoded_ahead_serve_the_same_transcripts_as_chunks_read_one_by_o
         assert _same(got, want), f"arriving every {arrive_every} steps"
         # and none later, counted in engine steps
         assert all(got[i][2] <= want[i][2] for i in want), (got, want)
-        assert launched, "no chunk was launched ahead"
-        assert not any(waiting for _, _, waiting in launched)
+        assert {kind for kind, _, _, _ in launched} == {"ahead", "first"}
+        assert not any(waiting for kind, _, _, waiting in launched if kind == "ahead")
 
 
 def test_a_chunk_launched_ahead_stops_at_the_rows_length_limit(tmp_path, clips):
     """Forced lengths (end-of-text suppressed until each request's max_new_tokens): the chunk launched ahead is
     cut to the room its rows have left, and the tokens are the ones served without decode-ahead."""
     ckpt = make_openai_checkpoint(tmp_path, seed=5)
-    lengths = [13, 20, 9, 6]  # after the admission's first token: 12, 19, 8 and 5 to go in chunks of 4
+    lengths = [13, 20, 9, 6, 2]  # after the admission's first token: 12, 19, 8, 5 and 1 to go in chunks of 4
     opts = [ASROptions(language="en", max_new_tokens=t, min_new_tokens=t) for t in lengths]
-    want = _results(_engine(ckpt, False, 4)[0], clips, opts)
-    assert [len(want[i][0]) for i in range(4)] == lengths
+    want = _results(_engine(ckpt, False, 4)[0], clips, opts, arrive_every=3)
+    assert [len(want[i][0]) for i in range(len(lengths))] == lengths
     eng, launched = _engine(ckpt, True, 4)
-    assert _same(_results(eng, clips, opts), want)
-    assert all(0 < steps <= min(rooms) for steps, rooms, _ in launched), launched
-    assert any(steps < 4 for steps, _, _ in launched), "no chunk launched ahead was cut to its rows' room"
+    assert _same(_results(eng, clips, opts, arrive_every=3), want)
+    assert all(0 < steps <= min(rooms) for _, steps, rooms, _ in launched), launched
+    assert any(steps < 4 for kind, steps, _, _ in launched if kind == "ahead"), "none cut to its rows' room"
+    assert any(steps == 1 for kind, steps, _, _ in launched if kind == "first"), "none cut to a row's one token"
 
 
 def test_a_request_cancelled_while_a_chunk_is_in_flight_leaves_the_others_as_they_were(free_ckpt, clips):

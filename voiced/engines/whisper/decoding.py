@@ -42,6 +42,9 @@ class Suppression:
 
     always: Tensor  # bool [vocab]
     blank: Tensor  # long: " " and <|endoftext|>, never the first sampled token (on the device, made once)
+    # -inf as a float32 scalar on the device, the value suppressed logits are set to by indexing: a Python float
+    # there is copied from the host with a wait for everything queued on the stream (index_put_'s scalar copy)
+    neg_inf: Tensor
 
     @classmethod
     def build(cls, tok: WhisperTokenizer, n_vocab: int, device: torch.device | str) -> Suppression:
@@ -51,7 +54,8 @@ class Suppression:
         ids |= {tok.transcribe, tok.translate, tok.sot, tok.sot_prev, tok.sot_lm, tok.no_speech}
         mask = torch.zeros(n_vocab, dtype=torch.bool)
         mask[sorted(ids)] = True
-        return cls(mask.to(device), torch.tensor(tok.encode(" ") + [tok.eot], dtype=torch.long, device=device))
+        return cls(mask.to(device), torch.tensor(tok.encode(" ") + [tok.eot], dtype=torch.long, device=device),
+                   torch.tensor(NEG_INF, device=device))
 
 
 @dataclass

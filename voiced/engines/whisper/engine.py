@@ -83,7 +83,7 @@ from .timing import (
     official_alignment_heads,
     word_timings,
 )
-from .token_choice import advance_greedy, choose_tokens
+from .token_choice import Choice, advance_greedy, apply_choice, choose_tokens, launch_choice
 from .tokenizer import WhisperTokenizer
 
 log = logging.getLogger(__name__)
@@ -820,10 +820,17 @@ class WhisperEngine:
             admitted = self._admit()
             if admitted is None:
                 return []
-            yield  # the encoder and prefill are launched; token choice reads them back
             reqs, logits, no_speech = admitted
-            failed = self._select(logits, reqs, reqs[0].rows[0], no_speech)
-        except Exception as e:
+            base = reqs[0].rows[0]
+            choice = launch_choice(logits, reqs, base, self.suppress, self.tok.eot, no_speech)
+            # With decode-ahead, the rows' next chunk goes in behind the choice, before the host reads it.
+            self._ahead = self._launch_first_chunk(choice, base)
+            yield  # the encoder, prefill and token choice are launched (and maybe the next chunk)
+            failed = apply_choice(choice, reqs, base, self.cache)
+        except BaseException as e:
+            self._ahead = None  # launched from first tokens the host has not taken: the next chunk starts anew
+            if not isinstance(e, Exception):
+                raise
             group = self._admitting
             if not group:
                 raise  # nothing was admitted: no one to hold it to
@@ -922,19 +929,44 @@ class WhisperEngine:
             self._ahead = None
             raise
 
-    def _launch_chunk(self, n: int, reqs: list[_Active]) -> Chunk:
-        """A chunk for rows 0..n-1 from the host's state of their requests (`reqs`, row order)."""
+    def _launch_chunk(self, n: int, reqs: list[_Active], first: torch.Tensor | None = None) -> Chunk:
+        """A chunk for rows 0..n-1 from the host's state of their requests (`reqs`, row order). `first`: the
+        tokens of the last len(first) rows (just admitted) chosen on the device and not yet read back
+        (`_launch_first_chunk`): those rows start one token further than the host knows, from these."""
+        new = 0 if first is None else first.shape[0]
         k_max = self.decode_chunk
         if self.stopping_chunks and self._queue:
             k_max = min(k_max, QUEUED_CHUNK)  # come back soon enough to admit the waiting
-        for q in reqs:
-            k_max = min(k_max, q.dec.room())
-        toks, pos = self._row_inputs(n)
-        minleft = [max(0, self._owner[r][0].dec.plan.min_new_tokens - self._owner[r][0].dec.n_sampled)
-                   for r in range(n)]
+        for i, q in enumerate(reqs):
+            k_max = min(k_max, q.dec.room() - (i >= n - new))
+        toks, pos = self._row_inputs(n - new)
+        sampled = [q.dec.n_sampled + (i >= n - new) for i, q in enumerate(reqs)]
+        pos += [q.dec.position() + 1 for q in reqs[n - new:]]
+        minleft = [max(0, q.dec.plan.min_new_tokens - k) for q, k in zip(reqs, sampled)]
         # (a stopping chunk's step limit, on its real rows; the padding rows get 0)
-        b = self._load_inputs(n, [toks, pos, minleft] + ([[k_max] * n] if self.stopping_chunks else []))
+        b = self._load_inputs(n, [toks + [0] * new, pos, minleft] + ([[k_max] * n] if self.stopping_chunks else []))
+        if new:
+            self.steps.tok[n - new:n].copy_(first)
         return self._run_chunk(reqs, b, k_max, min(pos), max(pos))
+
+    def _launch_first_chunk(self, choice: Choice, base: int) -> Chunk | None:
+        """With decode-ahead, the first chunk of every row right after an admission's token choice is launched
+        (rows base.._n-1 are the admitted, their first tokens `choice.greedy` on the device), before the host
+        reads the choice: what the next step would launch once the host had read it. None unless every row is
+        greedy without timestamps and has room for a token more."""
+        n = self._n
+        reqs = [self._owner[r][0] for r in range(n)]
+        if (not self.decode_ahead or self.stopping_chunks or choice.greedy.shape[0] != n - base
+                or not all(self._owner[r][1] == 0 and self._fast(q) for r, q in enumerate(reqs))
+                or min(q.dec.room() - (r >= base) for r, q in enumerate(reqs)) < 1):
+            return None
+        try:
+            return self._launch_chunk(n, reqs, choice.greedy)
+        except Exception:
+            # A fault of the rows' shared step, not of the admission: the next step launches this chunk again
+            # from the host's state, where a fault is held to the rows as `step` says.
+            log.debug("whisper: the first chunk after an admission failed to launch", exc_info=True)
+            return None
 
     def _launch_ahead(self, chunk: Chunk) -> Chunk | None:
         """The chunk after `chunk` for the same rows, launched now from the inputs `chunk` leaves on the device

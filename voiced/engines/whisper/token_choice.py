@@ -5,6 +5,7 @@ fused greedy step (no host round trip; `fast.DecoderSteps`)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
@@ -55,16 +56,25 @@ def greedy_advance(logits: Tensor, always: Tensor, eot: int, inputs: Tensor, lp:
     minleft.sub_(1)
 
 
-def choose_tokens(logits: Tensor, reqs: list[Rows], base: int, suppress: Suppression, eot: int,
-                  cache: KVCache, no_speech: Tensor | None = None) -> list[tuple[Rows, Exception]]:
-    """Filter the logits of `reqs` (row r at logits[r - base]), pick tokens, advance them (a beam
-    request's reordered beams move their self-attention caches); returns the requests whose tokens
-    failed (the others have advanced). `no_speech` (an admission's, row r at no_speech[r - base]) is
-    set on each request's decoder.
+@dataclass
+class Choice:
+    """A step's token choice launched on the device (`launch_choice`), its results on their way to the host."""
 
-    Row indices reach the device without a sync (`rows.to_device`), and everything the host reads
-    (greedy tokens, their log-probabilities, the beams' candidates, the no-speech probabilities)
-    comes back in one copy: float64 holds the ids and the float32 values exactly."""
+    greedy: Tensor  # [rows] the arg-max tokens, on the device (what a greedy request takes)
+    host: Tensor  # everything the host reads, in one float64 copy (see launch_choice)
+    landed: torch.cuda.Event | None  # when `host` holds them (None: the CPU, where it already does)
+    beams: list[tuple[int, list[int]]]  # (beam size, its rows), in the order of their parts in `host`
+    no_speech: bool
+
+
+def launch_choice(logits: Tensor, reqs: list[Rows], base: int, suppress: Suppression, eot: int,
+                  no_speech: Tensor | None = None) -> Choice:
+    """Filter the logits of `reqs` (row r at logits[r - base]) and pick their tokens on the device, then queue
+    the copy of what the host reads (greedy tokens, their log-probabilities, the beams' candidates, the no-speech
+    probabilities: float64 holds the ids and the float32 values exactly) without waiting for it: the caller can
+    queue more work (the next chunk of steps) before `apply_choice` reads the choice. Row indices reach the device
+    without a sync (`rows.to_device`), and -inf is written from the device (`Suppression.neg_inf`), never as a host
+    scalar, whose copy would wait for the stream."""
     dev = logits.device
     logits.masked_fill_(suppress.always, NEG_INF)
     # The per-request rules, batched: one indexing op for all first steps (no blank / end-of-text
@@ -72,11 +82,11 @@ def choose_tokens(logits: Tensor, reqs: list[Rows], base: int, suppress: Suppres
     first = [r - base for q in reqs if q.dec.n_sampled == 0 for r in q.rows]
     if first:
         at = _span(first)
-        logits[at if at is not None else to_device([[r] for r in first], dev), suppress.blank] = NEG_INF
+        logits[at if at is not None else to_device([[r] for r in first], dev), suppress.blank] = suppress.neg_inf
     short = [r - base for q in reqs if q.dec.n_sampled < q.dec.plan.min_new_tokens for r in q.rows]
     if short:
         at = _span(short)
-        logits[at if at is not None else to_device(short, dev), eot] = NEG_INF
+        logits[at if at is not None else to_device(short, dev), eot] = suppress.neg_inf
     for req in reqs:
         if req.dec.plan.timestamps:
             idx = to_device([r - base for r in req.rows], dev)
@@ -95,17 +105,32 @@ def choose_tokens(logits: Tensor, reqs: list[Rows], base: int, suppress: Suppres
         beams.append((k, rows))
     if no_speech is not None:
         parts.append(no_speech.double())
-    host = torch.cat(parts).tolist()  # the step's one sync
-    n = greedy.shape[0]
+    host = torch.cat(parts).to("cpu", non_blocking=True)  # (pinned, from a CUDA device)
+    landed = None
+    if logits.is_cuda:
+        landed = torch.cuda.Event()
+        landed.record(torch.cuda.current_stream(dev))
+    return Choice(greedy, host, landed, beams, no_speech is not None)
+
+
+def apply_choice(choice: Choice, reqs: list[Rows], base: int, cache: KVCache) -> list[tuple[Rows, Exception]]:
+    """Read a launched choice back (the step's one sync) and advance `reqs` by it (a beam request's reordered beams
+    move their self-attention caches); the no-speech probabilities, where the choice carried them (an
+    admission's), are set on each request's decoder. Returns the requests whose tokens failed (the others have
+    advanced)."""
+    if choice.landed is not None:
+        choice.landed.synchronize()
+    host = choice.host.tolist()
+    n = choice.greedy.shape[0]
     greedy_l, lp_l, at = [int(t) for t in host[:n]], host[n:2 * n], 2 * n
     beam_tops: dict[int, tuple[list, list]] = {}
-    for k, rows in beams:
+    for k, rows in choice.beams:
         size = len(rows) * (k + 1)
         vals, ids = host[at:at + size], host[at + size:at + 2 * size]
         at += 2 * size
         for i, row in enumerate(rows):
             beam_tops[row] = (vals[i * (k + 1):(i + 1) * (k + 1)], [int(t) for t in ids[i * (k + 1):(i + 1) * (k + 1)]])
-    if no_speech is not None:
+    if choice.no_speech:
         for req in reqs:
             req.dec.no_speech_prob = host[at + req.rows[0] - base]
     failed = []
@@ -125,8 +150,16 @@ def choose_tokens(logits: Tensor, reqs: list[Rows], base: int, suppress: Suppres
         except Exception as e:  # this request's tokens: its fault alone
             failed.append((req, e))
     if moves_to:  # every reordered request's beams in one move (their rows are disjoint)
+        dev = choice.greedy.device
         cache.move(to_device(moves_to, dev), to_device(moves_from, dev), self_only=True)
     return failed
+
+
+def choose_tokens(logits: Tensor, reqs: list[Rows], base: int, suppress: Suppression, eot: int,
+                  cache: KVCache, no_speech: Tensor | None = None) -> list[tuple[Rows, Exception]]:
+    """Filter the logits of `reqs` (row r at logits[r - base]), pick tokens and advance them: `launch_choice`, then
+    `apply_choice` at once. Returns the requests whose tokens failed (the others have advanced)."""
+    return apply_choice(launch_choice(logits, reqs, base, suppress, eot, no_speech), reqs, base, cache)
 
 
 def advance_greedy(reqs: list[Rows], rows: list[int], hist: np.ndarray) -> list[tuple[Rows, Exception]]:
