@@ -14,9 +14,9 @@ CUDA graph per batch-size bucket serve any mix of requests. One `step()`:
 
 So requests join and leave between steps, and a cancelled request's rows are free at once.
 
-Beside this module: fast.py (the GPU encoder and decoder step, and their CUDA graphs), language.py
-(language detection), token_choice.py (filtering logits and choosing tokens for a batch), decoding.py
-(the per-request rules).
+Beside this module: fast.py (the GPU encoder and decoder step, and their CUDA graphs), chunks.py (chunks of
+greedy steps in flight, and decode-ahead), language.py (language detection), token_choice.py (filtering logits
+and choosing tokens for a batch), decoding.py (the per-request rules).
 """
 
 from __future__ import annotations
