@@ -235,7 +235,8 @@ def default_decode_chunk(cuda: bool, stopping: bool) -> int:
 
 # Whether the next chunk is launched before the last one is read back (`decode_ahead_default`): on since session 29
 # measured it on an H200 (one large-v3-turbo utterance 15.53 / 15.64 ms against 16.16 / 17.36 without, alternate
-# runs on one machine; throughput 175 against 174 utt/s; docs/BENCHMARKS.md).
+# runs on one machine; with an admission's first chunk behind its token choice, 15.45 / 15.40 against 16.95 / 17.14
+# on another; throughput unchanged, 174-176 utt/s; docs/BENCHMARKS.md).
 DECODE_AHEAD_DEFAULT = True
 
 
