@@ -957,7 +957,7 @@ class WhisperEngine:
         greedy without timestamps and has room for a token more."""
         n = self._n
         reqs = [self._owner[r][0] for r in range(n)]
-        if (not self.decode_ahead or self.stopping_chunks or choice.greedy.shape[0] != n - base
+        if (not self.decode_ahead or choice.greedy.shape[0] != n - base
                 or not all(self._owner[r][1] == 0 and self._fast(q) for r, q in enumerate(reqs))
                 or min(q.dec.room() - (r >= base) for r, q in enumerate(reqs)) < 1):
             return None
