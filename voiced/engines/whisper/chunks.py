@@ -4,9 +4,10 @@ A chunk's steps choose their tokens on the device and write them, with their log
 engine's history buffer; the host reads the history back once per chunk. With decode-ahead
 (`WhisperEngine.decode_ahead`) the engine launches the next chunk of the same rows, from the inputs the
 previous chunk left on the device, before it reads the previous one back: the GPU runs the next chunk while
-the host applies the tokens, admits and reports, where it would otherwise wait for them at every chunk
-boundary. So at most two chunks are in flight, and each one's history is copied out of the device buffer
-(which the next chunk overwrites) into a host buffer of its own.
+the host applies the tokens and reports the finished, where it would otherwise wait for them at every chunk
+boundary; and an admission's first chunk goes in behind its token choice, before the host reads the first
+tokens. So at most two chunks are in flight, and each one's history is copied out of the device buffer (which
+the next chunk overwrites) into a host buffer of its own.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from torch import Tensor
 
 @dataclass
 class Chunk:
-    """A launched chunk: the requests of its rows (reqs[i] at row i), its steps, the first and last row's
+    """A launched chunk: the requests of its rows (reqs[i] at row i), its steps, its rows' lowest and highest
     position at its first step (the CPU's exact context length), its batch bucket, its history on the host
     (valid once `landed` has passed) and the engine's row layout when it was launched (`WhisperEngine._layout`,
     which changes whenever a request takes rows or gives them up)."""

@@ -987,7 +987,7 @@ class WhisperEngine:
         (3 torch calls a step); with `chunk_graphs`, a full chunk (no row near its limit) of a bucket warm-up
         captured is one replay of the chunk graph instead: the same kernels in the same order
         (`DecoderSteps.chunk`), so the same bits. A shorter chunk, or a bucket without its graph, runs step by
-        step (never captured here: `DecoderSteps.capture`). lo / hi: the first and last row's position at the
+        step (never captured here: `DecoderSteps.capture`). lo / hi: the rows' lowest and highest position at the
         first step (the CPU attends exactly that far)."""
         if self._chunk_replay(k_max, b):
             self.steps.run("chunk", b)  # decode_chunk steps and their history writes: one call
