@@ -797,10 +797,11 @@ class WhisperEngine:
             failed: list[tuple[_Active, Exception]] = []
             if self._n:
                 # One forward pass for every row: a failure here raises (see `step`).
-                reqs = [self._owner[r][0] for r in range(self._n) if self._owner[r][1] == 0]
-                if all(self._fast(q) for q in reqs):
-                    failed = yield from self._greedy_chunk(self._n, reqs)
+                greedy = self._greedy_rows()
+                if greedy is not None:
+                    failed = yield from self._greedy_chunk(self._n, greedy)
                 else:
+                    reqs = [self._owner[r][0] for r in range(self._n) if self._owner[r][1] == 0]
                     logits = self._decode(self._n)
                     yield
                     failed = self._select(logits, reqs, 0)
@@ -864,10 +865,12 @@ class WhisperEngine:
         have advanced)."""
         return choose_tokens(logits, reqs, base, self.suppress, self.tok.eot, self.cache, no_speech)
 
-    @staticmethod
-    def _fast(req: _Active) -> bool:
-        """Greedy without timestamps: token choice can run on the device, several steps at a time."""
-        return req.dec.plan.beam_size == 1 and not req.dec.plan.timestamps
+    def _greedy_rows(self) -> list[_Active] | None:
+        """The requests of rows 0.._n-1 in row order when every one is greedy without timestamps (token choice
+        can run on the device, several steps at a time: `_greedy_chunk`), else None."""
+        reqs = [self._owner[r][0] for r in range(self._n)]
+        plans = [q.dec.plan for q in reqs]
+        return reqs if all(p.beam_size == 1 and not p.timestamps for p in plans) else None
 
     def _row_inputs(self, n: int) -> tuple[list[int], list[int]]:
         toks, pos = [0] * n, [0] * n
@@ -935,11 +938,7 @@ class WhisperEngine:
         tokens of the last len(first) rows (just admitted) chosen on the device and not yet read back
         (`_launch_first_chunk`): those rows start one token further than the host knows, from these."""
         new = 0 if first is None else first.shape[0]
-        k_max = self.decode_chunk
-        if self.stopping_chunks and self._queue:
-            k_max = min(k_max, QUEUED_CHUNK)  # come back soon enough to admit the waiting
-        for i, q in enumerate(reqs):
-            k_max = min(k_max, q.dec.room() - (i >= n - new))
+        k_max = self._chunk_steps(reqs, new)
         toks, pos = self._row_inputs(n - new)
         sampled = [q.dec.n_sampled + (i >= n - new) for i, q in enumerate(reqs)]
         pos += [q.dec.position() + 1 for q in reqs[n - new:]]
@@ -950,16 +949,22 @@ class WhisperEngine:
             self.steps.tok[n - new:n].copy_(first)
         return self._run_chunk(reqs, b, k_max, min(pos), max(pos))
 
+    def _chunk_steps(self, reqs: list[_Active], new: int = 0) -> int:
+        """How many steps a chunk from the host's state runs for rows `reqs`: decode_chunk, or fewer where a row
+        has less room (the last `new` of them one token further than the host knows: `_launch_chunk`)."""
+        k_max = self.decode_chunk
+        if self.stopping_chunks and self._queue:
+            k_max = min(k_max, QUEUED_CHUNK)  # come back soon enough to admit the waiting
+        return min(k_max, *(q.dec.room() - (i >= len(reqs) - new) for i, q in enumerate(reqs)))
+
     def _launch_first_chunk(self, choice: Choice, base: int) -> Chunk | None:
         """With decode-ahead, the first chunk of every row right after an admission's token choice is launched
         (rows base.._n-1 are the admitted, their first tokens `choice.greedy` on the device), before the host
         reads the choice: what the next step would launch once the host had read it. None unless every row is
         greedy without timestamps and has room for a token more."""
-        n = self._n
-        reqs = [self._owner[r][0] for r in range(n)]
-        if (not self.decode_ahead or choice.greedy.shape[0] != n - base
-                or not all(self._owner[r][1] == 0 and self._fast(q) for r, q in enumerate(reqs))
-                or min(q.dec.room() - (r >= base) for r, q in enumerate(reqs)) < 1):
+        n, reqs = self._n, self._greedy_rows()
+        if (not self.decode_ahead or reqs is None or choice.greedy.shape[0] != n - base
+                or self._chunk_steps(reqs, n - base) < 1):
             return None
         try:
             return self._launch_chunk(n, reqs, choice.greedy)
