@@ -70,15 +70,23 @@ def _compile(fn, signature: dict, constants: dict, target, num_stages: int | Non
     return kernel
 
 
+@pytest.mark.parametrize("stop", [0, 16], ids=["", "skipping ended steps"])
 @pytest.mark.parametrize("arch", [90, 80])
 @pytest.mark.parametrize("case", list(CASES))
-def test_decode_kernel_compiles(case, arch):
+def test_decode_kernel_compiles(case, arch, stop):
+    """Every kernel of the decoder step also with the check that skips a step whose rows have all ended
+    (`decode_attention.stop_args`: an early return at the kernel's top, after its programmatic-launch wait)."""
     fn, signature, constants = CASES[case]
     constants = dict(constants)
     if fn is dl._gemv:
         constants.update(BLOCK_M=16, BLOCK_N=16, BLOCK_K=dl.BLOCK_K, IEEE=False)
     if "PDL" in inspect.signature(fn.fn).parameters:
         constants["PDL"] = arch >= 90
+    if stop:
+        signature = dict(signature, stop_ptr=_ptr("i64"), stop_id="i32")
+        constants["STOP"] = stop
+    else:
+        constants.update(stop_ptr=None, stop_id=0, STOP=0)
     _compile(fn, signature, constants, GPUTarget("cuda", arch, 32))
 
 
@@ -92,7 +100,7 @@ def test_gemv_pipeline_depth_fits_a_hopper_block(kind, rows):
     block_n, cols, want = {"q/k/v": (16, 16, 4), "gate/up": (64, 128, 3), "down, split": (32, 32, 3)}[kind]
     stages = dl._stages(bm, cols, 2, want, 227 * 1024 - dl.SMEM_RESERVE)
     constants = dict(NO_EPILOGUE, SWIGLU=kind == "gate/up", PARTIAL=kind == "down, split", BLOCK_M=bm,
-                     BLOCK_N=block_n, BLOCK_K=dl.BLOCK_K, IEEE=False, PDL=True)
+                     BLOCK_N=block_n, BLOCK_K=dl.BLOCK_K, IEEE=False, PDL=True, stop_ptr=None, stop_id=0, STOP=0)
     signature = dict(GEMV, out_ptr=_ptr("fp32")) if kind == "down, split" else GEMV
     kernel = _compile(dl._gemv, signature, constants, GPUTarget("cuda", 90, 32), num_stages=stages,
                       divisible=("K", "k_per", "stride_xm"))

@@ -353,6 +353,47 @@ def test_chunk_graphs_setting(monkeypatch, tmp_path):
     assert not WhisperEngine.load(ckpt, max_batch=2, chunk_graphs=True).chunk_graphs
 
 
+def test_a_row_that_chose_end_of_text_keeps_it_as_its_token():
+    """The greedy step's bookkeeping (`greedy_advance`): a row whose token is end-of-text keeps it, whatever it
+    computes after its end, while the others take their choices (end-of-text included) and every row's position
+    and countdown advance; so a step's tokens alone tell whether all of its rows have ended (VOICED_WHISPER_
+    SKIP_ENDED)."""
+    from voiced.engines.whisper.token_choice import greedy_advance
+
+    eot, always = 9, torch.zeros(10, dtype=torch.bool)
+    inputs = torch.tensor([[eot, 3, 4], [5, 6, 7], [0, 2, 0]])  # tokens, positions, minimum-length countdowns
+    lp = torch.zeros(3)
+    logits = torch.zeros(3, 10)
+    logits[:, 7] = 5.0
+    logits[2, eot] = 6.0
+    greedy_advance(logits, always, eot, inputs, lp)
+    assert inputs.tolist() == [[eot, 7, eot], [6, 7, 8], [-1, 1, -1]]
+    logits = torch.zeros(3, 10)
+    logits[:, 4] = 5.0
+    greedy_advance(logits, always, eot, inputs, lp)
+    assert inputs[0].tolist() == [eot, 4, eot]
+
+
+def test_skipping_ended_steps_and_fewer_step_kernels_settings(monkeypatch, tmp_path):
+    """VOICED_WHISPER_SKIP_ENDED and VOICED_WHISPER_FEWER_STEP_KERNELS: 1 / 0 when set, else their defaults,
+    misspelt values refused; both concern the GEMV step, so a CPU engine never skips a step, whatever is asked."""
+    from voiced.engines.whisper import engine as engine_mod
+
+    for name, read in (("VOICED_WHISPER_SKIP_ENDED", engine_mod.skip_ended_default),
+                       ("VOICED_WHISPER_FEWER_STEP_KERNELS", engine_mod.fewer_step_kernels_default)):
+        monkeypatch.delenv(name, raising=False)
+        default = read()
+        for env, want in (("1", True), ("0", False), ("", default)):
+            monkeypatch.setenv(name, env)
+            assert read() is want, (name, env)
+        monkeypatch.setenv(name, "yes please")
+        with pytest.raises(ValueError, match=name):
+            read()
+        monkeypatch.delenv(name)
+    ckpt = make_openai_checkpoint(tmp_path, seed=4)
+    assert not WhisperEngine.load(ckpt, max_batch=2, skip_ended=True).steps.skip_ended
+
+
 def _steps_fixture(chunk: int, b: int, seed: int = 3):
     """Two `DecoderSteps` over equal caches (random history, every slot's cross keys/values) with their
     own history buffers, rows at different positions and minimum-length countdowns."""

@@ -58,9 +58,14 @@ def _child() -> dict:
                                         positions, audio, (H, H, D), sms=sms, cross=True)
         want_cross = F.scaled_dot_product_attention(q_cross.view(b, H, 1, D), cross[0][:b].view(b, audio, H, D).transpose(1, 2),
                                                     cross[1][:b].view(b, audio, H, D).transpose(1, 2)).reshape(b, -1)
+        # never split (VOICED_WHISPER_FEWER_STEP_KERNELS): one program per (row, head) over up to 256 positions
+        k_one, v_one = cache[0].clone(), cache[1].clone()
+        got_one = da.triton_attention(qkv, None, None, _heads_view(k_one, H), _heads_view(v_one, H), positions, ctx,
+                                      (H, H, D), sms=sms, split=False)
         out["attention"].append({"case": [b, sms], "splits": da.split_plan(b, H, ctx, sms)[1],
                                  "self": _rel(got, want), "cache": bool(torch.equal(k_got, k_want) and torch.equal(v_got, v_want)),
-                                 "cross": _rel(got_cross, want_cross)})
+                                 "cross": _rel(got_cross, want_cross), "unsplit": _rel(got_one, want),
+                                 "unsplit_cache": bool(torch.equal(k_one, k_want) and torch.equal(v_one, v_want))})
     # the GELU projection and the bias + residual + layer norm epilogue
     out["epilogues"] = []
     for m in (1, 5):
@@ -99,6 +104,47 @@ def _child() -> dict:
     out["step"] = {"logits": worst, "argmax_equal": same,
                    "self_cache": max(_rel(a, b) for a, b in ((caches[1].self_k, caches[0].self_k),
                                                               (caches[1].self_v, caches[0].self_v)))}
+    # skipping a step whose rows have all ended (stop_id): a row still going makes the step the very one without
+    # the check (logits and keys/values, bit for bit); all rows ended, it writes nothing
+    with torch.no_grad():
+        end = 299
+        skip = {}
+        for case, toks in (("none ended", [11, 12]), ("one ended", [end, 12]), ("all ended", [end, end])):
+            tokens, positions = torch.tensor(toks), torch.tensor([11, 15])
+            plain_cache = KVCache.allocate(dims, 2, torch.float32, "cpu")
+            for t in (plain_cache.self_k, plain_cache.self_v, plain_cache.cross_k, plain_cache.cross_v):
+                t.copy_(torch.randn(t.shape, generator=g))
+            gated_cache = KVCache.allocate(dims, 2, torch.float32, "cpu")
+            for a, b in zip((gated_cache.self_k, gated_cache.self_v, gated_cache.cross_k, gated_cache.cross_v),
+                            (plain_cache.self_k, plain_cache.self_v, plain_cache.cross_k, plain_cache.cross_v)):
+                a.copy_(b)
+            before = plain_cache.self_k.clone(), plain_cache.self_v.clone()
+            want = gemv.step(tokens, positions, plain_cache, dims.n_text_ctx)
+            got = gemv.step(tokens, positions, gated_cache, dims.n_text_ctx, stop_id=end)
+            skip[case] = {"logits_equal": bool(torch.equal(got, want)),
+                          "cache_equal": bool(torch.equal(gated_cache.self_k, plain_cache.self_k)
+                                              and torch.equal(gated_cache.self_v, plain_cache.self_v)),
+                          "cache_untouched": bool(torch.equal(gated_cache.self_k, before[0])
+                                                  and torch.equal(gated_cache.self_v, before[1]))}
+    out["skip_ended"] = skip
+    # fewer kernels (VOICED_WHISPER_FEWER_STEP_KERNELS): the self-attention never split, the logits widened by their
+    # GEMV; over the six steps above, at positions spanning several of the attention's blocks, the same bits
+    with torch.no_grad():
+        lean = FastDecoder(dec, gemv=True, fewer_kernels=True)
+        caches = []
+        for _ in range(2):
+            cache = KVCache.allocate(dims, 2, torch.float32, "cpu")
+            dec.write_cross(cache, torch.arange(2), features)
+            dec.prefill(torch.tensor([[1, 2, 3, 4, 5], [6, 7, 8, 9, 10]]), torch.arange(2), cache)
+            caches.append(cache)
+        tokens, positions, same = torch.tensor([11, 12]), torch.tensor([5, 25]), True
+        for _ in range(6):
+            want = gemv.step(tokens, positions, caches[0], dims.n_text_ctx)
+            got = lean.step(tokens, positions, caches[1], dims.n_text_ctx)
+            same &= bool(torch.equal(got, want)) and got.dtype == want.dtype == torch.float32
+            tokens, positions = want.argmax(-1), positions + 1
+        same &= bool(torch.equal(caches[0].self_k, caches[1].self_k) and torch.equal(caches[0].self_v, caches[1].self_v))
+    out["fewer_kernels_same"] = same
     # the encoder with each residual add and the norm after it in the same kernel, against its plain eager layers
     # and the module's forward: one 30 s window (1,500 positions: interpreted, ~10 s a layer), two layers
     edims = ModelDims(n_mels=80, n_audio_ctx=1500, n_audio_state=H * D, n_audio_head=H, n_audio_layer=2,
@@ -124,9 +170,11 @@ def interpreted():
 def test_attention_kernel_without_rope_and_across_to_the_audio(interpreted):
     """Whisper's self-attention (its new key and value written at the row's position, attending to 0..pos)
     and cross-attention (all of the audio's positions, nothing written) through the Spark LM's kernel,
-    within float32 rounding of torch's attention, with one program per (row, head) and spans split."""
+    within float32 rounding of torch's attention, with one program per (row, head) and spans split; and the
+    self-attention never split (one program over every position up to the row's, several blocks of them)."""
     for case in interpreted["attention"]:
         assert case["self"] <= 1e-5 and case["cross"] <= 1e-5 and case["cache"], case
+        assert case["unsplit"] <= 1e-5 and case["unsplit_cache"], case
     assert {c["splits"] > 1 for c in interpreted["attention"]} == {True, False}
 
 
@@ -141,6 +189,24 @@ def test_decoder_step_through_the_kernels_equals_the_modules(interpreted):
     within float32 rounding, and the greedy tokens are the same."""
     step = interpreted["step"]
     assert step["logits"] <= 1e-4 and step["self_cache"] <= 1e-5 and step["argmax_equal"], step
+
+
+def test_a_step_whose_rows_have_all_ended_does_nothing(interpreted):
+    """VOICED_WHISPER_SKIP_ENDED: while any row's token is not end-of-text, the step with the check gives the
+    step without it bit for bit (logits, keys and values written), one ended row included; once every row's is,
+    its kernels return at their top: no key or value is written."""
+    skip = interpreted["skip_ended"]
+    for case in ("none ended", "one ended"):
+        assert skip[case]["logits_equal"] and skip[case]["cache_equal"] and not skip[case]["cache_untouched"], skip
+    assert skip["all ended"]["cache_untouched"] and not skip["all ended"]["cache_equal"], skip
+
+
+def test_the_step_with_fewer_kernels_is_the_same_step(interpreted):
+    """VOICED_WHISPER_FEWER_STEP_KERNELS (the self-attention in one program per head, the logits widened to float32
+    by their GEMV): six steps of two rows give the GEMV step's logits, in float32, and keys/values bit for bit (on
+    one interpreted program neither step splits the attention: the unsplit kernel is checked against torch in
+    test_attention_kernel_without_rope_and_across_to_the_audio)."""
+    assert interpreted["fewer_kernels_same"]
 
 
 def test_encoder_with_fused_residual_add_and_norm_equals_its_layers(interpreted):

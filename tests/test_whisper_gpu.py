@@ -739,3 +739,54 @@ def test_decode_ahead_serves_the_same_tokens(tmp_path, clips):
     for k in mix_on:
         assert mix_on[k][1] == pytest.approx(mix_off[k][1], abs=2e-3), k
     assert len(on.steps.graphs) == warm, "serving captured a decoder graph warm-up had not"
+
+
+def _end_by_themselves(eng: WhisperEngine, allowed: int = 24) -> None:
+    """A random checkpoint's greedy text almost never chooses end-of-text: here every token but `allowed` fixed
+    ones and end-of-text is suppressed, and end-of-text's (tied) embedding is made 4 times longer, so that its
+    logit leads at some steps, and requests end on their own after a spread of lengths, as real speech does, and
+    not only at their length limit. The same for every engine of a checkpoint (the device's suppression mask and
+    embedding, which the graphs read, changed in place)."""
+    always = eng.suppress.always
+    keep = torch.zeros_like(always)
+    keep[torch.arange(1000, 1000 + 50 * allowed, 50, device=always.device)] = True
+    keep[eng.tok.eot] = True
+    with torch.no_grad():
+        always.copy_(always | ~keep)
+        eng.model.decoder.token_embedding.weight[eng.tok.eot] *= 4
+
+
+def test_skipping_ended_steps_serves_the_same_tokens(tmp_path, clips):
+    """VOICED_WHISPER_SKIP_ENDED (a greedy step whose rows all hold end-of-text does none of its kernels' work): the
+    served engine with decode-ahead, its requests ending on their own, decodes bit for bit what it decodes without,
+    alone, joining and leaving, and twelve joining four at a time; and the steps after a lone request's end do
+    nothing on the GPU: none of them writes a key into its cache slot, where without skipping the chunk launched
+    ahead of the read that finds the end writes up to a chunk of them."""
+    ckpt = make_openai_checkpoint(tmp_path, n_mels=128, seed=4)
+    kw = dict(device="cuda", dtype=torch.float16, max_batch=16, max_encoder_batch=4)
+    on = WhisperEngine.load(ckpt, skip_ended=True, **kw)
+    off = WhisperEngine.load(ckpt, skip_ended=False, **kw)
+    assert on.steps.skip_ended and not off.steps.skip_ended and on.decode_ahead
+    for eng in (on, off):
+        eng.warmup()
+        _end_by_themselves(eng)
+    opts = ASROptions(language="en", max_new_tokens=100)
+    written, lengths = {}, {}
+    for name, eng in (("on", on), ("off", off)):
+        for i, c in enumerate(clips):
+            keys = eng.cache.self_k[0][0]  # the first layer's keys of slot 0 (a lone request's row)
+            keys.zero_()
+            r = eng.transcribe(ASRRequest(c, opts))
+            torch.cuda.synchronize()
+            written[name, i] = int((keys != 0).any(-1).sum())
+            lengths[name, i] = (r.tokens, r.avg_logprob)
+    assert all(lengths["on", i] == lengths["off", i] for i in range(len(clips))), lengths
+    ended = [i for i in range(len(clips)) if len(lengths["on", i][0]) < 100]
+    assert ended, f"no request ended on its own: {lengths}"
+    for i in ended:
+        assert written["on", i] <= 4 + len(lengths["on", i][0]) < written["off", i], (i, written, lengths)
+    batch_on, batch_off = joining_and_leaving(on, clips), joining_and_leaving(off, clips)
+    assert batch_on == batch_off, "joining/leaving:\n" + differences(batch_on, batch_off, "skipping", "not")
+    mix_on, mix_off = chunk_mix(on, clips), chunk_mix(off, clips)
+    same_served(mix_on, mix_off, "twelve joining")
+    assert any(len(t) < 9 + 3 * (k - 200) for k, (t, _) in mix_on.items()), "none of the mix ended on its own"

@@ -401,14 +401,18 @@ def equality(report, graphs, eager, audio, opts, args) -> None:
 def decode_step_ms(eng: WhisperEngine, reps: int = 20) -> dict:
     """GPU time (CUDA events) of one on-device greedy step (decoder step + token choice) by graph
     replay, at batch 1 and at the largest bucket, on an idle engine (the steps write keys/values
-    into free slots only)."""
-    out = {"path": eng.decoder_path}
+    into free slots only); and `ended_b1`, the step at batch 1 once its row has chosen end-of-text (what each
+    step after a lone utterance's end costs: with VOICED_WHISPER_SKIP_ENDED, the kernels' launches alone)."""
+    out = {"path": eng.decoder_path, "skip_ended": eng.steps.skip_ended}
     with torch.inference_mode(), eng.on_stream():
         for b in sorted({1, eng.buckets[-1]}):
             eng.steps.tok[:b] = 1000
             eng.steps.pos[:b] = 4  # positions advance by one per step: 4 + reps + 1 stays in the context
             eng.steps.minleft[:b] = reps + 1
             out[f"b{b}"] = round(per_call_ms(lambda b=b: eng.steps.run("greedy", b), reps), 4)
+        eng.steps.tok[:1] = eng.tok.eot  # (kept: a row that has chosen end-of-text keeps it)
+        eng.steps.pos[:1] = 4
+        out["ended_b1"] = round(per_call_ms(lambda: eng.steps.run("greedy", 1), reps), 4)
         for t in (eng.steps.tok, eng.steps.pos, eng.steps.minleft):
             t.zero_()
     return out

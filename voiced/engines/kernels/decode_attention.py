@@ -122,6 +122,23 @@ def overlap_args(t: torch.Tensor) -> dict:
     return {"PDL": True, "launch_pdl": True} if launch_overlap(t) else {"PDL": False}
 
 
+# A step's rows and the token that ends them: the step's input tokens `[B]` (int64, on the kernels' device) and the
+# end-of-text id. Given to a decode kernel, it does nothing when every row's token is that one (`stop_args`).
+Stop = tuple[torch.Tensor, int]
+
+
+def stop_args(stop: Stop | None) -> dict:
+    """A decode kernel's launch arguments for `stop`: with it, every program returns at its top when all of the
+    step's rows hold the ending token (`steps_ended`), so a step run past the end of every row's text (a chunk's
+    steps after end-of-text, a chunk launched ahead: whisper/chunks.py) costs the kernels' launches and not their
+    work; its outputs are then left as they were (nobody reads them). Without it (None) the check is compiled
+    out, and the kernel is the very one it was before."""
+    if stop is None:
+        return {"stop_ptr": None, "stop_id": 0, "STOP": 0}
+    tokens, stop_id = stop
+    return {"stop_ptr": tokens, "stop_id": stop_id, "STOP": triton.next_power_of_2(tokens.shape[0])}
+
+
 def split_plan(batch: int, n_kv: int, kv_len: int, sms: int) -> tuple[int, int]:
     """(positions per program, programs per (row, KV head)): enough programs to cover the GPU about twice
     (one (row, KV head) alone reads its whole cache on one multiprocessor), each a whole number of
@@ -134,7 +151,8 @@ def split_plan(batch: int, n_kv: int, kv_len: int, sms: int) -> tuple[int, int]:
 
 def triton_attention(qkv: torch.Tensor, rope_cos: torch.Tensor | None, rope_sin: torch.Tensor | None,
                      k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor, kv_len: int, dims: tuple,
-                     sms: int | None = None, out: torch.Tensor | None = None, cross: bool = False) -> torch.Tensor:
+                     sms: int | None = None, out: torch.Tensor | None = None, cross: bool = False,
+                     stop: Stop | None = None, split: bool = True) -> torch.Tensor:
     """`reference`'s arithmetic in one kernel (plus a combine when split): qkv `[B, N]` (contiguous),
     rope_cos/rope_sin the LM's fp32 tables `[max_seq, D]` (None: no rotation, as Whisper's decoder),
     positions `[B]` long -> `[B, H*D]` in qkv's dtype. Writes each row's roped k and its v into the caches at
@@ -144,17 +162,19 @@ def triton_attention(qkv: torch.Tensor, rope_cos: torch.Tensor | None, rope_sin:
     The caches are `[rows, KV, positions, D]` views of any strides but the last (Whisper's `[slots, ctx,
     H*D]` cache is one, permuted). `cross`: cross-attention, as Whisper's decoder: `qkv` holds the queries
     alone `[B, H*D]`, nothing is written and every row attends over the first `kv_len` positions of its
-    cache row (the audio's keys and values)."""
+    cache row (the audio's keys and values). `stop`: see `stop_args`. `split=False`: one program per (row, KV
+    head) over all of its positions, never split and so never combined (Whisper's self-attention, whose text
+    context is 448 positions at most: a combine kernel costs a short span more than it saves)."""
     n_heads, n_kv, head_dim = dims
     b = qkv.shape[0]
     group = n_heads // n_kv
     gp = max(16, triton.next_power_of_2(group))
     sms = sms or (sm_count(qkv.device.index or 0) if qkv.is_cuda else 1)
-    per, n_splits = split_plan(b, n_kv, kv_len, sms)
+    per, n_splits = split_plan(b, n_kv, kv_len, sms) if split else (-(-kv_len // BLOCK_N) * BLOCK_N, 1)
     if out is None:
         out = torch.empty(b, n_heads * head_dim, dtype=qkv.dtype, device=qkv.device)
     one = n_splits == 1
-    overlap = overlap_args(qkv)
+    overlap = dict(overlap_args(qkv), **stop_args(stop))
     if one:
         part = ml = out  # unused
     else:
@@ -190,6 +210,15 @@ if triton is not None:
             tl.extra.cuda.gdc_launch_dependents()
 
     @triton.jit
+    def steps_ended(stop_ptr, stop_id, rows, STOP: tl.constexpr):
+        """Whether each of a step's `rows` input tokens at `stop_ptr` is `stop_id` (`stop_args`; STOP: a power of
+        two >= rows). The tokens are the previous step's choices, which a kernel before this one wrote: called
+        after `wait_for_previous`, under `if STOP:` (no check at all without a stop)."""
+        r = tl.arange(0, STOP)
+        tokens = tl.load(stop_ptr + r, mask=r < rows, other=stop_id)
+        return tl.max((tokens != stop_id).to(tl.int32), 0) == 0
+
+    @triton.jit
     def _rope(base, d, D: tl.constexpr, cos, sin, DT: tl.constexpr):
         """One head's D values at `base` rotated by cos/sin (fp32, already rounded to DT), rounded to DT."""
         x = tl.load(base + d).to(tl.float32)
@@ -202,8 +231,11 @@ if triton is not None:
                 stride_qkv, stride_cb, stride_ch, stride_ct, per, n_splits, l_offset, scale, kv_len,
                 H: tl.constexpr, KV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
                 BLOCK: tl.constexpr, ONE_SPLIT: tl.constexpr, ROPE: tl.constexpr, CROSS: tl.constexpr,
-                IEEE: tl.constexpr, PDL: tl.constexpr):
+                IEEE: tl.constexpr, stop_ptr, stop_id, STOP: tl.constexpr, PDL: tl.constexpr):
         wait_for_previous(PDL)
+        if STOP:
+            if steps_ended(stop_ptr, stop_id, tl.num_programs(0), STOP):
+                return
         row = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
@@ -285,13 +317,16 @@ if triton is not None:
     @triton.jit
     def _combine(part_ptr, ml_ptr, out_ptr, n_splits, l_offset,
                  KV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, SB: tl.constexpr,
-                 PDL: tl.constexpr):
+                 stop_ptr, stop_id, STOP: tl.constexpr, PDL: tl.constexpr):
         """One query head of one row: its splits' partial sums `[splits, D]`, rescaled online SB splits a load.
         One program a query head, not a KV head: with a program per KV head (its G heads' `[splits, 16, D]`
         tile, padded to tl.dot's 16 rows) the combine cost 5.4 us of a Spark layer in the chain at one row, more
         than the attention kernel; per query head it made the whole Spark step 0.757 -> 0.684 ms and Whisper's
         0.301 -> 0.266 ms on an H200 (docs/BENCHMARKS.md, session 25)."""
         wait_for_previous(PDL)
+        if STOP:
+            if steps_ended(stop_ptr, stop_id, tl.num_programs(0), STOP):
+                return
         row = tl.program_id(0)
         head = tl.program_id(1)
         kvh = head // G
@@ -317,4 +352,4 @@ if triton is not None:
         tl.store(out_ptr + row * (KV * G * D) + head * D + d, (acc / total).to(DT))
 
 __all__ = ["reference", "supported", "triton_attention", "split_plan", "apply_rope", "sm_count", "launch_overlap",
-           "overlap_args", "wait_for_previous"]
+           "overlap_args", "Stop", "stop_args", "wait_for_previous", "steps_ended"]

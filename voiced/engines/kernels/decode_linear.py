@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 
 # Triton as decode_attention finds it (it comes with torch's CUDA builds, the only place these run)
-from .decode_attention import overlap_args, sm_count, tl, triton
+from .decode_attention import Stop, overlap_args, sm_count, stop_args, tl, triton
 
 BLOCK_K = 128  # reduction depth per iteration: one 256-byte row segment of a bf16 weight per thread group
 MAX_ROWS = 64  # the largest batch one program multiplies (the engine's largest batch bucket)
@@ -126,18 +126,20 @@ def reference_add_norm(x: torch.Tensor, y: torch.Tensor, ln: torch.Tensor, eps: 
 # ------------------------------------------------------------------------------------------- Triton
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, block_n: int = 16,
-           gelu: bool = False) -> torch.Tensor:
+           gelu: bool = False, stop: Stop | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """x `[M, K]` @ w `[N, K]`.T (+ bias) -> `[M, N]` in x's dtype; one program per BLOCK_N outputs.
-    `gelu`: GELU (erf) of that, as `F.gelu(F.linear(x, w, bias))` rounds it (Whisper's MLP)."""
+    `gelu`: GELU (erf) of that, as `F.gelu(F.linear(x, w, bias))` rounds it (Whisper's MLP). `stop`: nothing done
+    once the step's rows have all ended (`decode_attention.stop_args`). `out_dtype` (float32): the result rounded
+    to x's dtype as always, then stored wider: `linear(...).float()`'s values with no kernel of its own."""
     m, k = x.shape
     n = w.shape[0]
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    out = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
     bm = _rows_block(m)
     _gemv[(-(-n // block_n), 1, -(-m // bm))](
         x, w, bias if bias is not None else w, out, m, n, k, k, x.stride(0), 0,
         HAS_BIAS=bias is not None, SWIGLU=False, PARTIAL=False, GELU=gelu, BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=BLOCK_K,
         IEEE=x.dtype == torch.float32, num_warps=4,
-        num_stages=_stages(bm, block_n, x.element_size(), 4, _smem(x)), **overlap_args(x))
+        num_stages=_stages(bm, block_n, x.element_size(), 4, _smem(x)), **overlap_args(x), **stop_args(stop))
     return out
 
 
@@ -151,12 +153,13 @@ def swiglu_linear(h: torch.Tensor, w_gate_up: torch.Tensor, block_n: int = 64) -
         h, w_gate_up, w_gate_up, out, m, n, k, k, h.stride(0), 0,
         HAS_BIAS=False, SWIGLU=True, PARTIAL=False, GELU=False, BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=BLOCK_K,
         IEEE=h.dtype == torch.float32, num_warps=4,
-        num_stages=_stages(bm, 2 * block_n, h.element_size(), 3, _smem(h)), **overlap_args(h))
+        num_stages=_stages(bm, 2 * block_n, h.element_size(), 3, _smem(h)), **overlap_args(h), **stop_args(None))
     return out
 
 
-def linear_partials(x: torch.Tensor, w: torch.Tensor, block_n: int = 32, sms: int | None = None) -> torch.Tensor:
-    """x @ w.T split along K: fp32 partial sums `[S, M, N]` for `add_norm` to reduce."""
+def linear_partials(x: torch.Tensor, w: torch.Tensor, block_n: int = 32, sms: int | None = None,
+                    stop: Stop | None = None) -> torch.Tensor:
+    """x @ w.T split along K: fp32 partial sums `[S, M, N]` for `add_norm` to reduce (`stop`: as `linear`)."""
     m, k = x.shape
     n = w.shape[0]
     per, splits = split_plan(n, k, block_n, sms or _sms(x))
@@ -166,7 +169,7 @@ def linear_partials(x: torch.Tensor, w: torch.Tensor, block_n: int = 32, sms: in
         x, w, w, out, m, n, k, per, x.stride(0), m * n,
         HAS_BIAS=False, SWIGLU=False, PARTIAL=True, GELU=False, BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=BLOCK_K,
         IEEE=x.dtype == torch.float32, num_warps=4,
-        num_stages=_stages(bm, block_n, x.element_size(), 3, _smem(x)), **overlap_args(x))
+        num_stages=_stages(bm, block_n, x.element_size(), 3, _smem(x)), **overlap_args(x), **stop_args(stop))
     return out
 
 
@@ -178,14 +181,15 @@ def reference_add_layer_norm(x: torch.Tensor, y: torch.Tensor, ln_w: torch.Tenso
 
 
 def add_layer_norm(partials: torch.Tensor, x: torch.Tensor, bias: torch.Tensor, ln_w: torch.Tensor,
-                   ln_b: torch.Tensor, eps: float) -> torch.Tensor:
+                   ln_b: torch.Tensor, eps: float, stop: Stop | None = None) -> torch.Tensor:
     """`add_norm` for Whisper's layers: x += (the sum of `partials` + `bias`, rounded to x's dtype as a GEMM
     with its bias writes it), in place; returns that new x layer-normed by `ln_w`, `ln_b`
-    (`reference_add_layer_norm`'s arithmetic)."""
+    (`reference_add_layer_norm`'s arithmetic; `stop`: as `linear`)."""
     s, m, n = partials.shape
     h = torch.empty_like(x)
     _add_norm[(m,)](partials, x, ln_w, h, s, m, n, x.stride(0), eps, bias, ln_b, LAYER=True,
-                    BLOCK=triton.next_power_of_2(n), S_BLOCK=triton.next_power_of_2(s), num_warps=8, **overlap_args(x))
+                    BLOCK=triton.next_power_of_2(n), S_BLOCK=triton.next_power_of_2(s), num_warps=8, **overlap_args(x),
+                    **stop_args(stop))
     return h
 
 
@@ -195,18 +199,19 @@ def add_norm(partials: torch.Tensor, x: torch.Tensor, ln: torch.Tensor, eps: flo
     s, m, n = partials.shape
     h = torch.empty_like(x)
     _add_norm[(m,)](partials, x, ln, h, s, m, n, x.stride(0), eps, ln, ln, LAYER=False,
-                    BLOCK=triton.next_power_of_2(n), S_BLOCK=triton.next_power_of_2(s), num_warps=8, **overlap_args(x))
+                    BLOCK=triton.next_power_of_2(n), S_BLOCK=triton.next_power_of_2(s), num_warps=8, **overlap_args(x),
+                    **stop_args(None))
     return h
 
 
 if triton is not None:
-    from .decode_attention import wait_for_previous  # a Triton function: defined only where Triton is
+    from .decode_attention import steps_ended, wait_for_previous  # Triton functions: defined only where Triton is
 
     @triton.jit
     def _gemv(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, k_per, stride_xm, stride_os,
               HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, PARTIAL: tl.constexpr, GELU: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
-              PDL: tl.constexpr):
+              stop_ptr, stop_id, STOP: tl.constexpr, PDL: tl.constexpr):
         pid_n = tl.program_id(0)
         split = tl.program_id(1)
         pid_m = tl.program_id(2)
@@ -221,6 +226,9 @@ if triton is not None:
         lo = split * k_per
         hi = tl.minimum(lo + k_per, K)
         wait_for_previous(PDL)
+        if STOP:
+            if steps_ended(stop_ptr, stop_id, M, STOP):
+                return
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         acc2 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for k0 in range(lo, hi, BLOCK_K):
@@ -252,12 +260,17 @@ if triton is not None:
             if GELU:  # torch: the product (with its bias) rounded, GELU in float32, rounded
                 y = y.to(DT).to(tl.float32)
                 y = 0.5 * y * (1.0 + tl.math.erf(y * 0.7071067811865476))
-            tl.store(out_ptr + rm[:, None] * N + rn[None, :], y.to(DT), mask=ok)
+            # rounded to the activations' dtype, then stored as out's (wider for `out_dtype`: exact)
+            tl.store(out_ptr + rm[:, None] * N + rn[None, :], y.to(DT).to(out_ptr.dtype.element_ty), mask=ok)
 
     @triton.jit
     def _add_norm(part_ptr, x_ptr, ln_ptr, h_ptr, S, M, N, stride_xm, eps, bias_ptr, ln_b_ptr, LAYER: tl.constexpr,
-                  BLOCK: tl.constexpr, S_BLOCK: tl.constexpr, PDL: tl.constexpr):
+                  BLOCK: tl.constexpr, S_BLOCK: tl.constexpr, stop_ptr, stop_id, STOP: tl.constexpr,
+                  PDL: tl.constexpr):
         wait_for_previous(PDL)
+        if STOP:
+            if steps_ended(stop_ptr, stop_id, M, STOP):
+                return
         row = tl.program_id(0)
         DT = x_ptr.dtype.element_ty
         n = tl.arange(0, BLOCK)

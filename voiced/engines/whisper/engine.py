@@ -247,6 +247,21 @@ def decode_ahead_default() -> bool:
     return env_switch("VOICED_WHISPER_DECODE_AHEAD", DECODE_AHEAD_DEFAULT)
 
 
+# Whether a greedy step whose rows have all ended skips its kernels' work (`skip_ended_default`): off until measured
+# on a GPU (session 30). With decode-ahead, the chunk launched before the read that finds a lone utterance's end
+# runs 8 steps for no one (~2 ms of an H200 at one row), and the next admission, or the finished request's forced
+# pass for its word timings, waits behind it. To measure:
+#   VOICED_WHISPER_SKIP_ENDED=0|1 python3 -m voiced.bench.whisper_bench --tiktoken-dir DIR --max-batch 256 ...
+SKIP_ENDED_DEFAULT = False
+
+
+def skip_ended_default() -> bool:
+    """With the GEMV decoder step: a greedy step whose rows all hold end-of-text returns from each of its GEMV,
+    attention and norm kernels at their top (`fast.DecoderSteps`'s `skip_ended`). VOICED_WHISPER_SKIP_ENDED=1 or
+    0 if set, else SKIP_ENDED_DEFAULT."""
+    return env_switch("VOICED_WHISPER_SKIP_ENDED", SKIP_ENDED_DEFAULT)
+
+
 # On since measured live (H200, 2026-11-28, 64 callers with smart turn detection): the recognition thread's
 # CPU 2.37 s per 20 s against 5.08 s with the eager pass (1.53 s with silence), its p99 step 9.4 ms against 155.
 ALIGN_GRAPHS_DEFAULT = True
@@ -277,6 +292,18 @@ def compiled_tail_default() -> bool:
     the log-probabilities may differ in their last bits. VOICED_WHISPER_COMPILED_TAIL=1 or 0 if set, else
     COMPILED_TAIL_DEFAULT (on)."""
     return env_switch("VOICED_WHISPER_COMPILED_TAIL", COMPILED_TAIL_DEFAULT)
+
+
+# Whether the GEMV step runs fewer kernels (`fewer_step_kernels_default`): off until measured on a GPU (session 30).
+FEWER_STEP_KERNELS_DEFAULT = False
+
+
+def fewer_step_kernels_default() -> bool:
+    """The GEMV decoder step without two kinds of kernel (`fast.FastDecoder`'s `fewer_kernels`): the self-attention
+    never split (so no combine after it, 4 kernels a step fewer for large-v3-turbo) and the logits stored in float32
+    by their GEMV (no `.float()` kernel); the same bits. VOICED_WHISPER_FEWER_STEP_KERNELS=1 or 0 if set, else
+    FEWER_STEP_KERNELS_DEFAULT."""
+    return env_switch("VOICED_WHISPER_FEWER_STEP_KERNELS", FEWER_STEP_KERNELS_DEFAULT)
 
 
 def gemv_decoder_default() -> bool:
@@ -439,7 +466,7 @@ class WhisperEngine:
                  alignment_heads: list[tuple[int, int]] | None = None, prefill_graphs: bool | None = None,
                  cross_in_encoder: bool | None = None, chunk_graphs: bool | None = None,
                  align_graphs: bool | None = None, stopping_chunks: bool | None = None,
-                 decode_ahead: bool | None = None):
+                 decode_ahead: bool | None = None, skip_ended: bool | None = None):
         if tokenizer.n_vocab != model.dims.n_vocab:
             raise CheckpointError(f"tokenizer has {tokenizer.n_vocab} tokens but the model {model.dims.n_vocab}")
         self.model = model.eval().requires_grad_(False)
@@ -513,11 +540,14 @@ class WhisperEngine:
         self.int8 = model.decoder.output_projection is not None  # cpu.quantize_int8_ ran
         self.fast_decoder = self._fast_decoder(fast_decoder, compile_decoder)
         self._decoder: FastDecoder | TextDecoder = self.fast_decoder or model.decoder
+        if skip_ended is None:
+            skip_ended = skip_ended_default()  # (read on every device, as chunk_graphs)
         self.steps = DecoderSteps(self._decoder, self.cache, self.dims.n_text_ctx, max_batch, model.device,
                                   self.suppress.always, tokenizer.eot,
                                   CudaGraphs(self._stream, pool) if self.cuda_graphs else None, self._hist,
                                   compile_tail=self.fast_decoder is not None and self.fast_decoder.compiled_tail,
-                                  stopping=self.stopping_chunks)
+                                  stopping=self.stopping_chunks,
+                                  skip_ended=self.fast_decoder is not None and self.fast_decoder.gemv and skip_ended)
         # On a GPU the admission's prefill of SOT sequences runs padded to its encoder bucket (fast.Prefills),
         # graphed or not, so that the graph and the eager pass run the very same kernels (an unpadded pass
         # rounds differently, enough to flip a bf16 near-tie); the graph is one replay per (prompt length,
@@ -589,9 +619,10 @@ class WhisperEngine:
         if not fast_decoder:
             return None
         gemv = gemv_decoder_default() and gemv_supported(self.model.decoder, self.dtype, self.device)
+        fewer = fewer_step_kernels_default()  # (read first: a misspelt value is refused on the CPU too)
         return FastDecoder(self.model.decoder, compile_decoder and not gemv, gemv=gemv,
                            # (the switch read first: a misspelt value is refused on the CPU too)
-                           compile_tail=compiled_tail_default() and compile_decoder)
+                           compile_tail=compiled_tail_default() and compile_decoder, fewer_kernels=fewer)
 
     # ----------------------------------------------------------------------------------- loading
     @classmethod
@@ -603,7 +634,8 @@ class WhisperEngine:
              fast_decoder: bool | None = None, compile_decoder: bool | None = None,
              memory_limit: tuple[int, float] | None = None, prefill_graphs: bool | None = None,
              cross_in_encoder: bool | None = None, chunk_graphs: bool | None = None,
-             align_graphs: bool | None = None, decode_ahead: bool | None = None) -> WhisperEngine:
+             align_graphs: bool | None = None, decode_ahead: bool | None = None,
+             skip_ended: bool | None = None) -> WhisperEngine:
         """Load an official name (from the model cache), an OpenAI `.pt`, a Hugging Face or a
         CTranslate2 (faster-whisper) directory.
 
@@ -633,7 +665,8 @@ class WhisperEngine:
         "efficient", "math"); None: `encoder_attention_default` (torch's choice, unless
         VOICED_WHISPER_FLASH_ENCODER=1 pins flash in half precision). decode_ahead: the next chunk of greedy
         steps launched before the last one is read back (chunks.py); None: `decode_ahead_default` on a GPU (on
-        unless VOICED_WHISPER_DECODE_AHEAD=0), off on the CPU.
+        unless VOICED_WHISPER_DECODE_AHEAD=0), off on the CPU. skip_ended: with the GEMV decoder step, a greedy
+        step whose rows have all ended does none of its kernels' work; None: `skip_ended_default`.
         """
         if prefill_graphs is None:
             prefill_graphs = prefill_graphs_default()
@@ -677,7 +710,7 @@ class WhisperEngine:
                      compile_encoder=compile_encoder, attn_backend=attn_backend, fast_decoder=fast_decoder,
                      compile_decoder=compile_decoder, alignment_heads=heads, prefill_graphs=prefill_graphs,
                      cross_in_encoder=cross_in_encoder, chunk_graphs=chunk_graphs, align_graphs=align_graphs,
-                     decode_ahead=decode_ahead)
+                     decode_ahead=decode_ahead, skip_ended=skip_ended)
         engine.memory_need = need
         engine.checkpoint_format = ckpt.format
         return engine
@@ -892,6 +925,7 @@ class WhisperEngine:
             return n
         b = next(x for x in self.buckets if x >= n)
         self._host_np[:k, n:b] = 0
+        self._host_np[0, n:b] = self.tok.eot  # padding rows have ended from the start (`DecoderSteps`)
         # Reusing the pinned block is safe: the previous step's copy out of it finished before that
         # step read its results back.
         self.steps.inputs[:k, :b].copy_(self._host_inputs[:k, :b], non_blocking=True)

@@ -419,9 +419,13 @@ class FastDecoder:
     """
 
     def __init__(self, decoder: TextDecoder, compile_layers: bool = False, gemv: bool = False,
-                 compile_tail: bool = False):
+                 compile_tail: bool = False, fewer_kernels: bool = False):
         self.dec = decoder
         self.gemv = gemv
+        # (the GEMV step's) the self-attention in one program per (row, head), with no combine kernel after it: the
+        # text context is at most 448 positions, 7 blocks of 64, and a row attends only up to its own position; and
+        # the logits written in float32 by their GEMV, with no kernel to widen them. Both give the same bits.
+        self.fewer_kernels = fewer_kernels
         self.n_head = decoder.blocks[0].attn.n_head
         self.layers: list[tuple[Tensor, ...]] = []
         for blk in decoder.blocks:
@@ -442,10 +446,14 @@ class FastDecoder:
         self._embed = compile_static(step_embeddings) if compile_tail else step_embeddings
         self._layer = compile_static(decoder_layer_step) if compile_layers else decoder_layer_step
 
-    def step(self, tokens: Tensor, positions: Tensor, cache: KVCache, kv_len: int, masked: bool = True) -> Tensor:
-        """tokens [B] at positions [B] for slots 0..B-1 -> logits [B, vocab] (see `TextDecoder.step`)."""
+    def step(self, tokens: Tensor, positions: Tensor, cache: KVCache, kv_len: int, masked: bool = True,
+             stop_id: int | None = None) -> Tensor:
+        """tokens [B] at positions [B] for slots 0..B-1 -> logits [B, vocab] (see `TextDecoder.step`).
+
+        `stop_id` (the GEMV step only; `DecoderSteps`'s `skip_ended`): when every row's token is this one, the
+        step's kernels return at their top and the logits are left as they were (`decode_attention.stop_args`)."""
         if self.gemv and masked:
-            return self._gemv_step(tokens, positions, cache, kv_len)
+            return self._gemv_step(tokens, positions, cache, kv_len, stop_id)
         with decode_attention_kernels(tokens.is_cuda):
             dec = self.dec
             x, mask, rows = self._inputs(tokens, positions, dec.token_embedding.weight, dec.positional_embedding,
@@ -455,9 +463,11 @@ class FastDecoder:
                                 cache.cross_v[i], kv_len, self.n_head, *p)
             return dec._logits(x[:, 0])
 
-    def _gemv_step(self, tokens: Tensor, positions: Tensor, cache: KVCache, kv_len: int) -> Tensor:
+    def _gemv_step(self, tokens: Tensor, positions: Tensor, cache: KVCache, kv_len: int,
+                   stop_id: int | None = None) -> Tensor:
         """`step` through the GEMV kernels (see the class doc); each row attends to its positions 0..pos."""
         dec, n = self.dec, self.n_head
+        stop = None if stop_id is None else (tokens, stop_id)
         x = self._embed(tokens, positions, dec.token_embedding.weight, dec.positional_embedding, cache.self_k.dtype)
         dims = (n, n, x.shape[1] // n)
         h = F.layer_norm(x, x.shape[-1:], self.layers[0][0], self.layers[0][1], 1e-5)
@@ -465,16 +475,23 @@ class FastDecoder:
             _, _, w_qkv, b_qkv, w_o, b_o, ln2_w, ln2_b, w_cq, b_cq, w_co, b_co, ln3_w, ln3_b, w_1, b_1, w_2, b_2 = p
             self_k, self_v = _heads_view(cache.self_k[i], n), _heads_view(cache.self_v[i], n)
             cross_k, cross_v = _heads_view(cache.cross_k[i], n), _heads_view(cache.cross_v[i], n)
-            o = decode_attention.triton_attention(decode_linear.linear(h, w_qkv, b_qkv), None, None, self_k, self_v,
-                                                  positions, kv_len, dims)
-            h = decode_linear.add_layer_norm(decode_linear.linear_partials(o, w_o), x, b_o, ln2_w, ln2_b, 1e-5)
-            o = decode_attention.triton_attention(decode_linear.linear(h, w_cq, b_cq), None, None, cross_k, cross_v,
-                                                  positions, cross_k.shape[2], dims, cross=True)
-            h = decode_linear.add_layer_norm(decode_linear.linear_partials(o, w_co), x, b_co, ln3_w, ln3_b, 1e-5)
-            a = decode_linear.linear(h, w_1, b_1, gelu=True)
-            h = decode_linear.add_layer_norm(decode_linear.linear_partials(a, w_2), x, b_2, next_w, next_b, 1e-5)
+            o = decode_attention.triton_attention(decode_linear.linear(h, w_qkv, b_qkv, stop=stop), None, None, self_k,
+                                                  self_v, positions, kv_len, dims, stop=stop,
+                                                  split=not self.fewer_kernels)
+            h = decode_linear.add_layer_norm(decode_linear.linear_partials(o, w_o, stop=stop), x, b_o, ln2_w, ln2_b,
+                                             1e-5, stop)
+            o = decode_attention.triton_attention(decode_linear.linear(h, w_cq, b_cq, stop=stop), None, None, cross_k,
+                                                  cross_v, positions, cross_k.shape[2], dims, cross=True, stop=stop)
+            h = decode_linear.add_layer_norm(decode_linear.linear_partials(o, w_co, stop=stop), x, b_co, ln3_w, ln3_b,
+                                             1e-5, stop)
+            a = decode_linear.linear(h, w_1, b_1, gelu=True, stop=stop)
+            h = decode_linear.add_layer_norm(decode_linear.linear_partials(a, w_2, stop=stop), x, b_2, next_w, next_b,
+                                             1e-5, stop)
         # `h` is the final layer norm's output: the logits are its product with the tied embedding
-        return decode_linear.linear(h, dec.token_embedding.weight.to(h.dtype), block_n=128).float()
+        head = dec.token_embedding.weight.to(h.dtype)
+        if self.fewer_kernels:
+            return decode_linear.linear(h, head, block_n=128, stop=stop, out_dtype=torch.float32)
+        return decode_linear.linear(h, head, block_n=128, stop=stop).float()
 
 
 def conditional_nodes_supported() -> bool:
@@ -528,11 +545,18 @@ class DecoderSteps:
     launch can cover a whole utterance without running steps past its end, where a plain chunk comes back to
     the host every decode_chunk steps (~1 ms each under the profiler in session 27: docs/BENCHMARKS.md) and
     runs on past end-of-text to the chunk's end.
+
+    A row that has chosen end-of-text keeps it as its token (`greedy_advance`), and a graph's padding rows are
+    given it as theirs (`WhisperEngine._load_inputs`). With `skip_ended` (the GEMV step: the engine's
+    VOICED_WHISPER_SKIP_ENDED), a greedy step whose rows all hold end-of-text does none of its GEMV, attention and
+    norm kernels' work (`decode_attention.stop_args`): the steps of a chunk past every row's end, and a chunk
+    launched ahead of a read that ends them all (decode-ahead), cost the kernels' launches, not the step.
     """
 
     def __init__(self, decoder: FastDecoder | TextDecoder, cache: KVCache, n_text_ctx: int, max_batch: int,
                  device: torch.device, always: Tensor, eot: int, graphs: CudaGraphs | None = None,
-                 hist: Tensor | None = None, compile_tail: bool = False, stopping: bool = False) -> None:
+                 hist: Tensor | None = None, compile_tail: bool = False, stopping: bool = False,
+                 skip_ended: bool = False) -> None:
         self.decoder, self.cache, self.n_text_ctx = decoder, cache, n_text_ctx
         self.always, self.eot = always, eot
         self.hist = hist  # the engine's greedy history [max_batch, decode_chunk, 2] float64 (`chunk` writes it)
@@ -541,6 +565,9 @@ class DecoderSteps:
         self.inputs = torch.zeros(4, max_batch, dtype=torch.long, device=device)
         self.tok, self.pos, self.minleft, self.limit = self.inputs.unbind(0)
         self.stopping = stopping
+        if skip_ended and not (isinstance(decoder, FastDecoder) and decoder.gemv):
+            raise ValueError("skipping ended steps needs the GEMV decoder step (FastDecoder with gemv)")
+        self.skip_ended = skip_ended
         self.count = torch.zeros((), dtype=torch.long, device=device)  # steps run in this chunk
         self.live = torch.ones((), dtype=torch.bool, device=device)  # whether the chunk's next step runs
         self.lp = torch.zeros(max_batch, dtype=torch.float32, device=device)
@@ -557,7 +584,11 @@ class DecoderSteps:
     def greedy(self, b: int, kv_len: int | None = None, masked: bool = True) -> None:
         """Decoder step + greedy choice, all on the device (kv_len / masked: as `TextDecoder.step`;
         the CPU attends only as far as it must)."""
-        logits = self.decoder.step(self.tok[:b], self.pos[:b], self.cache, kv_len or self.n_text_ctx, masked)
+        if self.skip_ended:
+            logits = self.decoder.step(self.tok[:b], self.pos[:b], self.cache, kv_len or self.n_text_ctx, masked,
+                                       stop_id=self.eot)
+        else:
+            logits = self.decoder.step(self.tok[:b], self.pos[:b], self.cache, kv_len or self.n_text_ctx, masked)
         self._advance(logits, self.always, self.eot, self.inputs[:3, :b], self.lp[:b])
 
     def chunk(self, b: int) -> None:

@@ -46,12 +46,14 @@ def greedy_choice(logits: Tensor, always: Tensor, eot: int, minleft: Tensor) -> 
 def greedy_advance(logits: Tensor, always: Tensor, eot: int, inputs: Tensor, lp: Tensor) -> None:
     """`greedy_choice` and the step's bookkeeping, in place: `inputs` [3, B] (tokens, positions, minimum-length
     countdowns) take the chosen tokens as the next step's, their positions advance and their countdowns tick;
-    `lp` [B] takes the chosen tokens' log-probabilities. One function so that it compiles into a few kernels
+    `lp` [B] takes the chosen tokens' log-probabilities. A row whose token is end-of-text keeps it (what it
+    computes after its end is read by no one), so a step can tell that all of its rows have ended from its
+    tokens alone (`fast.DecoderSteps`'s `skip_ended`). One function so that it compiles into a few kernels
     on a GPU (`DecoderSteps`'s compiled tail) where eagerly it is ~12."""
     tok, pos, minleft = inputs.unbind(0)
     nxt, chosen = greedy_choice(logits, always, eot, minleft)
     lp.copy_(chosen)
-    tok.copy_(nxt)
+    tok.copy_(torch.where(tok == eot, tok, nxt))
     pos.add_(1)
     minleft.sub_(1)
 
