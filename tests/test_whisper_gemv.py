@@ -145,6 +145,44 @@ def _child() -> dict:
             tokens, positions = want.argmax(-1), positions + 1
         same &= bool(torch.equal(caches[0].self_k, caches[1].self_k) and torch.equal(caches[0].self_v, caches[1].self_v))
     out["fewer_kernels_same"] = same
+    # the greedy choice in the head's GEMV (`greedy_head`) against `greedy_advance` over the same logits: several
+    # programs along the vocabulary, equal maxima within a program and across two, the always-suppressed mask, a
+    # countdown that holds end-of-text back, a row that has ended; and then the fused chunk against the plain one
+    from voiced.engines.whisper.fast import DecoderSteps
+    from voiced.engines.whisper.token_choice import greedy_advance
+    with torch.no_grad():
+        vocab, width, rows, eot = 300, 96, 5, 257
+        h, w = torch.randn(rows, width, generator=g), torch.randn(vocab, width, generator=g) * 0.1
+        w[40] = w[41] = w[150] = h[0].sign() * 3  # row 0: three equal maxima, two in one block, one in another
+        w[eot] = h[1].sign() * 3  # row 1: end-of-text would lead, but its countdown holds it back
+        w[77] = h[3].sign() * 3  # row 3: 77 would lead, but it is always suppressed
+        always = torch.zeros(vocab, dtype=torch.bool)
+        always[[77, 78, 290]] = True
+        inputs = torch.tensor([[5, 6, eot, 8, 9], [3, 4, 5, 6, 7], [0, 2, 0, 0, 1]])
+        want_in, want_lp = inputs.clone(), torch.zeros(rows)
+        greedy_advance(F.linear(h, w), always, eot, want_in, want_lp)
+        got_in, got_lp, hist = inputs.clone(), torch.zeros(rows), torch.zeros(rows, 4, 2, dtype=torch.float64)
+        dl.greedy_head(h, w, always, eot, got_in, got_lp, hist[:, 2], block_n=32)
+        out["greedy_head"] = {"inputs": bool(torch.equal(got_in, want_in)), "lp": _rel(got_lp, want_lp),
+                              "row0": int(got_in[0, 0]), "row1_not_eot": int(got_in[0, 1]) != eot,
+                              "hist": bool(torch.equal(hist[:, 2, 0], got_in[0].double())
+                                           and torch.equal(hist[:, 2, 1], got_lp.double())),
+                              "hist_elsewhere": bool((hist[:, [0, 1, 3]] == 0).all())}
+        chunks = {}
+        for name, fewer in (("plain", False), ("fused", True)):
+            cache = KVCache.allocate(dims, 2, torch.float32, "cpu")
+            dec.write_cross(cache, torch.arange(2), features)
+            dec.prefill(torch.tensor([[1, 2, 3, 4, 5], [6, 7, 8, 9, 10]]), torch.arange(2), cache)
+            st = DecoderSteps(FastDecoder(dec, gemv=True, fewer_kernels=fewer), cache, dims.n_text_ctx, 2,
+                              torch.device("cpu"), torch.zeros(dims.n_vocab, dtype=torch.bool), dims.n_vocab - 1,
+                              hist=torch.zeros(2, 6, 2, dtype=torch.float64))
+            st.inputs[:3] = torch.tensor([[11, 12], [5, 9], [0, 3]])
+            st.chunk(2)
+            chunks[name] = (st.hist.clone(), st.inputs.clone(), st.fused)
+        out["fused_chunk"] = {"fused": chunks["fused"][2] and not chunks["plain"][2],
+                              "tokens": bool(torch.equal(chunks["fused"][0][..., 0], chunks["plain"][0][..., 0])),
+                              "inputs": bool(torch.equal(chunks["fused"][1], chunks["plain"][1])),
+                              "lp": _rel(chunks["fused"][0][..., 1], chunks["plain"][0][..., 1])}
     # the encoder with each residual add and the norm after it in the same kernel, against its plain eager layers
     # and the module's forward: one 30 s window (1,500 positions: interpreted, ~10 s a layer), two layers
     edims = ModelDims(n_mels=80, n_audio_ctx=1500, n_audio_state=H * D, n_audio_head=H, n_audio_layer=2,
@@ -207,6 +245,20 @@ def test_the_step_with_fewer_kernels_is_the_same_step(interpreted):
     one interpreted program neither step splits the attention: the unsplit kernel is checked against torch in
     test_attention_kernel_without_rope_and_across_to_the_audio)."""
     assert interpreted["fewer_kernels_same"]
+
+
+def test_the_greedy_choice_in_the_head_is_the_token_choice(interpreted):
+    """`decode_linear.greedy_head` (VOICED_WHISPER_FEWER_STEP_KERNELS's greedy steps): the tokens, positions and
+    countdowns `greedy_advance` leaves from the same logits, exactly, over blocks of the vocabulary: the first of
+    equal maxima (two in one block, one in another), the always-suppressed mask, end-of-text held back by a
+    countdown, a row that has ended keeping end-of-text; the log-probabilities within float32 rounding, written
+    into the chunk's step of the history given and nowhere else. A chunk of steps choosing this way decodes the
+    plain chunk's tokens."""
+    got = interpreted["greedy_head"]
+    assert got["inputs"] and got["lp"] <= 1e-5 and got["row0"] == 40 and got["row1_not_eot"], got
+    assert got["hist"] and got["hist_elsewhere"], got
+    chunk = interpreted["fused_chunk"]
+    assert chunk["fused"] and chunk["tokens"] and chunk["inputs"] and chunk["lp"] <= 1e-5, chunk
 
 
 def test_encoder_with_fused_residual_add_and_norm_equals_its_layers(interpreted):

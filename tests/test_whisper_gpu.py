@@ -790,3 +790,35 @@ def test_skipping_ended_steps_serves_the_same_tokens(tmp_path, clips):
     mix_on, mix_off = chunk_mix(on, clips), chunk_mix(off, clips)
     same_served(mix_on, mix_off, "twelve joining")
     assert any(len(t) < 9 + 3 * (k - 200) for k, (t, _) in mix_on.items()), "none of the mix ended on its own"
+
+
+def test_fewer_step_kernels_serve_the_same_tokens(tmp_path, clips, monkeypatch):
+    """VOICED_WHISPER_FEWER_STEP_KERNELS (the GEMV step's self-attention unsplit, its logits widened by their GEMV,
+    a greedy step's choice made in the head's GEMV and one pick kernel): the served engine decodes the same tokens
+    as without, requests ending on their own and at their limits, alone, joining and leaving, and twelve joining
+    four at a time; the average log-probabilities within float32 rounding (the choice's sum runs in another order);
+    and a beam search, whose steps' float32 logits go to the host's choice, the same tokens."""
+    ckpt = make_openai_checkpoint(tmp_path, n_mels=128, seed=4)
+    kw = dict(device="cuda", dtype=torch.float16, max_batch=16, max_encoder_batch=4)
+    engines = {}
+    for on in (True, False):
+        monkeypatch.setenv("VOICED_WHISPER_FEWER_STEP_KERNELS", "1" if on else "0")
+        engines[on] = WhisperEngine.load(ckpt, **kw)
+        engines[on].warmup()
+        _end_by_themselves(engines[on])
+    on, off = engines[True], engines[False]
+    assert on.steps.fused and not off.steps.fused
+    opts = ASROptions(language="en", max_new_tokens=60)
+    single = {name: {i: (r.tokens, r.avg_logprob) for i, c in enumerate(clips)
+                     for r in [eng.transcribe(ASRRequest(c, opts))]} for name, eng in (("on", on), ("off", off))}
+    mix = {name: chunk_mix(eng, clips) for name, eng in (("on", on), ("off", off))}
+    for what, got in (("single", single), ("mix", mix)):
+        tok_on, tok_off = ({k: v[0] for k, v in got[n].items()} for n in ("on", "off"))
+        assert tok_on == tok_off, f"{what}:\n" + differences(tok_on, tok_off, "fewer", "not")
+        for k in got["on"]:
+            assert got["on"][k][1] == pytest.approx(got["off"][k][1], abs=1e-4), (what, k)
+    assert any(len(t) < 60 for t, _ in single["on"].values()), "no request ended on its own"
+    batch_on, batch_off = joining_and_leaving(on, clips), joining_and_leaving(off, clips)
+    assert batch_on == batch_off, "joining/leaving:\n" + differences(batch_on, batch_off, "fewer", "not")
+    beams = ASROptions(language="en", beam_size=3, max_new_tokens=12)
+    assert on.transcribe(ASRRequest(clips[0], beams)).tokens == off.transcribe(ASRRequest(clips[0], beams)).tokens

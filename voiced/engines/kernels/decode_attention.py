@@ -212,8 +212,12 @@ if triton is not None:
     @triton.jit
     def steps_ended(stop_ptr, stop_id, rows, STOP: tl.constexpr):
         """Whether each of a step's `rows` input tokens at `stop_ptr` is `stop_id` (`stop_args`; STOP: a power of
-        two >= rows). The tokens are the previous step's choices, which a kernel before this one wrote: called
-        after `wait_for_previous`, under `if STOP:` (no check at all without a stop)."""
+        two >= rows), under `if STOP:` (no check at all without a stop). The tokens are the previous step's choices,
+        and a kernel that is not launched programmatically (the step's embeddings: `whisper.fast.FastDecoder`) runs
+        between the kernel that wrote them and the first kernel that checks them, so every kernel of the step may
+        read them before its `wait_for_previous`: the load then overlaps the wait instead of following it (measured
+        on an H200: +12 us a batch-1 step when read after the wait). An ended step still waits before it returns,
+        so the kernels finish in their order."""
         r = tl.arange(0, STOP)
         tokens = tl.load(stop_ptr + r, mask=r < rows, other=stop_id)
         return tl.max((tokens != stop_id).to(tl.int32), 0) == 0
@@ -232,9 +236,11 @@ if triton is not None:
                 H: tl.constexpr, KV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
                 BLOCK: tl.constexpr, ONE_SPLIT: tl.constexpr, ROPE: tl.constexpr, CROSS: tl.constexpr,
                 IEEE: tl.constexpr, stop_ptr, stop_id, STOP: tl.constexpr, PDL: tl.constexpr):
+        if STOP:  # (read before the wait: `steps_ended`)
+            ended = steps_ended(stop_ptr, stop_id, tl.num_programs(0), STOP)
         wait_for_previous(PDL)
         if STOP:
-            if steps_ended(stop_ptr, stop_id, tl.num_programs(0), STOP):
+            if ended:
                 return
         row = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -323,9 +329,11 @@ if triton is not None:
         tile, padded to tl.dot's 16 rows) the combine cost 5.4 us of a Spark layer in the chain at one row, more
         than the attention kernel; per query head it made the whole Spark step 0.757 -> 0.684 ms and Whisper's
         0.301 -> 0.266 ms on an H200 (docs/BENCHMARKS.md, session 25)."""
+        if STOP:  # (read before the wait: `steps_ended`)
+            ended = steps_ended(stop_ptr, stop_id, tl.num_programs(0), STOP)
         wait_for_previous(PDL)
         if STOP:
-            if steps_ended(stop_ptr, stop_id, tl.num_programs(0), STOP):
+            if ended:
                 return
         row = tl.program_id(0)
         head = tl.program_id(1)

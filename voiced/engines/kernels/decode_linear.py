@@ -61,6 +61,9 @@ def _rows_block(m: int) -> int:
     return 16 if m <= 16 else 32 if m <= 32 else MAX_ROWS
 
 
+# `_gemv`'s arguments for its greedy epilogue (`greedy_head`), off
+NO_GREEDY = {"GREEDY": False, "always_ptr": None, "minleft_ptr": None, "eot": 0}
+
 MAX_SPLITS = 8  # `add_norm` reads every partial of a row in one program: more splits cost it more than they give
 
 
@@ -139,7 +142,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, b
         x, w, bias if bias is not None else w, out, m, n, k, k, x.stride(0), 0,
         HAS_BIAS=bias is not None, SWIGLU=False, PARTIAL=False, GELU=gelu, BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=BLOCK_K,
         IEEE=x.dtype == torch.float32, num_warps=4,
-        num_stages=_stages(bm, block_n, x.element_size(), 4, _smem(x)), **overlap_args(x), **stop_args(stop))
+        num_stages=_stages(bm, block_n, x.element_size(), 4, _smem(x)), **overlap_args(x), **NO_GREEDY, **stop_args(stop))
     return out
 
 
@@ -153,7 +156,7 @@ def swiglu_linear(h: torch.Tensor, w_gate_up: torch.Tensor, block_n: int = 64) -
         h, w_gate_up, w_gate_up, out, m, n, k, k, h.stride(0), 0,
         HAS_BIAS=False, SWIGLU=True, PARTIAL=False, GELU=False, BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=BLOCK_K,
         IEEE=h.dtype == torch.float32, num_warps=4,
-        num_stages=_stages(bm, 2 * block_n, h.element_size(), 3, _smem(h)), **overlap_args(h), **stop_args(None))
+        num_stages=_stages(bm, 2 * block_n, h.element_size(), 3, _smem(h)), **overlap_args(h), **NO_GREEDY, **stop_args(None))
     return out
 
 
@@ -169,8 +172,37 @@ def linear_partials(x: torch.Tensor, w: torch.Tensor, block_n: int = 32, sms: in
         x, w, w, out, m, n, k, per, x.stride(0), m * n,
         HAS_BIAS=False, SWIGLU=False, PARTIAL=True, GELU=False, BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=BLOCK_K,
         IEEE=x.dtype == torch.float32, num_warps=4,
-        num_stages=_stages(bm, block_n, x.element_size(), 3, _smem(x)), **overlap_args(x), **stop_args(stop))
+        num_stages=_stages(bm, block_n, x.element_size(), 3, _smem(x)), **overlap_args(x), **NO_GREEDY, **stop_args(stop))
     return out
+
+
+def greedy_head(h: torch.Tensor, w: torch.Tensor, always: torch.Tensor, eot: int, inputs: torch.Tensor,
+                lp: torch.Tensor, hist: torch.Tensor | None = None, stop: Stop | None = None,
+                block_n: int = 128) -> None:
+    """A greedy decode step's choice straight from its hidden states h `[M, K]` and the head w `[vocab, K]`, the
+    logits never written: `token_choice.greedy_advance(h @ w.T rounded to h's dtype then widened, always, eot,
+    inputs, lp)`, in place. Each program of the GEMV keeps, per row, its block's largest logit after the
+    suppression (the `always` mask `[vocab]` bool, and end-of-text while the row's countdown `inputs[2]` is
+    positive), that logit's first index and the sum of its block's exp(logit - largest); one program per row
+    then combines them, takes the first index of the largest, the log-probability -log(sum) (the same arithmetic
+    as log_softmax at the arg-max, summed in another order) and updates `inputs` `[3, M]` (tokens: a row whose
+    token is end-of-text keeps it; positions +1; countdowns -1) and `lp` `[M]`. `hist` `[M, 2]` float64 (a
+    chunk's step of the engine's history): the new token and its log-probability written there too. Replaces the
+    widening, the suppression, the arg-max, the log-softmax and the history's writes: 8-10 kernels a step.
+    `stop`: the GEMV does nothing once every row has ended (its choices are then for no one)."""
+    m, k = h.shape
+    n = w.shape[0]
+    programs = -(-n // block_n)
+    part = torch.empty(3, m, programs, dtype=torch.float32, device=h.device)
+    bm = _rows_block(m)
+    _gemv[(programs, 1, -(-m // bm))](
+        h, w, w, part, m, n, k, k, h.stride(0), 0,
+        HAS_BIAS=False, SWIGLU=False, PARTIAL=False, GELU=False, BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=BLOCK_K,
+        IEEE=h.dtype == torch.float32, num_warps=4, num_stages=_stages(bm, block_n, h.element_size(), 4, _smem(h)),
+        GREEDY=True, always_ptr=always, minleft_ptr=inputs[2], eot=eot, **overlap_args(h), **stop_args(stop))
+    _greedy_pick[(m,)](part, inputs, inputs.stride(0), lp, hist if hist is not None else lp,
+                       hist.stride(0) if hist is not None else 0, m, programs, eot, HIST=hist is not None,
+                       P_BLOCK=triton.next_power_of_2(programs), num_warps=4, **overlap_args(h))
 
 
 def reference_add_layer_norm(x: torch.Tensor, y: torch.Tensor, ln_w: torch.Tensor, ln_b: torch.Tensor,
@@ -211,6 +243,7 @@ if triton is not None:
     def _gemv(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, k_per, stride_xm, stride_os,
               HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, PARTIAL: tl.constexpr, GELU: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
+              GREEDY: tl.constexpr, always_ptr, minleft_ptr, eot,
               stop_ptr, stop_id, STOP: tl.constexpr, PDL: tl.constexpr):
         pid_n = tl.program_id(0)
         split = tl.program_id(1)
@@ -225,9 +258,11 @@ if triton is not None:
         w_rows = w_ptr + rn.to(tl.int64)[:, None] * K
         lo = split * k_per
         hi = tl.minimum(lo + k_per, K)
+        if STOP:  # (read before the wait: `steps_ended`)
+            ended = steps_ended(stop_ptr, stop_id, M, STOP)
         wait_for_previous(PDL)
         if STOP:
-            if steps_ended(stop_ptr, stop_id, M, STOP):
+            if ended:
                 return
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         acc2 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -249,6 +284,20 @@ if triton is not None:
         ok = m_ok[:, None] & n_ok[None, :]
         if PARTIAL:
             tl.store(out_ptr + split * stride_os + rm[:, None] * N + rn[None, :], acc, mask=ok)
+        elif GREEDY:  # `greedy_head`: this block's share of each row's choice, from its logits as the GEMV rounds them
+            y = acc.to(DT).to(tl.float32)
+            off = (tl.load(always_ptr + rn, mask=n_ok, other=1) != 0)[None, :] | ~n_ok[None, :]
+            left = tl.load(minleft_ptr + rm, mask=m_ok, other=0)
+            off = off | ((rn == eot)[None, :] & (left > 0)[:, None])
+            y = tl.where(off, float("-inf"), y)
+            top = tl.max(y, 1)
+            at = pid_n * BLOCK_N + tl.argmax(y, 1)  # the first of equal maxima, as torch's argmax
+            total = tl.sum(tl.where(off, 0.0, tl.exp(y - top[:, None])), 1)
+            cell = out_ptr + rm * tl.num_programs(0) + pid_n  # [3, M, programs]: top, its index, the sum
+            plane = M * tl.num_programs(0)
+            tl.store(cell, top, mask=m_ok)
+            tl.store(cell + plane, at.to(tl.float32), mask=m_ok)  # (exact: a vocabulary is far below 2**24)
+            tl.store(cell + 2 * plane, total, mask=m_ok)
         else:
             y = acc
             if HAS_BIAS:
@@ -267,9 +316,11 @@ if triton is not None:
     def _add_norm(part_ptr, x_ptr, ln_ptr, h_ptr, S, M, N, stride_xm, eps, bias_ptr, ln_b_ptr, LAYER: tl.constexpr,
                   BLOCK: tl.constexpr, S_BLOCK: tl.constexpr, stop_ptr, stop_id, STOP: tl.constexpr,
                   PDL: tl.constexpr):
+        if STOP:  # (read before the wait: `steps_ended`)
+            ended = steps_ended(stop_ptr, stop_id, M, STOP)
         wait_for_previous(PDL)
         if STOP:
-            if steps_ended(stop_ptr, stop_id, M, STOP):
+            if ended:
                 return
         row = tl.program_id(0)
         DT = x_ptr.dtype.element_ty
@@ -298,5 +349,34 @@ if triton is not None:
         tl.store(h_ptr + row * stride_xm + n, out.to(DT), mask=n_ok)
 
 
-__all__ = ["supported", "split_plan", "linear", "swiglu_linear", "linear_partials", "add_norm", "add_layer_norm",
+    @triton.jit
+    def _greedy_pick(part_ptr, inputs_ptr, stride_in, lp_ptr, hist_ptr, stride_hist, M, P, eot, HIST: tl.constexpr,
+                     P_BLOCK: tl.constexpr, PDL: tl.constexpr):
+        """One row of `greedy_head`: its blocks' maxima, their indices and sums `[3, M, P]` combined (the largest
+        maximum, the first index that holds it, the sum rescaled to it), then `token_choice.greedy_advance`'s
+        bookkeeping and, for a chunk's step, its history entry."""
+        wait_for_previous(PDL)
+        row = tl.program_id(0)
+        p = tl.arange(0, P_BLOCK)
+        ok = p < P
+        base = part_ptr + row * P + p
+        tops = tl.load(base, mask=ok, other=float("-inf"))
+        at = tl.load(base + M * P, mask=ok, other=3.0e38)
+        sums = tl.load(base + 2 * M * P, mask=ok, other=0.0)
+        top = tl.max(tops, 0)
+        choice = tl.min(tl.where(tops == top, at, 3.0e38), 0).to(tl.int64)
+        total = tl.sum(tl.where(tops == float("-inf"), 0.0, sums * tl.exp(tops - top)), 0)
+        lp = -tl.log(total)  # log_softmax at the chosen (largest) logit: its own term is exp(0)
+        tok = tl.load(inputs_ptr + row)
+        tok = tl.where(tok == eot, tok, choice)  # a row that has ended keeps end-of-text
+        tl.store(inputs_ptr + row, tok)
+        tl.store(inputs_ptr + stride_in + row, tl.load(inputs_ptr + stride_in + row) + 1)
+        tl.store(inputs_ptr + 2 * stride_in + row, tl.load(inputs_ptr + 2 * stride_in + row) - 1)
+        tl.store(lp_ptr + row, lp)
+        if HIST:
+            tl.store(hist_ptr + row * stride_hist, tok.to(tl.float64))
+            tl.store(hist_ptr + row * stride_hist + 1, lp.to(tl.float64))
+
+
+__all__ = ["supported", "split_plan", "linear", "greedy_head", "swiglu_linear", "linear_partials", "add_norm", "add_layer_norm",
            "reference_linear", "reference_swiglu_linear", "reference_add_norm", "reference_add_layer_norm"]

@@ -423,8 +423,10 @@ class FastDecoder:
         self.dec = decoder
         self.gemv = gemv
         # (the GEMV step's) the self-attention in one program per (row, head), with no combine kernel after it: the
-        # text context is at most 448 positions, 7 blocks of 64, and a row attends only up to its own position; and
-        # the logits written in float32 by their GEMV, with no kernel to widen them. Both give the same bits.
+        # text context is at most 448 positions, 7 blocks of 64, and a row attends only up to its own position; the
+        # logits written in float32 by their GEMV, with no kernel to widen them (both give the same bits); and a
+        # greedy step's choice made in the head's GEMV and one small kernel (`greedy_step`), in place of ~10 kernels
+        # of the compiled token choice (the same tokens; log-probabilities summed in another order)
         self.fewer_kernels = fewer_kernels
         self.n_head = decoder.blocks[0].attn.n_head
         self.layers: list[tuple[Tensor, ...]] = []
@@ -463,11 +465,32 @@ class FastDecoder:
                                 cache.cross_v[i], kv_len, self.n_head, *p)
             return dec._logits(x[:, 0])
 
+    def greedy_step(self, inputs: Tensor, lp: Tensor, cache: KVCache, kv_len: int, always: Tensor, eot: int,
+                    hist: Tensor | None = None, skip_ended: bool = False) -> None:
+        """The GEMV step and its greedy choice with the choice in the head's GEMV (`fewer_kernels`:
+        `decode_linear.greedy_head`): `token_choice.greedy_advance(step(...), always, eot, inputs, lp)` for the rows
+        of `inputs` [3, B] (tokens, positions, minimum-length countdowns), in place, the logits never written;
+        `hist` [B, 2]: a chunk's step of the engine's history, written too. `skip_ended`: as `step`'s `stop_id`."""
+        tokens, positions = inputs[0], inputs[1]
+        stop = (tokens, eot) if skip_ended else None
+        h = self._gemv_hidden(tokens, positions, cache, kv_len, stop)
+        decode_linear.greedy_head(h, self.dec.token_embedding.weight.to(h.dtype), always, eot, inputs, lp, hist, stop)
+
     def _gemv_step(self, tokens: Tensor, positions: Tensor, cache: KVCache, kv_len: int,
                    stop_id: int | None = None) -> Tensor:
         """`step` through the GEMV kernels (see the class doc); each row attends to its positions 0..pos."""
-        dec, n = self.dec, self.n_head
         stop = None if stop_id is None else (tokens, stop_id)
+        h = self._gemv_hidden(tokens, positions, cache, kv_len, stop)
+        # `h` is the final layer norm's output: the logits are its product with the tied embedding
+        head = self.dec.token_embedding.weight.to(h.dtype)
+        if self.fewer_kernels:
+            return decode_linear.linear(h, head, block_n=128, stop=stop, out_dtype=torch.float32)
+        return decode_linear.linear(h, head, block_n=128, stop=stop).float()
+
+    def _gemv_hidden(self, tokens: Tensor, positions: Tensor, cache: KVCache, kv_len: int,
+                     stop: decode_attention.Stop | None) -> Tensor:
+        """The GEMV step's layers: the final layer norm's output [B, D], which the head multiplies."""
+        dec, n = self.dec, self.n_head
         x = self._embed(tokens, positions, dec.token_embedding.weight, dec.positional_embedding, cache.self_k.dtype)
         dims = (n, n, x.shape[1] // n)
         h = F.layer_norm(x, x.shape[-1:], self.layers[0][0], self.layers[0][1], 1e-5)
@@ -487,11 +510,7 @@ class FastDecoder:
             a = decode_linear.linear(h, w_1, b_1, gelu=True, stop=stop)
             h = decode_linear.add_layer_norm(decode_linear.linear_partials(a, w_2, stop=stop), x, b_2, next_w, next_b,
                                              1e-5, stop)
-        # `h` is the final layer norm's output: the logits are its product with the tied embedding
-        head = dec.token_embedding.weight.to(h.dtype)
-        if self.fewer_kernels:
-            return decode_linear.linear(h, head, block_n=128, stop=stop, out_dtype=torch.float32)
-        return decode_linear.linear(h, head, block_n=128, stop=stop).float()
+        return h
 
 
 def conditional_nodes_supported() -> bool:
@@ -568,6 +587,8 @@ class DecoderSteps:
         if skip_ended and not (isinstance(decoder, FastDecoder) and decoder.gemv):
             raise ValueError("skipping ended steps needs the GEMV decoder step (FastDecoder with gemv)")
         self.skip_ended = skip_ended
+        # the GEMV step with fewer kernels chooses a greedy step's tokens in its head (`FastDecoder.greedy_step`)
+        self.fused = isinstance(decoder, FastDecoder) and decoder.gemv and decoder.fewer_kernels
         self.count = torch.zeros((), dtype=torch.long, device=device)  # steps run in this chunk
         self.live = torch.ones((), dtype=torch.bool, device=device)  # whether the chunk's next step runs
         self.lp = torch.zeros(max_batch, dtype=torch.float32, device=device)
@@ -581,9 +602,14 @@ class DecoderSteps:
         kernels)."""
         return self.decoder.step(self.tok[:b], self.pos[:b], self.cache, self.n_text_ctx)
 
-    def greedy(self, b: int, kv_len: int | None = None, masked: bool = True) -> None:
+    def greedy(self, b: int, kv_len: int | None = None, masked: bool = True, k: int | None = None) -> None:
         """Decoder step + greedy choice, all on the device (kv_len / masked: as `TextDecoder.step`;
-        the CPU attends only as far as it must)."""
+        the CPU attends only as far as it must). `k`: a chunk's step, whose history the fused choice writes
+        (`fused`; otherwise the caller writes it)."""
+        if self.fused:
+            self.decoder.greedy_step(self.inputs[:3, :b], self.lp[:b], self.cache, self.n_text_ctx, self.always,
+                                     self.eot, hist=None if k is None else self.hist[:b, k], skip_ended=self.skip_ended)
+            return
         if self.skip_ended:
             logits = self.decoder.step(self.tok[:b], self.pos[:b], self.cache, kv_len or self.n_text_ctx, masked,
                                        stop_id=self.eot)
@@ -605,9 +631,10 @@ class DecoderSteps:
                 self._chunk_step(b, k)
 
     def _chunk_step(self, b: int, k: int) -> None:
-        self.greedy(b)
-        self.hist[:b, k, 0] = self.tok[:b]
-        self.hist[:b, k, 1] = self.lp[:b]
+        self.greedy(b, k=k)
+        if not self.fused:
+            self.hist[:b, k, 0] = self.tok[:b]
+            self.hist[:b, k, 1] = self.lp[:b]
         if self.stopping:
             self.count.add_(1)
             ended = ((self.tok[:b] == self.eot) & (self.limit[:b] > 0)).any()
