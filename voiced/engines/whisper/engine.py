@@ -247,18 +247,18 @@ def decode_ahead_default() -> bool:
     return env_switch("VOICED_WHISPER_DECODE_AHEAD", DECODE_AHEAD_DEFAULT)
 
 
-# Whether a greedy step whose rows have all ended skips its kernels' work (`skip_ended_default`): off until measured
-# on a GPU (session 30). With decode-ahead, the chunk launched before the read that finds a lone utterance's end
-# runs 8 steps for no one (~2 ms of an H200 at one row), and the next admission, or the finished request's forced
-# pass for its word timings, waits behind it. To measure:
-#   VOICED_WHISPER_SKIP_ENDED=0|1 python3 -m voiced.bench.whisper_bench --tiktoken-dir DIR --max-batch 256 ...
-SKIP_ENDED_DEFAULT = False
+# Whether a greedy step whose rows have all ended skips its kernels' work (`skip_ended_default`): on since session 30
+# measured it on an H200. With decode-ahead, the chunk launched before the read that finds a lone utterance's end
+# ran 8 steps for no one (2.14 ms at one row), and the next admission, or the finished request's forced pass for
+# its word timings, waited behind it: such a step now takes 0.056 ms against 0.267 (whisper_bench's ended_b1 and
+# b1, docs/BENCHMARKS.md), and a live step the same (the check's load overlaps its kernel's wait).
+SKIP_ENDED_DEFAULT = True
 
 
 def skip_ended_default() -> bool:
     """With the GEMV decoder step: a greedy step whose rows all hold end-of-text returns from each of its GEMV,
     attention and norm kernels at their top (`fast.DecoderSteps`'s `skip_ended`). VOICED_WHISPER_SKIP_ENDED=1 or
-    0 if set, else SKIP_ENDED_DEFAULT."""
+    0 if set, else SKIP_ENDED_DEFAULT (on)."""
     return env_switch("VOICED_WHISPER_SKIP_ENDED", SKIP_ENDED_DEFAULT)
 
 
@@ -294,15 +294,19 @@ def compiled_tail_default() -> bool:
     return env_switch("VOICED_WHISPER_COMPILED_TAIL", COMPILED_TAIL_DEFAULT)
 
 
-# Whether the GEMV step runs fewer kernels (`fewer_step_kernels_default`): off until measured on a GPU (session 30).
-FEWER_STEP_KERNELS_DEFAULT = False
+# Whether the GEMV step runs fewer kernels (`fewer_step_kernels_default`): on since session 30 measured it on an H200
+# (with SKIP_ENDED_DEFAULT, alternate runs on one machine): a batch-1 greedy step 0.241 / 0.242 ms against 0.267,
+# batch 256 2.66 / 2.67 against 2.77, one large-v3-turbo utterance 14.26 / 14.58 ms against 15.43 / 15.48, throughput
+# unchanged (176 utt/s); the same tokens (docs/BENCHMARKS.md).
+FEWER_STEP_KERNELS_DEFAULT = True
 
 
 def fewer_step_kernels_default() -> bool:
-    """The GEMV decoder step without two kinds of kernel (`fast.FastDecoder`'s `fewer_kernels`): the self-attention
-    never split (so no combine after it, 4 kernels a step fewer for large-v3-turbo) and the logits stored in float32
-    by their GEMV (no `.float()` kernel); the same bits. VOICED_WHISPER_FEWER_STEP_KERNELS=1 or 0 if set, else
-    FEWER_STEP_KERNELS_DEFAULT."""
+    """The GEMV decoder step with fewer kernels (`fast.FastDecoder`'s `fewer_kernels`): the self-attention never
+    split (no combine after it: 4 kernels a step fewer for large-v3-turbo), the logits stored in float32 by their
+    GEMV (no `.float()` kernel), and a greedy step's token choice made in the head's GEMV and one pick kernel
+    (`decode_linear.greedy_head`, ~10 kernels fewer); the same tokens, the log-probabilities summed in another
+    order. VOICED_WHISPER_FEWER_STEP_KERNELS=1 or 0 if set, else FEWER_STEP_KERNELS_DEFAULT (on)."""
     return env_switch("VOICED_WHISPER_FEWER_STEP_KERNELS", FEWER_STEP_KERNELS_DEFAULT)
 
 
