@@ -28,7 +28,10 @@ launch_overlap`), which changes no bit either.
 Whisper's decoder layer (`whisper.fast.FastDecoder`; VOICED_WHISPER_GEMV_DECODER=0 turns it off) takes the
 same kernels with two variants: `linear(..., gelu=True)` (its MLP's first projection with the bias and GELU)
 and `add_layer_norm` (the residual add of a projection with its bias, then a layer norm with weight and
-bias instead of the RMS norm).
+bias instead of the RMS norm). Its greedy steps also take `greedy_head` (the head's GEMV whose epilogue keeps
+each block's share of the token choice, and one kernel that picks; VOICED_WHISPER_FEWER_STEP_KERNELS), and a
+`stop` that makes every kernel of a step whose rows have all ended return at its top
+(`decode_attention.stop_args`; VOICED_WHISPER_SKIP_ENDED).
 
 `reference_*` are the same arithmetic in torch: the CPU path, and what the tests compare against.
 """

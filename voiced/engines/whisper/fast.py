@@ -565,6 +565,9 @@ class DecoderSteps:
     the host every decode_chunk steps (~1 ms each under the profiler in session 27: docs/BENCHMARKS.md) and
     runs on past end-of-text to the chunk's end.
 
+    With the GEMV step's `fewer_kernels` (`fused`), a greedy step's choice and bookkeeping are made in the head's
+    GEMV and one pick kernel (`FastDecoder.greedy_step`), which for a chunk's step also writes its history entry.
+
     A row that has chosen end-of-text keeps it as its token (`greedy_advance`), and a graph's padding rows are
     given it as theirs (`WhisperEngine._load_inputs`). With `skip_ended` (the GEMV step: the engine's
     VOICED_WHISPER_SKIP_ENDED), a greedy step whose rows all hold end-of-text does none of its GEMV, attention and
