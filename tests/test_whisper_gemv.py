@@ -168,6 +168,17 @@ def _child() -> dict:
                               "hist": bool(torch.equal(hist[:, 2, 0], got_in[0].double())
                                            and torch.equal(hist[:, 2, 1], got_lp.double())),
                               "hist_elsewhere": bool((hist[:, [0, 1, 3]] == 0).all())}
+        # a batch past one program's 64 rows (the engine's buckets go to 256)
+        many = 70
+        h = torch.randn(many, width, generator=g)
+        inputs = torch.stack([torch.randint(0, vocab, (many,), generator=g), torch.randint(0, 20, (many,), generator=g),
+                              torch.randint(0, 3, (many,), generator=g)])
+        inputs[0, ::7] = eot
+        want_in, want_lp = inputs.clone(), torch.zeros(many)
+        greedy_advance(F.linear(h, w), always, eot, want_in, want_lp)
+        got_in, got_lp = inputs.clone(), torch.zeros(many)
+        dl.greedy_head(h, w, always, eot, got_in, got_lp, block_n=32)
+        out["greedy_head_many"] = {"inputs": bool(torch.equal(got_in, want_in)), "lp": _rel(got_lp, want_lp)}
         chunks = {}
         for name, fewer in (("plain", False), ("fused", True)):
             cache = KVCache.allocate(dims, 2, torch.float32, "cpu")
@@ -252,11 +263,13 @@ def test_the_greedy_choice_in_the_head_is_the_token_choice(interpreted):
     countdowns `greedy_advance` leaves from the same logits, exactly, over blocks of the vocabulary: the first of
     equal maxima (two in one block, one in another), the always-suppressed mask, end-of-text held back by a
     countdown, a row that has ended keeping end-of-text; the log-probabilities within float32 rounding, written
-    into the chunk's step of the history given and nowhere else. A chunk of steps choosing this way decodes the
-    plain chunk's tokens."""
+    into the chunk's step of the history given and nowhere else; and for 70 rows, more than one program's. A chunk
+    of steps choosing this way decodes the plain chunk's tokens."""
     got = interpreted["greedy_head"]
     assert got["inputs"] and got["lp"] <= 1e-5 and got["row0"] == 40 and got["row1_not_eot"], got
     assert got["hist"] and got["hist_elsewhere"], got
+    many = interpreted["greedy_head_many"]
+    assert many["inputs"] and many["lp"] <= 1e-5, many
     chunk = interpreted["fused_chunk"]
     assert chunk["fused"] and chunk["tokens"] and chunk["inputs"] and chunk["lp"] <= 1e-5, chunk
 
