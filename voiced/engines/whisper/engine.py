@@ -551,7 +551,7 @@ class WhisperEngine:
                                   CudaGraphs(self._stream, pool) if self.cuda_graphs else None, self._hist,
                                   compile_tail=self.fast_decoder is not None and self.fast_decoder.compiled_tail,
                                   stopping=self.stopping_chunks,
-                                  skip_ended=self.fast_decoder is not None and self.fast_decoder.gemv and skip_ended)
+                                  skip_ended=skip_ended)
         # On a GPU the admission's prefill of SOT sequences runs padded to its encoder bucket (fast.Prefills),
         # graphed or not, so that the graph and the eager pass run the very same kernels (an unpadded pass
         # rounds differently, enough to flip a bf16 near-tie); the graph is one replay per (prompt length,
@@ -623,10 +623,10 @@ class WhisperEngine:
         if not fast_decoder:
             return None
         gemv = gemv_decoder_default() and gemv_supported(self.model.decoder, self.dtype, self.device)
-        fewer = fewer_step_kernels_default()  # (read first: a misspelt value is refused on the CPU too)
+        # (the switches read first: a misspelt value is refused on the CPU too)
+        tail, fewer = compiled_tail_default(), fewer_step_kernels_default()
         return FastDecoder(self.model.decoder, compile_decoder and not gemv, gemv=gemv,
-                           # (the switch read first: a misspelt value is refused on the CPU too)
-                           compile_tail=compiled_tail_default() and compile_decoder, fewer_kernels=fewer)
+                           compile_tail=tail and compile_decoder, fewer_kernels=fewer)
 
     # ----------------------------------------------------------------------------------- loading
     @classmethod

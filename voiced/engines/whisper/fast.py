@@ -587,11 +587,10 @@ class DecoderSteps:
         self.inputs = torch.zeros(4, max_batch, dtype=torch.long, device=device)
         self.tok, self.pos, self.minleft, self.limit = self.inputs.unbind(0)
         self.stopping = stopping
-        if skip_ended and not (isinstance(decoder, FastDecoder) and decoder.gemv):
-            raise ValueError("skipping ended steps needs the GEMV decoder step (FastDecoder with gemv)")
-        self.skip_ended = skip_ended
+        gemv = isinstance(decoder, FastDecoder) and decoder.gemv
+        self.skip_ended = skip_ended and gemv  # (only the GEMV step's kernels check for ended rows)
         # the GEMV step with fewer kernels chooses a greedy step's tokens in its head (`FastDecoder.greedy_step`)
-        self.fused = isinstance(decoder, FastDecoder) and decoder.gemv and decoder.fewer_kernels
+        self.fused = gemv and decoder.fewer_kernels
         self.count = torch.zeros((), dtype=torch.long, device=device)  # steps run in this chunk
         self.live = torch.ones((), dtype=torch.bool, device=device)  # whether the chunk's next step runs
         self.lp = torch.zeros(max_batch, dtype=torch.float32, device=device)
@@ -613,11 +612,8 @@ class DecoderSteps:
             self.decoder.greedy_step(self.inputs[:3, :b], self.lp[:b], self.cache, self.n_text_ctx, self.always,
                                      self.eot, hist=None if k is None else self.hist[:b, k], skip_ended=self.skip_ended)
             return
-        if self.skip_ended:
-            logits = self.decoder.step(self.tok[:b], self.pos[:b], self.cache, kv_len or self.n_text_ctx, masked,
-                                       stop_id=self.eot)
-        else:
-            logits = self.decoder.step(self.tok[:b], self.pos[:b], self.cache, kv_len or self.n_text_ctx, masked)
+        stop = {"stop_id": self.eot} if self.skip_ended else {}  # (the modules' step takes no stop)
+        logits = self.decoder.step(self.tok[:b], self.pos[:b], self.cache, kv_len or self.n_text_ctx, masked, **stop)
         self._advance(logits, self.always, self.eot, self.inputs[:3, :b], self.lp[:b])
 
     def chunk(self, b: int) -> None:
