@@ -52,7 +52,7 @@ run: $(VENV)/.run-installed
 	$(BIN)/voiced serve $(if $(HTTP),--http $(HTTP)) $(ARGS)
 
 # Every test CI needs, the slow ones included (about 17 minutes on 2 cores with the installs; on a fresh
-# clone, 2026-11-29, session 30 at b052084: 1161 passed, 98 skipped, 15.2 minutes of tests, ~17 with installs).
+# clone, 2026-11-29, session 30 at 92253e6: 1161 passed, 98 skipped, 15.0 minutes of tests, ~17 with installs).
 test: system-deps $(VENV)/.test-installed
 	$(BIN)/python -m pytest -q $(ARGS)
 
