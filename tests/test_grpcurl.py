@@ -1,11 +1,12 @@
-"""The README's grpcurl examples, run as written through a reflection client (what grpcurl does:
-no proto files, descriptors from the server, requests from JSON)."""
+"""The grpcurl examples of the gRPC door's page (docs/doors/grpc.md), run as written through a reflection
+client (what grpcurl does: no proto files, descriptors from the server, requests from JSON; `-d @` reads
+the request from what the shell pipes in, as the page's Recognize line does)."""
 
 from __future__ import annotations
 
-import base64
 import re
 import shlex
+import subprocess
 from pathlib import Path
 
 import grpc
@@ -18,14 +19,15 @@ from tests.daemon_harness import start_daemon
 from tests.speech import layout, write_wav
 from tests.whisper_fixtures import make_openai_checkpoint
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+GRPC_DOC = Path(__file__).resolve().parent.parent / "docs" / "doors" / "grpc.md"
 
 
-def readme_grpcurl_commands() -> list[str]:
-    text = README.read_text()
+def documented_grpcurl_commands() -> list[str]:
+    text = GRPC_DOC.read_text()
     block = re.search(r"## grpcurl\n.*?```sh\n(.*?)```", text, re.S)
-    assert block, "README has no grpcurl example block"
-    return [line for line in block.group(1).splitlines() if line.startswith("grpcurl ")]
+    assert block, "docs/doors/grpc.md has no grpcurl example block"
+    lines = block.group(1).replace("\\\n", " ").splitlines()
+    return [line for line in lines if "grpcurl " in line]
 
 
 class Grpcurl:
@@ -36,13 +38,13 @@ class Grpcurl:
         self.db = ProtoReflectionDescriptorDatabase(channel)
         self.pool = descriptor_pool.DescriptorPool(self.db)
 
-    def __call__(self, args: list[str]) -> object:
+    def __call__(self, args: list[str], stdin: str = "") -> object:
         assert args[0] == "grpcurl" and "-plaintext" in args
         args = [a for a in args[1:] if a != "-plaintext"]
         data = None
         if "-d" in args:
             i = args.index("-d")
-            data = args[i + 1]
+            data = stdin if args[i + 1] == "@" else args[i + 1]
             del args[i : i + 2]
         _address, *rest = args
         if rest == ["list"]:
@@ -66,18 +68,23 @@ def daemon(tmp_path_factory):
     d.stop()
 
 
-def test_readme_grpcurl_examples_work_as_written(daemon, tmp_path):
+def test_documented_grpcurl_examples_work_as_written(daemon, tmp_path):
     wav = write_wav(tmp_path / "hello.wav", layout(["Hello, this is a test."], lead_s=0.2, tail_s=0.3).audio)
-    b64 = base64.b64encode(wav.read_bytes()).decode()
-    commands = readme_grpcurl_commands()
+    commands = documented_grpcurl_commands()
     assert len(commands) >= 5
     with grpc.insecure_channel(daemon.address) as channel:
         grpcurl = Grpcurl(channel)
         outputs = {}
         for line in commands:
-            line = line.replace("$(base64 -w0 hello.wav)", b64).replace("127.0.0.1:50051", daemon.address)
+            line = line.replace("127.0.0.1:50051", daemon.address)
+            stdin = ""
+            if "| grpcurl " in line:  # the request made by the shell, as a user's shell would make it
+                producer, rest = line.split("| grpcurl ", 1)
+                stdin = subprocess.run(["bash", "-c", producer], cwd=tmp_path, capture_output=True, text=True,
+                                       check=True).stdout
+                line = "grpcurl " + rest
             args = shlex.split(line)
-            outputs[args[-1]] = grpcurl(args)
+            outputs[args[-1]] = grpcurl(args, stdin)
     assert {"voiced.v1.Voiced", "grpc.health.v1.Health"} <= set(outputs["list"])
     assert "Converse" in outputs["voiced.v1.Voiced"].methods_by_name
     assert outputs["grpc.health.v1.Health/Check"] == {"status": "SERVING"}

@@ -1,0 +1,62 @@
+"""The documentation a newcomer reads: every link between pages lands on a file (and a heading, where it
+names one), every flag of `voiced serve` has its line in the configuration reference, and the README stays
+a ten-minute read."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+FENCE = re.compile(r"^```.*?^```", re.S | re.M)
+
+
+def slug(heading: str) -> str:
+    """A heading's anchor as GitHub makes it: lower case, punctuation dropped, spaces to hyphens."""
+    text = re.sub(r"[`*_]", "", heading.strip().lower())
+    return re.sub(r"\s", "-", re.sub(r"[^\w\s-]", "", text))
+
+
+def anchors(page: Path) -> set[str]:
+    text = FENCE.sub("", page.read_text())
+    return {slug(m.group(1)) for m in re.finditer(r"^#+\s+(.*)$", text, re.M)}
+
+
+def links(page: Path) -> list[str]:
+    return [m.group(1) for m in LINK.finditer(FENCE.sub("", page.read_text()))]
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_link_between_pages_resolves(page):
+    broken = []
+    for target in links(page):
+        if re.match(r"[a-z]+:", target):  # https:, mailto:: outside the repository
+            continue
+        path, _, anchor = target.partition("#")
+        file = (page.parent / path).resolve() if path else page
+        if not file.exists():
+            broken.append(f"{target}: no such file")
+        elif anchor and file.suffix == ".md" and anchor not in anchors(file):
+            broken.append(f"{target}: no heading #{anchor} in {file.relative_to(ROOT)}")
+    assert not broken, f"{page.relative_to(ROOT)} has broken links: " + "; ".join(broken)
+
+
+def test_every_serve_flag_is_in_the_configuration_reference():
+    from voiced.cli import build_parser
+
+    serve = next(a for a in build_parser()._subparsers._group_actions[0].choices.items() if a[0] == "serve")[1]
+    flags = {s for action in serve._actions for s in action.option_strings if s.startswith("--") and s != "--help"}
+    reference = (ROOT / "docs" / "CONFIGURATION.md").read_text()
+    missing = sorted(f for f in flags if not re.search(re.escape(f) + r"(?![\w-])", reference))
+    assert not missing, f"docs/CONFIGURATION.md has no line for `voiced serve` {', '.join(missing)}"
+
+
+def test_the_readme_stays_short_and_starts_with_the_two_commands():
+    text = (ROOT / "README.md").read_text()
+    assert len(text.splitlines()) <= 260, "README.md grew past a ten-minute read: move the detail to docs/"
+    assert text.index("make run") < text.index("voiced-client file") < 2500
+    assert (ROOT / "examples" / "hello.wav").is_file(), "the README's first success streams examples/hello.wav"
