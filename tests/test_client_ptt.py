@@ -260,7 +260,7 @@ def _failing_import(exc):
 
 def test_missing_sounddevice_says_what_to_install(monkeypatch):
     monkeypatch.setattr(builtins, "__import__", _failing_import(ImportError("No module named 'sounddevice'")))
-    with pytest.raises(ClientError, match=r"pip install 'voiced-client\[ptt\]'"):
+    with pytest.raises(ClientError, match=r"pip install '\./client\[ptt\]'"):
         ptt.import_sounddevice()
 
 
@@ -276,7 +276,7 @@ def test_cli_prints_one_line_and_fails(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "sounddevice", None)  # makes `import sounddevice` fail
     assert main(["ptt", "--server", "127.0.0.1:1"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "voiced-client[ptt]" in err[0]
+    assert len(err) == 1 and "pip install './client[ptt]'" in err[0] and "voiced-client[" not in err[0]
 
 
 def test_no_input_device_is_a_clear_error():

@@ -573,6 +573,11 @@ def test_hallucinations_are_dropped_unless_asked_for(daemon):
     assert code == grpc.StatusCode.OK
     assert of_kind(events, "transcript") == [] and len(of_kind(events, "speech")) == 4
     assert daemon.services.metrics.transcripts_dropped._value.get() == dropped + 2
+    drops = of_kind(events, "dropped")  # the caller learns what was dropped and why
+    assert [e.turn_id for e in drops] == [e.turn_id for e in of_kind(events, "speech")][1::2]
+    for e in drops:
+        assert "no-speech probability" in e.dropped.reason and "under 0" in e.dropped.reason, e.dropped
+        assert e.dropped.end_ms > e.dropped.start_ms
     strict.keep_hallucinations = True
     events, code, _ = stream_blocking(daemon.address, audio_requests(session_config(fmt, recognition=strict), data, fmt))
     assert [e.transcript.is_hallucination for e in of_kind(events, "transcript")] == [True, True]

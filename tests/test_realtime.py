@@ -553,8 +553,9 @@ def test_an_engine_fault_is_a_server_error_without_its_text_and_the_connection_g
 
 def test_a_turn_whose_words_are_dropped_completes_its_item_empty_and_gets_no_response(models, tmp_path, speech):
     """Thresholds that judge every result a hallucination (Whisper's words on a cough or noise): the turn was
-    committed, so its user item is completed with an empty transcript (a client waiting on it moves on), and
-    no response follows; the next turn goes the same way, and the connection stays open."""
+    committed, so its transcription fails saying what was dropped and why, its user item is done with an empty
+    transcript (a client waiting on it moves on), and no response follows; the next turn goes the same way,
+    and the connection stays open."""
     config = http_config()
     config.asr.no_speech_threshold, config.asr.logprob_threshold = -1.0, 0.0
     d = start_http_daemon(models, tmp_path, config)
@@ -577,9 +578,12 @@ def test_a_turn_whose_words_are_dropped_completes_its_item_empty_and_gets_no_res
     finally:
         d.stop()
     committed = [e.item_id for e in c.of("input_audio_buffer.committed")]
-    heard = c.of("conversation.item.input_audio_transcription.completed")
-    assert len(committed) == 2 and [e.item_id for e in heard] == committed
-    assert [e.transcript for e in heard] == ["", ""]
+    failed = c.of("conversation.item.input_audio_transcription.failed")
+    assert len(committed) == 2 and [e.item_id for e in failed] == committed
+    assert c.of("conversation.item.input_audio_transcription.completed") == []
+    for e in failed:  # what was dropped and why, as the log says it
+        assert e.error.code == "likely_hallucination" and "as a likely hallucination: no-speech probability" \
+            in e.error.message and "under 0" in e.error.message, e.error
     assert [e.item.id for e in done] == committed and all(e.item.content[0].transcript == "" for e in done)
     assert c.of("response.created") == []
     assert d.services.metrics.transcripts_dropped._value.get() == 2

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import errno
 import logging
 import threading
 import time
@@ -19,9 +20,27 @@ from voiced import event_loop
 from voiced.config import Config
 from voiced.core.agents import AgentRegistry
 from voiced.core.services import Services
+from voiced.doors.shared import DoorError
 from voiced.metrics import Metrics
 
 log = logging.getLogger(__name__)
+
+
+# Where each listener's address is set: what a "cannot listen" message tells the user to change.
+ADDRESS_SETTINGS = {"grpc": "--listen (server.listen)", "http": "--http (doors.http)",
+                    "audiosocket": "--audiosocket (doors.audiosocket)", "media_ws": "--media-ws (doors.media_ws)",
+                    "wyoming": "--wyoming (doors.wyoming)", "metrics": "--metrics-listen (server.metrics_listen)"}
+_BIND_ERRORS = (errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.EACCES, None)  # None: grpc's own bind failure
+
+
+def cannot_listen(name: str, address: str, error: OSError) -> str:
+    """One line for a listener that could not bind: the address, why, and the flag that moves it."""
+    if error.errno == errno.EADDRINUSE:
+        why = "the address is in use (another voiced, or another program, listens there)"
+    else:  # grpc's own failure names the address already
+        why = error.strerror or str(error).replace(f"cannot listen on {address}: ", "")
+    return (f"cannot open the {name} listener on {address}: {why}; stop what holds it, or pick another address "
+            f"with {ADDRESS_SETTINGS.get(name, name)}")
 
 
 def door_addresses(config: Config) -> list[tuple[str, str]]:
@@ -40,6 +59,7 @@ class Daemon:
         self.port: int | None = None  # the gRPC door's port (tests, benchmarks)
         self._metrics_http = None
         self._stopped = asyncio.Event()
+        self._deadline = 0.0  # when a drain stops waiting for open sessions
 
     async def start(self) -> int:
         """Opens every door, loads the engines, and returns the gRPC port once serving."""
@@ -49,7 +69,12 @@ class Daemon:
         for name, address in door_addresses(self.config):
             door = doors.build(name, s, address)
             self.doors.append(door)
-            bound = await door.start()
+            try:
+                bound = await door.start()
+            except OSError as e:
+                if e.errno not in _BIND_ERRORS:
+                    raise
+                raise DoorError(cannot_listen(name, address, e)) from None
             s.doors[door.name] = bound
             if name == "grpc":
                 self.port = door.port
@@ -57,7 +82,12 @@ class Daemon:
         c = self.config.server
         s.metrics.watch_loop(asyncio.get_running_loop())
         if c.metrics_listen:
-            self._metrics_http = s.metrics.serve(c.metrics_listen)
+            try:
+                self._metrics_http = s.metrics.serve(c.metrics_listen)
+            except OSError as e:
+                if e.errno not in _BIND_ERRORS:
+                    raise
+                raise DoorError(cannot_listen("metrics", c.metrics_listen, e)) from None
         log.info("health NOT_SERVING until the models are loaded")
         if self._load is not None:
             await asyncio.to_thread(self._load, s)
@@ -104,8 +134,8 @@ class Daemon:
         await self._set_serving(False)
         for door in self.doors:
             await _quietly(door.stop_accepting(), f"{door.name}: stop accepting")
-        deadline = time.monotonic() + (self.config.server.drain_seconds if grace is None else grace)
-        while s.active_sessions and time.monotonic() < deadline:
+        self._deadline = time.monotonic() + (self.config.server.drain_seconds if grace is None else grace)
+        while s.active_sessions and time.monotonic() < self._deadline:
             await asyncio.sleep(0.05)
         if s.active_sessions:
             log.warning("drain: %d sessions still open after the grace period; closing them", s.active_sessions)
@@ -118,6 +148,10 @@ class Daemon:
         if self._metrics_http is not None:
             self._metrics_http.shutdown()
         self._stopped.set()
+
+    def hurry(self) -> None:
+        """End a drain in progress now: the sessions still open are closed (a second Ctrl-C)."""
+        self._deadline = 0.0
 
     async def wait(self) -> None:
         await self._stopped.wait()

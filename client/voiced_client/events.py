@@ -85,6 +85,9 @@ def describe_event(event: pb.SessionEvent) -> str:
         return f"audio reply {c.reply_id} #{c.sequence} at {c.offset_ms} ms, {len(c.audio)} B{last}{latency}"
     if kind == "notice":
         return f"notice {event.notice.code}: {event.notice.message}"
+    if kind == "dropped":
+        d = event.dropped
+        return f"transcript dropped as a likely hallucination ({d.reason}): {d.text}"
     return f"event without content: {event}"
 
 

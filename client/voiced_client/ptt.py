@@ -38,7 +38,8 @@ log = logging.getLogger(__name__)
 MIC_RATE = 16000
 FRAME_MS = 20
 
-INSTALL_HINT = "pip install 'voiced-client[ptt]'"
+# voiced-client is not on PyPI: it installs from the checkout's client/ directory.
+INSTALL_HINT = "pip install './client[ptt]' (from the voiced checkout)"
 PORTAUDIO_HINT = "apt-get install libportaudio2 (macOS: brew install portaudio)"
 
 
@@ -198,6 +199,9 @@ class PttController:
             self.sink.play(resample(pcm, self.output_format.sample_rate, self.sink.sample_rate))
         elif kind == "notice":
             self.show(f"[{event.notice.code}] {event.notice.message}")
+        elif kind == "dropped":
+            self.show(f"  (not answered: {event.dropped.text.strip()!r} looks like a hallucination: "
+                      f"{event.dropped.reason})")
 
     async def request_stream(self, config: pb.SessionConfig) -> AsyncIterator[pb.SessionRequest]:
         yield pb.SessionRequest(config=config)

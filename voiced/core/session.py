@@ -65,7 +65,7 @@ from voiced.core.outbound import cost, over_capacity, too_long
 from voiced.core.segmenter import Segmenter, SegmenterConfig, Utterance
 from voiced.core.spec import SessionSpec
 from voiced.core.speech import in_caller_time
-from voiced.engines.base import ASROptions, ASRRequest, CapacityError, EngineError, Transcript
+from voiced.engines.base import ASROptions, ASRRequest, CapacityError, EngineError, Transcript, hallucination_reason
 
 log = logging.getLogger(__name__)
 
@@ -514,10 +514,12 @@ class Session:
                 continue
             if result.is_hallucination and not self.spec.keep_hallucinations:
                 self.services.metrics.transcripts_dropped.inc()
-                log.debug("session %s turn %d: dropped %r as a hallucination", self.spec.session_id,
-                          turn.turn_id, result.text)
+                why = hallucination_reason(result, self.spec.asr)
+                log.info("session %s turn %d: dropped %r as a likely hallucination (%s)", self.spec.session_id,
+                         turn.turn_id, result.text, why)
                 u = turn.utterance
-                await self.send(TurnWithoutWords(self.spec.session_id, turn.turn_id, ms(u.start), ms(u.end)))
+                await self.send(TurnWithoutWords(self.spec.session_id, turn.turn_id, ms(u.start), ms(u.end),
+                                                 result.text, why))
                 continue
             if result.words and not self.spec.asr.word_timestamps:
                 result = replace(result, words=[])  # read by the end-of-turn rule, not asked for

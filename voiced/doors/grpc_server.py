@@ -391,11 +391,13 @@ class GrpcDoor:
                 raise ValueError("TLS needs both server.tls_cert and server.tls_key")
             with open(c.tls_key, "rb") as k, open(c.tls_cert, "rb") as crt:
                 creds = grpc.ssl_server_credentials([(k.read(), crt.read())])
-            self.port = self.server.add_secure_port(self.listen, creds)
-        else:
-            self.port = self.server.add_insecure_port(self.listen)
+        try:
+            self.port = (self.server.add_secure_port(self.listen, creds) if c.tls_cert
+                         else self.server.add_insecure_port(self.listen))
+        except RuntimeError:  # grpcio's "Failed to bind to address" (older releases returned port 0)
+            self.port = 0
         if not self.port:
-            raise OSError(f"cannot listen on {self.listen} (address in use or not local?)")
+            raise OSError(f"cannot listen on {self.listen}: the address is in use, or not one of this machine's")
         await self.set_serving(False)
         await self.server.start()
         host = self.listen.rpartition(":")[0]

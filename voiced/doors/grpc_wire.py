@@ -187,10 +187,10 @@ def event_to_proto(e, config: pb.SessionConfig) -> pb.SessionEvent | None:
     """A core output event -> the SessionEvent a gRPC caller gets (`config`: its first message, for
     the effective config in SessionStarted); None for an event voiced.v1 does not send."""
     t = type(e)
-    if t is ev.TurnWithoutWords:
-        return None  # the caller saw SPEECH_ENDED; that no transcript follows is all voiced.v1 says of it
     out = pb.SessionEvent(session_id=e.session_id, turn_id=e.turn_id)
-    if t is ev.AudioOut:
+    if t is ev.TurnWithoutWords:
+        out.dropped.CopyFrom(pb.TranscriptDropped(text=e.text, reason=e.reason, start_ms=e.start_ms, end_ms=e.end_ms))
+    elif t is ev.AudioOut:
         out.audio.CopyFrom(pb.AudioChunk(reply_id=e.reply_id, sequence=e.sequence, offset_ms=e.offset_ms,
                                          last=e.last, audio=e.audio, latency_ms=e.latency_ms))
     elif t is ev.TranscriptOut:

@@ -410,9 +410,9 @@ class RealtimeConnection:
         elif isinstance(ev, core.TranscriptOut):
             await self._transcript(ev)
         elif isinstance(ev, core.TurnWithoutWords):
-            # its words were dropped (a hallucination): the item is completed empty, as the Realtime API does
-            # for audio without speech, so a client waiting on it moves on; no response follows
-            await self._complete(ev, "")
+            # its words were dropped as a likely hallucination: its transcription failed, saying what and why
+            # (Realtime's event for a failed transcription), the item is done empty, and no response follows
+            await self._complete(ev, "", dropped=f"dropped {ev.text.strip()!r} as a likely hallucination: {ev.reason}")
         elif isinstance(ev, core.AgentTextOut):
             response = await self._open_response(ev.turn_id)
             await self._transcript_delta(response, ev.text if not response.transcript else " " + ev.text)
@@ -457,14 +457,21 @@ class RealtimeConnection:
             return
         await self._complete(ev, text)
 
-    async def _complete(self, ev, text: str) -> None:
-        """The user item of `ev`'s turn (a final transcript, or a turn without words) is done, with `text`."""
+    async def _complete(self, ev, text: str, dropped: str | None = None) -> None:
+        """The user item of `ev`'s turn (a final transcript, or a turn without words: `dropped` says why) is
+        done, with `text`."""
         turn = self.turns.pop(ev.turn_id, None)
         if turn is None:
             return
-        await self.send({"type": "conversation.item.input_audio_transcription.completed", "item_id": turn.item_id,
-                         "content_index": 0, "transcript": text,
-                         "usage": {"type": "duration", "seconds": round(max(0.0, (ev.end_ms - ev.start_ms) / 1000), 3)}})
+        if dropped is not None:
+            await self.send({"type": "conversation.item.input_audio_transcription.failed", "item_id": turn.item_id,
+                             "content_index": 0, "error": {"type": "transcription_error", "code": "likely_hallucination",
+                                                           "message": dropped, "param": None}})
+        else:
+            await self.send({"type": "conversation.item.input_audio_transcription.completed",
+                             "item_id": turn.item_id, "content_index": 0, "transcript": text,
+                             "usage": {"type": "duration",
+                                       "seconds": round(max(0.0, (ev.end_ms - ev.start_ms) / 1000), 3)}})
         await self.send({"type": "conversation.item.done", "item": rt.user_item(turn.item_id, text)})
 
     def _part(self, r: _Response) -> dict:

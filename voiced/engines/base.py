@@ -146,6 +146,19 @@ class Transcript:
     stop_prob: float | None = None
 
 
+def hallucination_reason(t: Transcript, opts: ASROptions) -> str:
+    """Which of the filters (ASROptions) judged `t` a hallucination, with its figures, for the caller and
+    the log; the filters themselves run in the engines, this only names what they saw."""
+    cr = opts.compression_ratio_threshold
+    if cr is not None and t.compression_ratio > cr:
+        return f"compression ratio {t.compression_ratio:.2f} over {cr:g}: the words repeat"
+    ns, lp = opts.no_speech_threshold, opts.logprob_threshold
+    if ns is not None and t.no_speech_prob > ns:
+        unsure = f", average log-probability {t.avg_logprob:.2f} under {lp:g}" if lp is not None else ""
+        return f"no-speech probability {t.no_speech_prob:.2f} over {ns:g}{unsure}: likely silence or noise"
+    return "judged a hallucination by the engine's filters"
+
+
 StepParts = Generator[None, None, list["EngineOutput"]]
 
 

@@ -43,6 +43,7 @@ class Provisioned:
     tts_enabled: bool
     left_out: list[str] = field(default_factory=list)  # "what (why): how to add it", one per model
     turn_model: Path | None = None  # the end-of-turn model's file; None: turns end on silence
+    tts_missing: str = ""  # why no voice could be had (tts_enabled turned False here), said to speech requests
 
     @property
     def message(self) -> str | None:
@@ -156,16 +157,18 @@ def _provision_tts(config: Config, device: str, out: Provisioned) -> None:
     how = f"`voiced models pull {spark.MODEL_NAME}` (fills {root})"
     if not device.startswith("cuda"):
         out.tts_enabled = False
-        out.left_out.append(f"Spark-TTS speech synthesis (not in the cache, and on a CPU it would not speak in "
-                            f"real time): {how}, or copy a {spark.HF_REPO} directory there, on a machine with a GPU")
+        out.tts_missing = (f"Spark-TTS speech synthesis (not in the cache, and on a CPU it would not speak in "
+                           f"real time): {how}, or copy a {spark.HF_REPO} directory there, on a machine with a GPU")
+        out.left_out.append(out.tts_missing)
         return
     try:
         spark.pull(root)
         spark.resolve(name)
     except (hub.DownloadError, spark.CheckpointError) as e:
         out.tts_enabled = False
-        out.left_out.append(f"Spark-TTS speech synthesis (download failed: {_short(e)}): {how}; it expects "
-                            f"{spark.expected_layout(root)}")
+        out.tts_missing = (f"Spark-TTS speech synthesis (download failed: {_short(e)}): {how}; it expects "
+                           f"{spark.expected_layout(root)}")
+        out.left_out.append(out.tts_missing)
 
 
 def _short(e: Exception) -> str:

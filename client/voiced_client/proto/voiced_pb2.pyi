@@ -326,8 +326,20 @@ class Notice(_message.Message):
     message: str
     def __init__(self, code: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
 
+class TranscriptDropped(_message.Message):
+    __slots__ = ("text", "reason", "start_ms", "end_ms")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    START_MS_FIELD_NUMBER: _ClassVar[int]
+    END_MS_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    reason: str
+    start_ms: int
+    end_ms: int
+    def __init__(self, text: _Optional[str] = ..., reason: _Optional[str] = ..., start_ms: _Optional[int] = ..., end_ms: _Optional[int] = ...) -> None: ...
+
 class SessionEvent(_message.Message):
-    __slots__ = ("session_id", "turn_id", "started", "speech", "transcript", "agent_text", "reply", "audio", "notice")
+    __slots__ = ("session_id", "turn_id", "started", "speech", "transcript", "agent_text", "reply", "audio", "notice", "dropped")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TURN_ID_FIELD_NUMBER: _ClassVar[int]
     STARTED_FIELD_NUMBER: _ClassVar[int]
@@ -337,6 +349,7 @@ class SessionEvent(_message.Message):
     REPLY_FIELD_NUMBER: _ClassVar[int]
     AUDIO_FIELD_NUMBER: _ClassVar[int]
     NOTICE_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     turn_id: int
     started: SessionStarted
@@ -346,7 +359,8 @@ class SessionEvent(_message.Message):
     reply: ReplyEvent
     audio: AudioChunk
     notice: Notice
-    def __init__(self, session_id: _Optional[str] = ..., turn_id: _Optional[int] = ..., started: _Optional[_Union[SessionStarted, _Mapping]] = ..., speech: _Optional[_Union[SpeechActivity, _Mapping]] = ..., transcript: _Optional[_Union[Transcript, _Mapping]] = ..., agent_text: _Optional[_Union[AgentText, _Mapping]] = ..., reply: _Optional[_Union[ReplyEvent, _Mapping]] = ..., audio: _Optional[_Union[AudioChunk, _Mapping]] = ..., notice: _Optional[_Union[Notice, _Mapping]] = ...) -> None: ...
+    dropped: TranscriptDropped
+    def __init__(self, session_id: _Optional[str] = ..., turn_id: _Optional[int] = ..., started: _Optional[_Union[SessionStarted, _Mapping]] = ..., speech: _Optional[_Union[SpeechActivity, _Mapping]] = ..., transcript: _Optional[_Union[Transcript, _Mapping]] = ..., agent_text: _Optional[_Union[AgentText, _Mapping]] = ..., reply: _Optional[_Union[ReplyEvent, _Mapping]] = ..., audio: _Optional[_Union[AudioChunk, _Mapping]] = ..., notice: _Optional[_Union[Notice, _Mapping]] = ..., dropped: _Optional[_Union[TranscriptDropped, _Mapping]] = ...) -> None: ...
 
 class RecognizeRequest(_message.Message):
     __slots__ = ("format", "audio", "recognition")
