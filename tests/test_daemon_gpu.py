@@ -120,10 +120,10 @@ def daemon(tmp_path_factory):
     port, mport = free_port(), free_port()
     cfg = root / "voiced.toml"
     cfg.write_text(config_toml(whisper, spark, root / "voices", port, mport))
-    # VOICED_SPARK_COMPILE=0: the TTS decode runs uncompiled (CUDA graphs still on). Its warm-up would
-    # otherwise compile 15 decode graphs and 64 prompt lengths in a fresh process, 90 s of the suite's
+    # VOICED_TTS_COMPILE=0 ([tts] compile): the TTS decode runs uncompiled (CUDA graphs still on). Its warm-up
+    # would otherwise compile 15 decode graphs and 64 prompt lengths in a fresh process, 90 s of the suite's
     # 5 minutes; the compiled step is checked engine-level in tests/test_spark_gpu.py.
-    env = dict(os.environ, PYTHONUNBUFFERED="1", VOICED_SPARK_COMPILE="0",
+    env = dict(os.environ, PYTHONUNBUFFERED="1", VOICED_TTS_COMPILE="0",
                PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "client"), os.environ.get("PYTHONPATH", "")]))
     log = root / "serve.log"
     with open(log, "w") as out:

@@ -117,7 +117,9 @@ def test_the_vocoder_transient_measured_on_meta_is_what_the_step_allocates(monke
     """The plan's vocoder-step transient, taken on the meta device, equals what running the same step
     (the largest window batch a vocoder step decodes) allocates in PyTorch tensors on the CPU. Through the
     modules: the CPU runs no GPU kernels (the kernels' path is checked on a GPU, test_spark_gpu.py)."""
-    monkeypatch.setenv("VOICED_SPARK_VOCODER_KERNELS", "0")
+    from voiced.engines.spark import vocoder_kernels
+
+    monkeypatch.setattr(vocoder_kernels, "enabled", lambda: False)
     import tempfile
     from pathlib import Path
 
@@ -170,13 +172,15 @@ def test_the_vocoder_graphs_pool_row_is_what_the_largest_capture_allocates(monke
     captured decode (end-masked, as every graph runs it) allocates in PyTorch tensors on the CPU at the
     largest captured shape, and no smaller shape (a sample of them, on meta) peaks higher. Through the
     modules, as above."""
-    monkeypatch.setenv("VOICED_SPARK_VOCODER_KERNELS", "0")
     import torch
 
+    from voiced.engines.spark import vocoder_kernels
     from voiced.engines.spark.bicodec import BiCodec
     from voiced.engines.spark.streaming import _install_end_masks
     from voiced.engines.spark.vocoder_graphs import activation_bytes, graphed_decode
     from voiced.memory_plan import peak_live_bytes
+
+    monkeypatch.setattr(vocoder_kernels, "enabled", lambda: False)
 
     cfg = _tiny_codec_config()
     with torch.device("meta"):

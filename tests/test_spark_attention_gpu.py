@@ -154,9 +154,9 @@ def test_gemv_kernels_equal_the_torch_arithmetic(dtype, m):
                     reason="programmatic dependent launch needs Hopper or newer")
 def test_programmatic_launch_changes_no_bit_of_a_graphed_decode_step(monkeypatch):
     """Spark-TTS-0.5B's layer shapes, bf16, compiled and replayed from CUDA graphs at 1 and 16 rows:
-    with the decode kernels started while the one before them ends (VOICED_SPARK_PDL, on by default
-    on Hopper) every logit and every cache entry is the same bit as with each kernel waiting for the
-    last, over 16 steps (a kernel that read its input before the previous one finished would differ)."""
+    with the decode kernels started while the one before them ends (as served on Hopper) every logit and
+    every cache entry is the same bit as with each kernel waiting for the last, over 16 steps (a kernel that
+    read its input before the previous one finished would differ)."""
     cfg = Qwen2Config(num_hidden_layers=4, vocab_size=4096)
     torch.manual_seed(0)
     with torch.device("cuda"):
@@ -165,8 +165,11 @@ def test_programmatic_launch_changes_no_bit_of_a_graphed_decode_step(monkeypatch
     prompt = torch.randint(0, 4096, (300,), device="cuda")
     for rows in (1, 16):
         runs = []
-        for pdl in ("0", "1"):
-            monkeypatch.setenv("VOICED_SPARK_PDL", pdl)
+        for pdl in ("0", "1"):  # each kernel waiting for the last, then as served
+            if pdl == "0":
+                monkeypatch.setattr(da, "launch_overlap", lambda t: False)
+            else:
+                monkeypatch.undo()
             lm.setup_cache(max_batch=16, max_seq=1024)
             lm.compile_decode()
             assert lm.fused_linear and da.launch_overlap(prompt) == (pdl == "1")

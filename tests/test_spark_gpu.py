@@ -238,41 +238,41 @@ def test_a_cancelled_request_frees_its_slot(served, alone):
     assert len(got[5].tokens) == 50, f"the request admitted into the freed row wrote {len(got[5].tokens)} of 50 tokens"
 
 
-def test_vocoder_graphs_replay_the_eager_decode_exactly(ckpt, served, tmp_path):
-    """Vocoder CUDA graphs (`vocoder_graphs=True`, VOICED_SPARK_VOCODER_GRAPHS=1; the default is
-    engine.VOCODER_GRAPHS_DEFAULT): every shape warm-up ran is captured, and a replay gives the eager window
-    decode bit for bit, plain and end-masked (one graph serves both: an all-true mask keeps its input
-    exactly; each graph copies its result into the graphs' shared output); the four replies, each alone and
-    greedy, stream the same tokens and audio as the served engine without them."""
+def test_vocoder_graphs_replay_the_eager_decode_exactly(served):
+    """The served engine's vocoder CUDA graphs: every shape warm-up ran is captured, and a replay gives the
+    eager window decode bit for bit, plain and end-masked (one graph serves both: an all-true mask keeps its
+    input exactly; each graph copies its result into the graphs' shared output); the four replies, each alone
+    and greedy, stream the same tokens and audio as with the vocoder run eagerly."""
     from voiced.engines.spark import streaming, vocoder_schedule
 
-    graphed = SparkTTSEngine.load(ckpt, device="cuda", max_batch=MAX_BATCH, max_seq_len=MAX_SEQ,
-                                  voices_dir=tmp_path, vocoder_graphs=True)
-    assert graphed.vocoder_graphs
-    graphed.warmup()
-    graphs = graphed.codec._graphs
+    assert served.vocoder_graphs
+    graphs = served.codec._graphs
     opts = TTSOptions()
-    shapes = vocoder_schedule.window_shapes(opts.first_chunk_tokens, opts.chunk_tokens, graphed.radius)
+    shapes = vocoder_schedule.window_shapes(opts.first_chunk_tokens, opts.chunk_tokens, served.radius)
     assert set(graphs.graphs) == set(shapes)
-    assert graphed.warmup_stats["vocoder_graphs"]["graphs"] == len(shapes)
+    assert served.warmup_stats["vocoder_graphs"]["graphs"] == len(shapes)
     gen = torch.Generator(device="cuda").manual_seed(0)
-    spk = graphed._speaker(torch.randint(0, 4096, (32,), generator=torch.Generator().manual_seed(1)).tolist())
+    spk = served._speaker(torch.randint(0, 4096, (32,), generator=torch.Generator().manual_seed(1)).tolist())
     for b, length in (shapes[0], shapes[len(shapes) // 2], shapes[-1]):
         ids = torch.randint(0, 8192, (b, length), device="cuda", generator=gen)
         for valid in ([length] * b, [length - 5] + [length] * (b - 1)):
-            replayed = streaming.decode_windows(graphed.codec, ids, spk[None].repeat(b, 1), valid).clone()
-            graphed.codec._graphs = None
+            replayed = streaming.decode_windows(served.codec, ids, spk[None].repeat(b, 1), valid).clone()
+            served.codec._graphs = None
             try:
-                eager = streaming.decode_windows(graphed.codec, ids, spk[None].repeat(b, 1), valid)
+                eager = streaming.decode_windows(served.codec, ids, spk[None].repeat(b, 1), valid)
             finally:
-                graphed.codec._graphs = graphs
+                served.codec._graphs = graphs
             assert torch.equal(replayed, eager), (b, length, valid)
     reqs = requests(top_k=1)
-    got = {rid: run(graphed, {rid: r})[rid] for rid, r in reqs.items()}
-    for rid, r in reqs.items():
-        want = run(served, {rid: r})[rid]
-        assert got[rid].tokens == want.tokens, rid
-        assert got[rid].audio.shape == want.audio.shape and np.array_equal(got[rid].audio, want.audio), rid
+    got = {rid: run(served, {rid: r})[rid] for rid, r in reqs.items()}
+    served.codec._graphs = None
+    try:
+        want = {rid: run(served, {rid: r})[rid] for rid, r in reqs.items()}
+    finally:
+        served.codec._graphs = graphs
+    for rid in reqs:
+        assert got[rid].tokens == want[rid].tokens, rid
+        assert got[rid].audio.shape == want[rid].audio.shape and np.array_equal(got[rid].audio, want[rid].audio), rid
 
 
 MiB = 2**20
@@ -280,7 +280,7 @@ MiB = 2**20
 # are served from 20 MiB segments, smaller ones from 2 MiB segments. At the test checkpoint's ~7 MiB of
 # vocoder activations that rounding is most of the pool; at full size (below) it is lost in 305 MiB.
 SMALL_POOL_SLACK = 20 * MiB + 4 * 2 * MiB
-PLAN_TOLERANCE = 0.05  # issue 20: the plan within 5 % of what was used
+PLAN_TOLERANCE = 0.05  # the plan within 5 % of what was used
 
 
 def _vocoder_graph_rows(engine: SparkTTSEngine) -> tuple[int, int, int]:
@@ -294,7 +294,7 @@ def _vocoder_graph_rows(engine: SparkTTSEngine) -> tuple[int, int, int]:
 def _capture_growth(capture) -> dict:
     """Run `capture()` (returns VocoderGraphs); what it added to the GPU's allocated and reserved memory
     once done, the allocated peak while it ran, and the graphs' pool."""
-    # Engines of earlier tests in this process (their graphs' pools too, under VOICED_SPARK_VOCODER_GRAPHS=1)
+    # Engines of earlier tests in this process (their graphs' pools too)
     # go now, not when a collection happens to run during the captures and makes the growth negative.
     gc.collect()
     torch.cuda.synchronize()
@@ -326,8 +326,7 @@ def test_vocoder_graphs_hold_what_the_plan_counts(ckpt, tmp_path):
     from voiced.engines.spark import vocoder_schedule, warmup
     from voiced.memory_plan import stream_workspace_bytes
 
-    engine = SparkTTSEngine.load(ckpt, device="cuda", max_batch=MAX_BATCH, max_seq_len=MAX_SEQ, voices_dir=tmp_path,
-                                 vocoder_graphs=True)
+    engine = SparkTTSEngine.load(ckpt, device="cuda", max_batch=MAX_BATCH, max_seq_len=MAX_SEQ, voices_dir=tmp_path)
     count, io_row, pool_row = _vocoder_graph_rows(engine)
     engine.vocoder_graphs = False  # the whole warm-up but the captures, so that these are measured alone
     engine.warmup()

@@ -19,8 +19,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 
 @pytest.mark.parametrize("rows", [1, 16, 64])
-def test_kernel_candidates_on_a_gpu(rows, monkeypatch):
-    monkeypatch.setenv("VOICED_SPARK_TOPK_KERNEL", "1")
+def test_kernel_candidates_on_a_gpu(rows):
     x = logits_of(rows, 13_563, seed=rows)
     gx = x.cuda()
     assert topk_kernel.enabled(gx, 64, 16)
@@ -32,8 +31,7 @@ def test_kernel_candidates_on_a_gpu(rows, monkeypatch):
 
 
 @pytest.mark.parametrize("rows", [1, 64])
-def test_kernel_adds_the_phase_mask_to_the_head_s_bfloat16_output(rows, monkeypatch):
-    monkeypatch.setenv("VOICED_SPARK_TOPK_KERNEL", "1")
+def test_kernel_adds_the_phase_mask_to_the_head_s_bfloat16_output(rows):
     x = logits_of(rows, 13_563, seed=rows + 1).to(torch.bfloat16)
     wide = torch.zeros(2, 14_000)
     wide[0, 1_000:] = float("-inf")  # as the engine's: globals, then semantic tokens, a slice of a wider mask
@@ -52,11 +50,12 @@ def test_sample_from_a_graph_draws_the_eager_and_the_torch_topk_tokens(monkeypat
             torch.full((b,), 0.95, device="cuda"), torch.arange(b, device="cuda")]
     steps = torch.zeros(b, dtype=torch.long, device="cuda")
     draw = functools.partial(sampling.sample, draw=torch.compile(sampling.draw_candidates, dynamic=None))
+    assert topk_kernel.enabled(x, 64, 16)
     out = {}
-    for mode in ("1", "0"):
-        monkeypatch.setenv("VOICED_SPARK_TOPK_KERNEL", mode)
+    for mode, enabled in (("1", topk_kernel.enabled), ("0", lambda *a: False)):  # the kernels, torch.topk
+        monkeypatch.setattr(topk_kernel, "enabled", enabled)
         out[mode] = [draw(x, *args, steps + s, candidates=64, id_offset=151_665) for s in range(4)]
-    monkeypatch.setenv("VOICED_SPARK_TOPK_KERNEL", "1")
+    monkeypatch.undo()
     static = steps.clone()
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):

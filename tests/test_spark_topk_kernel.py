@@ -43,11 +43,8 @@ def expected(x: torch.Tensor, k: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _child() -> dict:
-    import os
-
     from voiced.engines.spark import sampling, topk_kernel
 
-    os.environ["VOICED_SPARK_TOPK_KERNEL"] = "1"
     wrong = []
     for seed, (rows, v, k) in enumerate(CASES):
         x = logits_of(rows, v, seed)
@@ -73,11 +70,12 @@ def _child() -> dict:
     args = (torch.tensor([0.8, 0.0, 1.2]), torch.tensor([8, 8, 0]), torch.tensor([0.95, 0.95, 0.5]),
             torch.tensor([1, 2, 3]))
     tokens = {}
-    for mode in ("1", "0"):
-        os.environ["VOICED_SPARK_TOPK_KERNEL"] = mode
+    kernels = topk_kernel.enabled
+    for mode, enabled in (("kernels", kernels), ("torch.topk", lambda *a: False)):
+        topk_kernel.enabled = enabled
         tokens[mode] = [sampling.sample(x, *args, torch.tensor([s] * 3), candidates=16, id_offset=151_665).tolist()
                         for s in range(2)]
-    os.environ.pop("VOICED_SPARK_TOPK_KERNEL")
+    topk_kernel.enabled = kernels
     return {"wrong": wrong, "masked": masked, "tokens": tokens}
 
 
@@ -86,17 +84,16 @@ def test_kernel_candidates_are_the_k_largest_and_sample_draws_the_same():
     got = run_interpreted("tests.test_spark_topk_kernel", timeout=900)
     assert got["wrong"] == []
     assert got["masked"] == [True, True]
-    assert got["tokens"]["1"] == got["tokens"]["0"]
-    assert got["tokens"]["1"][0] != got["tokens"]["1"][1]  # steps draw differently: not a constant
+    assert got["tokens"]["kernels"] == got["tokens"]["torch.topk"]
+    assert got["tokens"]["kernels"][0] != got["tokens"]["kernels"][1]  # steps draw differently: not a constant
 
 
-def test_kernel_setting_and_what_it_takes(monkeypatch):
-    """VOICED_SPARK_TOPK_KERNEL=0 keeps torch.topk (1 takes the kernels; unset: KERNEL_DEFAULT); the kernels
-    never take the CPU outside the interpreter, nor a k past their bucket or not a power of two, nor integer
-    or float64 logits, nor slices narrower than k; they take float32, bfloat16 and float16 logits."""
+def test_what_the_kernels_take(monkeypatch):
+    """The kernels never take the CPU outside the interpreter, nor a k past their bucket or not a power of
+    two, nor integer or float64 logits, nor slices narrower than k; they take float32, bfloat16 and float16
+    logits."""
     from voiced.engines.spark import topk_kernel
 
-    monkeypatch.setenv("VOICED_SPARK_TOPK_KERNEL", "1")
     x = torch.zeros(1, 13_563)
     assert not topk_kernel.enabled(x, 64, 16)  # (a CPU tensor, no interpreter)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
@@ -106,11 +103,6 @@ def test_kernel_setting_and_what_it_takes(monkeypatch):
                for dt in (torch.bfloat16, torch.float16))
     assert not topk_kernel.enabled(x.double(), 64, 16) and not topk_kernel.enabled(x.long(), 64, 16)
     assert not topk_kernel.enabled(x[:, :800], 64, 16)
-    monkeypatch.setenv("VOICED_SPARK_TOPK_KERNEL", "0")
-    assert not topk_kernel.enabled(x, 64, 16)
-    monkeypatch.setenv("VOICED_SPARK_TOPK_KERNEL", "yes")
-    with pytest.raises(ValueError, match="VOICED_SPARK_TOPK_KERNEL"):
-        topk_kernel.enabled(x, 64, 16)
 
 
 if __name__ == "__main__":

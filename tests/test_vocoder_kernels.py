@@ -95,8 +95,8 @@ def test_an_end_masked_window_through_the_kernels_equals_the_modules(interpreted
 
 
 def test_the_cpu_never_takes_the_kernels(monkeypatch):
-    """Even with the kernels asked for, CPU activations run the modules (Triton compiles for GPUs)."""
-    monkeypatch.setenv("VOICED_SPARK_VOCODER_KERNELS", "1")
+    """Even where Triton is installed, CPU activations run the modules (Triton compiles for GPUs)."""
+    monkeypatch.setattr(vk, "enabled", lambda: True)
     codec = tiny_codec()
     monkeypatch.setattr(type(codec.decoder), "forward_kernels", lambda *a: pytest.fail("took the kernels on the CPU"))
     x = torch.randn(1, codec.config.latent_dim, 6)
@@ -105,7 +105,7 @@ def test_the_cpu_never_takes_the_kernels(monkeypatch):
 
 def test_the_memory_plan_follows_the_kernels(monkeypatch):
     """On the meta device (the memory plan's vocoder rows) the kernels' path allocates what the kernels
-    do (fewer intermediates alive at once than the modules' ops), so the plan follows the setting."""
+    do (fewer intermediates alive at once than the modules' ops), so the plan follows the path that runs."""
     from voiced.memory_plan import peak_live_bytes
 
     codec = tiny_codec().to("meta")
@@ -115,7 +115,7 @@ def test_the_memory_plan_follows_the_kernels(monkeypatch):
     x = torch.empty(4, codec.config.latent_dim, 64, device="meta")
     peaks = {}
     for on in ("1", "0"):
-        monkeypatch.setenv("VOICED_SPARK_VOCODER_KERNELS", on)
+        monkeypatch.setattr(vk, "enabled", lambda on=on: on == "1")
         peaks[on] = peak_live_bytes(lambda: codec.decoder(x))
     assert peaks["1"] < peaks["0"], peaks
 

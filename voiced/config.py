@@ -49,6 +49,14 @@ class ServerConfig:
     idle_timeout_s: float = 600.0
     max_session_s: float = 7200.0  # longer than any call; frees a line a gateway never hung up
     max_outbound_bytes: int = 2 * 1024 * 1024  # responses waiting for a caller that does not read them
+    # Before a caller is let in (voiced.doors.guard): its TLS handshake, an HTTP request's line and headers
+    # (WebSocket upgrades too) and a connection's first message (media-ws, Wyoming, Realtime) within this.
+    # Field clients send all of them at once; a slow-loris client sends a header byte every 10 s.
+    handshake_timeout_s: float = 10.0
+    # Open connections of every door but gRPC (whose HTTP/2 server bounds its own): past either limit a
+    # new one is refused in its door's protocol. Each is a descriptor; both are held under the open-file limit.
+    max_connections: int = 2000
+    max_connections_per_door: int = 1000
     # The daemon's event loop, where every door and the session core run: "uvloop" (less of the loop's
     # CPU per caller frame: voiced.event_loop) or "asyncio" (the standard library's).
     event_loop: str = "uvloop"
@@ -91,7 +99,8 @@ class ASRConfig:
 @dataclass
 class TTSConfig:
     enabled: bool = True
-    model: str = "spark-tts-0.5b"
+    # auto: Spark-TTS on a GPU, a Piper voice on a CPU (voiced.engines.provision); or a name / path of either
+    model: str = "auto"
     backend: str = "auto"
     device: str = "auto"
     dtype: str = ""
@@ -105,6 +114,12 @@ class TTSConfig:
     temperature: float = 0.8
     top_k: int = 50
     top_p: float = 0.95
+    # onnxruntime threads a Piper voice synthesizes with (CPU): 1 leaves the other cores to recognition, which
+    # then stays real time beside it on a 2-core machine
+    threads: int = 1
+    # torch.compile the LM's decode and prefill layers on a GPU: a decode step ~2.5x faster, start-up ~20 s
+    # longer (more on a machine new to the kernels); false starts faster and steps slower (CUDA graphs still on)
+    compile: bool = True
 
 
 @dataclass
@@ -177,6 +192,8 @@ class HttpConfig:
 
     max_upload_bytes: int = 25 * 1024 * 1024  # one transcription upload (OpenAI's own limit); larger: 413
     max_input_chars: int = 4096  # the text of one /v1/audio/speech request (OpenAI's limit)
+    max_form_fields: int = 64  # fields of one multipart upload (OpenAI's API has 10); more: 400
+    body_timeout_s: float = 300.0  # one request body (an upload at max_upload_bytes over ~1 Mbit/s); slower: 408
 
 
 @dataclass
@@ -224,9 +241,13 @@ class Config:
             if value < 0:
                 raise ConfigError(f"{key} is {value}; set the rows to hold, or 0 for as many as the GPU's "
                                   "[memory] share holds (up to 64)")
+        if self.tts.threads < 1:
+            raise ConfigError(f"tts.threads is {self.tts.threads}; set the onnxruntime threads of a Piper voice, "
+                              "at least 1")
         if self.asr.backend not in BACKENDS or self.tts.backend not in BACKENDS:
             raise ConfigError(f"backend must be one of {', '.join(BACKENDS)}")
-        for key in ("server.idle_timeout_s", "server.max_session_s", "agent.reply_timeout_s"):
+        for key in ("server.idle_timeout_s", "server.max_session_s", "agent.reply_timeout_s",
+                    "server.handshake_timeout_s", "http.body_timeout_s"):
             section, name = key.split(".")
             value = getattr(getattr(self, section), name)
             if not value >= 0:  # also catches NaN
@@ -238,6 +259,10 @@ class Config:
             raise ConfigError(f"segmentation.eagerness is {self.segmentation.eagerness!r}; set low, medium or high")
         if self.server.event_loop not in EVENT_LOOPS:
             raise ConfigError(f"server.event_loop is {self.server.event_loop!r}; set {' or '.join(EVENT_LOOPS)}")
+        for key in ("server.max_connections", "server.max_connections_per_door", "http.max_form_fields"):
+            section, name = key.split(".")
+            if getattr(getattr(self, section), name) < 1:
+                raise ConfigError(f"{key} is {getattr(getattr(self, section), name)}; set at least 1")
         if self.server.max_outbound_bytes < 65536:
             raise ConfigError(f"server.max_outbound_bytes is {self.server.max_outbound_bytes}; "
                               "set at least 65536 (one second of 16 kHz audio is 32000 bytes)")

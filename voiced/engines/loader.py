@@ -111,4 +111,4 @@ def load_tts(config: Config):
                                       kv_cache_bytes=budgets.get("tts"), **kwargs)
     # the free memory now: after the ASR engine loaded and warmed up, when it loads first
     limit = (mem.free, config.memory.tts_kv_fraction) if mem else None
-    return SparkTTSEngine.load(c.model, memory_limit=limit, **kwargs)
+    return SparkTTSEngine.load(c.model, memory_limit=limit, compile_lm=None if c.compile else False, **kwargs)

@@ -60,7 +60,6 @@ from voiced.engines.base import (
 )
 from voiced.engines.footprint import AUTO_GPU_ROWS, check_memory_limit, parse_dtype, rows_that_fit
 from voiced.engines.rows import compaction, to_device
-from voiced.engines.switches import env_switch
 from voiced.memory_plan import EngineNeed
 
 from . import lm_steps, vocoder_schedule
@@ -86,15 +85,6 @@ SEGMENT_BASE_S, SEGMENT_S_PER_CHAR = 3.0, 0.3
 GLOBAL_PHASE_LIMIT = N_GLOBAL + 64  # a controllable prompt that has not produced its speaker by then failed
 SPEAKER_CACHE = 64  # speaker vectors kept (see SparkTTSEngine._speaker)
 PHASES = ("prefill", "decode", "vocode")
-# The vocoder's CUDA graphs (vocoder_graphs.py) on a GPU unless VOICED_SPARK_VOCODER_GRAPHS says otherwise.
-# On: the daemon's plan-versus-peak test passed with them on (H100), and at 128 callers they took the TTS
-# off the critical path (vocoder_graphs.py's docstring has what was measured).
-VOCODER_GRAPHS_DEFAULT = True
-
-
-def vocoder_graphs_default() -> bool:
-    """VOICED_SPARK_VOCODER_GRAPHS=1 or 0 if set, else VOCODER_GRAPHS_DEFAULT."""
-    return env_switch("VOICED_SPARK_VOCODER_GRAPHS", VOCODER_GRAPHS_DEFAULT)
 
 
 @dataclass
@@ -125,8 +115,7 @@ class SparkTTSEngine:
     def __init__(self, checkpoint: SparkCheckpoint, lm: Qwen2LM, codec: BiCodec, tokenizer: TextTokenizer,
                  special: SpecialTokens, *, device: str, max_batch: int, max_seq_len: int,
                  voices_dir: str | Path | None = None, use_cuda_graphs: bool = True,
-                 model_name: str = "Spark-TTS-0.5B", decode_steps: int = DECODE_STEPS,
-                 vocoder_graphs: bool = False) -> None:
+                 model_name: str = "Spark-TTS-0.5B", decode_steps: int = DECODE_STEPS) -> None:
         self.checkpoint = checkpoint
         # Inference only: with parameters that require grad, every forward run outside no_grad (warm-up
         # ran the vocoder so) records an autograd graph that keeps each activation alive until the output
@@ -138,8 +127,9 @@ class SparkTTSEngine:
         self.model_name = model_name
         self.max_batch, self.max_seq_len = max_batch, max_seq_len
         self.use_cuda_graphs = use_cuda_graphs and str(device).startswith("cuda")
-        # The vocoder's window decodes replayed from CUDA graphs captured at warm-up (vocoder_graphs.py).
-        self.vocoder_graphs = vocoder_graphs and self.use_cuda_graphs
+        # The vocoder's window decodes replayed from CUDA graphs captured at warm-up (vocoder_graphs.py): one
+        # host call instead of ~400 kernel launches a vocoder turn.
+        self.vocoder_graphs = self.use_cuda_graphs
         self.radius = codec.receptive_radius()
         self.segment_base_s, self.segment_s_per_char = SEGMENT_BASE_S, SEGMENT_S_PER_CHAR
         if decode_steps < 1:
@@ -180,22 +170,21 @@ class SparkTTSEngine:
              dtype: str | torch.dtype | None = None, max_batch: int | None = None, voices_dir: str | Path | None = None,
              kv_cache_bytes: int | None = None, max_seq_len: int = 4096, codec_dtype: str | torch.dtype | None = None,
              use_cuda_graphs: bool = True, decode_steps: int = DECODE_STEPS,
-             compile_lm: bool | None = None, memory_limit: tuple[int, float] | None = None,
-             vocoder_graphs: bool | None = None) -> SparkTTSEngine:
+             compile_lm: bool | None = None, memory_limit: tuple[int, float] | None = None) -> SparkTTSEngine:
         """Load a Spark-TTS-0.5B directory (or the cached model by name).
 
         max_batch: the requests (rows) decoded together; None or 0: 16 on CPU, and on CUDA the most of 64, 32,
             16, ... whose need fits memory_limit (footprint.rows_that_fit).
         dtype: the LM's (default bf16 on GPU, fp32 on CPU; fp16 is refused: it overflows in this LM).
         kv_cache_bytes: a budget from the daemon's memory plan; it caps max_batch for max_seq_len.
-        compile_lm: torch.compile the decode and prefill layers (fused kernels: 1.2 instead of 3.0 ms per step on an
-            H200; ~20 s more warm-up). Default: on for CUDA when Triton is installed, unless the
-            environment sets VOICED_SPARK_COMPILE=0. Tokens match the uncompiled path up to bf16 rounding.
+        use_cuda_graphs: on a GPU, replay the LM's decode steps, packed prefills and the vocoder's window decodes
+            from CUDA graphs (False: the same steps launched kernel by kernel, the reference the graphs are
+            tested against).
+        compile_lm: torch.compile the decode and prefill layers (fused kernels: a decode step ~2.5x faster;
+            ~20 s more warm-up; the daemon's `[tts] compile`). None: on for CUDA when Triton is installed.
+            Tokens match the uncompiled path up to bf16 rounding.
         memory_limit: (free GPU bytes, the [memory] tts_kv_fraction): the computed need (`memory_plan.plan`) is
             checked against that share before anything goes to the GPU; above it, an EngineError naming the setting.
-        vocoder_graphs: replay the vocoder's window decodes from CUDA graphs captured at warm-up (one host call
-            instead of ~400 launches a vocoder turn; vocoder_graphs.py). Default: `vocoder_graphs_default()`,
-            VOCODER_GRAPHS_DEFAULT unless the environment sets VOICED_SPARK_VOCODER_GRAPHS (1 or 0).
         """
         ckpt = resolve(name_or_path)
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -213,9 +202,7 @@ class SparkTTSEngine:
                                lm_dtype, kv_cache_bytes)
         if rows < wanted:
             log.info("TTS KV budget fits %d concurrent requests (asked for %d)", rows, wanted)
-        if vocoder_graphs is None:
-            vocoder_graphs = vocoder_graphs_default()
-        vocoder_graphs = vocoder_graphs and cuda and use_cuda_graphs
+        vocoder_graphs = cuda and use_cuda_graphs
 
         def need_at(rows: int):
             return plan(ckpt, device, lm_dtype, c_dtype, rows, max_seq_len, use_cuda_graphs, decode_steps,
@@ -228,12 +215,12 @@ class SparkTTSEngine:
             raise EngineError(f"{ckpt.llm_dir}: vocab_size {lm.config.vocab_size} has no room for the BiCodec tokens")
         codec = load_bicodec(ckpt.bicodec_dir, ckpt.root_config, device, c_dtype)
         if compile_lm is None:
-            compile_lm = cuda and env_switch("VOICED_SPARK_COMPILE", True) and _has_triton()
+            compile_lm = cuda and _has_triton()
         if compile_lm:
             lm.compile_decode()
         engine = cls(ckpt, lm, codec, tokenizer, special, device=device, max_batch=rows, max_seq_len=max_seq_len,
                      voices_dir=voices_dir, use_cuda_graphs=use_cuda_graphs, model_name=ckpt.root.name,
-                     decode_steps=decode_steps, vocoder_graphs=vocoder_graphs)
+                     decode_steps=decode_steps)
         engine.memory_need = need
         return engine
 
@@ -394,7 +381,7 @@ class SparkTTSEngine:
                 pick = self._sampler([r.options.top_k for r in self._active])
                 self._load_state()
                 # The first token of each new segment, from its prompt's last hidden state: one sampler
-                # call for all of them (row by row it was ~150 torch calls a request), on their rows of
+                # call for all of them (row by row, ~150 torch calls a request), on their rows of
                 # the state: a slice when they are consecutive (new requests take the rows at the end),
                 # else an index.
                 slots = [r.slot for r in fresh]
@@ -514,8 +501,8 @@ class SparkTTSEngine:
         floats[:] = 1.0
         top = self.max_seq_len - 1
         if self._active:
-            # numpy, not torch: element by element it was ~700 dispatcher calls at 64 rows (3.7 ms of the
-            # TTS thread's host time per decode step, H200 profile), then ~10 torch calls, now none.
+            # numpy, not torch: element by element this is ~700 dispatcher calls at 64 rows (3.7 ms of the
+            # TTS thread's host time per decode step).
             slots = [r.slot for r in self._active]
             ints[:, slots] = np.array(
                 [[r.last, min(r.pos, top), r.steps, r.phase, len(r.global_ids), r.seed, int(r.options.top_k)]

@@ -58,10 +58,9 @@ def memory_need(cfg, lm_dtype: torch.dtype, lm_bytes: int, codec_bytes: int, max
     (`vocoder_graphs.pool_bytes_planned`): the one segment reserved at the first capture, the largest
     captured decode's activations (meta device) plus a measured allowance for cuDNN's convolution workspace
     (120.5 MiB, taken through PyTorch's allocator) and fragmentation, and the small pool's 2 MiB segments.
-    Without the reserve the same captures left 772 MiB in 17 segments for a 425 MiB peak (H100,
-    2026-11-27): the caching allocator sizes each new segment for the request that makes it and never
-    merges segments, so a decode whose tensors grow layer by layer leaves a segment per size. This also
-    bounds the eager warm-up's transient."""
+    Without the reserve the caching allocator would size each new segment for the request that makes it and
+    never merge segments, so a decode whose tensors grow layer by layer would leave a segment per size (772
+    MiB for a 425 MiB peak at full size). This also bounds the eager warm-up's transient."""
     kv = max_batch * kv_row_bytes(cfg, max_seq_len, lm_dtype)
     e = lm_dtype.itemsize
     prefill_io = prefill_io_bytes(cfg, max_batch, max_seq_len, PREFILL_STEP_TOKENS, e)

@@ -233,7 +233,7 @@ def layer_decode(x, h, cos, sin, mask, k_cache, v_cache, rows, positions, w: tup
 def layer_prefill(x, cos, sin, mask, k_cache, v_cache, slots, positions, w: tuple, eps: float, dims: tuple):
     """One decoder layer over packed prompts `x [1, N, C]` (see `Qwen2LM.prefill_many`), as a pure
     function of the fused weights like `layer_decode`. Compiled, it turns a prompt's ~1000 small eager
-    ops (host-bound: ~20 ms for one prompt on an H200, 5 of them GPU work) into a few fused kernels."""
+    ops (host-bound: ~20 ms for one prompt, 5 of them GPU work) into a few fused kernels."""
     ln1, w_qkv, b_qkv, ow, ln2, w_gate_up, dw = w
     n_heads, n_kv, head_dim = dims
     n = x.shape[1]

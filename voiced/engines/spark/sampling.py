@@ -109,11 +109,11 @@ def top_k_candidates(logits: torch.Tensor, k: int, segments: int = 16, bias: tor
                      phase: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`torch.topk(logits.float() + bias[phase], k)` (sorted; the sum only when `bias` is given), in two
     rounds when rows are long: the top k of each of `segments` slices of a row, then the top k of those. On
-    a GPU one long row is one thread block (~70 µs for the 13.5k speech ids on an H200, the costliest kernel
+    a GPU one long row is one thread block (~70 µs for the 13.5k speech ids, the costliest kernel
     of a batch-1 decode step); the first round spreads it over `segments` blocks. The same candidates come
     out, in the same order (between equal values, which torch.topk leaves unordered, lower ids first on the
     kernels' path). On a CUDA GPU each round is one Triton kernel (`topk_kernel`), which also reads the
-    logits in their own dtype and adds the mask itself, unless VOICED_SPARK_TOPK_KERNEL=0."""
+    logits in their own dtype and adds the mask itself."""
     b, v = logits.shape
     two_rounds = v >= 4 * segments * k
     if two_rounds and topk_kernel.enabled(logits, k, segments):

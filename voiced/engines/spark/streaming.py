@@ -208,7 +208,7 @@ def _decode_group(codec: BiCodec, jobs: list[DecodeJob], idxs: list[int], length
     """Queue the decode of jobs `idxs` as one call of bucketed batch, every window padded to `length` with
     zeros and the batch with copies of its first row, and the copy of its audio `[b, length * HOP]` to the
     host (pinned and not yet complete, on a GPU). The ids are laid out on the host and sent in one copy
-    (per window, a slice and a pad on the device were a few torch calls each and a synchronous copy
+    (per window on the device, a slice and a pad would be a few torch calls each and a synchronous copy
     per request)."""
     b = batch_bucket(len(idxs))
     ids = np.zeros((b, length), dtype=np.int64)

