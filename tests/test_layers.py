@@ -1,6 +1,7 @@
 """The daemon's layers, read from its imports: the session core knows no transport, no module
 imports one above its own layer, no folder holds a circle of imports, and a door imports no other
-door: what doors share is in voiced/doors/shared.py (protocol helpers) or in voiced/core."""
+door: what doors share is in voiced/doors/shared.py (protocol helpers), voiced/doors/guard.py (the
+bounds before a caller is let in) or in voiced/core."""
 
 from __future__ import annotations
 
@@ -91,6 +92,8 @@ def test_no_module_imports_from_a_layer_above_its_own():
 
 
 SHARED_DOOR_MODULE = "voiced.doors.shared"
+# What every door does before it lets a caller in (connection places, deadlines, bounded reads).
+GUARD_DOOR_MODULE = "voiced.doors.guard"
 
 
 def import_graph(top_level_only: bool) -> dict[str, set[str]]:
@@ -145,7 +148,7 @@ def door_imports_of_other_doors(graph: dict[str, set[str]], doors: set[str]) -> 
             importers.setdefault(d, set()).add(m)
     bad = []
     for d, by in sorted(importers.items()):
-        if d == SHARED_DOOR_MODULE:
+        if d in (SHARED_DOOR_MODULE, GUARD_DOOR_MODULE):
             continue
         if d == "voiced.doors" or d in doors:
             bad += [f"{m} imports {d}, a door (or the registry)" for m in sorted(by)]
@@ -202,3 +205,17 @@ def test_the_checks_see_a_forbidden_import(tmp_path):
         "voiced.core.probe:3 imports socket", "voiced.core.probe:4 imports grpc", "voiced.core.probe:4 imports grpc.aio"]
     assert ("voiced.doors.grpc_wire", 5) in imports(sample, module="voiced.core.probe")
     assert layer_of("voiced.doors.grpc_wire") > layer_of("voiced.core.session") > layer_of("voiced.audio.ingest")
+
+
+def test_the_package_imports_neither_the_tests_nor_the_developer_benchmarks():
+    """An installed wheel has neither tests/ nor benchmarks/: `voiced bench e2e` must run without them."""
+    bad = [f"{path.relative_to(ROOT)}:{line} imports {name}" for path in sources()
+           for name, line in imports(path) if name.split(".")[0] in ("tests", "benchmarks")]
+    assert bad == [], "the package reaching outside itself:\n" + "\n".join(bad)
+
+
+def test_the_tests_import_no_developer_benchmark():
+    """tests/ checks the product; the engines' developer benchmarks carry their own tests in benchmarks/."""
+    bad = [f"{path.relative_to(ROOT)}:{line} imports {name}" for path in sorted((ROOT / "tests").glob("*.py"))
+           for name, line in imports(path, module=f"tests.{path.stem}") if name.split(".")[0] == "benchmarks"]
+    assert bad == [], "tests importing benchmarks/:\n" + "\n".join(bad)

@@ -368,8 +368,14 @@ async def raw_exchange(daemon, data: bytes) -> list[dict]:
 
 
 @pytest.mark.parametrize("data,words", [
-    (b"this is not JSON\n", None),  # the library reads it as the end of the stream
+    (b"this is not JSON\n", "the header is not JSON"),
     (b'["an", "array"]\n', "unreadable event"),
+    (b"[" * 50000 + b"\n", "unreadable event"),  # nested past the parser's recursion limit
+    (b"{" * 70000 + b"\n", "header line is over 65536 bytes"),
+    # A declared length over server.max_message_bytes is refused before a byte of it is read.
+    (b'{"type": "audio-chunk", "payload_length": 1000000000}\n', "payload_length of 1000000000 bytes"),
+    (b'{"type": "synthesize", "data_length": 1000000000}\n', "data_length of 1000000000 bytes"),
+    (b'{"type": "audio-chunk", "payload_length": "many"}\n', "payload_length must be a byte count"),
     (b'{"data": {"text": "no type"}}\n', "unreadable event"),
     (b'{"type": "audio-chunk", "data": {"rate": 16000, "width": 2, "channels": 1}, "payload_length": 2}\n\0\0',
      "audio-chunk arrived outside an audio stream"),
@@ -377,7 +383,7 @@ async def raw_exchange(daemon, data: bytes) -> list[dict]:
     (b'{"type": "audio-start", "data": {"rate": 16000, "width": 7, "channels": 1}}\n', "width 7"),
     (b'{"type": "synthesize", "data": {"text": "  "}}\n', "text is empty"),
     (b'{"type": "synthesize-chunk", "data": {"text": "hi"}}\n', "outside a synthesis stream"),
-], ids=["not-json", "array", "no-type", "chunk-before-start", "no-width", "width-7", "empty-text", "chunk-no-stream"])
+], ids=["not-json", "array", "deep", "long-line", "payload-1GB", "data-1GB", "payload-text", "no-type", "chunk-before-start", "no-width", "width-7", "empty-text", "chunk-no-stream"])
 def test_a_malformed_event_ends_that_connection_only(daemon, data, words):
     x = int16_at(RATE, ["Turn on the kitchen lights."])
 
@@ -412,7 +418,7 @@ def test_a_socket_fault_ends_that_connection_as_lost_not_as_an_unreadable_event(
             await c.write_event(Describe().event())
             return await read_until(c, *until)  # (none: up to the end of the connection)
 
-    with socket_timeout(door, "async_read_event", on_call=2), \
+    with socket_timeout(door, "first_byte", on_call=2), \
             caplog.at_level(logging.INFO, logger="voiced.doors.wyoming"):
         events = run(describe())
     assert types(events) == ["info"]  # its answer, then the end: no error event

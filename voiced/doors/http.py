@@ -15,7 +15,14 @@ Probes answer as Kubernetes expects: `/healthz` is 200 while the process serves,
 has stopped (liveness: a restart is the cure),
 `/readyz` is 200 once the models are loaded and 503 while loading or draining, or once the engine process
 has stopped (readiness). Both
-are exempt from the token, as gRPC's health service is.
+are exempt from the token, as gRPC's health service is. During a drain the listener goes on answering
+(the probes say 503 draining, new work is refused UNAVAILABLE) until the daemon closes it.
+
+Before a handler runs, voiced.doors.guard has bounded the connection: a place among
+`server.max_connections[_per_door]` (else a 503 without reading the request), the TLS handshake and the
+request line and headers within `server.handshake_timeout_s`. Bodies come only compressed as sent
+(aiohttp's decompression is off: a 2.7 MB gzip body once unpacked to 1.5 GB): a request with a
+Content-Encoding other than identity is refused with 415 before its body is read.
 
 Every error is OpenAI's shape (voiced.doors.shared.HttpError), whatever raised it (a handler, the
 core, aiohttp's own 404/405/413); an unexpected exception is logged here and the caller gets a
@@ -33,6 +40,7 @@ from collections.abc import Iterable
 from aiohttp import WSCloseCode, web
 
 from voiced.core.errors import SessionError
+from voiced.doors.guard import serve_http
 from voiced.doors.shared import (
     INTERNAL_MESSAGE,
     DoorError,
@@ -65,7 +73,8 @@ class HttpListener:
         self._public: set[str] = set()  # route names that need no token
         self._websockets: weakref.WeakSet[web.WebSocketResponse] = weakref.WeakSet()
         self._closing = False
-        self.app = web.Application(middlewares=[self._errors, self._auth], client_max_size=self.max_body_bytes)
+        self.app = web.Application(middlewares=[self._errors, self._auth, self._encoding],
+                                   client_max_size=self.max_body_bytes, handler_args={"auto_decompress": False})
         self.app.router.add_get("/healthz", self._healthz, name="healthz")
         self.app.router.add_get("/readyz", self._readyz, name="readyz")
         self._public |= {"healthz", "readyz"}
@@ -139,6 +148,16 @@ class HttpListener:
             return HttpError(500, INTERNAL_MESSAGE, type="server_error").response()
 
     @web.middleware
+    async def _encoding(self, request: web.Request, handler):
+        encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
+        if encoding not in ("", "identity"):
+            # Audio files are compressed already, and JSON bodies are small: nothing is gained that a
+            # decompression bomb would not take back a thousandfold.
+            raise HttpError(415, f"Content-Encoding {encoding!r} is not accepted; send the body uncompressed",
+                            code="unsupported_content_encoding", close=True)
+        return await handler(request)
+
+    @web.middleware
     async def _auth(self, request: web.Request, handler):
         if self._token is None or self._is_public(request) or self._authorized(request):
             return await handler(request)
@@ -179,10 +198,8 @@ class HttpListener:
     # ------------------------------------------------------------------ life cycle
 
     async def start(self) -> str:
-        self._runner = web.AppRunner(self.app, access_log=None, handle_signals=False, shutdown_timeout=5.0)
-        await self._runner.setup()
-        self._site = web.TCPSite(self._runner, self.host, self.port, ssl_context=self._ssl, reuse_address=True)
-        await self._site.start()
+        self._runner, self._site = await serve_http(self.app, self.host, self.port, self._ssl, self.services,
+                                                    self.name)
         sockets = self._site._server.sockets if self._site._server else []
         if sockets:
             self.port = sockets[0].getsockname()[1]
@@ -191,14 +208,14 @@ class HttpListener:
         return bound
 
     async def stop_accepting(self) -> None:
-        """Drain: the listening socket closes; requests and sockets already open go on."""
-        if self._site is not None:
-            await self._site.stop()
-            self._site = None
+        """Drain: the socket stays open so `/readyz` can say 503 draining (a probe refused a connection
+        reads as a crash, not a drain); new work is refused by admission. `close` closes it."""
 
     async def close(self) -> None:
         if self._runner is not None:
-            await self.stop_accepting()
+            if self._site is not None:
+                await self._site.stop()
+                self._site = None
             await self._runner.cleanup()  # shutdown signal (closes WebSockets), then the connections
             self._runner = None
 

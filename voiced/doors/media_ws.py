@@ -22,8 +22,10 @@ Auth: with `server.auth_token` set, the upgrade request must carry `Authorizatio
 or, as Twilio cannot send headers, the stream's `token` custom parameter
 (`<Parameter name="token" value="..."/>`) must hold it. A refusal closes the WebSocket with a code and
 a reason: 1013 when the server is full or still loading, 1001 while it drains, 1008 for a wrong token
-or a broken protocol, 1003 for binary messages, 1007 for bad JSON or base64. The WebSocket server is
-aiohttp (the daemon's one HTTP/WebSocket library), on its own listener (`[doors] media_ws`).
+or a broken protocol (a field of the wrong JSON type included, an id over 128 characters), 1003 for binary
+messages, 1007 for bad JSON or base64. The WebSocket server is aiohttp (the daemon's one HTTP/WebSocket
+library), on its own listener (`[doors] media_ws`), bounded as every HTTP door (voiced.doors.guard): the
+upgrade within `server.handshake_timeout_s`, and the `start` message within it again.
 """
 
 from __future__ import annotations
@@ -43,13 +45,13 @@ from voiced.audio.ingest import Format
 from voiced.core.calls import CallInputs, LiveCalls, log_event, run_call
 from voiced.core.errors import ErrorKind, SessionError
 from voiced.core.events import DTMF_DIGITS, AudioIn, AudioOut, Dtmf, HangupOut, ReplyInterrupted
-from voiced.doors.shared import door_address, last_words, tls_context
+from voiced.doors.guard import check_id, cut, serve_http
+from voiced.doors.shared import door_address, last_words, loads, tls_context
 
 log = logging.getLogger(__name__)
 
 FRONT = "media_ws"
 ENCODINGS = {"audio/x-mulaw": "MULAW", "audio/x-alaw": "ALAW"}  # Twilio sends mu-law; some copies A-law
-START_TIMEOUT_S = 10.0  # the far end sends connected and start as soon as the socket opens
 MAX_MESSAGE_BYTES = 1 << 20  # a 20 ms media message is ~250 bytes
 HANGUP_WAIT_S = 2.0  # past the audio still to play, how long a hangup waits for the far end's mark
 
@@ -92,9 +94,9 @@ def close_reason(text: str) -> bytes:
 
 def parse_message(text: str) -> dict:
     try:
-        msg = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise Fault(INVALID_DATA, f"a message is not JSON ({e.msg} at {e.pos})") from None
+        msg = loads(text)
+    except ValueError as e:
+        raise Fault(INVALID_DATA, f"a message is not JSON ({cut(e)})") from None
     if not isinstance(msg, dict) or not isinstance(msg.get("event"), str):
         raise Fault(POLICY, "a message has no \"event\"; every message is a JSON object with an event name")
     return msg
@@ -107,13 +109,22 @@ def _field(msg: dict, *path: str):
     return value
 
 
+def _typed(value, kind: type, what: str):
+    """`value` when it is of `kind` (or absent: None); a Fault (1008) naming the field otherwise."""
+    if value is not None and (not isinstance(value, kind) or isinstance(value, bool) and kind is not bool):
+        names = {dict: "an object", str: "a string", int: "a number"}
+        raise Fault(POLICY, f"{what} must be {names.get(kind, kind.__name__)}, not {type(value).__name__}")
+    return value
+
+
 def stream_format(start: dict) -> Format:
-    fmt = _field(start, "start", "mediaFormat") or {}
-    encoding = fmt.get("encoding", "audio/x-mulaw")
-    rate = fmt.get("sampleRate", 8000)
-    channels = fmt.get("channels", 1)
+    fmt = _typed(_field(start, "start", "mediaFormat"), dict, "start.mediaFormat") or {}
+    encoding = _typed(fmt.get("encoding"), str, "mediaFormat.encoding") or "audio/x-mulaw"
+    rate = _typed(fmt.get("sampleRate"), int, "mediaFormat.sampleRate") or 8000
+    channels = _typed(fmt.get("channels"), int, "mediaFormat.channels") or 1
     if encoding not in ENCODINGS:
-        raise Fault(POLICY, f"mediaFormat.encoding {encoding!r} is not supported; use audio/x-mulaw or audio/x-alaw")
+        raise Fault(POLICY, f"mediaFormat.encoding {cut(encoding)!r} is not supported; use audio/x-mulaw or "
+                            "audio/x-alaw")
     if rate != 8000 or channels != 1:
         raise Fault(POLICY, f"mediaFormat {rate} Hz x {channels} channels is not supported; use 8000 Hz mono")
     return Format(ENCODINGS[encoding], 8000)
@@ -137,14 +148,11 @@ class MediaStreamDoor:
 
     async def start(self) -> str:
         host, port = door_address(self.services, FRONT, self.settings.agent, self.listen)
-        app = web.Application()
+        app = web.Application(handler_args={"auto_decompress": False})  # no bodies here: nothing to unpack
         app.router.add_get("/{path:.*}", self._handle)
-        self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
-        await self._runner.setup()
         c = self.services.config.server
         tls = tls_context(c.tls_cert, c.tls_key)  # Twilio connects to wss:// only
-        self._site = web.TCPSite(self._runner, host, port, ssl_context=tls)
-        await self._site.start()
+        self._runner, self._site = await serve_http(app, host, port, tls, self.services, FRONT)
         bound = self._runner.addresses[0]
         self.address = f"{host}:{bound[1]}"
         log.info("media stream WebSocket door listening on %s://%s/", "wss" if tls else "ws", self.address)
@@ -221,7 +229,9 @@ class _Stream:
             if start is None:
                 return
             if not self.authenticated:
-                given = str((_field(start, "start", "customParameters") or {}).get("token", ""))
+                params = _field(start, "start", "customParameters")
+                given = params.get("token") if isinstance(params, dict) else None
+                given = given if isinstance(given, str) else ""
                 if not bearer_ok(f"Bearer {given}", self.services.config.server.auth_token):
                     raise Fault(POLICY, "missing or wrong token: send `Authorization: Bearer <token>` on the "
                                         "upgrade, or <Parameter name=\"token\"> in <Stream>", "unauthenticated")
@@ -269,12 +279,13 @@ class _Stream:
         return None  # CLOSE, CLOSING, CLOSED, ERROR
 
     async def _until_start(self) -> dict | None:
-        deadline = time.monotonic() + START_TIMEOUT_S
+        limit = self.services.config.server.handshake_timeout_s
+        deadline = time.monotonic() + limit
         while True:
             try:
-                msg = await asyncio.wait_for(self._receive(), max(0.0, deadline - time.monotonic()))
+                msg = await asyncio.wait_for(self._receive(), max(0.0, deadline - time.monotonic()) if limit else None)
             except TimeoutError:
-                raise Fault(POLICY, f"no start message within {START_TIMEOUT_S:g} s") from None
+                raise Fault(POLICY, f"no start message within {limit:g} s (server.handshake_timeout_s)") from None
             if msg is None:
                 log.info("%s: closed before the stream started", self._who())
                 return None
@@ -283,10 +294,14 @@ class _Stream:
                 continue
             if event != "start":
                 raise Fault(POLICY, f"{event!r} before start; a stream begins with connected and start")
-            self.stream_sid = str(msg.get("streamSid") or _field(msg, "start", "streamSid") or "")
-            self.call_sid = str(_field(msg, "start", "callSid") or "")
-            if not self.stream_sid:
+            stream_sid = _typed(msg.get("streamSid") or _field(msg, "start", "streamSid"), str, "streamSid") or ""
+            call_sid = _typed(_field(msg, "start", "callSid"), str, "start.callSid") or ""
+            if not stream_sid:
                 raise Fault(POLICY, "start has no streamSid")
+            for what, value in (("streamSid", stream_sid), ("start.callSid", call_sid)):
+                if (problem := check_id(value, what)) is not None:
+                    raise Fault(POLICY, problem)
+            self.stream_sid, self.call_sid = stream_sid, call_sid
             self.call_sid = self.call_sid or self.stream_sid
             return msg
 

@@ -32,7 +32,8 @@ from voiced.audio.files import ACCEPTED_NAMES, SPEECH_FORMATS, AudioFileError, S
 from voiced.audio.ingest import Format
 from voiced.core import speech
 from voiced.core.errors import ErrorKind, SessionError
-from voiced.core.spec import asr_options_for, check_language, tts_options_for
+from voiced.core.spec import MAX_TEXT_CHARS, asr_options_for, check_language, tts_options_for
+from voiced.doors.guard import TooLarge, cut, read_capped
 from voiced.doors.shared import OPENAI_VOICES, HttpError, from_session_error, json_body
 from voiced.doors.transcripts import RESPONSE_FORMATS, Recognized, render
 from voiced.engines.base import ASROptions, Transcript
@@ -44,6 +45,14 @@ SPEECH_RATE = 24000  # what OpenAI's clients expect: `pcm` is 24 kHz 16-bit mono
 ASR_ALIASES = ("whisper-1", "gpt-4o-transcribe", "gpt-4o-mini-transcribe", "gpt-4o-mini-transcribe-2025-12-15",
                "gpt-transcribe", "gpt-4o-transcribe-diarize")
 TTS_ALIASES = ("tts-1", "tts-1-hd", "gpt-4o-mini-tts", "gpt-4o-mini-tts-2025-12-15")
+MAX_JSON_BYTES = 1024 * 1024  # a speech request: 4096 characters and a few options
+MAX_FIELD_BYTES = 64 * 1024  # a text field of an upload (a prompt is at most 2000 characters)
+# /v1/audio/speech's fields and the JSON types each takes (OpenAI's API reference).
+SPEECH_FIELDS: dict[str, tuple] = {"model": (str,), "input": (str,), "voice": (str, dict),
+                                   "response_format": (str,), "stream_format": (str,), "speed": (int, float),
+                                   "instructions": (str,)}
+JSON_NAMES = {str: "a string", dict: "an object", int: "a number", float: "a number", list: "an array",
+              bool: "true or false"}
 WORD_TIMINGS = "words" in {f.name for f in fields(Transcript)}  # the engine reports word times
 # The recognition option that asks for them (named by the word-timing work when it lands).
 WORD_OPTION = next((n for n in ("word_timestamps", "words") if n in {f.name for f in fields(ASROptions)}), None)
@@ -140,33 +149,62 @@ class OpenAIAudio:
         if request.content_type != "multipart/form-data":
             raise HttpError(415, f"send multipart/form-data (a `file` field with the audio), not "
                             f"{request.content_type or 'no content type'}", code="unsupported_media_type")
-        limit = self.s.config.http.max_upload_bytes
+        c = self.s.config.http
+        limit = c.max_upload_bytes
         if request.content_length is not None and request.content_length > limit + 64 * 1024:
             raise HttpError(413, f"the upload is {request.content_length} bytes; this server takes files up to "
-                            f"{limit} bytes (http.max_upload_bytes)", param="file", code="file_too_large")
+                            f"{limit} bytes (http.max_upload_bytes)", param="file", code="file_too_large",
+                            close=True)
         fields_: dict[str, list[str]] = {}
         data: bytes | None = None
+        # Counted in what is read (a chunked body has no Content-Length): every part together, the file
+        # and its framing, at most limit + 64 KiB, as the header check above.
+        left = limit + 64 * 1024
+        count = 0
         try:
-            reader = await request.multipart()
-            while (part := await reader.next()) is not None:
-                name = part.name or ""
-                if name == "file":
-                    buf = bytearray()
-                    while chunk := await part.read_chunk(256 * 1024):
-                        buf += chunk
-                        if len(buf) > limit:
-                            raise HttpError(413, f"the file is larger than this server takes ({limit} bytes, "
-                                            "http.max_upload_bytes); send a shorter or more compressed clip",
-                                            param="file", code="file_too_large")
-                    data = bytes(buf)
-                else:
-                    value = await part.text()
-                    if len(value) > 64 * 1024:
-                        raise _bad(f"the field {name!r} is too long", name)
-                    fields_.setdefault(name.removesuffix("[]"), []).append(value)
+            async with asyncio.timeout(c.body_timeout_s or None):
+                reader = await request.multipart()
+                while (part := await reader.next()) is not None:
+                    count += 1
+                    if count > c.max_form_fields:
+                        raise _bad(f"the form has more than {c.max_form_fields} fields (http.max_form_fields); "
+                                   "send the file and the options this API takes", code="too_many_fields")
+                    name = part.name or ""
+                    if name == "file":
+                        value = await self._part(part, min(limit, left), "the file is larger than this server "
+                                                 f"takes ({limit} bytes, http.max_upload_bytes); send a shorter "
+                                                 "or more compressed clip", "file")
+                        data = value
+                    else:
+                        value = await self._part(part, min(MAX_FIELD_BYTES, left), f"the field {cut(name)!r} "
+                                                 f"is over {MAX_FIELD_BYTES} bytes", name)
+                        try:
+                            text = value.decode(part.get_charset(default="utf-8"))
+                        except (LookupError, UnicodeDecodeError):
+                            raise _bad(f"the field {cut(name)!r} is not text", name) from None
+                        fields_.setdefault(name.removesuffix("[]"), []).append(text)
+                    left -= len(value)
+        except TimeoutError:
+            raise HttpError(408, f"the upload did not arrive within {c.body_timeout_s:g} s (http.body_timeout_s)",
+                            code="request_timeout", close=True) from None
         except (ValueError, AssertionError) as e:  # aiohttp's multipart parser on a malformed body
-            raise _bad(f"the multipart body cannot be read ({e})") from None
+            raise _bad(f"the multipart body cannot be read ({cut(e)})") from None
         return fields_, data
+
+    @staticmethod
+    async def _part(part, limit: int, too_large: str, param: str) -> bytes:
+        encoding = part.headers.get("Content-Encoding", "identity").strip().lower()
+        if encoding not in ("", "identity"):
+            raise HttpError(415, f"the part {cut(param)!r} has Content-Encoding {cut(encoding)!r}; send it "
+                            "uncompressed", param=param, code="unsupported_content_encoding", close=True)
+        buf = bytearray()
+        while chunk := await part.read_chunk(64 * 1024):
+            buf += chunk
+            if len(buf) > limit:
+                raise HttpError(413, too_large, param=param, code="file_too_large" if param == "file"
+                                else "request_too_large", close=True)
+        # A Content-Transfer-Encoding (base64, quoted-printable) only shrinks what is read.
+        return bytes(part.decode(buf)) if part.headers.get("Content-Transfer-Encoding") else bytes(buf)
 
     async def _recognize(self, request: web.Request, task: str) -> web.StreamResponse:
         form, data = await self._form(request)
@@ -260,9 +298,24 @@ class OpenAIAudio:
         if request.content_type != "application/json":
             raise HttpError(415, f"send a JSON body (Content-Type: application/json), not "
                             f"{request.content_type or 'no content type'}", code="unsupported_media_type")
-        if request.content_length is not None and request.content_length > 1024 * 1024:
-            raise HttpError(413, "the request body is over 1 MiB", code="request_too_large")
-        body = json_body(await request.text())
+        if request.content_length is not None and request.content_length > MAX_JSON_BYTES:
+            raise HttpError(413, "the request body is over 1 MiB", code="request_too_large", close=True)
+        try:
+            raw = await read_capped(request.content, MAX_JSON_BYTES, self.s.config.http.body_timeout_s)
+        except TooLarge:
+            raise HttpError(413, "the request body is over 1 MiB", code="request_too_large", close=True) from None
+        except TimeoutError:
+            raise HttpError(408, f"the body did not arrive within {self.s.config.http.body_timeout_s:g} s "
+                            "(http.body_timeout_s)", code="request_timeout", close=True) from None
+        try:
+            body = json_body(raw.decode(request.charset or "utf-8"))
+        except (LookupError, UnicodeDecodeError):
+            raise _bad("the body is not UTF-8 text") from None
+        for name, kinds in SPEECH_FIELDS.items():
+            if body.get(name) is not None and (not isinstance(body[name], kinds) or isinstance(body[name], bool)
+                                               and bool not in kinds):
+                raise _bad(f"{name} must be {' or '.join(JSON_NAMES[k] for k in kinds)}, not "
+                           f"{JSON_NAMES.get(type(body[name]), type(body[name]).__name__)}", name, "invalid_type")
         self.s.check_ready(need_tts=True)
         self._check_model("tts", body.get("model"))
         text = body.get("input")
@@ -287,7 +340,7 @@ class OpenAIAudio:
             opts = tts_options_for(self.s.config, voice=voice)
         except SessionError as e:
             raise from_session_error(e) from None
-        chunks = speech.synthesize(self.s, text, opts, Format("LINEAR16", SPEECH_RATE))
+        chunks = _synthesize_pieces(self.s, _pieces(text, MAX_TEXT_CHARS), opts)
         async with contextlib.aclosing(chunks):
             try:
                 first = await anext(chunks)  # the status line waits for the first chunk: errors are statuses
@@ -338,6 +391,29 @@ class OpenAIAudio:
             except SessionError as e:
                 await sse.send(json.dumps(from_session_error(e).body()))
         return sse
+
+
+def _pieces(text: str, limit: int) -> list[str]:
+    """`text` in pieces of at most `limit` characters (the core's one request), each cut after the last
+    sentence end or space that fits, so `http.max_input_chars` may be above the core's limit."""
+    pieces = []
+    while len(text) > limit:
+        head = text[:limit]
+        at = max(head.rfind(". "), head.rfind("! "), head.rfind("? "), head.rfind("\n"))
+        at = at + 1 if at > limit // 2 else head.rfind(" ")
+        at = at if at > 0 else limit
+        pieces.append(text[:at].strip())
+        text = text[at:]
+    return [p for p in pieces + [text.strip()] if p]
+
+
+async def _synthesize_pieces(services, pieces: list[str], opts):
+    """speech.synthesize over each piece in turn, as one stream of chunks."""
+    for piece in pieces:
+        async with contextlib.aclosing(speech.synthesize(services, piece, opts, Format("LINEAR16", SPEECH_RATE))) \
+                as chunks:
+            async for chunk in chunks:
+                yield chunk
 
 
 def _pcm(data: bytes):

@@ -19,9 +19,13 @@ How the interface maps onto the daemon:
   reply cancels it (barge-in), unless interrupt_response is false.
 - A `session.update` that changes the audio pipeline after audio has flowed restarts it (the agent's
   memory of the conversation starts afresh); voice and instructions changes take the same path.
-- Audio sent before the first `session.update`, binary frames, unknown or malformed events get an
-  `error` event and the connection goes on; refusal (busy, loading, draining) is an `error` event
-  and a close with 1013 (try again later); the agent ending the call closes with 1000.
+- Audio sent before the first `session.update`, binary frames, unknown or malformed events (a field of
+  the wrong JSON type too) get an `error` event and the connection goes on; refusal (busy, loading,
+  draining) is an `error` event and a close with 1013 (try again later); the agent ending the call
+  closes with 1000.
+- A connection holds a session place from its upgrade, so it is held to the session's idle limit from
+  then: the first message within `server.handshake_timeout_s`, each next one within
+  `server.idle_timeout_s` (pings do not count), or an `error` event (`idle_timeout`) and close 1008.
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ from voiced.core.spec import asr_options_for, check_language, segmentation_for
 from voiced.core.speech import resolve_voice
 from voiced.doors import realtime_events as rt
 from voiced.doors.realtime_events import EventError, RealtimeConfig, TurnDetection
-from voiced.doors.shared import INTERNAL_MESSAGE, OPENAI_VOICES, HttpError, last_words
+from voiced.doors.shared import INTERNAL_MESSAGE, OPENAI_VOICES, HttpError, last_words, loads
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +87,8 @@ class _Response:
     transcript: str = ""
     audio_done: bool = False
     cancelled_by_client: bool = False
+    answers: str = ""  # the user item it answers: response.metadata.item_id (a reply may come after the next
+    # turn began, so the latest user item is not always the one answered)
 
 
 @dataclass
@@ -119,6 +125,7 @@ class RealtimeConnection:
         self._closing: tuple[int, str] | None = None
         self._closer: asyncio.Future | None = None
         self.turns: dict[int, _Turn] = {}  # core turn id -> its user item
+        self.heard: dict[int, str] = {}  # core turn id -> its user item, heard and not answered yet
         self.last_item: str | None = None
         self.response: _Response | None = None
         self.buffer = bytearray()  # push-to-talk audio awaiting commit
@@ -161,7 +168,19 @@ class RealtimeConnection:
             await last_words(self.ws.close(code=code, message=reason[:120].encode()), self.transport)
 
     async def _read(self) -> None:
-        async for msg in self.ws:
+        c = self.s.config.server
+        limit, key, hint = c.handshake_timeout_s, "server.handshake_timeout_s", "send session.update first"
+        while True:
+            try:
+                msg = await self.ws.receive(timeout=limit or None)
+            except TimeoutError:
+                message = f"no message from the caller for {limit:g} s ({key}); {hint}"
+                log.info("realtime connection closed: %s", message)
+                await self.error("idle_timeout", message)
+                self._closing = (WSCloseCode.POLICY_VIOLATION, message)
+                break
+            limit, key = c.idle_timeout_s, "server.idle_timeout_s"
+            hint = "send audio while the connection is open, or close it between conversations"
             if msg.type == WSMsgType.TEXT:
                 await self._on_text(msg.data)
             elif msg.type == WSMsgType.BINARY:
@@ -175,11 +194,19 @@ class RealtimeConnection:
     async def _on_text(self, text: str) -> None:
         try:
             try:
-                raw = json.loads(text)
+                raw = loads(text)
             except ValueError as e:
                 raise EventError("invalid_json", f"the message is not valid JSON ({e})") from None
             event = rt.parse_client_event(raw)
-            await self._dispatch(event)
+            try:
+                await self._dispatch(event)
+            except (TypeError, AttributeError, KeyError) as e:
+                # A field of a JSON type no check above foresaw: the caller's error all the same.
+                log.info("realtime: %s event with a field of the wrong type (%s: %s)", event.get("type"),
+                         type(e).__name__, e)
+                raise EventError("invalid_type", f"a field of {event.get('type')} has the wrong JSON type "
+                                 f"({type(e).__name__}: {e}); see the Realtime API reference", None,
+                                 event.get("event_id")) from None
         except EventError as e:
             await self.error(e.code, e.message, param=e.param, event_id=e.event_id)
 
@@ -463,6 +490,9 @@ class RealtimeConnection:
         turn = self.turns.pop(ev.turn_id, None)
         if turn is None:
             return
+        if dropped is None:
+            self.heard = {t: item for t, item in self.heard.items() if t > ev.turn_id - 16}  # a few unanswered
+            self.heard[ev.turn_id] = turn.item_id
         if dropped is not None:
             await self.send({"type": "conversation.item.input_audio_transcription.failed", "item_id": turn.item_id,
                              "content_index": 0, "error": {"type": "transcription_error", "code": "likely_hallucination",
@@ -480,7 +510,8 @@ class RealtimeConnection:
     async def _open_response(self, turn_id: int) -> _Response:
         if self.response is not None:
             return self.response
-        r = self.response = _Response(self.ids.new("resp"), self.ids.new("item"), turn_id)
+        r = self.response = _Response(self.ids.new("resp"), self.ids.new("item"), turn_id,
+                                      answers=self.heard.pop(turn_id, ""))
         await self.send({"type": "response.created", "response": self._response(r, "in_progress")})
         item = rt.assistant_item(r.item_id, None, "in_progress")
         await self.send({"type": "response.output_item.added", "response_id": r.response_id, "output_index": 0,
@@ -494,8 +525,11 @@ class RealtimeConnection:
     def _response(self, r: _Response, status: str, **kw) -> dict:
         output = [rt.assistant_item(r.item_id, r.transcript, "completed" if status == "completed" else
                                     "incomplete")] if status != "in_progress" else []
-        return rt.response_object(r.response_id, status, output=output, voice=self.cfg.voice,
+        resp = rt.response_object(r.response_id, status, output=output, voice=self.cfg.voice,
                                   output_format=self.cfg.output_format, **kw)
+        if r.answers:
+            resp["metadata"] = {"item_id": r.answers}
+        return resp
 
     async def _transcript_delta(self, r: _Response, delta: str) -> None:
         if delta:

@@ -179,7 +179,7 @@ def _format(obj, where: str, event_id) -> str | None:
     if not isinstance(obj, dict):
         raise EventError("invalid_type", f"{where} must be an object such as {{\"type\": \"audio/pcm\", \"rate\": 24000}}",
                          where, event_id)
-    kind = obj.get("type", "audio/pcm")
+    kind = _need(obj, "type", str, where, event_id, required=False) or "audio/pcm"
     if kind not in AUDIO_FORMATS:
         raise EventError("invalid_value", f"{where}.type {kind!r} is not served; use audio/pcm (24 kHz), "
                          "audio/pcmu or audio/pcma (8 kHz G.711)", f"{where}.type", event_id)
@@ -270,7 +270,7 @@ def _turn_detection(td, defaults: TurnDetection, event_id) -> TurnDetection | No
                              f"{where}.{key}", event_id)
         setattr(out, key, value if key == "threshold" else int(value))
     if td.get("interrupt_response") is not None:
-        out.interrupt_response = bool(td["interrupt_response"])
+        out.interrupt_response = _need(td, "interrupt_response", bool, where, event_id)
     return out
 
 

@@ -98,9 +98,10 @@ class HttpError(Exception):
     """An error for the caller, in OpenAI's shape; raise it from any HTTP handler."""
 
     def __init__(self, status: int, message: str, *, code: str | None = None, param: str | None = None,
-                 type: str | None = None):
+                 type: str | None = None, close: bool = False):
         super().__init__(message)
         self.status, self.message, self.code, self.param = status, message, code, param
+        self.close = close  # end the connection after the answer: a body left unread is not drained
         self.type = type or _STATUS_TYPE.get(status, "invalid_request_error" if status < 500 else "server_error")
 
     def body(self) -> dict:
@@ -110,7 +111,10 @@ class HttpError(Exception):
         from aiohttp import web
 
         headers = {"WWW-Authenticate": 'Bearer realm="voiced"'} if self.status == 401 else None
-        return web.json_response(self.body(), status=self.status, headers=headers)
+        response = web.json_response(self.body(), status=self.status, headers=headers)
+        if self.close:
+            response.force_close()
+        return response
 
 
 def from_session_error(e: SessionError, param: str | None = None) -> HttpError:
@@ -119,10 +123,19 @@ def from_session_error(e: SessionError, param: str | None = None) -> HttpError:
     return HttpError(status, message, code=e.kind.value, param=param, type=kind_type)
 
 
+def loads(text: str | bytes):
+    """json.loads for a caller's text: nesting too deep for the parser (RecursionError) is a ValueError
+    like any other malformed JSON."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
+
+
 def json_body(text: str) -> dict:
     """A JSON object from a request body, or a 400 that says what is wrong with it."""
     try:
-        body = json.loads(text)
+        body = loads(text)
     except ValueError as e:
         raise HttpError(400, f"the body is not valid JSON ({e})") from None
     if not isinstance(body, dict):

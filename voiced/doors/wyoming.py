@@ -24,6 +24,16 @@ failure is answered with the protocol's `error` event (`code` = the core's Error
 connection only. So does a caller that stops reading: what waits for it is bounded by
 `server.max_outbound_bytes` (a recognition's through its session, a synthesis's through
 voiced.core.outbound.deliver), and past it the request ends with `over_capacity`, giving its place back.
+
+What a caller may make the door read is bounded before it is read (`read_event`; Wyoming has no
+authentication, and a header declaring a 1 GB payload once made the daemon read all of it): a header line
+of at most 64 KiB, `data_length` and `payload_length` at most `server.max_message_bytes` (over it: `error`,
+code `bad_input`, and the connection closes without reading the rest), the event's bytes within
+`server.handshake_timeout_s` of its first, the first event within that too, and the next within
+`server.idle_timeout_s` while no request of the connection is in progress (`error`, code `timeout`).
+Audio is read no faster than the recognition takes it (a queue of a few chunks), and one audio stream
+holds at most `MAX_STREAM_S` of audio. Connections count against `server.max_connections[_per_door]`
+(over them: `error`, code `over_capacity`, then close).
 """
 
 from __future__ import annotations
@@ -36,7 +46,7 @@ from collections.abc import AsyncIterator
 from wyoming.asr import Transcribe, Transcript, TranscriptChunk, TranscriptStart, TranscriptStop
 from wyoming.audio import AudioChunk, AudioStart, AudioStop
 from wyoming.error import Error
-from wyoming.event import async_read_event
+from wyoming.event import Event, async_write_event
 from wyoming.info import AsrModel, AsrProgram, Attribution, Describe, Info, SelectProgram, TtsProgram, TtsVoice
 from wyoming.ping import Ping, Pong
 from wyoming.server import AsyncEventHandler
@@ -50,8 +60,9 @@ from voiced.core.events import AudioIn, NoticeOut, TalkEnd, TalkStart, Transcrip
 from voiced.core.outbound import EVENT_BYTES, deliver
 from voiced.core.session import Session
 from voiced.core.spec import check_language, segmentation_for, tts_options_for
-from voiced.core.speech import list_voices, synthesize
-from voiced.doors.shared import DoorError, last_words, split_address
+from voiced.core.speech import MAX_CLIP_S, list_voices, synthesize
+from voiced.doors.guard import connections, cut
+from voiced.doors.shared import DoorError, last_words, loads, split_address
 from voiced.text import SentenceBuffer
 
 log = logging.getLogger(__name__)
@@ -60,6 +71,9 @@ FRONT = "wyoming"
 PROGRAM = "voiced"
 PCM16K = Format("LINEAR16", RATE)
 OUT_WIDTH, OUT_CHANNELS = 2, 1  # what the engines' audio leaves as: 16 kHz 16-bit mono
+MAX_LINE_BYTES = 64 * 1024  # an event's header line (asyncio's stream limit); an audio header is ~100 bytes
+MAX_STREAM_S = MAX_CLIP_S  # audio of one audio-start..audio-stop: what one-shot recognition takes
+QUEUED_CHUNKS = 8  # audio read ahead of the recognition; past it the door stops reading the socket
 
 VOICED = ("voiced", "")  # the project publishes no URL yet; the field is required
 WHISPER = ("OpenAI", "https://github.com/openai/whisper")
@@ -89,8 +103,10 @@ def build_info(services) -> Info:
     if services.tts is not None:
         tts = services.tts.engine
         languages = list(tts.languages)
-        voices = [TtsVoice(name=v.name, attribution=Attribution(*SPARK_TTS), installed=True, version=None,
-                           description=f"{v.name} ({v.description})", languages=languages)
+        # The engine names its makers (Piper's voices: their own language each); Spark-TTS's engines do not.
+        maker = Attribution(*getattr(tts, "attribution", SPARK_TTS))
+        voices = [TtsVoice(name=v.name, attribution=maker, installed=True, version=None,
+                           description=f"{v.name} ({v.description})", languages=getattr(v, "languages", None) or languages)
                   for v in list_voices(services)]
         info.tts.append(TtsProgram(
             name=PROGRAM, attribution=ours, installed=True, version=version,
@@ -98,6 +114,56 @@ def build_info(services) -> Info:
             voices=voices, supports_synthesize_streaming=True,
         ))
     return info
+
+
+# ---------------------------------------------------------------------------- reading, bounded
+
+
+async def first_byte(reader: asyncio.StreamReader) -> bytes:
+    """The first byte of the next event (b"" at the end of the stream): the wait for it is the idle one."""
+    return await reader.read(1)
+
+
+async def read_event(reader: asyncio.StreamReader, first: bytes, max_bytes: int) -> Event | None:
+    """The event whose first byte is `first` (None at the end of the stream), as wyoming's
+    async_read_event reads it, except that its lengths are checked before anything they declare is read:
+    SessionError (BAD_INPUT) for a header that is not an event or declares more than `max_bytes`."""
+    try:
+        line = first + await reader.readline()
+    except ValueError:  # asyncio's LimitOverrunError: no newline within MAX_LINE_BYTES
+        raise invalid(f"an event's header line is over {MAX_LINE_BYTES} bytes") from None
+    if not line.endswith(b"\n"):
+        return None  # the stream ended inside the header
+    try:
+        header = loads(line)
+    except ValueError as e:
+        raise invalid(f"unreadable event: the header is not JSON ({cut(e)})") from None
+    if not isinstance(header, dict) or not isinstance(header.get("type"), str):
+        raise invalid("unreadable event: the header must be a JSON object with a \"type\" string")
+    data = header.get("data", {})
+    if not isinstance(data, dict):
+        raise invalid(f"unreadable event: {cut(header['type'])} has \"data\" that is not an object")
+    lengths = []
+    for key in ("data_length", "payload_length"):
+        n = header.get(key) or 0
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise invalid(f"unreadable event: {key} must be a byte count, not {cut(repr(n))}")
+        if n > max_bytes:
+            raise invalid(f"{cut(header['type'])} declares a {key} of {n} bytes; this server takes events up to "
+                          f"{max_bytes} bytes (server.max_message_bytes)")
+        lengths.append(n)
+    try:
+        if lengths[0]:
+            extra = loads(await reader.readexactly(lengths[0]))
+            if not isinstance(extra, dict):
+                raise invalid(f"unreadable event: {cut(header['type'])}'s data is not a JSON object")
+            data.update(extra)
+        payload = await reader.readexactly(lengths[1]) if lengths[1] else None
+    except asyncio.IncompleteReadError:
+        return None  # the stream ended inside the event
+    except ValueError as e:
+        raise invalid(f"unreadable event: its data is not JSON ({cut(e)})") from None
+    return Event(type=header["type"], data=data, payload=payload)
 
 
 # ---------------------------------------------------------------------------- the door
@@ -119,7 +185,8 @@ class WyomingDoor:
         self._connections: dict[asyncio.Task, _Handler] = {}
 
     async def start(self) -> str:
-        self._server = await asyncio.start_server(self._connected, self.host, self.port)
+        self._gate = connections(self.services)
+        self._server = await asyncio.start_server(self._connected, self.host, self.port, limit=MAX_LINE_BYTES)
         host, port = self._server.sockets[0].getsockname()[:2]
         self.address = f"tcp://{host}:{port}"
         log.info("wyoming: listening on %s", self.address)
@@ -146,6 +213,14 @@ class WyomingDoor:
     async def _connected(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = writer.get_extra_info("peername")
         peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
+        release = self._gate.hold(FRONT)
+        if release is None:
+            self.services.count_error(FRONT, ErrorKind.OVER_CAPACITY.value)
+            with contextlib.suppress(Exception):
+                event = Error(text=self._gate.refusal(FRONT), code=ErrorKind.OVER_CAPACITY.value).event()
+                await last_words(async_write_event(event, writer), writer.transport, grace=1.0)
+            writer.close()
+            return
         handler = _Handler(self.services, reader, writer, peer)
         task = asyncio.current_task()
         self._connections[task] = handler
@@ -154,6 +229,7 @@ class WyomingDoor:
             await handler.run()
         finally:
             del self._connections[task]
+            release()
             log.debug("wyoming %s: disconnected", peer)
 
 
@@ -173,20 +249,23 @@ class _Handler(AsyncEventHandler):
         self._closing = False
 
     async def run(self) -> None:
-        # AsyncEventHandler.run, except that an unreadable event is answered before the connection ends.
+        # AsyncEventHandler.run, except that every read is bounded (read_event) and an unreadable event
+        # is answered before the connection ends.
         self._is_running = True
+        c = self.services.config.server
+        first = True
         try:
             while self._is_running:
                 try:
-                    event = await async_read_event(self.reader)  # invalid JSON reads as the end
+                    event = await self._next_event(c, first)
                 except OSError as e:  # the socket's own fault (a reset, a keepalive timeout): nothing to answer
                     log.info("wyoming %s: connection lost: %s: %s", self.peer, type(e).__name__, e)
                     break
-                except Exception as e:  # a header that is JSON but not an event: a list, no "type"
-                    log.info("wyoming %s: unreadable event (%s: %s); closing the connection",
-                             self.peer, type(e).__name__, e)
-                    await self.send_error(invalid(f"unreadable event: {type(e).__name__}: {e}"))
+                except SessionError as e:  # too large, too slow, or not an event at all
+                    log.info("wyoming %s: %s; closing the connection", self.peer, e.message)
+                    await self.send_error(e)
                     break
+                first = False
                 if event is None or not await self.handle_event(event):
                     break
         finally:
@@ -194,6 +273,36 @@ class _Handler(AsyncEventHandler):
             self.writer.close()
 
     # ------------------------------------------------------------------ events in
+
+    async def _next_event(self, c, first: bool) -> Event | None:
+        """The next event, its first byte within the handshake (first event) or idle limit (while no
+        request of this connection is in progress), the rest within the handshake limit."""
+        limit, key = (c.handshake_timeout_s, "server.handshake_timeout_s") if first else \
+            (c.idle_timeout_s, "server.idle_timeout_s")
+        while True:
+            deadline = asyncio.timeout(limit or None)
+            try:
+                async with deadline:
+                    start = await first_byte(self.reader)
+                break
+            except TimeoutError:
+                if not deadline.expired():
+                    raise  # the socket's own (a keepalive timeout): the connection is lost
+                if not first and any(not t.done() for t in self._tasks):
+                    continue  # a request is being answered: the caller waits for it, as it may
+                raise SessionError(ErrorKind.TIMEOUT, f"no event from the caller for {limit:g} s ({key}); "
+                                                      "send the next event, or close the connection") from None
+        if not start:
+            return None
+        deadline = asyncio.timeout(c.handshake_timeout_s or None)
+        try:
+            async with deadline:
+                return await read_event(self.reader, start, c.max_message_bytes)
+        except TimeoutError:
+            if not deadline.expired():
+                raise
+            raise SessionError(ErrorKind.TIMEOUT, f"an event did not arrive whole within "
+                                                  f"{c.handshake_timeout_s:g} s (server.handshake_timeout_s)") from None
 
     async def handle_event(self, event) -> bool:
         try:
@@ -235,7 +344,7 @@ class _Handler(AsyncEventHandler):
             self._recognition = _Recognition(self, language, start, converter, after=self._recognition)
         elif AudioChunk.is_type(kind):
             chunk = AudioChunk.from_event(event)
-            return self._audio("audio-chunk").feed(chunk)
+            return await self._audio("audio-chunk").feed(chunk)
         elif AudioStop.is_type(kind):
             return self._audio("audio-stop").stop()
         elif SynthesizeStart.is_type(kind):
@@ -345,10 +454,13 @@ class _Recognition:
         self._language = language
         self._start = start
         self._converter = converter
-        self._inputs: asyncio.Queue = asyncio.Queue()  # the session's reader drains it as it fills
+        # The session's reader drains it as it fills; at QUEUED_CHUNKS the door stops reading the socket.
+        self._inputs: asyncio.Queue = asyncio.Queue()
+        self._taken = asyncio.Event()
+        self._samples = 0  # at 16 kHz, after conversion
         self.task = handler.spawn(self._run(after), "transcribe")
 
-    def feed(self, chunk: AudioChunk) -> bool:
+    async def feed(self, chunk: AudioChunk) -> bool:
         if self.task.done():
             return False  # refused or failed: the error went out, the connection is ending
         c = self._converter
@@ -359,7 +471,20 @@ class _Recognition:
                 c = self._converter = PcmConverter(chunk.rate, chunk.width, chunk.channels)
             except AudioFormatError as e:
                 raise invalid(f"audio-chunk: {e}") from None
-        self._put(c.feed(chunk.audio))
+        pcm = c.feed(chunk.audio)
+        self._samples += len(pcm)
+        if self._samples > MAX_STREAM_S * RATE:
+            raise invalid(f"the audio stream is over {MAX_STREAM_S} s; send audio-stop within {MAX_STREAM_S} s "
+                          "of audio-start, and longer audio as several streams")
+        while self._inputs.qsize() >= QUEUED_CHUNKS and not self.task.done():
+            # The recognition takes a chunk, or ends (a refusal, a failure), which ends this stream.
+            self._taken.clear()
+            taken = asyncio.ensure_future(self._taken.wait())
+            await asyncio.wait([taken, self.task], return_when=asyncio.FIRST_COMPLETED)
+            taken.cancel()
+        if self.task.done():
+            return False
+        self._put(pcm)
         return True
 
     def stop(self) -> bool:
@@ -378,6 +503,7 @@ class _Recognition:
     async def _events(self) -> AsyncIterator:
         yield TalkStart()
         while (item := await self._inputs.get()) is not None:
+            self._taken.set()
             yield item
 
     async def _run(self, after: _Recognition | None) -> None:
