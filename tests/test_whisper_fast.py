@@ -6,6 +6,7 @@ in float32 on the CPU against `AudioEncoder.forward` and `TextDecoder.step`.
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import sys
 from pathlib import Path
@@ -18,24 +19,14 @@ sys.path.insert(0, str(Path(__file__).parent))
 from whisper_fixtures import assert_float32_close, make_openai_checkpoint, random_state_dict, tiny_dims
 
 from voiced.engines.base import ASROptions, ASRRequest
+from voiced.engines.whisper.align_graphs import ALIGN_GRAPH_ROWS, ALIGN_GRAPH_TOKENS
 from voiced.engines.whisper.audio import N_SAMPLES, log_mel_spectrogram
-from voiced.engines.whisper.engine import (
-    WhisperEngine,
-    _Active,
-    align_graph_needs,
-    build_model,
-    memory_need,
-    prefill_graph_needs,
-)
-from voiced.engines.whisper.fast import (
-    ALIGN_GRAPH_ROWS,
-    ALIGN_GRAPH_TOKENS,
-    SMALL_BATCH,
-    FastDecoder,
-    FastEncoder,
-    Prefills,
-)
+from voiced.engines.whisper.engine import WhisperEngine, _Active, build_model
+from voiced.engines.whisper.fast_decoder import SMALL_BATCH, FastDecoder
+from voiced.engines.whisper.fast_encoder import FastEncoder
+from voiced.engines.whisper.memory import align_graph_needs, memory_need, prefill_graph_needs
 from voiced.engines.whisper.model import KVCache
+from voiced.engines.whisper.prefill_graphs import Prefills
 
 
 def test_fast_encoder_equals_reference_forward():
@@ -53,7 +44,7 @@ def test_fast_encoder_equals_reference_forward():
 def test_encoder_pass_leaves_the_cross_keys_values_write_cross_makes(tmp_path):
     """The encoder pass with the decoder's cross projections (`FastEncoder.encode`, the GPU's pass, here in
     float32 on the CPU) leaves in `cross_out[:, :, :b]` what `TextDecoder.write_cross` writes for the same
-    features, exactly (the same Linear calls); a smaller bucket writes its own prefix. The engine's
+    features, exactly (the same Linear calls); a smaller bucket writes its own prefix. The admission's
     `_copy_cross` copies them into an admission's rows (requests of 3, 1 and 2 beams: every beam row
     holds its request's), touching no other slot."""
     dims = tiny_dims(n_mels=80, n_text_layer=3)
@@ -69,11 +60,12 @@ def test_encoder_pass_leaves_the_cross_keys_values_write_cross_makes(tmp_path):
             assert torch.equal(enc.cross_out[0, :, :b], cache.cross_k) and torch.equal(enc.cross_out[1, :, :b], cache.cross_v)
         ckpt = make_openai_checkpoint(tmp_path, seed=4, n_text_layer=3)
         eng = WhisperEngine.load(ckpt, max_batch=12)
-        eng.fast_encoder = FastEncoder(eng.model.encoder, dims.n_mels, cross=eng.model.decoder, cross_rows=4)
-        eng.fast_encoder.cross_out.normal_(generator=torch.Generator().manual_seed(1))
+        enc = eng.admission.fast_encoder = FastEncoder(eng.model.encoder, dims.n_mels, cross=eng.model.decoder,
+                                                       cross_rows=4)
+        enc.cross_out.normal_(generator=torch.Generator().manual_seed(1))
         part = [_Active(i, None, None, rows, 0.0, i) for i, rows in enumerate([[2, 3, 4], [5], [6, 7]])]
-        eng._copy_cross(part)
-        kv = eng.fast_encoder.cross_out
+        eng.admission._copy_cross(part)
+        kv = enc.cross_out
         for i, r in enumerate(part):
             for row in r.rows:
                 assert torch.equal(eng.cache.cross_k[:, row], kv[0, :, i]) and torch.equal(eng.cache.cross_v[:, row], kv[1, :, i])
@@ -82,8 +74,8 @@ def test_encoder_pass_leaves_the_cross_keys_values_write_cross_makes(tmp_path):
 
 
 def test_the_cross_keys_values_buffer_is_counted_in_the_memory_need():
-    """With the cross keys/values made in the encoder's pass, its buffer (every decoder layer, the largest
-    encoder bucket's rows) is held on a GPU with the graphs on or off; not without them, nor on the CPU."""
+    """The encoder pass's cross keys/values buffer (every decoder layer, the largest encoder bucket's rows) is
+    held on a GPU with the graphs or without them; not on the CPU, whose modules write the cache directly."""
     dims = tiny_dims(n_mels=80, n_text_layer=3)
     kw = dict(dtype=torch.float16, weight_bytes=1000, max_batch=64, max_encoder_batch=16)
     want = 2 * 3 * 16 * dims.n_audio_ctx * dims.n_text_state * 2
@@ -92,9 +84,8 @@ def test_the_cross_keys_values_buffer_is_counted_in_the_memory_need():
         return [(n.bytes, n.transient) for n in memory_need(dims, **kw, **more).items if "cross keys/values out" in n.what]
 
     for graphs in (True, False):
-        assert held(cuda=True, cuda_graphs=graphs, cross_in_encoder=True) == [(want, False)]
-        assert held(cuda=True, cuda_graphs=graphs) == []
-    assert held(cuda=False, cross_in_encoder=True) == []
+        assert held(cuda=True, cuda_graphs=graphs) == [(want, False)]
+    assert held(cuda=False) == []
 
 
 def _decoder_fixture(seed: int = 3, slots: int = 6):
@@ -210,7 +201,7 @@ def test_fused_qkv_keeps_one_copy_of_the_weights():
 def test_engine_with_fast_decoder_transcribes_like_the_reference(tmp_path):
     """The whole engine on the CPU with the fused decoder step (its default there too): the same tokens
     as the reference step for greedy decoding, beam search (cache reordering) and timestamps."""
-    from voiced.bench.whisper_bench import test_audio
+    from voiced.engines.random_weights import chirps
 
     ckpt = make_openai_checkpoint(tmp_path, n_mels=80, seed=11, eot_boost=9.0)
     ref = WhisperEngine.load(ckpt, max_batch=6, fast_decoder=False)
@@ -218,7 +209,7 @@ def test_engine_with_fast_decoder_transcribes_like_the_reference(tmp_path):
     assert ref.fast_decoder is None and fast.fast_decoder is not None and not fast.fast_decoder.compiled
     opts = [ASROptions(language="en", max_new_tokens=20), ASROptions(language="en", max_new_tokens=16, beam_size=3),
             ASROptions(language="en", max_new_tokens=16, timestamps=True)]
-    for audio, o in zip(test_audio(3, seconds=3.0, seed=2), opts):
+    for audio, o in zip(chirps(3, seconds=3.0, seed=2), opts):
         assert fast.transcribe(ASRRequest(audio, o)).tokens == ref.transcribe(ASRRequest(audio, o)).tokens
 
 
@@ -277,87 +268,57 @@ def test_prefills_padded_pass_writes_what_the_prefill_writes():
 
 def test_prefill_graphs_are_counted_in_the_memory_need():
     """The prefill graphs' inputs and outputs (held) and capture transients (a step transient) enter the
-    engine's memory need on a GPU only when they are on, and nothing changes on the CPU."""
+    engine's memory need on a GPU with CUDA graphs; an eager GPU engine and the CPU hold none."""
     dims = tiny_dims(n_mels=80)
     kw = dict(dtype=torch.float16, weight_bytes=1000, max_batch=64, max_encoder_batch=16)
-    off, on = (memory_need(dims, cuda=True, prefill_graphs=p, **kw) for p in (False, True))
-    added = [n for n in on.items if n.what not in {m.what for m in off.items}]
-    assert [n.what.split(":")[0] for n in added] == ["prefill graphs", "prefill graphs"]
+    on = memory_need(dims, cuda=True, **kw)
+    added = [n for n in on.items if n.what.startswith("prefill graphs")]
+    assert [n.transient for n in added] == [False, True]
     assert sum(n.bytes for n in added) == sum(n.bytes for n in prefill_graph_needs(dims, 2, [1, 2, 4, 8, 16]))
     assert all(n.bytes > 16 * dims.n_vocab * 4 for n in added)
     # the capture transients come from the graph pool's reuse of the encoder's: no growth of the total
     # beyond the held inputs and outputs while the admission's own transient is the larger
-    assert on.total - off.total == sum(n.bytes for n in added if not n.transient)
-    cpu = [memory_need(dims, cuda=False, prefill_graphs=p, **kw).items for p in (False, True)]
-    assert cpu[0] == cpu[1]
+    without = [n for n in on.items if not n.what.startswith("prefill graphs")]
+    assert on.total - sum(n.bytes for n in added if not n.transient) == sum(n.bytes for n in without if not n.transient) \
+        + max(n.bytes for n in without if n.transient)
+    for eager in (memory_need(dims, cuda=True, cuda_graphs=False, **kw), memory_need(dims, cuda=False, **kw)):
+        assert not any(n.what.startswith("prefill graphs") for n in eager.items)
 
 
 def test_word_timing_graphs_are_counted_in_the_memory_need():
     """The word-timing graphs' inputs and one bucket's outputs (held, growing with the heads read) and their
-    capture transients (a step transient) enter the memory need on a GPU only when they are on."""
+    capture transients (a step transient) enter the memory need on a GPU with CUDA graphs."""
     dims = tiny_dims(n_mels=80)
     kw = dict(dtype=torch.float16, weight_bytes=1000, max_batch=64, max_encoder_batch=16, cuda=True)
-    off = memory_need(dims, align_graphs=False, alignment_heads=6, **kw)
-    on = {h: memory_need(dims, align_graphs=True, alignment_heads=h, **kw) for h in (3, 6)}
-    added = [n for n in on[6].items if n.what not in {m.what for m in off.items}]
+    on = {h: memory_need(dims, alignment_heads=h, **kw) for h in (3, 6)}
+    added = [n for n in on[6].items if n.what.startswith("word-timing graphs")]
     assert [n.transient for n in added] == [False, True]
-    assert all(n.what.startswith("word-timing graphs") for n in added)
     assert sum(n.bytes for n in added) == sum(n.bytes for n in align_graph_needs(dims, 2, 6))
     held = added[0].bytes
     # the largest bucket's scores, float32 per head and audio position, and its activations in float16
     rows, t = ALIGN_GRAPH_ROWS[-1], ALIGN_GRAPH_TOKENS[-1]
     assert held == rows * (1 + t) * 8 + rows * t * (dims.n_text_state * 2 + 6 * dims.n_audio_ctx * 4)
     assert on[6].total - on[3].total >= rows * t * 3 * dims.n_audio_ctx * 4
-    assert [n.what for n in memory_need(dims, align_graphs=True, alignment_heads=6, **{**kw, "cuda": False}).items] \
-        == [n.what for n in memory_need(dims, align_graphs=False, **{**kw, "cuda": False}).items]
+    for eager in (memory_need(dims, alignment_heads=6, **{**kw, "cuda_graphs": False}),
+                  memory_need(dims, alignment_heads=6, **{**kw, "cuda": False})):
+        assert not any(n.what.startswith("word-timing graphs") for n in eager.items)
 
 
-def test_word_timing_graphs_setting(monkeypatch, tmp_path):
-    """VOICED_WHISPER_ALIGN_GRAPHS=1 / 0 when set, else engine.ALIGN_GRAPHS_DEFAULT (on since measured live on a
-    GPU); on the CPU (no CUDA graphs) the engine has no graphed pass and its plan counts none, whatever is asked."""
-    from voiced.engines.whisper import engine as engine_mod
-
-    monkeypatch.delenv("VOICED_WHISPER_ALIGN_GRAPHS", raising=False)
-    assert engine_mod.ALIGN_GRAPHS_DEFAULT is True and engine_mod.align_graphs_default() is True
-    for env, want in (("1", True), ("0", False), (" 0 ", False), ("", True)):
-        monkeypatch.setenv("VOICED_WHISPER_ALIGN_GRAPHS", env)
-        assert engine_mod.align_graphs_default() is want, env
-    monkeypatch.setenv("VOICED_WHISPER_ALIGN_GRAPHS", "no")
-    with pytest.raises(ValueError, match="VOICED_WHISPER_ALIGN_GRAPHS='no'"):
-        engine_mod.align_graphs_default()
-    monkeypatch.setenv("VOICED_WHISPER_ALIGN_GRAPHS", "1")
-    ckpt = make_openai_checkpoint(tmp_path, seed=4)
-    eng = WhisperEngine.load(ckpt, max_batch=2, align_graphs=True)
-    assert eng.align_passes is None
-    assert not any(n.what.startswith("word-timing graphs") for n in eng.memory_need.items)
-
-
-def test_chunk_graphs_setting(monkeypatch, tmp_path):
-    """VOICED_WHISPER_CHUNK_GRAPHS=1 / 0 when set, else engine.CHUNK_GRAPHS_DEFAULT (on since measured on a
-    GPU); on the CPU (no CUDA graphs) the engine never takes the chunk graph path, whatever is asked."""
-    from voiced.engines.whisper import engine as engine_mod
-
-    monkeypatch.delenv("VOICED_WHISPER_CHUNK_GRAPHS", raising=False)
-    assert engine_mod.CHUNK_GRAPHS_DEFAULT is True and engine_mod.chunk_graphs_default() is True
-    for env, want in (("1", True), ("0", False), (" 1 ", True), ("", True)):
-        monkeypatch.setenv("VOICED_WHISPER_CHUNK_GRAPHS", env)
-        assert engine_mod.chunk_graphs_default() is want, env
-    monkeypatch.setattr(engine_mod, "CHUNK_GRAPHS_DEFAULT", False)
-    monkeypatch.delenv("VOICED_WHISPER_CHUNK_GRAPHS")
-    assert engine_mod.chunk_graphs_default() is False
-    monkeypatch.setenv("VOICED_WHISPER_CHUNK_GRAPHS", "0")
-    assert engine_mod.chunk_graphs_default() is False
-    monkeypatch.setenv("VOICED_WHISPER_CHUNK_GRAPHS", "1")
-    ckpt = make_openai_checkpoint(tmp_path, seed=4)
-    assert not WhisperEngine.load(ckpt, max_batch=2).chunk_graphs
-    assert not WhisperEngine.load(ckpt, max_batch=2, chunk_graphs=True).chunk_graphs
+def test_a_cpu_engine_runs_no_graphs_and_counts_none(tmp_path):
+    """On the CPU the engine replays nothing from CUDA graphs (no word-timing or chunk graphs, no decode-ahead)
+    and its memory need counts no graph."""
+    eng = WhisperEngine.load(make_openai_checkpoint(tmp_path, seed=4), max_batch=2)
+    rt = eng.runtime
+    assert not (rt.cuda_graphs or rt.chunk_graphs or rt.decode_ahead or rt.gemv) and eng.decode_chunk == 1
+    assert eng.words.passes is None and eng.prefills is None and eng.fast_encoder is None
+    assert not any("graphs" in n.what for n in eng.memory_need.items)
 
 
 def test_a_row_that_chose_end_of_text_keeps_it_as_its_token():
     """The greedy step's bookkeeping (`greedy_advance`): a row whose token is end-of-text keeps it, whatever it
     computes after its end, while the others take their choices (end-of-text included) and every row's position
-    and countdown advance; so a step's tokens alone tell whether all of its rows have ended (VOICED_WHISPER_
-    SKIP_ENDED)."""
+    and countdown advance; so a step's tokens alone tell whether all of its rows have ended (the GEMV step's
+    kernels skip such a step)."""
     from voiced.engines.whisper.token_choice import greedy_advance
 
     eot, always = 9, torch.zeros(10, dtype=torch.bool)
@@ -374,30 +335,10 @@ def test_a_row_that_chose_end_of_text_keeps_it_as_its_token():
     assert inputs[0].tolist() == [eot, 4, eot]
 
 
-def test_skipping_ended_steps_and_fewer_step_kernels_settings(monkeypatch, tmp_path):
-    """VOICED_WHISPER_SKIP_ENDED and VOICED_WHISPER_FEWER_STEP_KERNELS: 1 / 0 when set, else their defaults,
-    misspelt values refused; both concern the GEMV step, so a CPU engine never skips a step, whatever is asked."""
-    from voiced.engines.whisper import engine as engine_mod
-
-    for name, read in (("VOICED_WHISPER_SKIP_ENDED", engine_mod.skip_ended_default),
-                       ("VOICED_WHISPER_FEWER_STEP_KERNELS", engine_mod.fewer_step_kernels_default)):
-        monkeypatch.delenv(name, raising=False)
-        default = read()
-        for env, want in (("1", True), ("0", False), ("", default)):
-            monkeypatch.setenv(name, env)
-            assert read() is want, (name, env)
-        monkeypatch.setenv(name, "yes please")
-        with pytest.raises(ValueError, match=name):
-            read()
-        monkeypatch.delenv(name)
-    ckpt = make_openai_checkpoint(tmp_path, seed=4)
-    assert not WhisperEngine.load(ckpt, max_batch=2, skip_ended=True).steps.skip_ended
-
-
 def _steps_fixture(chunk: int, b: int, seed: int = 3):
     """Two `DecoderSteps` over equal caches (random history, every slot's cross keys/values) with their
     own history buffers, rows at different positions and minimum-length countdowns."""
-    from voiced.engines.whisper.fast import DecoderSteps
+    from voiced.engines.whisper.decoder_steps import DecoderSteps
 
     dims, model, cache = _decoder_fixture(seed=seed, slots=b)
     fast = FastDecoder(model.decoder)
@@ -434,69 +375,10 @@ def test_decoder_steps_chunk_is_the_engines_per_step_loop(chunk, b):
     assert (a.hist[:, :, 1] < 0).all() and len(set(a.hist[:, :, 0].flatten().tolist())) > 1
 
 
-@pytest.mark.parametrize("stop", ["end_of_text", "limit"])
-def test_a_stopping_chunk_stops_where_a_real_row_ends_or_at_its_limit(stop):
-    """A stopping chunk (`DecoderSteps.stopping`; eagerly here, each conditional step by reading `live`) runs the
-    plain chunk's very steps until a real row (one with a step limit) chooses end-of-text, or its limit is
-    reached, and no step after: its history holds the plain chunk's tokens up to there and -1 after, and its
-    inputs and caches are those of a plain chunk that long. A padding row (limit 0) choosing end-of-text does
-    not stop it."""
-    chunk, b = 8, 4
-    plain, stopping = _steps_fixture(chunk, b)
-    with torch.inference_mode():
-        plain.minleft.zero_()  # (end-of-text is then never suppressed: which id it is changes no choice)
-        plain.chunk(b)
-    toks = plain.hist[:, :, 0].long()
-    real = b - 1
-    if stop == "end_of_text":
-        # the first (step, real row) whose token no real row chose before: made end-of-text, it ends the chunk there
-        seen: set[int] = set()
-        at = None
-        for k in range(chunk):
-            fresh = [int(t) for t in toks[:real, k] if int(t) not in seen]
-            if k > 0 and fresh:
-                at, eot = k, fresh[0]
-                break
-            seen.update(int(t) for t in toks[:real, k])
-        assert at is not None and at < chunk - 1
-        want_steps, limit = at + 1, chunk
-    else:
-        eot = next(t for t in range(plain.always.shape[0]) if t not in set(toks.flatten().tolist()))
-        want_steps = limit = 5
-    again, stopping = _steps_fixture(want_steps, b)  # a plain chunk of exactly the steps that should run
-    with torch.inference_mode():
-        for s in (again, stopping):
-            s.minleft.zero_()
-            s.eot = eot
-        again.chunk(b)
-        stopping.hist = torch.zeros(b, chunk, 2, dtype=torch.float64)
-        stopping.stopping = True
-        stopping.limit[:real] = limit
-        stopping.chunk(b)
-    assert stopping.count.item() == want_steps and not stopping.live.item()
-    assert torch.equal(stopping.hist[:, :want_steps], again.hist)
-    assert (stopping.hist[:, want_steps:, 0] == -1).all()
-    assert torch.equal(stopping.inputs[:3], again.inputs[:3]) and torch.equal(stopping.lp, again.lp)
-    assert torch.equal(stopping.cache.self_k, again.cache.self_k)
-    # the padding row's own end-of-text is ignored: made the padding row's first token, nothing changes
-    pad, pad_ref = _steps_fixture(chunk, b)
-    with torch.inference_mode():
-        for s in (pad, pad_ref):
-            s.minleft.zero_()
-            s.eot = int(toks[real, 0])
-            s.hist = torch.zeros(b, chunk, 2, dtype=torch.float64)
-        assert int(toks[real, 0]) not in set(toks[:real].flatten().tolist())  # (so only the padding row ends)
-        pad.stopping = True
-        pad.limit[:real] = chunk
-        pad.chunk(b)
-        pad_ref.chunk(b)
-    assert pad.count.item() == chunk and torch.equal(pad.hist, pad_ref.hist)
-
-
 def test_a_chunk_graph_is_never_captured_by_run():
     """With graphs, `run("chunk", b)` of a bucket warm-up did not capture refuses (its pre-runs would advance
     live rows past their limits); the plain and greedy steps may still be captured on first use."""
-    from voiced.engines.whisper.fast import CudaGraphs
+    from voiced.engines.whisper.cuda_graphs import CudaGraphs
 
     a, _ = _steps_fixture(8, 2)
     a.graphs = CudaGraphs(None, None)
@@ -513,7 +395,7 @@ def _fake_chunk_graph(eng: WhisperEngine, captured: bool) -> list[tuple[str, int
     step go, as ("chunk" | "step", batch)."""
     steps, runs = eng.steps, []
     greedy = steps.greedy
-    eng.chunk_graphs = True
+    eng.runtime = dataclasses.replace(eng.runtime, chunk_graphs=True)
     steps.has_graph = lambda kind, b: captured and kind == "chunk"
 
     def run(kind: str, b: int) -> None:
@@ -567,89 +449,38 @@ def test_only_full_chunks_of_captured_buckets_take_the_chunk_graph(tmp_path):
         assert runs == ([("chunk", 3)] if captured else []) + tail
 
 
-def test_stopping_chunks_serve_the_same_tokens_in_one_chunk_until_a_row_ends(tmp_path):
-    """Chunks that stop on the device (VOICED_WHISPER_STOPPING_CHUNKS), on the CPU with the chunk graph faked
-    as above: every chunk, short ones included, is one chunk run; it stops at the first row's length limit, or
-    at its first end-of-text, or after QUEUED_CHUNK steps while requests wait; and the engine serves the tokens
-    it serves without chunks, forced lengths and free ones alike."""
-    from voiced.engines.whisper import engine as engine_mod
+def test_the_runtime_on_a_gpu_is_the_fast_path_and_its_encoder_follows_the_dtype(monkeypatch):
+    """What a GPU engine runs (`WhisperRuntime.resolve`, here with the kernels' GPU check stood in for): CUDA
+    graphs of every kind, chunks of 8 greedy steps decoded ahead, the GEMV step (else the compiled fused layer),
+    the compiled tail; the encoder's layers eager with the fused add + norm in float16 and bfloat16, compiled in
+    float32 (the reference mode: openai-whisper's tokens). Without CUDA graphs, no chunk graphs; on the CPU,
+    nothing of it, one step a chunk."""
+    from voiced.engines.whisper import options
 
-    rng = np.random.default_rng(0)
-    clips = [(0.1 * rng.standard_normal(16000 * (1 + i % 3))).astype(np.float32) for i in range(5)]
-
-    def serve(eng, opts: list[ASROptions]) -> dict[int, list[int]]:
-        return _serve(eng, clips, opts)
-
-    def stopping(ckpt, max_batch):
-        eng = WhisperEngine.load(ckpt, max_batch=max_batch, decode_chunk=engine_mod.STOPPING_CHUNK)
-        runs = _fake_chunk_graph(eng, True)
-        eng.stopping_chunks = eng.steps.stopping = True
-        return eng, runs
-
-    # forced lengths: 12, 19 and 8 tokens to go after the admission's: chunks of 8 (request 2's limit), 4, 7
-    forced = [ASROptions(language="en", max_new_tokens=t, min_new_tokens=t) for t in (13, 20, 9)]
-    ckpt = make_openai_checkpoint(tmp_path / "forced", seed=5)
-    want = serve(WhisperEngine.load(ckpt, max_batch=4, decode_chunk=8), forced)
-    eng, runs = stopping(ckpt, 4)
-    assert serve(eng, forced) == want
-    assert runs == [("chunk", 3)] + [("step", 3)] * 8 + [("chunk", 2)] + [("step", 2)] * 4 + [("chunk", 1)] + \
-        [("step", 1)] * 7
-    # free lengths (a checkpoint that ends its texts early), more requests than rows: every chunk ends where a row
-    # chose end-of-text, or after QUEUED_CHUNK steps while some wait
-    ckpt = make_openai_checkpoint(tmp_path / "free", seed=5, eot_boost=8.0)
-    free = [ASROptions(language="en", max_new_tokens=40) for _ in clips]
-    want = serve(WhisperEngine.load(ckpt, max_batch=2, decode_chunk=8), free)
-    assert sorted(len(t) for t in want.values())[0] < 20  # some end at end-of-text, well before 40 tokens
-    eng, runs = stopping(ckpt, 2)
-    chunks: list[tuple[int, int, bool]] = []  # (steps run, the chunk's limit, whether requests waited)
-    chunk = eng.steps.chunk
-
-    def counted_chunk(b: int) -> None:
-        waiting = bool(eng._queue)
-        chunk(b)
-        chunks.append((int(eng.steps.count), int(eng.steps.limit[0]), waiting))
-
-    eng.steps.chunk = counted_chunk
-    assert serve(eng, free) == want
-    assert all(limit <= engine_mod.QUEUED_CHUNK for _, limit, waiting in chunks if waiting)
-    assert any(limit > engine_mod.QUEUED_CHUNK for _, limit, waiting in chunks if not waiting)
-    assert any(n < limit for n, limit, _ in chunks), chunks  # stopped at a row's end-of-text
-    assert sum(n for n, _, _ in chunks) == sum(1 for kind, _ in runs if kind == "step")
+    dims = tiny_dims(n_mels=80)
+    monkeypatch.setattr(options.decode_linear, "supported", lambda dtype, device: True)
+    for gemv in (True, False):
+        monkeypatch.setattr(options, "gemv_supported", lambda *a, gemv=gemv: gemv)
+        for dtype in (torch.float16, torch.bfloat16, torch.float32):
+            rt = options.WhisperRuntime.resolve(dims, dtype, "cuda", max_batch=64)
+            assert rt.cuda and rt.cuda_graphs and rt.chunk_graphs and rt.decode_ahead and rt.compile_tail
+            assert (rt.decode_chunk, rt.max_encoder_batch) == (8, 16)
+            assert rt.gemv == gemv and rt.compile_decoder == (not gemv)
+            assert rt.compile_encoder == (dtype == torch.float32) and rt.encoder_add_norm == (dtype != torch.float32)
+    eager = options.WhisperRuntime.resolve(dims, torch.float16, "cuda", max_batch=64, cuda_graphs=False)
+    assert not eager.cuda_graphs and not eager.chunk_graphs and eager.decode_ahead
+    reference = options.WhisperRuntime.resolve(dims, torch.float16, "cuda", fast_decoder=False)
+    assert not (reference.gemv or reference.compile_decoder or reference.compile_tail)
+    cpu = options.WhisperRuntime.resolve(dims, torch.float32, "cpu", max_batch=8)
+    assert not (cpu.cuda_graphs or cpu.chunk_graphs or cpu.decode_ahead or cpu.gemv or cpu.compile_decoder
+                or cpu.compile_tail or cpu.compile_encoder or cpu.encoder_add_norm)
+    assert (cpu.decode_chunk, cpu.max_encoder_batch) == (1, 4)
 
 
-def test_the_gpu_encoder_s_layers_are_eager_in_half_precision_and_compiled_in_float32(monkeypatch):
-    """Unset, VOICED_WHISPER_COMPILE_ENCODER leaves the GPU encoder's layers eager in float16 and bfloat16 (faster
-    on an H200, session 27) and compiled in float32 (the reference mode: openai-whisper's tokens); =0 runs them
-    eagerly on contiguous activations, =1 compiles, whatever the dtype; a misspelt value is refused, naming the
-    variable."""
-    from voiced.engines.whisper.engine import compile_encoder_default
-
-    dtypes = (torch.float16, torch.bfloat16, torch.float32)
-    monkeypatch.delenv("VOICED_WHISPER_COMPILE_ENCODER", raising=False)
-    assert [compile_encoder_default(d) for d in dtypes] == [False, False, True]
-    monkeypatch.setenv("VOICED_WHISPER_COMPILE_ENCODER", "0")
-    assert not any(compile_encoder_default(d) for d in dtypes)
-    monkeypatch.setenv("VOICED_WHISPER_COMPILE_ENCODER", "1")
-    assert all(compile_encoder_default(d) for d in dtypes)
-    monkeypatch.setenv("VOICED_WHISPER_COMPILE_ENCODER", "off")
-    with pytest.raises(ValueError, match="VOICED_WHISPER_COMPILE_ENCODER"):
-        compile_encoder_default(torch.float16)
-
-
-def test_the_encoder_s_fused_add_norm_is_on_unless_turned_off_and_only_for_eager_layers(monkeypatch):
-    """Unset, VOICED_WHISPER_ENCODER_ADD_NORM is on (faster on an H200, session 28); =0 turns it off; a misspelt
-    value is refused, naming the variable. Compiled layers never take it (the compiler fuses on its own)."""
-    from voiced.engines.whisper.engine import encoder_add_norm_default
-    from voiced.engines.whisper.fast import FastEncoder
+def test_compiled_encoder_layers_never_take_the_fused_add_norm():
+    """The compiler fuses a compiled layer's adds and norms on its own: the fused add + norm is for eager layers."""
     from voiced.engines.whisper.model import ModelDims, Whisper
 
-    monkeypatch.delenv("VOICED_WHISPER_ENCODER_ADD_NORM", raising=False)
-    assert encoder_add_norm_default() is True
-    monkeypatch.setenv("VOICED_WHISPER_ENCODER_ADD_NORM", "0")
-    assert encoder_add_norm_default() is False
-    monkeypatch.setenv("VOICED_WHISPER_ENCODER_ADD_NORM", "yes please")
-    with pytest.raises(ValueError, match="VOICED_WHISPER_ENCODER_ADD_NORM"):
-        encoder_add_norm_default()
     dims = ModelDims(n_mels=80, n_audio_ctx=1500, n_audio_state=64, n_audio_head=4, n_audio_layer=2, n_vocab=300,
                      n_text_ctx=32, n_text_state=64, n_text_head=4, n_text_layer=1)
     enc = Whisper(dims).encoder
@@ -658,11 +489,10 @@ def test_the_encoder_s_fused_add_norm_is_on_unless_turned_off_and_only_for_eager
 
 
 def test_the_eager_encoder_runs_its_layers_on_contiguous_activations():
-    """Uncompiled (the CPU, or VOICED_WHISPER_COMPILE_ENCODER=0 on a GPU), every encoder layer gets its activations
-    contiguous, not in the convolutions' transposed layout that an eager residual add would keep through every
-    layer (on an H200 one large-v3-turbo layer ran 0.212 instead of 0.162 ms at batch 1 so), and the features
-    stay the reference forward's."""
-    from voiced.engines.whisper.fast import encoder_layer
+    """Uncompiled (half precision on a GPU), every encoder layer gets its activations contiguous, not in the
+    convolutions' transposed layout that an eager residual add would keep through every layer (a large-v3-turbo
+    layer ~25 % slower so), and the features stay the reference forward's."""
+    from voiced.engines.whisper.fast_encoder import encoder_layer
 
     dims = tiny_dims(n_mels=80)
     model = build_model(dims, random_state_dict(dims, seed=1)).eval()
@@ -680,21 +510,3 @@ def test_the_eager_encoder_runs_its_layers_on_contiguous_activations():
         ref = model.encoder(log_mel_spectrogram(audio, dims.n_mels))
     assert seen == [True] * dims.n_audio_layer
     assert (got - ref).abs().max().item() < 1e-4 * max(1.0, ref.abs().max().item())
-
-
-def test_the_gpu_encoder_s_attention_is_pinned_to_flash_only_when_asked(monkeypatch):
-    """VOICED_WHISPER_FLASH_ENCODER=1 pins it to flash attention where flash runs (fp16/bf16, compute
-    capability >= 8.0); float32, older GPUs and the CPU keep torch's choice, as does the default (with flash,
-    the suite's tiny checkpoints decode an utterance differently alone and batched); a misspelt value is refused,
-    naming the variable."""
-    from voiced.engines.whisper.engine import encoder_attention_default as pick
-
-    monkeypatch.delenv("VOICED_WHISPER_FLASH_ENCODER", raising=False)
-    assert pick(torch.float16, (9, 0)) is None
-    monkeypatch.setenv("VOICED_WHISPER_FLASH_ENCODER", "1")
-    assert pick(torch.float16, (9, 0)) == pick(torch.bfloat16, (8, 0)) == "flash"
-    assert pick(torch.float32, (9, 0)) is None and pick(torch.float16, (7, 5)) is None
-    assert pick(torch.float16, None) is None
-    monkeypatch.setenv("VOICED_WHISPER_FLASH_ENCODER", "yes")
-    with pytest.raises(ValueError, match="VOICED_WHISPER_FLASH_ENCODER"):
-        pick(torch.float16, (9, 0))

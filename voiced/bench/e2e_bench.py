@@ -69,7 +69,6 @@ import threading
 import time
 from pathlib import Path
 
-from voiced.bench.gil_profile import GilProfile
 from voiced.bench.report import emit
 from voiced.bench.saturation import next_level, saturation
 from voiced.bench.steps import STEP_PARTS, LoopLag, RequestTimer, StepTimer, pct
@@ -209,7 +208,7 @@ def turn_detection(args) -> str:
 def _bench_asr(args, config, dev: str):
     import torch
 
-    from voiced.bench import whisper_bench
+    from voiced.engines.random_weights import WHISPER_DIMS, random_whisper
     from voiced.engines.whisper.engine import WhisperEngine
     from voiced.engines.whisper.tokenizer import WhisperTokenizer
 
@@ -220,11 +219,11 @@ def _bench_asr(args, config, dev: str):
 
         asr = loader.load_asr(config)
     else:
-        dims = whisper_bench.DIMS[args.asr_dims]
+        dims = WHISPER_DIMS[args.asr_dims]
         tok = WhisperTokenizer.load(dims.multilingual, dims.num_languages, [args.tiktoken_dir])
-        model = whisper_bench.random_model(dims, dev, torch.float32 if args.tiny_cpu else torch.float16)
+        model = random_whisper(dims, dev, torch.float32 if args.tiny_cpu else torch.float16)
         asr = WhisperEngine(model, tok, model_name=f"{args.asr_dims} (random)", max_batch=args.asr_batch,
-                            cuda_graphs=True, prefill_graphs=whisper_bench.ON_OFF.get(getattr(args, "prefill_graphs", None)))
+                            cuda_graphs=True, prefill_graphs={"on": True, "off": False}.get(getattr(args, "prefill_graphs", None)))
     return asr
 
 
@@ -232,13 +231,13 @@ def _bench_tts(args, dev: str):
     """Spark-TTS with random weights at full size (tiny on the CPU), made to speak as a trained one does."""
     import torch
 
-    from voiced.bench import spark_bench
+    from voiced.engines.random_weights import random_spark
 
     work = Path(tempfile.mkdtemp())
     if args.tiny_cpu:
-        tts = spark_bench.build("cpu", torch.float32, torch.float32, args.tts_batch, 2048, work, tiny=True)
+        tts = random_spark("cpu", torch.float32, torch.float32, args.tts_batch, 2048, work, tiny=True)
     else:
-        tts = spark_bench.build("cuda", torch.bfloat16, torch.bfloat16, args.tts_batch, 2048, work)
+        tts = random_spark("cuda", torch.bfloat16, torch.bfloat16, args.tts_batch, 2048, work)
         tts.vocoder_graphs = vocoder_graphs(args)  # captured by the warm-up below
     # Random weights: force what a trained model does (speak until the length cap, in a fixed voice),
     # as the engine benchmark does.
@@ -736,10 +735,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--profile-seconds", type=float, default=3.0)
     ap.add_argument("--profile-trace", action="store_true",
                     help="with --profile-level: also write the profile's timeline (trace-FRONT-N.json.gz, Chrome/"
-                         "Perfetto format; `python -m voiced.bench.trace_summary` reads it)")
-    ap.add_argument("--gil-profile-level", type=int, nargs="*", default=[], metavar="N",
-                    help="sample which thread holds the GIL with py-spy in the middle of these levels (the "
-                         "level's 'gil' entry; raw stacks gil-OUT-FRONT-N-*.txt beside --out)")
+                         "Perfetto format; benchmarks/trace_summary.py in the repository reads it)")
     ap.add_argument("--tiny-cpu", action="store_true", help="dry run on the CPU with tiny random models")
     ap.add_argument("--front", nargs="+", default=["grpc"], choices=FRONTS,
                     help="the doors to call through, each in turn at every level (default grpc)")
@@ -772,7 +768,7 @@ def main(argv: list[str] | None = None) -> dict:
         sys.setswitchinterval(args.switch_interval_ms / 1e3)
     if engine_process(args) != "inline" and args.profile_level:
         ap.error("--profile-level profiles the engine thread in this process: not with the engines in their "
-                 "own (add --engine-process inline; --gil-profile-level samples both processes)")
+                 "own (add --engine-process inline)")
     t_start = time.monotonic()
     addresses, server, loop = start_server(args)
     startup_s = round(time.monotonic() - t_start, 1)
@@ -807,14 +803,6 @@ def main(argv: list[str] | None = None) -> dict:
             profile = EngineProfile(server.services.asr.thread, args.profile_seconds,
                                     (args.out or Path("e2e.json")).parent, f"{front}-{n}", trace=args.profile_trace)
             timer = profile.start_after(args.duration / 2 - args.profile_seconds / 2)
-        gils = {}  # the daemon's process, and the engines' own where they run in one
-        if n in args.gil_profile_level:
-            out = args.out or Path("e2e.json")  # raw stacks named after the run: two runs may share a folder
-            for i, pid in enumerate([os.getpid(), *server.engine_pids]):
-                key = "gil" if i == 0 else f"gil_engines{'' if len(server.engine_pids) == 1 else i}"
-                suffix = "" if i == 0 else f"-{key.removeprefix('gil_')}"
-                gils[key] = GilProfile(pid, args.profile_seconds, out.parent, f"{out.stem}-{front}-{n}{suffix}")
-            gil_timers = [g.start_after(max(0.0, args.duration / 2 - args.profile_seconds)) for g in gils.values()]
         k = caller_processes(args.caller_processes, n)
         # process i runs callers n*i//k .. n*(i+1)//k of the level's n
         spec = f"{front}@{addresses[front]}@{n}"
@@ -823,17 +811,12 @@ def main(argv: list[str] | None = None) -> dict:
         outputs = [(p, *p.communicate()) for p in procs]
         if timer is not None:
             timer.join()
-        for gil_timer in (gil_timers if gils else []):
-            if gil_timer is not None:  # (None: py-spy is not there; the summary says so)
-                gil_timer.join()
         broken = [err for p, _, err in outputs if p.returncode != 0]
         if broken:
             return {"error": broken[0][-2000:]}
         level = level_report([json.loads(stdout.strip().splitlines()[-1]) for _, stdout, _ in outputs])
         engines = server.level_stats(f"{front}, {n} callers")
         level["asr_steps"] = engines["steps"]["asr"]
-        for key, gil in gils.items():
-            level[key] = gil.summary
         level["gc"] = gc_pauses.take()
         if "gc" in engines:
             level["engine_gc"] = engines["gc"]

@@ -14,7 +14,11 @@ silence (the first half ends with the falling voice of a finished sentence, as a
 often does; the hard case for an audio-only model). Voices and speaking rates vary over espeak-ng's
 English voices. After the speech comes what a phone line carries: silence, a noisy line (pink
 noise throughout, 12-20 dB below the speech), keypad tones (sox, two sines per key) or hold music
-(sox's plucked notes); the real end of speech stays where the voice stopped.
+(sox's plucked notes); the real end of speech stays where the voice stopped. Every `phone_every`-th
+caller (a third by default) then goes through a telephone line as the daemon hears one: line noise
+(pink, 20-30 dB below the speech, over the whole call), 300-3400 Hz, 8 kHz G.711 mu-law, decoded and
+resampled to 16 kHz by the daemon's own frame decoder; its `line` says "phone" (else "clean"), so
+every figure can be read per line.
 
     from voiced.bench.turn_set import make_set
     items = make_set(Path("turns"), n=24, seed=0)   # WAVs + manifest.jsonl
@@ -84,6 +88,8 @@ TEMPLATES = [
 ]
 RATES = [140, 155, 170, 185]
 TAILS = ["silence", "silence", "noise", "dtmf", "music"]  # what follows the speech, drawn in this proportion
+PHONE_EVERY = 3  # a third of the callers call through a telephone line
+PHONE_SNR_DB = (20.0, 30.0)  # its line noise, below the speech
 LOUD = 0.01  # |sample| above this is sound (espeak-ng is digital silence between words)
 
 
@@ -102,6 +108,8 @@ class TurnCaller:
     pauses: list[tuple[float, float]] = field(default_factory=list)  # (start, end) of each pause, seconds
     duration_s: float = 0.0
     audio: str = ""  # WAV file name in the set's directory
+    line: str = "clean"  # "clean" | "phone" (through a telephone line: voiced.bench.speech_set.phone_line)
+    family: str = "espeak-ng"  # the voice family that spoke it
 
     @property
     def last_part_s(self) -> float:
@@ -156,12 +164,13 @@ class Plan:
     tail: str
     pause_s: float
     lead_s: float
+    line: str = "clean"
 
 
 def plan(n: int, seed: int = 0, *, min_pause_s: float = 0.3, max_pause_s: float = 2.0,
-         tails: list[str] | None = None) -> list[Plan]:
+         tails: list[str] | None = None, phone_every: int = PHONE_EVERY) -> list[Plan]:
     """`n` callers, alternately finished and paused, each with its sentence, voice, rate and tail
-    (drawn from `tails`, default TAILS)."""
+    (drawn from `tails`, default TAILS); every `phone_every`-th one on a phone line (0: none)."""
     rng = np.random.default_rng(seed)
     tails = tails or TAILS
     out = []
@@ -170,16 +179,17 @@ def plan(n: int, seed: int = 0, *, min_pause_s: float = 0.3, max_pause_s: float 
         voice, rate = VOICES[int(rng.integers(len(VOICES)))], RATES[int(rng.integers(len(RATES)))]
         tail = tails[int(rng.integers(len(tails)))]
         lead = float(rng.uniform(0.3, 0.7))
+        line = "phone" if phone_every and i % phone_every == phone_every - 1 else "clean"
         if i % 2 == 0:
             out.append(Plan(f"turn-{i + 1:03d}", "finished", marked, [plain(marked)], voice, rate, "whole", tail,
-                            0.0, lead))
+                            0.0, lead, line))
             continue
         k = int(rng.integers(marked.count("|")))
         parts = split_at(marked, k)
         check_pause(parts[0])
         style = "break" if (i // 2) % 2 == 0 else "split"
         out.append(Plan(f"turn-{i + 1:03d}", "paused", marked, parts, voice, rate, style, tail,
-                        round(float(rng.uniform(min_pause_s, max_pause_s)), 2), lead))
+                        round(float(rng.uniform(min_pause_s, max_pause_s)), 2), lead, line))
     return out
 
 
@@ -289,15 +299,33 @@ def render(p: Plan, tail_s: float, rng: np.random.Generator) -> tuple[np.ndarray
     elif p.tail == "noise":
         audio = add_noise(audio, float(rng.uniform(12, 20)), rng)
     audio = np.clip(audio, -1, 1).astype(np.float32)
+    if p.line == "phone":
+        audio = through_phone(audio, float(rng.uniform(*PHONE_SNR_DB)), rng)
     caller = TurnCaller(p.name, p.kind, plain(p.marked), p.parts, p.voice, p.rate, style, p.tail,
                         round(lead / RATE, 4), round(end / RATE, 4),
                         [(round((lead + a) / RATE, 4), round((lead + b) / RATE, 4)) for a, b in pauses],
-                        round(len(audio) / RATE, 3), f"{p.name}.wav")
+                        round(len(audio) / RATE, 3), f"{p.name}.wav", p.line)
     return audio, caller
 
 
+def through_phone(audio: np.ndarray, snr_db: float, rng: np.random.Generator) -> np.ndarray:
+    """16 kHz float32 -> the same call as the daemon hears it through a telephone line: line noise
+    `snr_db` below the speech, then 300-3400 Hz 8 kHz mu-law (speech_set.phone_line), decoded and
+    resampled to 16 kHz by the daemon's frame decoder (same length: the real end of speech stays)."""
+    from voiced.audio.ingest import Format, FrameDecoder
+    from voiced.bench.speech_set import phone_line
+
+    decoder = FrameDecoder(Format("MULAW", 8000))
+    pcm = np.concatenate(decoder.feed(phone_line(add_noise(audio, snr_db, rng))) + decoder.flush())
+    out = np.zeros(len(audio), np.float32)
+    n = min(len(out), len(pcm))
+    out[:n] = pcm[:n].astype(np.float32) / 32768
+    return out
+
+
 def make_set(directory: Path, n: int = 24, *, seed: int = 0, tail_s: float = 4.5, min_pause_s: float = 0.3,
-             max_pause_s: float = 2.0, tails: list[str] | None = None) -> list[TurnCaller]:
+             max_pause_s: float = 2.0, tails: list[str] | None = None,
+             phone_every: int = PHONE_EVERY) -> list[TurnCaller]:
     """Write `n` callers' WAVs and `manifest.jsonl` into `directory` (created); returns them."""
     from voiced_client.wavio import write_wav
 
@@ -314,7 +342,7 @@ def make_set(directory: Path, n: int = 24, *, seed: int = 0, tail_s: float = 4.5
     directory.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed + 1)
     callers = []
-    for p in plan(n, seed, min_pause_s=min_pause_s, max_pause_s=max_pause_s, tails=tails):
+    for p in plan(n, seed, min_pause_s=min_pause_s, max_pause_s=max_pause_s, tails=tails, phone_every=phone_every):
         audio, caller = render(p, tail_s, rng)
         write_wav(directory / caller.audio, audio, RATE)
         callers.append(caller)

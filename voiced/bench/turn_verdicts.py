@@ -34,6 +34,7 @@ def judge(caller: TurnCaller, outcome: Outcome) -> dict:
     unended = not after or after[0] >= caller.duration_s - FRAME_S
     replies = [t for t in outcome.replies if t >= end]
     return {"name": caller.name, "kind": caller.kind, "style": caller.style, "tail": caller.tail,
+            "line": caller.line, "family": caller.family,
             "cut_off": bool(before), "eot_ms": round((after[0] - end) * 1000, 1) if after else None,
             "unended": unended, "reply_ms": round((replies[0] - end) * 1000, 1) if replies else None,
             "turn_ends_s": [round(t, 3) for t in outcome.turn_ends],
@@ -59,13 +60,23 @@ def summarize(detector: str, verdicts: list[dict]) -> dict:
         "unended": sum(v["unended"] for v in verdicts),
         "errors": sum(bool(v.get("error")) for v in verdicts),
         # What follows the speech matters to a VAD (hold music is sound): the figures per tail
-        "by_tail": {tail: {"callers": len(vs), "paused_cut_off": sum(v["cut_off"] for v in vs if v["kind"] == "paused"),
-                           "paused": sum(v["kind"] == "paused" for v in vs), "unended": sum(v["unended"] for v in vs),
-                           "eot_ms": pct([v["eot_ms"] for v in vs if v["eot_ms"] is not None])}
-                    for tail in sorted({v["tail"] for v in verdicts})
-                    for vs in [[v for v in verdicts if v["tail"] == tail]]},
+        "by_tail": _by(verdicts, "tail"),
+        # A telephone line and a voice family change what every signal says: each reported apart
+        "by_line": _by(verdicts, "line"),
+        "by_family": _by(verdicts, "family"),
         "per_caller": verdicts,
     }
+
+
+def _by(verdicts: list[dict], key: str) -> dict:
+    """The row's main figures for each value of `key` ("tail", "line", "family") among the callers."""
+    out = {}
+    for value in sorted({v.get(key, "") for v in verdicts}):
+        vs = [v for v in verdicts if v.get(key, "") == value]
+        out[value] = {"callers": len(vs), "paused_cut_off": sum(v["cut_off"] for v in vs if v["kind"] == "paused"),
+                      "paused": sum(v["kind"] == "paused" for v in vs), "unended": sum(v["unended"] for v in vs),
+                      "eot_ms": pct([v["eot_ms"] for v in vs if v["eot_ms"] is not None])}
+    return out
 
 
 def turn_targets(row: dict) -> dict:

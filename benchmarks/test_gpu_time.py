@@ -1,4 +1,4 @@
-"""The benchmarks' one timer of GPU work (voiced/bench/gpu_time.py), on the host path the CPU smoke runs take."""
+"""The benchmarks' one timer of GPU work (benchmarks/gpu_time.py), on the host path the CPU smoke runs take."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from voiced.bench.gpu_time import per_call_ms
+from benchmarks.gpu_time import per_call_ms
 
 
 def test_per_call_time_counts_the_timed_calls_only():

@@ -1,6 +1,6 @@
 """CPU per caller frame: what the daemon's process spends on each incoming 20 ms frame (issue 26).
 
-    python -m voiced.bench.frame_cost --asr-model tiny.en-pypi --sessions 16 32 64 --duration 20 \\
+    python -m benchmarks.frame_cost --asr-model tiny.en-pypi --sessions 16 32 64 --duration 20 \\
         --tree /path/to/old/tree --tree .
 
 At 128 callers the event loop reads 6,400 frames a second in the process whose engine threads step
@@ -229,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"daemon logs in {work}; {machine()}")
     print(format_table(levels))
     if args.out:
-        Path(args.out).write_text(json.dumps({"command": [sys.executable, "-m", "voiced.bench.frame_cost",
+        Path(args.out).write_text(json.dumps({"command": [sys.executable, "-m", "benchmarks.frame_cost",
                                                           *(argv if argv is not None else sys.argv[1:])],
                                               "machine": machine(), "levels": [asdict(x) for x in levels]},
                                              indent=1))

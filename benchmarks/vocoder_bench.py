@@ -1,6 +1,6 @@
 """The vocoder alone: BiCodec window decodes under each environment setting in turn, in one process on one GPU.
 
-    voiced bench vocoder VOICED_SPARK_VOCODER_KERNELS=0 VOICED_SPARK_VOCODER_KERNELS=1 \\
+    python -m benchmarks.vocoder_bench VOICED_SPARK_VOCODER_KERNELS=0 VOICED_SPARK_VOCODER_KERNELS=1 \\
         VOICED_SPARK_VOCODER_KERNELS=0 VOICED_SPARK_VOCODER_KERNELS=1 --out vocoder.json
 
 The published BiCodec's size with random weights (bf16) decodes windows of the shapes a vocoder turn runs
@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 
 import torch
 
-from voiced.bench.gpu_time import per_call_ms
+from benchmarks.gpu_time import per_call_ms
 
 SHAPES = ((1, 80), (4, 176), (1, 1024), (16, 64))
 
@@ -28,8 +29,24 @@ def timed(fn, n: int = 20) -> float:
     return round(per_call_ms(fn, n, warmup=3), 3)
 
 
+def parse_mode(mode: str) -> dict[str, str]:
+    """`VAR=VALUE[,VAR=VALUE...]`, or `default` (no variable set)."""
+    if mode == "default":
+        return {}
+    pairs = [p.split("=", 1) for p in mode.split(",")]
+    if any(len(p) != 2 or not p[0] for p in pairs):
+        raise SystemExit(f"vocoder_bench: mode {mode!r} is not VAR=VALUE[,VAR=VALUE...] or 'default'")
+    return dict(pairs)
+
+
+def set_mode(env: dict[str, str], modes: list[tuple[str, dict[str, str]]]) -> None:
+    """Make one mode's environment: every variable any of `modes` sets is cleared, then this one's set."""
+    for k in {k for _, e in modes for k in e}:
+        os.environ.pop(k, None)
+    os.environ.update(env)
+
+
 def main(argv: list[str] | None = None) -> int:
-    from voiced.bench.spark_env_ab import parse_mode, set_mode
     from voiced.engines.spark import streaming
     from voiced.engines.spark.bicodec import BiCodec, BiCodecConfig
     from voiced.engines.spark.vocoder_graphs import graphed_decode
@@ -39,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
-        raise SystemExit("voiced bench vocoder needs a CUDA GPU")
+        raise SystemExit("benchmarks.vocoder_bench needs a CUDA GPU")
     modes = [(m, parse_mode(m)) for m in args.modes]
     cfg = BiCodecConfig()
     torch.manual_seed(0)

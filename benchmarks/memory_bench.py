@@ -17,7 +17,7 @@ submitted at once, stepped in turn until done. Reported (GiB, and the plan's err
 --trace records every allocation's Python stack (torch.cuda.memory._record_memory_history) and lists
 what is held after warm-up by the line that allocated it: where memory the plan does not know comes from.
 
-    python -m voiced.bench.memory_bench --tiktoken-dir DIR --out memory.json [--trace]
+    python -m benchmarks.memory_bench --tiktoken-dir DIR --out memory.json [--trace]
 """
 
 from __future__ import annotations
@@ -71,11 +71,11 @@ def held_by_line(top: int = 25) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from voiced.bench import spark_bench, whisper_bench
     from voiced.bench.targets import judge
     from voiced.core.scheduler import EngineThread
     from voiced.engines.base import ASROptions, ASRRequest, TTSOptions, TTSRequest
     from voiced.engines.footprint import tensor_bytes
+    from voiced.engines.random_weights import WHISPER_DIMS, chirps, random_spark, random_whisper
     from voiced.engines.spark.memory_plan import memory_need as spark_need
     from voiced.engines.spark.memory_plan import vocoder_step_bytes
     from voiced.engines.whisper.engine import WhisperEngine
@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tiktoken-dir", type=Path, required=True, help="folder holding multilingual.tiktoken")
-    ap.add_argument("--asr-dims", default="large-v3-turbo", choices=sorted(whisper_bench.DIMS))
+    ap.add_argument("--asr-dims", default="large-v3-turbo", choices=sorted(WHISPER_DIMS))
     ap.add_argument("--asr-batch", type=int, default=64, help="Whisper decoder rows (the e2e bench's)")
     ap.add_argument("--tts-batch", type=int, default=64, help="Spark-TTS rows (the e2e bench's)")
     ap.add_argument("--tts-max-seq", type=int, default=2048)
@@ -114,11 +114,11 @@ def main(argv: list[str] | None = None) -> dict:
         torch.cuda.reset_peak_memory_stats()
 
     # ---- Whisper, as the e2e bench builds it
-    dims = whisper_bench.DIMS[args.asr_dims]
+    dims = WHISPER_DIMS[args.asr_dims]
     tok = WhisperTokenizer.load(dims.multilingual, dims.num_languages, [args.tiktoken_dir])
     torch.cuda.reset_peak_memory_stats()
     workspace = thread.call(stream_workspace_bytes, dev)
-    model = whisper_bench.random_model(dims, dev, torch.float16)
+    model = random_whisper(dims, dev, torch.float16)
     asr = thread.call(lambda: WhisperEngine(model, tok, model_name=args.asr_dims, max_batch=args.asr_batch,
                                             cuda_graphs=True))
     w_need = whisper_need(dims, torch.float16, tensor_bytes(model, torch.float16), asr.max_batch, cuda=True,
@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> dict:
     # ---- Spark-TTS, as the e2e bench builds it (forced lengths, a fixed cloned voice, compiled)
     work = Path(tempfile.mkdtemp())
     # the eager vocoder, whose step transient the plan below counts (no vocoder graphs' rows)
-    tts = thread.call(lambda: spark_bench.build(dev, torch.bfloat16, torch.bfloat16, args.tts_batch,
+    tts = thread.call(lambda: random_spark(dev, torch.bfloat16, torch.bfloat16, args.tts_batch,
                                                 args.tts_max_seq, work, vocoder_graphs=False))
     tts.force_reply_lengths()
     tts.use_random_voice(seed=0)
@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> dict:
             log.info("held: %9.1f MiB in %4d blocks  %s", row["mib"], row["blocks"], row["where"])
 
     # ---- serving: every row of both engines busy at once, stepped in turn on the engine thread
-    audio = whisper_bench.test_audio(args.asr_batch, seconds=10.0)
+    audio = chirps(args.asr_batch, seconds=10.0)
     opts = ASROptions(language="en", max_new_tokens=args.asr_tokens, min_new_tokens=args.asr_tokens)
     text = "The quick brown fox jumps over the lazy dog, and the dog does not seem to mind at all."
 

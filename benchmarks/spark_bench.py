@@ -1,6 +1,6 @@
 """Spark-TTS engine benchmark on a GPU: random weights at full Spark-TTS-0.5B size, forced lengths.
 
-    python -m voiced.bench.spark_bench [--concurrency 1 4 16 64] [--seconds 10] [--json-out FILE]
+    python -m benchmarks.spark_bench [--concurrency 1 4 16 64] [--seconds 10] [--json-out FILE]
 
 Measures, in one run and on the same weights:
   - CUDA-graph vs eager decode: identical tokens with top-k 1 (and how many match transformers);
@@ -33,53 +33,9 @@ import numpy as np
 import torch
 
 from voiced.bench.steps import STEP_PARTS, StepTimer
+from voiced.engines.random_weights import random_spark
 
 log = logging.getLogger("spark_bench")
-
-
-def build(device: str, dtype: torch.dtype, codec_dtype: torch.dtype, max_batch: int, max_seq: int, workdir: Path,
-          tiny: bool = False, vocoder_graphs: bool | None = None):
-    """Random full-size LM + BiCodec and a real tokenizer with the published ids, wrapped in the engine as
-    `voiced serve` loads it: vocoder graphs as `engine.vocoder_graphs_default()` says unless given
-    (captured by the engine's warm-up; until 2026-11-27, session 14, this bench left them off, so its
-    first-chunk and audio-s/s figures before then were the eager vocoder's)."""
-    from tests.spark_fixtures import _write_tokenizer
-    from voiced.engines.spark.bicodec import BiCodec, BiCodecConfig
-    from voiced.engines.spark.checkpoint import SparkCheckpoint, TextTokenizer, load_special_tokens
-    from voiced.engines.spark.engine import SparkTTSEngine, vocoder_graphs_default
-    from voiced.engines.spark.qwen2 import Qwen2Config, Qwen2LM
-
-    llm = workdir / "LLM"
-    llm.mkdir(parents=True, exist_ok=True)
-    _write_tokenizer(llm)
-    torch.manual_seed(0)
-    cfg = Qwen2Config()
-    ccfg = BiCodecConfig()
-    if tiny:  # a CPU dry run of this script
-        from voiced.engines.spark.bicodec import VocosParams
-
-        cfg = Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
-        v = dict(vocos_dim=16, vocos_intermediate_dim=32, vocos_num_layers=2, input_channels=32, out_channels=32)
-        ccfg = BiCodecConfig(encoder=VocosParams(**v), prenet=VocosParams(**v, condition_dim=32),
-                             postnet=VocosParams(**v), latent_dim=32, speaker_out_dim=32, speaker_latent_dim=16,
-                             wave_channels=32)
-    with torch.device(device):
-        lm = Qwen2LM(cfg)
-        for name, p in lm.named_parameters():
-            if p.ndim == 2:
-                # a larger embedding (tied with the output) gives peaked logits, so greedy tokens
-                # compare kernels rather than bf16 rounding among near-ties
-                torch.nn.init.normal_(p, 0, 0.02 if "embed" not in name else 0.15)
-        lm = lm.to(dtype).eval()
-        codec = BiCodec(ccfg).to(codec_dtype).eval()
-    tok = TextTokenizer(llm)
-    special = load_special_tokens(llm, tok)
-    if vocoder_graphs is None:
-        vocoder_graphs = vocoder_graphs_default()
-    engine = SparkTTSEngine(SparkCheckpoint(workdir), lm, codec, tok, special, device=device, max_batch=max_batch,
-                            max_seq_len=max_seq, voices_dir=workdir / "voices", model_name="Spark-TTS-0.5B (random)",
-                            vocoder_graphs=vocoder_graphs)
-    return engine
 
 
 def hf_model(lm, dtype, device):
@@ -335,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
         codec_dtype = torch.float32
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
-        engine = build(dev, dtype, codec_dtype, max_batch, 1024, Path(tmp), tiny=args.tiny_cpu)
+        engine = random_spark(dev, dtype, codec_dtype, max_batch, 1024, Path(tmp), tiny=args.tiny_cpu)
         if args.decode_steps:
             engine.decode_steps = args.decode_steps
         res["decode_steps"] = engine.decode_steps

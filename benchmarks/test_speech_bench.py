@@ -1,4 +1,4 @@
-"""`voiced bench speech` as a dry run on the CPU (tiny random models): the benchmark behind the HTTP
+"""`python -m benchmarks.speech_bench` as a dry run on the CPU (tiny random models): the benchmark behind the HTTP
 door's first-byte figure in docs/BENCHMARKS.md still runs, and times both doors in the same run."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ def test_the_speech_bench_times_both_doors_in_one_run(tmp_path):
     out = tmp_path / "speech.json"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "client"),
                                                        os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, "-m", "voiced.bench.speech_bench", "--tiny-cpu", "--tiktoken-dir",
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.speech_bench", "--tiny-cpu", "--tiktoken-dir",
                            str(find_tiktoken_file("multilingual.tiktoken").parent), "--concurrency", "2", "--duration", "2", "--reply-seconds",
                            "0.3", "--out", str(out)], capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]

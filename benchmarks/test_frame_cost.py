@@ -1,11 +1,11 @@
-"""`voiced bench frames`: the daemon's CPU read from /proc, by process and by thread, over a window."""
+"""`python -m benchmarks.frame_cost`: the daemon's CPU read from /proc, by process and by thread, over a window."""
 
 from __future__ import annotations
 
 import os
 import time
 
-from voiced.bench.frame_cost import Level, Window, format_table, process_ticks
+from benchmarks.frame_cost import Level, Window, format_table, process_ticks
 
 
 def _spin(seconds: float) -> None:

@@ -1,6 +1,6 @@
 """GPU soak: many concurrent Converse callers for minutes against one daemon on one GPU.
 
-    python -m voiced.bench.gpu_soak --wav .devdata/speech.wav --tiktoken-dir .devdata --callers 64 \
+    python -m benchmarks.gpu_soak --wav .devdata/speech.wav --tiktoken-dir .devdata --callers 64 \
         --minutes 10 --out gpu-soak.json
 
 The daemon is the end-to-end benchmark's (`voiced.bench.e2e_bench.start_server`: `voiced serve`'s
@@ -45,7 +45,7 @@ from pathlib import Path
 from voiced.bench.soak import _verdict, process_figures, process_verdicts, thread_names
 from voiced.bench.steps import pct
 
-log = logging.getLogger("voiced.bench.gpu_soak")
+log = logging.getLogger("benchmarks.gpu_soak")
 
 GPU_GROWTH_LIMIT_MB = 16.0  # allocated (not reserved) memory of an idle daemon: caches are fixed at start
 
@@ -245,7 +245,7 @@ class Sampler:
 
 def run_callers(args, address: str, seconds: float, sampler: Sampler | None, samples: list) -> dict:
     """The callers in a child process; samples the daemon every --sample-every seconds meanwhile."""
-    cmd = [sys.executable, "-m", "voiced.bench.gpu_soak", "--wav", str(args.wav), "--tiktoken-dir",
+    cmd = [sys.executable, "-m", "benchmarks.gpu_soak", "--wav", str(args.wav), "--tiktoken-dir",
            str(args.tiktoken_dir), "--callers", str(args.callers), "--session-seconds", str(args.session_seconds),
            "--reply-seconds", str(args.reply_seconds), "--caller", f"{address}@{seconds}"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=os.environ)
@@ -309,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     args.front, args.engine_threads, args.no_gc_freeze = ["grpc"], "auto", False
     addresses, server, loop = e2e_bench.start_server(args)
     address = addresses["grpc"]
-    report = GpuSoakReport(command=[sys.executable, "-m", "voiced.bench.gpu_soak", *(argv or sys.argv[1:])],
+    report = GpuSoakReport(command=[sys.executable, "-m", "benchmarks.gpu_soak", *(argv or sys.argv[1:])],
                            callers=args.callers, minutes=args.minutes, session_seconds=args.session_seconds)
     report.machine = {"gpu": "cpu (dry run)" if args.tiny_cpu else torch.cuda.get_device_name(),
                       "torch": torch.__version__, "python": platform.python_version(), "cores": os.cpu_count(),

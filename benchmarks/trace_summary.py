@@ -3,7 +3,7 @@ how busy the GPU was (each stream, and any stream), each thread's CPU-side time 
 for the GPU, and, for the slowest instances of each engine method the bench marks (the StepTimer's
 record_function ranges), what the GPU ran while they lasted: the thread's own kernels, or others'.
 
-    python -m voiced.bench.trace_summary trace-grpc-16.json.gz [--top 5] [--json out.json]
+    python -m benchmarks.trace_summary trace-grpc-16.json.gz [--top 5] [--json out.json]
 
 It answers one question the step timings cannot: a recognition step that takes 50 ms of wall time for
 5 ms of CPU time was waiting, but for what: the GPU busy with the TTS engine's kernels, or the thread

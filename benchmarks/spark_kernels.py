@@ -1,6 +1,6 @@
 """The Spark LM decode step's projections on a GPU: cuBLAS against our GEMV kernels, shape by shape.
 
-    python -m voiced.bench.spark_kernels [--rows 1 16 64] [--out FILE]
+    python -m benchmarks.spark_kernels [--rows 1 16 64] [--out FILE]
 
 For each projection of Spark-TTS-0.5B's decode step (q/k/v with bias, output, gate/up, down, the
 head's speech-token slice) at 1, 16 and 64 rows: microseconds per call as a CUDA graph replays it (20
@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from voiced.bench.gpu_time import per_call_ms
+from benchmarks.gpu_time import per_call_ms
 from voiced.bench.report import emit
 
 # (outputs, inputs) of each projection at Spark-TTS-0.5B's size
@@ -71,9 +71,10 @@ def kernels(rows: int) -> dict:
 
 def decode_steps(batches: list[int]) -> dict:
     """The engine's sampled decode step with the GEMV kernels and with cuBLAS, same weights."""
-    from voiced.bench.spark_bench import build, steps_decode
+    from benchmarks.spark_bench import steps_decode
+    from voiced.engines.random_weights import random_spark
 
-    engine = build("cuda", torch.bfloat16, torch.bfloat16, max(batches), 1024, Path(tempfile.mkdtemp()))
+    engine = random_spark("cuda", torch.bfloat16, torch.bfloat16, max(batches), 1024, Path(tempfile.mkdtemp()))
     prompt = torch.randint(0, 151643, (300,), generator=torch.Generator().manual_seed(0)).cuda()
     out, greedy = {}, {}
     for label, kw in (("gemv", {}), ("cublas", {"fused_linear": False})):

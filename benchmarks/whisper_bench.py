@@ -1,6 +1,6 @@
 """Whisper engine benchmark: our engine (eager and CUDA graphs) next to transformers, same weights.
 
-    python3 -m voiced.bench.whisper_bench --tiktoken-dir DIR [--dims large-v3-turbo] [--device cuda]
+    python3 -m benchmarks.whisper_bench --tiktoken-dir DIR [--dims large-v3-turbo] [--device cuda]
 
 Random weights at the given dimensions (no download), fp16 on GPU. Every utterance is decoded for
 exactly `--tokens` tokens (end-of-text suppressed before that, in both engines) so runs are
@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import math
 import platform
 import statistics
 import time
@@ -37,74 +36,18 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from voiced.bench.gpu_time import per_call_ms
+from benchmarks.gpu_time import per_call_ms
 from voiced.bench.report import emit
 from voiced.engines.base import ASROptions, ASRRequest
+from voiced.engines.random_weights import WHISPER_DIMS, chirps, random_whisper
 from voiced.engines.whisper.checkpoint import hf_config_from_dims, openai_to_hf_name
 from voiced.engines.whisper.engine import WhisperEngine, chunk_graphs_default
-from voiced.engines.whisper.model import ModelDims, Whisper, sinusoids
+from voiced.engines.whisper.model import ModelDims, Whisper
 from voiced.engines.whisper.tokenizer import WhisperTokenizer
 
 log = logging.getLogger("whisper_bench")
 
 ON_OFF = {"on": True, "off": False}  # an engine option's flag word; None leaves the engine's default
-
-DIMS = {
-    "large-v3-turbo": ModelDims(n_mels=128, n_audio_ctx=1500, n_audio_state=1280, n_audio_head=20, n_audio_layer=32,
-                                n_vocab=51866, n_text_ctx=448, n_text_state=1280, n_text_head=20, n_text_layer=4),
-    "large-v3": ModelDims(n_mels=128, n_audio_ctx=1500, n_audio_state=1280, n_audio_head=20, n_audio_layer=32,
-                          n_vocab=51866, n_text_ctx=448, n_text_state=1280, n_text_head=20, n_text_layer=32),
-    "small": ModelDims(n_mels=80, n_audio_ctx=1500, n_audio_state=768, n_audio_head=12, n_audio_layer=12,
-                       n_vocab=51865, n_text_ctx=448, n_text_state=768, n_text_head=12, n_text_layer=12),
-    "base": ModelDims(n_mels=80, n_audio_ctx=1500, n_audio_state=512, n_audio_head=8, n_audio_layer=6,
-                      n_vocab=51865, n_text_ctx=448, n_text_state=512, n_text_head=8, n_text_layer=6),
-    "tiny.en": ModelDims(n_mels=80, n_audio_ctx=1500, n_audio_state=384, n_audio_head=6, n_audio_layer=4,
-                         n_vocab=51864, n_text_ctx=448, n_text_state=384, n_text_head=6, n_text_layer=4),
-    # For a CPU smoke run of this script (tests): real vocabulary and audio context, tiny widths.
-    "tiny-random": ModelDims(n_mels=128, n_audio_ctx=1500, n_audio_state=64, n_audio_head=4, n_audio_layer=2,
-                             n_vocab=51866, n_text_ctx=448, n_text_state=64, n_text_head=4, n_text_layer=2),
-}
-
-
-def random_model(dims: ModelDims, device: str, dtype: torch.dtype, seed: int = 0) -> Whisper:
-    """Random weights made on the device (fast at 800M parameters).
-
-    Scaled like the test fixtures (sharper attention, small embeddings, a large final layer-norm
-    gain) so that outputs depend on the audio and differ between utterances (an equality check
-    between two paths means little if every utterance decodes to the same tokens), while fp16
-    activations stay far from overflow.
-    """
-    torch.manual_seed(seed)
-    with torch.device(device):
-        model = Whisper(dims)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name == "decoder.ln.weight":
-                p.fill_(4.0)
-            elif name.endswith(("ln.weight", "ln_post.weight")):
-                p.fill_(1.0)
-            elif name.endswith(".bias"):
-                p.normal_(0.0, 0.01)
-            elif name.endswith(("token_embedding.weight", "positional_embedding")):
-                p.normal_(0.0, 0.1)
-            else:
-                gain = 3.0 if name.endswith(("query.weight", "key.weight")) else 1.0
-                p.normal_(0.0, gain / math.sqrt(p[0].numel()))
-        model.encoder.positional_embedding.copy_(sinusoids(dims.n_audio_ctx, dims.n_audio_state))
-    return model.to(dtype).eval().requires_grad_(False)
-
-
-def test_audio(n: int, seconds: float = 10.0, seed: int = 0) -> list[np.ndarray]:
-    """Different deterministic 'utterances': chirps plus noise, so every request's features differ."""
-    rng = np.random.default_rng(seed)
-    t = np.arange(int(seconds * 16000)) / 16000
-    out = []
-    for _ in range(n):
-        f0, f1 = rng.uniform(100, 400), rng.uniform(500, 3000)
-        x = 0.3 * np.sin(2 * np.pi * (f0 + (f1 - f0) * t / seconds / 2) * t) + 0.05 * rng.standard_normal(t.size)
-        out.append((x * np.hanning(t.size) ** 0.1).astype(np.float32))
-    return out
-
 
 _OUT: Path | None = None
 
@@ -194,7 +137,7 @@ def hf_generate(hf, mel: torch.Tensor, prompt: list[int], tokens: int, eot: int)
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--dims", default="large-v3-turbo", choices=sorted(DIMS))
+    ap.add_argument("--dims", default="large-v3-turbo", choices=sorted(WHISPER_DIMS))
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default=None, choices=["float16", "bfloat16", "float32"])
     ap.add_argument("--tiktoken-dir", type=Path, required=True, help="folder holding multilingual.tiktoken")
@@ -245,7 +188,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     dev = args.device
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.float16 if dev.startswith("cuda") else torch.float32)
-    dims = DIMS[args.dims]
+    dims = WHISPER_DIMS[args.dims]
     tok = WhisperTokenizer.load(dims.multilingual, dims.num_languages, [args.tiktoken_dir])
     import os
 
@@ -256,13 +199,13 @@ def main(argv: list[str] | None = None) -> dict:
     if dev.startswith("cuda"):
         report["gpu"] = torch.cuda.get_device_name()
     t0 = time.perf_counter()
-    model = random_model(dims, dev, dtype)
+    model = random_whisper(dims, dev, dtype)
     sync(dev)
     report["params_m"] = round(sum(p.numel() for p in model.parameters()) / 1e6, 1)
     log.info("random %s weights (%.0fM params) in %.1f s", args.dims, report["params_m"], time.perf_counter() - t0)
 
     opts = ASROptions(language="en", max_new_tokens=args.tokens, min_new_tokens=args.tokens)
-    audio = test_audio(max(args.throughput_utts, args.hf_throughput_utts, 16))
+    audio = chirps(max(args.throughput_utts, args.hf_throughput_utts, 16))
     fast = dict(compile_encoder=ON_OFF.get(args.compile_encoder), attn_backend=args.attn_backend,
                 fast_decoder=args.fast_decoder, compile_decoder=args.compile_decoder,
                 prefill_graphs=ON_OFF.get(args.prefill_graphs))
@@ -511,8 +454,8 @@ def timeline(eng: WhisperEngine, run, dev: str, trace: str = "timeline_b1.json")
 
     from torch.profiler import ProfilerActivity, profile
 
+    from benchmarks.trace_summary import gpu_gaps, host_waits, load, summarize
     from voiced.bench.steps import STEP_PARTS, StepTimer
-    from voiced.bench.trace_summary import gpu_gaps, host_waits, load, summarize
 
     cuda = dev.startswith("cuda")
     timer = StepTimer(eng, STEP_PARTS["asr"])
@@ -578,7 +521,7 @@ def diagnose(report, graphs, model, audio, opts, args) -> None:
         ["--no-compile-decoder"] if args.compile_decoder is False else [])
     for name, env in envs.items():
         try:
-            r = subprocess.run([sys.executable, "-m", "voiced.bench.whisper_bench", "--probe-only", "--tiktoken-dir",
+            r = subprocess.run([sys.executable, "-m", "benchmarks.whisper_bench", "--probe-only", "--tiktoken-dir",
                                 tdir, "--dims", args.dims, *decoder_flags], env={**os.environ, **env},
                                capture_output=True, text=True, timeout=120)
             line = next((x for x in r.stdout.splitlines() if x.startswith("PROBE ")), None)

@@ -1,4 +1,4 @@
-"""The soaks' verdicts (voiced bench soak, voiced bench gpu-soak): one set of process checks, so a leak
+"""The soaks' verdicts (voiced bench soak, benchmarks/gpu_soak.py): one set of process checks, so a leak
 either soak sees is judged the same way by both."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from voiced.bench.gpu_soak import GpuSample, GpuSoakReport
+from benchmarks.gpu_soak import GpuSample, GpuSoakReport
 from voiced.bench.soak import Sample, SoakReport
 
 

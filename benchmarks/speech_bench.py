@@ -21,7 +21,7 @@ Whisper is loaded (the daemon needs it) but idle: `--asr-dims tiny-random` saves
 VOICED_SPARK_COMPILE=0 runs the TTS LM's steps uncompiled (CUDA graphs still), as `voiced serve` does
 with it set.
 
-    voiced bench speech --tiktoken-dir DIR --concurrency 2 16 --out speech.json
+    python -m benchmarks.speech_bench --tiktoken-dir DIR --concurrency 2 16 --out speech.json
 """
 
 from __future__ import annotations
@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> dict:
               "tts_compiled": not args.tiny_cpu and env_switch("VOICED_SPARK_COMPILE", True),
               "text": TEXT, "voice": VOICE, "duration_s": args.duration, "date": time.strftime("%Y-%m-%d"), "levels": {}}
     for n in args.concurrency:
-        cmd = [sys.executable, "-m", "voiced.bench.speech_bench", "--tiktoken-dir", str(args.tiktoken_dir),
+        cmd = [sys.executable, "-m", "benchmarks.speech_bench", "--tiktoken-dir", str(args.tiktoken_dir),
                "--duration", str(args.duration), "--workers", f"{grpc_address}@{http_address}@{n}"]
         if args.sse:
             cmd.append("--sse")

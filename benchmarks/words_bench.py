@@ -1,7 +1,7 @@
 """What word timings cost the Whisper engine: GPU kernel time and engine-thread time per request.
 
-    voiced bench words --wav speech.wav --asr-model tiny.en-pypi [--rows 1 4 16] [--out words.json]
-    voiced bench words --wav speech.wav --dims large-v3-turbo --tiktoken-dir DIR     (random weights)
+    python -m benchmarks.words_bench --wav speech.wav --asr-model tiny.en-pypi [--rows 1 4 16] [--out words.json]
+    python -m benchmarks.words_bench --wav speech.wav --dims large-v3-turbo --tiktoken-dir DIR     (random weights)
 
 R requests (cuts of 1.5-6 s of the WAV, each forced to the same number of tokens) are decoded together, with
 word timings and without (the reference, in the same run), and with the time warping on the GPU and on the
@@ -33,12 +33,12 @@ def build(args, align_graphs: bool):
 
         return WhisperEngine.load(registry.resolve(args.asr_model, cache_dir()), device="cuda", max_batch=64,
                                   max_encoder_batch=16, align_graphs=align_graphs)
-    from voiced.bench import whisper_bench
+    from voiced.engines.random_weights import WHISPER_DIMS, random_whisper
     from voiced.engines.whisper.tokenizer import WhisperTokenizer
 
-    dims = whisper_bench.DIMS[args.dims]
+    dims = WHISPER_DIMS[args.dims]
     tok = WhisperTokenizer.load(dims.multilingual, dims.num_languages, [args.tiktoken_dir] if args.tiktoken_dir else None)
-    model = whisper_bench.random_model(dims, "cuda", torch.float16)
+    model = random_whisper(dims, "cuda", torch.float16)
     return WhisperEngine(model, tok, model_name=f"{args.dims} (random)", max_batch=64, max_encoder_batch=16,
                          cuda_graphs=True, align_graphs=align_graphs)
 

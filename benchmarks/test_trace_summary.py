@@ -1,4 +1,4 @@
-"""voiced.bench.trace_summary: what a profile's timeline says about the GPU and each thread's waits."""
+"""benchmarks.trace_summary: what a profile's timeline says about the GPU and each thread's waits."""
 
 import gzip
 import json
@@ -6,7 +6,7 @@ import threading
 
 import torch
 
-from voiced.bench.trace_summary import gpu_gaps, host_waits, load, overlap_us, summarize, union_us
+from benchmarks.trace_summary import gpu_gaps, host_waits, load, overlap_us, summarize, union_us
 
 
 def test_union_and_overlap_count_shared_time_once():
