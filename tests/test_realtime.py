@@ -144,6 +144,10 @@ def test_a_spoken_phrase_gets_its_transcript_and_a_spoken_reply(daemon, speech):
     assert response.response.output[0].content[0].transcript == said
     deltas = c.of("response.output_audio.delta")
     assert {d.response_id for d in deltas} == {response.response.id}
+    # The response names the user item it answers (the page attaches a late reply to its own turn by it).
+    [created] = c.of("response.created")
+    assert created.response.metadata == {"item_id": heard.item_id}
+    assert response.response.metadata == {"item_id": heard.item_id}
 
 
 def test_speech_over_a_reply_cancels_it(daemon, speech):

@@ -103,3 +103,137 @@ def test_push_to_talk_in_the_page(daemon, tmp_path):
         finally:
             browser.close()
     assert shown and shown in heard.texts and agent == shown
+
+
+# ------------------------------------------------------------------ a reply after the next turn began
+
+
+class ScriptedRealtime:
+    """The page's routes and a /v1/realtime that plays a fixed script of server events, in a thread: the
+    order of events a slow reply gives (its response starts after the caller began the next turn), which a
+    live daemon gives only by chance."""
+
+    def __init__(self, script: list[dict]):
+        import asyncio
+
+        from aiohttp import web
+
+        from voiced.doors import web as page
+
+        self.script = script
+        self.loop = asyncio.new_event_loop()
+        app = web.Application()
+        app.add_routes(page.routes())
+        app.add_routes([web.get("/v1/models", self._models), web.get("/v1/realtime", self._realtime)])
+        self.runner = web.AppRunner(app)
+        ready = threading.Event()
+
+        def main():
+            asyncio.set_event_loop(self.loop)
+            self.loop.run_until_complete(self.runner.setup())
+            site = web.TCPSite(self.runner, "127.0.0.1", 0)
+            self.loop.run_until_complete(site.start())
+            self.port = site._server.sockets[0].getsockname()[1]
+            ready.set()
+            self.loop.run_forever()
+
+        self.thread = threading.Thread(target=main, daemon=True)
+        self.thread.start()
+        assert ready.wait(10)
+
+    async def _models(self, request):
+        from aiohttp import web
+
+        return web.json_response({"object": "list", "data": [{"id": "tiny", "kind": "transcription"},
+                                                             {"id": "spark", "kind": "speech"}]})
+
+    async def _realtime(self, request):
+        import asyncio
+        import json
+
+        from aiohttp import web
+
+        ws = web.WebSocketResponse(protocols=["realtime"])
+        await ws.prepare(request)
+        await ws.receive()  # the page's session.update
+        await ws.send_str(json.dumps({"type": "session.updated", "session": {}}))
+        for event in self.script:
+            await asyncio.sleep(0.05)
+            await ws.send_str(json.dumps(event))
+        async for _ in ws:
+            pass
+        return ws
+
+    def stop(self):
+        import asyncio
+
+        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+def _turn(item: str, text: str) -> list[dict]:
+    return [{"type": "input_audio_buffer.speech_started", "item_id": item, "audio_start_ms": 0},
+            {"type": "input_audio_buffer.speech_stopped", "item_id": item, "audio_end_ms": 900},
+            {"type": "input_audio_buffer.committed", "item_id": item},
+            {"type": "conversation.item.input_audio_transcription.completed", "item_id": item, "transcript": text}]
+
+
+def _reply(resp: str, answers: str, text: str) -> list[dict]:
+    response = {"id": resp, "status": "in_progress", "metadata": {"item_id": answers}}
+    return [{"type": "response.created", "response": response},
+            {"type": "response.output_audio_transcript.delta", "response_id": resp, "delta": text},
+            {"type": "response.done", "response": {**response, "status": "completed"}}]
+
+
+def test_a_reply_that_arrives_after_the_next_turn_began_goes_to_its_own_turn(tmp_path):
+    first, second = _turn("item_1", "what time is it"), _turn("item_2", "and the date")
+    script = (first + second[:1]  # the caller speaks again before the first reply starts
+              + _reply("resp_1", "item_1", "it is noon") + second[1:] + _reply("resp_2", "item_2", "the first"))
+    server = ScriptedRealtime(script)
+    wav = write_wav(tmp_path / "quiet.wav", layout(["Hello."], lead_s=0.1, tail_s=0.1).audio * 0)
+    try:
+        with sync_api.sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=CHROMIUM, args=chromium_args(wav))
+            try:
+                page = browser.new_page()
+                page.goto(f"http://127.0.0.1:{server.port}/")
+                page.click("#connect")
+                page.wait_for_function("document.querySelectorAll('.turn.heard').length == 2 && "
+                                       "document.querySelector('.turn[data-item=item_2] .agent .text').textContent",
+                                       timeout=30_000)
+                agents = {item: page.text_content(f".turn[data-item={item}] .agent .text")
+                          for item in ("item_1", "item_2")}
+            finally:
+                browser.close()
+    finally:
+        server.stop()
+    assert agents == {"item_1": "it is noon", "item_2": "the first"}
+
+
+# ------------------------------------------------------------------ a server that only listens
+
+
+def test_a_listening_only_server_says_so_and_offers_no_voice(tmp_path_factory):
+    from tests.daemon_harness import start_daemon
+    from tests.http_harness import http_config
+
+    whisper, _ = make_models(tmp_path_factory)
+    config = http_config()
+    config.tts.enabled = False
+    d = start_daemon(whisper, config)
+    d.services.tts_off = "this server only listens: it has no speech synthesis model. Spark-TTS (not in the cache)"
+    try:
+        with sync_api.sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=CHROMIUM, args=["--headless", "--no-sandbox", "--disable-gpu"])
+            try:
+                page = browser.new_page()
+                page.goto(base_url(d) + "/")
+                note = page.wait_for_selector("#listening-only:not([hidden])", timeout=30_000)
+                said = note.text_content()
+                picker_visible = page.is_visible("#voice-picker")
+            finally:
+                browser.close()
+    finally:
+        d.stop()
+    assert "only listens" in said and "no reply is spoken" in said and "Spark-TTS (not in the cache)" in said, said
+    assert not picker_visible

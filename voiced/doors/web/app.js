@@ -193,7 +193,10 @@ function onEvent(ev) {
       break;
     }
     case "response.created": {
-      const turn = state.lastTurn || newTurn(ev.response.id);
+      // The server names the user item a response answers: a reply can arrive after the next turn began,
+      // so the latest turn is not always the one answered.
+      const answers = ev.response.metadata && ev.response.metadata.item_id;
+      const turn = (answers && turnFor(answers)) || state.lastTurn || newTurn(ev.response.id);
       state.responses.set(ev.response.id, turn);
       state.awaitingSound = turn;
       break;
@@ -254,13 +257,30 @@ function talk(down) {
   }
 }
 
+// A server without a voice only listens: no voice to pick, and the page says so (and why) before you talk.
+function showListeningOnly(why) {
+  $("voice-picker").hidden = true;
+  const note = $("listening-only");
+  note.textContent = "This server only listens: you see what it heard and the agent's answer as text; " +
+    "no reply is spoken." + (why ? ` (${why})` : "");
+  note.hidden = false;
+  document.body.dataset.listeningOnly = "true";
+}
+
 async function loadVoices() {
   try {
     const headers = token() ? { Authorization: `Bearer ${token()}` } : {};
     const models = await fetch("v1/models", { headers });
     if (models.ok) {
-      const asr = (await models.json()).data.find((m) => m.kind === "transcription");
+      const data = (await models.json()).data;
+      const asr = data.find((m) => m.kind === "transcription");
       if (asr) state.asrModel = asr.id;
+      if (!data.some((m) => m.kind === "speech")) {
+        const r = await fetch("v1/audio/voices", { headers });
+        const body = r.ok ? null : await r.json().catch(() => null);
+        showListeningOnly(body && body.error ? body.error.message : "");
+        return;
+      }
     }
     const r = await fetch("v1/audio/voices", { headers });
     if (!r.ok) return;
