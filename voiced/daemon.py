@@ -83,7 +83,10 @@ class Daemon:
         s.metrics.watch_loop(asyncio.get_running_loop())
         if c.metrics_listen:
             try:
-                self._metrics_http = s.metrics.serve(c.metrics_listen)
+                from voiced.doors.http import MetricsListener  # the doors' bounded listener, the token too
+
+                self._metrics_http = MetricsListener(s, c.metrics_listen)
+                await self._metrics_http.start()
             except OSError as e:
                 if e.errno not in _BIND_ERRORS:
                     raise
@@ -146,7 +149,7 @@ class Daemon:
             if worker is not None:
                 await asyncio.to_thread(worker.stop)
         if self._metrics_http is not None:
-            self._metrics_http.shutdown()
+            await self._metrics_http.close()
         self._stopped.set()
 
     def hurry(self) -> None:

@@ -1,4 +1,4 @@
-"""Prometheus metrics (served on `--metrics-listen`).
+"""Prometheus metrics (served on `--metrics-listen` by voiced.doors.http.MetricsListener).
 
 One registry per server so tests can run several servers in a process. Latencies are histograms
 in seconds, as Prometheus expects.
@@ -11,7 +11,7 @@ import logging
 import sys
 import threading
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
 log = logging.getLogger(__name__)
@@ -92,11 +92,6 @@ class Metrics:
         """A `voiced.heap.Release`; RSS can rise meanwhile (other threads allocate): counted as none."""
         self.heap_returned.inc(max(0, release.returned))
         self.heap_trim.observe(release.seconds)
-
-    def serve(self, listen: str):
-        host, _, port = listen.rpartition(":")
-        server, _thread = start_http_server(int(port), addr=host or "127.0.0.1", registry=self.registry)
-        return server
 
 
 class GpuMemoryCollector:

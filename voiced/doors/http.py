@@ -244,3 +244,21 @@ class HttpDoor(HttpListener):
         log.info("web page: %s://%s:%d/  OpenAI-compatible API: %s://%s:%d/v1", self.scheme, host, self.port,
                  self.scheme, host, self.port)
         return bound
+
+
+class MetricsListener(HttpListener):
+    """Prometheus's `/metrics` on `server.metrics_listen` (its own address, as a scraper expects), served by
+    the same bounded listener as the doors: the connection places and deadlines of voiced.doors.guard,
+    TLS and the bearer token where they are configured (a scraper sends `authorization` with
+    `bearer_token_file`), instead of a thread per connection that an idle client holds forever.
+    A scrape reads the collectors on a worker thread: the GPU readings may ask the engine process."""
+
+    def __init__(self, services, address: str):
+        super().__init__(services, address, name="metrics")
+        self.add_routes([web.get("/metrics", self._metrics)])
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        body = await asyncio.to_thread(generate_latest, self.services.metrics.registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
