@@ -126,8 +126,8 @@ def load_tts(config: Config):
         from voiced.engines.trtllm.spark_runner import TrtllmSparkEngine
 
         budgets = config.memory.budget_bytes(mem.free) if mem else {}
-        return TrtllmSparkEngine.load(engine_dir(config, "spark-tts", c.model), c.model, plan=config.memory,
+        return TrtllmSparkEngine.load(engine_dir(config, "spark-tts", model), model, plan=config.memory,
                                       kv_cache_bytes=budgets.get("tts"), **kwargs)
     # the free memory now: after the ASR engine loaded and warmed up, when it loads first
     limit = (mem.free, config.memory.tts_kv_fraction) if mem else None
-    return SparkTTSEngine.load(c.model, memory_limit=limit, compile_lm=None if c.compile else False, **kwargs)
+    return SparkTTSEngine.load(model, memory_limit=limit, compile_lm=None if c.compile else False, **kwargs)

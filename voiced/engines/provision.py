@@ -74,7 +74,7 @@ def provision(config: Config, asr_device: str, tts_device: str, root: Path | Non
     """
     from voiced.engines.whisper import registry
 
-    out = Provisioned(config.asr.model, config.tts.enabled)
+    out = Provisioned(config.asr.model, config.tts.enabled, config.tts.model)
     if fetch_asr_backend:
         name = default_asr(asr_device) if config.asr.model == AUTO else config.asr.model
         out.asr_model = name
