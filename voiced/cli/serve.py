@@ -41,6 +41,12 @@ def register(sub) -> None:
     p.add_argument("--agent", help="default agent for sessions that name none: echo, openai, client or a plug-in")
     p.add_argument("--max-sessions", type=int, help="concurrent streaming sessions before RESOURCE_EXHAUSTED")
     p.add_argument("--metrics-listen", help="serve Prometheus metrics on HOST:PORT (default: off)")
+    p.add_argument("--handshake-timeout", type=float, metavar="SECONDS",
+                   help="a connection's TLS handshake, HTTP headers and first message must arrive within this "
+                        "(default 10)")
+    p.add_argument("--max-connections", type=int, help="open connections of all doors but gRPC before new ones "
+                   "are refused (default 2000)")
+    p.add_argument("--max-connections-per-door", type=int, help="the same for each door (default 1000)")
     p.add_argument("--audiosocket", metavar="HOST:PORT", help="open the Asterisk AudioSocket door there")
     p.add_argument("--media-ws", metavar="HOST:PORT", help="open the telephony media-stream WebSocket door there")
     p.add_argument("--wyoming", metavar="tcp://HOST:PORT", help="open the Wyoming (Home Assistant) door there")
@@ -77,6 +83,9 @@ def overrides(args: argparse.Namespace) -> dict:
         "segmentation.eagerness": args.turn_eagerness,
         "server.max_sessions": args.max_sessions,
         "server.metrics_listen": args.metrics_listen,
+        "server.handshake_timeout_s": args.handshake_timeout,
+        "server.max_connections": args.max_connections,
+        "server.max_connections_per_door": args.max_connections_per_door,
         "doors.audiosocket": args.audiosocket,
         "doors.media_ws": args.media_ws,
         "doors.wyoming": args.wyoming,

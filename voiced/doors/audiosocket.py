@@ -14,7 +14,8 @@ overrun the phone's jitter buffer. Barge-in clears what is queued, so no frame l
 Faults end one call, never the door: a malformed message (unknown type, wrong UUID size, a length
 over the limit, audio before the UUID, ...) is logged with the call's UUID and what was wrong, and
 the call gets an error message (0xff) and is closed. So does a refusal (the server is full, loading
-or draining): 0xff with the error's kind as its payload (`over_capacity`, `unavailable`), then close;
+or draining, or a connection over `server.max_connections[_per_door]`): 0xff with the error's kind as its
+payload (`over_capacity`, `unavailable`), then close;
 Asterisk then hangs up the channel and the dialplan goes on.
 """
 
@@ -33,6 +34,7 @@ from voiced.core.errors import ErrorKind, SessionError
 from voiced.core.events import AudioIn, AudioOut, Dtmf, HangupOut, ReplyInterrupted
 from voiced.doors import audiosocket_frames as wire
 from voiced.doors.pacing import FRAME_S, Pacer
+from voiced.doors.guard import connections
 from voiced.doors.shared import door_address, last_words
 
 log = logging.getLogger(__name__)
@@ -79,6 +81,14 @@ class AudioSocketDoor:
         return len(self._calls)
 
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        release = connections(self.services).hold(FRONT)
+        if release is None:  # the door or the daemon holds its limit of connections: as a full server says
+            self.services.count_error(FRONT, ErrorKind.OVER_CAPACITY.value)
+            with contextlib.suppress(Exception):
+                writer.write(wire.encode(wire.ERROR, ErrorKind.OVER_CAPACITY.value.encode()))
+                await last_words(writer.drain(), writer.transport, grace=1.0)
+            writer.close()
+            return
         task = asyncio.current_task()
         self._calls.add(task)
         try:
@@ -87,6 +97,7 @@ class AudioSocketDoor:
             pass  # close(): the call has said goodbye; this task is asyncio's own, with no one to tell
         finally:
             self._calls.discard(task)
+            release()
             writer.close()
             # A caller that stopped reading never lets what is still buffered leave: cut it.
             with contextlib.suppress(Exception):

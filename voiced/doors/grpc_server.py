@@ -27,6 +27,7 @@ from voiced.core.errors import ErrorKind, SessionError, invalid
 from voiced.core.services import Services
 from voiced.core.session import Session
 from voiced.doors import grpc_wire as wire
+from voiced.doors.guard import check_id, connections
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +91,8 @@ class VoicedService(pb_grpc.VoicedServicer):
                     raise invalid("the first message must be `config` (a SessionConfig); "
                                   "audio and control come after it")
                 config = first.config
+                if (problem := check_id(config.session_id, "config.session_id")) is not None:
+                    raise invalid(problem)
                 session_id = config.session_id or s.new_session_id(FRONT)
                 spec = wire.session_spec(config, s, session_id, conversational)
                 session = Session(s, spec, conversational)
@@ -367,6 +370,7 @@ class GrpcDoor:
 
     async def start(self) -> str:
         c = self.services.config.server
+        connections(self.services)  # the daemon's first door: the open-file limit is raised here, and said
         # Auth first: a caller without the token learns nothing, not even that its bytes were bad.
         interceptors = [BearerAuth(c.auth_token, self.services)] if c.auth_token else []
         interceptors.append(DecodeGuard())
@@ -378,6 +382,9 @@ class GrpcDoor:
             ("grpc.http2.min_ping_interval_without_data_ms", 5000),
             ("grpc.keepalive_permit_without_calls", 1),
             ("grpc.so_reuseport", 0),
+            # A connection that has not finished its TLS and HTTP/2 handshake by then is closed (gRPC's
+            # default is 120 s), as an HTTP door's unfinished headers are.
+            ("grpc.server_handshake_timeout_ms", int(c.handshake_timeout_s * 1000) or 120000),
         ]
         self.server = grpc.aio.server(interceptors=interceptors, options=options)
         pb_grpc.add_VoicedServicer_to_server(VoicedService(self.services), self.server)
