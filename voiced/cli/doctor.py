@@ -39,6 +39,15 @@ def run(args: argparse.Namespace) -> int:
 
     # front doors: what `voiced serve` would open with this config, and whether each can be built
     problems += _doors(config)
+    # open files: each caller's connection is a descriptor; `voiced serve` raises the soft limit to the hard one
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = config.server.max_connections + 128
+    _line(None if 0 <= hard < wanted else True, "open-file limit",
+          f"soft {soft}, hard {'unlimited' if hard < 0 else hard}: `voiced serve` raises the soft limit to the hard one"
+          + (f", which holds fewer than server.max_connections ({config.server.max_connections}) callers: raise "
+             "`ulimit -Hn`" if 0 <= hard < wanted else ""))
 
     # devices
     free = None
