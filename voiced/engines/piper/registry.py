@@ -181,6 +181,7 @@ def _pull_hub(voice: str, root: Path | None) -> list[Path]:
     for path, meta in sorted(entry.get("files", {}).items()):
         target = dest / Path(path).name
         if not _intact(target, meta):
+            target.unlink(missing_ok=True)  # damaged or stale: `download` keeps a file that is there
             download(HF_URL.format(path=path), target, desc=f"{voice}: {target.name}")
             if not _intact(target, meta):
                 target.unlink(missing_ok=True)
