@@ -1,0 +1,177 @@
+"""Replies that are heard: voiced speaking with a real Piper voice (en_US-joe-medium, from PyPI) and the
+real tiny.en (from PyPI) writing down what it said, through every door that speaks.
+
+- 22 sentences (numbers and names among them) through gRPC Synthesize, written down by the same daemon's
+  Recognize: word error rate at most 10 % (Whisper's English normaliser on both sides);
+- a Converse with the echo agent, 16 kHz and on an 8 kHz mu-law phone line: the reply the caller
+  records is written down as the caller's own words;
+- Wyoming `synthesize` and OpenAI's /v1/audio/speech: the audio they return is written down as the text.
+The caller's voice is espeak-ng's (tests/speech.py), so recognition of the caller and of the reply are
+two different voices.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import shutil
+import urllib.request
+import wave
+
+import grpc
+import numpy as np
+import pytest
+import soxr
+from voiced_client.proto import voiced_pb2 as pb
+from voiced_client.proto import voiced_pb2_grpc as pb_grpc
+
+from tests.daemon_harness import (
+    audio_requests,
+    daemon_config,
+    heard_audio,
+    of_kind,
+    session_config,
+    start_daemon,
+    stream_blocking,
+    wire_audio,
+)
+from tests.piper_voice import joe_onnx
+from tests.real_whisper import tiny_en_dir
+from tests.speech import layout
+from voiced.audio.ingest import Format
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(shutil.which("espeak-ng") is None, reason="needs the espeak-ng program")]
+normalizers = pytest.importorskip("whisper.normalizers")
+
+PHONE = Format("MULAW", 8000)
+WIDE = Format("LINEAR16", 16000)
+SENTENCES = [
+    "Your appointment is on Monday at three thirty.", "I have 25 apples and 12 oranges.",
+    "My name is John Smith and I live in Boston.", "Please call me back at five o'clock.",
+    "The total comes to 48 dollars.", "Sarah will meet you at the train station.",
+    "Can you book a table for four people tonight?", "The flight to London leaves at 9 in the morning.",
+    "Thank you for calling, how can I help you today?", "Your order has been shipped and will arrive on Friday.",
+    "Michael and Emma are going to Paris next week.", "The meeting has been moved to room 204.",
+    "It will be sunny tomorrow with a high of 72 degrees.", "Press one for sales or two for support.",
+    "David lost his keys at the park yesterday.", "We are open from 8 in the morning until 6 in the evening.",
+    "Is there anything else I can help you with?", "Your balance is 350 dollars.",
+    "Doctor Brown will see you in 10 minutes.", "I would like to change my password, please.",
+    "The bus number 42 stops right outside the hotel.", "Good morning, Maria, how was your weekend?",
+]
+CALLER = "I would like to book a table for two people."
+
+
+@pytest.fixture(scope="module")
+def daemon():
+    from voiced.engines.piper.engine import PiperEngine
+
+    config = daemon_config()
+    config.tts.enabled = True
+    config.doors.wyoming = "tcp://127.0.0.1:0"
+    config.doors.http = "127.0.0.1:0"
+    tts = PiperEngine.load(joe_onnx())
+    tts.warmup()
+    d = start_daemon(tiny_en_dir(), config, tts_engine=tts, max_batch=4)
+    yield d
+    d.stop()
+    tts.close()
+
+
+def words(text: str) -> list[str]:
+    return normalizers.EnglishTextNormalizer()(text).split()
+
+
+def wer(ref: list[str], hyp: list[str]) -> float:
+    d = list(range(len(hyp) + 1))
+    for i, r in enumerate(ref, 1):
+        prev, d[0] = d[0], i
+        for j, h in enumerate(hyp, 1):
+            prev, d[j] = d[j], min(d[j] + 1, d[j - 1] + 1, prev + (r != h))
+    return d[-1]
+
+
+def recognize(daemon, pcm16k: bytes) -> str:
+    """The daemon's own tiny.en on 16 kHz LINEAR16 audio."""
+    with grpc.insecure_channel(daemon.address) as channel:
+        resp = pb_grpc.VoicedStub(channel).Recognize(pb.RecognizeRequest(
+            audio=pcm16k, format=pb.AudioFormat(encoding=pb.LINEAR16, sample_rate_hz=16000),
+            recognition=pb.RecognitionConfig(language="en")))
+    return " ".join(r.text.strip() for r in resp.results if r.text.strip())
+
+
+def synthesize(daemon, text: str) -> bytes:
+    with grpc.insecure_channel(daemon.address) as channel:
+        return b"".join(r.audio.audio for r in pb_grpc.VoicedStub(channel).Synthesize(pb.SynthesizeRequest(text=text)))
+
+
+def test_sentences_spoken_by_voiced_are_written_back_word_for_word(daemon, record_property):
+    errors = total = 0
+    misheard = []
+    for text in SENTENCES:
+        said = recognize(daemon, synthesize(daemon, text))
+        e = wer(words(text), words(said))
+        errors, total = errors + e, total + len(words(text))
+        if e:
+            misheard.append((text, said))
+    record_property("wer", errors / total)
+    assert errors / total <= 0.10, misheard
+
+
+def _converse(daemon, fmt: Format) -> tuple[str, bytes]:
+    """The caller says CALLER in `fmt` and records the echo agent's spoken reply (in `fmt` too)."""
+    cfg = session_config(fmt, agent=pb.AgentConfig(name="echo"))
+    data = wire_audio(layout([CALLER], tail_s=1.0).audio, fmt)
+    events, code, details = stream_blocking(daemon.address, audio_requests(cfg, data, fmt), "Converse", timeout=120)
+    assert code == grpc.StatusCode.OK, details
+    [final] = [e.transcript.text for e in of_kind(events, "transcript") if e.transcript.is_final]
+    chunks = [e.audio for e in of_kind(events, "audio")]
+    assert chunks and chunks[-1].last and chunks[0].latency_ms > 0
+    return final, b"".join(c.audio for c in chunks)
+
+
+@pytest.mark.parametrize("fmt", [WIDE, PHONE], ids=["16k", "phone-8k-mulaw"])
+def test_the_echo_agents_spoken_reply_is_the_callers_words(daemon, fmt):
+    heard, reply = _converse(daemon, fmt)
+    assert words(heard) == words(CALLER), heard
+    pcm = heard_audio(reply, fmt).astype("<i2").tobytes()  # 16 kHz, as the caller's own decoder would give it
+    assert words(recognize(daemon, pcm)) == words(CALLER)
+
+
+def test_wyoming_synthesize_is_heard(daemon):
+    from wyoming.audio import AudioChunk, AudioStart
+    from wyoming.client import AsyncTcpClient
+    from wyoming.tts import Synthesize
+
+    from voiced.doors.shared import split_address
+
+    host, port = split_address(daemon.services.doors["wyoming"], scheme="tcp")
+
+    async def speak():
+        async with AsyncTcpClient(host, port) as c:
+            await c.write_event(Synthesize(text=SENTENCES[2]).event())
+            start, chunks = None, []
+            while (event := await c.read_event()) is not None and event.type != "audio-stop":
+                if AudioStart.is_type(event.type):
+                    start = AudioStart.from_event(event)
+                elif AudioChunk.is_type(event.type):
+                    chunks.append(AudioChunk.from_event(event).audio)
+            return start, b"".join(chunks)
+
+    start, audio = asyncio.run(speak())
+    assert (start.rate, start.width, start.channels) == (16000, 2, 1)
+    assert words(recognize(daemon, audio)) == words(SENTENCES[2])
+
+
+def test_openai_speech_is_heard(daemon):
+    body = json.dumps({"model": "tts-1", "voice": "alloy", "input": SENTENCES[1], "response_format": "wav"}).encode()
+    req = urllib.request.Request(f"http://{daemon.services.doors['http']}/v1/audio/speech", data=body,
+                                 headers={"Content-Type": "application/json"}, method="POST")
+    with urllib.request.urlopen(req, timeout=120) as r:
+        data = r.read()
+    with wave.open(io.BytesIO(data)) as w:
+        rate, pcm = w.getframerate(), w.readframes(w.getnframes())
+    samples = np.frombuffer(pcm, "<i2").astype(np.float32) / 32768
+    pcm16k = wire_audio(samples if rate == 16000 else soxr.resample(samples, rate, 16000), WIDE)
+    assert words(recognize(daemon, pcm16k)) == words(SENTENCES[1])
