@@ -188,6 +188,33 @@ def test_speech_streams_in_every_format(daemon, name, tmp_path):
     assert 0.1 < seconds <= REPLY_S + 0.15
 
 
+def test_speech_takes_http_max_input_chars_past_the_cores_one_request(daemon, tmp_path):
+    """4,096 characters (OpenAI's limit and http.max_input_chars' default) are more than the core's 4,000 a
+    request: the door speaks them in pieces, one stream; 4,097 are refused naming the 4,096."""
+    from voiced.core.spec import MAX_TEXT_CHARS
+    from voiced.doors.openai_http import _pieces
+
+    text = ("Hello there, this is one sentence. " * 120)[:4096]
+    assert len(_pieces(text, MAX_TEXT_CHARS)) == 2 and " ".join(_pieces(text, MAX_TEXT_CHARS)).split() == text.split()
+    http = daemon.services.config.http
+    old, http.max_input_chars = http.max_input_chars, 4096
+
+    async def go(c):
+        async with c.audio.speech.with_streaming_response.create(
+                model="tts-1", voice="alloy", input=text, response_format="wav") as r:
+            audio = b"".join([p async for p in r.iter_bytes()])
+        with pytest.raises(openai.BadRequestError) as e:
+            await c.audio.speech.create(model="tts-1", voice="alloy", input=text + "x")
+        return audio, e.value
+
+    try:
+        audio, refused = run(go, daemon)
+    finally:
+        http.max_input_chars = old
+    assert 2 * 0.1 < _decode("wav", audio, tmp_path) <= 2 * REPLY_S + 0.3  # both pieces spoken
+    assert "up to 4096 per request" in str(refused)
+
+
 @pytest.mark.parametrize("name", ["wav", "mp3"])
 def test_speech_as_server_sent_events(daemon, name, tmp_path):
     from openai._streaming import SSEDecoder
@@ -443,12 +470,13 @@ def test_readyz_is_503_while_the_models_load(tmp_path):
     import urllib.request
 
     from tests.http_harness import http_config
+    from voiced.core.services import Engines
     from voiced.daemon import Daemon, start_in_thread
 
     config = http_config()
     config.tts.enabled = False
     release = threading.Event()
-    daemon = Daemon(config, load=lambda services: release.wait(60))
+    daemon = Daemon(config, load=lambda: release.wait(60) and Engines())
     started: dict = {}
     thread = threading.Thread(target=lambda: started.update(loop=start_in_thread(daemon, timeout=90)[1]))
     thread.start()

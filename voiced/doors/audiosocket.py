@@ -131,15 +131,19 @@ class _Call:
         self._resample_in: Resampler | None = None
         self._resample_out: Resampler | None = None
 
+    @property
+    def _uuid_timeout_s(self) -> float:
+        return min(UUID_TIMEOUT_S, self.services.config.server.handshake_timeout_s or UUID_TIMEOUT_S)
+
     def _who(self) -> str:
         return f"AudioSocket call {self.uuid or '(no UUID yet)'} from {self.peer}"
 
     async def run(self) -> None:
         try:
             try:
-                first = await asyncio.wait_for(self._read(), UUID_TIMEOUT_S)
+                first = await asyncio.wait_for(self._read(), self._uuid_timeout_s)
             except TimeoutError:
-                raise wire.Malformed(f"no UUID message within {UUID_TIMEOUT_S:g} s of connecting") from None
+                raise wire.Malformed(f"no UUID message within {self._uuid_timeout_s:g} s of connecting") from None
             if first is None:
                 log.info("%s: closed before sending its UUID", self._who())
                 return
