@@ -372,6 +372,8 @@ CASES: dict[str, Callable[[Daemon], Outcome]] = {
     "G77": lambda d: stream(d, [cfg(), pb.SessionRequest(text="What time is it?")]),
     "G78": lambda d: stream(d, [cfg(), pb.SessionRequest(text=" \t ")], "Converse"),
     "G79": lambda d: stream(d, [cfg(), pb.SessionRequest(text="word " * 20000)], "Converse"),
+    # caller-supplied ids
+    "G80": lambda d: stream(d, [cfg(session_id="s" * 300_000)]),
 }
 
 

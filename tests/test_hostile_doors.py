@@ -380,6 +380,20 @@ def test_media_ws_fields_of_the_wrong_type_close_1008_without_an_error_in_the_lo
     assert all(len(rec.getMessage()) < 2000 for rec in caplog.records)  # ids are cut in log lines
 
 
+def test_media_ws_without_a_start_message_closes_1008(daemon):
+    async def go():
+        async with ws_connect(f"ws://{daemon.services.doors['media_ws']}/media") as ws:
+            await ws.send(json.dumps({"event": "connected", "protocol": "Call", "version": "1.0.0"}))
+            start = time.monotonic()
+            with contextlib.suppress(websockets.ConnectionClosed):
+                await asyncio.wait_for(ws.recv(), 10)
+            return ws.close_code, ws.close_reason, time.monotonic() - start
+
+    code, reason, took = asyncio.run(go())
+    assert code == 1008 and "no start message within 1 s (server.handshake_timeout_s)" in reason
+    assert took < HANDSHAKE_S + SLACK_S
+
+
 def test_a_grpc_session_id_over_its_bound_is_refused(daemon, caplog):
     with grpc.insecure_channel(daemon.address) as ch, caplog.at_level(logging.INFO):
         stub = pb_grpc.VoicedStub(ch)
