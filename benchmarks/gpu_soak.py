@@ -3,7 +3,7 @@
     python -m benchmarks.gpu_soak --wav .devdata/speech.wav --tiktoken-dir .devdata --callers 64 \
         --minutes 10 --out gpu-soak.json
 
-The daemon is the end-to-end benchmark's (`voiced.bench.e2e_bench.start_server`: `voiced serve`'s
+The daemon is the end-to-end benchmark's (`voiced.bench.bench_daemon.start_server`: `voiced serve`'s
 server, sessions, schedulers and engines, the engines in a process of their own on a GPU as `voiced serve`
 runs them (`--engine-process`), random full-size weights of Whisper large-v3-turbo and Spark-TTS-0.5B,
 forced transcript and reply lengths, the echo agent). The callers
@@ -302,13 +302,11 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from voiced.bench import e2e_bench
+    from voiced.bench.bench_daemon import start_server
 
-    # start_server reads the e2e benchmark's options; the soak has the same ones (engine threads and
-    # gc freezing as `voiced serve` does them).
-    args.front, args.engine_threads, args.no_gc_freeze = ["grpc"], "auto", False
-    addresses, server, loop = e2e_bench.start_server(args)
-    address = addresses["grpc"]
+    args.front = ["grpc"]  # (start_server reads the e2e benchmark's options; the soak has the others)
+    server = start_server(args)
+    address, loop = server.addresses["grpc"], server.loop
     report = GpuSoakReport(command=[sys.executable, "-m", "benchmarks.gpu_soak", *(argv or sys.argv[1:])],
                            callers=args.callers, minutes=args.minutes, session_seconds=args.session_seconds)
     report.machine = {"gpu": "cpu (dry run)" if args.tiny_cpu else torch.cuda.get_device_name(),
@@ -334,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
         report.daemon_outcomes = sampler.outcomes()
         report.heap_trims = sampler.heap_trims()
     finally:
-        asyncio.run_coroutine_threadsafe(server.drain_and_stop(grace=0), loop).result(60)
+        server.stop()
     report.judge()
     print(report.format())
     if args.out:

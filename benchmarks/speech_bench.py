@@ -40,7 +40,6 @@ from pathlib import Path
 
 from voiced.bench.report import emit
 from voiced.bench.steps import pct
-from voiced.engines.switches import env_switch
 
 log = logging.getLogger("voiced.bench.speech")
 
@@ -147,16 +146,16 @@ def main(argv: list[str] | None = None) -> dict:
 
     import torch
 
-    from voiced.bench import e2e_bench
+    from voiced.bench.bench_daemon import start_server
 
     # The e2e bench's server, as it builds it (its options with their defaults, ASR small: idle here).
     server_args = argparse.Namespace(
         asr_dims="tiny-random" if args.tiny_cpu else args.asr_dims, tiktoken_dir=args.tiktoken_dir,
         asr_tokens=8, asr_batch=8, tts_batch=args.tts_batch, reply_seconds=args.reply_seconds,
-        first_chunk_tokens=args.first_chunk_tokens, chunk_tokens=args.chunk_tokens, engine_threads="auto",
-        no_gc_freeze=False, tiny_cpu=args.tiny_cpu, front=["grpc", "realtime"])  # realtime: the HTTP listener
-    addresses, server, loop = e2e_bench.start_server(server_args)
-    grpc_address, http_address = addresses["grpc"], addresses["http"]
+        first_chunk_tokens=args.first_chunk_tokens, chunk_tokens=args.chunk_tokens,
+        tiny_cpu=args.tiny_cpu, front=["grpc", "realtime"])  # realtime: the HTTP listener
+    server = start_server(server_args)
+    grpc_address, http_address = server.addresses["grpc"], server.addresses["http"]
     # The e2e server speaks every voice with one fixed random speaker under the name "bench"; keep the
     # name asked for, so that both doors ask for VOICE and it passes the HTTP door's voice check too.
     voices = server.services.tts.engine.voices
@@ -165,7 +164,7 @@ def main(argv: list[str] | None = None) -> dict:
     result = {"bench": "speech", "gpu": "cpu (dry run)" if args.tiny_cpu else torch.cuda.get_device_name(),
               "torch": torch.__version__, "python": platform.python_version(), "reply_seconds": args.reply_seconds,
               "first_chunk_tokens": args.first_chunk_tokens, "asr_dims": server_args.asr_dims,
-              "tts_compiled": not args.tiny_cpu and env_switch("VOICED_SPARK_COMPILE", True),
+              "tts_compiled": server.spec.runtime.tts.compile,
               "text": TEXT, "voice": VOICE, "duration_s": args.duration, "date": time.strftime("%Y-%m-%d"), "levels": {}}
     for n in args.concurrency:
         cmd = [sys.executable, "-m", "benchmarks.speech_bench", "--tiktoken-dir", str(args.tiktoken_dir),
@@ -178,7 +177,7 @@ def main(argv: list[str] | None = None) -> dict:
             continue
         result["levels"][n] = json.loads(proc.stdout.strip().splitlines()[-1])
         log.info("%d at once: %s", n, json.dumps(result["levels"][n]))
-    asyncio.run_coroutine_threadsafe(server.drain_and_stop(grace=0), loop).result(60)
+    server.stop()
     emit(result, args.out)
     return result
 

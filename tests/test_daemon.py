@@ -406,12 +406,14 @@ def test_health_is_not_serving_while_models_load_and_during_drain(tmp_path):
     import threading
 
     from tests.daemon_harness import daemon_config
+    from voiced.core.services import Engines
     from voiced.daemon import Daemon
 
     release = threading.Event()
 
-    def slow_load(services):
+    def slow_load():
         release.wait(30)
+        return Engines()  # (none: the requests below never reach an engine)
 
     async def scenario():
         server = Daemon(daemon_config(), load=slow_load)

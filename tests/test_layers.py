@@ -21,7 +21,7 @@ LAYERS = [
                 "voiced.metrics", "voiced.engines", "voiced")),
     ("core", ("voiced.core",)),
     ("doors", ("voiced.doors",)),
-    ("daemon", ("voiced.daemon", "voiced.engine_process")),
+    ("daemon", ("voiced.daemon", "voiced.engine_process", "voiced.assembly")),
     ("bench", ("voiced.bench",)),  # the benchmarks run the daemon; the CLI runs them
     ("top", ("voiced.cli", "voiced.__main__")),
 ]

@@ -94,23 +94,6 @@ def test_engine_threads_setting_is_checked_and_reaches_the_plan():
     assert "each engine's largest transient" in plan_table(needs, concurrent=True)
 
 
-def test_engine_overlap_setting_is_checked_and_the_flag_reaches_it():
-    """`engines.overlap` (flag --engine-overlap, VOICED_ENGINES_OVERLAP): auto by default, which turns it on
-    only with a GPU; on and off are obeyed anywhere; a typo is refused with the choices."""
-    from voiced.cli import build_parser
-    from voiced.cli.serve import engine_overlap, overrides
-
-    config = load_config(env={})
-    assert config.engines.overlap == "auto"
-    assert engine_overlap(config, gpu=True) and not engine_overlap(config, gpu=False)
-    args = build_parser().parse_args(["serve", "--engine-overlap", "on"])
-    assert engine_overlap(load_config(env={}, overrides=overrides(args)), gpu=False)
-    off = load_config(env={"VOICED_ENGINES_OVERLAP": "off"})
-    assert not engine_overlap(off, gpu=True)
-    with pytest.raises(ConfigError, match="auto, on, off"):
-        load_config(env={"VOICED_ENGINES_OVERLAP": "yes"}).validate()
-
-
 def test_event_loop_setting_is_checked_and_the_flag_reaches_it():
     """`server.event_loop` (flag --event-loop, VOICED_SERVER_EVENT_LOOP): uvloop unless asked otherwise; a
     typo is refused with the choices."""

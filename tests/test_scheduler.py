@@ -96,7 +96,7 @@ def test_warm_up_runs_on_the_thread_that_steps_the_engines(engines):
     the warm-up, and then every step, run on the one engine thread; an error in it reaches the caller."""
     import threading
 
-    from voiced.cli.serve import _warm
+    from voiced.assembly import _warm
 
     asr_engine, _ = engines
     thread = EngineThread("engines")

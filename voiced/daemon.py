@@ -19,7 +19,7 @@ from collections.abc import Callable
 from voiced import event_loop
 from voiced.config import Config
 from voiced.core.agents import AgentRegistry
-from voiced.core.services import Services
+from voiced.core.services import Engines, Services
 from voiced.doors.shared import DoorError
 from voiced.metrics import Metrics
 
@@ -50,11 +50,13 @@ def door_addresses(config: Config) -> list[tuple[str, str]]:
 
 
 class Daemon:
-    def __init__(self, config: Config, load: Callable[[Services], None] | None = None,
+    def __init__(self, config: Config, load: Callable[[], Engines] | None = None,
                  services: Services | None = None):
         self.config = config
         self.services = services or Services(config=config, metrics=Metrics(), agents=AgentRegistry(config.agent))
-        self._load = load  # fills services.asr/tts/voices; runs on a thread so health can answer meanwhile
+        # Loads the engines (voiced.assembly.load_engines); runs on a thread so health can answer meanwhile.
+        # Without it the services came with their engines (tests, embedding).
+        self._load = load
         self.doors: list = []
         self.port: int | None = None  # the gRPC door's port (tests, benchmarks)
         self._metrics_http = None
@@ -93,7 +95,7 @@ class Daemon:
                 raise DoorError(cannot_listen("metrics", c.metrics_listen, e)) from None
         log.info("health NOT_SERVING until the models are loaded")
         if self._load is not None:
-            await asyncio.to_thread(self._load, s)
+            s.attach(await asyncio.to_thread(self._load))
         if s.engine_process is not None:
             loop = asyncio.get_running_loop()
             s.engine_process.on_exit = lambda: loop.call_soon_threadsafe(self._engines_lost)

@@ -27,7 +27,6 @@ new ones fail the same way.
 
 from __future__ import annotations
 
-import importlib
 import itertools
 import logging
 import multiprocessing
@@ -39,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from voiced.core.scheduler import EngineWorker
+from voiced.core.services import Engines
 from voiced.engines.base import EngineError, EngineFault, EngineOutput
 from voiced.metrics import gpu_memory_readings
 
@@ -63,9 +63,9 @@ class EngineInfo:
 
 @dataclass
 class Built:
-    """What a builder (`module:function`, called with one argument) returns: the engines' workers by name
-    ("asr", "tts"; each on its thread, not started), the TTS engine's voice store, and the functions a
-    daemon's "call" may run in the engine process."""
+    """What a builder (voiced.assembly.build_engines, or a benchmark's around it) returns: the engines'
+    workers by name ("asr", "tts"; each on its thread, not started), the TTS engine's voice store, and the
+    functions a daemon's "call" may run in the engine process."""
 
     workers: dict[str, EngineWorker]
     voices: Any = None
@@ -79,7 +79,9 @@ class EngineProcess:
     """The child process and the daemon's end of its pipe. `start` blocks until the engines are loaded
     and warm (minutes on a GPU); then `workers` holds a RemoteWorker per engine."""
 
-    def __init__(self, builder: str, arg: Any, name: str = "voiced-engines"):
+    def __init__(self, builder: Callable[[Any], Built], arg: Any, name: str = "voiced-engines"):
+        # The child calls builder(arg): a module-level function and a picklable argument (spawned, both
+        # travel pickled; the function by its module and name).
         self.builder, self.arg, self.name = builder, arg, name
         self.workers: dict[str, RemoteWorker] = {}
         self.on_release = None  # EngineThread's hook (heap trims): called for each trim the child reports
@@ -119,16 +121,13 @@ class EngineProcess:
         log.info("engines serve from process %d (%s)", self._proc.pid, ", ".join(self.workers))
         return self.workers
 
-    def serve(self, services) -> None:
-        """`start`, then hand the engines to the daemon's `services` (voiced.core.services.Services): their
+    def engines(self) -> Engines:
+        """`start`, then the engines as the daemon serves with them (voiced.core.services.Engines): their
         workers, the voice store, the GPU memory readings, and this process, which the daemon watches."""
         workers = self.start()
-        if "asr" in workers:
-            services.asr = workers["asr"]
-        if "tts" in workers:
-            services.tts, services.voices = workers["tts"], RemoteVoices(self)
-        services.metrics.gpu_memory = lambda: self.call("gpu.memory", timeout=5)
-        services.engine_process = self
+        tts = workers.get("tts")
+        return Engines(asr=workers.get("asr"), tts=tts, voices=RemoteVoices(self) if tts is not None else None,
+                       process=self, gpu_memory=lambda: self.call("gpu.memory", timeout=5), call=self.call)
 
     # EngineWorker's thread interface, which the daemon starts and stops each worker's "thread" through.
     def attach(self, worker) -> None:
@@ -278,16 +277,15 @@ class RemoteVoices:
 # ------------------------------------------------------------------------------------ the child's side
 
 
-def _child_main(conn, builder: str, arg: Any, level: int) -> None:
+def _child_main(conn, builder: Callable[[Any], Built], arg: Any, level: int) -> None:
     # The daemon decides when the engines stop: after its drain (a "stop"), or when its end of the pipe
     # closes. A terminal's Ctrl-C and a service manager's SIGTERM reach the whole process group, and the
     # engines must outlive the calls the drain lets finish.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=level or logging.INFO, format=LOG_FORMAT)
-    module, _, function = builder.partition(":")
     try:
-        built: Built = getattr(importlib.import_module(module), function)(arg)
+        built = builder(arg)
     except BaseException as e:  # the daemon reports it and stops
         log.exception("the engine process could not load the engines")
         conn.send(("failed", f"{type(e).__name__}: {e}"))

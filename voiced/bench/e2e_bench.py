@@ -1,7 +1,7 @@
 """End to end through a front door: N concurrent calls against one daemon on one GPU.
 
-The daemon runs in this process exactly as `voiced serve` runs it (server, sessions, schedulers,
-engines), with random full-size weights (Whisper large-v3-turbo dimensions, Spark-TTS-0.5B), the
+The daemon runs in this process as `voiced serve` runs it (voiced.bench.bench_daemon: server, sessions,
+schedulers, the engines built and placed by voiced.assembly), with random full-size weights (Whisper large-v3-turbo dimensions, Spark-TTS-0.5B), the
 echo agent, forced decode lengths. The callers run in processes of their own (so they do not share
 the server's interpreter; one per 64 callers, `--caller-processes`) and stream a WAV in real time as 20 ms
 frames, looping it, each caller starting at a different point of the loop. Reported per concurrency level, p50/p95/p99 of:
@@ -34,7 +34,7 @@ Wyoming callers play Home Assistant's part (voiced.bench.wyoming_caller): their 
 `--asr-model NAME|DIR` runs a real Whisper instead (loaded as `voiced serve --asr-model` loads it, its
 own thresholds, no forced lengths) with smart turn detection (voiced.core.turns; the end-of-turn model
 pulled as `voiced serve` finds it): the words decide where turns end, so v2v_real_end_ms is voice-to-voice
-from the caller's real end of speech with the detector's wait in it (issue 25's figure). Give it real
+from the caller's real end of speech with the detector's wait in it. Give it real
 speech with pauses as --wav (Spark stays random, as above). `--turn-detection silence` runs the same
 Whisper with turns ended on silence: the A/B of what the detector costs the engines.
 
@@ -47,11 +47,12 @@ answer by its id (gRPC). A caller sweep (`--sessions 1 2 4 8 16 24
 `--saturation-ms`, voiced.bench.saturation), and `--refine N` measures up to N more levels that halve
 the bracket between the last passing and the first failing count. `voiced bench plot` draws it.
 
-    python -m voiced.bench.e2e_bench --wav speech.wav --tiktoken-dir DIR --sessions 1 4 16 --out e2e.json
-    voiced bench e2e --wav speech.wav --tiktoken-dir DIR --front grpc audiosocket media_ws --out doors.json
-    voiced bench e2e --wav speech.wav --tiktoken-dir DIR --sessions 1 2 4 8 16 24 32 48 64 --duration 10 \
+    voiced bench e2e --wav speech.wav --sessions 1 4 16 --out e2e.json
+    voiced bench e2e --wav speech.wav --front grpc audiosocket media_ws --out doors.json
+    voiced bench e2e --wav speech.wav --sessions 1 2 4 8 16 24 32 48 64 --duration 10 \
         --refine 2 --out sweep.json
     voiced bench e2e --wav speech.wav --asr-model tiny.en-pypi --sessions 16 --out e2e-turns.json
+    voiced bench e2e --wav speech.wav --tiny-cpu --asr-dims tiny-random --sessions 2 --duration 5    (a CPU dry run)
 """
 
 from __future__ import annotations
@@ -64,269 +65,28 @@ import os
 import platform
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
 
+from voiced.bench.bench_daemon import (
+    MEMORY,
+    GcPauses,
+    bench_spec,
+    gpu_memory,
+    runtime_report,
+    start_server,
+    turn_detection,
+)
 from voiced.bench.report import emit
 from voiced.bench.saturation import next_level, saturation
-from voiced.bench.steps import STEP_PARTS, LoopLag, RequestTimer, StepTimer, pct
-from voiced.engines.switches import env_switch
+from voiced.bench.steps import pct
 
 log = logging.getLogger("voiced.bench.e2e")
 TARGET_KEYS = ("door_overhead_p50_ms_audiosocket_16", "door_overhead_p50_ms_media_ws_16")
 
 
 # ----------------------------------------------------------------------------------- server side
-
-
-def gpu_memory(after: str, args) -> dict | None:
-    """Log what is allocated now and the peak since the last call (where a transient peak comes from),
-    and what the allocator reserves (what the GPU's other users cannot have)."""
-    if args.tiny_cpu:
-        return None
-    import torch
-
-    now, peak = torch.cuda.memory_allocated() / 2**30, torch.cuda.max_memory_allocated() / 2**30
-    reserved = torch.cuda.memory_reserved() / 2**30
-    log.info("GPU memory after %s: %.2f GiB allocated, peak %.2f GiB, reserved %.2f GiB", after, now, peak, reserved)
-    MEMORY[after] = {"allocated_gib": round(now, 2), "peak_gib": round(peak, 2), "reserved_gib": round(reserved, 2)}
-    torch.cuda.reset_peak_memory_stats()
-    return MEMORY[after]
-
-
-MEMORY: dict[str, dict] = {}
-
-
-def bench_config(args):
-    """The daemon's config for this run (both processes build it, with --engine-process separate)."""
-    from voiced.config import Config
-
-    config = Config()
-    config.server.listen = "127.0.0.1:0"
-    config.server.max_sessions = 1000
-    config.asr.language = "en"
-    asr_model = getattr(args, "asr_model", None)  # (other benches' namespaces lack the options they don't use)
-    if asr_model is None:
-        config.asr.max_new_tokens = args.asr_tokens
-        config.asr.no_speech_threshold, config.asr.logprob_threshold = 1.0, -1e9  # random weights: keep all
-        config.asr.compression_ratio_threshold = 1e9
-    else:
-        config.asr.model, config.asr.max_batch = asr_model, args.asr_batch
-        config.asr.device = "cpu" if args.tiny_cpu else "cuda"
-        config.segmentation.turn_detection = turn_detection(args)
-    config.tts.first_chunk_tokens = args.first_chunk_tokens
-    config.tts.chunk_tokens = args.chunk_tokens
-    config.tts.max_seconds = args.reply_seconds
-    config.barge_in.enabled = False  # as the gRPC callers ask: every utterance gets its reply
-    for front in args.front:
-        if front == "realtime":
-            config.doors.http = "127.0.0.1:0"  # /v1/realtime, beside gRPC
-        elif front != "grpc":
-            setattr(config.doors, front, "127.0.0.1:0")
-    return config
-
-
-def build_engines(args, names: tuple[str, ...] = ("asr", "tts")):
-    """Load and warm the engines as `voiced serve` does (both, or those `names` says), on the threads that
-    will step them, with their steps timed (StepTimer): voiced.engine_process.Built, whose calls give the
-    benchmark what it reads of the engines when they run in a process of their own (--engine-process)."""
-    from voiced.core.scheduler import EngineThread, EngineWorker
-    from voiced.engine_process import Built, voice_calls
-
-    if getattr(args, "switch_interval_ms", None):
-        sys.setswitchinterval(args.switch_interval_ms / 1e3)
-    if getattr(args, "merge_policy", None):
-        from voiced.engines.spark import vocoder_schedule
-
-        vocoder_schedule.VOCODER_MERGE_POLICY = args.merge_policy
-    config = bench_config(args)
-    dev = "cpu" if args.tiny_cpu else "cuda"
-    # as `voiced serve` does: warm up on the thread that will step the engine (EngineThread.call)
-    if engine_threads(args) == "separate":
-        asr_thread, tts_thread = EngineThread("asr"), EngineThread("tts")
-    else:
-        asr_thread = tts_thread = EngineThread("engines", overlap=engine_overlap(args))
-    workers = {}
-    if "asr" in names:
-        workers["asr"] = EngineWorker(_bench_asr(args, config, dev), "asr", thread=asr_thread)
-        asr_thread.call(workers["asr"].engine.warmup)
-        gpu_memory("ASR warm-up", args)
-    calls = {}
-    if "tts" in names:
-        tts = _bench_tts(args, dev)
-        tts_thread.call(tts.warmup)
-        gpu_memory("TTS load and warm-up", args)
-        workers["tts"] = EngineWorker(tts, "tts", thread=tts_thread)
-        calls = voice_calls(tts.voices)
-    if not getattr(args, "no_gc_freeze", False):
-        from voiced.heap import freeze_heap
-
-        freeze_heap()  # as `voiced serve` does after warm-up
-    for worker in workers.values():
-        worker.engine.step = StepTimer(worker.engine, STEP_PARTS[worker.name])
-    requests = {name: RequestTimer(worker) for name, worker in workers.items()}
-    collections = None
-    if engine_process(args) != "inline":  # this is the engines' process: its own collections stall the steps
-        import gc
-
-        collections = GcPauses()
-        gc.callbacks.append(collections)
-
-    def level_stats(label: str) -> dict:
-        """This level's engine steps (and the timers restarted), its GPU memory (the peak restarted), and,
-        in a process of the engines' own, its garbage collections."""
-        out = {"steps": {n: w.stats.steps for n, w in workers.items()},
-               "step_ms": {n: w.engine.step.take() for n, w in workers.items()},
-               "engine_ms": {n: t.take() for n, t in requests.items()}}
-        if collections is not None:
-            out["gc"] = collections.take()
-        memory = gpu_memory(label, args)
-        if memory:
-            out["gpu_memory"] = MEMORY.pop(label)
-        return out
-
-    calls["bench.level_stats"] = level_stats
-    return Built(workers, voices=workers["tts"].engine.voices if "tts" in workers else None, calls=calls)
-
-
-def build_one_engine(arg):
-    """`build_engines` for one engine's process (--engine-process each): arg = (args, name)."""
-    args, name = arg
-    return build_engines(args, (name,))
-
-
-def turn_detection(args) -> str:
-    """How turns end: with a real Whisper (--asr-model) as --turn-detection says (smart unless told), with
-    random weights on silence (their words are noise)."""
-    if getattr(args, "asr_model", None) is None:
-        return "silence"
-    return getattr(args, "turn_detection", None) or "smart"
-
-
-def _bench_asr(args, config, dev: str):
-    import torch
-
-    from voiced.engines.random_weights import WHISPER_DIMS, random_whisper
-    from voiced.engines.whisper.engine import WhisperEngine
-    from voiced.engines.whisper.tokenizer import WhisperTokenizer
-
-    if getattr(args, "asr_model", None) is not None:
-        # A real Whisper, loaded as `voiced serve` loads it, whose words the smart end-of-turn rule reads;
-        # with random weights the words are noise and turns end on silence (no end-of-turn model).
-        from voiced.engines import loader
-
-        asr = loader.load_asr(config)
-    else:
-        dims = WHISPER_DIMS[args.asr_dims]
-        tok = WhisperTokenizer.load(dims.multilingual, dims.num_languages, [args.tiktoken_dir])
-        model = random_whisper(dims, dev, torch.float32 if args.tiny_cpu else torch.float16)
-        asr = WhisperEngine(model, tok, model_name=f"{args.asr_dims} (random)", max_batch=args.asr_batch,
-                            cuda_graphs=True, prefill_graphs={"on": True, "off": False}.get(getattr(args, "prefill_graphs", None)))
-    return asr
-
-
-def _bench_tts(args, dev: str):
-    """Spark-TTS with random weights at full size (tiny on the CPU), made to speak as a trained one does."""
-    import torch
-
-    from voiced.engines.random_weights import random_spark
-
-    work = Path(tempfile.mkdtemp())
-    if args.tiny_cpu:
-        tts = random_spark("cpu", torch.float32, torch.float32, args.tts_batch, 2048, work, tiny=True)
-    else:
-        tts = random_spark("cuda", torch.bfloat16, torch.bfloat16, args.tts_batch, 2048, work)
-        tts.vocoder_graphs = vocoder_graphs(args)  # captured by the warm-up below
-    # Random weights: force what a trained model does (speak until the length cap, in a fixed voice),
-    # as the engine benchmark does.
-    tts.force_reply_lengths()
-    tts.use_random_voice(seed=0)
-    if not args.tiny_cpu and env_switch("VOICED_SPARK_COMPILE", True):
-        tts.lm.compile_decode()  # what SparkTTSEngine.load does on CUDA (unless VOICED_SPARK_COMPILE=0)
-    return tts
-
-
-def start_server(args):
-    """The daemon on its own thread here, its engines here or in a process of their own (--engine-process)."""
-    from voiced.core.agents import AgentRegistry
-    from voiced.core.services import Services
-    from voiced.daemon import Daemon, start_in_thread
-    from voiced.metrics import Metrics
-
-    config = bench_config(args)
-    turn_model = None
-    if turn_detection(args) == "smart":
-        from voiced.engines import loader
-
-        turn_model = loader.load_turn_model(config)
-        if turn_model is None:
-            raise SystemExit("voiced bench e2e: --asr-model runs smart turn detection, and no end-of-turn model "
-                             "is in the cache (voiced models pull smart-turn-v3-pypi)")
-    services = Services(config=config, metrics=Metrics(), agents=AgentRegistry(config.agent), turn_model=turn_model)
-    if engine_process(args) == "separate":
-        from voiced.engine_process import EngineProcess
-
-        host = EngineProcess("voiced.bench.e2e_bench:build_engines", args)
-        host.serve(services)
-        level_stats, engine_pids = (lambda label: host.call("bench.level_stats", label)), [host.pid]
-    elif engine_process(args) == "each":  # an experiment: a process (a GIL, a CUDA context) per engine
-        from voiced.engine_process import EngineProcess
-
-        hosts = [EngineProcess("voiced.bench.e2e_bench:build_one_engine", (args, name), f"voiced-{name}")
-                 for name in ("asr", "tts")]
-        for host in hosts:
-            host.serve(services)  # (the daemon watches the last one only: an experiment)
-        engine_pids = [host.pid for host in hosts]
-
-        def level_stats(label: str) -> dict:
-            parts = [host.call("bench.level_stats", label) for host in hosts]
-            return {"steps": {k: v for p in parts for k, v in p["steps"].items()},
-                    "step_ms": {k: v for p in parts for k, v in p["step_ms"].items()},
-                    **({"gpu_memory": parts[-1]["gpu_memory"]} if "gpu_memory" in parts[-1] else {})}
-    else:
-        built = build_engines(args)
-        services.asr, services.tts, services.voices = built.workers["asr"], built.workers["tts"], built.voices
-        level_stats, engine_pids = built.calls["bench.level_stats"], []
-    if engine_pids and not getattr(args, "no_gc_freeze", False):
-        from voiced.heap import freeze_heap
-
-        freeze_heap()  # this process's start-up, as `voiced serve`'s daemon process freezes its own
-    server = Daemon(config, services=services)
-    port, loop, _ = start_in_thread(server)
-    server.level_stats = level_stats  # the engines' steps and GPU memory of a level (bench only)
-    server.engine_pids = engine_pids  # the engines' own processes (none: they run in this one)
-    server.loop_lag = LoopLag(loop)  # how late the daemon's event loop runs (every caller's frames wait as long)
-    server.loop_lag.start()
-    # With the engines in a process of their own, how long each request takes there and back (the pipe's share)
-    server.asr_worker = RequestTimer(services.asr) if engine_pids else None
-    addresses = dict(services.doors)
-    if "http" in addresses:
-        addresses["realtime"] = addresses["http"]
-    return addresses, server, loop
-
-
-def engine_threads(args) -> str:
-    """The engine threading this run uses, resolved as `voiced serve` resolves engines.threads."""
-    if args.engine_threads != "auto":
-        return args.engine_threads
-    return "shared" if args.tiny_cpu or engine_process(args) != "inline" else "separate"
-
-
-def engine_overlap(args) -> bool:
-    """Whether one engine thread overlaps the engines' steps, resolved as `voiced serve` resolves
-    engines.overlap."""
-    chosen = getattr(args, "engine_overlap", "auto")
-    return chosen == "on" or (chosen == "auto" and not args.tiny_cpu)
-
-
-def engine_process(args) -> str:
-    """Where this run's engines run, resolved as `voiced serve` resolves engines.process."""
-    chosen = getattr(args, "engine_process", "inline")  # (other benches' namespaces: in this process)
-    if chosen != "auto":
-        return chosen
-    return "inline" if args.tiny_cpu else "separate"
 
 
 class EngineProfile:
@@ -368,47 +128,10 @@ class EngineProfile:
         log.info("engine profile of %s written to %s", self.label, self.out_dir)
 
 
-class GcPauses:
-    """Records every garbage collection of the server process: generation and pause in ms. After a full
-    collection of `census_ms` or longer it also counts what the collector still tracks, by type (the
-    largest few), and what that collection freed: what made the pause long."""
-
-    def __init__(self, census_ms: float = 50.0, top: int = 12):
-        self._t0, self.pauses, self.census_ms, self.top, self.censuses = 0.0, [], census_ms, top, []
-
-    def __call__(self, phase: str, info: dict) -> None:
-        if phase == "start":
-            self._t0 = time.perf_counter()
-            return
-        ms = (time.perf_counter() - self._t0) * 1e3
-        self.pauses.append((info["generation"], ms))
-        if info["generation"] == 2 and ms >= self.census_ms:
-            import gc
-            from collections import Counter
-
-            t0 = time.perf_counter()
-            kinds = Counter(type(o).__qualname__ for o in gc.get_objects())
-            self.censuses.append({"pause_ms": round(ms, 1), "collected": info["collected"],
-                                  "uncollectable": info["uncollectable"], "tracked": kinds.total(),
-                                  "frozen": gc.get_freeze_count(), "top": dict(kinds.most_common(self.top)),
-                                  "census_ms": round((time.perf_counter() - t0) * 1e3, 1)})
-
-    def take(self) -> dict:
-        p, self.pauses = self.pauses, []
-        out = {}
-        for gen in (0, 1, 2):
-            ms = [m for g, m in p if g == gen]
-            out[f"gen{gen}"] = {"n": len(ms), "max_ms": round(max(ms), 1) if ms else 0.0,
-                                "total_ms": round(sum(ms), 1)}
-        if self.censuses:
-            out["slow_full"], self.censuses = self.censuses, []
-        return out
-
-
 def e2e_targets(levels: dict) -> dict:
-    """Issue 6's and 15's end-to-end targets against the levels this run measured (first audio chunk =
-    reply text -> first chunk; issue 6's voice-to-voice = end of speech -> first reply audio sent, issue
-    15's = the same as the callers hear it)."""
+    """The end-to-end targets (voiced.bench.targets) against the levels this run measured (first audio chunk =
+    reply text -> first chunk; voice-to-voice = end of speech -> first reply audio sent, and the same as the
+    callers hear it)."""
     from voiced.bench.targets import E2E_LEVEL_TARGETS, judge
 
     return judge({key: levels.get(n, {}).get(figure, {}).get(q)
@@ -657,7 +380,7 @@ def level_report(parts: list[dict]) -> dict:
 def caller_processes(chosen: int, sessions: int) -> int:
     """How many processes a level's callers run in: `chosen`, or (0) one per CALLERS_PER_PROCESS. One Python
     process streaming 224 callers' 20 ms frames and reading their replies ran its frames 218 ms late at the
-    median on an H200's host (session 25): the level then measured the callers, not the daemon."""
+    median: the level then measured the callers, not the daemon."""
     return max(1, min(sessions, chosen or -(-sessions // CALLERS_PER_PROCESS)))
 
 
@@ -667,20 +390,11 @@ CALLERS_PER_PROCESS = 64
 # ----------------------------------------------------------------------------------- driver
 
 
-def vocoder_graphs(args) -> bool:
-    """--vocoder-graphs / --no-vocoder-graphs, else as `voiced serve` (the benches that start this server
-    with namespaces of their own, gpu_soak and speech_bench, have no such option)."""
-    from voiced.engines.spark.engine import vocoder_graphs_default
-
-    chosen = getattr(args, "vocoder_graphs", None)
-    return vocoder_graphs_default() if chosen is None else chosen
-
-
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--wav", type=Path, required=True, help="speech with pauses, a WAV file of any rate (resampled to 16 kHz; looped by every caller)")
     ap.add_argument("--tiktoken-dir", type=Path, default=None,
-                    help="folder holding multilingual.tiktoken (the random Whisper's tokenizer; not with --asr-model)")
+                    help="a folder holding multilingual.tiktoken to use before the copy voiced ships (random Whisper)")
     ap.add_argument("--asr-model", default=None,
                     help="a real Whisper model (name or folder, as `voiced serve --asr-model` takes) instead of random "
                          "weights; turns are then decided by the smart detector (the end-of-turn model must be pulled)")
@@ -703,32 +417,20 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--chunk-tokens", type=int, default=25)
     ap.add_argument("--out", type=Path, default=None,
                     help="the report as JSON, rewritten after every level (\"complete\": false until the sweep ends)")
-    ap.add_argument("--vocoder-graphs", action=argparse.BooleanOptionalAction, default=None,
-                    help="replay the vocoder's window decodes from CUDA graphs (voiced.engines.spark.vocoder_graphs);"
-                         " default: as `voiced serve` (engine.VOCODER_GRAPHS_DEFAULT, VOICED_SPARK_VOCODER_GRAPHS)")
-    ap.add_argument("--prefill-graphs", choices=["on", "off"], default=None,
-                    help="the Whisper admission's decoder prefill from CUDA graphs (voiced.engines.whisper.fast.Prefills);"
-                         " default: as `voiced serve` (on, unless VOICED_WHISPER_PREFILL_GRAPHS=0)")
-    ap.add_argument("--switch-interval-ms", type=float, default=None,
-                    help="sys.setswitchinterval for the daemon's process (Python's default: 5 ms)")
-    ap.add_argument("--merge-policy", choices=["batch", "step"], default=None,
-                    help="the Spark engine's VOCODER_MERGE_POLICY for this run (voiced.engines.spark.vocoder_schedule)")
-    ap.add_argument("--engine-process", choices=["auto", "inline", "separate", "each"], default="auto",
-                    help="the engines in the daemon's process or in one of their own; auto: as `voiced serve` "
-                         "(engines.process: separate on a GPU); each: a process per engine (an experiment)")
+    ap.add_argument("--engine-process", choices=["auto", "inline", "separate"], default="auto",
+                    help="as the daemon's engines.process: the engines in the daemon's process or in one of their "
+                         "own (auto, the default: separate on a GPU)")
     ap.add_argument("--engine-threads", choices=["auto", "shared", "separate"], default="auto",
                     help="as the daemon's engines.threads: one thread for both engines or one each (auto, the "
                          "default: separate on a GPU, shared with --tiny-cpu)")
     ap.add_argument("--hang-up", choices=["after-utterance", "at-duration"], default="after-utterance",
                     help="when each caller ends its call: after --duration, once its utterance in progress is over "
                          "(the default), or at --duration exactly, every caller mid-sentence at one instant (so the "
-                         "daemon ends all their turns at once: before 2026-11-27 every level ended so)")
+                         "daemon ends all their turns at once)")
     ap.add_argument("--engine-overlap", choices=["auto", "on", "off"], default="auto",
                     help="as the daemon's engines.overlap: one engine thread launches each engine's step before "
                          "waiting on any (on), or steps them one after the other (off); auto, the default: on "
                          "on a GPU")
-    ap.add_argument("--no-gc-freeze", action="store_true",
-                    help="leave start-up objects in the garbage collector's scans (to compare)")
     ap.add_argument("--profile-level", type=int, nargs="*", default=[], metavar="N",
                     help="capture a torch.profiler table of the engine thread in the middle of these levels "
                          "(profile-FRONT-N.txt beside --out)")
@@ -750,8 +452,6 @@ def main(argv: list[str] | None = None) -> dict:
                                      args.hang_up, int(first), int(last)))
         print(json.dumps(report))
         return report
-    if args.asr_model is None and args.tiktoken_dir is None:
-        ap.error("--tiktoken-dir is needed for the random Whisper (or give a real one with --asr-model)")
     if args.turn_detection and args.asr_model is None:
         ap.error("--turn-detection needs --asr-model: with random weights turns end on silence")
     from voiced.audio.wavfile import WavError, load_16k
@@ -764,28 +464,22 @@ def main(argv: list[str] | None = None) -> dict:
 
     import torch
 
-    if args.switch_interval_ms:
-        sys.setswitchinterval(args.switch_interval_ms / 1e3)
-    if engine_process(args) != "inline" and args.profile_level:
+    spec = bench_spec(args)  # (resolved again by start_server: the same config gives the same runtime)
+    if spec.runtime.process != "inline" and args.profile_level:
         ap.error("--profile-level profiles the engine thread in this process: not with the engines in their "
                  "own (add --engine-process inline)")
     t_start = time.monotonic()
-    addresses, server, loop = start_server(args)
+    server = start_server(args)
+    addresses = server.addresses
     startup_s = round(time.monotonic() - t_start, 1)
     log.info("daemon up after %.1f s (engines loaded and warmed up)", startup_s)
     gc_pauses = GcPauses()
     gc.callbacks.append(gc_pauses)
-    from voiced.engines.whisper.engine import chunk_graphs_default as whisper_chunk_graphs_default
-
     result = {"bench": "e2e", "gpu": "cpu (dry run)" if args.tiny_cpu else torch.cuda.get_device_name(), "torch": torch.__version__,
               "python": platform.python_version(), "asr_dims": args.asr_dims, "asr_tokens": args.asr_tokens,
               "asr_model": args.asr_model or "random", "turn_detection": turn_detection(args),
               "reply_seconds": args.reply_seconds, "first_chunk_tokens": args.first_chunk_tokens,
-              "hang_up": args.hang_up, "engine_threads": engine_threads(args), "engine_process": engine_process(args),
-              "engine_overlap": engine_overlap(args) and engine_threads(args) == "shared", "merge_policy": args.merge_policy or "default",
-              "vocoder_graphs": vocoder_graphs(args), "prefill_graphs": args.prefill_graphs or "default",
-              "whisper_chunk_graphs": whisper_chunk_graphs_default(), "switch_interval_s": sys.getswitchinterval(),
-              "gc_freeze": not args.no_gc_freeze, "duration_s": args.duration, "startup_s": startup_s,
+              "hang_up": args.hang_up, **runtime_report(server.spec), "duration_s": args.duration, "startup_s": startup_s,
               "date": time.strftime("%Y-%m-%d"), "fronts": {}, "saturation": {}}
     serving_peak = 0.0
 
@@ -863,10 +557,10 @@ def main(argv: list[str] | None = None) -> dict:
                  f" (first over at {sat['first_over']})" if sat["saturated"] else " (every level measured)")
     result["levels"] = result["fronts"][args.front[0]]  # one door's levels where they always were
     result["door_overhead_ms"] = door_overhead(result["fronts"])
-    asyncio.run_coroutine_threadsafe(server.drain_and_stop(grace=0), loop).result(60)
+    server.stop()
     if not args.tiny_cpu:
-        if engine_process(args) == "inline":  # (else the engines' memory went with their process: the levels have it)
-            gpu_memory("serving", args)
+        if server.spec.runtime.process == "inline":  # (else the engines' memory went with their process: the levels have it)
+            gpu_memory("serving")
             MEMORY["serving"]["peak_gib"] = max(MEMORY["serving"]["peak_gib"], serving_peak)  # levels reset the peak
             result["gpu_memory"] = MEMORY
         result["targets"] = e2e_targets(result["fronts"].get("grpc", result["levels"]))

@@ -102,141 +102,12 @@ def overrides(args: argparse.Namespace) -> dict:
     return out
 
 
-def load_engines(services) -> None:
-    """Runs on a thread while health says NOT_SERVING: the engines here or in a process of their own
-    (engines.process, voiced.engine_process), and the end-of-turn model here."""
-    from voiced.engines.loader import load_turn_model
-    from voiced.heap import freeze_heap
-
-    config = services.config
-    if engine_process(config) == "separate":
-        from voiced.engine_process import EngineProcess
-
-        EngineProcess("voiced.cli.serve:build_engines", config).serve(services)
-    else:
-        built = build_engines(config)
-        services.asr, services.tts = built.workers["asr"], built.workers.get("tts")
-        services.voices = built.voices
-    services.turn_model = load_turn_model(config)
-    # This process's own start-up too (the doors, the turn model; the engines' objects, where they load
-    # here, were frozen already): with the engines in a process of their own, the daemon's process ran
-    # full collections of ~100 ms over what its imports made, at a level's start (BENCHMARKS, session 21).
-    freeze_heap()
-
-
-def engine_overlap(config, gpu: bool) -> bool:
-    """engines.overlap resolved: "auto" is on with a GPU."""
-    return config.engines.overlap == "on" or (config.engines.overlap == "auto" and gpu)
-
-
-def engine_process(config) -> str:
-    """engines.process resolved: "auto" is separate on a GPU (docs/BENCHMARKS.md, "The engines in a
-    process of their own"), inline on the CPU."""
-    if config.engines.process != "auto":
-        return config.engines.process
-    from voiced.engines.loader import resolve_device
-
-    return "separate" if str(resolve_device(config.asr.device)).startswith("cuda") else "inline"
-
-
-def build_engines(config):
-    """Load and warm the engines on the threads that will step them (voiced.engine_process.Built)."""
-    from voiced.core.scheduler import EngineThread, EngineWorker
-    from voiced.engine_process import Built, voice_calls
-    from voiced.engines.loader import load_asr, load_tts
-    from voiced.heap import freeze_heap
-
-    # Both engines step on one thread, recognition first (see voiced.core.scheduler for why). They load
-    # on it too: PyTorch keeps a cuBLAS workspace per (thread, stream), and the memory plan's probe of
-    # its size (voiced.memory_plan.stream_workspace_bytes) then makes the one the engines use anyway.
-    free = _free_gpu(config)
-    thread = EngineThread("engines", overlap=engine_overlap(config, free is not None))
-    # engines.threads = "separate" ("auto" on a GPU with the engines in the daemon's process): the TTS engine
-    # loads, warms and steps on a thread of its own. In a process of their own (engine_process) one thread
-    # does better: with no event loop to wait for, the two engine threads only fight over the GIL.
-    separate = config.engines.threads == "separate" or (
-        config.engines.threads == "auto" and free is not None and engine_process(config) == "inline")
-    tts_thread = EngineThread("tts") if separate else thread
-    asr = thread.call(lambda: load_asr(config))
-    if separate and getattr(asr, "memory_need", None) is not None and str(asr.device).startswith("cuda"):
-        from voiced.memory_plan import Need, stream_workspace_bytes
-
-        # The plan's workspace probe ran on this thread's default stream: one thread stepping both engines
-        # has Spark-TTS use that workspace; with a thread each nothing does, and it is held all the same.
-        asr.memory_need.items.append(Need("cuBLAS workspace (this thread's default stream: engines on a thread each)",
-                                          stream_workspace_bytes(str(asr.device))))
-    _log_need(asr)
-    _warm(asr, thread)
-    built = Built({"asr": EngineWorker(asr, "asr", thread=thread)})
-    log.info("ASR: %s on %s (%s backend)", asr.model_name, asr.device, asr.backend)
-    engines = [asr]
-    if config.tts.enabled:
-        tts = tts_thread.call(lambda: load_tts(config))
-        _log_need(tts)
-        _warm(tts, tts_thread)
-        built.workers["tts"] = EngineWorker(tts, "tts", thread=tts_thread)
-        built.voices = tts.voices
-        built.calls.update(voice_calls(tts.voices))
-        log.info("TTS: %s on %s (%s backend)", tts.model_name, tts.device, tts.backend)
-        engines.append(tts)
-    # Overlapped steps hold both engines' step transients at once, as two threads do.
-    _log_plan(engines, free, concurrent=separate or (thread.overlap and len(engines) > 1))
-    freeze_heap()
-    return built
-
-
-def _free_gpu(config) -> int | None:
-    from voiced.engines.loader import gpu_memory, resolve_device
-
-    mem = gpu_memory(resolve_device(config.asr.device))
-    return mem.free if mem else None
-
-
-def _log_need(engine) -> None:
-    need = getattr(engine, "memory_need", None)
-    if need is not None and str(engine.device).startswith("cuda"):
-        from voiced.memory_plan import plan_table
-
-        log.info("%s: planned before loading\n%s", engine.model_name, plan_table([need]))
-
-
-def _log_plan(engines, free: int | None, concurrent: bool = False) -> None:
-    """The torch engines' plan (what `test_daemon_gpu` reads), and beside it what PyTorch's allocator
-    holds now and its peak since the TTS warm-up's last phase began."""
-    needs = [e.memory_need for e in engines
-             if getattr(e, "memory_need", None) is not None and str(e.device).startswith("cuda")]
-    if not needs:
-        return
-    import torch
-
-    from voiced.memory_plan import plan_table, plan_total
-
-    log.info("\n%s\n", plan_table(needs, free, concurrent))
-    total = plan_total(needs, concurrent)
-    used, peak = torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated()
-    log.info("GPU memory after warm-up: plan %.1f MiB, allocated %.1f MiB (%+.1f %%), peak %.1f MiB (%+.1f %%)",
-             total / 2**20, used / 2**20, 100 * (used - total) / total, peak / 2**20, 100 * (peak - total) / total)
-
-
-def _warm(engine, thread) -> None:
-    """Capture CUDA graphs and first-use kernels before health says SERVING, not on a caller's time,
-    on the thread that will step the engine (see EngineThread.call)."""
-    warmup = getattr(engine, "warmup", None)
-    if warmup is not None:
-        import time
-
-        t0 = time.perf_counter()
-        thread.call(warmup)
-        log.info("%s warmed up in %.1f s", engine.model_name, time.perf_counter() - t0)
-
-
 def passive_openmp_waits() -> None:
     """torch's CPU kernels run on OpenMP threads (one per core), which by default spin for the next parallel
     region instead of sleeping. Where the cores are busy (callers, another job), a spinning thread holds a
     core its partner in the same region needs, so each region waits for the scheduler: with a job filling
-    one of this 2-core CPU's cores, 4 callers' decodes ran at half speed, a caller's hang-up took 13-30 s
-    to drain and more (past the client's 30 s; passive: 2-5 s) and no turn ended in the call's pauses;
-    idle, passive waits cost nothing measurable (docs/BENCHMARKS.md, 2026-11-27, session 12). libgomp reads the
+    one of two cores, 4 callers' decodes run at half speed and a caller's hang-up takes 13-30 s to drain
+    (passive: 2-5 s); idle, passive waits cost nothing measurable. libgomp reads the
     policy when torch loads, so this runs first; an operator's own OMP_WAIT_POLICY is kept."""
     if "torch" in sys.modules:
         log.debug("torch was loaded before OMP_WAIT_POLICY could be set; OpenMP keeps its default waits")
@@ -248,8 +119,8 @@ def compile_caches_beside_models() -> None:
     """Keep torch.compile's and Triton's compiled kernels in the model cache (`VOICED_CACHE`, default
     ~/.cache/voiced, under compile/), which deployments keep across restarts (a mounted volume), where
     their defaults (/tmp/torchinductor_USER, ~/.triton) are often lost with the container. A GPU daemon's
-    start-up compiles for a minute or more: on an H200 it took 140 s on a machine new to the kernels and
-    57-60 s when the same machine started it again (docs/BENCHMARKS.md, 2026-11-28, session 20). Both
+    start-up compiles for a minute or more: 140 s on a machine new to the kernels, about 60 s with them
+    cached. Both
     settings are read at the first compile, which is in the engines' warm-up, after this; an operator's
     own settings are kept, and a cache that cannot be written leaves torch's defaults."""
     from voiced.hub import cache_dir
@@ -286,28 +157,34 @@ def run(args: argparse.Namespace) -> int:
         provisioned = prepare(config)  # models that fit this machine; fetched on first run (voiced.engines.provision)
     except (ModelNotFoundError, DownloadError, BackendError, ValueError) as e:
         raise CliError(str(e)) from None
-    if "cuda" in (config.asr.device, config.tts.device) or config.asr.device == "auto":
-        from voiced.engines.loader import gpu_memory, resolve_device
+    from voiced.assembly import EngineSpec
+    from voiced.engines.loader import gpu_memory
 
-        try:
-            mem = gpu_memory(resolve_device(config.asr.device))
-        except ValueError as e:
-            raise CliError(str(e)) from None
-        if mem is not None and "torch" not in (config.asr.backend, config.tts.backend):
-            log.info("\n%s", config.memory.table(mem.free))
+    try:
+        spec = EngineSpec.resolve(config)  # how the engines run: settled once, here (voiced.engines.runtime)
+    except ValueError as e:
+        raise CliError(str(e)) from None
+    mem = gpu_memory(spec.runtime.asr.device)
+    if mem is not None and "torch" not in (config.asr.backend, config.tts.backend):
+        log.info("\n%s", config.memory.table(mem.free))
     from voiced import event_loop
 
-    return event_loop.run(_serve(config, provisioned.tts_missing), config.server.event_loop)
+    return event_loop.run(_serve(spec, provisioned.tts_missing), config.server.event_loop)
 
 
-async def _serve(config, tts_missing: str = "") -> int:
+async def _serve(spec, tts_missing: str = "") -> int:
+    from voiced.assembly import load_engines
+    from voiced.core.agents import AgentRegistry
+    from voiced.core.services import Services
     from voiced.daemon import Daemon
     from voiced.doors import DoorError
     from voiced.hub import DownloadError, ModelNotFoundError
 
-    daemon = Daemon(config, load=load_engines)
-    if tts_missing:  # listening only because no voice could be had, not because the user said --no-tts
-        daemon.services.tts_off = f"this server only listens: it has no speech synthesis model. {tts_missing}"
+    config = spec.config
+    # Listening only because no voice could be had, not because the user said --no-tts: speech requests say why.
+    off = {"tts_off": f"this server only listens: it has no speech synthesis model. {tts_missing}"} if tts_missing else {}
+    services = Services(config=config, agents=AgentRegistry(config.agent), **off)
+    daemon = Daemon(config, load=lambda: load_engines(spec), services=services)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -10,7 +10,7 @@ import itertools
 import logging
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from voiced.config import Config
@@ -31,8 +31,24 @@ class Admission:
     outcome: str = "ok"
 
 
+@dataclass(frozen=True)
+class Engines:
+    """What the daemon serves with, handed to `Services.attach` once loaded (voiced.assembly)."""
+
+    asr: EngineWorker | None = None
+    tts: EngineWorker | None = None
+    voices: object | None = None  # the TTS engine's voice store (list/add/delete)
+    turn_model: object | None = None  # the end-of-turn model (voiced.engines.smart_turn.SmartTurn); None: silence
+    process: object | None = None  # the engines' own process (voiced.engine_process), if they run in one
+    gpu_memory: Callable[[], list] | None = None  # the metrics' GPU memory readings, where not this process's
+    # Runs a function the engines' builder registered (voiced.engine_process.Built.calls) where they run.
+    call: Callable[..., object] | None = None
+
+
 @dataclass
 class Services:
+    """Built once, before the doors open; its engines arrive once, by `attach`, when they are loaded."""
+
     config: Config
     metrics: Metrics = field(default_factory=Metrics)
     asr: EngineWorker | None = None
@@ -50,6 +66,13 @@ class Services:
     peak_sessions: int = 0  # most sessions open at once since start
     doors: dict[str, str] = field(default_factory=dict)  # open doors: name -> bound address
     _ids: itertools.count = field(default_factory=lambda: itertools.count(1))
+
+    def attach(self, engines: Engines) -> None:
+        """The loaded engines, in one step (the daemon's, before health says SERVING)."""
+        self.asr, self.tts, self.voices = engines.asr, engines.tts, engines.voices
+        self.turn_model, self.engine_process = engines.turn_model, engines.process
+        if engines.gpu_memory is not None:
+            self.metrics.gpu_memory = engines.gpu_memory
 
     @property
     def active_sessions(self) -> int:

@@ -11,21 +11,9 @@ from dataclasses import dataclass
 
 from voiced.config import ASRConfig, Config, TTSConfig
 from voiced.engines.backend import choose_backend
+from voiced.engines.runtime import EngineOptions, EngineRuntime, resolve_device  # noqa: F401 (loader.resolve_device)
 
 log = logging.getLogger(__name__)
-
-
-def resolve_device(device: str) -> str:
-    """"auto" -> "cuda" when torch sees a GPU, else "cpu"."""
-    import torch
-
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"device {device!r} was asked for but torch sees no CUDA GPU; use --device cpu or auto")
-    if device != "cpu" and not device.startswith("cuda"):
-        raise ValueError(f"device {device!r}: use auto, cpu, cuda or cuda:N")
-    return device
 
 
 @dataclass
@@ -51,24 +39,25 @@ def engine_dir(config: Config, kind: str, model: str):
     return root / (f"whisper-{name}" if kind == "whisper" and not name.startswith("whisper") else name)
 
 
-def load_asr(config: Config):
+def load_asr(config: Config, options: EngineOptions | None = None):
+    """The recognizer `config.asr` names, run as `options` says (resolved from the config when not given)."""
     c: ASRConfig = config.asr
+    o = options or EngineRuntime.resolve(config).asr
     backend = choose_backend(c.backend, "whisper", engine_dir(config, "whisper", c.model))
-    device = resolve_device(c.device)
     if backend == "trtllm":
         from voiced.engines.trtllm.whisper_runner import TrtllmWhisperEngine
 
         return TrtllmWhisperEngine.load(engine_dir(config, "whisper", c.model), plan=config.memory,
-                                        max_batch=c.max_batch or None)  # 0: the engine's built batch
+                                        max_batch=o.max_batch)  # None: the engine's built batch
     from voiced.engines.whisper.engine import WhisperEngine
 
     # The torch engine computes what it will hold and checks it against its share of the memory free
-    # now (the fraction is a cap: its caches are sized by max_batch, not by the share; max_batch 0: the
+    # now (the fraction is a cap: its caches are sized by max_batch, not by the share; no max_batch: the
     # most rows, up to 64, within it).
-    mem = gpu_memory(device)
-    limit = (mem.free, config.memory.whisper_kv_fraction) if mem else None
-    return WhisperEngine.load(c.model, device=device, dtype=c.dtype or None, max_batch=c.max_batch or None,
-                              memory_limit=limit)
+    mem = gpu_memory(o.device)
+    limit = (mem.free, o.memory_fraction) if mem else None
+    return WhisperEngine.load(c.model, device=o.device, dtype=c.dtype or None, max_batch=o.max_batch,
+                              cuda_graphs=o.graphs, memory_limit=limit)
 
 
 def load_turn_model(config: Config):
@@ -107,10 +96,13 @@ def tts_model(model: str, device: str) -> str:
     return piper.find() or piper.PYPI_NAME
 
 
-def load_tts(config: Config):
+def load_tts(config: Config, options: EngineOptions | None = None):
+    """The speech model `config.tts` names, run as `options` says (resolved from the config when not given)."""
     c: TTSConfig = config.tts
-    device = resolve_device(c.device)
-    model = tts_model(c.model, device)
+    o = options or EngineRuntime.resolve(config).tts
+    if o is None:
+        raise ValueError("tts.enabled is false: there is no speech model to load")
+    model = tts_model(c.model, o.device)
     from voiced.engines.piper import registry as piper
 
     if piper.is_piper(model):  # Piper voices run on the CPU, with onnxruntime (c.threads threads a voice)
@@ -118,10 +110,10 @@ def load_tts(config: Config):
 
         return PiperEngine.load(model, threads=c.threads)
     backend = choose_backend(c.backend, "spark-tts", engine_dir(config, "spark-tts", model))
-    mem = gpu_memory(device)
+    mem = gpu_memory(o.device)
     from voiced.engines.spark.engine import SparkTTSEngine
 
-    kwargs = dict(device=device, dtype=c.dtype or None, max_batch=c.max_batch or None, voices_dir=c.voices_dir or None)
+    kwargs = dict(device=o.device, dtype=c.dtype or None, max_batch=o.max_batch, voices_dir=c.voices_dir or None)
     if backend == "trtllm":
         from voiced.engines.trtllm.spark_runner import TrtllmSparkEngine
 
@@ -129,5 +121,6 @@ def load_tts(config: Config):
         return TrtllmSparkEngine.load(engine_dir(config, "spark-tts", model), model, plan=config.memory,
                                       kv_cache_bytes=budgets.get("tts"), **kwargs)
     # the free memory now: after the ASR engine loaded and warmed up, when it loads first
-    limit = (mem.free, config.memory.tts_kv_fraction) if mem else None
-    return SparkTTSEngine.load(model, memory_limit=limit, compile_lm=None if c.compile else False, **kwargs)
+    limit = (mem.free, o.memory_fraction) if mem else None
+    return SparkTTSEngine.load(model, memory_limit=limit, use_cuda_graphs=o.graphs,
+                               compile_lm=None if o.compile else False, **kwargs)
