@@ -139,8 +139,7 @@ def prefill_timing(engine, reps: int = 30) -> list[dict]:
     PREFILL_BUCKET) for 1 prompt of 150 tokens and 4 prompts of 120-180, with and without its CUDA
     graph: median ms from the call to the GPU finishing it, over `reps` passes after warm ones, and
     whether the two give the same cache rows and last hidden states bit for bit."""
-    from voiced.engines.spark.lm_steps import PREFILL_BUCKET
-    from voiced.engines.spark.qwen2 import padded_to
+    from voiced.engines.spark.lm_steps import PREFILL_BUCKET, padded_to
 
     lm, cuda = engine.lm, str(engine.device).startswith("cuda")
     g = torch.Generator().manual_seed(1)
@@ -352,21 +351,6 @@ def main(argv: list[str] | None = None) -> int:
             res["decode_lm_only"].append({"batch": b, "ms_per_step": round(sb * 1000, 3),
                                           "lm_only_audio_s_per_s": round(b / 50 / sb, 1)})
             log.info("engine LM only: %s", res["decode_lm_only"][-1])
-        # What each GPU-only piece buys: the same compiled step without it (the projections through
-        # cuBLAS; the attention in torch: rope, cache writes, two GEMMs and a softmax), measured the same
-        # way, then back.
-        for present, name, variant in ((lm.fused_linear, "cublas_linear", {"fused_linear": False}),
-                                       (lm.fused_attention, "torch_attention", {"fused_attention": False})):
-            if not present:
-                continue
-            lm.compile_decode(**variant)
-            _, t_steps = steps_decode(engine, prompt, n, 50, use_graph=True)
-            res["decode_batch1_compiled"][f"engine_steps_graph_ms_per_step_sampled_{name}"] = round(t_steps * 1000, 3)
-            for row, b in zip(res["decode_lm_only"], batches):
-                _, sb = steps_decode(engine, prompt, 96, 50, use_graph=True, batch=b)
-                row[f"ms_per_step_{name}"] = round(sb * 1000, 3)
-            lm.compile_decode()
-            log.info("%s: batch 1 %.3f ms; %s", name, t_steps * 1000, res["decode_lm_only"])
         # --- transformers generate at larger batches (LM only)
         res["transformers_generate"] = []
         for b in args.hf_batches:

@@ -71,14 +71,18 @@ def kernels(rows: int) -> dict:
 
 def decode_steps(batches: list[int]) -> dict:
     """The engine's sampled decode step with the GEMV kernels and with cuBLAS, same weights."""
+    import unittest.mock
+
     from benchmarks.spark_bench import steps_decode
+    from voiced.engines.kernels import decode_linear as dl
     from voiced.engines.random_weights import random_spark
 
     engine = random_spark("cuda", torch.bfloat16, torch.bfloat16, max(batches), 1024, Path(tempfile.mkdtemp()))
     prompt = torch.randint(0, 151643, (300,), generator=torch.Generator().manual_seed(0)).cuda()
     out, greedy = {}, {}
-    for label, kw in (("gemv", {}), ("cublas", {"fused_linear": False})):
-        engine.lm.compile_decode(**kw)
+    for label, gemv in (("gemv", dl.supported), ("cublas", lambda *a: False)):
+        with unittest.mock.patch.object(dl, "supported", gemv):  # the projections through cuBLAS, for scale
+            engine.lm.compile_decode()
         greedy[label], _ = steps_decode(engine, prompt, 200, 1, use_graph=True)
         out[label] = {f"batch{b}_ms": round(steps_decode(engine, prompt, 200, 50, use_graph=True, batch=b)[1] * 1000, 3)
                       for b in batches}

@@ -39,13 +39,13 @@ def _child() -> dict:
     from voiced.engines.kernels import decode_attention as da
     from voiced.engines.spark.qwen2 import (
         Qwen2Config,
-        Qwen2LM,
         decode_mask,
         embed_norm,
         layer_decode,
         layer_decode_tail,
         rope_tables,
     )
+    from voiced.engines.spark.served_lm import ServedLM
 
     out: dict = {"kernel": []}
     cos_t, sin_t = rope_tables(Qwen2Config(), 1024)
@@ -90,7 +90,7 @@ def _child() -> dict:
     # a whole decode step through the GPU path's structure (qkv GEMM, the kernel, the layer's tail with
     # the next norm) against the modules, over several steps of a growing cache
     torch.manual_seed(1)
-    lm = Qwen2LM(Qwen2Config(hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
+    lm = ServedLM(Qwen2Config(hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
                              num_key_value_heads=2, vocab_size=512)).eval()
     prompt = torch.randint(0, 512, (40,), generator=g)
     logits = []

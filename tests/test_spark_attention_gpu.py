@@ -12,7 +12,8 @@ import torch
 
 from voiced.engines.kernels import decode_attention as da
 from voiced.engines.kernels import decode_linear as dl
-from voiced.engines.spark.qwen2 import Qwen2Config, Qwen2LM, decode_mask, rope_tables
+from voiced.engines.spark.qwen2 import Qwen2Config, decode_mask, rope_tables
+from voiced.engines.spark.served_lm import ServedLM
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
               pytest.mark.skipif(da.triton is None, reason="needs Triton")]
@@ -83,7 +84,7 @@ def test_compiled_graphed_lm_with_the_kernel_equals_the_eager_modules_in_float32
     cfg = Qwen2Config(hidden_size=256, intermediate_size=512, num_hidden_layers=3, num_attention_heads=4,
                       num_key_value_heads=2, vocab_size=1024)
     with torch.device("cuda"):
-        lm = Qwen2LM(cfg).eval()
+        lm = ServedLM(cfg).eval()
         for name, p in lm.named_parameters():
             if p.ndim == 2:
                 torch.nn.init.normal_(p, 0, 0.02 if "embed" not in name else 0.5)
@@ -160,7 +161,7 @@ def test_programmatic_launch_changes_no_bit_of_a_graphed_decode_step(monkeypatch
     cfg = Qwen2Config(num_hidden_layers=4, vocab_size=4096)
     torch.manual_seed(0)
     with torch.device("cuda"):
-        lm = Qwen2LM(cfg).eval().to(torch.bfloat16)
+        lm = ServedLM(cfg).eval().to(torch.bfloat16)
     lm.requires_grad_(False)
     prompt = torch.randint(0, 4096, (300,), device="cuda")
     for rows in (1, 16):

@@ -174,34 +174,3 @@ def test_two_round_top_k_picks_what_one_topk_picks():
         a = sample(logits, *args, torch.tensor([step] * 4), candidates=64)
         b = sample(logits[:, :1000].contiguous(), *args, torch.tensor([step] * 4), candidates=64)
         assert torch.equal(a[2:3], b[2:3])  # row 2's allowed ids all lie in the first 1000
-
-
-def test_packed_prefill_is_each_prompt_prefilled_alone(models):
-    """Three prompts of different lengths packed into one pass (padded to 64 tokens), sent as id lists
-    the way the engine sends them: each row's cache and last logits match prefilling that prompt alone
-    (float32), the ids as tensors give exactly the same, and what lies past each prompt
-    in its row is only the padding's (written past the last prompt only)."""
-    ours, ref = models
-    torch.manual_seed(7)
-    prompts = [torch.randint(0, 166000, (n,)) for n in (17, 5, 30)]
-    slots = [2, 0, 3]
-    alone = {}
-    for p, s in zip(prompts, slots):
-        ours.setup_cache(max_batch=4, max_seq=96)
-        logits = ours.prefill(p, s)
-        alone[s] = (logits, [k[s, :, : len(p)].clone() for k in ours.k_caches])
-    ours.setup_cache(max_batch=4, max_seq=96)
-    h = ours.prefill_many([p.tolist() for p in prompts], slots, pad_to=64)
-    got = ours.lm_head(h).float()
-    cache = [k.clone() for k in ours.k_caches]
-    for i, (p, s) in enumerate(zip(prompts, slots)):
-        assert torch.allclose(got[i], alone[s][0], atol=1e-4, rtol=1e-4), f"prompt {i}: last logits"
-        for layer, (a, b) in enumerate(zip(cache, alone[s][1])):
-            assert torch.allclose(a[s, :, : len(p)], b, atol=1e-5), f"prompt {i} (row {s}), layer {layer}"
-    assert all(k[1].abs().sum() == 0 for k in cache), "row 1 was not prefilled: nothing may be written there"
-    assert all(k[2, :, 17:].abs().sum() == 0 and k[0, :, 5:].abs().sum() == 0 for k in cache)
-    assert all(k[3, :, 30:42].abs().sum() > 0 and k[3, :, 42:].abs().sum() == 0 for k in cache), \
-        "the 12 padding tokens go to the last prompt's row, right after it"
-    ours.setup_cache(max_batch=4, max_seq=96)
-    assert torch.equal(ours.prefill_many(prompts, slots, pad_to=64), h)
-    assert all(torch.equal(a, b) for a, b in zip(ours.k_caches, cache))

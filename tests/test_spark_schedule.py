@@ -133,9 +133,9 @@ def test_requests_arriving_at_every_step_leave_the_decoding_rows_every_other_ste
 
 
 def test_prefill_padding_changes_nothing(ckpt):
-    from voiced.engines.spark.qwen2 import load_qwen2
+    from voiced.engines.spark.served_lm import load_served_lm
 
-    lm = load_qwen2(ckpt / "LLM", "cpu", torch.float32)
+    lm = load_served_lm(ckpt / "LLM", "cpu", torch.float32)
     torch.manual_seed(0)
     prompts = [torch.randint(0, 166000, (n,)) for n in (17, 5, 30)]
     lm.setup_cache(max_batch=4, max_seq=64)

@@ -8,8 +8,8 @@ import torch
 
 from tests.spark_fixtures import cached_spark_checkpoint
 from voiced.engines.base import TTSOptions, TTSRequest
-from voiced.engines.spark.qwen2 import load_qwen2
 from voiced.engines.spark.sampling import PhaseSampler, candidate_bucket, sample
+from voiced.engines.spark.served_lm import load_served_lm
 
 
 @pytest.fixture(scope="module")
@@ -19,7 +19,7 @@ def ckpt(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def lm(ckpt):
-    return load_qwen2(ckpt / "LLM", "cpu", torch.float32)
+    return load_served_lm(ckpt / "LLM", "cpu", torch.float32)
 
 
 def test_packed_prefill_equals_one_prompt_at_a_time(lm):
@@ -37,6 +37,36 @@ def test_packed_prefill_equals_one_prompt_at_a_time(lm):
         for a, b in zip(caches, lm.k_caches):
             assert torch.allclose(a[slot, :, : len(p)], b[slot, :, : len(p)], atol=1e-5)
 
+
+
+def test_packed_prefill_is_each_prompt_prefilled_alone(lm):
+    """Three prompts of different lengths packed into one pass (padded to 64 tokens), sent as id lists
+    the way the engine sends them: each row's cache and last logits match prefilling that prompt alone
+    (float32), the ids as tensors give exactly the same, and what lies past each prompt
+    in its row is only the padding's (written past the last prompt only)."""
+    torch.manual_seed(7)
+    prompts = [torch.randint(0, 166000, (n,)) for n in (17, 5, 30)]
+    slots = [2, 0, 3]
+    alone = {}
+    for p, s in zip(prompts, slots):
+        lm.setup_cache(max_batch=4, max_seq=96)
+        logits = lm.prefill(p, s)
+        alone[s] = (logits, [k[s, :, : len(p)].clone() for k in lm.k_caches])
+    lm.setup_cache(max_batch=4, max_seq=96)
+    h = lm.prefill_many([p.tolist() for p in prompts], slots, pad_to=64)
+    got = lm.lm_head(h).float()
+    cache = [k.clone() for k in lm.k_caches]
+    for i, (p, s) in enumerate(zip(prompts, slots)):
+        assert torch.allclose(got[i], alone[s][0], atol=1e-4, rtol=1e-4), f"prompt {i}: last logits"
+        for layer, (a, b) in enumerate(zip(cache, alone[s][1])):
+            assert torch.allclose(a[s, :, : len(p)], b, atol=1e-5), f"prompt {i} (row {s}), layer {layer}"
+    assert all(k[1].abs().sum() == 0 for k in cache), "row 1 was not prefilled: nothing may be written there"
+    assert all(k[2, :, 17:].abs().sum() == 0 and k[0, :, 5:].abs().sum() == 0 for k in cache)
+    assert all(k[3, :, 30:42].abs().sum() > 0 and k[3, :, 42:].abs().sum() == 0 for k in cache), \
+        "the 12 padding tokens go to the last prompt's row, right after it"
+    lm.setup_cache(max_batch=4, max_seq=96)
+    assert torch.equal(lm.prefill_many(prompts, slots, pad_to=64), h)
+    assert all(torch.equal(a, b) for a, b in zip(lm.k_caches, cache))
 
 def _bias(v: int, lo: int, hi: int) -> torch.Tensor:
     """Phase 0 allows [lo, lo+40) (the "globals"), phase 1 allows [lo+40, hi)."""

@@ -147,14 +147,14 @@ def write_spark_tokenizer(llm: Path) -> None:
 
 
 def random_spark(device: str, dtype: torch.dtype, codec_dtype: torch.dtype, max_batch: int, max_seq: int,
-                 workdir: Path, tiny: bool = False, vocoder_graphs: bool | None = None):
+                 workdir: Path, tiny: bool = False):
     """Random full-size LM + BiCodec (tiny widths with `tiny`, for CPU dry runs) and the tokenizer above,
-    wrapped in the engine as `voiced serve` loads it; vocoder graphs as the engine's default unless given
-    (captured by the engine's warm-up)."""
+    wrapped in the engine as `voiced serve` loads it (vocoder graphs on a GPU, captured by its warm-up)."""
     from voiced.engines.spark.bicodec import BiCodec, BiCodecConfig
     from voiced.engines.spark.checkpoint import SparkCheckpoint, TextTokenizer, load_special_tokens
-    from voiced.engines.spark.engine import SparkTTSEngine, vocoder_graphs_default
-    from voiced.engines.spark.qwen2 import Qwen2Config, Qwen2LM
+    from voiced.engines.spark.engine import SparkTTSEngine
+    from voiced.engines.spark.qwen2 import Qwen2Config
+    from voiced.engines.spark.served_lm import ServedLM
 
     llm = workdir / "LLM"
     llm.mkdir(parents=True, exist_ok=True)
@@ -170,7 +170,7 @@ def random_spark(device: str, dtype: torch.dtype, codec_dtype: torch.dtype, max_
                              postnet=VocosParams(**v), latent_dim=32, speaker_out_dim=32, speaker_latent_dim=16,
                              wave_channels=32)
     with torch.device(device):
-        lm = Qwen2LM(cfg)
+        lm = ServedLM(cfg)
         for name, p in lm.named_parameters():
             if p.ndim == 2:
                 # a larger embedding (tied with the output) gives peaked logits, so greedy tokens
@@ -180,8 +180,5 @@ def random_spark(device: str, dtype: torch.dtype, codec_dtype: torch.dtype, max_
         codec = BiCodec(ccfg).to(codec_dtype).eval()
     tok = TextTokenizer(llm)
     special = load_special_tokens(llm, tok)
-    if vocoder_graphs is None:
-        vocoder_graphs = vocoder_graphs_default()
     return SparkTTSEngine(SparkCheckpoint(workdir), lm, codec, tok, special, device=device, max_batch=max_batch,
-                          max_seq_len=max_seq, voices_dir=workdir / "voices", model_name="Spark-TTS-0.5B (random)",
-                          vocoder_graphs=vocoder_graphs)
+                          max_seq_len=max_seq, voices_dir=workdir / "voices", model_name="Spark-TTS-0.5B (random)")

@@ -26,6 +26,8 @@ rows 0..n-1): when one leaves, the last row's KV cache moves into the hole, so a
 runs on a prefix of the cache.
 
 This module holds the step loop and a request's way through it; the rest has a module of its own:
+served_lm.py (the LM as served: compiled layers, packed prefills, decode steps with their sampling, all
+replayed from CUDA graphs, lm_graphs.py), qwen2.py (the model), sampling.py, streaming.py (chunked decoding),
 prompt.py (sentences and the LM's prompt), request.py (the request record, its State, the phases),
 lm_steps.py (decode steps per round trip, packed-prefill sizes), vocoder_schedule.py (when the vocoder
 runs, whom it serves first, which windows it batches: the policy), warmup.py, memory_plan.py (what
@@ -58,9 +60,9 @@ from voiced.engines.base import (
     finish,
     resumed_in,
 )
-from voiced.engines.footprint import AUTO_GPU_ROWS, check_memory_limit, parse_dtype, rows_that_fit
+from voiced.engines.dtypes import parse_dtype
 from voiced.engines.rows import compaction, to_device
-from voiced.memory_plan import EngineNeed
+from voiced.memory_plan import AUTO_GPU_ROWS, EngineNeed, check_memory_limit, rows_that_fit
 
 from . import lm_steps, vocoder_schedule
 from .bicodec import BiCodec, load_bicodec
@@ -68,10 +70,11 @@ from .checkpoint import SparkCheckpoint, SpecialTokens, TextTokenizer, load_spec
 from .lm_steps import DECODE_STEPS, PREFILL_BUCKET
 from .memory_plan import plan, rows_for_budget
 from .prompt import N_GLOBAL, TOKENS_PER_SECOND, build_prompt, longest_prompt, split_text
-from .qwen2 import Qwen2Config, Qwen2LM, load_qwen2
+from .qwen2 import Qwen2Config
 from .reference import ReferenceTokenizer, voice_store
 from .request import PHASE_GLOBAL, PHASE_SEMANTIC, Request, State, phase_bias, semantic_phase_markers
 from .sampling import PhaseSampler, candidate_bucket
+from .served_lm import ServedLM, load_served_lm
 from .streaming import ChunkPlanner
 from .vocoder_schedule import VocoderSchedule
 from .voices import LANGUAGES, Voice
@@ -112,7 +115,7 @@ class SparkTTSEngine:
     languages = LANGUAGES
     memory_need: EngineNeed | None = None  # set by load(): what it holds on its device
 
-    def __init__(self, checkpoint: SparkCheckpoint, lm: Qwen2LM, codec: BiCodec, tokenizer: TextTokenizer,
+    def __init__(self, checkpoint: SparkCheckpoint, lm: ServedLM, codec: BiCodec, tokenizer: TextTokenizer,
                  special: SpecialTokens, *, device: str, max_batch: int, max_seq_len: int,
                  voices_dir: str | Path | None = None, use_cuda_graphs: bool = True,
                  model_name: str = "Spark-TTS-0.5B", decode_steps: int = DECODE_STEPS) -> None:
@@ -135,7 +138,6 @@ class SparkTTSEngine:
         if decode_steps < 1:
             raise EngineError("decode_steps must be at least 1")
         self.decode_steps = decode_steps
-        lm.prefill_graph_tokens = lm_steps.PREFILL_STEP_TOKENS  # every pack the engine makes, graphed on a GPU
         lm.setup_cache(max_batch, max_seq_len)
         self._bias = phase_bias(special, lm.config.vocab_size, device)
         # Every id any phase allows lies in [lo, hi): the head only computes that slice. The slice of
@@ -174,7 +176,7 @@ class SparkTTSEngine:
         """Load a Spark-TTS-0.5B directory (or the cached model by name).
 
         max_batch: the requests (rows) decoded together; None or 0: 16 on CPU, and on CUDA the most of 64, 32,
-            16, ... whose need fits memory_limit (footprint.rows_that_fit).
+            16, ... whose need fits memory_limit (memory_plan.rows_that_fit).
         dtype: the LM's (default bf16 on GPU, fp32 on CPU; fp16 is refused: it overflows in this LM).
         kv_cache_bytes: a budget from the daemon's memory plan; it caps max_batch for max_seq_len.
         use_cuda_graphs: on a GPU, replay the LM's decode steps, packed prefills and the vocoder's window decodes
@@ -210,7 +212,7 @@ class SparkTTSEngine:
 
         rows, need = rows_that_fit(rows, need_at, memory_limit, "TTS", fit=cuda and not max_batch)
         check_memory_limit(need, memory_limit)  # before anything goes to the GPU
-        lm = load_qwen2(ckpt.llm_dir, device, lm_dtype)
+        lm = load_served_lm(ckpt.llm_dir, device, lm_dtype)
         if lm.config.vocab_size < special.semantic_base + special.n_semantic:
             raise EngineError(f"{ckpt.llm_dir}: vocab_size {lm.config.vocab_size} has no room for the BiCodec tokens")
         codec = load_bicodec(ckpt.bicodec_dir, ckpt.root_config, device, c_dtype)

@@ -1,5 +1,6 @@
-"""The sizes of the LM's steps: how many decode steps one host round trip runs, and how many prompt
-tokens one packed prefill takes (and what its activations cost)."""
+"""The sizes of the LM's steps: how many decode steps one host round trip runs, how many prompt tokens
+one packed prefill takes (and what its activations and buffers cost), and the buckets that keep the
+number of distinct shapes (CUDA graphs) small."""
 
 from __future__ import annotations
 
@@ -19,3 +20,26 @@ def prefill_bytes(cfg, tokens: int, itemsize: int) -> int:
     MLP's activations and the attention's inputs in the LM's dtype."""
     t = tokens
     return t * t * (1 + itemsize) + t * itemsize * (3 * cfg.intermediate_size + 4 * cfg.hidden_size)
+
+
+def padded_to(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def bucket(n: int, base: int) -> int:
+    """Smallest base * 2**k >= n."""
+    b = base
+    while b < n:
+        b *= 2
+    return b
+
+
+def prefill_capacity(max_seq: int, graph_tokens: int) -> int:
+    """Packed tokens a `lm_graphs.PrefillIO` holds: the longest prompt padded to a 64-token bucket, or the
+    longest graphed pack."""
+    return padded_to(max(max_seq, graph_tokens) + 64, 64)
+
+
+def prefill_io_bytes(cfg, max_batch: int, max_seq: int, graph_tokens: int, itemsize: int) -> int:
+    """Device bytes of the served LM's `PrefillIO` (ids, segments, positions, slots; last tokens; output)."""
+    return (4 * prefill_capacity(max_seq, graph_tokens) + max_batch) * 8 + max_batch * cfg.hidden_size * itemsize

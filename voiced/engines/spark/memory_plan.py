@@ -6,16 +6,15 @@ from __future__ import annotations
 
 import torch
 
-from voiced.engines.footprint import tensor_bytes
 from voiced.engines.rows import doubling, rows_in_budget
-from voiced.memory_plan import EngineNeed, Need, stream_workspace_bytes
+from voiced.memory_plan import EngineNeed, Need, stream_workspace_bytes, tensor_bytes
 
 from . import vocoder_schedule
 from .bicodec import BiCodec, BiCodecConfig
 from .checkpoint import SparkCheckpoint
-from .lm_steps import DECODE_STEPS, PREFILL_BUCKET, PREFILL_STEP_TOKENS, prefill_bytes
+from .lm_steps import DECODE_STEPS, PREFILL_BUCKET, PREFILL_STEP_TOKENS, padded_to, prefill_bytes, prefill_io_bytes
 from .prompt import longest_prompt
-from .qwen2 import Qwen2Config, Qwen2LM, padded_to, prefill_io_bytes
+from .qwen2 import Qwen2Config, Qwen2LM
 
 
 def kv_row_bytes(cfg, max_seq_len: int, lm_dtype: torch.dtype) -> int:
@@ -78,7 +77,7 @@ def memory_need(cfg, lm_dtype: torch.dtype, lm_bytes: int, codec_bytes: int, max
     # The longest prefill: a pack of PREFILL_STEP_TOKENS, or one prompt as long as submit accepts.
     longest = max(PREFILL_STEP_TOKENS, min(max_seq_len, padded_to(longest_prompt(max_seq_len), PREFILL_BUCKET)))
     if graphs:
-        # Every graph of the LM allocates from one pool (Qwen2LM.graph_pool), which keeps the largest
+        # Every graph of the LM allocates from one pool (ServedLM.graph_pool), which keeps the largest
         # graph's activations for good: a packed prefill of PREFILL_STEP_TOKENS (a decode step's are far
         # smaller). Longer prefills (one long prompt) run ungraphed, a transient.
         t = PREFILL_STEP_TOKENS

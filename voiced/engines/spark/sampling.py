@@ -135,7 +135,7 @@ def draw_step(vals: torch.Tensor, idx: torch.Tensor, ints: torch.Tensor, floats:
               switch: tuple[int, int, int, int, int], out: torch.Tensor | None = None,
               last_position: int | None = None) -> torch.Tensor:
     """A decode step's draw and what it advances, in place: `ints` `[7, n]` and `floats` `[2, n]` are the
-    rows' sampler state (qwen2.StepState's fields in its INT_FIELDS and FLOAT_FIELDS order). Draws each row's
+    rows' sampler state (lm_graphs.StepState's fields in its INT_FIELDS and FLOAT_FIELDS order). Draws each row's
     token from its candidates (`draw_candidates`), feeds it back (tokens), counts the step, and moves a row
     from phase `switch[0]` to `switch[1]` once it has `switch[4]` tokens of ids [switch[2], switch[3]) (a
     controllable voice's globals, then its semantic tokens; the host applies the same rule). With

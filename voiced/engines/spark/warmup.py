@@ -13,9 +13,8 @@ from voiced.engines.base import TTSOptions
 from voiced.engines.rows import doubling, to_device
 
 from . import streaming, vocoder_schedule
-from .lm_steps import PREFILL_BUCKET
+from .lm_steps import PREFILL_BUCKET, padded_to
 from .prompt import N_GLOBAL, longest_prompt
-from .qwen2 import padded_to
 
 log = logging.getLogger(__name__)
 
