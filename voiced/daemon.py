@@ -30,6 +30,9 @@ log = logging.getLogger(__name__)
 ADDRESS_SETTINGS = {"grpc": "--listen (server.listen)", "http": "--http (doors.http)",
                     "audiosocket": "--audiosocket (doors.audiosocket)", "media_ws": "--media-ws (doors.media_ws)",
                     "wyoming": "--wyoming (doors.wyoming)", "metrics": "--metrics-listen (server.metrics_listen)"}
+# The drain's end waits this long for the calls' last utterances to be transcribed and sent (a 30 s
+# utterance decodes in well under a second on a GPU; a loaded CPU takes seconds).
+KEEP_HEARD_S = 10.0
 _BIND_ERRORS = (errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.EACCES, None)  # None: grpc's own bind failure
 
 
@@ -144,6 +147,8 @@ class Daemon:
             await asyncio.sleep(0.05)
         if s.active_sessions:
             log.warning("drain: %d sessions still open after the grace period; closing them", s.active_sessions)
+            if self._deadline and (grace is None or grace > 0):  # not hurried, nor a stop without a grace
+                await self._keep_what_was_heard()
         for door in reversed(self.doors):
             await _quietly(door.close(), f"{door.name}: close")
             s.doors.pop(door.name, None)
@@ -153,6 +158,17 @@ class Daemon:
         if self._metrics_http is not None:
             await self._metrics_http.close()
         self._stopped.set()
+
+    async def _keep_what_was_heard(self) -> None:
+        """The drain's end: each live session's input ends as if its caller had hung up, so the utterance
+        in progress is transcribed and sent before the doors close the calls (for up to KEEP_HEARD_S)."""
+        from voiced.core.session import live_sessions
+
+        for session in live_sessions(self.services):
+            session.end_input()
+        end = time.monotonic() + KEEP_HEARD_S
+        while live_sessions(self.services) and time.monotonic() < end and self._deadline:
+            await asyncio.sleep(0.05)
 
     def hurry(self) -> None:
         """End a drain in progress now: the sessions still open are closed (a second Ctrl-C)."""

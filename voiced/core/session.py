@@ -33,6 +33,7 @@ import asyncio
 import contextlib
 import logging
 import time
+import weakref
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 
@@ -68,6 +69,13 @@ from voiced.core.speech import in_caller_time
 from voiced.engines.base import ASROptions, ASRRequest, CapacityError, EngineError, Transcript, hallucination_reason
 
 log = logging.getLogger(__name__)
+
+LIVE: weakref.WeakSet = weakref.WeakSet()  # sessions running now, every daemon's (`live_sessions`)
+
+
+def live_sessions(services) -> list:
+    """The sessions of `services`' daemon running now (the drain's end ends their input)."""
+    return [s for s in list(LIVE) if s.services is services]
 
 _DONE = object()
 
@@ -216,6 +224,9 @@ class Session:
         self._deadline: asyncio.TimerHandle | None = None
         self._last_input = 0.0  # loop time of the caller's last message
         self._reading_done = False  # the caller has finished sending
+        self._input_cut = False  # end_input(): the drain's end cut the caller's input here
+        self._awaiting_input = False  # the reader waits for the caller's next message
+        self._reader: asyncio.Task | None = None
         self._turns: asyncio.Queue[Turn | None] = asyncio.Queue()
         self._tasks: set[asyncio.Task] = set()
         self._interim: asyncio.Task | None = None
@@ -300,7 +311,8 @@ class Session:
         `inputs` is the caller hanging up: what is in flight (transcripts, replies) finishes first."""
         await self.send(Started(self.spec.session_id, 0, self.spec))
         self._start_timers()
-        reader = self.spawn(self._read(inputs), "reader")
+        reader = self._reader = self.spawn(self._read(inputs), "reader")
+        LIVE.add(self)
         emitter = self.spawn(self._emit_transcripts(), "emitter")
         reader.add_done_callback(lambda t: self._reader_done(t, emitter))
         try:
@@ -361,8 +373,18 @@ class Session:
 
         self.spawn(finish(), "finish")
 
+    def end_input(self) -> None:
+        """The caller's input ends here, as if it had hung up (the drain's end): the utterance in progress
+        is cut and transcribed, what is in flight finishes, then `run` ends. What was heard is kept."""
+        if self._reader is None or self._reader.done() or self._input_cut:
+            return
+        self._input_cut = True
+        if self._awaiting_input:
+            self._reader.cancel()  # `_read` takes this cancellation as the end of the input
+
     async def close(self) -> None:
         """Cancel everything this session started (idempotent)."""
+        LIVE.discard(self)
         for timer in (self._idle, self._deadline):
             if timer is not None:
                 timer.cancel()
@@ -376,7 +398,20 @@ class Session:
 
     async def _read(self, inputs: AsyncIterator[InputEvent]) -> None:
         loop = asyncio.get_running_loop()
-        async for item in inputs:
+        messages = aiter(inputs)
+        while not self._input_cut:
+            self._awaiting_input = True
+            try:
+                item = await anext(messages)
+            except StopAsyncIteration:
+                break
+            except asyncio.CancelledError:
+                if not self._input_cut:
+                    raise
+                asyncio.current_task().uncancel()  # end_input's: the input ends, the session goes on
+                break
+            finally:
+                self._awaiting_input = False
             self._last_input = loop.time()
             if type(item) is AudioIn:
                 try:
