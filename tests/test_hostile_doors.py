@@ -531,3 +531,49 @@ def test_the_wyoming_describe_of_another_caller_is_served_meanwhile(daemon):
 
     assert asyncio.run(go()).type == "info"
     assert serving(daemon)
+
+
+def test_the_drains_end_transcribes_the_utterance_in_progress_before_closing_the_call(tmp_path):
+    """A call still talking when the drain's grace runs out: its input is ended as a hang-up would end it,
+    so the words in progress come back as a final transcript and the call ends OK, not UNAVAILABLE."""
+    from tests.daemon_harness import frames_of, session_config, wire_audio
+    from tests.speech import phrase
+    from voiced.audio.ingest import Format
+
+    d = start_daemon(make_openai_checkpoint(tmp_path / "whisper", seed=3), daemon_config())
+    fmt = Format("LINEAR16", 16000)
+    speech = wire_audio(phrase("Turn on the kitchen lights please."), fmt)  # no trailing silence: in progress
+    held = threading.Event()
+
+    def requests():
+        yield pb.SessionRequest(config=session_config(fmt))
+        for frame in frames_of(speech, fmt):
+            yield pb.SessionRequest(audio=frame)
+        held.set()
+        time.sleep(30)  # the caller keeps the stream open: only the drain's end can end its input
+
+    result: dict = {}
+
+    def call():
+        with grpc.insecure_channel(d.address) as ch:
+            stream = pb_grpc.VoicedStub(ch).StreamingRecognize(requests(), timeout=60)
+            events = []
+            try:
+                for ev in stream:
+                    events.append(ev)
+                result["status"] = grpc.StatusCode.OK
+            except grpc.RpcError as e:
+                result["status"] = e.code()
+            result["events"] = events
+
+    caller = threading.Thread(target=call, daemon=True)
+    caller.start()
+    try:
+        assert held.wait(30)
+        assert settle(lambda: d.services.active_sessions == 1, 10)
+        asyncio.run_coroutine_threadsafe(d.server.drain_and_stop(grace=0.3), d.loop).result(60)
+        caller.join(30)
+    finally:
+        d.stop()
+    finals = [e for e in result["events"] if e.WhichOneof("event") == "transcript" and e.transcript.is_final]
+    assert result["status"] == grpc.StatusCode.OK and len(finals) == 1 and finals[0].transcript.text.strip()
