@@ -20,7 +20,7 @@ import pytest
 from tests.piper_voice import joe_onnx
 from voiced.audio.ingest import Resampler
 from voiced.engines.base import SAMPLE_RATE, EngineError, TTSOptions, TTSRequest
-from voiced.engines.piper import phonemize, registry
+from voiced.engines.piper import graph, phonemize, registry
 from voiced.hub import DownloadError, ModelNotFoundError
 
 pytestmark = pytest.mark.skipif(shutil.which("espeak-ng") is None, reason="needs the espeak-ng program")
@@ -60,20 +60,33 @@ def _run(engine, requests: dict[int, TTSRequest], cancel_after: dict[int, int] |
     return got, order
 
 
-def test_a_reply_streams_piece_by_piece_and_joins_as_the_whole(engine):
+def test_a_reply_streams_chunk_by_chunk_and_joins_as_the_whole(engine):
     voice = _quiet(engine)
     got, _ = _run(engine, {1: TTSRequest(TEXT)})
     chunks = [o.value for o in got[1]]
-    # "Sure," alone first (the first sentence clause by clause), then the rest of it, then each sentence.
-    assert len(chunks) == len(voice.units(TEXT)) == 4
-    assert [c.sequence for c in chunks] == [0, 1, 2, 3] and [o.final for o in got[1]] == [False] * 3 + [True]
+    n = len(chunks)
+    assert [c.sequence for c in chunks] == list(range(n)) and [o.final for o in got[1]] == [False] * (n - 1) + [True]
     assert [c.offset for c in chunks] == list(np.cumsum([0] + [len(c.samples) for c in chunks[:-1]]))
-    whole = np.concatenate([voice.audio(ids) for ids in voice.units(TEXT)])
+    # The pieces ("Sure," alone, the rest of the first sentence, each later sentence), each synthesized whole
+    # without piper's own peak scaling, at the voice's one gain: what the chunks join into.
+    units = voice.units(TEXT)
+    assert len(units) == 4 and n > len(units)
+    whole = np.concatenate([np.clip(voice.audio(ids, normalize=False) * voice.gain, -1, 1) for ids in units])
     expected = Resampler(voice.config.sample_rate, SAMPLE_RATE)(whole, last=True)
     streamed = np.concatenate([c.samples for c in chunks])
     assert streamed.dtype == np.float32 and streamed.shape == expected.shape
     assert np.allclose(streamed, expected, atol=1e-5)
-    assert len(chunks[0].samples) < len(streamed) / 4  # the first audio is one short clause's
+    # The first audio is the first clause's first window: under two first chunks (2 x 24 frames, 0.56 s).
+    assert len(chunks[0].samples) <= 2 * graph.FIRST_FRAMES * 256 / voice.config.sample_rate * SAMPLE_RATE + 16
+
+
+def test_chunks_start_short_and_grow_without_a_short_tail():
+    assert graph.chunks(10) == [(0, 10)]
+    assert graph.chunks(24 + 96 + 30) == [(0, 24), (24, 120), (120, 150)]
+    assert graph.chunks(24 + 10) == [(0, 34)]
+    spans = graph.chunks(2000)
+    assert spans[0] == (0, 24) and max(e - s for s, e in spans) <= graph.MAX_FRAMES + graph.FIRST_FRAMES
+    assert all(a[1] == b[0] for a, b in zip(spans, spans[1:])) and spans[-1][1] == 2000
 
 
 def test_a_new_reply_is_voiced_before_an_older_ones_later_pieces(engine):

@@ -1,9 +1,10 @@
 """PiperEngine: speech on the CPU with Piper voices, a stepped TTS engine (see engines/base.py).
 
 A request's text is cut into pieces (PiperVoice.units: the first sentence clause by clause, then whole
-sentences) and each piece is one run of the voice's graph, resampled from the voice's rate (22,050 Hz)
-to the engine contract's 16 kHz by one streaming resampler per request, so the pieces join as the
-whole would. Each piece is one AudioChunk: the first leaves once the first clause is synthesized.
+sentences); each piece's latents are made in one run of the voice's encoder and decoded chunk by chunk
+(PiperVoice.stream, graph.py), resampled from the voice's rate (22,050 Hz) to the engine contract's
+16 kHz by one streaming resampler per request, so the chunks join as the whole would. Each chunk is one
+AudioChunk: the first leaves once the first clause's latents and its first 0.28 s are made.
 
 The graph runs on one synthesis thread of the engine's own, one piece at a time, with the voice's
 `threads` onnxruntime threads: the engine thread that steps this engine (shared with recognition on a
@@ -17,6 +18,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_for
 from dataclasses import dataclass, field
@@ -55,6 +57,7 @@ class _Request:
     budget: int  # samples at SAMPLE_RATE (TTSOptions.max_seconds)
     resample: Resampler
     units: list[list[int]] | None = None  # pieces still to synthesize; None until the text is phonemized
+    chunks: Iterator[tuple[np.ndarray, bool]] | None = None  # the piece being decoded (PiperVoice.stream)
     sequence: int = 0
     offset: int = 0
     first_at: float | None = None
@@ -92,9 +95,12 @@ class PiperEngine:
         return cls(PiperVoices(voice, threads, root, espeak_data))
 
     def warmup(self) -> None:
-        """One sentence through the default voice: onnxruntime plans its kernels on the first run (~3x the
-        time of a later one), which is then not a caller's."""
-        self.voices.voice(None).speak(WARMUP_TEXT)
+        """One sentence streamed through the default voice: onnxruntime plans its kernels on the first run
+        (~3x the time of a later one) and the voice's gain is set, neither then on a caller's time."""
+        voice = self.voices.voice(None)
+        for ids in voice.units(WARMUP_TEXT):
+            for _ in voice.stream(ids):
+                pass
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -151,7 +157,7 @@ class PiperEngine:
 
     def _output(self, r: _Request, job: Future) -> EngineOutput:
         try:
-            samples = job.result()
+            samples, last = job.result()
         except EngineError as e:
             self._requests.pop(r.id, None)
             return EngineOutput(r.id, error=str(e))
@@ -159,7 +165,6 @@ class PiperEngine:
             log.exception("piper: synthesis failed for request %d", r.id)
             self._requests.pop(r.id, None)
             return fault_output(r.id, "Piper", e)
-        last = not r.units
         if r.offset + len(samples) >= r.budget:
             samples, last = samples[: max(0, r.budget - r.offset)], True
         chunk = AudioChunk(np.ascontiguousarray(samples, dtype=np.float32), r.sequence, r.offset, last)
@@ -186,14 +191,20 @@ class PiperEngine:
         return np.concatenate(pieces) if pieces else np.zeros(0, np.float32)
 
 
-def _synthesize_next(r: _Request) -> np.ndarray:
-    """The request's next piece at SAMPLE_RATE (on the synthesis thread); phonemizes its text first."""
+def _synthesize_next(r: _Request) -> tuple[np.ndarray, bool]:
+    """The request's next chunk at SAMPLE_RATE and whether it is its last (on the synthesis thread); the text
+    is phonemized first, and each piece's latents are made with its first chunk."""
     t0 = time.perf_counter()
     if r.units is None:
         r.units = r.voice.units(r.text)
-    if not r.units:
-        return r.resample(np.zeros(0, np.float32), last=True)
-    audio = r.voice.audio(r.units.pop(0))
-    out = r.resample(audio, last=not r.units)
+    if r.chunks is None:
+        if not r.units:
+            return r.resample(np.zeros(0, np.float32), last=True), True
+        r.chunks = r.voice.stream(r.units.pop(0))
+    audio, piece_done = next(r.chunks)
+    if piece_done:
+        r.chunks = None
+    last = piece_done and not r.units
+    out = r.resample(audio, last=last)
     r.history.append(time.perf_counter() - t0)
-    return out
+    return out, last

@@ -4,8 +4,9 @@ The graph takes a sentence's phoneme ids (`input`, int64 [1, n]), their count (`
 scales (`scales`, float32: noise_scale, length_scale, noise_w) and, for a voice of several speakers, a
 speaker id (`sid`); it returns the sentence's audio at the voice's rate (22,050 Hz for medium and high
 quality voices). The scales default to the voice's `inference` section (0.667, 1.0, 0.8 where it names
-none), and each sentence's audio is scaled to a peak of 1.0, as piper-tts does by default
-(`SynthesisConfig.normalize_audio`).
+none), and a sentence synthesized whole (`audio`) is scaled to a peak of 1.0, as piper-tts does by default
+(`SynthesisConfig.normalize_audio`). A stream (`stream`) runs the graph cut in two (graph.py) and scales
+every piece by one gain a voice (`gain`).
 
 Threads: onnxruntime's CPU provider takes one thread per core by default; a voice here takes
 `threads` (intra-op) and one inter-op thread, so recognition on the same machine keeps the other cores.
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,11 +24,13 @@ import numpy as np
 
 from voiced.engines.base import EngineError
 
+from .graph import SplitGraph, chunks, split
 from .phonemize import merge_vowel_clusters, phoneme_ids, phonemize, split_clauses
 
 log = logging.getLogger(__name__)
 
 DEFAULT_NOISE_SCALE, DEFAULT_LENGTH_SCALE, DEFAULT_NOISE_W = 0.667, 1.0, 0.8
+GAIN_TEXT = "Hello, how can I help you today?"  # a voice's streamed loudness is set by this sentence (`gain`)
 
 
 @dataclass(frozen=True)
@@ -84,13 +88,20 @@ class PiperVoice:
         options.intra_op_num_threads = max(1, threads)
         options.inter_op_num_threads = 1
         options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+        providers = ["CPUExecutionProvider"]
+        self.graph: SplitGraph | None = None
+        self.session = None
         try:
-            self.session = ort.InferenceSession(str(model), sess_options=options, providers=["CPUExecutionProvider"])
-        except Exception as e:  # onnxruntime raises its own types for a missing or broken file
+            self.graph = split(self.model_path, options, providers)
+            if self.graph is None:
+                self.session = ort.InferenceSession(str(model), sess_options=options, providers=providers)
+        except Exception as e:  # onnx and onnxruntime raise their own types for a missing or broken file
             raise EngineError(f"{model} could not be loaded as a Piper voice ({e}); pull the voice again") from None
-        self._inputs = {i.name for i in self.session.get_inputs()}
+        first = self.graph.encoder if self.graph is not None else self.session
+        self._inputs = {i.name for i in first.get_inputs()}
         if not {"input", "input_lengths", "scales"} <= self._inputs:
             raise EngineError(f"{model} is not a Piper voice (its inputs are {sorted(self._inputs)})")
+        self._gain: float | None = None
 
     @classmethod
     def load(cls, model: str | Path, threads: int = 1, espeak_data: str | Path | None = None) -> PiperVoice:
@@ -115,9 +126,8 @@ class PiperVoice:
         c = self.config
         return phoneme_ids(merge_vowel_clusters(phonemes, set(c.vowel_clusters)), c.phoneme_id_map)
 
-    def audio(self, ids: list[int], noise_scale: float | None = None, length_scale: float | None = None,
-              noise_w: float | None = None, speaker: int | None = None, normalize: bool = True) -> np.ndarray:
-        """One sentence's audio, float32 mono at the voice's rate (peak 1.0 where `normalize`)."""
+    def _feed(self, ids: list[int], noise_scale: float | None, length_scale: float | None, noise_w: float | None,
+              speaker: int | None) -> dict[str, np.ndarray]:
         c = self.config
         scales = np.array([c.noise_scale if noise_scale is None else noise_scale,
                            c.length_scale if length_scale is None else length_scale,
@@ -126,11 +136,46 @@ class PiperVoice:
                 "scales": scales}
         if c.num_speakers > 1 and "sid" in self._inputs:
             feed["sid"] = np.array([speaker or 0], dtype=np.int64)
-        audio = np.asarray(self.session.run(None, feed)[0], dtype=np.float32).reshape(-1)
+        return feed
+
+    def audio(self, ids: list[int], noise_scale: float | None = None, length_scale: float | None = None,
+              noise_w: float | None = None, speaker: int | None = None, normalize: bool = True) -> np.ndarray:
+        """One sentence's audio, float32 mono at the voice's rate (peak 1.0 where `normalize`), as piper-tts makes it."""
+        feed = self._feed(ids, noise_scale, length_scale, noise_w, speaker)
+        if self.graph is not None:
+            z = self.graph.encoder.run(None, feed)[0]
+            audio = self.graph.decode(z, 0, z.shape[2])
+        else:
+            audio = np.asarray(self.session.run(None, feed)[0], dtype=np.float32).reshape(-1)
         if normalize:
             peak = float(np.max(np.abs(audio))) if audio.size else 0.0
             audio = audio / peak if peak >= 1e-8 else np.zeros_like(audio)
         return np.clip(audio, -1.0, 1.0).astype(np.float32)
+
+    @property
+    def gain(self) -> float:
+        """What a streamed piece is scaled by: 1 / the peak of GAIN_TEXT synthesized whole (noise off).
+
+        piper-tts scales each sentence to a peak of 1.0, which a sentence decoded chunk by chunk cannot know
+        before its last chunk; one gain a voice keeps its loudness from jumping between pieces instead."""
+        if self._gain is None:
+            raw = np.concatenate([self.audio(ids, noise_scale=0.0, noise_w=0.0, normalize=False)
+                                  for ids in self.sentences(GAIN_TEXT)])
+            self._gain = 1.0 / max(float(np.max(np.abs(raw))), 1e-3)
+        return self._gain
+
+    def stream(self, ids: list[int]) -> Iterator[tuple[np.ndarray, bool]]:
+        """A piece's audio chunk by chunk (graph.py), each with whether it is the piece's last; the first after
+        the piece's latents and one short window. A voice whose graph is not cut gives the piece whole."""
+        if self.graph is None:
+            yield self.audio(ids), True
+            return
+        z = self.graph.encoder.run(None, self._feed(ids, None, None, None, None))[0]
+        spans = chunks(z.shape[2])
+        if not spans:
+            yield np.zeros(0, np.float32), True
+        for i, (start, end) in enumerate(spans):
+            yield np.clip(self.graph.decode(z, start, end) * self.gain, -1.0, 1.0), i == len(spans) - 1
 
     def speak(self, text: str, **scales) -> np.ndarray:
         """The whole of `text`, sentence after sentence, at the voice's rate (what G's turn sets and the
