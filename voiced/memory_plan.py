@@ -24,11 +24,14 @@ Configuration: the ``[memory]`` TOML table (``MemoryPlan.from_mapping``), overri
 
 from __future__ import annotations
 
+import logging
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 ENV_VARS = {
     "whisper_kv_fraction": "VOICED_WHISPER_KV_FRACTION",
@@ -284,6 +287,59 @@ def plan_table(needs: list[EngineNeed], free_bytes: int | None = None, concurren
     if free_bytes is not None:
         lines.append(f"{'free at start':<69}{free_bytes:>15,}{free_bytes / 2**20:>10.1f}")
     return "\n".join(lines)
+
+
+# The batch rows a torch engine takes on a GPU when none are set ([asr] / [tts] max_batch = 0): the rows
+# the daemon's caller capacity was measured with (docs/BENCHMARKS.md: both engines at 64).
+# Fewer rows cap the callers whose turns or replies run at once; more were not measured.
+AUTO_GPU_ROWS = 64
+
+
+def tensor_bytes(module, dtype) -> int:
+    """Bytes of a module's parameters and buffers once moved to `dtype` (floating tensors convert,
+    integer ones keep theirs), counting shared tensors once. Works on the meta device."""
+    import itertools
+
+    seen, total = set(), 0
+    for t in itertools.chain(module.parameters(), module.buffers()):
+        if id(t) in seen:
+            continue
+        seen.add(id(t))
+        total += t.numel() * (dtype.itemsize if t.is_floating_point() else t.element_size())
+    return total
+
+
+def check_memory_limit(need: EngineNeed, memory_limit: tuple[int, float] | None) -> None:
+    """An engine `load`'s memory_limit, (free GPU bytes, the engine's [memory] fraction): refuse a need above
+    that share with an EngineError naming the setting (nothing has gone to the GPU yet)."""
+    if memory_limit is None:
+        return
+    from voiced.engines.base import EngineError
+
+    try:
+        need.check(*memory_limit)
+    except MemoryPlanError as e:
+        raise EngineError(str(e)) from None
+
+
+def rows_that_fit(top: int, need_at: Callable[[int], EngineNeed], memory_limit: tuple[int, float] | None,
+                  what: str, fit: bool = True) -> tuple[int, EngineNeed]:
+    """The rows a torch engine takes and their need (`need_at(rows)`). With `fit` (max_batch unset, on a
+    GPU): the most rows of `top`, top/2, top/4, ... 1 whose need fits `memory_limit` (free GPU bytes, the
+    engine's [memory] fraction), so a GPU too small for `top` rows still starts, with fewer; where not even
+    one row fits, one row's need, which `check_memory_limit` then refuses with what to change; no limit:
+    `top`. Without `fit` (rows set, or a CPU): `top` as it is."""
+    if not fit:
+        return top, need_at(top)
+    rows = top
+    while True:
+        need = need_at(rows)
+        if memory_limit is None or rows == 1 or need.fits(*memory_limit):
+            break
+        rows //= 2
+    log.info("%s: %d rows (max_batch unset: the most, up to %d, that [memory] %s holds)", what, rows, top,
+             need.setting)
+    return rows, need
 
 
 _WORKSPACE: dict[str, int] = {}
