@@ -391,7 +391,8 @@ CALLERS_PER_PROCESS = 64
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="voiced bench e2e", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--wav", type=Path, required=True, help="speech with pauses, a WAV file of any rate (resampled to 16 kHz; looped by every caller)")
     ap.add_argument("--tiktoken-dir", type=Path, default=None,
                     help="a folder holding multilingual.tiktoken to use before the copy voiced ships (random Whisper)")

@@ -391,7 +391,8 @@ def run(args: argparse.Namespace) -> SoakReport:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="voiced bench soak", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--wav", help="a speech clip (WAV, any rate) streamed by every session (default: --text)")
     p.add_argument("--text", default="Please call me back.", help="what espeak-ng says when no --wav is given")
     p.add_argument("--voice", default="en-us", help="espeak-ng voice for --text")
