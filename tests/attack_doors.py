@@ -173,7 +173,7 @@ def wait_closed(socks: list[socket.socket], within: float) -> int:
             while s.recv(65536):
                 pass
             closed += 1
-        except (TimeoutError, socket.timeout):
+        except TimeoutError:
             pass
         except OSError:
             closed += 1

@@ -33,8 +33,8 @@ from voiced.core.calls import CallInputs, LiveCalls, log_event, run_call
 from voiced.core.errors import ErrorKind, SessionError
 from voiced.core.events import AudioIn, AudioOut, Dtmf, HangupOut, ReplyInterrupted
 from voiced.doors import audiosocket_frames as wire
-from voiced.doors.pacing import FRAME_S, Pacer
 from voiced.doors.guard import connections
+from voiced.doors.pacing import FRAME_S, Pacer
 from voiced.doors.shared import door_address, last_words
 
 log = logging.getLogger(__name__)

@@ -19,9 +19,13 @@ How the interface maps onto the daemon:
   reply cancels it (barge-in), unless interrupt_response is false.
 - A `session.update` that changes the audio pipeline after audio has flowed restarts it (the agent's
   memory of the conversation starts afresh); voice and instructions changes take the same path.
-- Audio sent before the first `session.update`, binary frames, unknown or malformed events get an
-  `error` event and the connection goes on; refusal (busy, loading, draining) is an `error` event
-  and a close with 1013 (try again later); the agent ending the call closes with 1000.
+- Audio sent before the first `session.update`, binary frames, unknown or malformed events (a field of
+  the wrong JSON type too) get an `error` event and the connection goes on; refusal (busy, loading,
+  draining) is an `error` event and a close with 1013 (try again later); the agent ending the call
+  closes with 1000.
+- A connection holds a session place from its upgrade, so it is held to the session's idle limit from
+  then: the first message within `server.handshake_timeout_s`, each next one within
+  `server.idle_timeout_s` (pings do not count), or an `error` event (`idle_timeout`) and close 1008.
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ from voiced.core.spec import asr_options_for, check_language, segmentation_for
 from voiced.core.speech import resolve_voice
 from voiced.doors import realtime_events as rt
 from voiced.doors.realtime_events import EventError, RealtimeConfig, TurnDetection
-from voiced.doors.shared import INTERNAL_MESSAGE, OPENAI_VOICES, HttpError, last_words
+from voiced.doors.shared import INTERNAL_MESSAGE, OPENAI_VOICES, HttpError, last_words, loads
 
 log = logging.getLogger(__name__)
 
@@ -164,7 +168,19 @@ class RealtimeConnection:
             await last_words(self.ws.close(code=code, message=reason[:120].encode()), self.transport)
 
     async def _read(self) -> None:
-        async for msg in self.ws:
+        c = self.s.config.server
+        limit, key, hint = c.handshake_timeout_s, "server.handshake_timeout_s", "send session.update first"
+        while True:
+            try:
+                msg = await self.ws.receive(timeout=limit or None)
+            except TimeoutError:
+                message = f"no message from the caller for {limit:g} s ({key}); {hint}"
+                log.info("realtime connection closed: %s", message)
+                await self.error("idle_timeout", message)
+                self._closing = (WSCloseCode.POLICY_VIOLATION, message)
+                break
+            limit, key = c.idle_timeout_s, "server.idle_timeout_s"
+            hint = "send audio while the connection is open, or close it between conversations"
             if msg.type == WSMsgType.TEXT:
                 await self._on_text(msg.data)
             elif msg.type == WSMsgType.BINARY:
@@ -178,11 +194,19 @@ class RealtimeConnection:
     async def _on_text(self, text: str) -> None:
         try:
             try:
-                raw = json.loads(text)
+                raw = loads(text)
             except ValueError as e:
                 raise EventError("invalid_json", f"the message is not valid JSON ({e})") from None
             event = rt.parse_client_event(raw)
-            await self._dispatch(event)
+            try:
+                await self._dispatch(event)
+            except (TypeError, AttributeError, KeyError) as e:
+                # A field of a JSON type no check above foresaw: the caller's error all the same.
+                log.info("realtime: %s event with a field of the wrong type (%s: %s)", event.get("type"),
+                         type(e).__name__, e)
+                raise EventError("invalid_type", f"a field of {event.get('type')} has the wrong JSON type "
+                                 f"({type(e).__name__}: {e}); see the Realtime API reference", None,
+                                 event.get("event_id")) from None
         except EventError as e:
             await self.error(e.code, e.message, param=e.param, event_id=e.event_id)
 
