@@ -228,3 +228,15 @@ def test_a_cpu_without_a_hub_speaks_with_the_pypi_voice(tmp_path, monkeypatch):
     from voiced.engines.loader import tts_model
 
     assert tts_model("auto", "cuda") == "spark-tts-0.5b" and tts_model("auto", "cpu") == "piper:en_US-joe-medium"
+
+
+def test_voiced_speak_writes_a_piper_voice_as_a_phone_hears_it(tmp_path, capsys):
+    from voiced.cli import main as voiced_main
+
+    out = tmp_path / "hello.wav"
+    assert voiced_main(["speak", "Hello from voiced.", "--model", str(joe_onnx()), "--out", str(out),
+                        "--encoding", "mulaw", "--sample-rate", "8000", "--json"]) == 0
+    stats = json.loads(capsys.readouterr().out)
+    raw = out.read_bytes()
+    assert raw[20:22] == b"\x07\x00" and stats["voice"] == "en_US-joe-medium" and 0.5 < stats["audio_seconds"] < 3
+    assert abs(len(raw) - raw.index(b"data") - 8 - stats["audio_seconds"] * 8000) < 16  # one mu-law byte a sample

@@ -13,7 +13,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("speak", help="synthesize speech with Spark-TTS (PyTorch engine)")
     p.add_argument("text", metavar="TEXT", help="what to say ('-' reads standard input)")
     p.add_argument("--model", default="spark-tts-0.5b", help="spark-tts-0.5b (the cached download) or the path "
-                   "of a Spark-TTS-0.5B directory")
+                   "of a Spark-TTS-0.5B directory; or a Piper voice on the CPU: piper-joe-pypi, piper:<voice>, a .onnx")
     p.add_argument("--voice", default=None, help="a preset (female, male, female-high, ..., or gender:pitch:speed "
                    "like male:low:moderate) or a voice added with `voiced voices add` (default: female)")
     p.add_argument("--out", default="speech.wav", help="output WAV (default: speech.wav)")
@@ -39,6 +39,10 @@ def run(args: argparse.Namespace) -> int:
     from voiced.hub import ModelNotFoundError
 
     text = sys.stdin.read() if args.text == "-" else args.text
+    from voiced.engines.piper import registry as piper
+
+    if piper.is_piper(args.model):
+        return _speak_piper(args, text)
     try:
         from voiced.engines.spark.engine import SparkTTSEngine
 
@@ -71,6 +75,33 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(f"wrote {args.out}: {stats['audio_seconds']:.2f} s of audio in {stats['total_ms'] / 1000:.2f} s "
               f"(first audio after {stats['first_chunk_ms']} ms)")
+    return 0
+
+
+def _speak_piper(args: argparse.Namespace, text: str) -> int:
+    """`voiced speak` with a Piper voice: the engine the daemon steps, run to the end of the text."""
+    import time
+
+    from voiced.engines.base import SAMPLE_RATE, EngineError, TTSOptions
+    from voiced.engines.piper.engine import PiperEngine
+    from voiced.hub import ModelNotFoundError
+
+    try:
+        engine = PiperEngine.load(args.model)
+        t0 = time.perf_counter()
+        audio = engine.synthesize(text, TTSOptions(voice=args.voice, max_seconds=args.max_seconds))
+        took = time.perf_counter() - t0
+        write_speech(args.out, audio, args.encoding.upper(), args.sample_rate)
+    except (ModelNotFoundError, EngineError) as e:
+        raise CliError(str(e)) from None
+    except (OSError, ValueError) as e:
+        raise CliError(f"cannot write {args.out}: {e}") from None
+    seconds = len(audio) / SAMPLE_RATE
+    stats = {"out": args.out, "voice": engine.voices.default_name if not args.voice else args.voice,
+             "audio_seconds": round(seconds, 3), "total_ms": round(took * 1000, 1),
+             "real_time_factor": round(took / seconds, 3) if seconds else None, "device": engine.device}
+    engine.close()
+    print(json.dumps(stats) if args.json else f"wrote {args.out}: {seconds:.2f} s of audio in {took:.2f} s")
     return 0
 
 
