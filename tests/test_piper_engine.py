@@ -240,3 +240,15 @@ def test_voiced_speak_writes_a_piper_voice_as_a_phone_hears_it(tmp_path, capsys)
     raw = out.read_bytes()
     assert raw[20:22] == b"\x07\x00" and stats["voice"] == "en_US-joe-medium" and 0.5 < stats["audio_seconds"] < 3
     assert abs(len(raw) - raw.index(b"data") - 8 - stats["audio_seconds"] * 8000) < 16  # one mu-law byte a sample
+
+
+def test_a_cpu_without_espeak_ng_listens_only_saying_how_to_install_it(monkeypatch, tmp_path):
+    import shutil as shutil_module
+
+    from voiced.config import load_config
+    from voiced.engines import provision
+
+    monkeypatch.setattr(shutil_module, "which", lambda name, *a, **k: None)
+    out = provision.Provisioned(str(tmp_path), True, "auto")
+    provision._provision_tts(load_config(env={}), "cpu", out)
+    assert not out.tts_enabled and "apt-get install espeak-ng" in out.message and "listening only" in out.message

