@@ -9,9 +9,8 @@ comparable. Measures, in one process:
 * equality: CUDA-graph decoding gives the same greedy tokens as eager decoding (a batch of
   different utterances with staggered lengths, and a single one);
 * decoder step: GPU time of one on-device greedy step (decoder step + token choice, graph replay)
-  at batch 1 and at the largest batch bucket, with the decoder path the engines use (default on
-  CUDA: fused QKV, compiled layers; `--reference-decoder` for the modules' step,
-  `--no-compile-decoder` for the fused step uncompiled: run twice to compare);
+  at batch 1 and at the largest batch bucket, with the decoder path the engine uses (on CUDA the GEMV
+  kernels; `--reference-decoder` for the modules' step);
 * latency: one utterance, 30 s window, wall time from submit to transcript (median of runs);
 * throughput: many utterances submitted at once, continuous batching, utterances per second;
 * the same latency and a batched throughput with transformers' WhisperForConditionalGeneration
@@ -41,13 +40,11 @@ from voiced.bench.report import emit
 from voiced.engines.base import ASROptions, ASRRequest
 from voiced.engines.random_weights import WHISPER_DIMS, chirps, random_whisper
 from voiced.engines.whisper.checkpoint import hf_config_from_dims, openai_to_hf_name
-from voiced.engines.whisper.engine import WhisperEngine, chunk_graphs_default
+from voiced.engines.whisper.engine import WhisperEngine
 from voiced.engines.whisper.model import ModelDims, Whisper
 from voiced.engines.whisper.tokenizer import WhisperTokenizer
 
 log = logging.getLogger("whisper_bench")
-
-ON_OFF = {"on": True, "off": False}  # an engine option's flag word; None leaves the engine's default
 
 _OUT: Path | None = None
 
@@ -151,32 +148,14 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--hf-throughput-utts", type=int, default=256)
     ap.add_argument("--latency-runs", type=int, default=20)
     ap.add_argument("--decode-chunk", type=int, default=None,
-                    help="greedy steps per host sync (default: the engine's: 8 on a GPU, 32 with "
-                         "VOICED_WHISPER_STOPPING_CHUNKS=1)")
+                    help="greedy steps per host sync (default: the engine's: 8 on a GPU)")
     ap.add_argument("--skip-hf", action="store_true")
-    ap.add_argument("--compile-encoder", choices=["on", "off"], default=None,
-                    help="the GPU encoder's layers through torch.compile (default: the engine's: eager in half "
-                         "precision, compiled in float32, unless VOICED_WHISPER_COMPILE_ENCODER is set)")
-    ap.add_argument("--reference-decoder", dest="fast_decoder", action="store_const", const=False, default=None,
+    ap.add_argument("--reference-decoder", dest="fast_decoder", action="store_false",
                     help="decoder steps through the modules (TextDecoder.step), not the fused GPU step")
-    ap.add_argument("--no-compile-decoder", dest="compile_decoder", action="store_const", const=False, default=None,
-                    help="don't torch.compile the fused decoder step's layers (the engine's default on CUDA)")
-    ap.add_argument("--prefill-graphs", choices=["on", "off"], default=None,
-                    help="the admission's decoder prefill from CUDA graphs (fast.Prefills; the graph engine only); "
-                         "default: the engine's (on, unless VOICED_WHISPER_PREFILL_GRAPHS=0)")
-    ap.add_argument("--attn-backend", default=None, choices=["flash", "cudnn", "efficient"],
-                    help="pin the encoder's attention kernel (default: the engine's, torch's pick (cuDNN's on "
-                         "Hopper), or flash with VOICED_WHISPER_FLASH_ENCODER=1)")
-    ap.add_argument("--diagnose", action="store_true",
-                    help="GPU: latency split + profile, encoder variants, graph-vs-eager kernel probes")
     ap.add_argument("--timeline", action="store_true",
                     help="one utterance, then the throughput run, profiled: wall time per engine part and, on a GPU, "
                          "where the GPU sat idle and where the host waited for it, by operator (report's \"timeline\" "
                          "and \"timeline_throughput\"; the traces beside --out)")
-    ap.add_argument("--batch-invariance", action="store_true",
-                    help="the encoder's output for an utterance alone against the same utterance in batches of 2 "
-                         "and 4, with torch's attention and with flash's (report's \"encoder_batch_invariance\")")
-    ap.add_argument("--probe-only", action="store_true", help="only the graph-vs-eager probes (subprocess use)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     global _OUT
@@ -194,8 +173,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     report: dict = {"cublas_workspace_config": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
                     "decode_chunk": args.decode_chunk, "dims": args.dims, "device": dev, "dtype": str(dtype).replace("torch.", ""),
-                    "tokens_per_utt": args.tokens, "torch": torch.__version__, "python": platform.python_version(),
-                    "chunk_graphs": chunk_graphs_default()}
+                    "tokens_per_utt": args.tokens, "torch": torch.__version__, "python": platform.python_version()}
     if dev.startswith("cuda"):
         report["gpu"] = torch.cuda.get_device_name()
     t0 = time.perf_counter()
@@ -206,15 +184,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     opts = ASROptions(language="en", max_new_tokens=args.tokens, min_new_tokens=args.tokens)
     audio = chirps(max(args.throughput_utts, args.hf_throughput_utts, 16))
-    fast = dict(compile_encoder=ON_OFF.get(args.compile_encoder), attn_backend=args.attn_backend,
-                fast_decoder=args.fast_decoder, compile_decoder=args.compile_decoder,
-                prefill_graphs=ON_OFF.get(args.prefill_graphs))
+    fast = dict(fast_decoder=args.fast_decoder)
     report.update(fast)
-    if args.probe_only:
-        eng = WhisperEngine(model, tok, model_name=args.dims, max_batch=16, max_encoder_batch=1, **fast)
-        report["probe"] = probe(eng)
-        print("PROBE " + json.dumps(report["probe"]))
-        return report
     graphs = WhisperEngine(model, tok, model_name=args.dims, max_batch=args.max_batch,
                            max_encoder_batch=args.encoder_batch, cuda_graphs=True, decode_chunk=args.decode_chunk,
                            **fast)
@@ -222,12 +193,9 @@ def main(argv: list[str] | None = None) -> dict:
                           max_encoder_batch=args.encoder_batch, cuda_graphs=False, decode_chunk=args.decode_chunk,
                           **fast)
     report["decoder_step_path"] = graphs.decoder_path
-    report["decode_chunk"], report["stopping_chunks"] = graphs.decode_chunk, graphs.stopping_chunks
-    report["decode_ahead"] = graphs.decode_ahead
-    # the encoder's attention as the engine resolved it (None: torch's choice), not as asked
-    report["attn_backend"] = graphs.fast_encoder.attn_backend if graphs.fast_encoder is not None else None
-    report["compile_encoder"] = graphs.fast_encoder.compiled if graphs.fast_encoder is not None else None
-    report["encoder_add_norm"] = graphs.fast_encoder.add_norm if graphs.fast_encoder is not None else None
+    rt = graphs.runtime  # what the engine runs, as it resolved it
+    report.update(decode_chunk=rt.decode_chunk, chunk_graphs=rt.chunk_graphs, decode_ahead=rt.decode_ahead,
+                  compile_encoder=rt.compile_encoder, encoder_add_norm=rt.encoder_add_norm)
     t0 = time.perf_counter()
     graphs.warmup()
     report["warmup_graphs_s"] = round(time.perf_counter() - t0, 2)
@@ -248,11 +216,7 @@ def main(argv: list[str] | None = None) -> dict:
         log.exception("equality section failed")
         report["equality_error"] = repr(e)
     save(report)
-    if args.batch_invariance:
-        report["encoder_batch_invariance"] = batch_invariance(model, dims, audio, dev, dtype)
-        log.info("encoder batch invariance: %s", report["encoder_batch_invariance"])
-        save(report)
-    if graphs.cuda_graphs:
+    if graphs.runtime.cuda_graphs:
         try:
             report["decode_step_ms"] = decode_step_ms(graphs)
             log.info("decoder step: %s", report["decode_step_ms"])
@@ -280,20 +244,13 @@ def main(argv: list[str] | None = None) -> dict:
             log.exception("timeline section failed")
             report["timeline_error"] = repr(e)
         save(report)
-    if args.diagnose and dev.startswith("cuda"):
-        try:
-            diagnose(report, graphs, model, audio, opts, args)
-        except Exception as e:
-            log.exception("diagnose section failed")
-            report["diagnose_error"] = repr(e)
-        save(report)
     if not args.skip_hf:
         try:
             transformers_section(report, model, dims, tok, audio, single_g, args, dev, dtype)
         except Exception as e:
             log.exception("transformers section failed")
             report["transformers_error"] = repr(e)
-    if dev.startswith("cuda") and args.dims == "large-v3-turbo" and args.tokens == 32:  # issue 6's setting
+    if dev.startswith("cuda") and args.dims == "large-v3-turbo" and args.tokens == 32:  # the targets' setting
         from voiced.bench.targets import judge
 
         best = max((v["utt_per_s"] for k, v in report.items() if k.startswith("throughput_ours_cuda_graphs")),
@@ -327,7 +284,7 @@ def equality(report, graphs, eager, audio, opts, args) -> None:
         report["graphs_equal_eager"][f"{name}_first_diff"] = [
             next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), -1) for x, y in zip(g, e)]
     assert all(len(t) == args.tokens for t in same_batch), "forced length not honoured"
-    if graphs.cuda_graphs:
+    if graphs.runtime.cuda_graphs:
         # Same inputs, same cache: logits of one step eagerly and by graph replay, bit for bit?
         # (Re-running a step rewrites the same keys/values, so the cache is unchanged.)
         with torch.inference_mode(), graphs.on_stream():
@@ -345,8 +302,8 @@ def decode_step_ms(eng: WhisperEngine, reps: int = 20) -> dict:
     """GPU time (CUDA events) of one on-device greedy step (decoder step + token choice) by graph
     replay, at batch 1 and at the largest bucket, on an idle engine (the steps write keys/values
     into free slots only); and `ended_b1`, the step at batch 1 once its row has chosen end-of-text (what each
-    step after a lone utterance's end costs: with VOICED_WHISPER_SKIP_ENDED, the kernels' launches alone)."""
-    out = {"path": eng.decoder_path, "skip_ended": eng.steps.skip_ended}
+    step after a lone utterance's end costs: with the GEMV step, the kernels' launches alone)."""
+    out = {"path": eng.decoder_path}
     with torch.inference_mode(), eng.on_stream():
         for b in sorted({1, eng.buckets[-1]}):
             eng.steps.tok[:b] = 1000
@@ -358,87 +315,6 @@ def decode_step_ms(eng: WhisperEngine, reps: int = 20) -> dict:
         out["ended_b1"] = round(per_call_ms(lambda: eng.steps.run("greedy", 1), reps), 4)
         for t in (eng.steps.tok, eng.steps.pos, eng.steps.minleft):
             t.zero_()
-    return out
-
-
-def batch_invariance(model: Whisper, dims: ModelDims, audio: list[np.ndarray], dev: str, dtype: torch.dtype) -> dict:
-    """The encoder's features of four utterances each encoded alone against the same utterances encoded in
-    batches of 2 and of 4 (and 2 against 4), with torch's choice of attention and with flash's and the
-    memory-efficient kernel's pinned: the largest difference per batch size, 0.0 where the encoder gives an
-    utterance the same bits whatever it is admitted with (what the engine's "together equals alone" tests
-    need). Eager layers: a compiled layer keeps the attention it was traced with, whatever is pinned later in
-    the process."""
-    from voiced.engines.whisper.audio import pad_or_trim
-    from voiced.engines.whisper.fast import FastEncoder
-
-    x = torch.stack([pad_or_trim(torch.from_numpy(a)) for a in audio[:4]]).to(dev)
-    out: dict = {"heads": dims.n_audio_head}
-    with torch.inference_mode():
-        for backend in (None, "flash", "efficient"):
-            fe = FastEncoder(model.encoder, dims.n_mels, backend)
-            try:
-                runs = {b: torch.cat([fe(x[j:j + b], dtype) for j in range(0, 4, b)]).float() for b in (1, 2, 4)}
-                diffs = {f"batch_{b}_max_abs_diff": (runs[b] - runs[1]).abs().max().item() for b in (2, 4)}
-                # batches of 2 against 4: 0.0 where only a lone utterance's pass is summed another way
-                diffs["batch_2_vs_4_max_abs_diff"] = (runs[2] - runs[4]).abs().max().item()
-                out[backend or "default"] = diffs
-            except RuntimeError as e:  # (a kernel where it does not run: an old GPU, float32 on a GPU)
-                out[backend or "default"] = repr(e)[:200]
-    return out
-
-
-def probe(eng: WhisperEngine) -> dict:
-    """Graph replay vs eager for the decoder step under several cuBLAS settings (max |diff| of the
-    logits per bucket), and standalone GEMMs of the step's shapes (which ones differ)."""
-    import torch.nn.functional as F
-
-    dev = eng.model.device
-    out: dict = {}
-    settings = {
-        "default": {},
-        "no_fp16_reduced_precision_reduction": {"reduced": False},
-        "blas_cublas": {"blas": "cublas"},
-        "blas_cublaslt": {"blas": "cublaslt"},
-    }
-    m = torch.backends.cuda.matmul
-    base_red, base_blas = m.allow_fp16_reduced_precision_reduction, torch.backends.cuda.preferred_blas_library()
-    D = eng.dims.n_text_state
-    shapes = [(D, D, True), (D, D, False), (D, 4 * D, True), (4 * D, D, True), (D, eng.dims.n_vocab, False)]
-    for name, st in settings.items():
-        try:
-            m.allow_fp16_reduced_precision_reduction = st.get("reduced", base_red)
-            torch.backends.cuda.preferred_blas_library(st.get("blas", base_blas))
-            res = {}
-            with torch.inference_mode(), eng.on_stream():
-                eng.steps.graphs.clear()
-                for b in (1, 2, 4, 8, 16):
-                    eng.steps.tok[:b] = torch.arange(b, device=dev) + 1000
-                    eng.steps.pos[:b] = 5
-                    e = eng.steps.plain(b).clone()
-                    g = eng.steps.run("plain", b).clone()
-                    res[f"step_b{b}"] = (e - g).abs().max().item()
-                gem = []
-                for M in (1, 2, 4, 8, 16, 32, 64, 128, 256):
-                    for k, n, bias in shapes:
-                        x = torch.randn(M, k, device=dev, dtype=eng.dtype)
-                        w = torch.randn(n, k, device=dev, dtype=eng.dtype) / k ** 0.5
-                        bb = torch.randn(n, device=dev, dtype=eng.dtype) if bias else None
-                        e = F.linear(x, w, bb)
-                        gr = torch.cuda.CUDAGraph()
-                        with torch.cuda.graph(gr, stream=eng._stream):
-                            o = F.linear(x, w, bb)
-                        gr.replay()
-                        torch.cuda.synchronize()
-                        if not torch.equal(e, o):
-                            gem.append(f"M{M}xK{k}xN{n}{'+b' if bias else ''}:{(e - o).abs().max().item():.3g}")
-                res["gemm_mismatches"] = gem
-            out[name] = res
-        except Exception as e:  # a setting this build lacks
-            out[name] = repr(e)
-        finally:
-            m.allow_fp16_reduced_precision_reduction = base_red
-            torch.backends.cuda.preferred_blas_library(base_blas)
-            eng.steps.graphs.clear()
     return out
 
 
@@ -484,155 +360,6 @@ def timeline(eng: WhisperEngine, run, dev: str, trace: str = "timeline_b1.json")
         out["gpu_idle"] = gpu_gaps(events)
         out["host_waits"] = host_waits(events)
     return out
-
-
-def diagnose(report, graphs, model, audio, opts, args) -> None:
-    """Where one utterance's time goes (CUDA events per phase, and a profiler table), encoder
-    variants (reference forward, fused GPU path eager / graph, attention backends, compiled), and
-    graph-vs-eager probes under cuBLAS settings (in-process, and in subprocesses for env settings)."""
-    import os
-    import subprocess
-    import sys
-
-    from voiced.engines.whisper.audio import log_mel_spectrogram, pad_or_trim
-    from voiced.engines.whisper.fast import FastEncoder
-
-    dev, dt = "cuda", graphs.dtype
-    diag: dict = {}
-    report["diagnose"] = diag
-
-    def ev_time(fn, reps=10) -> float:
-        with torch.inference_mode(), graphs.on_stream():
-            return round(per_call_ms(fn, reps), 3)
-
-    # graph vs eager under cuBLAS settings
-    small = WhisperEngine(model, graphs.tok, max_batch=16, max_encoder_batch=1, cuda_graphs=True,
-                          fast_decoder=args.fast_decoder, compile_decoder=args.compile_decoder)
-    diag["probe_in_process"] = probe(small)
-    del small
-    log.info("probe: %s", diag["probe_in_process"])
-    save(report)
-    envs = {"workspace_4096_8": {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"},
-            "workspace_0": {"CUBLAS_WORKSPACE_CONFIG": ":0:0"},
-            "disable_addmm_lt": {"DISABLE_ADDMM_CUDA_LT": "1"},
-            "lt_unified_workspace": {"TORCH_CUBLASLT_UNIFIED_WORKSPACE": "1"}}
-    tdir = str(args.tiktoken_dir)
-    decoder_flags = (["--reference-decoder"] if args.fast_decoder is False else []) + (
-        ["--no-compile-decoder"] if args.compile_decoder is False else [])
-    for name, env in envs.items():
-        try:
-            r = subprocess.run([sys.executable, "-m", "benchmarks.whisper_bench", "--probe-only", "--tiktoken-dir",
-                                tdir, "--dims", args.dims, *decoder_flags], env={**os.environ, **env},
-                               capture_output=True, text=True, timeout=120)
-            line = next((x for x in r.stdout.splitlines() if x.startswith("PROBE ")), None)
-            diag[f"probe_{name}"] = json.loads(line[6:]) if line else r.stderr[-500:]
-        except Exception as e:
-            diag[f"probe_{name}"] = repr(e)
-        log.info("probe %s: %s", name, diag[f"probe_{name}"])
-        save(report)
-    x1 = torch.stack([pad_or_trim(torch.from_numpy(audio[1]))]).to(dev)
-    split = {"log_mel_b1": ev_time(lambda: log_mel_spectrogram(x1, graphs.dims.n_mels))}
-    # Phases of one utterance through the engine's own paths (graphs), CUDA events.
-    eng = graphs
-    with torch.inference_mode(), eng.on_stream():
-        split["encoder_b1_engine"] = ev_time(lambda: eng._encode_bucket(x1, 1))
-        eng.steps.tok[:1] = 1000
-        eng.steps.pos[:1] = 4
-        eng.steps.minleft[:1] = 100
-        split["greedy_step_b1"] = ev_time(lambda: eng.steps.run("greedy", 1), 31)
-        for b in (16, 64, 256):
-            if b in eng.buckets:
-                split[f"greedy_step_b{b}"] = ev_time(lambda b=b: eng.steps.run("greedy", b), 8)
-    # Host wall time of the phases inside engine.step() for one request.
-    import cProfile
-    import pstats
-    req = ASRRequest(audio[1], opts)
-    pr = cProfile.Profile()
-    sync(dev)
-    pr.enable()
-    eng.transcribe(req)
-    sync(dev)
-    pr.disable()
-    st = pstats.Stats(pr)
-    wanted = ("_admit", "_encode_into_cache", "_greedy_chunk", "_select", "prefill", "_write_cross", "_copy_cross", "_finish",
-              "_load_inputs", "_row_inputs")
-    host = {}
-    for (fname, line, func), (cc, nc, tt, ct, callers) in st.stats.items():
-        if func in wanted:
-            host[func] = round(host.get(func, 0) + ct * 1000, 2)
-    split["host_cumulative_ms"] = host
-    # torch.profiler over one utterance: top GPU kernels and the GPU-busy total.
-    from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        eng.transcribe(ASRRequest(audio[1], opts))
-        sync(dev)
-    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60)
-    gpu_us = sum(e.self_device_time_total for e in prof.key_averages())
-    split["profiler_gpu_busy_ms"] = round(gpu_us / 1000, 2)
-    diag["latency_split_ms"] = split
-    print(table)
-    if _OUT is not None:
-        (_OUT.parent / "profile_b1.txt").write_text(table)
-    log.info("latency split: %s", split)
-    # saturated: 96 utterances at once (encoder batches of --encoder-batch), kernel table
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        run_until_done(eng, [ASRRequest(a, opts) for a in audio[:96]])
-        sync(dev)
-    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=70)
-    diag["saturated_96_gpu_busy_ms"] = round(sum(e.self_device_time_total for e in prof.key_averages()) / 1000, 1)
-    print(table)
-    if _OUT is not None:
-        (_OUT.parent / "profile_sat.txt").write_text(table)
-    save(report)
-    # Encoder variants at batch 1 and at the encoder batch; diff against the reference forward.
-    variants = {}
-    for B in sorted({1, args.encoder_batch}):
-        xb = torch.stack([pad_or_trim(torch.from_numpy(a)) for a in audio[:B]]).to(dev)
-        with torch.inference_mode(), graphs.on_stream():
-            ref = model.encoder(log_mel_spectrogram(xb, graphs.dims.n_mels).to(dt)).float()
-        reps = 10 if B == 1 else 3
-        variants[f"b{B}_reference_eager_ms"] = ev_time(
-            lambda: model.encoder(log_mel_spectrogram(xb, graphs.dims.n_mels).to(dt)), reps)
-        for backend in (None, "flash", "cudnn", "efficient"):
-            name = f"b{B}_fused_{backend or 'auto'}"
-            try:
-                fe = FastEncoder(model.encoder, graphs.dims.n_mels, backend)
-                with torch.inference_mode(), graphs.on_stream():
-                    got = fe(xb, dt).float()
-                variants[name + "_eager_ms"] = ev_time(lambda: fe(xb, dt), reps)
-                variants[name + "_max_abs_diff"] = round((got - ref).abs().max().item(), 4)
-                with torch.inference_mode(), graphs.on_stream():
-                    g = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(g, stream=graphs._stream):
-                        o = fe(xb, dt)
-                variants[name + "_graph_ms"] = ev_time(g.replay, reps)
-                variants[name + "_graph_equals_eager"] = bool(torch.equal(o.float(), got))
-                del g, o
-            except Exception as e:
-                variants[name] = repr(e)[:200]
-        log.info("encoder variants: %s", variants)
-        save(report)
-    diag["encoder_variants"] = variants
-    if True:
-        try:
-            t0 = time.perf_counter()
-            fe = FastEncoder(model.encoder, graphs.dims.n_mels, args.attn_backend, compile_layers=True)
-            for B in sorted({1, args.encoder_batch}):
-                xb = torch.stack([pad_or_trim(torch.from_numpy(a)) for a in audio[:B]]).to(dev)
-                with torch.inference_mode(), graphs.on_stream():
-                    ref = model.encoder(log_mel_spectrogram(xb, graphs.dims.n_mels).to(dt)).float()
-                    got = fe(xb, dt).float()
-                    g = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(g, stream=graphs._stream):
-                        fe(xb, dt)
-                variants[f"b{B}_compiled_max_abs_diff"] = round((got - ref).abs().max().item(), 4)
-                variants[f"b{B}_compiled_graph_ms"] = ev_time(g.replay, 10 if B == 1 else 3)
-                del g
-            variants["compile_s"] = round(time.perf_counter() - t0, 1)
-        except Exception as e:
-            variants["compiled"] = repr(e)[:300]
-        log.info("encoder variants: %s", variants)
-        save(report)
 
 
 def speed(report, graphs, eager, audio, opts, args, dev) -> None:

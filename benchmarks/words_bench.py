@@ -3,19 +3,16 @@
     python -m benchmarks.words_bench --wav speech.wav --asr-model tiny.en-pypi [--rows 1 4 16] [--out words.json]
     python -m benchmarks.words_bench --wav speech.wav --dims large-v3-turbo --tiktoken-dir DIR     (random weights)
 
-R requests (cuts of 1.5-6 s of the WAV, each forced to the same number of tokens) are decoded together, with
-word timings and without (the reference, in the same run), and with the time warping on the GPU and on the
-host (VOICED_WHISPER_DTW_KERNEL=1 / 0), and with the forced pass from CUDA graphs (a second engine built
-with align_graphs on; the reference is the first engine's); for each: the wall and the thread CPU of the steps (the engine's
-thread: what the other engine waits for where the two share it), and the GPU kernels' own time (torch.
-profiler). The per-request cost of word timings is the difference over R. The smart end-of-turn rule asks
-for word timings at every pause (issue 25 bounds what it costs the GPU at 64 callers). Needs a CUDA GPU.
+R requests (cuts of 1.5-6 s of the WAV, each forced to the same number of tokens) are decoded together by the
+served engine, with word timings and without (the reference, in the same run); for each: the wall and the
+thread CPU of the steps (the engine's thread: what the other engine waits for where the two share it), and the
+GPU kernels' own time (torch.profiler). The per-request cost of word timings is the difference over R. The
+smart end-of-turn rule asks for word timings at every pause. Needs a CUDA GPU.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import time
 from pathlib import Path
 
@@ -24,7 +21,7 @@ import torch
 CUTS_S = (1.5, 3.0, 4.5, 6.0)
 
 
-def build(args, align_graphs: bool):
+def build(args):
     from voiced.engines.whisper.engine import WhisperEngine
 
     if args.asr_model:
@@ -32,15 +29,14 @@ def build(args, align_graphs: bool):
         from voiced.hub import cache_dir
 
         return WhisperEngine.load(registry.resolve(args.asr_model, cache_dir()), device="cuda", max_batch=64,
-                                  max_encoder_batch=16, align_graphs=align_graphs)
+                                  max_encoder_batch=16)
     from voiced.engines.random_weights import WHISPER_DIMS, random_whisper
     from voiced.engines.whisper.tokenizer import WhisperTokenizer
 
     dims = WHISPER_DIMS[args.dims]
     tok = WhisperTokenizer.load(dims.multilingual, dims.num_languages, [args.tiktoken_dir] if args.tiktoken_dir else None)
     model = random_whisper(dims, "cuda", torch.float16)
-    return WhisperEngine(model, tok, model_name=f"{args.dims} (random)", max_batch=64, max_encoder_batch=16,
-                         cuda_graphs=True, align_graphs=align_graphs)
+    return WhisperEngine(model, tok, model_name=f"{args.dims} (random)", max_batch=64, max_encoder_batch=16)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -62,9 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     from voiced.bench.report import emit
     from voiced.engines.base import ASROptions, ASRRequest
 
-    eager, graphed = build(args, False), build(args, True)
-    eager.warmup()
-    graphed.warmup()
+    engine = build(args)
+    engine.warmup()
     audio = load_16k(args.wav)
     clips = [audio[: int(s * 16000)] for s in CUTS_S]
     ids = iter(range(10**9))
@@ -76,14 +71,12 @@ def main(argv: list[str] | None = None) -> int:
         while engine.has_work():
             engine.step()
 
-    modes = {"without words": (eager, False, "1"), "words, GPU warping": (eager, True, "1"),
-             "words, host warping": (eager, True, "0"), "words, graphed pass": (graphed, True, "1")}
+    modes = {"without words": False, "words": True}
     out = {"bench": "words", "gpu": torch.cuda.get_device_name(), "model": args.asr_model or f"{args.dims} (random)",
            "tokens": args.tokens, "rows": {}}
     for n in args.rows:
         row = {}
-        for name, (engine, words, kernel) in modes.items():
-            os.environ["VOICED_WHISPER_DTW_KERNEL"] = kernel
+        for name, words in modes.items():
             for _ in range(3):
                 run(engine, n, words)  # every shape met once
             torch.cuda.synchronize()
@@ -99,13 +92,9 @@ def main(argv: list[str] | None = None) -> int:
             gpu = sum(e.self_device_time_total for e in prof.key_averages()) / args.runs / 1e3
             row[name] = {"wall_ms": round(wall, 2), "thread_cpu_ms": round(cpu, 2), "gpu_kernels_ms": round(gpu, 3)}
         base = row["without words"]
-        for name in ("words, GPU warping", "words, host warping", "words, graphed pass"):
-            row[name]["per_request"] = {k: round((row[name][k] - base[k]) / n, 3) for k in base}
+        row["words"]["per_request"] = {k: round((row["words"][k] - base[k]) / n, 3) for k in base}
         out["rows"][n] = row
-        print(f"{n:3d} together: word timings per request, GPU warping "
-              f"{row['words, GPU warping']['per_request']} | host warping {row['words, host warping']['per_request']}"
-              f" | graphed pass {row['words, graphed pass']['per_request']}")
-    os.environ.pop("VOICED_WHISPER_DTW_KERNEL", None)
+        print(f"{n:3d} together: word timings per request {row['words']['per_request']}")
     emit(out, args.out)
     return 0
 

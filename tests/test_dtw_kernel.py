@@ -38,16 +38,16 @@ def _child() -> dict:
 
 def words_both_ways(engine, audio) -> dict[str, list]:
     """Word timings of two requests finishing together (`audio` and its first half), with the warping in the
-    kernel ("1") and on the host ("0")."""
-    import os
-
+    kernel ("1") and on the host, the reference ("0")."""
     from voiced.engines.base import ASROptions, ASRRequest
+    from voiced.engines.whisper import dtw_kernel
 
     opts = ASROptions(language="en", max_new_tokens=24, min_new_tokens=24, word_timestamps=True)
     out = {}
+    on_device = dtw_kernel.supported
     try:
         for mode in ("1", "0"):
-            os.environ["VOICED_WHISPER_DTW_KERNEL"] = mode
+            dtw_kernel.supported = on_device if mode == "1" else (lambda device: False)
             for rid, clip in enumerate((audio, audio[: len(audio) // 2])):
                 engine.submit(rid, ASRRequest(clip, opts))
             got = {}
@@ -55,7 +55,7 @@ def words_both_ways(engine, audio) -> dict[str, list]:
                 got.update({o.request_id: o.value for o in engine.step()})
             out[mode] = [[(w.word, w.start_s, w.end_s) for w in got[rid].words] for rid in (0, 1)]
     finally:
-        os.environ.pop("VOICED_WHISPER_DTW_KERNEL", None)
+        dtw_kernel.supported = on_device
     return out
 
 

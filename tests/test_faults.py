@@ -137,16 +137,16 @@ def test_a_fault_in_one_requests_own_tokens_fails_that_request_even_when_it_is_t
 def test_out_of_memory_while_admitting_fails_only_the_request_that_does_not_fit(
         asr_engine, clips, clean, monkeypatch, oom):
     poison = opts()
-    real_encode = asr_engine._encode_into_cache
+    real_encode = asr_engine.admission._encode_into_cache
     admissions = []
 
-    def encode(audio, chosen):
+    def encode(audio, chosen, warming):
         admissions.append(len(chosen))
         if any(r.request.options is poison for r in chosen):
             raise oom
-        return real_encode(audio, chosen)
+        return real_encode(audio, chosen, warming)
 
-    monkeypatch.setattr(asr_engine, "_encode_into_cache", encode)
+    monkeypatch.setattr(asr_engine.admission, "_encode_into_cache", encode)
     # The one that does not fit is in the middle: neither the oldest nor the newest.
     results = run_together(asr_engine, [ASRRequest(clips[0], opts()), ASRRequest(clips[2], poison),
                                         ASRRequest(clips[1], opts())])
@@ -205,16 +205,16 @@ def test_a_shared_vocoder_fault_fails_the_newest_reply_and_the_other_loses_no_au
 
 def test_a_group_that_fails_together_is_admitted_one_by_one_and_all_fit(asr_engine, clips, clean, monkeypatch):
     """Out of memory for the three together, enough for each alone: nobody fails."""
-    real_encode = asr_engine._encode_into_cache
+    real_encode = asr_engine.admission._encode_into_cache
     admissions = []
 
-    def encode(audio, chosen):
+    def encode(audio, chosen, warming):
         admissions.append(len(chosen))
         if len(chosen) > 1:
             raise torch.cuda.OutOfMemoryError("CUDA out of memory")
-        return real_encode(audio, chosen)
+        return real_encode(audio, chosen, warming)
 
-    monkeypatch.setattr(asr_engine, "_encode_into_cache", encode)
+    monkeypatch.setattr(asr_engine.admission, "_encode_into_cache", encode)
     results = run_together(asr_engine, [ASRRequest(c, opts()) for c in clips])
     assert [r.tokens for r in results] == clean and admissions == [3, 1, 1, 1]
 

@@ -40,7 +40,7 @@ def test_cuda_out_of_memory_while_admitting_fails_only_that_request(tmp_path, ca
     ckpt = make_openai_checkpoint(tmp_path, n_mels=128, seed=7)
     engine = WhisperEngine.load(ckpt, device="cuda", max_batch=8, max_encoder_batch=4)
     engine.warmup()
-    assert engine.cuda_graphs
+    assert engine.runtime.cuda_graphs
     clips = [speech(t, tmp_path) for t in WHISPER]
     clean = [engine.transcribe(ASRRequest(c, opts())).tokens for c in clips]
     assert len({tuple(t) for t in clean}) == 3, "different audio must give different tokens"
@@ -62,10 +62,10 @@ def test_cuda_out_of_memory_while_admitting_fails_only_that_request(tmp_path, ca
 
 def admit_with_a_fault(engine: WhisperEngine, clips: list, clean: list) -> None:
     poison = opts()
-    real_encode = engine._encode_bucket
+    real_encode = engine.fast_encoder.run
     admissions, ooms = [], []
 
-    def encode_bucket(x, b):
+    def encode_bucket(x, b, dtype):
         group = [r.request.options for r in engine._admitting]
         admissions.append(len(group))
         if any(o is poison for o in group):
@@ -75,14 +75,14 @@ def admit_with_a_fault(engine: WhisperEngine, clips: list, clean: list) -> None:
             except torch.cuda.OutOfMemoryError as e:
                 ooms.append(str(e))
                 raise
-        return real_encode(x, b)
+        return real_encode(x, b, dtype)
 
-    engine._encode_bucket = encode_bucket
+    engine.fast_encoder.run = encode_bucket
     try:
         first, middle, last = run_together(engine, [ASRRequest(clips[0], opts()), ASRRequest(clips[2], poison),
                                                     ASRRequest(clips[1], opts())])
     finally:
-        engine._encode_bucket = real_encode
+        engine.fast_encoder.run = real_encode
     assert len(ooms) == 2 and "out of memory" in ooms[0].lower()  # together, then the middle one alone
     assert admissions == [3, 1, 1, 1]
     assert isinstance(middle, CapacityError), f"got {middle!r}"

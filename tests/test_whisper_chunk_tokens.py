@@ -1,8 +1,8 @@
 """A chunk of greedy steps read back and applied to its requests all at once (`token_choice.advance_greedy`,
 `RequestDecoder.update_greedy_span`) against `update_greedy` token by token, the rule it replaces: the same
 tokens, the same float32 log-probability sums to the bit, the same requests done, for requests that end on
-end-of-text mid-chunk, fill their length limit or the text context mid-chunk, start the chunk already near
-either, and rows a stopping chunk did not finish."""
+end-of-text mid-chunk, fill their length limit or the text context mid-chunk, or start the chunk already near
+either."""
 
 from __future__ import annotations
 
@@ -31,8 +31,6 @@ def _request(rng: np.random.Generator, row: int) -> types.SimpleNamespace:
 
 def _token_by_token(q, steps: list[tuple[float, float]]) -> None:
     for t, lp in steps:
-        if t < 0:
-            break
         q.dec.update_greedy(int(t), lp)
         if q.dec.done:
             break
@@ -48,8 +46,6 @@ def test_a_chunk_applied_at_once_is_the_token_by_token_rule():
         for r in range(n):
             if rng.random() < 0.4:  # end-of-text somewhere in the chunk
                 hist[r, rng.integers(0, k), 0] = EOT
-            if rng.random() < 0.2:  # a stopping chunk that stopped before its end
-                hist[r, rng.integers(0, k):, 0] = -1
         rows = rng.permutation(n)
         reqs = [_request(rng, int(rows[i])) for i in range(int(rng.integers(1, n + 1)))]
         want = copy.deepcopy(reqs)

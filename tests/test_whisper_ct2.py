@@ -19,8 +19,8 @@ import torch
 from tests.ct2_fixtures import ct2_variables, quantize, write_ct2_dir, write_model_bin
 from tests.whisper_fixtures import random_state_dict, speech, tiny_dims
 from voiced.engines.base import ASROptions, ASRRequest
-from voiced.engines.whisper.checkpoint import CheckpointError, read_checkpoint
-from voiced.engines.whisper.engine import WhisperEngine, build_model
+from voiced.engines.whisper.checkpoint import CheckpointError, build_model, read_checkpoint
+from voiced.engines.whisper.engine import WhisperEngine
 from voiced.engines.whisper.tokenizer import WhisperTokenizer
 
 DIMS = tiny_dims(n_mels=80, multilingual=True)

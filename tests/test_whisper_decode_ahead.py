@@ -1,4 +1,4 @@
-"""Decode-ahead (`WhisperEngine.decode_ahead`, VOICED_WHISPER_DECODE_AHEAD): the next chunk of greedy steps is
+"""Decode-ahead (`WhisperRuntime.decode_ahead`, on a GPU): the next chunk of greedy steps is
 launched from the inputs the last one left on the device before the host reads that one back. On the CPU with the
 engine's own chunk loop (the steps run eagerly, the same code path as the GPU's apart from the graphs): callers get
 the transcripts they get without it, whether their requests end at end-of-text or at their length limit mid-chunk,
@@ -32,7 +32,7 @@ def _engine(ckpt, ahead: bool, max_batch: int, chunk: int = 4) -> tuple[WhisperE
     recorded as (kind, steps, the room each row has left for them, whether requests waited): "ahead" of another
     chunk, or "first" right after an admission's token choice, before it is read."""
     eng = WhisperEngine.load(ckpt, max_batch=max_batch, decode_chunk=chunk, decode_ahead=ahead)
-    assert eng.decode_ahead is ahead
+    assert eng.runtime.decode_ahead is ahead
     launched: list[tuple[str, int, list[int], bool]] = []
     real_ahead, real_first = eng._launch_ahead, eng._launch_first_chunk
 
@@ -127,18 +127,7 @@ def test_a_request_cancelled_while_a_chunk_is_in_flight_leaves_the_others_as_the
     assert launched
 
 
-def test_decode_ahead_is_on_by_default_on_a_gpu_only_and_its_switch_is_checked(free_ckpt, monkeypatch):
-    """Unset, VOICED_WHISPER_DECODE_AHEAD is on (faster on an H200, session 29), but a CPU engine never takes it
-    unless asked (its steps run on the host's own time: a chunk ahead only adds steps nobody reads); =0 turns it
-    off; a misspelt value is refused, naming the variable."""
-    from voiced.engines.whisper.engine import decode_ahead_default
-
-    monkeypatch.delenv("VOICED_WHISPER_DECODE_AHEAD", raising=False)
-    assert decode_ahead_default()
-    monkeypatch.setenv("VOICED_WHISPER_DECODE_AHEAD", "1")
-    assert not WhisperEngine.load(free_ckpt, max_batch=2).decode_ahead
-    monkeypatch.setenv("VOICED_WHISPER_DECODE_AHEAD", "0")
-    assert not decode_ahead_default()
-    monkeypatch.setenv("VOICED_WHISPER_DECODE_AHEAD", "yes")
-    with pytest.raises(ValueError, match="VOICED_WHISPER_DECODE_AHEAD"):
-        WhisperEngine.load(free_ckpt, max_batch=2)
+def test_a_cpu_engine_decodes_ahead_only_when_asked(free_ckpt):
+    """A CPU engine never decodes ahead unless asked: its steps run on the host's own time, so a chunk ahead only
+    adds steps nobody reads (a GPU engine does by default: tests/test_whisper_fast.py's runtime test)."""
+    assert not WhisperEngine.load(free_ckpt, max_batch=2).runtime.decode_ahead

@@ -21,7 +21,8 @@ from whisper_fixtures import assert_float32_close, make_openai_checkpoint, rando
 from voiced.engines.base import ASROptions, ASRRequest
 from voiced.engines.whisper.align_graphs import ALIGN_GRAPH_ROWS, ALIGN_GRAPH_TOKENS
 from voiced.engines.whisper.audio import N_SAMPLES, log_mel_spectrogram
-from voiced.engines.whisper.engine import WhisperEngine, _Active, build_model
+from voiced.engines.whisper.checkpoint import build_model
+from voiced.engines.whisper.engine import WhisperEngine, _Active
 from voiced.engines.whisper.fast_decoder import SMALL_BATCH, FastDecoder
 from voiced.engines.whisper.fast_encoder import FastEncoder
 from voiced.engines.whisper.memory import align_graph_needs, memory_need, prefill_graph_needs

@@ -1,11 +1,11 @@
-"""Whisper's decoder step through the shared GEMV and attention kernels (`FastDecoder(gemv=True)`,
-VOICED_WHISPER_GEMV_DECODER=1) on the CPU, under Triton's interpreter (in a child process: TRITON_INTERPRET=1
+"""Whisper's decoder step through the shared GEMV and attention kernels (`FastDecoder(gemv=True)`, the GPU's
+step) on the CPU, under Triton's interpreter (in a child process: TRITON_INTERPRET=1
 is read when a kernel is defined): over several steps of two rows at different positions, the logits and the
 keys/values written are the modules' step's (`TextDecoder.step`) within float32 rounding, and greedy picks
 the same tokens; the attention kernel's two Whisper modes (no rope, and cross-attention over the audio's keys
 and values) against torch, with their spans split over programs; the GELU projection and the layer-norm
-epilogue against torch; the encoder with its residual adds and layer norms fused the same way
-(VOICED_WHISPER_ENCODER_ADD_NORM). tests/test_whisper_gpu.py runs the step on a GPU."""
+epilogue against torch; the encoder with its residual adds and layer norms fused the same way (the GPU's
+eager encoder). tests/test_whisper_gpu.py runs the step on a GPU."""
 
 from __future__ import annotations
 
@@ -28,7 +28,8 @@ def _child() -> dict:
     from voiced.engines.kernels import decode_attention as da
     from voiced.engines.kernels import decode_linear as dl
     from voiced.engines.whisper.audio import N_SAMPLES, log_mel_spectrogram
-    from voiced.engines.whisper.fast import FastDecoder, FastEncoder, _heads_view
+    from voiced.engines.whisper.fast_decoder import FastDecoder, _heads_view
+    from voiced.engines.whisper.fast_encoder import FastEncoder
     from voiced.engines.whisper.model import KVCache, ModelDims, Whisper
 
     out: dict = {}
@@ -58,7 +59,7 @@ def _child() -> dict:
                                         positions, audio, (H, H, D), sms=sms, cross=True)
         want_cross = F.scaled_dot_product_attention(q_cross.view(b, H, 1, D), cross[0][:b].view(b, audio, H, D).transpose(1, 2),
                                                     cross[1][:b].view(b, audio, H, D).transpose(1, 2)).reshape(b, -1)
-        # never split (VOICED_WHISPER_FEWER_STEP_KERNELS): one program per (row, head) over up to 256 positions
+        # never split (Whisper's self-attention): one program per (row, head) over up to 256 positions
         k_one, v_one = cache[0].clone(), cache[1].clone()
         got_one = da.triton_attention(qkv, None, None, _heads_view(k_one, H), _heads_view(v_one, H), positions, ctx,
                                       (H, H, D), sms=sms, split=False)
@@ -127,28 +128,11 @@ def _child() -> dict:
                           "cache_untouched": bool(torch.equal(gated_cache.self_k, before[0])
                                                   and torch.equal(gated_cache.self_v, before[1]))}
     out["skip_ended"] = skip
-    # fewer kernels (VOICED_WHISPER_FEWER_STEP_KERNELS): the self-attention never split, the logits widened by their
-    # GEMV; over the six steps above, at positions spanning several of the attention's blocks, the same bits
-    with torch.no_grad():
-        lean = FastDecoder(dec, gemv=True, fewer_kernels=True)
-        caches = []
-        for _ in range(2):
-            cache = KVCache.allocate(dims, 2, torch.float32, "cpu")
-            dec.write_cross(cache, torch.arange(2), features)
-            dec.prefill(torch.tensor([[1, 2, 3, 4, 5], [6, 7, 8, 9, 10]]), torch.arange(2), cache)
-            caches.append(cache)
-        tokens, positions, same = torch.tensor([11, 12]), torch.tensor([5, 25]), True
-        for _ in range(6):
-            want = gemv.step(tokens, positions, caches[0], dims.n_text_ctx)
-            got = lean.step(tokens, positions, caches[1], dims.n_text_ctx)
-            same &= bool(torch.equal(got, want)) and got.dtype == want.dtype == torch.float32
-            tokens, positions = want.argmax(-1), positions + 1
-        same &= bool(torch.equal(caches[0].self_k, caches[1].self_k) and torch.equal(caches[0].self_v, caches[1].self_v))
-    out["fewer_kernels_same"] = same
     # the greedy choice in the head's GEMV (`greedy_head`) against `greedy_advance` over the same logits: several
     # programs along the vocabulary, equal maxima within a program and across two, the always-suppressed mask, a
-    # countdown that holds end-of-text back, a row that has ended; and then the fused chunk against the plain one
-    from voiced.engines.whisper.fast import DecoderSteps
+    # countdown that holds end-of-text back, a row that has ended; and then the GEMV step's chunk against the
+    # modules' step's
+    from voiced.engines.whisper.decoder_steps import DecoderSteps
     from voiced.engines.whisper.token_choice import greedy_advance
     with torch.no_grad():
         vocab, width, rows, eot = 300, 96, 5, 257
@@ -180,11 +164,11 @@ def _child() -> dict:
         dl.greedy_head(h, w, always, eot, got_in, got_lp, block_n=32)
         out["greedy_head_many"] = {"inputs": bool(torch.equal(got_in, want_in)), "lp": _rel(got_lp, want_lp)}
         chunks = {}
-        for name, fewer in (("plain", False), ("fused", True)):
+        for name, decoder in (("plain", dec), ("fused", FastDecoder(dec, gemv=True))):
             cache = KVCache.allocate(dims, 2, torch.float32, "cpu")
             dec.write_cross(cache, torch.arange(2), features)
             dec.prefill(torch.tensor([[1, 2, 3, 4, 5], [6, 7, 8, 9, 10]]), torch.arange(2), cache)
-            st = DecoderSteps(FastDecoder(dec, gemv=True, fewer_kernels=fewer), cache, dims.n_text_ctx, 2,
+            st = DecoderSteps(decoder, cache, dims.n_text_ctx, 2,
                               torch.device("cpu"), torch.zeros(dims.n_vocab, dtype=torch.bool), dims.n_vocab - 1,
                               hist=torch.zeros(2, 6, 2, dtype=torch.float64))
             st.inputs[:3] = torch.tensor([[11, 12], [5, 9], [0, 3]])
@@ -241,7 +225,7 @@ def test_decoder_step_through_the_kernels_equals_the_modules(interpreted):
 
 
 def test_a_step_whose_rows_have_all_ended_does_nothing(interpreted):
-    """VOICED_WHISPER_SKIP_ENDED: while any row's token is not end-of-text, the step with the check gives the
+    """The step's ended-rows check (`stop_id`): while any row's token is not end-of-text, the step with it gives the
     step without it bit for bit (logits, keys and values written), one ended row included; once every row's is,
     its kernels return at their top: no key or value is written."""
     skip = interpreted["skip_ended"]
@@ -250,21 +234,14 @@ def test_a_step_whose_rows_have_all_ended_does_nothing(interpreted):
     assert skip["all ended"]["cache_untouched"] and not skip["all ended"]["cache_equal"], skip
 
 
-def test_the_step_with_fewer_kernels_is_the_same_step(interpreted):
-    """VOICED_WHISPER_FEWER_STEP_KERNELS (the self-attention in one program per head, the logits widened to float32
-    by their GEMV): six steps of two rows give the GEMV step's logits, in float32, and keys/values bit for bit (on
-    one interpreted program neither step splits the attention: the unsplit kernel is checked against torch in
-    test_attention_kernel_without_rope_and_across_to_the_audio)."""
-    assert interpreted["fewer_kernels_same"]
-
-
 def test_the_greedy_choice_in_the_head_is_the_token_choice(interpreted):
-    """`decode_linear.greedy_head` (VOICED_WHISPER_FEWER_STEP_KERNELS's greedy steps): the tokens, positions and
+    """`decode_linear.greedy_head` (the GEMV step's greedy choice): the tokens, positions and
     countdowns `greedy_advance` leaves from the same logits, exactly, over blocks of the vocabulary: the first of
     equal maxima (two in one block, one in another), the always-suppressed mask, end-of-text held back by a
     countdown, a row that has ended keeping end-of-text; the log-probabilities within float32 rounding, written
     into the chunk's step of the history given and nowhere else; and for 70 rows, more than one program's. A chunk
-    of steps choosing this way decodes the plain chunk's tokens."""
+    of GEMV steps choosing this way decodes the tokens of a chunk of the modules' steps (the reference), its
+    log-probabilities within float32 rounding."""
     got = interpreted["greedy_head"]
     assert got["inputs"] and got["lp"] <= 1e-5 and got["row0"] == 40 and got["row1_not_eot"], got
     assert got["hist"] and got["hist_elsewhere"], got
@@ -275,7 +252,7 @@ def test_the_greedy_choice_in_the_head_is_the_token_choice(interpreted):
 
 
 def test_encoder_with_fused_residual_add_and_norm_equals_its_layers(interpreted):
-    """VOICED_WHISPER_ENCODER_ADD_NORM's encoder (each residual add and the layer norm after it one kernel, the
+    """The eager GPU encoder (each residual add and the layer norm after it one kernel, the
     last norm the encoder's final one) gives the features of the plain eager layers and of the module's forward
     within float32 rounding."""
     enc = interpreted["encoder"]

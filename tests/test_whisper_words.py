@@ -238,11 +238,9 @@ def _run(engine, requests):
 def test_words_of_several_requests_in_one_batch(tmp_path_factory, audio, monkeypatch, group_bytes):
     # Requests finishing in one step each get their own audio's timings and end probabilities, the
     # same as alone, whether their forced passes run together or apart.
-    from voiced.engines.whisper import engine as engine_module
-
-    if group_bytes is not None:
-        monkeypatch.setattr(engine_module, "ALIGN_GROUP_BYTES", group_bytes)
     engine, _ = models(tmp_path_factory, False, 4, 3.0)
+    if group_bytes is not None:
+        monkeypatch.setattr(engine.words, "budget", group_bytes)
     clips = [audio, audio[: len(audio) // 2], audio[len(audio) // 4:]]
     opts = ASROptions(language="en", max_new_tokens=30, min_new_tokens=30, word_timestamps=True)
     alone = [engine.transcribe(ASRRequest(a, opts)) for a in clips]
@@ -262,20 +260,20 @@ def test_words_of_several_requests_in_one_batch(tmp_path_factory, audio, monkeyp
 def test_a_failing_word_timing_fails_its_request_alone(tmp_path_factory, audio, monkeypatch):
     # One request's words failing in the shared forced pass: it gets an error naming the fault, the
     # requests finishing with it still get theirs.
-    from voiced.engines.whisper import engine as engine_module
+    from voiced.engines.whisper import words as words_module
 
     engine, _ = models(tmp_path_factory, False, 4, 3.0)
     short = audio[: len(audio) // 2]
     opts = ASROptions(language="en", max_new_tokens=30, min_new_tokens=30, word_timestamps=True)
     want = engine.transcribe(ASRRequest(audio, opts))
-    real = engine_module.fit_to_pauses
+    real = words_module.fit_to_pauses
 
     def fit(words, clip):
         if len(clip) == len(short):
             raise ValueError("no pauses today")
         return real(words, clip)
 
-    monkeypatch.setattr(engine_module, "fit_to_pauses", fit)
+    monkeypatch.setattr(words_module, "fit_to_pauses", fit)
     got = _run(engine, {1: ASRRequest(audio, opts), 2: ASRRequest(short, opts)})
     assert got[2].error and "no pauses today" in got[2].error and got[2].fault
     assert got[1].error is None

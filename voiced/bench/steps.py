@@ -231,8 +231,8 @@ class LoopLag:
 
 # What the timers break a slow step into (methods of WhisperEngine / SparkTTSEngine; a capture or a
 # compile while serving shows up as its own entry).
-STEP_PARTS = {"asr": ("_admit", "_audio", "_prefill", "_encode_into_cache", "_encode_bucket", "model.decoder.prefill",
-                      "steps.graphs.capture", "fast_encoder.graphs.capture", "steps.run", "_select", "_greedy_chunk",
-                      "_finish"),
+STEP_PARTS = {"asr": ("_admit", "admission._audio", "admission._prefill", "admission._encode_into_cache",
+                      "fast_encoder.run", "model.decoder.prefill", "steps.graphs.capture", "fast_encoder.graphs.capture",
+                      "steps.run", "_select", "_greedy_chunk", "_finish"),
               "tts": ("_admit", "_prefill_step", "_prefill_fresh", "lm.prefill_many", "_load_state", "_advance",
                       "_decode_step", "_vocode")}

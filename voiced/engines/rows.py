@@ -11,22 +11,18 @@ import numpy as np
 import torch
 
 from voiced.engines.base import EngineError
-from voiced.engines.switches import env_switch
 
 
 def to_device(values: Sequence, device: torch.device | str) -> torch.Tensor:
     """Integers from the host (row indices, tokens; a list, a list of equal lists or an int array) as a long
     tensor on `device`, without stalling the host. `torch.tensor(values, device="cuda")` copies from
-    pageable memory, which first waits for everything queued on the stream: in issue 26's profile the
-    Whisper admission spun ~75 ms there behind the encoder. Pinned memory and a non-blocking copy
-    instead; the caching host allocator reuses the pinned block only after that copy has run. With
-    `STAGING_RING` the pinned blocks come from a small ring kept per device (`_PinnedRing`) instead of a
-    fresh pinned allocation and copy per call (issue 26: 17 % of the recognition thread at 128 callers)."""
+    pageable memory, which first waits for everything queued on the stream (the Whisper admission spun
+    ~75 ms there behind the encoder). Pinned memory and a non-blocking copy instead, the pinned blocks
+    from a small ring kept per device (`_PinnedRing`): a fresh pinned allocation and copy per call was
+    17 % of the recognition thread at 128 callers."""
     if torch.device(device).type != "cuda":
         return torch.tensor(values, dtype=torch.long)
-    if STAGING_RING:
-        return _ring(torch.device(device)).send(np.ascontiguousarray(values, dtype=np.int64), device)
-    return _pinned_copy(torch.tensor(values, dtype=torch.long), device)
+    return _ring(torch.device(device)).send(np.ascontiguousarray(values, dtype=np.int64), device)
 
 
 def _pinned_copy(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
@@ -35,18 +31,13 @@ def _pinned_copy(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True)
 
 
-# `to_device` through `_PinnedRing`: on unless VOICED_PINNED_STAGING_RING=0 (read at import); the GPU suite
-# passed with it on (H100, 2026-11-27: tests/test_whisper_gpu.py -k staging, and every engine test).
-STAGING_RING = env_switch("VOICED_PINNED_STAGING_RING", True)
-
-
 class _PinnedRing:
     """`to_device`'s pinned staging: `SLOTS` blocks of `SLOT_LONGS` int64, used in turn, each with the CUDA
     event of the copy that last read it (recorded on the stream that copy was queued on). The copies queue
     behind the stream's kernels (an encoder pass, a chunk of steps), so a block may still wait to be read
     when its turn comes round again: then, and for values larger than a block, the call takes a pinned
-    block of its own from the caching host allocator (which also reuses it only after the copy), as every
-    call did before the ring. Either way the host never waits. The engines' threads share a ring (lock)."""
+    block of its own from the caching host allocator (which also reuses it only after the copy). Either way
+    the host never waits. The engines' threads share a ring (lock)."""
 
     SLOTS = 32
     SLOT_LONGS = 4096  # 32 KiB: every row-index and token list the engines send fits; vocoder windows may not

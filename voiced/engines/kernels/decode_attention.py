@@ -18,7 +18,7 @@ concatenates them); caches `[max_batch, KV, max_seq, D]`; row b of the step is c
 its new k/v at `positions[b]` (rows past the live batch are a graph's padding: they write position 0
 of free rows, as the torch path does).
 
-Whisper's decoder (`whisper.fast.FastDecoder`) runs the same kernel without rope (its heads are
+Whisper's decoder (`whisper.fast_decoder.FastDecoder`) runs the same kernel without rope (its heads are
 their own KV heads, G = 1) over its `[slots, ctx, width]` caches seen as `[slots, heads, ctx, D]`, and for its
 cross-attention with `cross=True`: the queries alone, nothing written, all of the audio's positions.
 
@@ -33,15 +33,9 @@ import functools
 import torch
 
 # (the engine compiles with Triton only where it is found too: engine._has_triton; without it: `reference`)
-from voiced.engines.switches import env_switch
 from voiced.engines.triton_lang import tl, triton
 
 BLOCK_N = 64  # cache positions per inner iteration (a multiple of 16: tl.dot's smallest tile)
-
-# Programmatic dependent launch of the decode kernels (`launch_overlap`): on wherever it runs; the
-# environment's VOICED_SPARK_PDL=0 turns it off (docs/BENCHMARKS.md has the A/B).
-PDL_DEFAULT = True
-
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x `[..., D]` rotated (half-rotation layout, as Qwen2/NeoX) by cos/sin in x's dtype."""
@@ -107,13 +101,10 @@ def launch_overlap(t: torch.Tensor) -> bool:
     while the previous kernel is still finishing and wait (griddepcontrol.wait) for it to complete, and
     its writes to be visible, before they read or write anything; every kernel of the chain waits at its
     top, so the step's order and its bits are unchanged. False for anything but a CUDA tensor on such a
-    NVIDIA GPU (the CPU, Triton's interpreter, ROCm), with a Triton that predates it, or with
-    VOICED_SPARK_PDL=0."""
+    NVIDIA GPU (the CPU, Triton's interpreter, ROCm) or with a Triton that predates it."""
     if triton is None or not t.is_cuda or torch.version.hip is not None or not _hopper_or_newer(t.device.index or 0):
         return False
-    if getattr(getattr(tl.extra, "cuda", None), "gdc_wait", None) is None:
-        return False
-    return env_switch("VOICED_SPARK_PDL", PDL_DEFAULT)
+    return getattr(getattr(tl.extra, "cuda", None), "gdc_wait", None) is not None
 
 
 def overlap_args(t: torch.Tensor) -> dict:
@@ -132,7 +123,7 @@ def stop_args(stop: Stop | None) -> dict:
     step's rows hold the ending token (`steps_ended`), so a step run past the end of every row's text (a chunk's
     steps after end-of-text, a chunk launched ahead: whisper/chunks.py) costs the kernels' launches and not their
     work; its outputs are then left as they were (nobody reads them). Without it (None) the check is compiled
-    out, and the kernel is the very one it was before."""
+    out of the kernel."""
     if stop is None:
         return {"stop_ptr": None, "stop_id": 0, "STOP": 0}
     tokens, stop_id = stop
@@ -213,10 +204,10 @@ if triton is not None:
     def steps_ended(stop_ptr, stop_id, rows, STOP: tl.constexpr):
         """Whether each of a step's `rows` input tokens at `stop_ptr` is `stop_id` (`stop_args`; STOP: a power of
         two >= rows), under `if STOP:` (no check at all without a stop). The tokens are the previous step's choices,
-        and a kernel that is not launched programmatically (the step's embeddings: `whisper.fast.FastDecoder`) runs
+        and a kernel that is not launched programmatically (the step's embeddings: `whisper.fast_decoder.FastDecoder`) runs
         between the kernel that wrote them and the first kernel that checks them, so every kernel of the step may
         read them before its `wait_for_previous`: the load then overlaps the wait instead of following it (measured
-        on an H200: +12 us a batch-1 step when read after the wait). An ended step still waits before it returns,
+        +12 us a batch-1 step when read after the wait). An ended step still waits before it returns,
         so the kernels finish in their order."""
         r = tl.arange(0, STOP)
         tokens = tl.load(stop_ptr + r, mask=r < rows, other=stop_id)
@@ -327,8 +318,8 @@ if triton is not None:
         """One query head of one row: its splits' partial sums `[splits, D]`, rescaled online SB splits a load.
         One program a query head, not a KV head: with a program per KV head (its G heads' `[splits, 16, D]`
         tile, padded to tl.dot's 16 rows) the combine cost 5.4 us of a Spark layer in the chain at one row, more
-        than the attention kernel; per query head it made the whole Spark step 0.757 -> 0.684 ms and Whisper's
-        0.301 -> 0.266 ms on an H200 (docs/BENCHMARKS.md, session 25)."""
+        than the attention kernel; per query head the whole Spark step takes 0.684 ms against 0.757 and Whisper's
+        0.266 against 0.301."""
         if STOP:  # (read before the wait: `steps_ended`)
             ended = steps_ended(stop_ptr, stop_id, tl.num_programs(0), STOP)
         wait_for_previous(PDL)

@@ -3,10 +3,10 @@ weight once, at full speed.
 
 At one to sixty-four tokens per step every projection of a layer is a matrix-vector product whose
 time is the time to read its weights. cuBLAS picks kernels for these shapes that reach a fraction of
-the memory's bandwidth (on an H200, measured in a CUDA graph at batch 1: the q/k/v projection 3.6 us
-against a 0.4 us weight-read floor, the down projection 6.6 us against 1.8, the latter a split-K
-kernel plus a separate reduction; docs/BENCHMARKS.md). A layer was four such GEMMs and four small
-kernels around them (two residual-add + RMS-norm, SwiGLU, the split-K reduction). Here a layer is:
+the memory's bandwidth (in a CUDA graph at batch 1: the q/k/v projection 3.6 us against a 0.4 us
+weight-read floor, the down projection 6.6 us against 1.8, the latter a split-K kernel plus a separate
+reduction), and a layer through them is four such GEMMs and four small kernels around them (two
+residual-add + RMS-norm, SwiGLU, the split-K reduction). Here a layer is:
 
 - `linear`: q/k/v with its bias, one kernel;
 - `linear_partials` + `add_norm`: the output projection split along K over enough programs to fill
@@ -25,13 +25,12 @@ atomics): a CUDA graph and an eager run of a step give the same bits. On Hopper 
 starts while the one before it drains and waits for its results at its top (`decode_attention.
 launch_overlap`), which changes no bit either.
 
-Whisper's decoder layer (`whisper.fast.FastDecoder`; VOICED_WHISPER_GEMV_DECODER=0 turns it off) takes the
+Whisper's decoder layer (`whisper.fast_decoder.FastDecoder`, on a GPU where the kernels run) takes the
 same kernels with two variants: `linear(..., gelu=True)` (its MLP's first projection with the bias and GELU)
 and `add_layer_norm` (the residual add of a projection with its bias, then a layer norm with weight and
 bias instead of the RMS norm). Its greedy steps also take `greedy_head` (the head's GEMV whose epilogue keeps
-each block's share of the token choice, and one kernel that picks; VOICED_WHISPER_FEWER_STEP_KERNELS), and a
-`stop` that makes every kernel of a step whose rows have all ended return at its top
-(`decode_attention.stop_args`; VOICED_WHISPER_SKIP_ENDED).
+each block's share of the token choice, and one kernel that picks), and a `stop` that makes every kernel of a
+step whose rows have all ended return at its top (`decode_attention.stop_args`).
 
 `reference_*` are the same arithmetic in torch: the CPU path, and what the tests compare against.
 """
@@ -90,8 +89,8 @@ def _smem(t: torch.Tensor) -> int:
 def _stages(rows: int, cols: int, itemsize: int, want: int, budget: int = SMEM_BUDGET) -> int:
     """Software-pipeline depth whose tiles fit in shared memory: each stage holds a `[BLOCK_M, BLOCK_K]`
     input tile and `cols` weight rows of BLOCK_K (float32 activations need twice bf16's room). Triton
-    buffers one stage fewer than this counts; the margin is kept (on the H200 the bf16 depths are the
-    ones measured, and float32 at 64 rows ran out of shared memory at the unchecked depth)."""
+    buffers one stage fewer than this counts; the margin is kept (float32 at 64 rows runs out of shared
+    memory at the unchecked depth)."""
     per_stage = (rows + cols) * BLOCK_K * itemsize
     return max(1, min(want, budget // per_stage))
 

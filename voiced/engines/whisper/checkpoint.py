@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from .model import ModelDims
+from .model import ModelDims, Whisper
 from .registry import whisper_cache
 from .tokenizer import WhisperTokenizer
 
@@ -233,3 +233,25 @@ def tokenizer_search_dirs(path: Path, root: Path | None = None) -> list[Path]:
         if d not in out:
             out.append(d)
     return out
+
+
+def build_model(dims: ModelDims, state: dict[str, torch.Tensor], where: str = "checkpoint") -> Whisper:
+    """The model of `dims` holding `state` (the encoder's sinusoids recomputed when absent); CheckpointError,
+    naming `where`, for parameters missing, unknown or of another shape."""
+    model = Whisper(dims)
+    own = model.state_dict()
+    missing = [k for k in own if k not in state and k != "encoder.positional_embedding"]
+    unexpected = [k for k in state if k not in own]
+    bad_shape = [f"{k} {tuple(state[k].shape)} != {tuple(own[k].shape)}" for k in own
+                 if k in state and state[k].shape != own[k].shape]
+    if missing or unexpected or bad_shape:
+        parts = []
+        if missing:
+            parts.append(f"missing {len(missing)} parameters (e.g. {missing[:3]})")
+        if unexpected:
+            parts.append(f"{len(unexpected)} unknown parameters (e.g. {unexpected[:3]})")
+        if bad_shape:
+            parts.append(f"shape mismatches: {bad_shape[:3]}")
+        raise CheckpointError(f"{where} does not match its own dimensions {dims}: " + "; ".join(parts))
+    model.load_state_dict(state, strict=False)  # the encoder's sinusoids are recomputed when absent
+    return model

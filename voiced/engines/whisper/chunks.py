@@ -2,7 +2,7 @@
 
 A chunk's steps choose their tokens on the device and write them, with their log-probabilities, into the
 engine's history buffer; the host reads the history back once per chunk. With decode-ahead
-(`WhisperEngine.decode_ahead`) the engine launches the next chunk of the same rows, from the inputs the
+(`WhisperRuntime.decode_ahead`, on a GPU) the engine launches the next chunk of the same rows, from the inputs the
 previous chunk left on the device, before it reads the previous one back: the GPU runs the next chunk while
 the host applies the tokens and reports the finished, where it would otherwise wait for them at every chunk
 boundary; and an admission's first chunk goes in behind its token choice, before the host reads the first

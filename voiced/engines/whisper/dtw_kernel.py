@@ -2,8 +2,8 @@
 
 On a GPU a request's word timings are a forced decoder pass (a few hundred microseconds of kernels) and
 then, on the host, the time warping: N + M numpy steps of a few microseconds each, ~2-3 ms for a turn of a
-few seconds, about two thirds of the host time word timings cost (issue 25: at 64 smart-turn callers that
-host time, on the thread both engines share, was most of what the detector cost). Here one program per
+few seconds, about two thirds of the host time word timings cost (at 64 smart-turn callers that host time,
+on the thread both engines share, was most of what the detector cost). Here one program per
 matrix sweeps its anti-diagonals (the lanes are the token rows), keeping the last two diagonals' costs
 in a small scratch ring and each cell's move in a trace table, then walks back from the corner; the host
 reads back only the paths, in the copy that brings the token probabilities.
@@ -22,20 +22,14 @@ import numpy as np
 import torch
 
 from voiced.engines.rows import to_device
-from voiced.engines.switches import env_switch
 from voiced.engines.triton_lang import tl, triton
-
-# On wherever Triton is (paths equal to the host's: tests/test_dtw_kernel*.py); the environment's
-# VOICED_WHISPER_DTW_KERNEL=0 keeps the warping on the host.
-KERNEL_DEFAULT = True
 
 
 def supported(device: torch.device) -> bool:
-    """Whether word timings on `device` warp on it: a CUDA device (or Triton's interpreter) with Triton,
-    unless VOICED_WHISPER_DTW_KERNEL=0."""
-    on = env_switch("VOICED_WHISPER_DTW_KERNEL", KERNEL_DEFAULT)
+    """Whether word timings on `device` warp on it: a CUDA device (or Triton's interpreter) with Triton
+    (the paths equal the host's: tests/test_dtw_kernel*.py)."""
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
-    return on and triton is not None and (device.type == "cuda" or interpreted)
+    return triton is not None and (device.type == "cuda" or interpreted)
 
 
 if triton is not None:

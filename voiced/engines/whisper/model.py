@@ -13,7 +13,7 @@ from the reference implementation is how the decoder keeps state, gpt-fast style
 * attention is `scaled_dot_product_attention` everywhere (flash / memory-efficient kernels on GPU).
 
 This is the reference arrangement, which the exactness tests pin down. The engine runs the decoder
-step through `fast.py` (fused QKV, per-layer functions; compiled on CUDA) on every device, and on
+step through `fast_decoder.py` (fused QKV, per-layer functions; compiled on CUDA) on every device, and on
 CUDA the encoder too: the same arithmetic up to rounding, checked against this file in tests.
 """
 
@@ -267,7 +267,7 @@ class TextDecoder(nn.Module):
         if [(a, b) for a in sorted(wanted) for b in wanted[a]] != list(heads):
             raise ValueError("alignment heads must be sorted by layer (as timing.check_heads leaves them)")
         scores = []
-        # the step's attention kernels, eagerly as in a graph replay (fast.AlignmentPasses): cuDNN's scores
+        # the step's attention kernels, eagerly as in a graph replay (align_graphs.AlignmentPasses): cuDNN's scores
         # differ by ulps, and a near-tie in the warping then moves a word's times
         with decode_attention_kernels(tokens.is_cuda):
             for i, block in enumerate(self.blocks):

@@ -1,7 +1,7 @@
 """Token choice for the rows of a batch: the per-request rules of `decoding.py` applied to a step's
 logits for many requests at once, then the choice (greedy arg-max, or each beam request's top
 candidates) with one device->host copy. `greedy_choice` is the same rule run on the device inside the
-fused greedy step (no host round trip; `fast.DecoderSteps`)."""
+fused greedy step (no host round trip; `decoder_steps.DecoderSteps`)."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ class Rows(Protocol):
 def _span(rows: list[int]) -> slice | None:
     """`rows` as a slice where they are consecutive and ascending (an admission's rows usually are), so the
     rule indexes a view instead of sending an index list to the device: fewer PyTorch calls, each of which
-    waits for the GIL under load (issue 26), and the same elements set."""
+    waits for the GIL under load, and the same elements set."""
     lo = rows[0]
     return slice(lo, lo + len(rows)) if rows == list(range(lo, lo + len(rows))) else None
 
@@ -48,7 +48,7 @@ def greedy_advance(logits: Tensor, always: Tensor, eot: int, inputs: Tensor, lp:
     countdowns) take the chosen tokens as the next step's, their positions advance and their countdowns tick;
     `lp` [B] takes the chosen tokens' log-probabilities. A row whose token is end-of-text keeps it (what it
     computes after its end is read by no one), so a step can tell that all of its rows have ended from its
-    tokens alone (`fast.DecoderSteps`'s `skip_ended`). One function so that it compiles into a few kernels
+    tokens alone (`FastDecoder.greedy_step`). One function so that it compiles into a few kernels
     on a GPU (`DecoderSteps`'s compiled tail) where eagerly it is ~12."""
     tok, pos, minleft = inputs.unbind(0)
     nxt, chosen = greedy_choice(logits, always, eot, minleft)
@@ -167,14 +167,11 @@ def choose_tokens(logits: Tensor, reqs: list[Rows], base: int, suppress: Suppres
 def advance_greedy(reqs: list[Rows], rows: list[int], hist: np.ndarray) -> list[tuple[Rows, Exception]]:
     """A chunk of greedy steps read back, applied to its requests as `RequestDecoder.update_greedy` token by
     token would (`update_greedy_span`): hist [rows, steps, (token, log-probability)] float64, reqs[i]'s at row
-    rows[i] (where it was when the chunk ran: the engine may have moved it since), up to its first step not run
-    (token -1: a stopping chunk's). The log-probability sums of every row
-    after each step are made at once in numpy, one float32 addition at a time as update_greedy adds them, so a
-    request costs one call, not one per token (~5 ms of idle GPU per chunk at 256 rows, session 28). Returns the
+    rows[i] (where it was when the chunk ran: the engine may have moved it since). The log-probability sums of
+    every row after each step are made at once in numpy, one float32 addition at a time as update_greedy adds
+    them, so a request costs one call, not one per token (~5 ms of idle GPU per chunk at 256 rows). Returns the
     requests whose tokens failed; the others have advanced."""
-    n, k = hist.shape[:2]
-    not_run = hist[..., 0] < 0
-    ran = np.where(not_run.any(1), not_run.argmax(1), k).tolist()
+    n = hist.shape[0]
     starts = np.zeros((n, 1), dtype=np.float32)
     for q, r in zip(reqs, rows):
         starts[r, 0] = q.dec.sum_logprobs[0]
@@ -184,7 +181,7 @@ def advance_greedy(reqs: list[Rows], rows: list[int], hist: np.ndarray) -> list[
     failed = []
     for q, r in zip(reqs, rows):
         try:
-            q.dec.update_greedy_span(tokens[r][:ran[r]], sums[r])
+            q.dec.update_greedy_span(tokens[r], sums[r])
         except Exception as e:  # this request's tokens: its fault alone
             failed.append((q, e))
     return failed
