@@ -576,3 +576,15 @@ def test_the_drains_end_transcribes_the_utterance_in_progress_before_closing_the
         d.stop()
     finals = [e for e in result["events"] if e.WhichOneof("event") == "transcript" and e.transcript.is_final]
     assert result["status"] == grpc.StatusCode.OK and len(finals) == 1 and finals[0].transcript.text.strip()
+
+
+def test_what_a_wyoming_caller_sends_is_cut_in_the_log(daemon, caplog):
+    """A 500 KB language name: refused with an error event; no log line holds it whole."""
+    data = json.dumps({"language": "x" * 500_000}).encode()
+    s = socket.create_connection(address(daemon, "wyoming"))
+    with caplog.at_level(logging.DEBUG, logger="voiced.doors"):
+        s.sendall(json.dumps({"type": "transcribe", "data_length": len(data)}).encode() + b"\n" + data)
+        got = closed_by_server(s, 10)
+    s.close()
+    assert got is not None and b'"error"' in got
+    assert caplog.records and all(len(rec.getMessage()) < 2000 for rec in caplog.records)

@@ -261,7 +261,7 @@ class _Stream:
             await self._close(INTERNAL, "internal error")
 
     async def _fault(self, e: Fault) -> None:
-        log.warning("%s: %s; closing (%d)", self._who(), e.reason, e.code)
+        log.warning("%s: %s; closing (%d)", self._who(), cut(e.reason, 300), e.code)
         self.services.count_error(FRONT, e.counted_as)
         await self._close(e.code, e.reason)
 

@@ -45,6 +45,7 @@ from voiced.core.errors import ErrorKind, SessionError
 from voiced.core.spec import asr_options_for, check_language, segmentation_for
 from voiced.core.speech import resolve_voice
 from voiced.doors import realtime_events as rt
+from voiced.doors.guard import cut
 from voiced.doors.realtime_events import EventError, RealtimeConfig, TurnDetection
 from voiced.doors.shared import INTERNAL_MESSAGE, OPENAI_VOICES, HttpError, last_words, loads
 
@@ -203,7 +204,7 @@ class RealtimeConnection:
             except (TypeError, AttributeError, KeyError) as e:
                 # A field of a JSON type no check above foresaw: the caller's error all the same.
                 log.info("realtime: %s event with a field of the wrong type (%s: %s)", event.get("type"),
-                         type(e).__name__, e)
+                         type(e).__name__, cut(e))
                 raise EventError("invalid_type", f"a field of {event.get('type')} has the wrong JSON type "
                                  f"({type(e).__name__}: {e}); see the Realtime API reference", None,
                                  event.get("event_id")) from None

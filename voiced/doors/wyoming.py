@@ -71,6 +71,7 @@ FRONT = "wyoming"
 PROGRAM = "voiced"
 PCM16K = Format("LINEAR16", RATE)
 OUT_WIDTH, OUT_CHANNELS = 2, 1  # what the engines' audio leaves as: 16 kHz 16-bit mono
+LOG_CHARS = 300  # of a message that may quote what the caller sent, in one log line
 MAX_LINE_BYTES = 64 * 1024  # an event's header line (asyncio's stream limit); an audio header is ~100 bytes
 MAX_STREAM_S = MAX_CLIP_S  # audio of one audio-start..audio-stop: what one-shot recognition takes
 QUEUED_CHUNKS = 8  # audio read ahead of the recognition; past it the door stops reading the socket
@@ -262,7 +263,7 @@ class _Handler(AsyncEventHandler):
                     log.info("wyoming %s: connection lost: %s: %s", self.peer, type(e).__name__, e)
                     break
                 except SessionError as e:  # too large, too slow, or not an event at all
-                    log.info("wyoming %s: %s; closing the connection", self.peer, e.message)
+                    log.info("wyoming %s: %s; closing the connection", self.peer, cut(e.message, LOG_CHARS))
                     await self.send_error(e)
                     break
                 first = False
@@ -308,13 +309,14 @@ class _Handler(AsyncEventHandler):
         try:
             return await self._handle(event)
         except SessionError as e:
-            log.info("wyoming %s: %s refused: %s", self.peer, event.type, e.message)
+            log.info("wyoming %s: %s refused: %s", self.peer, cut(event.type), cut(e.message, LOG_CHARS))
             await self.send_error(e)
             return False
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             # A required field missing or of the wrong type (the library's from_event, our checks).
             what = f"missing field {e}" if isinstance(e, KeyError) else f"{type(e).__name__}: {e}"
-            log.info("wyoming %s: malformed %s event (%s); closing the connection", self.peer, event.type, what)
+            log.info("wyoming %s: malformed %s event (%s); closing the connection", self.peer, cut(event.type),
+                     cut(what, LOG_CHARS))
             await self.send_error(invalid(f"malformed {event.type} event: {what}"))
             return False
 
@@ -368,7 +370,7 @@ class _Handler(AsyncEventHandler):
             return self._speech.add(synthesize.text) and self._speech.finish()
         else:
             # The protocol's rule: a server drops the events it does not handle (wake, intent, ...).
-            log.debug("wyoming %s: ignoring a %s event", self.peer, kind)
+            log.debug("wyoming %s: ignoring a %s event", self.peer, cut(kind))
         return True
 
     def _transcribe_language(self, transcribe: Transcribe) -> str | None:
@@ -416,7 +418,7 @@ class _Handler(AsyncEventHandler):
         if isinstance(error, ConnectionError):
             log.debug("wyoming %s: connection lost", self.peer)
         elif isinstance(error, SessionError):
-            log.info("wyoming %s: %s", self.peer, error.message)
+            log.info("wyoming %s: %s", self.peer, cut(error.message, LOG_CHARS))
             await self.send_error(error)
         else:
             log.error("wyoming %s: internal error", self.peer, exc_info=error)
