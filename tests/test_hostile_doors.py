@@ -588,3 +588,18 @@ def test_what_a_wyoming_caller_sends_is_cut_in_the_log(daemon, caplog):
     s.close()
     assert got is not None and b'"error"' in got
     assert caplog.records and all(len(rec.getMessage()) < 2000 for rec in caplog.records)
+
+
+def test_metrics_are_behind_the_token_where_one_is_set(tmp_path):
+    config = daemon_config()
+    config.server.auth_token = "t0ken"
+    config.server.metrics_listen = "127.0.0.1:0"
+    d = start_daemon(make_openai_checkpoint(tmp_path / "whisper", seed=3), config)
+    try:
+        url = f"http://127.0.0.1:{d.server._metrics_http.port}/metrics"
+        refused = httpx.get(url)
+        served = httpx.get(url, headers={"Authorization": "Bearer t0ken"})
+    finally:
+        d.stop()
+    assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
+    assert served.status_code == 200 and "voiced_sessions_active" in served.text
