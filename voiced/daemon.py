@@ -229,3 +229,36 @@ def start_in_thread(daemon: Daemon, timeout: float = 600) -> tuple[int, asyncio.
     if "error" in started:
         raise started["error"]
     return started["port"], loop, thread
+
+
+def catch_stop_signals() -> asyncio.Event:
+    """SIGTERM and SIGINT set the returned event (on the running loop) instead of ending the process: a
+    daemon drains first (`drain_on_signal`)."""
+    import signal
+
+    loop, stop = asyncio.get_running_loop(), asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    return stop
+
+
+async def drain_on_signal(daemon: Daemon, stop: asyncio.Event) -> None:
+    """Serve until `stop` (catch_stop_signals), then drain, up to server.drain_seconds, and stop; a second
+    signal closes the sessions still open at once."""
+    await stop.wait()
+    stop.clear()
+    log.info("signal received: draining (up to %.0f s; a second Ctrl-C stops at once)",
+             daemon.config.server.drain_seconds)
+    drain = asyncio.ensure_future(daemon.drain_and_stop())
+    again = asyncio.ensure_future(stop.wait())
+    await asyncio.wait((drain, again), return_when=asyncio.FIRST_COMPLETED)
+    if not drain.done():
+        log.warning("second signal: closing %d open sessions now", daemon.services.active_sessions)
+        daemon.hurry()
+    again.cancel()
+    await drain
+    # What freeze_heap took out of the collector's reach goes back, so the interpreter's exit frees it:
+    # frozen, triton's bindings report each of their ~500 objects as a leak on the way out.
+    import gc
+
+    gc.unfreeze()

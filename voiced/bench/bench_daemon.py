@@ -74,6 +74,9 @@ def bench_config(args) -> Config:
     config.barge_in.enabled = False  # as the gRPC callers ask: every utterance gets its reply
     for key in ("process", "threads", "overlap"):
         setattr(config.engines, key, getattr(args, f"engine_{key}", "auto"))
+    if getattr(args, "serve", False):  # a daemon of its own, for `voiced bench e2e --target` to call
+        config.server.listen, config.doors.http = args.listen, args.http or ""
+        return config
     for front in args.front:
         if front == "realtime":
             config.doors.http = "127.0.0.1:0"  # /v1/realtime, beside gRPC
@@ -180,6 +183,31 @@ class BenchServer:
     def services(self):
         return self.daemon.services
 
+    def start_level(self) -> None:
+        """Restart every server-side figure, so that each level's are its own."""
+        self.level_stats("the level's start")
+        if self.asr_worker is not None:
+            self.asr_worker.take()
+        self.loop_lag.take()
+
+    def level_figures(self, label: str) -> dict:
+        """The server side of a level since `start_level`: engine steps and their times, each request's time in
+        the engines (and through the pipe, with the engines in a process of their own), the event loop's lag,
+        the engines' process's garbage collections and its GPU memory."""
+        engines = self.level_stats(label)
+        out = {"asr_steps": engines["steps"]["asr"], "step_ms": engines["step_ms"]}
+        if "gc" in engines:
+            out["engine_gc"] = engines["gc"]
+        for name in ("asr", "tts"):  # a request's wait for a row, and its time in one
+            if name in engines.get("engine_ms", {}):
+                out[f"{name}_engine_ms"] = engines["engine_ms"][name]
+        if self.asr_worker is not None:
+            out["asr_worker_ms"] = self.asr_worker.take()  # ... and with the pipe there and back
+        out["loop_lag_ms"] = self.loop_lag.take()
+        if "gpu_memory" in engines:
+            out["gpu_memory"] = engines["gpu_memory"]
+        return out
+
     def stop(self) -> None:
         import asyncio
         import gc
@@ -223,6 +251,34 @@ def start_server(args) -> BenchServer:
                        lambda label: engines.call("bench.level_stats", label))
 
 
+def serve(args) -> int:
+    """`voiced bench e2e --serve`: this run's daemon alone, in the foreground, as `voiced serve` runs (the
+    same loader, signals and drain), serving the benchmark's engines until SIGTERM or Ctrl-C."""
+    from voiced import event_loop
+    from voiced.core.agents import AgentRegistry
+    from voiced.core.services import Services
+    from voiced.daemon import Daemon, catch_stop_signals, drain_on_signal
+
+    spec = bench_spec(args)
+
+    async def run() -> None:
+        services = Services(config=spec.config, agents=AgentRegistry(spec.config.agent))
+        daemon = Daemon(spec.config, load=lambda: load_engines(spec), services=services)
+        stop = catch_stop_signals()
+        try:
+            await daemon.start()
+        except BaseException:
+            await daemon.drain_and_stop(grace=0)
+            raise
+        log.info("serving the benchmark's engines: gRPC %s%s", spec.config.server.listen,
+                 f", HTTP {spec.config.doors.http}" if spec.config.doors.http else "")
+        await drain_on_signal(daemon, stop)
+
+    event_loop.run(run(), spec.config.server.event_loop)
+    log.info("stopped")
+    return 0
+
+
 class GcPauses:
     """Records every garbage collection of the process: generation and pause in ms. After a full collection
     of `census_ms` or longer it also counts what the collector still tracks, by type (the largest few), and
@@ -258,6 +314,19 @@ class GcPauses:
         if self.censuses:
             out["slow_full"], self.censuses = self.censuses, []
         return out
+
+
+def target_info(address: str) -> dict:
+    """What a daemon already running says it serves (GetServerInfo), for a report on it (`--target`)."""
+    import grpc
+    from voiced_client.proto import voiced_pb2 as pb
+    from voiced_client.proto import voiced_pb2_grpc as pb_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        info = pb_grpc.VoicedStub(channel).GetServerInfo(pb.GetServerInfoRequest(), timeout=30)
+    return {"target": address, "version": info.version, "max_sessions": info.max_sessions,
+            **{name: {"model": m.name, "backend": m.backend, "device": m.device}
+               for name, m in (("asr", info.asr), ("tts", info.tts)) if m.name}}
 
 
 def runtime_report(spec: EngineSpec) -> dict:

@@ -75,7 +75,9 @@ from voiced.bench.bench_daemon import (
     bench_spec,
     gpu_memory,
     runtime_report,
+    serve,
     start_server,
+    target_info,
     turn_detection,
 )
 from voiced.bench.report import emit
@@ -393,7 +395,19 @@ CALLERS_PER_PROCESS = 64
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(prog="voiced bench e2e", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--wav", type=Path, required=True, help="speech with pauses, a WAV file of any rate (resampled to 16 kHz; looped by every caller)")
+    ap.add_argument("--wav", type=Path, help="speech with pauses, a WAV file of any rate (resampled to 16 kHz; looped "
+                    "by every caller); needed but with --serve")
+    ap.add_argument("--target", metavar="HOST:PORT",
+                    help="call a daemon already running there over gRPC (or a balancer in front of several) instead "
+                         "of starting one: the same callers and figures, less the daemon's own (engine steps, loop "
+                         "lag, GPU memory). Start each daemon with `voiced bench e2e --serve` and this run's engine "
+                         "options, so that it serves the random weights with the lengths these callers expect")
+    ap.add_argument("--serve", action="store_true",
+                    help="run only the daemon, with this run's engines and forced lengths, at --listen (and --http) "
+                         "until SIGTERM or Ctrl-C, then drain as `voiced serve` does: what --target calls")
+    ap.add_argument("--listen", default="127.0.0.1:50051", help="with --serve: the gRPC address")
+    ap.add_argument("--http", metavar="HOST:PORT", help="with --serve: the HTTP listener (a balancer's health check "
+                    "reads its /readyz)")
     ap.add_argument("--tiktoken-dir", type=Path, default=None,
                     help="a folder holding multilingual.tiktoken to use before the copy voiced ships (random Whisper)")
     ap.add_argument("--asr-model", default=None,
@@ -455,6 +469,12 @@ def main(argv: list[str] | None = None) -> dict:
         return report
     if args.turn_detection and args.asr_model is None:
         ap.error("--turn-detection needs --asr-model: with random weights turns end on silence")
+    if args.serve:
+        return serve(args)
+    if args.wav is None:
+        ap.error("--wav is needed: the speech every caller loops")
+    if args.target and (args.front != ["grpc"] or args.profile_level):
+        ap.error("--target calls over gRPC only, and profiles nothing (the daemon runs elsewhere)")
     from voiced.audio.wavfile import WavError, load_16k
     try:  # here, not after a GPU daemon's minutes of start-up
         load_16k(args.wav)
@@ -465,32 +485,35 @@ def main(argv: list[str] | None = None) -> dict:
 
     import torch
 
-    spec = bench_spec(args)  # (resolved again by start_server: the same config gives the same runtime)
-    if spec.runtime.process != "inline" and args.profile_level:
-        ap.error("--profile-level profiles the engine thread in this process: not with the engines in their "
-                 "own (add --engine-process inline)")
-    t_start = time.monotonic()
-    server = start_server(args)
-    addresses = server.addresses
-    startup_s = round(time.monotonic() - t_start, 1)
-    log.info("daemon up after %.1f s (engines loaded and warmed up)", startup_s)
+    if args.target:  # a daemon (or a balancer) already running: the callers' figures only
+        server, addresses = None, {"grpc": args.target}
+        about = {"gpu": None, **target_info(args.target)}
+    else:
+        spec = bench_spec(args)  # (resolved again by start_server: the same config gives the same runtime)
+        if spec.runtime.process != "inline" and args.profile_level:
+            ap.error("--profile-level profiles the engine thread in this process: not with the engines in their "
+                     "own (add --engine-process inline)")
+        t_start = time.monotonic()
+        server = start_server(args)
+        addresses = server.addresses
+        about = {"gpu": "cpu (dry run)" if args.tiny_cpu else torch.cuda.get_device_name(),
+                 **runtime_report(server.spec), "startup_s": round(time.monotonic() - t_start, 1)}
+        log.info("daemon up after %.1f s (engines loaded and warmed up)", about["startup_s"])
     gc_pauses = GcPauses()
     gc.callbacks.append(gc_pauses)
-    result = {"bench": "e2e", "gpu": "cpu (dry run)" if args.tiny_cpu else torch.cuda.get_device_name(), "torch": torch.__version__,
+    result = {"bench": "e2e", **about, "torch": torch.__version__,
               "python": platform.python_version(), "asr_dims": args.asr_dims, "asr_tokens": args.asr_tokens,
               "asr_model": args.asr_model or "random", "turn_detection": turn_detection(args),
               "reply_seconds": args.reply_seconds, "first_chunk_tokens": args.first_chunk_tokens,
-              "hang_up": args.hang_up, **runtime_report(server.spec), "duration_s": args.duration, "startup_s": startup_s,
+              "hang_up": args.hang_up, "duration_s": args.duration,
               "date": time.strftime("%Y-%m-%d"), "fronts": {}, "saturation": {}}
     serving_peak = 0.0
 
     def measure(front: str, n: int) -> dict:
         nonlocal serving_peak
         gc_pauses.take()
-        server.level_stats("the level's start")  # each level's steps and memory peak are its own
-        if server.asr_worker is not None:
-            server.asr_worker.take()
-        server.loop_lag.take()
+        if server is not None:
+            server.start_level()
         cmd = [sys.executable, "-m", "voiced.bench.e2e_bench", "--wav", str(args.wav), "--duration", str(args.duration),
                "--reply-seconds", str(args.reply_seconds), "--hang-up", args.hang_up]
         timer = None
@@ -510,22 +533,10 @@ def main(argv: list[str] | None = None) -> dict:
         if broken:
             return {"error": broken[0][-2000:]}
         level = level_report([json.loads(stdout.strip().splitlines()[-1]) for _, stdout, _ in outputs])
-        engines = server.level_stats(f"{front}, {n} callers")
-        level["asr_steps"] = engines["steps"]["asr"]
-        level["gc"] = gc_pauses.take()
-        if "gc" in engines:
-            level["engine_gc"] = engines["gc"]
-        level["step_ms"] = engines["step_ms"]
-        if "asr" in engines.get("engine_ms", {}):
-            level["asr_engine_ms"] = engines["engine_ms"]["asr"]  # asr_ms's share in the engines' process
-        if "tts" in engines.get("engine_ms", {}):
-            level["tts_engine_ms"] = engines["engine_ms"]["tts"]  # a reply's wait for a row, and its time in one
-        if server.asr_worker is not None:
-            level["asr_worker_ms"] = server.asr_worker.take()  # ... and with the pipe there and back
-        level["loop_lag_ms"] = server.loop_lag.take()
-        if "gpu_memory" in engines:
-            level["gpu_memory"] = engines["gpu_memory"]
-            serving_peak = max(serving_peak, engines["gpu_memory"]["peak_gib"])
+        if server is not None:
+            level["gc"] = gc_pauses.take()  # the daemon's process (the callers run in their own)
+            level.update(server.level_figures(f"{front}, {n} callers"))
+            serving_peak = max(serving_peak, level.get("gpu_memory", {}).get("peak_gib", 0.0))
         log.info("%s, %d sessions: %s", front, n, json.dumps(level))
         return level
 
@@ -558,9 +569,10 @@ def main(argv: list[str] | None = None) -> dict:
                  f" (first over at {sat['first_over']})" if sat["saturated"] else " (every level measured)")
     result["levels"] = result["fronts"][args.front[0]]  # one door's levels where they always were
     result["door_overhead_ms"] = door_overhead(result["fronts"])
-    server.stop()
+    if server is not None:
+        server.stop()
     if not args.tiny_cpu:
-        if server.spec.runtime.process == "inline":  # (else the engines' memory went with their process: the levels have it)
+        if server is not None and server.spec.runtime.process == "inline":  # (else the engines' memory went with their process: the levels have it)
             gpu_memory("serving")
             MEMORY["serving"]["peak_gib"] = max(MEMORY["serving"]["peak_gib"], serving_peak)  # levels reset the peak
             result["gpu_memory"] = MEMORY

@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import os
-import signal
 import sys
 
 from voiced.cli import CliError
@@ -176,7 +174,7 @@ async def _serve(spec, tts_missing: str = "") -> int:
     from voiced.assembly import load_engines
     from voiced.core.agents import AgentRegistry
     from voiced.core.services import Services
-    from voiced.daemon import Daemon
+    from voiced.daemon import Daemon, catch_stop_signals, drain_on_signal
     from voiced.doors import DoorError
     from voiced.hub import DownloadError, ModelNotFoundError
 
@@ -185,10 +183,7 @@ async def _serve(spec, tts_missing: str = "") -> int:
     off = {"tts_off": f"this server only listens: it has no speech synthesis model. {tts_missing}"} if tts_missing else {}
     services = Services(config=config, agents=AgentRegistry(config.agent), **off)
     daemon = Daemon(config, load=lambda: load_engines(spec), services=services)
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    stop = catch_stop_signals()  # (a Ctrl-C while the models load drains as soon as they are up)
     try:
         await daemon.start()
     except (ModelNotFoundError, DownloadError, DoorError, FileNotFoundError, ValueError, OSError) as e:
@@ -201,21 +196,6 @@ async def _serve(spec, tts_missing: str = "") -> int:
         if isinstance(e, EngineError):
             raise CliError(str(e)) from None
         raise
-    await stop.wait()
-    stop.clear()
-    log.info("signal received: draining (up to %.0f s; a second Ctrl-C stops at once)", config.server.drain_seconds)
-    drain = asyncio.ensure_future(daemon.drain_and_stop())
-    again = asyncio.ensure_future(stop.wait())
-    await asyncio.wait((drain, again), return_when=asyncio.FIRST_COMPLETED)
-    if not drain.done():
-        log.warning("second signal: closing %d open sessions now", daemon.services.active_sessions)
-        daemon.hurry()
-    again.cancel()
-    await drain
-    # What freeze_heap took out of the collector's reach goes back, so the interpreter's exit frees it:
-    # frozen, triton's bindings report each of their ~500 objects as a leak on the way out.
-    import gc
-
-    gc.unfreeze()
+    await drain_on_signal(daemon, stop)
     log.info("stopped")
     return 0
