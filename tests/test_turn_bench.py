@@ -79,8 +79,9 @@ def test_the_turn_set_pauses_only_where_a_sentence_cannot_end_and_knows_where_sp
             if p.kind == "paused":
                 assert p.parts[0].split()[-1].lower().strip(",") in NOT_FINAL, p.parts
                 assert 0.3 <= p.pause_s <= 2.0
-    callers = make_set(tmp_path, 6, seed=7, tail_s=1.0, tails=["silence"])
+    callers = make_set(tmp_path, 6, seed=7, tail_s=1.0, tails=["silence"], phone_every=0)
     assert [c.kind for c in callers] == ["finished", "paused"] * 3
+    assert {c.line for c in callers} == {"clean"}
     for c in callers:
         samples, rate = read_wav(tmp_path / c.audio)
         x = samples.astype(np.float32) / 32768
@@ -92,6 +93,28 @@ def test_the_turn_set_pauses_only_where_a_sentence_cannot_end_and_knows_where_sp
             assert np.abs(x[int(a * rate) + 1: int(b * rate) - 1]).max() <= LOUD  # the pause is silent
             assert np.abs(x[int(b * rate): int(b * rate) + 320]).max() > LOUD  # and speech comes back
         assert len(c.parts) == (2 if c.kind == "paused" else 1)
+
+
+def test_a_third_of_the_turn_set_calls_through_a_phone_line(tmp_path):
+    need_espeak()
+    from voiced_client.wavio import read_wav
+
+    from voiced.bench.turn_set import make_set
+
+    callers = make_set(tmp_path, 6, seed=7, tail_s=1.0, tails=["silence"])
+    assert [c.line for c in callers] == ["clean", "clean", "phone"] * 2
+    for c in callers:
+        samples, rate = read_wav(tmp_path / c.audio)
+        x = samples.astype(np.float32) / 32768
+        assert rate == 16000 and len(x) / rate == pytest.approx(c.duration_s, abs=0.01)
+        spectrum = np.abs(np.fft.rfft(x)) ** 2
+        f = np.fft.rfftfreq(len(x), 1 / rate)
+        high = spectrum[f > 4000].sum() / spectrum.sum()  # 8 kHz mu-law carries nothing above 4 kHz
+        lead = x[: int(c.speech_start_s * rate) - 1]
+        if c.line == "phone":
+            assert high < 1e-3 and np.abs(lead).max() > 0  # line noise before the caller speaks
+        else:
+            assert high > 1e-3 and np.abs(lead).max() == 0
 
 
 @pytest.mark.slow
