@@ -1,122 +1,30 @@
 """End-of-turn detection: has the caller finished, or only paused?
 
-Fixed silence (`turn_detection = "silence"`: `hangover_ms` of it ends the turn) makes every caller
-wait that long for a reply, and still cuts off anyone who pauses longer mid-sentence ("a table for
-... four people"). `turn_detection = "smart"` decides at each short pause from four things, because
-none of them decides well alone (issue 25: on espeak-ng speech an audio model hears a falling voice
-before every pause, and Whisper puts a full stop on half a sentence):
+Fixed silence (`turn_detection = "silence"`) makes every caller wait `hangover_ms` for a reply and still
+cuts off anyone who pauses longer mid-sentence (LiveKit's eot-bench: a silence-only detector cuts off
+21.7 % of real callers' pauses at 600 ms). `turn_detection = "smart"` decides at each short pause, from
+four signals, because none decides well alone (an audio model hears a falling voice before many pauses;
+Whisper puts a full stop on half a sentence):
 
-- the words: the transcript of the turn so far. A text that ends on a word that cannot end an
-  English sentence (an article, preposition, conjunction, auxiliary or modal verb, possessive or
-  determiner, "to"), on a filler (um, uh), on a trailing comma or dash, or on a number being
-  dictated, is not finished, whatever punctuation Whisper put after it;
-- the audio: Smart Turn v3's probability that the turn is complete (voiced.engines.smart_turn);
-- the decoder: the probability Whisper gives end-of-text right after the transcript
-  (`Transcript.end_prob`, from the word-timing pass the rule already asks for). After a full stop or
-  a question mark it is ~0.97-0.99 whether or not the caller is done (it adds nothing there), but
-  where Whisper wrote no final punctuation it says whether Whisper expects more words: ~0.3-0.5
-  after half a sentence, higher after a whole one. From the same pass, the probability it gives the
-  sentence stopping right after the last word (`Transcript.stop_prob`: a full stop, question or
-  exclamation mark, ellipsis or end-of-text next, against more words or a comma): where Whisper ended
-  half a sentence with a full stop or question mark, it was often less sure of that stop than after a
-  whole sentence (below);
-- the silence so far: each verdict sets how much silence ends the turn, and `max_ms` of silence
-  always ends it.
+- the words (`unfinished`): a text ending where an English sentence cannot (an article, preposition,
+  conjunction, auxiliary, possessive, filler, trailing comma, a number being read out) is not finished,
+  whatever punctuation Whisper put after it;
+- the decoder: Whisper's probability of end-of-text after the text (`end_p`: ~0.3-0.5 after half a
+  sentence without punctuation) and of a sentence end right after the last word (`stop_p`), and its
+  probability of the last word itself (`doubted`: a word made up at the pause's edge);
+- the audio: Smart Turn v3's probability that the turn is complete, asked only where it can change the
+  wait (`Bounds.audio_decides`, low eagerness);
+- the silence so far: each verdict (`Evidence.verdict`, one of VERDICTS) sets how much silence ends the
+  turn (`Bounds`), and `max_ms` always does.
 
-| verdict                                                  | silence that ends the turn          |
-|----------------------------------------------------------|-------------------------------------|
-| nothing known yet (the transcript is not ready)           | `max_ms`                            |
-| the words are not finished                               | `max_ms`                            |
-| ... but only as a number read out                        | `doubt_ms`                          |
-| the words are finished and Whisper is sure of the last   | `complete_ms` (the short pause)     |
-|     word and of the end (end-of-text)                    |                                     |
-| ... and the audio model alone hears an unfinished turn   | `audio_ms` (medium, high: the short |
-|                                                          |     pause; low: `unsure_ms`)        |
-| the words are finished, the decoder expects more words;  | `unsure_ms`                         |
-|     no words                                             |                                     |
-| the words look finished but Whisper doubts the last one, | `doubt_ms`                          |
-|     or that the sentence stops after it                  |                                     |
+Whisper's doubts are judged against the line (`sureness`): through a phone line it gives every word a
+median probability of 0.2-0.7 where a clean line gets 0.8-1.0, so a doubt is a word, or a stop, less sure
+than this caller's other words by a clean line's margin. A line that keeps sounding after the voice (hold
+music) gives no silence; there the words show where the caller stopped (`Heard.stalled`, `talking`).
 
-A number read out ("... ends in four five | seven two") is the one unfinished ending that also ends
-sentences: no rule on the words knows whether more digits come, so it waits `doubt_ms` (at medium
-2.2 s, long enough for the pause between two groups of digits) whatever the audio and the decoder
-say: on the bench's espeak-ng callers neither told a finished reading from a paused one (Smart Turn
-0.01-0.97 on both), and the bound (4 s) that every reading they did not both call finished waited held
-the p90 of most sets at 4 s; no paused reading in them waited more than 2 s between its groups.
-
-Eagerness sets the five (OpenAI's semantic_vad waits at most 8 / 4 / 2 s at low / medium / high).
-People pause mid-sentence for up to about 2 s, so at medium an unfinished text waits 4 s, and a text
-whose last word Whisper doubts waits that 2 s and the time to hear the voice come back (the
-segmenter's RESUME_MS and the VAD's onset): 2.2 s. Such a word is often one Whisper made up from the
-end of half a sentence ("I will care, Kevin." for "I will cancel the"; "I would like to book a table
-for it." for "... a table for | two people"), and a full stop after it says nothing. Whisper doubts
-it (`doubted`) where it gives it less than LAST_P (0.7) and it began less than HEARD_S (1 s) before
-the voice stopped: a word made up at a pause gets the sliver of sound at the pause's edge, where a word
-Whisper heard and spelled unsure of (a long number, a name, espeak-ng's odd vowels) sits on a second or
-more of the caller's sound. Both are trades, measured in session 10 (the offline replay, 30 ms decode,
-espeak-ng sets of 24 callers, dev seeds 0-2 and held-out 3-4; docs/BENCHMARKS.md): with real tiny.en,
-LAST_P 0.5 cut off 10 of 36 pausing dev callers, 0.6 7, 0.7 6 at the same median (216 ms); 0.75 and
-0.8 cut off 4 but held the median dev caller 370-580 ms, most finished espeak-ng sentences' last words
-being given 0.7-1.0. With base (multilingual), HEARD_S 0.5 (session 9's) cut off 12 of 36 pausing dev
-callers; no exemption cut off 5 of 36 and 5 of 24 but held the pooled held-out median at 2.1 s; 1 s
-cut off 5 and 5 with pooled medians of 216 / 219 ms (base gives many of espeak-ng's last words 0.3-0.7:
-its own medians on seeds 1 and 3 still sit at 2.2 s).
-
-A pausing caller whose first half Whisper writes as a whole sentence with a last word it is sure of
-("They can repair them." for "They can repair the | contract"; "... that is open after?" for "... open
-after | half past six") is cut off by everything above; what tells such a stop from a real one is how
-sure Whisper is of the stop itself: at 10 of the 25 pauses that cut callers off on the bench's seeds
-0-11 it gave the sentence ending after the last word 0.23-0.91, after 145 of the 153 real ends that
-ended a turn at once 0.92 or more (median 0.97; a voice that carries on sounds unfinished to Whisper
-too, even where its words could end). Under STOP_P (0.92) the end is a doubt and waits `doubt_ms`. Session 11 (offline replay, real tiny.en, 30 ms decode, docs/BENCHMARKS.md): pausing
-callers cut off 6 -> 4 of 36 on the dev seeds 0-2 it was chosen on, 19 -> 11 of 108 on seeds 3-11, 22 ->
-12 of 96 and 19 -> 13 of 96 on two fresh sets (12-19, 20-27) made before it and never looked at caller by
-caller, no caller newly cut off and the p50 / p90 unchanged; the cost is a whole sentence whose stop
-Whisper doubts (1-2 callers in 24 on some sets) waiting `doubt_ms`. STOP_P 0.95 held the median dev
-caller 0.5 s; 0.85 kept no dev caller whole.
-
-The audio model (Smart Turn v3) is asked at every pause at low eagerness only: at medium and high its
-"incomplete" alone no longer holds finished words Whisper is sure of (`audio_ms`), so its answer could
-not change when a turn ends and it is not run there (`Bounds.audio_decides`; on a 2-core CPU it took
-~14 % of a core at 4 callers, docs/BENCHMARKS.md, session 11): on espeak-ng
-callers it called most finished sentences incomplete (p 0.01-0.3) and agreed with half sentences
-("Could you tell my accountant that?": 0.69) as often, so its vote cost every such finished caller
-400 ms (the old end-of-turn p50, ~610 ms) and kept 1 of 60 pausing callers (dev and held-out seeds,
-tiny.en) from being cut off. At low eagerness it still holds them (`audio_ms` = `unsure_ms`).
-
-The words are read with their probabilities and times: a doubtful last word placed after the voice
-stopped does not make unfinished words finished (`judged_text`). Text from an earlier (interim)
-decode is used while the fresh one is not ready, but only to keep a turn open: a stale transcript may lack the last words, so it can never end a turn early.
-
-When the pause begins: the session starts the transcript (the slow part: ~20 ms on a GPU, a few
-hundred on a CPU) after `PAUSE_MS` of silence, before the shortest wait (`complete_ms`) is up, so
-that on a GPU the verdict is ready when that wait ends and on a CPU it comes the instant the decode
-returns. The audio model hears the turn up to the voice's end with `MODEL_SILENCE_MS` of digital
-silence after it, whatever the line plays after the voice (noise, tones, music: it was trained on
-turns followed by silence).
-
-A line that keeps sounding after the voice (hold music; anything the VAD keeps calling speech) never
-gives a pause, or only a short one before it starts. There the words decide when the caller stopped:
-after a pause that sound followed, the session decodes the turn every `WORDS_EVERY_MS`, and once the
-words have not changed over `STALL_MS` more audio (`Heard.stalled`) and the sound has lasted that long
-(a caller who has just resumed has no new word yet), the caller stopped talking where those words
-ended: that is a pause, judged as any other, its silence counted from there; new words cancel it.
-Whisper drops words a caller said after a gap inside one clip (seen on espeak-ng callers after keypad
-tones, on a noisy line, and after a long pause: "I will check them." while the caller went on "invoice and
-find the contract"), so before such a pause opens, the sound after the words is decoded alone: where
-Whisper finds words in it that its filters do not call a hallucination, and not the same words as the
-last time it was decoded alone (a talking caller's sound yields new words as it grows; music gives
-Whisper its usual "you" again and again), the caller is talking and no pause opens (`talking`); the
-decodes every WORDS_EVERY_MS go on deciding. On the bench's sets (seeds 0 and 1, real tiny.en, every
-such pause's sound decoded alone) Whisper found words in the sound of 13 of 14 callers who were talking
-there, and in that of 1 of 6 callers on hold music after their last word ("you", flagged a
-hallucination in the other 5), whose pause then opens one decode (WORDS_EVERY_MS) later. There,
-with no silence to go on, Whisper's end-of-text must agree: where it expects more words the sound is
-taken for the caller's next word (seen live: "I am calling because the payment", end-of-text 0.21, the
-same in two decodes while the caller said "failed"), and only new words or the bound end the pause.
-
-Nothing here does I/O: the session feeds it the evidence and asks, on each frame of a pause, whether
-the turn is over (`Evidence.wait_ms` is a lookup).
+Nothing here does I/O: the session (voiced.core.session) feeds it the evidence and asks, on each frame of a
+pause, whether the turn is over. The table of verdicts and how each threshold was chosen, with the sets
+it was measured on: docs/notes/2026-12-07-end-of-turn-rule.md.
 """
 
 from __future__ import annotations
@@ -357,7 +265,7 @@ def judged_text(text: str, words: list, speech_end_s: float) -> str:
     return text
 
 
-# `Evidence.verdict`'s names for the rows of the table above
+# `Evidence.verdict`'s names for what set the wait (docs/notes/2026-12-07-end-of-turn-rule.md tables them)
 VERDICTS = ("no text", "stale text", "unfinished", "number", "no words", "sounding", "audio pending", "complete",
             "audio doubts", "more words", "doubted word", "doubted stop")
 
@@ -376,11 +284,11 @@ class Evidence:
     sure: float = 1.0  # how sure Whisper is of the turn's other words, of a clean line's (`sureness`): scales STOP_P
 
     def wait_ms(self, b: Bounds) -> int:
-        """The silence after which this turn ends (module docstring's table)."""
+        """The silence after which this turn ends (`verdict`)."""
         return self.verdict(b)[0]
 
     def verdict(self, b: Bounds) -> tuple[int, str]:
-        """That wait, and which row of the table set it (one of VERDICTS): the bench counts what held
+        """That wait, and what set it (one of VERDICTS): the bench counts what held
         the turns that ended late (voiced.bench.turn_replay), which no figure of the wait itself says
         (a doubted word and a number read out both wait `doubt_ms`)."""
         if self.text is None:
