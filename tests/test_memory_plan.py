@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from voiced.memory_plan import ENV_VARS, KVShape, MemoryPlan, MemoryPlanError, kv_slots
+from voiced.memory_plan import KVShape, MemoryPlan, MemoryPlanError, kv_slots
 
 
 def test_defaults_are_valid_and_leave_headroom():
@@ -24,15 +24,20 @@ def test_from_mapping_reads_the_toml_table_and_rejects_typos():
         MemoryPlan.from_mapping({"tts_kv_fraction": True})
 
 
-def test_environment_overrides():
-    env = {ENV_VARS["whisper_kv_fraction"]: "0.2", ENV_VARS["tts_kv_fraction"]: "0.5",
-           ENV_VARS["whisper_cross_kv_fraction"]: "0.3", "VOICED_UNRELATED": "x"}
-    plan = MemoryPlan().apply_env(env)
+def test_the_environment_sets_a_share_by_its_key_and_a_short_name_is_refused_naming_it():
+    """[memory] keys take the overlay every key takes (VOICED_MEMORY_<KEY>); no other name is read."""
+    from voiced.config import ConfigError, load_config
+
+    env = {"VOICED_MEMORY_WHISPER_KV_FRACTION": "0.2", "VOICED_MEMORY_TTS_KV_FRACTION": "0.5",
+           "VOICED_MEMORY_WHISPER_CROSS_KV_FRACTION": "0.3", "VOICED_UNRELATED": "x"}
+    plan = load_config(env=env).memory
     assert (plan.whisper_kv_fraction, plan.tts_kv_fraction, plan.whisper_cross_kv_fraction) == (0.2, 0.5, 0.3)
-    assert MemoryPlan().apply_env({}) == MemoryPlan()
-    assert "VOICED_WHISPER_KV_FRACTION" in ENV_VARS.values() and "VOICED_TTS_KV_FRACTION" in ENV_VARS.values()
-    with pytest.raises(MemoryPlanError, match="VOICED_TTS_KV_FRACTION='30'.*0.3.*not a percentage"):
-        MemoryPlan().apply_env({"VOICED_TTS_KV_FRACTION": "30"})
+    with pytest.raises(ConfigError, match="VOICED_TTS_KV_FRACTION: .*use VOICED_MEMORY_TTS_KV_FRACTION"):
+        load_config(env={"VOICED_TTS_KV_FRACTION": "0.3"})
+    with pytest.raises(ConfigError, match=r"tts_kv_fraction = 30 must be in \[0.01, 1\)"):
+        load_config(env={"VOICED_MEMORY_TTS_KV_FRACTION": "30"}).validate()
+    with pytest.raises(MemoryPlanError, match="tts_kv_fraction = '30'.*0.3.*not a percentage"):
+        MemoryPlan.from_mapping({"tts_kv_fraction": "30"})
 
 
 @pytest.mark.parametrize(
@@ -40,7 +45,7 @@ def test_environment_overrides():
     [
         ({"whisper_kv_fraction": 0.6, "tts_kv_fraction": 0.5}, r"sum to at most 0\.90"),
         ({"whisper_kv_fraction": 1.2}, r"whisper_kv_fraction = 1\.2 must be in"),
-        ({"tts_kv_fraction": 0.0}, r"tts_kv_fraction = 0 must be in.*VOICED_TTS_KV_FRACTION"),
+        ({"tts_kv_fraction": 0.0}, r"tts_kv_fraction = 0 must be in.*VOICED_MEMORY_TTS_KV_FRACTION"),
         ({"whisper_cross_kv_fraction": 1.0}, r"whisper_cross_kv_fraction = 1 must be in \(0, 1\)"),
         ({"headroom_fraction": 0.0}, r"headroom_fraction = 0 must be in"),
     ],

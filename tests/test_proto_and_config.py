@@ -24,7 +24,8 @@ def test_config_file_then_environment_then_flags(tmp_path):
     f = tmp_path / "voiced.toml"
     f.write_text('[server]\nlisten = "0.0.0.0:6000"\nmax_sessions = 5\n[asr]\nmodel = "small"\n'
                  '[memory]\ntts_kv_fraction = 0.3\n')
-    env = {"VOICED_SERVER_MAX_SESSIONS": "7", "VOICED_BARGE_IN_ENABLED": "false", "VOICED_WHISPER_KV_FRACTION": "0.2"}
+    env = {"VOICED_SERVER_MAX_SESSIONS": "7", "VOICED_BARGE_IN_ENABLED": "false",
+           "VOICED_MEMORY_WHISPER_KV_FRACTION": "0.2"}
     c = load_config(f, env=env, overrides={"asr.model": "tiny", "server.listen": None})
     assert c.server.listen == "0.0.0.0:6000"
     assert c.server.max_sessions == 7
@@ -49,7 +50,7 @@ def test_config_mistakes_name_the_key(tmp_path, text, env, words):
 
 
 def test_memory_plan_that_overcommits_is_refused():
-    c = load_config(env={"VOICED_WHISPER_KV_FRACTION": "0.6", "VOICED_TTS_KV_FRACTION": "0.5"})
+    c = load_config(env={"VOICED_MEMORY_WHISPER_KV_FRACTION": "0.6", "VOICED_MEMORY_TTS_KV_FRACTION": "0.5"})
     with pytest.raises(ConfigError, match="headroom"):
         c.validate()
 

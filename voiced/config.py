@@ -328,15 +328,13 @@ def load_config(
         if not name.startswith("VOICED_") or name in _NOT_SETTINGS:
             continue
         rest = name[len("VOICED_") :].lower()
+        if rest in _MEMORY_KEYS:  # a [memory] key without its section: say the name that sets it
+            raise ConfigError(f"environment {name}: [memory] keys are set as VOICED_MEMORY_<KEY>; "
+                              f"use VOICED_MEMORY_{rest.upper()}")
         section = next((s for s in SECTIONS if rest.startswith(s + "_")), None)
         if section is None:
             continue  # other tools' variables (VOICED_CACHE, ...)
         config.set(section, rest[len(section) + 1 :], value, f"environment {name}")
-    # The memory plan's documented short names (VOICED_WHISPER_KV_FRACTION, ...).
-    try:
-        config.memory = config.memory.apply_env(env)
-    except MemoryPlanError as e:
-        raise ConfigError(str(e)) from None
     for dotted, value in (overrides or {}).items():
         if value is None:
             continue
@@ -347,5 +345,4 @@ def load_config(
 
 # Variables that share the prefix but are not config keys.
 _NOT_SETTINGS = {"VOICED_CONFIG", "VOICED_CACHE"}
-_NOT_SETTINGS |= {"VOICED_WHISPER_KV_FRACTION", "VOICED_WHISPER_CROSS_KV_FRACTION", "VOICED_TTS_KV_FRACTION",
-                  "VOICED_GPU_HEADROOM_FRACTION"}
+_MEMORY_KEYS = {f.name for f in dataclasses.fields(MemoryPlan)}

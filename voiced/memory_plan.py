@@ -17,28 +17,25 @@ and the start-up log) and hands to both backends:
 
 The PyTorch backend sizes its static caches from the same numbers (``kv_slots``).
 
-Configuration: the ``[memory]`` TOML table (``MemoryPlan.from_mapping``), overridden by
-``VOICED_WHISPER_KV_FRACTION``, ``VOICED_WHISPER_CROSS_KV_FRACTION``, ``VOICED_TTS_KV_FRACTION`` and
-``VOICED_GPU_HEADROOM_FRACTION`` (``MemoryPlan.apply_env``).
+Configuration: the ``[memory]`` TOML table (voiced.config), and like every key the
+``VOICED_MEMORY_<KEY>`` environment overlay (``VOICED_MEMORY_TTS_KV_FRACTION``; voiced.config).
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import os
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 from typing import Any
 
 log = logging.getLogger(__name__)
 
-ENV_VARS = {
-    "whisper_kv_fraction": "VOICED_WHISPER_KV_FRACTION",
-    "whisper_cross_kv_fraction": "VOICED_WHISPER_CROSS_KV_FRACTION",
-    "tts_kv_fraction": "VOICED_TTS_KV_FRACTION",
-    "headroom_fraction": "VOICED_GPU_HEADROOM_FRACTION",
-}
+
+def env_name(key: str) -> str:
+    """The environment variable that sets [memory] `key` (voiced.config's overlay)."""
+    return f"VOICED_MEMORY_{key.upper()}"
+
 
 # Below this a KV pool cannot hold even one 30 s Whisper request on a small GPU; a typo such as
 # 0.0025 for 0.25 is far likelier than a deliberate choice.
@@ -101,16 +98,6 @@ class MemoryPlan:
         values = {k: _as_fraction(f"[memory] {k}", v) for k, v in data.items()}
         return cls(**values)
 
-    def apply_env(self, environ: Mapping[str, str] | None = None) -> MemoryPlan:
-        """Return a copy with the ``VOICED_*`` environment overrides applied."""
-        env = os.environ if environ is None else environ
-        changes = {}
-        for name, var in ENV_VARS.items():
-            raw = env.get(var)
-            if raw is not None and raw.strip() != "":
-                changes[name] = _as_fraction(var, raw)
-        return replace(self, **changes) if changes else self
-
     # ------------------------------------------------------------------ validation
 
     def validate(self) -> MemoryPlan:
@@ -120,7 +107,7 @@ class MemoryPlan:
             v = getattr(self, name)
             if not (MIN_POOL_FRACTION <= v < 1.0):
                 problems.append(
-                    f"{name} = {v:g} must be in [{MIN_POOL_FRACTION:g}, 1) (env {ENV_VARS[name]})"
+                    f"{name} = {v:g} must be in [{MIN_POOL_FRACTION:g}, 1) (env {env_name(name)})"
                 )
         c = self.whisper_cross_kv_fraction
         if not (0.0 < c < 1.0):
@@ -206,9 +193,9 @@ def _as_fraction(where: str, value: Any) -> float:
         raise MemoryPlanError(f"{where}: expected a number between 0 and 1, got {value!r}") from None
     if math.isnan(v) or math.isinf(v):
         raise MemoryPlanError(f"{where}: expected a number between 0 and 1, got {value!r}")
-    if 1.0 < v <= 100.0 and where.startswith("VOICED_"):
-        # A percentage in an environment variable ("30") is a common slip; say so instead of guessing.
-        raise MemoryPlanError(f"{where}={value!r}: give a fraction (e.g. {v / 100:g}), not a percentage")
+    if 1.0 < v <= 100.0:
+        # A percentage ("30") is a common slip; say so instead of guessing.
+        raise MemoryPlanError(f"{where} = {value!r}: give a fraction (e.g. {v / 100:g}), not a percentage")
     return v
 
 
@@ -254,7 +241,7 @@ class EngineNeed:
         if not self.fits(free_bytes, fraction):
             raise MemoryPlanError(
                 f"{self.engine} needs {_gib(self.total)} on the GPU but [memory] {self.setting} = {fraction:g} allows "
-                f"{_gib(cap)} of the {_gib(free_bytes)} free; raise {self.setting} (env {ENV_VARS[self.setting]}) "
+                f"{_gib(cap)} of the {_gib(free_bytes)} free; raise {self.setting} (env {env_name(self.setting)}) "
                 f"or lower max_batch\n{plan_table([self])}")
 
 
