@@ -74,14 +74,13 @@ def main(argv: list[str] | None = None) -> dict:
     from voiced.bench.targets import judge
     from voiced.core.scheduler import EngineThread
     from voiced.engines.base import ASROptions, ASRRequest, TTSOptions, TTSRequest
-    from voiced.engines.footprint import tensor_bytes
     from voiced.engines.random_weights import WHISPER_DIMS, chirps, random_spark, random_whisper
     from voiced.engines.spark.memory_plan import memory_need as spark_need
     from voiced.engines.spark.memory_plan import vocoder_step_bytes
     from voiced.engines.whisper.engine import WhisperEngine
-    from voiced.engines.whisper.engine import memory_need as whisper_need
+    from voiced.engines.whisper.memory import memory_need as whisper_need
     from voiced.engines.whisper.tokenizer import WhisperTokenizer
-    from voiced.memory_plan import plan_table, plan_total, stream_workspace_bytes
+    from voiced.memory_plan import plan_table, plan_total, stream_workspace_bytes, tensor_bytes
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tiktoken-dir", type=Path, required=True, help="folder holding multilingual.tiktoken")
@@ -123,7 +122,7 @@ def main(argv: list[str] | None = None) -> dict:
                                             cuda_graphs=True))
     w_need = whisper_need(dims, torch.float16, tensor_bytes(model, torch.float16), asr.max_batch, cuda=True,
                           max_encoder_batch=asr.max_encoder_batch, decode_chunk=asr.decode_chunk,
-                          workspace_bytes=workspace)
+                          workspace_bytes=workspace, alignment_heads=len(asr.alignment_heads))
     mark("asr_load")
     thread.call(asr.warmup)
     mark("asr_warmup")
@@ -131,9 +130,9 @@ def main(argv: list[str] | None = None) -> dict:
 
     # ---- Spark-TTS, as the e2e bench builds it (forced lengths, a fixed cloned voice, compiled)
     work = Path(tempfile.mkdtemp())
-    # the eager vocoder, whose step transient the plan below counts (no vocoder graphs' rows)
     tts = thread.call(lambda: random_spark(dev, torch.bfloat16, torch.bfloat16, args.tts_batch,
-                                                args.tts_max_seq, work, vocoder_graphs=False))
+                                                args.tts_max_seq, work))
+    tts.vocoder_graphs = False  # the eager vocoder, whose step transient the plan below counts (no graphs' rows)
     tts.force_reply_lengths()
     tts.use_random_voice(seed=0)
     tts.lm.compile_decode()
@@ -145,7 +144,7 @@ def main(argv: list[str] | None = None) -> dict:
     thread.call(tts.warmup)
     mark("tts_warmup")
     res["tts_warmup_peaks_gib"] = tts.warmup_stats["peak_gib"]
-    # the LM's graphs' shared pool (Qwen2LM.graph_pool): held for good, though not "allocated"
+    # the LM's graphs' shared pool (ServedLM.graph_pool): held for good, though not "allocated"
     pool = graph_pool_idle_bytes(tts.lm._pool)
     res["tts_graph_pool_idle_gib"] = _gib(pool)
     tts_held = torch.cuda.memory_allocated() - asr_held + pool

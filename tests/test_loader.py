@@ -32,15 +32,14 @@ def large_v3_turbo_need(rows: int):
     engine's GPU defaults (cross keys/values in the encoder's pass, prefill and word-timing graphs)."""
     import torch
 
-    from voiced.engines.footprint import tensor_bytes
     from voiced.engines.random_weights import WHISPER_DIMS, random_whisper
-    from voiced.engines.whisper.engine import memory_need
+    from voiced.engines.whisper.memory import memory_need
+    from voiced.memory_plan import tensor_bytes
 
     dims = WHISPER_DIMS["large-v3-turbo"]
     with torch.device("meta"):
         weights = tensor_bytes(random_whisper(dims, "meta", torch.float16), torch.float16)
-    return memory_need(dims, torch.float16, weights, rows, cuda=True, cross_in_encoder=True, prefill_graphs=True,
-                       align_graphs=True, alignment_heads=6, workspace_bytes=32 << 20)
+    return memory_need(dims, torch.float16, weights, rows, cuda=True, alignment_heads=6, workspace_bytes=32 << 20)
 
 
 GIB = 1 << 30
@@ -50,7 +49,7 @@ GIB = 1 << 30
 def test_unset_rows_on_a_gpu_are_the_most_its_memory_share_holds(free_gib, rows):
     """max_batch 0 on a GPU: 64 rows where the ASR share (whisper_kv_fraction 0.25) holds them, as on the
     H200 the capacity was measured on; a smaller GPU starts with fewer rows instead of refusing to start."""
-    from voiced.engines.footprint import AUTO_GPU_ROWS, rows_that_fit
+    from voiced.memory_plan import AUTO_GPU_ROWS, rows_that_fit
 
     limit = (int(free_gib * GIB), 0.25)
     got, need = rows_that_fit(AUTO_GPU_ROWS, large_v3_turbo_need, limit, "ASR decoder")
@@ -60,7 +59,7 @@ def test_unset_rows_on_a_gpu_are_the_most_its_memory_share_holds(free_gib, rows)
 
 def test_a_gpu_too_small_for_one_row_is_refused_saying_what_to_change():
     from voiced.engines.base import EngineError
-    from voiced.engines.footprint import AUTO_GPU_ROWS, check_memory_limit, rows_that_fit
+    from voiced.memory_plan import AUTO_GPU_ROWS, check_memory_limit, rows_that_fit
 
     limit = (4 * GIB, 0.25)
     got, need = rows_that_fit(AUTO_GPU_ROWS, large_v3_turbo_need, limit, "ASR decoder")
