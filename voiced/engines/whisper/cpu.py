@@ -7,8 +7,8 @@ float32 for tiny): its time is bytes over memory bandwidth, plus a few microseco
 * float32 (the default, exact): the token embedding is kept column-major (the same values, stored
   transposed). The logits `x @ E.T` then stream through memory row after row of E.T, each row
   scaled by one activation and summed into a vector that stays in cache, about twice as fast as
-  the dot-product-per-token order of a row-major E (12 ms against 24 ms per step for tiny.en,
-  median, on our 2-core test machine); an embedding lookup reads one strided column, which costs
+  the dot-product-per-token order of a row-major E (12 ms against 24 ms per step for tiny.en
+  on two cores); an embedding lookup reads one strided column, which costs
   nothing at one token per step.
 * int8 (opt-in, `dtype="int8"`): the matrix products over many rows run as dynamically quantized
   int8 GEMMs (torch.ao: int8 weights with one scale per output channel, activations quantized per
@@ -16,7 +16,7 @@ float32 for tiny): its time is bytes over memory bandwidth, plus a few microseco
   rows), the decoder's cross-attention key/value projections (1500 rows, once per request) and the
   output projection (a quarter of its 80 MB read per step). The decoder's per-token layers stay
   float32: at one row, quantizing the activations on every call cost more than the smaller weights
-  saved (a decoder step with them in int8 was slower than float32 on our test machine).
+  saved (a decoder step with them in int8 is slower than float32).
   One scale per tensor fails where a few rows are huge: the encoder's MLP output layers read GELU
   outputs that reach 559 in tiny.en's last layer on the window's final positions, against a
   median near 0, and quantized whole they left every other row without resolution (WER 48.7 %
