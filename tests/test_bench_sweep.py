@@ -1,4 +1,4 @@
-"""The caller sweep behind issue 15's "how each figure grows from 1 to 64 callers": where the daemon
+"""The caller sweep, how each figure grows from 1 to 64 callers: where the daemon
 saturates (voiced.bench.saturation), the e2e bench's sweep on the CPU dry-run path, and
 `voiced bench plot` drawing it."""
 
@@ -234,7 +234,7 @@ def test_bench_plot_draws_every_figure_against_callers_with_targets_and_saturati
     assert png[..., :3].std() > 0.05  # drawn on, not a blank canvas
     svg = (tmp_path / "plots" / "sweep-h200.svg").read_text()
     for text in ("concurrent real-time callers", "voice-to-voice as heard", "end of speech -&gt; final transcript",
-                 "TTS first chunk", "real-time factor", "GPU memory", "errors per level", "issue 15 target",
+                 "TTS first chunk", "real-time factor", "GPU memory", "errors per level", "end-to-end target",
                  "p99 ≤ 400", "p50 ≤ 130", "saturates: 24 callers", "saturation limit (p99 500 ms)"):
         assert text in svg, text
 

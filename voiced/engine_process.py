@@ -2,9 +2,9 @@
 `voiced serve --engine-process separate`).
 
 In one process the event loop (every door, every caller's frame path) and the engine threads share one
-GIL. At 128 callers on an H100 (2026-11-27, py-spy's native stacks) the recognition thread spent nearly
-all its time waiting to take it back: after each PyTorch call, in tensor reference counts and
-deallocations, while the loop read 6,400 frames a second. vLLM moved its engine core out of its API
+GIL. At 128 callers the recognition thread spends nearly all its time waiting to take it back (py-spy's
+native stacks): after each PyTorch call, in tensor reference counts and deallocations, while the loop
+reads 6,400 frames a second. vLLM moved its engine core out of its API
 server's process for the same reason. Here the child process holds the engines, their threads and the
 GPU (it is spawned: CUDA does not survive a fork); the daemon keeps the doors, the sessions, the agents
 and the end-of-turn model, and reaches the engines through one pipe:

@@ -1,7 +1,7 @@
 """`voiced bench plot`: how each end-to-end figure grows with the number of callers, drawn from
-`voiced bench e2e --out` JSON (a caller sweep: `--sessions 1 2 4 8 16 24 32 48 64`), with issue 15's
-targets marked at the caller counts they name and the saturation point (voice-to-voice p99 as heard
-under the run's `--saturation-ms`) on the voice-to-voice panel; and the same figures as a text table.
+`voiced bench e2e --out` JSON (a caller sweep: `--sessions 1 2 4 8 16 24 32 48 64`), with the end-to-end
+targets marked at the caller counts they name and the saturation point (voice-to-voice p99 as heard under
+the run's `--saturation-ms`) on the voice-to-voice panel; and the same figures as a text table.
 
     voiced bench plot sweep.json --out docs/bench/           # sweep.png and sweep.svg
     voiced bench plot before.json after.json --out cmp.png   # two runs on the same axes
@@ -103,7 +103,7 @@ def mark_targets(ax, figure: str, callers: list[int]) -> None:
         if fig != figure or t.issue != 15 or not callers[0] <= n <= callers[-1]:
             continue
         ax.hlines(t.limit, n / 1.35, n * 1.35, colors="crimson", linewidths=2.5,
-                  label="issue 15 target" if first else None)
+                  label="end-to-end target" if first else None)
         ax.annotate(f"{q} ≤ {t.limit:g}", (n * 1.35, t.limit), fontsize=8, color="crimson",
                     xytext=(3, -3), textcoords="offset points")
         first = False

@@ -1,5 +1,5 @@
 """Where the daemon saturates: the largest number of real-time callers whose voice-to-voice p99 (as
-the callers hear it) stays under a limit (issue 15: 500 ms on one H200), read from an end-to-end
+the callers hear it) stays under a limit (500 ms unless told: a reply heard within half a second), read from an end-to-end
 benchmark's levels.
 
 A level passes when it was measured without errors (no failed caller, no daemon notice, no utterance

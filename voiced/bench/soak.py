@@ -26,7 +26,7 @@ after the concurrent phase and once the daemon is idle again. Phases:
    for `--concurrent-duration` seconds, each saying the phrase every `--concurrent-gap` seconds (on a
    CPU, 50 callers talking without pause would need far more Whisper passes than it makes).
 
-Goals (issue 14), judged in the report: every session completes, resident memory grows less than
+Goals, judged in the report: every session completes, resident memory grows less than
 50 MB after the warm-up, and tasks, threads and descriptors return to where they were.
 """
 

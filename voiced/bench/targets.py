@@ -1,5 +1,5 @@
-"""Issue 6's targets for one H200, and issue 15's (the second round), and where a benchmark's numbers
-stand against them: met, or missed by how much. Each GPU benchmark judges the numbers it measured and
+"""The performance targets for one GPU, and where a benchmark's numbers stand against them: met, or
+missed by how much. Each GPU benchmark judges the numbers it measured and
 puts the verdicts in its JSON (`targets`) and its log."""
 
 from __future__ import annotations
@@ -28,20 +28,20 @@ TARGETS = {
     "first_chunk_p50_ms_16": Target("first audio chunk p50, 16 requests in flight", 150, "ms"),
     "voice_to_voice_p50_ms_16": Target("voice-to-voice p50, 16 conversations", 150, "ms"),
     "voice_to_voice_p99_ms_16": Target("voice-to-voice p99, 16 conversations", 300, "ms"),
-    # issue 12: a front door's voice-to-voice (as its callers hear it) over gRPC's, 16 conversations
+    # a front door's voice-to-voice (as its callers hear it) over gRPC's, 16 conversations
     "door_overhead_p50_ms_audiosocket_16": Target("AudioSocket door over gRPC, voice-to-voice p50", 5, "ms"),
     "door_overhead_p50_ms_media_ws_16": Target("media WebSocket door over gRPC, voice-to-voice p50", 5, "ms"),
-    # issue 15: the printed memory plan against the serving peak, and the warm-up's peak over serving's
+    # the printed memory plan against the serving peak, and the warm-up's peak over serving's
     "memory_plan_error_pct": Target("GPU memory plan against the serving peak, absolute error", 5, "%", issue=15),
     "memory_warmup_over_serving_gib": Target("GPU memory: warm-up peak over the serving peak", 0.5, "GiB", issue=15),
-    # issue 15's end-to-end rows, voice-to-voice as the callers hear it (the e2e bench's v2v_client_ms)
+    # end to end, voice-to-voice as the callers hear it (the e2e bench's v2v_client_ms)
     "issue15_v2v_p50_ms_16": Target("voice-to-voice as heard p50, 16 callers", 130, "ms", issue=15),
     "issue15_v2v_p99_ms_16": Target("voice-to-voice as heard p99, 16 callers", 250, "ms", issue=15),
     "issue15_v2v_p50_ms_64": Target("voice-to-voice as heard p50, 64 callers", 200, "ms", issue=15),
     "issue15_v2v_p99_ms_64": Target("voice-to-voice as heard p99, 64 callers", 400, "ms", issue=15),
     "issue15_first_chunk_p50_ms_1": Target("first audio chunk p50, 1 caller", 70, "ms", issue=15),
     "issue15_first_chunk_p50_ms_16": Target("first audio chunk p50, 16 callers", 110, "ms", issue=15),
-    # issue 25: end of turn on `voiced bench turns`' set, and voice-to-voice from the caller's real end of speech (the e2e bench's v2v_real_end_ms)
+    # end of turn on `voiced bench turns`' set, and voice-to-voice from the caller's real end of speech (the e2e bench's v2v_real_end_ms)
     "issue25_paused_cut_off_pct": Target("pausing callers cut off", 5, "%", issue=25),
     "issue25_eot_p50_ms": Target("end of turn after the real end of speech p50", 250, "ms", issue=25),
     "issue25_eot_p90_ms": Target("end of turn after the real end of speech p90", 700, "ms", issue=25),
