@@ -335,27 +335,3 @@ def test_a_request_alone_is_stepped_the_same_whatever_the_clock(engine, monkeypa
     (a, _, kinds_a, _), (b, _, kinds_b, _) = runs
     assert kinds_a == kinds_b
     assert [c.tobytes() for c in a[1]] == [c.tobytes() for c in b[1]]
-
-
-@pytest.mark.slow
-def test_merging_per_step_keeps_merging_while_new_replies_keep_arriving(engine, monkeypatch):
-    """Under load a new reply arrives every few steps, so some request always waits for its first audio.
-    Merging only while none does ("batch") then never merges, and every chunk pays the vocoder's whole
-    context; merging in each vocoder turn that serves no first chunk ("step") cuts the tokens decoded per
-    token of audio, with the same audio for every reply and no first chunk more than a turn later."""
-    monkeypatch.setattr(vocoder_schedule, "VOCODER_STEP_WINDOWS", 3)
-    # every reply far ahead of real time once it has started (on a GPU the LM writes ~10x faster than real
-    # time), so chunks that can wait do, to grow into merged windows, where merging applies
-    monkeypatch.setattr(vocoder_schedule, "VOCODER_SLACK_S", -1e9)
-    reqs = {i: _request(i, 2.0) for i in range(1, 8)}
-    arrivals = {i: 6 * (i - 1) for i in reqs}
-    runs = {}
-    for policy in ("batch", "step"):
-        monkeypatch.setattr(vocoder_schedule, "VOCODER_MERGE_POLICY", policy)
-        runs[policy] = _stream(engine, reqs, arrivals)
-    batch, step = runs["batch"], runs["step"]
-    for rid in reqs:
-        assert np.allclose(np.concatenate(step[0][rid]), np.concatenate(batch[0][rid]), atol=1e-4), rid
-        assert step[1][rid] <= batch[1][rid] + 2, (rid, step[1], batch[1])  # a turn is two steps at most
-    per_token = {p: run[3]["decoded_tokens"] / run[3]["audio_tokens"] for p, run in runs.items()}
-    assert per_token["step"] < 0.8 * per_token["batch"], per_token

@@ -23,8 +23,6 @@ CUDA GPU with Triton); elsewhere torch.topk.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from voiced.engines.triton_lang import tl, triton
@@ -42,8 +40,12 @@ def enabled(logits: torch.Tensor, k: int, segments: int) -> bool:
     width = -(-logits.shape[1] // segments)
     fits = (triton is not None and logits.dtype in FLOATS and k <= MAX_K and k & (k - 1) == 0
             and k <= width <= MAX_SLICE and logits.stride(1) == 1)
-    where = logits.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
-    return fits and where
+    return fits and (logits.is_cuda or interpreted())
+
+
+def interpreted() -> bool:
+    """Whether the kernels were defined for Triton's interpreter (TRITON_INTERPRET=1 then: the CPU tests)."""
+    return triton is not None and type(_slice_top).__name__ == "InterpretedFunction"
 
 
 def top_k(logits: torch.Tensor, k: int, segments: int, bias: torch.Tensor | None = None,

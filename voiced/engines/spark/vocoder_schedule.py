@@ -7,9 +7,8 @@ Policy (the engine's `step` asks, `launch` queues the turn's decode, `_vocode` e
     audio buffered ahead of real time);
   - a turn decodes at most VOCODER_STEP_WINDOWS windows and VOCODER_STEP_TOKENS padded tokens (batch
     bucket x longest padded window), one window always;
-  - merging: once every active request has its first audio out (VOCODER_MERGE_POLICY "batch"), or in
-    every turn that serves no first chunk ("step"), the ready chunks of a request go as one window (up
-    to VOCODER_MERGE_TOKENS), paying the vocoder's context once instead of per chunk, and (several
+  - merging: once every active request has its first audio out, the ready chunks of a request go as one
+    window (up to VOCODER_MERGE_TOKENS), paying the vocoder's context once instead of per chunk, and (several
     requests in flight) the chunks of a request well ahead of real time wait to grow such a window;
   - urgency: while a request decodes toward its first chunk, a vocoder turn runs only for work that
     cannot wait (a first chunk ready, a sentence ended, a request within VOCODER_SLACK_S of running dry).
@@ -51,14 +50,6 @@ VOCODER_STEP_TOKENS = 1024
 # 35 chunks merged decode 1011 (1024 padded) for 875 released. Merging never applies while an active
 # request still waits for its first audio: the steps on that path stay short.
 VOCODER_MERGE_TOKENS = 1024
-# When merging applies. "batch": only while no active request waits for its first audio. Under load some
-# request nearly always does (64+ callers: a new reply every few tens of ms), so every window is then a
-# lone chunk paying the full context: 6.4x the tokens it releases at 25-token chunks. "step": in every
-# vocoder turn whose windows include no first chunk; a turn that serves a first chunk keeps the short
-# windows (decode() holds back the rows that can wait), and each turn stays within
-# VOCODER_STEP_TOKENS either way, so a first chunk that becomes ready waits at most one bounded turn.
-VOCODER_MERGE_POLICY = "batch"
-MERGE_POLICIES = ("batch", "step")
 
 
 @dataclass
@@ -109,14 +100,13 @@ def has_window(r: Request) -> bool:
             and r.planner.next_window(len(r.semantic), r.sentence_over) is not None)
 
 
-def merging(active: list[Request], rows: list[Request]) -> bool:
-    """Ready chunks of a request go as one window (VOCODER_MERGE_POLICY): "batch", when no active request
-    waits for its first audio; "step", when none of this turn's `rows` has its first chunk ready (a
-    merged turn is longer; the first-audio path keeps the short turns it had)."""
+def merging(active: list[Request]) -> bool:
+    """Ready chunks of a request go as one window only while no active request waits for its first audio:
+    a merged turn is longer, and the first-audio path keeps short turns. Under load some request nearly
+    always waits, so windows are then lone chunks: the vocoder's tokens are not what bounds the callers a
+    GPU carries (merging in every turn that serves no first chunk decodes fewer tokens and carries no more)."""
     if VOCODER_MERGE_TOKENS <= 0:
         return False
-    if VOCODER_MERGE_POLICY == "step":
-        return not any(r.t_first_chunk is None and has_window(r) for r in rows)
     return all(r.t_first_chunk is not None for r in active)
 
 
@@ -165,7 +155,7 @@ class VocoderSchedule:
         a sentence ended (its row must move on or be released). Built once per step (~0.1 ms at 64
         requests on the host) and handed to `decode` when that step vocodes."""
         rows = [r for r in active if r.state is not State.PREFILL and (r.sentence_over or has_window(r))]
-        if len(active) > 1 and merging(active, rows) and any(r.state is State.DECODING for r in active):
+        if len(active) > 1 and merging(active) and any(r.state is State.DECODING for r in active):
             # Chunks that can wait for a later vocoder turn do: those of a request whose audio is more
             # than VOCODER_SLACK_S ahead of real time, still being written, and whose ready chunks do
             # not fill a merged window yet. The LM's steps then go back to back and the window, when it
@@ -194,7 +184,7 @@ class VocoderSchedule:
                   else (1, ahead_s(r, now), 0))
         turn = VocoderTurn(rows, [], LaunchedDecode([], [], None),
                            [(r, r.planner.emitted) for r in rows if r.planner is not None])
-        merge = merging(active, rows)
+        merge = merging(active)
         # Take windows one per request per round, in that order, while the step's budget lasts; a
         # merged window takes as much of the budget as the windows already taken leave it.
         jobs = turn.jobs
