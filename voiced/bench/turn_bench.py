@@ -241,6 +241,13 @@ def main(argv: list[str] | None = None) -> dict:
                     help="--offline: Smart Turn's answer comes this long after it (default 60: its CPU time)")
     ap.add_argument("--evidence", type=Path, default=None,
                     help="--offline: the evidence cache (default: replay-evidence-MODEL.json in the set's folder)")
+    ap.add_argument("--eot-bench", type=Path, default=None, metavar="DIR",
+                    help="run on LiveKit's eot-bench data (a clone of the livekit/eot-bench-data dataset repository, "
+                         "or any folder of its parquet files) instead of a made set; kept in --keep-set")
+    ap.add_argument("--eot-bench-languages", nargs="+", default=None, metavar="LANG",
+                    help="--eot-bench: only these languages (its codes: en de es ...)")
+    ap.add_argument("--eot-bench-limit", type=int, default=None, metavar="N",
+                    help="--eot-bench: the first N turns only")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -259,7 +266,16 @@ def main(argv: list[str] | None = None) -> dict:
 
     t_start = time.monotonic()
     tmp = None
-    if args.set is not None:
+    if args.eot_bench is not None:
+        from voiced.bench.turn_eot import read_eot_bench
+
+        directory = args.keep_set or Path(tmp := tempfile.mkdtemp(prefix="voiced-eot-bench-"))
+        try:
+            callers = read_eot_bench(args.eot_bench, directory, args.eot_bench_languages, args.eot_bench_limit)
+        except (ValueError, RuntimeError) as e:
+            ap.error(str(e))
+        log.info("eot-bench: %d turns from %s in %s", len(callers), args.eot_bench, directory)
+    elif args.set is not None:
         if not (args.set / "manifest.jsonl").is_file():
             ap.error(f"--set {args.set}: no manifest.jsonl there (make one with --keep-set DIR)")
         directory, callers = args.set, read_set(args.set)
@@ -284,6 +300,7 @@ def main(argv: list[str] | None = None) -> dict:
                 result["detectors"].insert(detectors.index("smart-turn"), reference_row(
                     args.smart_turn_model, directory, callers, args.reference_vad))
                 result["table"] = table(result["detectors"])
+            add_eot_bench(result, args, directory, callers, detectors)
         finally:
             if tmp is not None:
                 import shutil
@@ -291,7 +308,7 @@ def main(argv: list[str] | None = None) -> dict:
                 shutil.rmtree(tmp, ignore_errors=True)
         result["seed"] = args.seed
         result["wall_s"] = round(time.monotonic() - t_start, 1)
-        print(result["table"], file=sys.stderr)
+        print_tables(result)
         emit(result, args.out)
         return result
     result = {"bench": "turns", "date": time.strftime("%Y-%m-%d"), "machine": machine(),
@@ -332,6 +349,9 @@ def main(argv: list[str] | None = None) -> dict:
                 if d.startswith("smart:"):
                     row["targets"] = turn_targets(row)
                 result["detectors"].append(row)
+        order = {d: i for i, d in enumerate(detectors)}
+        result["detectors"].sort(key=lambda r: order[r["detector"]])
+        add_eot_bench(result, args, directory, callers, detectors)
     except (RuntimeError, TimeoutError) as e:  # no daemon, one that would not start: one clear line, nothing left running
         said = ""
         if daemon is not None:  # its log goes with the set's folder: the end of it here
@@ -345,14 +365,36 @@ def main(argv: list[str] | None = None) -> dict:
             import shutil
 
             shutil.rmtree(tmp, ignore_errors=True)
-    order = {d: i for i, d in enumerate(detectors)}
-    result["detectors"].sort(key=lambda r: order[r["detector"]])
     result["table"] = table(result["detectors"])
     result["wall_s"] = round(time.monotonic() - t_start, 1)
     result["load_average_at_end"] = os.getloadavg()[0]  # a shared machine's load slows every detector
-    print(result["table"], file=sys.stderr)
+    print_tables(result)
     emit(result, args.out)
     return result
+
+
+def add_eot_bench(result: dict, args, directory: Path, callers: list[TurnCaller], detectors: list[str]) -> None:
+    """LiveKit's eot-bench figures (voiced.bench.turn_eot) beside the bench's own, for every detector,
+    per line and voice family; Smart Turn also scored as eot-bench scores it (0.2 s into each silence)."""
+    from voiced.bench.turn_eot import report, smart_turn_at_score_point
+
+    scores = None
+    if "smart-turn" in detectors:
+        from voiced.engines import smart_turn
+        from voiced_client.wavio import read_wav
+
+        path = smart_turn.resolve(args.smart_turn_model) if args.smart_turn_model else smart_turn.find()
+        if path is not None:
+            scores = smart_turn_at_score_point(smart_turn.load_smart_turn(path),
+                                               lambda c: read_wav(directory / c.audio)[0].astype(np.float32) / 32768,
+                                               callers)
+    result["eot_bench"] = report(result["detectors"], callers, scores)
+
+
+def print_tables(result: dict) -> None:
+    print(result["table"], file=sys.stderr)
+    for group, text in result.get("eot_bench", {}).get("tables", {}).items():
+        print(f"\neot-bench's protocol, {group} callers:\n{text}", file=sys.stderr)
 
 
 def reference_row(model: str | None, directory: Path, callers: list[TurnCaller], vad: str = "silero") -> dict:

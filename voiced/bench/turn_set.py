@@ -88,6 +88,7 @@ TEMPLATES = [
 ]
 RATES = [140, 155, 170, 185]
 TAILS = ["silence", "silence", "noise", "dtmf", "music"]  # what follows the speech, drawn in this proportion
+SILENCE_S = 0.1  # the shortest silence eot-bench scores
 PHONE_EVERY = 3  # a third of the callers call through a telephone line
 PHONE_SNR_DB = (20.0, 30.0)  # its line noise, below the speech
 LOUD = 0.01  # |sample| above this is sound (espeak-ng is digital silence between words)
@@ -110,6 +111,9 @@ class TurnCaller:
     audio: str = ""  # WAV file name in the set's directory
     line: str = "clean"  # "clean" | "phone" (through a telephone line: voiced.bench.speech_set.phone_line)
     family: str = "espeak-ng"  # the voice family that spoke it
+    # every silence of 100 ms or more from the start of speech, the one after it last (eot-bench's spans:
+    # voiced.bench.turn_eot), found in the clean speech before any line or tail
+    silences: list[tuple[float, float]] = field(default_factory=list)
 
     @property
     def last_part_s(self) -> float:
@@ -304,7 +308,10 @@ def render(p: Plan, tail_s: float, rng: np.random.Generator) -> tuple[np.ndarray
     caller = TurnCaller(p.name, p.kind, plain(p.marked), p.parts, p.voice, p.rate, style, p.tail,
                         round(lead / RATE, 4), round(end / RATE, 4),
                         [(round((lead + a) / RATE, 4), round((lead + b) / RATE, 4)) for a, b in pauses],
-                        round(len(audio) / RATE, 3), f"{p.name}.wav", p.line)
+                        round(len(audio) / RATE, 3), f"{p.name}.wav", p.line,
+                        silences=[(round((lead + a) / RATE, 4), round((lead + b) / RATE, 4))
+                                  for a, b in silent_runs(speech, SILENCE_S)] + [(round(end / RATE, 4),
+                                                                                  round(len(audio) / RATE, 3))])
     return audio, caller
 
 
@@ -356,5 +363,6 @@ def read_set(directory: Path) -> list[TurnCaller]:
     for line in lines:
         d = json.loads(line)
         d["pauses"] = [tuple(x) for x in d["pauses"]]
+        d["silences"] = [tuple(x) for x in d.get("silences", [])]
         out.append(TurnCaller(**d))
     return out
