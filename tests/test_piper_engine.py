@@ -123,6 +123,49 @@ def test_voices_are_listed_with_their_licence_and_an_unknown_one_is_refused(engi
         engine.voices.add("mine", np.zeros(16000, np.float32), "hello")
 
 
+def test_speed_scales_the_pace_of_a_reply_and_one_out_of_range_is_refused(engine):
+    _quiet(engine)  # durations without noise: the same every run
+    lengths = {}
+    for speed in (1.0, 2.0, 0.5):
+        got, _ = _run(engine, {1: TTSRequest("Your table for two is booked at seven.", TTSOptions(speed=speed))})
+        lengths[speed] = sum(len(o.value.samples) for o in got[1])
+    # length_scale / speed; each phoneme lasts whole frames (rounded up), so twice as fast is 0.61 as long here
+    assert 0.5 < lengths[2.0] / lengths[1.0] < 0.7 and 1.6 < lengths[0.5] / lengths[1.0] < 2.1
+    for bad in (0.2, 4.5, float("nan")):
+        with pytest.raises(EngineError, match="outside 0.25..4; 1 is the voice's own pace"):
+            engine.submit(9, TTSRequest("Hi.", TTSOptions(speed=bad)))
+    assert not engine.has_work()
+
+
+def test_a_door_asking_a_piper_voice_for_a_speed_gets_it_and_spark_presets_keep_their_labels(engine):
+    import asyncio
+    from types import SimpleNamespace
+
+    from voiced.config import Config
+    from voiced.core.errors import SessionError
+    from voiced.core.spec import tts_options_for
+    from voiced.core.speech import resolve_voice
+    from voiced.engines.spark.voices import Voice
+
+    config = Config()
+    piper = SimpleNamespace(config=config, voices=engine.voices)
+    # OpenAI's `alloy` at 1.5 on a Piper server: the voice, its pace left to TTSOptions.speed (not refused)
+    assert asyncio.run(resolve_voice(piper, "alloy", 1.5, aliases={"alloy": "female"})) == "en_US-joe-medium"
+    assert tts_options_for(config, voice="en_US-joe-medium", speed=1.5).speed == 1.5
+    with pytest.raises(SessionError, match=r"speech.speed 4.5 is outside 0.25..4"):
+        tts_options_for(config, speed=4.5)
+
+    class SparkLike:  # Spark-TTS's store answers presets and cloned voices (engines/spark/voices.py)
+        def resolve(self, name):
+            return Voice(name, "preset", gender="female", pitch="moderate", speed="moderate") if name == "female" \
+                else Voice(name, "cloned")
+
+    spark = SimpleNamespace(config=config, voices=SparkLike())
+    assert asyncio.run(resolve_voice(spark, "female", 1.5)) == "female:moderate:high"
+    with pytest.raises(SessionError, match="cloned voice 'mine' speaks at the pace of its recording"):
+        asyncio.run(resolve_voice(spark, "mine", 1.5))
+
+
 def test_without_the_espeak_ng_program_the_error_says_how_to_install_it(engine, monkeypatch):
     monkeypatch.setattr(phonemize.shutil, "which", lambda name: None)
     engine.submit(1, TTSRequest("Hello."))

@@ -16,6 +16,7 @@ import asyncio
 import io
 import json
 import shutil
+import urllib.error
 import urllib.request
 import wave
 
@@ -151,8 +152,9 @@ def test_wyoming_synthesize_is_heard(daemon):
     assert words(recognize(daemon, audio)) == words(SENTENCES[2])
 
 
-def test_openai_speech_is_heard(daemon):
-    body = json.dumps({"model": "tts-1", "voice": "alloy", "input": SENTENCES[1], "response_format": "wav"}).encode()
+def openai_speech(daemon, **fields) -> np.ndarray:
+    """/v1/audio/speech's WAV as 16 kHz float32."""
+    body = json.dumps({"model": "tts-1", "voice": "alloy", "response_format": "wav", **fields}).encode()
     req = urllib.request.Request(f"http://{daemon.services.doors['http']}/v1/audio/speech", data=body,
                                  headers={"Content-Type": "application/json"}, method="POST")
     with urllib.request.urlopen(req, timeout=120) as r:
@@ -160,5 +162,17 @@ def test_openai_speech_is_heard(daemon):
     with wave.open(io.BytesIO(data)) as w:
         rate, pcm = w.getframerate(), w.readframes(w.getnframes())
     samples = np.frombuffer(pcm, "<i2").astype(np.float32) / 32768
-    pcm16k = wire_audio(samples if rate == 16000 else soxr.resample(samples, rate, 16000), WIDE)
-    assert words(recognize(daemon, pcm16k)) == words(SENTENCES[1])
+    return samples if rate == 16000 else soxr.resample(samples, rate, 16000)
+
+
+def test_openai_speech_is_heard(daemon):
+    assert words(recognize(daemon, wire_audio(openai_speech(daemon, input=SENTENCES[1]), WIDE))) == words(SENTENCES[1])
+
+
+def test_openai_speech_at_a_faster_speed_is_shorter_and_still_heard(daemon):
+    plain, fast = (openai_speech(daemon, input=SENTENCES[3], speed=speed) for speed in (1.0, 1.5))
+    assert len(fast) < 0.8 * len(plain)
+    assert words(recognize(daemon, wire_audio(fast, WIDE))) == words(SENTENCES[3])
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        openai_speech(daemon, input=SENTENCES[3], speed=5)
+    assert refused.value.code == 400 and "speed must be a number from 0.25 to 4.0" in refused.value.read().decode()

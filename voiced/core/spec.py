@@ -16,7 +16,7 @@ from voiced.audio.ingest import AudioFormatError, Format
 from voiced.config import Config
 from voiced.core.errors import invalid
 from voiced.core.segmenter import SegmenterConfig
-from voiced.engines.base import ASROptions, TTSOptions
+from voiced.engines.base import MAX_SPEED, MIN_SPEED, ASROptions, TTSOptions
 
 MAX_BEAM = 4
 MAX_TEXT_CHARS = 4000  # text to speak in one request: minutes of speech, past any tts.max_seconds
@@ -177,7 +177,7 @@ def asr_options_for(config: Config, *, language: str | None = None, task: str | 
 
 def tts_options_for(config: Config, *, voice: str | None = None, seed: int | None = None,
                     temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
-                    max_seconds: float | None = None) -> TTSOptions:
+                    max_seconds: float | None = None, speed: float | None = None) -> TTSOptions:
     """Synthesis options: the config's `[tts]` defaults with the given overrides, validated.
     `max_seconds` can only lower the server's cap."""
     t = config.tts
@@ -190,11 +190,14 @@ def tts_options_for(config: Config, *, voice: str | None = None, seed: int | Non
         max_seconds=min(_pick(max_seconds, t.max_seconds), t.max_seconds),
         first_chunk_tokens=t.first_chunk_tokens,
         chunk_tokens=t.chunk_tokens,
+        speed=_pick(speed, 1.0),
     )
     if opts.voice is not None and not opts.voice.strip():
         raise invalid("speech.voice is blank; leave it empty for the default voice or name one")
     if not 0.0 <= opts.temperature <= 2.0:
         raise invalid(f"speech.temperature {opts.temperature} is outside 0..2")
+    if not MIN_SPEED <= opts.speed <= MAX_SPEED:  # NaN too
+        raise invalid(f"speech.speed {opts.speed} is outside {MIN_SPEED:g}..{MAX_SPEED:g} (1 is the voice's own pace)")
     if not opts.max_seconds > 0:  # NaN too
         raise invalid(f"speech.max_seconds {opts.max_seconds} must be positive")
     if opts.top_k < 0:

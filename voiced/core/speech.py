@@ -86,7 +86,8 @@ async def resolve_voice(services, name: str | None, speed: float = 1.0,
                         aliases: Mapping[str, str] | None = None) -> str | None:
     """A caller's voice (None: the server's default) as the engine names it. `aliases` maps a protocol's
     own voice names onto the server's (a voice of the server by that name comes first); `speed` other
-    than 1 picks a preset's speed label (cloned voices speak at their recording's pace). Raises
+    than 1 picks a preset's speed label (cloned voices speak at their recording's pace; a voice that
+    resolves `any_speed` takes it as TTSOptions.speed, which the door sets). Raises
     NOT_FOUND for a voice the server does not have, BAD_INPUT for a speed a cloned voice cannot take."""
     aliases = aliases or {}
     name = (name or "").strip() or services.config.tts.voice or None
@@ -109,7 +110,7 @@ async def resolve_voice(services, name: str | None, speed: float = 1.0,
         known = [v.name for v in await asyncio.to_thread(list_voices, services)]
         also = f" (and {', '.join(aliases)}, mapped onto those)" if aliases else ""
         raise SessionError(ErrorKind.NOT_FOUND, f"unknown voice {name!r}; this server has {', '.join(known)}{also}")
-    if speed == 1.0:
+    if speed == 1.0 or getattr(resolved, "any_speed", False):
         return resolved.name
     if resolved.kind != "preset":
         raise invalid(f"speed applies to the preset voices; the cloned voice {resolved.name!r} speaks at the pace "

@@ -42,7 +42,7 @@ from aiohttp import WSCloseCode, WSMsgType, web
 from voiced.audio.ingest import Format
 from voiced.core import events as core
 from voiced.core.errors import ErrorKind, SessionError
-from voiced.core.spec import asr_options_for, check_language, segmentation_for
+from voiced.core.spec import asr_options_for, check_language, segmentation_for, tts_options_for
 from voiced.core.speech import resolve_voice
 from voiced.doors import realtime_events as rt
 from voiced.doors.guard import cut
@@ -350,8 +350,9 @@ class RealtimeConnection:
                                        turn_detection="smart" if td.type == "semantic_vad" else "silence",
                                        eagerness=td.eagerness)
             asr = asr_options_for(self.s.config, language=cfg.language, initial_prompt=cfg.prompt)
+            tts = tts_options_for(self.s.config, speed=cfg.speed)  # a Piper voice's pace (Spark's is in cfg.voice)
             return self.s.spec(front=FRONT, input=Format(enc_in, rate_in), output=Format(enc_out, rate_out),
-                               voice=cfg.voice, system_prompt=cfg.instructions, segmentation=seg, asr=asr,
+                               voice=cfg.voice, system_prompt=cfg.instructions, segmentation=seg, asr=asr, tts=tts,
                                interim_results=cfg.interim, barge_in=td.interrupt_response if td else True)
         except SessionError as e:
             raise EventError(e.kind.value, e.message, None, event_id) from None

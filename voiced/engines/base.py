@@ -36,6 +36,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 
 SAMPLE_RATE = 16000  # both Whisper and BiCodec speak 16 kHz mono float32 in [-1, 1]
+MIN_SPEED, MAX_SPEED = 0.25, 4.0  # TTSOptions.speed: the range OpenAI's speech endpoint and Realtime accept
 
 
 class EngineError(Exception):
@@ -227,6 +228,9 @@ class TTSOptions:
     max_seconds: float = 30.0  # cap on the audio of one request
     first_chunk_tokens: int = 10  # semantic tokens (20 ms each) before the first audio chunk
     chunk_tokens: int = 25  # tokens per later chunk
+    # Speaking rate, 0.25-4.0 (OpenAI's range): a Piper voice divides its length scale by it. Spark-TTS takes
+    # a rate as its preset's speed label in the voice name (core.speech.resolve_voice) and reads nothing here.
+    speed: float = 1.0
     priority: int = 0
 
 

@@ -28,6 +28,8 @@ import numpy as np
 
 from voiced.audio.ingest import Resampler
 from voiced.engines.base import (
+    MAX_SPEED,
+    MIN_SPEED,
     SAMPLE_RATE,
     AudioChunk,
     EngineError,
@@ -56,6 +58,7 @@ class _Request:
     arrival: int
     budget: int  # samples at SAMPLE_RATE (TTSOptions.max_seconds)
     resample: Resampler
+    length_scale: float  # the voice's own, divided by TTSOptions.speed
     units: list[list[int]] | None = None  # pieces still to synthesize; None until the text is phonemized
     chunks: Iterator[tuple[np.ndarray, bool]] | None = None  # the piece being decoded (PiperVoice.stream)
     sequence: int = 0
@@ -111,10 +114,13 @@ class PiperEngine:
         opts = request.options or TTSOptions()
         if not request.text.strip():
             raise EngineError("the text is empty; send something to say")
+        if not MIN_SPEED <= opts.speed <= MAX_SPEED:  # NaN too
+            raise EngineError(f"speed {opts.speed} is outside {MIN_SPEED:g}..{MAX_SPEED:g}; 1 is the voice's own pace, "
+                              "2 twice as fast")
         voice = self.voices.voice(opts.voice)
         self._requests[request_id] = _Request(
             request_id, request.text, voice, opts.priority, next(self._arrival), int(opts.max_seconds * SAMPLE_RATE),
-            Resampler(voice.config.sample_rate, SAMPLE_RATE))
+            Resampler(voice.config.sample_rate, SAMPLE_RATE), voice.config.length_scale / opts.speed)
 
     def cancel(self, request_id: int) -> None:
         r = self._requests.pop(request_id, None)
@@ -200,7 +206,7 @@ def _synthesize_next(r: _Request) -> tuple[np.ndarray, bool]:
     if r.chunks is None:
         if not r.units:
             return r.resample(np.zeros(0, np.float32), last=True), True
-        r.chunks = r.voice.stream(r.units.pop(0))
+        r.chunks = r.voice.stream(r.units.pop(0), length_scale=r.length_scale)
     audio, piece_done = next(r.chunks)
     if piece_done:
         r.chunks = None

@@ -164,13 +164,14 @@ class PiperVoice:
             self._gain = 1.0 / max(float(np.max(np.abs(raw))), 1e-3)
         return self._gain
 
-    def stream(self, ids: list[int]) -> Iterator[tuple[np.ndarray, bool]]:
+    def stream(self, ids: list[int], length_scale: float | None = None) -> Iterator[tuple[np.ndarray, bool]]:
         """A piece's audio chunk by chunk (graph.py), each with whether it is the piece's last; the first after
-        the piece's latents and one short window. A voice whose graph is not cut gives the piece whole."""
+        the piece's latents and one short window. A voice whose graph is not cut gives the piece whole.
+        `length_scale` (None: the voice's own) stretches its phonemes: 2 speaks at half the pace."""
         if self.graph is None:
-            yield self.audio(ids), True
+            yield self.audio(ids, length_scale=length_scale), True
             return
-        z = self.graph.encoder.run(None, self._feed(ids, None, None, None, None))[0]
+        z = self.graph.encoder.run(None, self._feed(ids, None, length_scale, None, None))[0]
         spans = chunks(z.shape[2])
         if not spans:
             yield np.zeros(0, np.float32), True

@@ -49,6 +49,7 @@ class Resolved:
 
     name: str
     kind: str
+    any_speed: bool = True  # speaks at the rate TTSOptions.speed asks (its length scale divided by it)
 
 
 def language_codes(voices: list[VoiceInfo]) -> tuple[str, ...]:
