@@ -7,6 +7,9 @@
 FROM nvcr.io/nvidia/tensorrt-llm/release:1.0.0
 
 WORKDIR /opt/voiced
+
+# Piper (the daemon's voice where no GPU is visible) reads text through the espeak-ng program.
+RUN apt-get update && apt-get install -y --no-install-recommends espeak-ng && rm -rf /var/lib/apt/lists/*
 # Scratch files of the install steps below (pins, pip check before and after); removed at the end.
 ARG BUILD_STATE=/tmp/voiced-build
 

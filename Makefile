@@ -15,7 +15,7 @@ HTTP ?= 127.0.0.1:8080
 # `transcribe` and `voices add` import. tests/test_dependencies.py reads this line.
 RUN_EXTRA := torch
 
-.PHONY: run test test-quick test-slow test-gpu gpu-data gpu-turn-data soak proto lint system-deps venv clean
+.PHONY: run run-deps test test-quick test-slow test-gpu gpu-data gpu-turn-data soak proto lint system-deps venv clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -47,7 +47,19 @@ system-deps:
 		echo "chromium could not be installed: the web page's browser test will be skipped"; \
 	fi
 
-run: $(VENV)/.run-installed
+# Piper, the voice of a machine without a GPU, reads text through the espeak-ng program: without it the daemon
+# listens only. Installed as system-deps installs packages; where apt-get is missing or fails, one line says so.
+run-deps:
+	@if ! command -v espeak-ng >/dev/null; then \
+		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+		if ! command -v apt-get >/dev/null; then \
+			echo "voiced: Piper (speech on a CPU) needs the espeak-ng program and there is no apt-get to install it: the daemon will listen only"; \
+		elif ! { $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq espeak-ng >/dev/null; }; then \
+			echo "voiced: Piper (speech on a CPU) needs the espeak-ng program and apt-get could not install it: the daemon will listen only"; \
+		fi; \
+	fi
+
+run: run-deps $(VENV)/.run-installed
 	@$(if $(HTTP),echo "voiced: open http://$(HTTP)/ in a browser (OpenAI-compatible API: http://$(HTTP)/v1)",true)
 	$(BIN)/voiced serve $(if $(HTTP),--http $(HTTP)) $(ARGS)
 
