@@ -22,8 +22,11 @@ def cpu_machine(monkeypatch, tmp_path):
     return tmp_path / "cache"
 
 
-def _doctor(capsys, config: str | None = None) -> tuple[int, str]:
-    rc = doctor.run(argparse.Namespace(config=config))
+def _doctor(capsys, toml=None, text: str = "") -> tuple[int, str]:
+    """`voiced doctor`, with `text` as its config file at `toml` (a path) where given."""
+    if toml is not None:
+        toml.write_text(text)
+    rc = doctor.run(argparse.Namespace(config=str(toml) if toml is not None else None))
     return rc, capsys.readouterr().out
 
 
@@ -52,17 +55,14 @@ def test_a_listening_only_cpu_with_the_pypi_whisper_is_healthy(cpu_machine, caps
 
 def test_no_tts_is_said_as_the_users_choice(cpu_machine, capsys, tmp_path):
     _pypi_base(cpu_machine)
-    toml = tmp_path / "voiced.toml"
-    toml.write_text("[tts]\nenabled = false\n")
-    rc, out = _doctor(capsys, str(toml))
+    rc, out = _doctor(capsys, tmp_path / "voiced.toml", "[tts]\nenabled = false\n")
     assert rc == 0, out
     assert "speech synthesis off (--no-tts or tts.enabled = false)" in out
 
 
 def test_a_model_path_that_is_not_there_is_a_failure(cpu_machine, capsys, tmp_path):
-    toml = tmp_path / "voiced.toml"
-    toml.write_text(f"[asr]\nmodel = \"{tmp_path / 'nowhere.pt'}\"\n[tts]\nmodel = \"{tmp_path / 'no-spark'}\"\n")
-    rc, out = _doctor(capsys, str(toml))
+    rc, out = _doctor(capsys, tmp_path / "voiced.toml",
+                      f"[asr]\nmodel = \"{tmp_path / 'nowhere.pt'}\"\n[tts]\nmodel = \"{tmp_path / 'no-spark'}\"\n")
     assert rc == 1
     assert out.count("[FAIL]") == 2 and "nowhere.pt" in out and "no-spark" in out
 
@@ -71,3 +71,11 @@ def test_the_default_not_yet_fetched_is_no_failure(cpu_machine, capsys):
     rc, out = _doctor(capsys)
     assert rc == 0, out
     assert "[--  ] ASR model base: not in the cache yet: `voiced serve` fetches it on first run" in out
+
+
+def test_spark_named_for_a_cpu_without_it_is_a_failure_as_serve_stops(cpu_machine, capsys, tmp_path):
+    _pypi_base(cpu_machine)
+    rc, out = _doctor(capsys, tmp_path / "voiced.toml", '[tts]\nmodel = "spark-tts-0.5b"\n')
+    assert rc == 1, out
+    [tts] = [line for line in out.splitlines() if "TTS model" in line]
+    assert tts.startswith("[FAIL] TTS model spark-tts-0.5b") and "voiced models pull spark-tts-0.5b" in tts, tts

@@ -110,7 +110,7 @@ def _wait_serving(proc, log: Path, port: int) -> None:
 
 @pytest.mark.slow
 def test_listening_only_says_why_and_a_second_ctrl_c_stops_at_once(tmp_path):
-    """No voice on this CPU (Spark-TTS is not in the cache): speech requests say so, not "--no-tts".
+    """No voice on this CPU (no Piper voice could be had): speech requests say so, not "--no-tts".
     Ctrl-C with a call open drains (it would wait 30 s); a second one ends it at once."""
     from voiced_client.proto import voiced_pb2 as pb
     from voiced_client.proto import voiced_pb2_grpc as pb_grpc
@@ -126,7 +126,7 @@ def test_listening_only_says_why_and_a_second_ctrl_c_stops_at_once(tmp_path):
             assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
             said = e.value.details()
             assert "only listens" in said and "no speech synthesis model" in said, said
-            assert "--no-tts" not in said and "voiced models pull spark-tts-0.5b" in said, said
+            assert "--no-tts" not in said and "`voiced models pull piper:" in said, said
 
             # A call left open: the drain would wait for it.
             release = threading.Event()
@@ -154,3 +154,108 @@ def test_listening_only_says_why_and_a_second_ctrl_c_stops_at_once(tmp_path):
     assert rc == 0 and took < 10, (rc, took, text)
     assert "Traceback" not in text, text
     assert text.strip().splitlines()[-1].endswith("voiced.serve: stopped"), text
+
+
+# ------------------------------------------------------------------ opening to the network is a decision
+
+
+@pytest.mark.parametrize("listen, http, open_", [
+    ("127.0.0.1:50051", "", False), ("localhost:50051", "[::1]:8080", False), (":50051", "127.0.0.2:8080", False),
+    ("0.0.0.0:50051", "", True), ("127.0.0.1:50051", "0.0.0.0:8080", True), ("[::]:50051", "", True),
+    ("voiced.example.com:50051", "", True),
+])
+def test_grpc_or_http_beyond_loopback_without_a_token_needs_a_decision(listen, http, open_):
+    from voiced.daemon import check_exposure
+
+    config = daemon_config()
+    config.server.listen, config.doors.http = listen, http
+    if not open_:
+        check_exposure(config)
+        return
+    with pytest.raises(DoorError) as e:
+        check_exposure(config)
+    text = str(e.value)
+    assert "--allow-unauthenticated-network" in text and "server.auth_token" in text and "\n" not in text
+    assert (listen if "127.0.0.1" not in listen else http) in text
+    config.server.auth_token = "s3cret"
+    check_exposure(config)  # a token is the usual answer
+    config.server.auth_token, config.server.allow_unauthenticated_network = "", True
+    check_exposure(config)  # and the operator may decide the network is theirs
+
+
+def test_the_flag_sets_the_key():
+    from voiced.cli import build_parser
+    from voiced.cli.serve import overrides
+
+    args = build_parser().parse_args(["serve", "--allow-unauthenticated-network"])
+    assert overrides(args)["server.allow_unauthenticated_network"] is True
+    assert overrides(build_parser().parse_args(["serve"]))["server.allow_unauthenticated_network"] is None
+
+
+def test_the_daemon_refuses_to_open_grpc_to_the_network_without_a_token():
+    config = daemon_config()
+    config.server.listen = "0.0.0.0:0"
+
+    async def start():
+        async with running(config):
+            pass
+
+    with pytest.raises(DoorError, match="allow-unauthenticated-network"):
+        asyncio.run(start())
+
+
+def test_a_door_without_authentication_on_the_network_is_one_warning(caplog):
+    config = daemon_config()
+    config.doors.wyoming, config.doors.audiosocket = "tcp://0.0.0.0:0", "127.0.0.1:0"
+
+    async def start():
+        async with running(config):
+            pass
+
+    with caplog.at_level("WARNING", logger="voiced.daemon"):
+        asyncio.run(start())
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and r.name == "voiced.daemon"]
+    assert len(warnings) == 1 and "wyoming door on tcp://0.0.0.0:0" in warnings[0], warnings
+    assert "no authentication" in warnings[0]
+
+
+# ------------------------------------------------------------------ a voice named, or none to be had
+
+
+@pytest.fixture
+def no_hub(monkeypatch, tmp_path):
+    """An empty cache; the hubs unreachable; pip finds no index."""
+    from voiced.engines.piper import registry as piper
+    from voiced.engines.spark import checkpoint as spark
+    from voiced.engines.whisper import registry
+
+    monkeypatch.setenv("VOICED_CACHE", str(tmp_path / "cache"))
+    for module in (spark, piper):
+        monkeypatch.setattr(module, "HF_URL", "http://127.0.0.1:9/{path}")
+    monkeypatch.setattr(registry, "_OPENAI_BASE", "http://127.0.0.1:9")
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path / "no-wheels"))
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_a_speech_model_named_explicitly_that_is_missing_stops_the_start(no_hub, device):
+    from voiced.config import load_config
+    from voiced.engines import provision
+    from voiced.hub import ModelNotFoundError
+
+    config = load_config(env={}, overrides={"tts.model": "spark-tts-0.5b", "asr.model": __file__,
+                                            "segmentation.turn_detection": "silence"})
+    with pytest.raises(ModelNotFoundError) as e:
+        provision.provision(config, "cpu", device)
+    text = str(e.value)
+    assert "\n" not in text and "tts.model 'spark-tts-0.5b'" in text and "`voiced models pull spark-tts-0.5b`" in text
+
+
+def test_no_voice_to_be_had_is_the_reason_speech_requests_get(no_hub):
+    from voiced.config import load_config
+    from voiced.engines import provision
+
+    config = load_config(env={}, overrides={"asr.model": __file__, "segmentation.turn_detection": "silence"})
+    out = provision.provision(config, "cpu", "cpu")
+    assert not out.tts_enabled and out.tts_missing in out.left_out
+    assert "`voiced models pull piper:" in out.tts_missing

@@ -39,6 +39,9 @@ class ServerConfig:
     keepalive_timeout_ms: int = 10000
     drain_seconds: float = 30.0  # how long SIGTERM waits for sessions to finish
     auth_token: str = ""  # when set, callers send `authorization: Bearer <token>`
+    # gRPC or HTTP bound beyond loopback with no auth_token is refused at start unless this says the network
+    # is the operator's own (a container whose ports are published to the host's loopback, a private LAN).
+    allow_unauthenticated_network: bool = False
     tls_cert: str = ""  # PEM files; both set: TLS
     tls_key: str = ""
     metrics_listen: str = ""  # e.g. 127.0.0.1:9090; empty: no metrics endpoint

@@ -46,6 +46,36 @@ def cannot_listen(name: str, address: str, error: OSError) -> str:
             f"with {ADDRESS_SETTINGS.get(name, name)}")
 
 
+# Doors whose protocols carry no credentials: anyone who reaches their port is a caller.
+_NO_AUTH_DOORS = ("audiosocket", "wyoming")
+
+
+def beyond_loopback(address: str) -> bool:
+    """Whether a listener on `address` (HOST:PORT, tcp://HOST:PORT) can be reached from other machines."""
+    import ipaddress
+
+    host = address.split("://", 1)[-1].rpartition(":")[0].strip("[]")
+    if host in ("", "localhost"):
+        return False  # an empty host is 127.0.0.1 (voiced.doors.shared.split_address)
+    try:
+        return not ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return True  # a host name: whatever it resolves to, it is not known to be loopback
+
+
+def check_exposure(config: Config) -> None:
+    """gRPC or HTTP reachable from the network with no token refuses to start unless the operator said so."""
+    s = config.server
+    if s.auth_token or s.allow_unauthenticated_network:
+        return
+    open_ = [f"{key} {address}" for key, address in (("server.listen", s.listen), ("doors.http", config.doors.http))
+             if address and beyond_loopback(address)]
+    if open_:
+        raise DoorError(f"{' and '.join(open_)} would let anyone on the network use this server: no token is set. "
+                        "Set server.auth_token (VOICED_SERVER_AUTH_TOKEN), bind 127.0.0.1, or, where only your own "
+                        "machines reach it, pass --allow-unauthenticated-network (server.allow_unauthenticated_network)")
+
+
 def door_addresses(config: Config) -> list[tuple[str, str]]:
     """(name, address) of every door to open: gRPC first, then those set under `[doors]`."""
     extra = [(name, address) for name, address in dataclasses.asdict(config.doors).items() if address]
@@ -71,7 +101,11 @@ class Daemon:
         from voiced import doors
 
         s = self.services
+        check_exposure(self.config)
         for name, address in door_addresses(self.config):
+            if name in _NO_AUTH_DOORS and beyond_loopback(address):
+                log.warning("the %s door on %s is open to the network and its protocol has no authentication: "
+                            "anyone who reaches it is a caller (firewall it to your own machines)", name, address)
             door = doors.build(name, s, address)
             self.doors.append(door)
             try:

@@ -149,8 +149,8 @@ def _asr_model(config, gpu: bool) -> int:
 
 
 def _tts_model(config, gpu: bool) -> int:
-    """The voice `voiced serve` would speak with; 1 only where a model named by a path is missing or incomplete
-    (a missing Spark-TTS is fetched on a GPU, and leaves a CPU listening only: both are healthy)."""
+    """The voice `voiced serve` would speak with; 1 where `voiced serve` would not start with it (a path missing or
+    incomplete, Spark-TTS named for a CPU without it in the cache; on a GPU it is fetched on first run)."""
     from voiced.engines.spark import checkpoint as spark
     from voiced.hub import ModelNotFoundError
 
@@ -174,7 +174,10 @@ def _tts_model(config, gpu: bool) -> int:
             _line(False, f"TTS model {name}", str(e))
             return 1
     pull = f"`voiced models pull {spark.MODEL_NAME}`"
-    _line(None, f"TTS model {name}", f"not in the cache yet: `voiced serve` fetches it on first run (or {pull})" if gpu
-          else f"not in the cache: on this CPU `voiced serve` only listens (replies as text, never spoken); {pull} "
-               "adds it, though a CPU does not speak with it in real time")
+    if not gpu:  # named explicitly (auto on a CPU is a Piper voice), and a CPU does not fetch it
+        _line(False, f"TTS model {name}", f"not in the cache, and `voiced serve` does not start without a model named "
+              f"explicitly: {pull} gets it (a CPU does not speak with it in real time: tts.model = auto picks a "
+              "Piper voice)")
+        return 1
+    _line(None, f"TTS model {name}", f"not in the cache yet: `voiced serve` fetches it on first run (or {pull})")
     return 0

@@ -39,6 +39,9 @@ def register(sub) -> None:
     p.add_argument("--agent", help="default agent for sessions that name none: echo, openai, client or a plug-in")
     p.add_argument("--max-sessions", type=int, help="concurrent streaming sessions before RESOURCE_EXHAUSTED")
     p.add_argument("--metrics-listen", help="serve Prometheus metrics on HOST:PORT (default: off)")
+    p.add_argument("--allow-unauthenticated-network", action="store_true", default=None,
+                   help="let --listen or --http bind beyond loopback with no server.auth_token (refused otherwise): "
+                        "only where the network is your own (server.allow_unauthenticated_network)")
     p.add_argument("--handshake-timeout", type=float, metavar="SECONDS",
                    help="a connection's TLS handshake, HTTP headers and first message must arrive within this "
                         "(default 10)")
@@ -58,7 +61,7 @@ def register(sub) -> None:
                         "separate on a GPU with the engines in the daemon's process, else shared")
     p.add_argument("--engine-overlap", choices=["auto", "on", "off"],
                    help="with both engines on one thread, launch each one's GPU work before waiting on any (on) "
-                        "or step them one after the other (off, the default); auto: on with a GPU "
+                        "or step them one after the other (off); auto (the default): on with a GPU "
                         "(engines.overlap)")
     p.add_argument("--event-loop", choices=["uvloop", "asyncio"],
                    help="the event loop every door runs in: uvloop (the default: less CPU per caller frame) or "
@@ -81,6 +84,7 @@ def overrides(args: argparse.Namespace) -> dict:
         "segmentation.eagerness": args.turn_eagerness,
         "server.max_sessions": args.max_sessions,
         "server.metrics_listen": args.metrics_listen,
+        "server.allow_unauthenticated_network": args.allow_unauthenticated_network,
         "server.handshake_timeout_s": args.handshake_timeout,
         "server.max_connections": args.max_connections,
         "server.max_connections_per_door": args.max_connections_per_door,

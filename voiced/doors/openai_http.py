@@ -123,8 +123,8 @@ class OpenAIAudio:
 
     async def model(self, request: web.Request) -> web.Response:
         name = request.match_info["model"]
-        for kind, label in (("asr", "transcription"), ("tts", "speech")):
-            if name in self._names(kind):
+        for kind, label, aliases in (("asr", "transcription", ASR_ALIASES), ("tts", "speech", TTS_ALIASES)):
+            if name in self._names(kind) or (self._names(kind) and name in aliases):  # what POST accepts
                 return web.json_response(self._model(name, label))
         raise HttpError(404, f"the model {name!r} does not exist on this server; see GET /v1/models",
                         param="model", code="model_not_found")
@@ -251,7 +251,10 @@ class OpenAIAudio:
             opts = asr_options_for(self.s.config, language=language, task=task, initial_prompt=one("prompt") or None)
         except SessionError as e:
             raise from_session_error(e) from None
-        opts = replace(opts, timestamps=response_format in ("srt", "vtt", "verbose_json"),
+        # Every format decodes alike (with timestamps, as openai-whisper's transcribe() does), so each says the
+        # same words: decoded without them, a clip's text could differ, or be judged a hallucination and dropped,
+        # in json and text but not in verbose_json.
+        opts = replace(opts, timestamps=True,
                        **({WORD_OPTION: True} if "word" in granularities and WORD_OPTION else {}))
         try:
             pcm, duration = await asyncio.to_thread(decode_file, data, 16000, speech.MAX_CLIP_S)
@@ -337,7 +340,7 @@ class OpenAIAudio:
             raise _bad("speed must be a number from 0.25 to 4.0", "speed")
         voice = await resolve_voice(self.s, body.get("voice"), float(speed))
         try:
-            opts = tts_options_for(self.s.config, voice=voice, speed=float(speed))
+            opts = tts_options_for(self.s.config, voice=voice)
         except SessionError as e:
             raise from_session_error(e) from None
         chunks = _synthesize_pieces(self.s, _pieces(text, MAX_TEXT_CHARS), opts)

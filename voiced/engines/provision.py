@@ -17,9 +17,9 @@ The end-of-turn model (Smart Turn v3, voiced.engines.smart_turn) is fetched with
 be had, turns end on silence and one log line says how to add it.
 
 What the user named explicitly is not replaced: a Whisper name or path that cannot be had is an
-error, and so is a speech model named explicitly (Spark-TTS or a Piper voice) that cannot be had, except
-that Spark-TTS named for a CPU is not fetched (it would not speak in real time there): the server then
-listens only, saying so.
+error, and so is a speech model named explicitly (Spark-TTS or a Piper voice) that cannot be had: the
+start stops with one line saying how to get it. Spark-TTS named for a CPU is not fetched (it would not
+speak in real time there) but used from the cache.
 """
 
 from __future__ import annotations
@@ -176,16 +176,16 @@ def _provision_tts(config: Config, device: str, out: Provisioned) -> None:
         # an interrupted pull into the cache: pulling again fetches only what is missing
     root = spark.default_dir()
     how = f"`voiced models pull {spark.MODEL_NAME}` (fills {root})"
-    if not device.startswith("cuda"):
-        out.tts_enabled = False
-        out.tts_missing = (f"Spark-TTS speech synthesis (not in the cache, and on a CPU it would not speak in "
-                           f"real time): {how}, or copy a {spark.HF_REPO} directory there, on a machine with a GPU")
-        out.left_out.append(out.tts_missing)
-        return
+    if not device.startswith("cuda"):  # only a name given explicitly comes here: auto on a CPU is a Piper voice
+        raise hub.ModelNotFoundError(f"tts.model {name!r} is not in the cache: {how} gets it (on a CPU it does not "
+                                     "speak in real time; tts.model = auto picks a Piper voice there)")
     try:
         spark.pull(root)
         spark.resolve(name)
     except (hub.DownloadError, spark.CheckpointError) as e:
+        if config.tts.model != AUTO:  # named explicitly: not replaced by listening only
+            raise hub.ModelNotFoundError(f"tts.model {name!r} could not be had ({_short(e)}): {how} on a machine "
+                                         f"that reaches the hub, then copy {root} here") from None
         out.tts_enabled = False
         out.tts_missing = (f"Spark-TTS speech synthesis (download failed: {_short(e)}): {how}; it expects "
                            f"{spark.expected_layout(root)}")
