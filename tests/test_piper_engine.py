@@ -80,6 +80,20 @@ def test_a_reply_streams_chunk_by_chunk_and_joins_as_the_whole(engine):
     assert len(chunks[0].samples) <= 2 * graph.FIRST_FRAMES * 256 / voice.config.sample_rate * SAMPLE_RATE + 16
 
 
+def test_the_first_window_comes_from_the_flow_on_its_frames_alone_and_equals_the_whole(engine):
+    voice = _quiet(engine)
+    assert voice.graph.flow is not None  # Piper's exporter: cut at the flow and at the decoder
+    [ids] = voice.sentences("Your table for two is booked at seven thirty tonight.")
+    prior = voice.graph.prior(voice._feed(ids, None, None, None, None))
+    frames = prior[0].shape[2]
+    end = graph.FIRST_FRAMES + graph.CONTEXT_FRAMES
+    assert frames > 3 * (end + graph.FLOW_CONTEXT)  # the head is a small part of the piece
+    whole, head = voice.graph.latents(prior), voice.graph.latents(prior, end)
+    assert head.shape[2] == end and np.abs(head - whole[:, :, :end]).max() < 1e-5
+    first = voice.graph.decode(head, 0, graph.FIRST_FRAMES)
+    assert np.abs(first - voice.graph.decode(whole, 0, frames)[:len(first)]).max() < 1e-5
+
+
 def test_chunks_start_short_and_grow_without_a_short_tail():
     assert graph.chunks(10) == [(0, 10)]
     assert graph.chunks(24 + 96 + 30) == [(0, 24), (24, 120), (120, 150)]

@@ -123,3 +123,22 @@ def test_audio_equals_piper_tts_for_the_same_ids_and_scales(both):
         mine = ours.audio(chunk.phoneme_ids, noise_scale=0.0, noise_w=0.0)
         assert mine.shape == chunk.audio_float_array.shape
         assert np.array_equal(mine, chunk.audio_float_array)
+
+
+@pytest.mark.skipif(shutil.which("espeak-ng") is None, reason="needs the espeak-ng program")
+def test_a_texts_phonemes_come_from_an_espeak_ng_started_ahead_and_match_a_fresh_one():
+    import subprocess
+
+    from voiced.engines.piper import phonemize
+
+    text = "Sure, I can help with that. See you at seven!"
+    cmd = [phonemize.espeak_program(), "-q", "--ipa", "--stdin", "-v", "en-us"]
+    fresh = subprocess.run(cmd, input=text.encode(), capture_output=True, check=True).stdout.decode().splitlines()
+    first = phonemize.espeak_lines(text, "en-us")
+    spare = phonemize._spares._waiting[tuple(cmd)]
+    assert spare.poll() is None  # started for the next text, waiting on its input
+    assert phonemize.espeak_lines(text, "en-us") == first == fresh and spare.poll() == 0  # it said this one
+    spare = phonemize._spares._waiting[tuple(cmd)]
+    spare.kill()
+    spare.wait()
+    assert phonemize.espeak_lines(text, "en-us") == fresh  # one that died waiting is replaced, not used

@@ -1,19 +1,22 @@
-"""A Piper voice's VITS graph cut in two where its decoder begins, so a sentence is heard chunk by chunk.
+"""A Piper voice's VITS graph cut in three, so a sentence is heard chunk by chunk and its first chunk early.
 
-A Piper voice is one ONNX graph: text encoder, duration predictor and flow turn phoneme ids into a latent
-sequence (192 channels, one frame per 256 output samples: `/Mul_7_output_0`, the input of the HiFi-GAN
-decoder's first node `/dec/conv_pre/Conv`), and the decoder turns that into audio. The decoder is ~75 %
-of the time (a 3.9 s sentence on one core of this machine: 0.14 s to the latents, 0.43 s to decode them),
-and it is convolutional: a frame's audio depends on the latents around it only. So the graph is cut at the
-latents (onnx's Extractor, at load), the latents are made for a whole piece at once, and the decoder runs
-on windows of them: each chunk's frames with CONTEXT_FRAMES of latents on either side, of whose audio the
-chunk's own part is kept. With 16 frames of context the chunks join into the whole decode to 3.4e-7 (the
-largest difference on that sentence; 8 frames: 2e-3). The first chunk of a piece is FIRST_FRAMES long, so
-its audio leaves after the latents and one short window; later chunks grow (x GROWTH, up to MAX_FRAMES)
-so the context decoded twice costs little.
+A Piper voice is one ONNX graph: text encoder and duration predictor turn phoneme ids into the prior's latents
+(192 channels, one frame per 256 output samples, with a mask), a normalizing flow turns those into the
+decoder's latents (`/Mul_7_output_0`, the input of the HiFi-GAN decoder's first node `/dec/conv_pre/Conv`),
+and the decoder turns them into audio. The decoder is ~75 % of the time (a 3.9 s sentence on one core of
+this machine: 0.14 s to the latents, 0.43 s to decode them), and it is convolutional: a frame's audio
+depends on the latents around it only. So the graph is cut (onnx's Extractor, at load) at the decoder and
+at the flow: the prior runs on a whole piece, and the decoder on windows of latents: each chunk's frames
+with CONTEXT_FRAMES of latents on either side, of whose audio the chunk's own part is kept (16 frames: the
+chunks join into the whole decode to 3.4e-7; 8 frames: 2e-3). The flow is convolutional too (4 couplings
+of 4 convolutions of width 5: 32 frames reach a frame), so the first chunk's latents come from the flow on
+its first frames and FLOW_CONTEXT more, not the whole piece: on a 2.7 s sentence the flow is half the time
+to the prior's latents. The first chunk of a piece is FIRST_FRAMES long, so its audio leaves after the
+prior, a short flow and one short window; later chunks grow (x GROWTH, up to MAX_FRAMES) so the context
+decoded twice costs little.
 
 A graph without a decoder node by that name (another exporter) is not cut: its pieces are synthesized
-whole, as before.
+whole. One whose flow does not take exactly the prior's latents and mask is cut at the decoder only.
 """
 
 from __future__ import annotations
@@ -26,17 +29,33 @@ import numpy as np
 
 log = logging.getLogger(__name__)
 
-DECODER_PREFIX = "/dec/"
+DECODER_PREFIX, FLOW_PREFIX = "/dec/", "/flow/"
 CONTEXT_FRAMES = 16
+FLOW_CONTEXT = 32  # frames the flow's convolutions reach: its latents on a window are exact this far in
 FIRST_FRAMES = 24  # 24 x 256 samples at 22,050 Hz: 0.28 s of speech in the first chunk
 GROWTH, MAX_FRAMES = 4, 384
 
 
 @dataclass
 class SplitGraph:
-    encoder: object  # onnxruntime.InferenceSession: the graph's inputs -> the latents
+    encoder: object  # onnxruntime.InferenceSession: the graph's inputs -> the prior (the flow's inputs, or the latents)
     decoder: object  # onnxruntime.InferenceSession: the latents -> audio
     latent: str  # the latents' name (the decoder's input)
+    flow: object | None = None  # onnxruntime.InferenceSession: the prior's latents and mask -> the latents
+    flow_inputs: tuple[str, ...] = ()
+
+    def prior(self, feed: dict[str, np.ndarray]) -> list[np.ndarray]:
+        """One piece's encoder outputs, each with its frames on the last axis."""
+        return self.encoder.run(None, feed)
+
+    def latents(self, prior: list[np.ndarray], end: int | None = None) -> np.ndarray:
+        """The decoder's latents of frames [0, end) (None: all of them) from `prior`; for a head of the piece
+        the flow runs on that head and the FLOW_CONTEXT frames after it only."""
+        if self.flow is None:
+            return prior[0][:, :, :end]
+        hi = None if end is None else end + FLOW_CONTEXT
+        z = self.flow.run(None, {name: x[:, :, :hi] for name, x in zip(self.flow_inputs, prior)})[0]
+        return z[:, :, :end]
 
     def decode(self, z: np.ndarray, start: int, end: int) -> np.ndarray:
         """Audio of frames [start, end) of latents `z` ([1, channels, frames]), decoded with context around them."""
@@ -61,10 +80,33 @@ def split(model: Path, options, providers: list[str]) -> SplitGraph | None:
     latent = first.input[0]
     inputs = [i.name for i in m.graph.input]
     extract = onnx.utils.Extractor(m)
-    encoder = extract.extract_model(inputs, [latent]).SerializeToString()
-    decoder = extract.extract_model([latent], [m.graph.output[0].name]).SerializeToString()
-    return SplitGraph(ort.InferenceSession(encoder, sess_options=options, providers=providers),
-                      ort.InferenceSession(decoder, sess_options=options, providers=providers), latent)
+    decoder = extract.extract_model([latent], [m.graph.output[0].name])
+    flow_inputs = _flow_inputs(m)
+
+    def session(graph):
+        return ort.InferenceSession(graph.SerializeToString(), sess_options=options, providers=providers)
+
+    if len(flow_inputs) != 2:  # the prior's latents and their mask, as Piper's exporter writes the flow
+        log.info("%s: the flow is not cut (its inputs: %s), so a piece's latents are made whole", model, flow_inputs)
+        return SplitGraph(session(extract.extract_model(inputs, [latent])), session(decoder), latent)
+    return SplitGraph(session(extract.extract_model(inputs, flow_inputs)), session(decoder), latent,
+                      session(extract.extract_model(flow_inputs, [latent])), tuple(flow_inputs))
+
+
+def _flow_inputs(m) -> list[str]:
+    """What the graph's nodes from the first flow node on take from the nodes before it (constants aside): the
+    prior's latents and mask in a Piper voice. ONNX nodes are in topological order."""
+    nodes = list(m.graph.node)
+    at = next((i for i, n in enumerate(nodes) if n.name.startswith(FLOW_PREFIX)), None)
+    if at is None:
+        return []
+    before = {out: n for n in nodes[:at] for out in n.output}
+    found = []
+    for n in nodes[at:]:
+        for name in n.input:
+            if name in before and before[name].op_type != "Constant" and name not in found:
+                found.append(name)
+    return found
 
 
 def chunks(frames: int) -> list[tuple[int, int]]:

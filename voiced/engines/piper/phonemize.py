@@ -30,6 +30,7 @@ import logging
 import re
 import shutil
 import subprocess
+import threading
 import unicodedata
 from dataclasses import dataclass
 from pathlib import Path
@@ -140,11 +141,47 @@ def espeak_lines(text: str, voice: str, data_dir: str | Path | None = None) -> l
     cmd = [espeak_program(), "-q", "--ipa", "--stdin", "-v", voice]
     if data_dir is not None:
         cmd.append(f"--path={Path(data_dir).parent if Path(data_dir).name == 'espeak-ng-data' else data_dir}")
-    r = subprocess.run(cmd, input=text.encode("utf-8"), capture_output=True, check=False, timeout=30)
-    if r.returncode != 0:
-        raise EngineError(f"espeak-ng failed for voice {voice!r} (exit {r.returncode}): "
-                          f"{r.stderr.decode('utf-8', 'replace').strip()[:200]}")
-    return r.stdout.decode("utf-8").splitlines()
+    process = _spares.take(cmd)
+    try:
+        out, err = process.communicate(text.encode("utf-8"), timeout=30)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.communicate()
+        raise EngineError(f"espeak-ng took over 30 s for voice {voice!r}; send a shorter text") from None
+    finally:
+        _spares.refill(cmd)  # after this text's phonemes: starting one costs the CPU this text needed
+    if process.returncode != 0:
+        raise EngineError(f"espeak-ng failed for voice {voice!r} (exit {process.returncode}): "
+                          f"{err.decode('utf-8', 'replace').strip()[:200]}")
+    return out.decode("utf-8").splitlines()
+
+
+class _Spares:
+    """One espeak-ng started ahead for each command, waiting on its input: starting the program is most of
+    what phonemizing a reply costs (~30 ms of ~40 on a loaded 2-core machine), so a reply's text goes to
+    one already started and the next is started for the reply after it."""
+
+    def __init__(self) -> None:
+        self._waiting: dict[tuple[str, ...], subprocess.Popen] = {}
+        self._lock = threading.Lock()  # the synthesis thread and the doors' threads phonemize
+
+    def take(self, cmd: list[str]) -> subprocess.Popen:
+        """The one waiting for `cmd` (started now where none is)."""
+        with self._lock:
+            process = self._waiting.pop(tuple(cmd), None)
+        return process if process is not None and process.poll() is None else _start(cmd)
+
+    def refill(self, cmd: list[str]) -> None:
+        with self._lock:
+            if tuple(cmd) not in self._waiting:
+                self._waiting[tuple(cmd)] = _start(cmd)
+
+
+def _start(cmd: list[str]) -> subprocess.Popen:
+    return subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+_spares = _Spares()
 
 
 def phonemize(text: str, voice: str, data_dir: str | Path | None = None) -> list[list[str]]:

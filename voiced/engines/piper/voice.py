@@ -5,7 +5,7 @@ scales (`scales`, float32: noise_scale, length_scale, noise_w) and, for a voice 
 speaker id (`sid`); it returns the sentence's audio at the voice's rate (22,050 Hz for medium and high
 quality voices). The scales default to the voice's `inference` section (0.667, 1.0, 0.8 where it names
 none), and a sentence synthesized whole (`audio`) is scaled to a peak of 1.0, as piper-tts does by default
-(`SynthesisConfig.normalize_audio`). A stream (`stream`) runs the graph cut in two (graph.py) and scales
+(`SynthesisConfig.normalize_audio`). A stream (`stream`) runs the graph cut in three (graph.py) and scales
 every piece by one gain a voice (`gain`).
 
 Threads: onnxruntime's CPU provider takes one thread per core by default; a voice here takes
@@ -24,7 +24,7 @@ import numpy as np
 
 from voiced.engines.base import EngineError
 
-from .graph import SplitGraph, chunks, split
+from .graph import CONTEXT_FRAMES, SplitGraph, chunks, split
 from .phonemize import merge_vowel_clusters, phoneme_ids, phonemize, split_clauses
 
 log = logging.getLogger(__name__)
@@ -143,7 +143,7 @@ class PiperVoice:
         """One sentence's audio, float32 mono at the voice's rate (peak 1.0 where `normalize`), as piper-tts makes it."""
         feed = self._feed(ids, noise_scale, length_scale, noise_w, speaker)
         if self.graph is not None:
-            z = self.graph.encoder.run(None, feed)[0]
+            z = self.graph.latents(self.graph.prior(feed))
             audio = self.graph.decode(z, 0, z.shape[2])
         else:
             audio = np.asarray(self.session.run(None, feed)[0], dtype=np.float32).reshape(-1)
@@ -166,17 +166,25 @@ class PiperVoice:
 
     def stream(self, ids: list[int], length_scale: float | None = None) -> Iterator[tuple[np.ndarray, bool]]:
         """A piece's audio chunk by chunk (graph.py), each with whether it is the piece's last; the first after
-        the piece's latents and one short window. A voice whose graph is not cut gives the piece whole.
+        the piece's prior and one short window. A voice whose graph is not cut gives the piece whole.
         `length_scale` (None: the voice's own) stretches its phonemes: 2 speaks at half the pace."""
         if self.graph is None:
             yield self.audio(ids, length_scale=length_scale), True
             return
-        z = self.graph.encoder.run(None, self._feed(ids, None, length_scale, None, None))[0]
-        spans = chunks(z.shape[2])
+        prior = self.graph.prior(self._feed(ids, None, length_scale, None, None))
+        frames = prior[0].shape[2]
+        spans = chunks(frames)
         if not spans:
             yield np.zeros(0, np.float32), True
+        z = None
         for i, (start, end) in enumerate(spans):
-            yield np.clip(self.graph.decode(z, start, end) * self.gain, -1.0, 1.0), i == len(spans) - 1
+            if i == 0 and len(spans) > 1:  # the first window's latents alone: its audio before the flow's rest
+                head = self.graph.latents(prior, min(frames, end + CONTEXT_FRAMES))
+                audio = self.graph.decode(head, start, end)
+            else:
+                z = z if z is not None else self.graph.latents(prior)
+                audio = self.graph.decode(z, start, end)
+            yield np.clip(audio * self.gain, -1.0, 1.0), i == len(spans) - 1
 
     def speak(self, text: str, **scales) -> np.ndarray:
         """The whole of `text`, sentence after sentence, at the voice's rate (what G's turn sets and the
