@@ -74,3 +74,16 @@ def test_the_readme_stays_short_and_starts_with_the_two_commands():
     assert len(text.splitlines()) <= 260, "README.md grew past a ten-minute read: move the detail to docs/"
     assert text.index("make run") < text.index("voiced-client file") < 2500
     assert (ROOT / "examples" / "hello.wav").is_file(), "the README's first success streams examples/hello.wav"
+
+
+def test_the_gpu_suite_page_names_every_gpu_test_and_only_those():
+    """docs/GPU_TESTS.md says what each GPU test compares: the lead reads it to know what a GPU run checked."""
+    import ast
+
+    tests = {node.name for path in (ROOT / "tests").glob("test_*_gpu.py")
+             for node in ast.parse(path.read_text()).body
+             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name.startswith("test_")}
+    named = set(re.findall(r"`(test_\w+?)(?:\[[^`]*\])?`", (ROOT / "docs" / "GPU_TESTS.md").read_text()))
+    named -= {path.stem for path in (ROOT / "tests").glob("test_*_gpu.py")}  # the file column
+    assert not tests - named, f"docs/GPU_TESTS.md has no row for {sorted(tests - named)}"
+    assert not named - tests, f"docs/GPU_TESTS.md names tests that do not exist: {sorted(named - tests)}"
