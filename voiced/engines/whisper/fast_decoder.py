@@ -15,6 +15,8 @@ uncompiled function matches the reference to ~1e-6 (tested).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -25,23 +27,55 @@ from .fusion import compile_static, fuse_qkv
 from .model import KVCache, TextDecoder, decode_attention_kernels
 
 
-def decoder_layer_step(x: Tensor, mask: Tensor | None, rows: Tensor, positions: Tensor, self_k: Tensor,
-                       self_v: Tensor, cross_k: Tensor, cross_v: Tensor, kv_len: int, n_head: int,
-                       ln1_w: Tensor, ln1_b: Tensor, w_qkv: Tensor, b_qkv: Tensor, w_o: Tensor, b_o: Tensor,
-                       ln2_w: Tensor, ln2_b: Tensor, w_cq: Tensor, b_cq: Tensor, w_co: Tensor, b_co: Tensor,
-                       ln3_w: Tensor, ln3_b: Tensor, w_1: Tensor, b_1: Tensor, w_2: Tensor, b_2: Tensor) -> Tensor:
+class DecoderLayer(NamedTuple):
+    """One decoder block's tensors as the fused step reads them: the modules' own parameters, the
+    self-attention's query/key/value fused (`fuse_qkv`)."""
+
+    ln1_w: Tensor  # the self-attention's layer norm
+    ln1_b: Tensor
+    w_qkv: Tensor
+    b_qkv: Tensor
+    w_o: Tensor
+    b_o: Tensor
+    ln2_w: Tensor  # the cross-attention's layer norm
+    ln2_b: Tensor
+    w_cq: Tensor
+    b_cq: Tensor
+    w_co: Tensor
+    b_co: Tensor
+    ln3_w: Tensor  # the MLP's layer norm
+    ln3_b: Tensor
+    w_1: Tensor
+    b_1: Tensor
+    w_2: Tensor
+    b_2: Tensor
+
+    @classmethod
+    def of(cls, blk) -> DecoderLayer:
+        a, c = blk.attn, blk.cross_attn
+        w_qkv, b_qkv = fuse_qkv(a)
+        return cls(blk.attn_ln.weight, blk.attn_ln.bias, w_qkv, b_qkv, a.out.weight, a.out.bias,
+                   blk.cross_attn_ln.weight, blk.cross_attn_ln.bias, c.query.weight, c.query.bias, c.out.weight,
+                   c.out.bias, blk.mlp_ln.weight, blk.mlp_ln.bias, blk.mlp[0].weight, blk.mlp[0].bias,
+                   blk.mlp[2].weight, blk.mlp[2].bias)
+
+
+def decoder_layer_step(x: Tensor, mask: Tensor | None, rows: Tensor, positions: Tensor,
+                       cache: tuple[Tensor, Tensor, Tensor, Tensor], kv_len: int, n_head: int,
+                       p: DecoderLayer) -> Tensor:
     """One decoder block for one new token per row: x [B, 1, D] -> [B, 1, D] (as `TextDecoder._step`).
 
-    self_k/self_v [slots, ctx, D] and cross_k/cross_v [slots, A, D] are this layer's caches. Row b's
-    new key/value are written at (rows[b], positions[b]); row b then attends over the first kv_len
+    cache: this layer's self keys and values [slots, ctx, D] and cross keys and values [slots, A, D]. Row
+    b's new key/value are written at (rows[b], positions[b]); row b then attends over the first kv_len
     self positions of slot b (mask: additive [B, 1, 1, kv_len], or None when every row may see all
     of them) and over all of slot b's audio positions. The cross-attention query stays its own GEMM:
     its keys/values were projected once at admission.
     """
+    self_k, self_v, cross_k, cross_v = cache
     b, _, d = x.shape
     hd = d // n_head
-    h = F.layer_norm(x, (d,), ln1_w, ln1_b, 1e-5)
-    q, k, v = F.linear(h, w_qkv, b_qkv).view(b, 3, n_head, hd).unbind(1)  # [B, H, hd] views
+    h = F.layer_norm(x, (d,), p.ln1_w, p.ln1_b, 1e-5)
+    q, k, v = F.linear(h, p.w_qkv, p.b_qkv).view(b, 3, n_head, hd).unbind(1)  # [B, H, hd] views
     self_k[rows, positions] = k.reshape(b, d)
     self_v[rows, positions] = v.reshape(b, d)
     keys = self_k[:b, :kv_len].view(b, kv_len, n_head, hd).transpose(1, 2)
@@ -56,16 +90,16 @@ def decoder_layer_step(x: Tensor, mask: Tensor | None, rows: Tensor, positions: 
         o = torch.matmul(torch.softmax(scores, dim=-1).to(values.dtype), values)  # [B, H, 1, hd]
     else:  # many rows fill the GPU anyway, and the fused kernel reads the keys once (5.6 vs 9.0 ms at 256)
         o = F.scaled_dot_product_attention(q[:, :, None], keys, values, attn_mask=mask)  # [B, H, 1, hd]
-    x = x + F.linear(o.reshape(b, 1, d), w_o, b_o)
-    h = F.layer_norm(x, (d,), ln2_w, ln2_b, 1e-5)
-    q = F.linear(h, w_cq, b_cq).view(b, 1, n_head, hd).transpose(1, 2)
+    x = x + F.linear(o.reshape(b, 1, d), p.w_o, p.b_o)
+    h = F.layer_norm(x, (d,), p.ln2_w, p.ln2_b, 1e-5)
+    q = F.linear(h, p.w_cq, p.b_cq).view(b, 1, n_head, hd).transpose(1, 2)
     a = cross_k.shape[1]
     keys = cross_k[:b].view(b, a, n_head, hd).transpose(1, 2)
     values = cross_v[:b].view(b, a, n_head, hd).transpose(1, 2)
     o = F.scaled_dot_product_attention(q, keys, values)
-    x = x + F.linear(o.reshape(b, 1, d), w_co, b_co)
-    h = F.layer_norm(x, (d,), ln3_w, ln3_b, 1e-5)
-    return x + F.linear(F.gelu(F.linear(h, w_1, b_1)), w_2, b_2)
+    x = x + F.linear(o.reshape(b, 1, d), p.w_co, p.b_co)
+    h = F.layer_norm(x, (d,), p.ln3_w, p.ln3_b, 1e-5)
+    return x + F.linear(F.gelu(F.linear(h, p.w_1, p.b_1)), p.w_2, p.b_2)
 
 
 # Up to this many rows a decoder step writes its self-attention out (see decoder_layer_step). The
@@ -135,18 +169,11 @@ class FastDecoder:
         self.dec = decoder
         self.gemv = gemv
         self.n_head = decoder.blocks[0].attn.n_head
-        self.layers: list[tuple[Tensor, ...]] = []
-        for blk in decoder.blocks:
-            a, c = blk.attn, blk.cross_attn
-            w_qkv, b_qkv = fuse_qkv(a)
-            self.layers.append((blk.attn_ln.weight, blk.attn_ln.bias, w_qkv, b_qkv, a.out.weight, a.out.bias,
-                                blk.cross_attn_ln.weight, blk.cross_attn_ln.bias, c.query.weight, c.query.bias,
-                                c.out.weight, c.out.bias, blk.mlp_ln.weight, blk.mlp_ln.bias,
-                                blk.mlp[0].weight, blk.mlp[0].bias, blk.mlp[2].weight, blk.mlp[2].bias))
+        self.layers = [DecoderLayer.of(blk) for blk in decoder.blocks]
         self.compiled = compile_layers
         # the layer norm after each layer: the next layer's first, or the decoder's final one (the GEMV step
         # applies it with the residual add that ends the layer)
-        self.next_norms = [(p[0], p[1]) for p in self.layers[1:]] + [(decoder.ln.weight, decoder.ln.bias)]
+        self.next_norms = [(p.ln1_w, p.ln1_b) for p in self.layers[1:]] + [(decoder.ln.weight, decoder.ln.bias)]
         self._inputs = compile_static(step_inputs) if compile_layers else step_inputs
         # the GEMV step's embeddings (three kernels eagerly, one compiled), compiled on a GPU as the greedy
         # choice is (`DecoderSteps`); the layer norm after them stays torch's (compiled, it would round otherwise)
@@ -167,8 +194,8 @@ class FastDecoder:
             x, mask, rows = self._inputs(tokens, positions, dec.token_embedding.weight, dec.positional_embedding,
                                          kv_len, masked, cache.self_k.dtype)
             for i, p in enumerate(self.layers):
-                x = self._layer(x, mask, rows, positions, cache.self_k[i], cache.self_v[i], cache.cross_k[i],
-                                cache.cross_v[i], kv_len, self.n_head, *p)
+                layer_cache = (cache.self_k[i], cache.self_v[i], cache.cross_k[i], cache.cross_v[i])
+                x = self._layer(x, mask, rows, positions, layer_cache, kv_len, self.n_head, p)
             return dec._logits(x[:, 0])
 
     def greedy_step(self, inputs: Tensor, lp: Tensor, cache: KVCache, kv_len: int, always: Tensor, eot: int,
@@ -201,21 +228,21 @@ class FastDecoder:
         dec, n = self.dec, self.n_head
         x = self._embed(tokens, positions, dec.token_embedding.weight, dec.positional_embedding, cache.self_k.dtype)
         dims = (n, n, x.shape[1] // n)
-        h = F.layer_norm(x, x.shape[-1:], self.layers[0][0], self.layers[0][1], 1e-5)
+        h = F.layer_norm(x, x.shape[-1:], self.layers[0].ln1_w, self.layers[0].ln1_b, 1e-5)
         for i, (p, (next_w, next_b)) in enumerate(zip(self.layers, self.next_norms)):
-            _, _, w_qkv, b_qkv, w_o, b_o, ln2_w, ln2_b, w_cq, b_cq, w_co, b_co, ln3_w, ln3_b, w_1, b_1, w_2, b_2 = p
             self_k, self_v = _heads_view(cache.self_k[i], n), _heads_view(cache.self_v[i], n)
             cross_k, cross_v = _heads_view(cache.cross_k[i], n), _heads_view(cache.cross_v[i], n)
-            o = decode_attention.triton_attention(decode_linear.linear(h, w_qkv, b_qkv, stop=stop), None, None, self_k,
-                                                  self_v, positions, kv_len, dims, stop=stop, split=False)
-            h = decode_linear.add_layer_norm(decode_linear.linear_partials(o, w_o, stop=stop), x, b_o, ln2_w, ln2_b,
-                                             1e-5, stop)
-            o = decode_attention.triton_attention(decode_linear.linear(h, w_cq, b_cq, stop=stop), None, None, cross_k,
-                                                  cross_v, positions, cross_k.shape[2], dims, cross=True, stop=stop)
-            h = decode_linear.add_layer_norm(decode_linear.linear_partials(o, w_co, stop=stop), x, b_co, ln3_w, ln3_b,
-                                             1e-5, stop)
-            a = decode_linear.linear(h, w_1, b_1, gelu=True, stop=stop)
-            h = decode_linear.add_layer_norm(decode_linear.linear_partials(a, w_2, stop=stop), x, b_2, next_w, next_b,
-                                             1e-5, stop)
+            o = decode_attention.triton_attention(decode_linear.linear(h, p.w_qkv, p.b_qkv, stop=stop), None, None,
+                                                  self_k, self_v, positions, kv_len, dims, stop=stop, split=False)
+            h = decode_linear.add_layer_norm(decode_linear.linear_partials(o, p.w_o, stop=stop), x, p.b_o, p.ln2_w,
+                                             p.ln2_b, 1e-5, stop)
+            o = decode_attention.triton_attention(decode_linear.linear(h, p.w_cq, p.b_cq, stop=stop), None, None,
+                                                  cross_k, cross_v, positions, cross_k.shape[2], dims, cross=True,
+                                                  stop=stop)
+            h = decode_linear.add_layer_norm(decode_linear.linear_partials(o, p.w_co, stop=stop), x, p.b_co, p.ln3_w,
+                                             p.ln3_b, 1e-5, stop)
+            a = decode_linear.linear(h, p.w_1, p.b_1, gelu=True, stop=stop)
+            h = decode_linear.add_layer_norm(decode_linear.linear_partials(a, p.w_2, stop=stop), x, p.b_2, next_w,
+                                             next_b, 1e-5, stop)
         return h
 

@@ -17,6 +17,7 @@ two agree with each other bit for bit.
 from __future__ import annotations
 
 import contextlib
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -30,24 +31,45 @@ from .fusion import compile_static, fuse_qkv
 from .model import Attention, AudioEncoder, TextDecoder
 
 
-def encoder_layer(x: Tensor, n_head: int, ln1_w: Tensor, ln1_b: Tensor, w_qkv: Tensor, b_qkv: Tensor,
-                  w_o: Tensor, b_o: Tensor, ln2_w: Tensor, ln2_b: Tensor, w_1: Tensor, b_1: Tensor,
-                  w_2: Tensor, b_2: Tensor) -> Tensor:
+class EncoderLayer(NamedTuple):
+    """One encoder block's tensors as the fast encoder reads them: the modules' own parameters, the
+    self-attention's query/key/value fused (`fuse_qkv`)."""
+
+    ln1_w: Tensor  # the self-attention's layer norm
+    ln1_b: Tensor
+    w_qkv: Tensor
+    b_qkv: Tensor
+    w_o: Tensor
+    b_o: Tensor
+    ln2_w: Tensor  # the MLP's layer norm
+    ln2_b: Tensor
+    w_1: Tensor
+    b_1: Tensor
+    w_2: Tensor
+    b_2: Tensor
+
+    @classmethod
+    def of(cls, blk) -> EncoderLayer:
+        w_qkv, b_qkv = fuse_qkv(blk.attn)
+        return cls(blk.attn_ln.weight, blk.attn_ln.bias, w_qkv, b_qkv, blk.attn.out.weight, blk.attn.out.bias,
+                   blk.mlp_ln.weight, blk.mlp_ln.bias, blk.mlp[0].weight, blk.mlp[0].bias, blk.mlp[2].weight,
+                   blk.mlp[2].bias)
+
+
+def encoder_layer(x: Tensor, n_head: int, p: EncoderLayer) -> Tensor:
     """One encoder block (pre-norm self-attention, then pre-norm GELU MLP) on x [B, T, D]."""
     b, t, d = x.shape
-    h = F.layer_norm(x, (d,), ln1_w, ln1_b, 1e-5)
-    qkv = F.linear(h, w_qkv, b_qkv).view(b, t, 3, n_head, d // n_head)
+    h = F.layer_norm(x, (d,), p.ln1_w, p.ln1_b, 1e-5)
+    qkv = F.linear(h, p.w_qkv, p.b_qkv).view(b, t, 3, n_head, d // n_head)
     q, k, v = qkv.unbind(2)  # [B, T, H, hd] views
     o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
-    x = x + F.linear(o.transpose(1, 2).reshape(b, t, d), w_o, b_o)
-    h = F.layer_norm(x, (d,), ln2_w, ln2_b, 1e-5)
-    return x + F.linear(F.gelu(F.linear(h, w_1, b_1)), w_2, b_2)
+    x = x + F.linear(o.transpose(1, 2).reshape(b, t, d), p.w_o, p.b_o)
+    h = F.layer_norm(x, (d,), p.ln2_w, p.ln2_b, 1e-5)
+    return x + F.linear(F.gelu(F.linear(h, p.w_1, p.b_1)), p.w_2, p.b_2)
 
 
 def encoder_layer_add_norm(x: Tensor, h: Tensor, n_head: int, next_w: Tensor, next_b: Tensor, zero: Tensor,
-                           ln1_w: Tensor, ln1_b: Tensor, w_qkv: Tensor, b_qkv: Tensor, w_o: Tensor, b_o: Tensor,
-                           ln2_w: Tensor, ln2_b: Tensor, w_1: Tensor, b_1: Tensor, w_2: Tensor,
-                           b_2: Tensor) -> Tensor:
+                           p: EncoderLayer) -> Tensor:
     """`encoder_layer` with each residual add and the layer norm after it in one kernel (`decode_linear.
     add_layer_norm`, the GEMV decoder's): x [B, T, D] contiguous, h its first layer norm (ln1: the caller's, or
     the previous layer's return). x is updated in place; returns the new x layer-normed by next_w/next_b (the
@@ -56,11 +78,11 @@ def encoder_layer_add_norm(x: Tensor, h: Tensor, n_head: int, next_w: Tensor, ne
     norms' float32 sums run in another order."""
     b, t, d = x.shape
     rows = x.view(b * t, d)
-    q, k, v = F.linear(h, w_qkv, b_qkv).view(b, t, 3, n_head, d // n_head).unbind(2)
+    q, k, v = F.linear(h, p.w_qkv, p.b_qkv).view(b, t, 3, n_head, d // n_head).unbind(2)
     o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
-    h = decode_linear.add_layer_norm(F.linear(o.transpose(1, 2).reshape(1, b * t, d), w_o, b_o), rows, zero,
-                                     ln2_w, ln2_b, 1e-5)
-    h = decode_linear.add_layer_norm(F.linear(F.gelu(F.linear(h, w_1, b_1)), w_2, b_2)[None], rows, zero,
+    h = decode_linear.add_layer_norm(F.linear(o.transpose(1, 2).reshape(1, b * t, d), p.w_o, p.b_o), rows, zero,
+                                     p.ln2_w, p.ln2_b, 1e-5)
+    h = decode_linear.add_layer_norm(F.linear(F.gelu(F.linear(h, p.w_1, p.b_1)), p.w_2, p.b_2)[None], rows, zero,
                                      next_w, next_b, 1e-5)
     return h.view(b, t, d)
 
@@ -104,19 +126,13 @@ class FastEncoder:
         self.enc = encoder
         self.n_mels = n_mels
         self.n_head = encoder.blocks[0].attn.n_head
-        self.layers: list[tuple[Tensor, ...]] = []
-        for blk in encoder.blocks:
-            a = blk.attn
-            w_qkv, b_qkv = fuse_qkv(a)
-            self.layers.append((blk.attn_ln.weight, blk.attn_ln.bias, w_qkv, b_qkv, a.out.weight, a.out.bias,
-                                blk.mlp_ln.weight, blk.mlp_ln.bias, blk.mlp[0].weight, blk.mlp[0].bias,
-                                blk.mlp[2].weight, blk.mlp[2].bias))
+        self.layers = [EncoderLayer.of(blk) for blk in encoder.blocks]
         self.compiled = compile_layers
         self._layer = compile_static(encoder_layer) if compile_layers else encoder_layer
         # Eager layers with each residual add and the norm after it as one kernel (`encoder_layer_add_norm`;
         # Triton's, so a GPU's or its interpreter's): the norm after each layer is the next one's first, or ln_post.
         self.add_norm = add_norm and not compile_layers
-        self.next_norms = [(p[0], p[1]) for p in self.layers[1:]] + [(encoder.ln_post.weight, encoder.ln_post.bias)]
+        self.next_norms = [(p.ln1_w, p.ln1_b) for p in self.layers[1:]] + [(encoder.ln_post.weight, encoder.ln_post.bias)]
         self._zero = torch.zeros(encoder.ln_post.weight.shape, device=encoder.ln_post.weight.device)
         self.graphs: CudaGraphs | None = None  # set by the engine: `run` replays a graph per batch bucket
         self._inputs: dict[int, Tensor] = {}  # the graphs' static audio input, per batch bucket
@@ -181,11 +197,11 @@ class FastEncoder:
             # on contiguous ones. A compiled layer lays out its own buffers.
             x = x.contiguous()
         if self.add_norm:
-            h = F.layer_norm(x, x.shape[-1:], self.layers[0][0], self.layers[0][1], 1e-5)
+            h = F.layer_norm(x, x.shape[-1:], self.layers[0].ln1_w, self.layers[0].ln1_b, 1e-5)
             for p, (next_w, next_b) in zip(self.layers, self.next_norms):
-                h = encoder_layer_add_norm(x, h, self.n_head, next_w, next_b, self._zero, *p)
+                h = encoder_layer_add_norm(x, h, self.n_head, next_w, next_b, self._zero, p)
             return h
         for p in self.layers:
-            x = self._layer(x, self.n_head, *p)
+            x = self._layer(x, self.n_head, p)
         return F.layer_norm(x, x.shape[-1:], enc.ln_post.weight, enc.ln_post.bias, enc.ln_post.eps)
 
