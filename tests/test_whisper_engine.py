@@ -247,12 +247,14 @@ def test_cli_transcribe_json_matches_engine(ckpt, tmp_path, clips):
     assert r.returncode == 0, r.stderr
     lines = [json.loads(x) for x in r.stdout.splitlines()]
     assert len(lines) == 2
-    from voiced.audio.wavfile import load_16k
+    from voiced.audio.files import decode_file
+    from voiced.audio.ingest import int16_to_float
 
-    expected = WhisperEngine.load(ckpt).transcribe(ASRRequest(load_16k(wav), ASROptions(language="en", max_new_tokens=16)))
+    audio = int16_to_float(decode_file(wav.read_bytes(), 16000)[0])  # read as the CLI and the daemon read files
+    expected = WhisperEngine.load(ckpt).transcribe(ASRRequest(audio, ASROptions(language="en", max_new_tokens=16)))
     rec = lines[0]
     assert rec["tokens"] == expected.tokens and rec["text"] == expected.text and rec["language"] == "en"
-    same_scores(SimpleNamespace(**rec), expected, ckpt, load_16k(wav), ASROptions(language="en"))
+    same_scores(SimpleNamespace(**rec), expected, ckpt, audio, ASROptions(language="en"))
     assert {"no_speech_prob", "compression_ratio"} <= set(rec)
     assert lines[1]["tokens"]  # stereo 44.1 kHz decodes too
     r = cli("transcribe", str(wav), "--model", str(ckpt), "--json", "--timestamps", "--max-new-tokens", "16")
@@ -262,9 +264,8 @@ def test_cli_transcribe_json_matches_engine(ckpt, tmp_path, clips):
 
 @pytest.mark.slow
 def test_cli_errors_and_models(tmp_path, ckpt):
+    # (`voiced transcribe` with a model it cannot have: tests/test_transcribe_cli.py)
     env = {"VOICED_CACHE": str(tmp_path / "c")}
-    r = cli("transcribe", "x.wav", "--model", "base", env=env)
-    assert r.returncode == 2 and "voiced models pull base" in r.stderr and "Traceback" not in r.stderr
     r = cli("models", "list", env=env)
     assert r.returncode == 0 and "no models yet" in r.stdout and "large-v3-turbo" in r.stdout
     r = cli("models", "pull", "gpt-5", env=env)
