@@ -45,7 +45,6 @@ from voiced.engines.base import (
     finish,
     resumed_in,
 )
-from voiced.engines.dtypes import DTYPES, parse_dtype
 from voiced.engines.rows import compaction, doubling, rows_in_budget, to_device
 from voiced.memory_plan import (
     AUTO_GPU_ROWS,
@@ -61,7 +60,7 @@ from .align_graphs import AlignmentPasses
 from .audio import N_SAMPLES
 from .checkpoint import CheckpointError, build_model, read_checkpoint
 from .chunks import Chunk, HistoryCopies
-from .cpu import column_major_embedding_, int8_available, quantize_int8_
+from .cpu import column_major_embedding_, quantize_int8_
 from .cuda_graphs import CudaGraphs
 from .decoder_steps import DecoderSteps
 from .decoding import DecodePlan, RequestDecoder, Suppression
@@ -69,7 +68,7 @@ from .fast_decoder import FastDecoder
 from .fast_encoder import FastEncoder
 from .memory import memory_need
 from .model import KVCache, TextDecoder, Whisper
-from .options import WhisperRuntime
+from .options import WhisperRuntime, weights_dtype
 from .prefill_graphs import Prefills
 from .registry import resolve
 from .token_choice import Choice, advance_greedy, apply_choice, choose_tokens, launch_choice
@@ -225,7 +224,7 @@ class WhisperEngine:
         model = build_model(dims, ckpt.state, str(path))
         tok = ckpt.tokenizer()
         int8 = dtype == "int8"
-        dtype = _weights_dtype(dtype, device)
+        dtype = weights_dtype(dtype, device)
         cuda = device.startswith("cuda")
         name = path.stem if path.is_file() else path.name
         heads = check_alignment_heads(ckpt.alignment_heads or official_heads(name, dims), dims, name)
@@ -687,19 +686,3 @@ class WhisperEngine:
                 req.rows[j] = h
                 self._owner[h], self._owner[m] = (req, j), None
         self._n = sum(occupied)
-
-
-
-def _weights_dtype(dtype: torch.dtype | str | None, device: str) -> torch.dtype:
-    """The model's dtype from `load`'s: "int8" (a CPU mode) keeps float32 weights (quantized after)."""
-    if dtype == "int8":
-        if device != "cpu":
-            raise EngineError("dtype int8 is a CPU mode (int8 GEMMs on the CPU); on a GPU use float16")
-        if not int8_available():
-            raise EngineError("dtype int8 needs torch's x86/fbgemm quantized kernels, which this torch build "
-                              "lacks; use float32")
-        dtype = torch.float32
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise EngineError("device 'cuda' was asked for but torch sees no CUDA GPU; use --device cpu")
-    dtype = parse_dtype(dtype, f"one of {', '.join(DTYPES)} or int8 (CPU)")
-    return dtype or (torch.float16 if device.startswith("cuda") else torch.float32)

@@ -14,8 +14,11 @@ from dataclasses import dataclass
 
 import torch
 
+from voiced.engines.base import EngineError
+from voiced.engines.dtypes import DTYPES, parse_dtype
 from voiced.engines.kernels import decode_linear
 
+from .cpu import int8_available
 from .fast_decoder import gemv_supported
 from .model import ModelDims
 
@@ -79,3 +82,18 @@ class WhisperRuntime:
             fast_decoder=fast_decoder, gemv=gemv, compile_decoder=fast_decoder and cuda and not gemv,
             compile_tail=fast_decoder and cuda, compile_encoder=compile_encoder,
             encoder_add_norm=cuda and not compile_encoder and decode_linear.supported(dtype, device))
+
+
+def weights_dtype(dtype: torch.dtype | str | None, device: str) -> torch.dtype:
+    """The model's dtype from `load`'s: "int8" (a CPU mode) keeps float32 weights (quantized after)."""
+    if dtype == "int8":
+        if device != "cpu":
+            raise EngineError("dtype int8 is a CPU mode (int8 GEMMs on the CPU); on a GPU use float16")
+        if not int8_available():
+            raise EngineError("dtype int8 needs torch's x86/fbgemm quantized kernels, which this torch build "
+                              "lacks; use float32")
+        dtype = torch.float32
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise EngineError("device 'cuda' was asked for but torch sees no CUDA GPU; use --device cpu")
+    dtype = parse_dtype(dtype, f"one of {', '.join(DTYPES)} or int8 (CPU)")
+    return dtype or (torch.float16 if device.startswith("cuda") else torch.float32)
