@@ -13,6 +13,7 @@ two different voices.
 from __future__ import annotations
 
 import asyncio
+import base64
 import io
 import json
 import shutil
@@ -176,3 +177,40 @@ def test_openai_speech_at_a_faster_speed_is_shorter_and_still_heard(daemon):
     with pytest.raises(urllib.error.HTTPError) as refused:
         openai_speech(daemon, input=SENTENCES[3], speed=5)
     assert refused.value.code == 400 and "speed must be a number from 0.25 to 4.0" in refused.value.read().decode()
+
+
+def realtime_reply(daemon, speed: float) -> np.ndarray:
+    """Realtime at `speed`: a user text answered by the echo agent; its spoken reply as 16 kHz float32."""
+    import aiohttp
+
+    async def go() -> bytes:
+        audio = bytearray()
+        async with aiohttp.ClientSession() as http, http.ws_connect(
+                f"ws://{daemon.services.doors['http']}/v1/realtime?model=voiced") as ws:
+            async def until(kind: str) -> dict:
+                while True:
+                    event = json.loads((await ws.receive(timeout=120)).data)
+                    assert event["type"] != "error", event
+                    if event["type"] == "response.output_audio.delta":
+                        audio.extend(base64.b64decode(event["delta"]))
+                    if event["type"] == kind:
+                        return event
+
+            await until("session.created")
+            await ws.send_json({"type": "session.update", "session": {"type": "realtime", "audio": {"output": {
+                "format": {"type": "audio/pcm", "rate": 24000}, "speed": speed}}}})
+            assert (await until("session.updated"))["session"]["audio"]["output"]["speed"] == speed
+            await ws.send_json({"type": "conversation.item.create", "item": {
+                "type": "message", "role": "user", "content": [{"type": "input_text", "text": SENTENCES[5]}]}})
+            await ws.send_json({"type": "response.create"})
+            await until("response.done")
+        return bytes(audio)
+
+    samples = np.frombuffer(asyncio.run(go()), "<i2").astype(np.float32) / 32768
+    return soxr.resample(samples, 24000, 16000)
+
+
+def test_realtime_at_a_slower_speed_is_longer_and_still_heard(daemon):
+    plain, slow = realtime_reply(daemon, 1.0), realtime_reply(daemon, 0.5)
+    assert len(slow) > 1.4 * len(plain)  # about 1.7x: each phoneme lasts whole frames
+    assert words(recognize(daemon, wire_audio(slow, WIDE))) == words(SENTENCES[5])
