@@ -181,53 +181,6 @@ def test_a_doubted_last_word_is_one_whisper_gives_under_last_p_and_did_not_hear_
     assert Evidence(0.95, "They can repair them.", fresh=True, end_p=0.98, doubtful=True).wait_ms(b) == b.doubt_ms
 
 
-def test_on_a_line_whisper_hears_badly_a_doubt_is_a_word_less_sure_than_the_caller_s_others():
-    from voiced.engines.base import Word
-
-    def words(*probs):
-        return [Word(f"w{i}", 0.3 * i, 0.3 * i + 0.25, p) for i, p in enumerate(probs)]
-
-    b = MEDIUM
-    # A clean line: Whisper sure of the caller's other words (median >= SURE_P), the thresholds as they are.
-    clean = words(0.95, 0.97, 0.92, 0.9, 0.5)
-    assert turns.sureness(clean) == 1.0 and turns.doubted(clean, 1.5)
-    # A phone line (8 kHz mu-law, line noise; tiny.en on the bench's phone callers): every word is unsure.
-    # "Thank you for watching!" for the end of "... ends in four two seven": other words 0.3-0.6, the stop
-    # 0.45. Before, that stop and that last word were doubts on every such line: 2.2 s for each caller.
-    phone = words(0.38, 0.55, 0.3, 0.42, 0.55)
-    assert turns.sureness(phone) == pytest.approx(0.4 / turns.SURE_P)
-    assert not turns.doubted(phone, 1.5)
-    over = Evidence(0.9, "Thank you for watching!", fresh=True, end_p=0.95, stop_p=0.45, sure=turns.sureness(phone))
-    assert over.verdict(b) == (b.complete_ms, "complete")
-    # A word, or a stop, far below the caller's own on that line is still a doubt.
-    assert turns.doubted(words(0.38, 0.55, 0.3, 0.42, 0.1), 1.5)
-    assert Evidence(0.9, "Thank you.", fresh=True, end_p=0.95, stop_p=0.2, sure=0.45).verdict(b) == \
-        (b.doubt_ms, "doubted stop")
-    assert Evidence(0.9, "Thank you.", fresh=True, end_p=0.95, stop_p=0.45).verdict(b)[1] == "doubted stop"  # clean
-
-
-@pytest.mark.slow
-def test_a_phone_caller_s_two_sentences_are_two_turns():
-    # The caller: real tiny.en through a phone line (300-3400 Hz, 8 kHz mu-law, line noise 20 dB
-    # under the speech), the daemon's defaults (medium), the session's rule replayed with the evidence
-    # ready 30 ms after each pause (voiced.bench.turn_replay). Whisper doubted the stop after the first
-    # sentence as it doubts every word on that line, and the two sentences were one turn.
-    from voiced.bench.turn_replay import CallerReplay, EvidenceStore, session_asr_options
-    from voiced.bench.turn_set import TurnCaller, through_phone
-
-    first, second = phrase("no I said account number four four seven one"), phrase("thank you goodbye")
-    lead, gap = np.zeros(RATE // 2, np.float32), np.zeros(int(0.8 * RATE), np.float32)
-    audio = np.concatenate([lead, first, gap, second, _silence(3.0)])
-    pcm = float_to_int16(through_phone(audio, 20.0, np.random.default_rng(3)))
-    first_end, end = (len(lead) + len(first)) / RATE, (len(lead) + len(first) + len(gap) + len(second)) / RATE
-    caller = TurnCaller("phone", "finished", "", [], "en", 175, "whole", "noise", 0.5, end, [], len(pcm) / RATE,
-                        line="phone")
-    store = EvidenceStore(None, str(tiny_en_dir()))
-    ends = CallerReplay(caller, pcm, "medium", store, session_asr_options(), 30, 60).run()
-    assert len(ends) == 2, ends
-    assert first_end < ends[0] < first_end + 0.7 and end < ends[1] < end + 0.7, (ends, first_end, end)
-
-
 def test_a_doubtful_last_word_where_the_voice_had_stopped_is_judged_without_it():
     from voiced.engines.base import Word
 

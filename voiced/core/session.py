@@ -178,8 +178,7 @@ def pause_evidence(evidence: turns.Evidence, result: Transcript, speech_end_s: f
                    doubtful=bool(text.strip()) and turns.doubted(result.words, speech_end_s),
                    # Whisper's end-of-text follows its whole text, not the words judged without their last one
                    end_p=result.end_prob if judged == text else None,
-                   stop_p=result.stop_prob if judged == text else None,
-                   sure=turns.sureness(result.words)), text
+                   stop_p=result.stop_prob if judged == text else None), text
 
 
 class Session:

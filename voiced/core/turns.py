@@ -17,10 +17,9 @@ Whisper puts a full stop on half a sentence):
 - the silence so far: each verdict (`Evidence.verdict`, one of VERDICTS) sets how much silence ends the
   turn (`Bounds`), and `max_ms` always does.
 
-Whisper's doubts are judged against the line (`sureness`): through a phone line it gives every word a
-median probability of 0.2-0.7 where a clean line gets 0.8-1.0, so a doubt is a word, or a stop, less sure
-than this caller's other words by a clean line's margin. A line that keeps sounding after the voice (hold
-music) gives no silence; there the words show where the caller stopped (`Heard.stalled`, `talking`).
+A doubt waits `doubt_ms`, long enough for a pause mid-sentence (2.2 s at medium). A line that keeps
+sounding after the voice (hold music) gives no silence; there the words show where the caller stopped
+(`Heard.stalled`, `talking`).
 
 Nothing here does I/O: the session (voiced.core.session) feeds it the evidence and asks, on each frame of a
 pause, whether the turn is over. The table of verdicts and how each threshold was chosen, with the sets
@@ -50,13 +49,6 @@ HEARD_S = 1.0  # a last word that began this long before the voice stopped was h
 # mark or ellipsis next, not more words) doubts the end it wrote: chosen on dev seeds 0-2 (0.95 held the
 # median dev caller 0.5 s), checked on 3-11 (docs/BENCHMARKS.md).
 STOP_P = 0.92
-# Whisper's probabilities fall with the line, for every word: through a phone line (8 kHz mu-law, line
-# noise) it gives the words it hears a median of 0.2-0.7 where a clean line gets 0.8-1.0, so under the
-# thresholds above every phone caller's last word and stop were doubts, and waited `doubt_ms` (2.2 s).
-# A doubt is a word, or a stop, less sure than this caller's other words by the clean line's margin:
-# LAST_P and STOP_P hold where Whisper gives the turn's other words SURE_P or more, and scale down with
-# their median below it (`sureness`).
-SURE_P = 0.9
 
 
 @dataclass(frozen=True)
@@ -233,23 +225,11 @@ def talking(text: str, hallucination: bool, before: tuple[str, ...] = ()) -> tup
     return words if words and words != before else ()
 
 
-def sureness(words: list) -> float:
-    """How sure Whisper is of this caller's words on this line, as a share of a clean line's: the median
-    probability of the words before the last (voiced.engines.base.Word) over SURE_P, at most 1 (1 where
-    there are none). The doubts' thresholds scale by it."""
-    probs = sorted(w.probability for w in words[:-1])
-    if not probs:
-        return 1.0
-    mid = len(probs) // 2
-    median = probs[mid] if len(probs) % 2 else (probs[mid - 1] + probs[mid]) / 2
-    return min(1.0, median / SURE_P)
-
-
 def doubted(words: list, speech_end_s: float) -> bool:
     """Whether Whisper doubts the last word (voiced.engines.base.Word) as one it may have made up at
-    the pause: its probability is under LAST_P scaled by the line (`sureness`), and, where HEARD_S is
-    set, it began less than HEARD_S before the voice stopped (`speech_end_s`, in the same clip's seconds)."""
-    if not words or words[-1].probability >= LAST_P * sureness(words):
+    the pause: its probability is under LAST_P (and, where HEARD_S is set, it began less than HEARD_S
+    before the voice stopped, `speech_end_s`, in the same clip's seconds)."""
+    if not words or words[-1].probability >= LAST_P:
         return False
     return HEARD_S is None or words[-1].start_s > speech_end_s - HEARD_S
 
@@ -281,7 +261,6 @@ class Evidence:
     end_p: float | None = None  # Whisper's probability of end-of-text after `text` (None: not known)
     sounding: bool = False  # a pause the words found: the line still sounds (the VAD calls it speech)
     stop_p: float | None = None  # Whisper's probability of a sentence end right after the last word (None: not known)
-    sure: float = 1.0  # how sure Whisper is of the turn's other words, of a clean line's (`sureness`): scales STOP_P
 
     def wait_ms(self, b: Bounds) -> int:
         """The silence after which this turn ends (`verdict`)."""
@@ -316,7 +295,7 @@ class Evidence:
         return wait, why
 
     def _stop_doubted(self) -> bool:
-        return self.stop_p is not None and self.stop_p < STOP_P * self.sure
+        return self.stop_p is not None and self.stop_p < STOP_P
 
     def _audio_says_complete(self) -> bool:
         return self.p_complete is not None and self.p_complete >= COMPLETE_P
