@@ -340,7 +340,7 @@ class OpenAIAudio:
             raise _bad("speed must be a number from 0.25 to 4.0", "speed")
         voice = await resolve_voice(self.s, body.get("voice"), float(speed))
         try:
-            opts = tts_options_for(self.s.config, voice=voice)
+            opts = tts_options_for(self.s.config, voice=voice, speed=float(speed))
         except SessionError as e:
             raise from_session_error(e) from None
         chunks = _synthesize_pieces(self.s, _pieces(text, MAX_TEXT_CHARS), opts)
