@@ -4,11 +4,14 @@ Each final transcript, each piece of typed user text (UserText), and each DTMF k
 take them) goes to the session's agent; each piece of its answer is spoken with the session's voice,
 and the audio leaves in the caller's output format chunk by chunk while the TTS engine is still
 writing it (a server without TTS sends the answer's text alone). Replies are spoken one
-after another. Caller speech that lasts at least the barge-in minimum (`barge_in.min_speech_ms`,
-counted to the caller's last voiced frame) cancels the reply in flight at once: its TTS request is
-cancelled (freeing its batch slot), no further chunk of it is sent, and ReplyInterrupted says how much
-audio went out. Shorter speech over a reply, a backchannel ("mm-hmm", "okay", a cough), does not stop
-it, and its transcript is not answered. An agent that ends the call gets its last words spoken; then
+after another. Caller speech over a reply is judged by its words (voiced.core.overtalk: the burst is
+decoded through the session's ASR as it goes and when the voice pauses): a stop request ("stop", "no",
+"wait", "hold on") cancels the reply in flight as soon as its decode lands, however short; an
+acknowledgement ("mm hmm", "okay", "I see") lets it go on however long, and is not answered; other
+words, or none (a cough), cancel it once the burst lasts the barge-in minimum (`barge_in.min_speech_ms`,
+counted to the caller's last voiced frame) and a decode of that much says it is no acknowledgement
+(without a decode: at once). Cancelling frees the reply's TTS batch slot, no further chunk of it is
+sent, and ReplyInterrupted says how much audio went out. An agent that ends the call gets its last words spoken; then
 the session emits HangupOut and ends.
 
 Speculative replies: while smart turn detection waits out a pause whose words look finished, an agent
@@ -28,6 +31,7 @@ import weakref
 from dataclasses import dataclass, replace
 
 from voiced.audio.ingest import FrameEncoder, ms
+from voiced.core import overtalk
 from voiced.core.agents import AgentError, EndCall
 from voiced.core.errors import ErrorKind, SessionError, engine_error
 from voiced.core.events import AgentTextOut, AudioOut, NoticeOut, ReplyFinished, ReplyInterrupted, ReplyStarted
@@ -49,6 +53,19 @@ class Reply:
     end_call: str | None = None  # set when the agent ended the call in this reply: the reason
     held: Held | None = None  # a speculative reply: what it sends waits here until the turn is confirmed
     task: asyncio.Task | None = None  # a speculative reply's task, already running
+
+
+@dataclass
+class Burst:
+    """Caller speech over a reply, one turn's: what its decodes said so far (voiced.core.overtalk)."""
+    turn_id: int
+    voiced_ms: int = 0  # the longest burst of talk so far (to its last voiced frame)
+    kind: overtalk.Kind | None = None  # what the latest decode's words ask for (None: not decoded yet)
+    decoded_ms: int = -1  # how much talk the latest decode heard
+    decoded_to: int = 0  # the stream sample where the voice had reached at the latest decode
+    next_ms: int = overtalk.FIRST_MS  # talk at which the next decode is due while the voice goes on
+    task: asyncio.Task | None = None  # the decode in flight
+    failed: bool = False  # a decode failed: the length alone decides
 
 
 class Held:
@@ -108,6 +125,7 @@ class Conversation:
         self._reply_ids = 0
         self._interrupted: dict[int, int] = {}  # reply id -> caller audio time (ms) of the cut
         self._speculation: Reply | None = None  # a reply prepared during a pause (module docstring)
+        self._burst: Burst | None = None  # caller speech over the reply in the current turn
 
     @property
     def session(self):
@@ -118,7 +136,7 @@ class Conversation:
     async def on_transcript(self, turn, transcript) -> None:
         if self.agent is None:
             return  # client-driven: the caller decides what to say
-        if turn.backchannel:
+        if turn.over_reply and self._backchannel(turn, transcript):
             log.debug("session %s turn %d: %r over the reply is a backchannel, not answered",
                       self.spec.session_id, turn.turn_id, transcript.text)
             await self.cancel_speculation()
@@ -187,12 +205,73 @@ class Conversation:
 
     def caller_speaking(self, speech_ms: int) -> None:
         """Called for every frame of caller speech with how long the caller has talked (to the last
-        voiced frame); barge-in once it lasts long enough."""
-        if (self.spec.barge_in and speech_ms >= self.spec.barge_in_min_speech_ms
-                and self.speaking()):
-            self.services.metrics.barge_ins.inc()
-            # Cancel synchronously, on this very frame: no chunk is sent after this point.
-            self._cancel_current()
+        voiced frame); barge-in once the words, or the length, say so (module docstring)."""
+        if not (self.spec.barge_in and self.speaking()):
+            return
+        turn_id = self.session.turn_id
+        if self._burst is None or self._burst.turn_id != turn_id:
+            self._burst = Burst(turn_id)
+        burst = self._burst
+        burst.voiced_ms = max(burst.voiced_ms, speech_ms)
+        if self._reads_words():
+            self._maybe_decode(burst)
+        self._judge(burst)
+
+    def _backchannel(self, turn, transcript) -> bool:
+        """Whether a turn said over a reply is a backchannel (transcribed, not answered): its words are an
+        acknowledgement, or, words aside, it was shorter than the barge-in minimum (`turn.backchannel`). A
+        stop request is answered: the agent hears what the caller wanted."""
+        kind = overtalk.classify(transcript.text, transcript.language or self.spec.asr.language)
+        burst = self._burst if self._burst is not None and self._burst.turn_id == turn.turn_id else None
+        if kind is overtalk.Kind.STOP or (burst is not None and burst.kind is overtalk.Kind.STOP):
+            return False
+        return kind is overtalk.Kind.ACK or turn.backchannel
+
+    def _reads_words(self) -> bool:
+        language = self.spec.asr.language
+        return self.spec.recognize and (language is None or overtalk.covered(language))
+
+    def _maybe_decode(self, burst: Burst) -> None:
+        """Decode the burst when the voice pauses (a word may have ended), every `overtalk.EVERY_MS` of
+        talk while it goes on, and once it reaches the barge-in minimum: one decode at a time."""
+        if burst.failed or (burst.task is not None and not burst.task.done()):
+            return
+        seg = self.session.segmenter
+        paused = seg.silence_ms >= overtalk.GAP_MS and seg.voiced_end > burst.decoded_to
+        minimum = burst.voiced_ms >= self.spec.barge_in_min_speech_ms > burst.decoded_ms
+        if not (paused or minimum or burst.voiced_ms >= burst.next_ms):
+            return
+        burst.next_ms = burst.voiced_ms + overtalk.EVERY_MS
+        burst.decoded_to = seg.voiced_end
+        burst.task = self.session.spawn(self._decode(burst, seg.current_audio(), burst.voiced_ms),
+                                        f"overtalk-{burst.turn_id}")
+
+    async def _decode(self, burst: Burst, audio, voiced_ms: int) -> None:
+        try:
+            # The latency-bound priority of a turn's transcript: the reply waits on these words.
+            result = await self.session._recognize(audio, priority=1, final=False)
+        except EngineError:
+            burst.failed = True  # no words: the length decides, as without a decoder
+        else:
+            text = "" if result.is_hallucination else result.text
+            burst.kind = overtalk.classify(text, result.language or self.spec.asr.language)
+            burst.decoded_ms = voiced_ms
+            log.debug("session %s turn %d: over the reply after %d ms of talk: %r (%s)", self.spec.session_id,
+                      burst.turn_id, voiced_ms, result.text, burst.kind.value)
+        self._judge(burst)
+
+    def _judge(self, burst: Burst) -> None:
+        if not (self.spec.barge_in and self.speaking()):
+            return
+        action = overtalk.decide(burst.kind, burst.voiced_ms, self.spec.barge_in_min_speech_ms)
+        if action is not overtalk.Action.STOP:
+            return
+        if (burst.kind is not overtalk.Kind.STOP and self._reads_words() and not burst.failed
+                and burst.decoded_ms < self.spec.barge_in_min_speech_ms):
+            return  # long enough to stop it: first the words of that much talk (an acknowledgement goes on)
+        self.services.metrics.barge_ins.inc()
+        # Cancel synchronously, on this very frame (or decode): no chunk is sent after this point.
+        self._cancel_current()
 
     async def drain(self) -> None:
         """End of the caller's stream: finish speaking what is queued."""

@@ -87,6 +87,7 @@ class Turn:
     ended_at: float  # monotonic time the end of speech was detected
     task: asyncio.Task | None = None  # the recognition of this turn
     backchannel: bool = False  # short speech over a reply ("mm-hmm", a cough): transcribed, not answered
+    over_reply: bool = False  # a reply was being spoken during the turn: its words judge it too (Conversation)
 
 
 @dataclass
@@ -511,6 +512,7 @@ class Session:
                 self._cancel_interim()
                 self.services.metrics.utterances_total.inc()
                 turn = Turn(self.turn_id, ev, time.monotonic())
+                turn.over_reply = self._over_reply
                 turn.backchannel = self._over_reply and self._voiced_ms < self.spec.barge_in_min_speech_ms
                 pause, self._pause = self._pause, None
                 if pause is not None:

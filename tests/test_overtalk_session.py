@@ -1,0 +1,139 @@
+"""Over-talk judged by its words through the real session: espeak-ng words over a playing reply, the real
+tiny.en (PyPI) decoding them, the caller's audio sent in real time. "stop" and "no" (~0.3 s, under the
+barge-in minimum) stop the reply; "mm hmm" and "okay" (one of them longer than the minimum) do not, and
+are not answered as turns."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import grpc
+import numpy as np
+import pytest
+from voiced_client.proto import voiced_pb2 as pb
+
+from tests.daemon_harness import frames_of, of_kind, session_config, start_daemon, stream_blocking, wire_audio
+from tests.real_whisper import tiny_en_dir
+from tests.speech import RATE, phrase
+from voiced.audio.ingest import Format
+from voiced.config import Config
+from voiced.core import overtalk
+
+L16 = Format("LINEAR16", 16000)
+QUESTION = "Tell me a story please."
+PIECES = 20  # a reply of ~10 s: still being spoken when a decode of the over-talk lands on a busy CPU
+
+
+class Talker:
+    """A long answer to the first question, a short one to anything after (an interruption's turn)."""
+
+    def __init__(self, log: dict):
+        self.log = log
+
+    async def reply(self, text: str):
+        self.log["asked"].append(text)
+        self.log["started"].set()
+        if len(self.log["asked"]) > 1:
+            yield "Okay."
+            return
+        for i in range(PIECES):
+            yield f"This is sentence number {i + 1} of my long answer."
+            await asyncio.sleep(0.5)
+
+
+LOG: dict = {}
+
+
+@pytest.fixture(scope="module")
+def daemon():
+    c = Config()
+    c.server.listen = "127.0.0.1:0"
+    c.tts.enabled = False
+    d = start_daemon(tiny_en_dir(), config=c, max_batch=4, agents={"talker": lambda cfg, prompt: Talker(LOG)})
+    yield d
+    d.stop()
+
+
+def _silence(s: float) -> np.ndarray:
+    return np.zeros(int(s * RATE), np.float32)
+
+
+def _paced(config: pb.SessionConfig, *parts):
+    """The config, then the parts in real time, 20 ms a frame (a callable: the sender waits on it)."""
+    yield pb.SessionRequest(config=config)
+    start, sent = time.monotonic(), 0
+    for part in parts:
+        if callable(part):
+            part()
+            start, sent = time.monotonic(), 0
+            continue
+        for frame in frames_of(wire_audio(part, L16), L16):
+            sent += 1
+            delay = start + sent * 0.02 - time.monotonic()
+            if delay > 0:
+                time.sleep(delay)
+            yield pb.SessionRequest(audio=frame)
+
+
+def _over_the_reply(daemon, *words: str):
+    """Ask, wait for the answer to start, then say `words` over it (1.5 s apart). Returns the events and
+    each word's length in ms."""
+    LOG.update(asked=[], started=threading.Event())
+
+    def reply_started():
+        assert LOG["started"].wait(60), "gave up waiting for the reply"
+
+    parts, lengths = [_silence(0.5), phrase(QUESTION), _silence(1.5), reply_started, _silence(0.4)], []
+    for w in words:
+        audio = phrase(w)
+        lengths.append(len(audio) * 1000 // RATE)
+        parts += [audio, _silence(1.5)]
+    cfg = session_config(L16, agent=pb.AgentConfig(name="talker"))
+    events, code, details = stream_blocking(daemon.address, _paced(cfg, *parts, _silence(1.0)), "Converse")
+    assert code == grpc.StatusCode.OK, details
+    return events, lengths
+
+
+def _starts(events) -> list[int]:
+    return [e.speech.offset_ms for e in of_kind(events, "speech") if e.speech.type == pb.SpeechActivity.SPEECH_STARTED]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("word", ["stop", "no"])
+def test_a_short_stop_request_stops_the_reply(daemon, word):
+    events, [length] = _over_the_reply(daemon, word)
+    assert length < daemon.services.config.barge_in.min_speech_ms  # too short for the length alone
+    [cut] = [e.reply for e in of_kind(events, "reply") if e.reply.type == pb.ReplyEvent.REPLY_INTERRUPTED]
+    assert len([e for e in of_kind(events, "agent_text") if e.turn_id == 1]) < PIECES  # cut short
+    # Cut once the word's decode landed: the pause that ends the word, then one decode. ~700 ms where a
+    # decode of a short word takes ~100 ms or less (a GPU; an idle CPU); the log line says what it took.
+    word_end = _starts(events)[1] + length
+    took = cut.caller_offset_ms - word_end
+    print(f"{word!r}: the reply stopped {took} ms after the word's end")
+    assert overtalk.GAP_MS <= took + 40 <= 700 + 40 + _decode_ms(daemon, word)
+    # The stop request is a turn: the agent hears it (and answers it).
+    assert len(LOG["asked"]) == 2 and word in LOG["asked"][1].lower()
+
+
+@pytest.mark.slow
+def test_acknowledgements_do_not_stop_the_reply_and_are_not_answered(daemon):
+    events, lengths = _over_the_reply(daemon, "mm hmm", "okay")
+    assert max(lengths) >= daemon.services.config.barge_in.min_speech_ms  # "mm hmm": long enough to stop it
+    replies = [e.reply.type for e in of_kind(events, "reply")]
+    assert replies == [pb.ReplyEvent.REPLY_STARTED, pb.ReplyEvent.REPLY_FINISHED], replies
+    assert len([e for e in of_kind(events, "agent_text") if e.turn_id == 1]) == PIECES  # the whole answer
+    assert LOG["asked"] == [LOG["asked"][0]]  # heard (transcribed), not answered
+    heard = [e.transcript.text.lower() for e in of_kind(events, "transcript") if e.transcript.is_final][1:]
+    assert any("okay" in t for t in heard) and any("mm" in t for t in heard), heard
+
+
+def _decode_ms(daemon, word: str) -> int:
+    """What one decode of the word takes on this machine now (the CPU is shared: seconds when busy)."""
+    from voiced.engines.base import ASROptions, ASRRequest
+
+    clip = np.concatenate([phrase(word), _silence(0.1)])
+    t0 = time.monotonic()
+    daemon.services.asr.engine.transcribe(ASRRequest(clip, ASROptions(language="en")))
+    return int((time.monotonic() - t0) * 1000)
