@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from voiced.core.overtalk import Action, Kind, classify, covered, decide
+from voiced.core.overtalk import WORDS_WAIT_MS, Action, Kind, classify, covered, decide
 
 MIN = 500  # barge_in.min_speech_ms's default
 
@@ -36,6 +36,11 @@ def test_other_words_are_judged_by_their_length(text):
     assert classify(text, "en") is Kind.OTHER
     assert decide(Kind.OTHER, MIN - 20, MIN) is Action.WAIT
     assert decide(Kind.OTHER, MIN, MIN) is Action.STOP
+    # with a decoder, the words of that much talk first (an acknowledgement may yet outlast the minimum)
+    assert decide(Kind.OTHER, MIN + 100, MIN, decoded_ms=300) is Action.WAIT
+    assert decide(None, MIN, MIN, decoded_ms=-1, waited_ms=WORDS_WAIT_MS) is Action.STOP  # words too late
+    assert decide(Kind.OTHER, MIN + 100, MIN, decoded_ms=MIN) is Action.STOP
+    assert decide(Kind.ACK, MIN + 100, MIN, decoded_ms=MIN + 100) is Action.GO_ON
 
 
 @pytest.mark.parametrize("text", ["", "  ", "...", "Um.", "Uh"])

@@ -33,7 +33,7 @@ from tests.turn_model import smart_turn_path
 from tests.until import until
 from voiced.audio.ingest import FRAME_SAMPLES, Format, float_to_int16
 from voiced.config import Config
-from voiced.core import turns
+from voiced.core import overtalk, turns
 from voiced.core.segmenter import Paused, Resumed, Segmenter, SegmenterConfig, SpeechEnded, Utterance
 from voiced.core.turns import Evidence, unfinished
 
@@ -623,10 +623,12 @@ def test_a_real_interruption_stops_the_reply_at_once(daemon):
     interrupted = [e.reply for e in of_kind(events, "reply") if e.reply.type == pb.ReplyEvent.REPLY_INTERRUPTED]
     assert len(interrupted) == 1
     assert len([e for e in of_kind(events, "agent_text") if e.turn_id == 1]) < PIECES  # the story was cut short
-    # Cut within the barge-in minimum of the caller starting to talk (plus a frame or two).
+    # Cut within the barge-in minimum of the caller starting to talk, and the wait for its words (an
+    # acknowledgement goes on: voiced.core.overtalk), plus a frame or two.
     started = [e.speech.offset_ms for e in of_kind(events, "speech")
                if e.speech.type == pb.SpeechActivity.SPEECH_STARTED][1]
-    assert interrupted[0].caller_offset_ms - started <= daemon.services.config.barge_in.min_speech_ms + 100
+    assert interrupted[0].caller_offset_ms - started <= (daemon.services.config.barge_in.min_speech_ms
+                                                         + overtalk.WORDS_WAIT_MS + 100)
 
 
 # ------------------------------------------------------------------------------------ the doors' settings

@@ -253,9 +253,19 @@ def main(argv: list[str] | None = None) -> dict:
                     help="--eot-bench: only these languages (its codes: en de es ...)")
     ap.add_argument("--eot-bench-limit", type=int, default=None, metavar="N",
                     help="--eot-bench: the first N turns only")
+    ap.add_argument("--overtalk", action="store_true",
+                    help="instead: short stop requests and acknowledgements over a reply, judged by the session's "
+                         "over-talk rule on --family's voices (voiced.bench.turn_overtalk)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    if args.overtalk:
+        from voiced.bench.turn_overtalk import run
+
+        result = run(args, machine())
+        print(result["table"], file=sys.stderr)
+        emit(result, args.out)
+        return result
     try:
         detectors = parse_detectors(args.detectors)
         if not detectors and args.keep_set is None:

@@ -10,7 +10,7 @@ decoded through the session's ASR as it goes and when the voice pauses): a stop 
 acknowledgement ("mm hmm", "okay", "I see") lets it go on however long, and is not answered; other
 words, or none (a cough), cancel it once the burst lasts the barge-in minimum (`barge_in.min_speech_ms`,
 counted to the caller's last voiced frame) and a decode of that much says it is no acknowledgement
-(without a decode: at once). Cancelling frees the reply's TTS batch slot, no further chunk of it is
+(without a decode: at once; a decode later than `overtalk.WORDS_WAIT_MS` more talk is not waited for). Cancelling frees the reply's TTS batch slot, no further chunk of it is
 sent, and ReplyInterrupted says how much audio went out. An agent that ends the call gets its last words spoken; then
 the session emits HangupOut and ends.
 
@@ -66,6 +66,7 @@ class Burst:
     next_ms: int = overtalk.FIRST_MS  # talk at which the next decode is due while the voice goes on
     task: asyncio.Task | None = None  # the decode in flight
     failed: bool = False  # a decode failed: the length alone decides
+    long_since: int | None = None  # the stream sample where the talk reached the barge-in minimum
 
 
 class Held:
@@ -213,6 +214,8 @@ class Conversation:
             self._burst = Burst(turn_id)
         burst = self._burst
         burst.voiced_ms = max(burst.voiced_ms, speech_ms)
+        if burst.long_since is None and burst.voiced_ms >= self.spec.barge_in_min_speech_ms:
+            burst.long_since = self.session.segmenter.offset
         if self._reads_words():
             self._maybe_decode(burst)
         self._judge(burst)
@@ -263,12 +266,12 @@ class Conversation:
     def _judge(self, burst: Burst) -> None:
         if not (self.spec.barge_in and self.speaking()):
             return
-        action = overtalk.decide(burst.kind, burst.voiced_ms, self.spec.barge_in_min_speech_ms)
-        if action is not overtalk.Action.STOP:
+        decoded = burst.decoded_ms if self._reads_words() and not burst.failed else None
+        since = self.session.segmenter.offset if burst.long_since is None else burst.long_since
+        waited = ms(self.session.segmenter.offset - since)
+        if overtalk.decide(burst.kind, burst.voiced_ms, self.spec.barge_in_min_speech_ms, decoded, waited) \
+                is not overtalk.Action.STOP:
             return
-        if (burst.kind is not overtalk.Kind.STOP and self._reads_words() and not burst.failed
-                and burst.decoded_ms < self.spec.barge_in_min_speech_ms):
-            return  # long enough to stop it: first the words of that much talk (an acknowledgement goes on)
         self.services.metrics.barge_ins.inc()
         # Cancel synchronously, on this very frame (or decode): no chunk is sent after this point.
         self._cancel_current()

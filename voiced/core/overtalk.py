@@ -25,6 +25,10 @@ from enum import Enum
 GAP_MS = 100
 FIRST_MS = 300
 EVERY_MS = 300
+# Talk long enough to stop the reply waits at most this long for its words (a decoder slower than that
+# answers too late to matter: the length decides). A decode of a short clip takes ~20-30 ms on a GPU and
+# ~0.1-0.3 s on an idle CPU core; seconds only on a CPU shared with other work.
+WORDS_WAIT_MS = 1000
 
 
 class Kind(Enum):
@@ -139,11 +143,19 @@ def classify(text: str | None, language: str | None = "en") -> Kind:
     return Kind.OTHER
 
 
-def decide(kind: Kind | None, voiced_ms: int, min_speech_ms: int) -> Action:
-    """What to do with the reply, from the burst's words so far (`kind`; None: not decoded yet) and
-    how long it has lasted (to its last voiced frame)."""
+def decide(kind: Kind | None, voiced_ms: int, min_speech_ms: int, decoded_ms: int | None = None,
+           waited_ms: int = 0) -> Action:
+    """What to do with the reply, from the burst's words so far (`kind`; None: not decoded yet), how long
+    it has lasted (to its last voiced frame) and how much of it the latest decode heard (`decoded_ms`;
+    None: no decoder, the length alone). Long enough to stop it, it waits for the words of that much
+    talk (an acknowledgement that outlasts the minimum goes on), for WORDS_WAIT_MS at most (`waited_ms`:
+    the time since the talk reached the minimum)."""
     if kind is Kind.STOP:
         return Action.STOP
     if kind is Kind.ACK:
         return Action.GO_ON
-    return Action.STOP if voiced_ms >= min_speech_ms else Action.WAIT
+    if voiced_ms < min_speech_ms:
+        return Action.WAIT
+    if decoded_ms is not None and decoded_ms < min_speech_ms and waited_ms < WORDS_WAIT_MS:
+        return Action.WAIT
+    return Action.STOP
