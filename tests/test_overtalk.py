@@ -69,3 +69,20 @@ def test_a_language_the_lists_do_not_cover_leaves_every_word_to_the_length():
     assert classify("", "fr") is Kind.NONE
     # an English acknowledgement is not one in German: "okay" is, "yeah" is not a German word
     assert classify("Yeah.", "de") is Kind.OTHER
+
+
+def test_the_bench_replays_the_session_s_schedule():
+    import numpy as np
+
+    from voiced.bench.turn_overtalk import replay
+    from voiced.core import overtalk
+
+    word = np.ones(16000 * 350 // 1000, np.float32)  # a 350 ms word
+    # heard as a stop request once the voice has paused GAP_MS; the decode lands 30 ms later
+    after = replay(word, lambda clip: "Stop." if len(clip) > 16000 * 0.45 else "Sto", 30, MIN)
+    assert overtalk.GAP_MS <= after <= overtalk.GAP_MS + 30 + 20
+    long_ack = np.ones(16000 * 900 // 1000, np.float32)  # an acknowledgement longer than the minimum
+    assert replay(long_ack, lambda clip: "Mm-hmm.", 30, MIN) is None
+    # other words of that length stop it once a decode of the minimum's worth is in; none too
+    assert replay(long_ack, lambda clip: "Tell me", 30, MIN) is not None
+    assert replay(word, lambda clip: "", 30, MIN) is None  # short, no words: goes on
