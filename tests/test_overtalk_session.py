@@ -14,9 +14,10 @@ import numpy as np
 import pytest
 from voiced_client.proto import voiced_pb2 as pb
 
-from tests.daemon_harness import frames_of, of_kind, session_config, start_daemon, stream_blocking, wire_audio
+from tests.daemon_harness import of_kind, session_config, start_daemon, stream_blocking
 from tests.real_whisper import tiny_en_dir
 from tests.speech import RATE, phrase
+from tests.test_turns import paced  # the caller in real time, 20 ms a frame
 from voiced.audio.ingest import Format
 from voiced.config import Config
 from voiced.core import overtalk
@@ -48,6 +49,15 @@ LOG: dict = {}
 
 @pytest.fixture(scope="module")
 def daemon():
+    # The words are waited for as long as this machine's decode takes: on a CPU shared with other work a
+    # decode takes seconds, past overtalk.WORDS_WAIT_MS, and the length would decide (tested on its own in
+    # tests/test_overtalk.py); here the words are what is judged.
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(overtalk, "WORDS_WAIT_MS", 60_000)
+        yield from _daemon()
+
+
+def _daemon():
     c = Config()
     c.server.listen = "127.0.0.1:0"
     c.tts.enabled = False
@@ -58,23 +68,6 @@ def daemon():
 
 def _silence(s: float) -> np.ndarray:
     return np.zeros(int(s * RATE), np.float32)
-
-
-def _paced(config: pb.SessionConfig, *parts):
-    """The config, then the parts in real time, 20 ms a frame (a callable: the sender waits on it)."""
-    yield pb.SessionRequest(config=config)
-    start, sent = time.monotonic(), 0
-    for part in parts:
-        if callable(part):
-            part()
-            start, sent = time.monotonic(), 0
-            continue
-        for frame in frames_of(wire_audio(part, L16), L16):
-            sent += 1
-            delay = start + sent * 0.02 - time.monotonic()
-            if delay > 0:
-                time.sleep(delay)
-            yield pb.SessionRequest(audio=frame)
 
 
 def _over_the_reply(daemon, *words: str):
@@ -91,7 +84,7 @@ def _over_the_reply(daemon, *words: str):
         lengths.append(len(audio) * 1000 // RATE)
         parts += [audio, _silence(1.5)]
     cfg = session_config(L16, agent=pb.AgentConfig(name="talker"))
-    events, code, details = stream_blocking(daemon.address, _paced(cfg, *parts, _silence(1.0)), "Converse")
+    events, code, details = stream_blocking(daemon.address, paced(cfg, *parts, _silence(1.0)), "Converse")
     assert code == grpc.StatusCode.OK, details
     return events, lengths
 
