@@ -22,7 +22,7 @@ def test_a_request_to_stop_or_wait_stops_however_short(text):
 @pytest.mark.parametrize("text", [
     "Mm-hmm.", "Mm-mm.", "Uh-huh.", "Uh-uh.", "Okay.", "OK", "Yeah.", "Yes.", "Right.", "Right, right.", "I see.",
     "Got it!", "Sure.", "All right.", "No problem.", "No worries.", "That makes sense.", "Oh, okay.", "Yeah, I see.",
-    "Thank you.", "Mhm.", "Uh, okay.",
+    "Thank you.", "Mhm.", "Uh, okay.", "MMMM.", "Hmmm, okay.",
 ])
 def test_an_acknowledgement_lets_the_reply_go_on_however_long(text):
     assert classify(text, "en") is Kind.ACK

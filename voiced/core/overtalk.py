@@ -94,9 +94,13 @@ LEXICONS: dict[str, Lexicon] = {
 _WORD = re.compile(r"\w+(?:'\w+)*")
 
 
+_HUM = re.compile(r"m+h*m*|h+m+")  # a hum as Whisper spells it, any length: "Mmmm.", "Mhm", "Hmmm"
+
+
 def words_of(text: str) -> tuple[str, ...]:
-    """The words of a transcript, lower case, punctuation and hyphens gone ("Mm-hmm." -> mm, hmm)."""
-    return tuple(_WORD.findall(text.lower().replace("’", "'")))
+    """The words of a transcript, lower case, punctuation and hyphens gone ("Mm-hmm." -> mm, hmm), every
+    hum written "mm"."""
+    return tuple("mm" if _HUM.fullmatch(w) else w for w in _WORD.findall(text.lower().replace("’", "'")))
 
 
 def _language(language: str | None) -> str | None:
