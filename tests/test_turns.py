@@ -750,7 +750,7 @@ def test_a_missing_model_falls_back_to_silence_with_its_log_line(tmp_path, monke
 def test_a_pause_decode_is_bounded_by_what_its_audio_can_say():
     """A hallucinated loop at a pause ("namba namba ...") stops after a few dozen tokens, not at the
     model's 224; real speech (<= ~10 tokens a second) is never cut; a lower configured limit stays."""
-    from voiced.core.session import DECODE_TOKENS_MIN, recognition_options
+    from voiced.core.pauses import DECODE_TOKENS_MIN, recognition_options
     from voiced.engines.base import ASROptions
 
     second = 16000

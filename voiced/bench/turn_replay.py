@@ -7,14 +7,14 @@ a fixed `--decode-ms` after the pause began (e.g. 30 ms, a GPU's), so that a cha
 (voiced.core.turns) can be judged in seconds and the same on every machine.
 
 For each caller, frame by frame (20 ms), it runs what the session runs (voiced.core.session):
-- the session's own segmenter (voiced.core.segmenter, configured by `session.smart_segmentation`),
+- the session's own segmenter (voiced.core.segmenter, configured by `pauses.smart_segmentation`),
   whose Paused / Resumed / SpeechStarted events are the decision points the daemon sees;
 - at each short pause, the transcript of the turn so far through the real Whisper engine with the
-  session's own options (`session.recognition_options`: word timings, the token cap), and Smart Turn's
-  probability on the session's clip (`session.model_clip`); the evidence is built by
-  `session.pause_evidence` and judged by `turns.Evidence.wait_ms` (the rule itself, not a copy);
+  session's own options (`pauses.recognition_options`: word timings, the token cap), and Smart Turn's
+  probability on the session's clip (`pauses.model_clip`); the evidence is built by
+  `pauses.pause_evidence` and judged by `turns.Evidence.wait_ms` (the rule itself, not a copy);
 - after a pause that sound followed, the decodes of the turn every `turns.WORDS_EVERY_MS` and the
-  words-stall pause (`turns.Heard`, `session.heard_after`), as the session's `_words` opens one (the
+  words-stall pause (`turns.Heard`, `pauses.heard_after`), as the session's `_words` opens one (the
   sound after the words decoded alone first, `turns.talking`);
 - a turn ends where the rule says, or at the segmenter's bound; a turn ended inside a sentence
   makes the rest a new turn (its own pauses, its own decodes), as in the daemon.
@@ -49,9 +49,8 @@ import numpy as np
 
 from voiced.bench.turn_set import RATE, TurnCaller
 from voiced.bench.turn_verdicts import Outcome, judge, summarize, table, turn_targets
+from voiced.core import pauses, turns
 from voiced.core import segmenter as seg_mod
-from voiced.core import session as ses
-from voiced.core import turns
 from voiced.engines.base import ASROptions, ASRRequest, Transcript, Word
 
 log = logging.getLogger("voiced.bench.turns")
@@ -159,7 +158,7 @@ class CallerReplay:
         self.c, self.pcm, self.store, self.asr = caller, pcm, store, asr
         self.bounds = turns.bounds(eagerness)
         cfg = seg_mod.SegmenterConfig(turn_detection="smart", eagerness=eagerness)
-        self.seg = seg_mod.Segmenter(ses.smart_segmentation(cfg, self.bounds))
+        self.seg = seg_mod.Segmenter(pauses.smart_segmentation(cfg, self.bounds))
         self.decode = int(decode_ms * RATE / 1000)
         self.model = int(model_ms * RATE / 1000)
         self.turn_id = 0
@@ -242,7 +241,7 @@ class CallerReplay:
         self.interim = None
         audio = self.seg.current_audio()
         p = _Pause(self.turn_id, audio, self.seg.offset, self.seg.voiced_end, now)
-        opts = ses.recognition_options(self.asr, len(audio), 1, words=True)
+        opts = pauses.recognition_options(self.asr, len(audio), 1, words=True)
         p.result = self.store.transcript(self.c.name, audio, p.audio_end, opts)
         self._at(now + self.decode, "watch", p)
         self._open(p, now, transcript_at=now + self.decode)
@@ -250,7 +249,7 @@ class CallerReplay:
     def _open(self, p: _Pause, now: int, transcript_at: int) -> None:
         self.pause = p
         if self.bounds.audio_decides:  # as the session: the model is asked only where it can change the wait
-            clip = ses.model_clip(p.audio, p.audio_end, p.voice_end)
+            clip = pauses.model_clip(p.audio, p.audio_end, p.voice_end)
             p.p = self.store.p_complete(self.c.name, clip, f"{p.audio_end - len(p.audio)}:{p.voice_end}")
             self._at(now + self.model, "model", p)
             transcript_at = max(now + self.model, transcript_at)
@@ -270,14 +269,14 @@ class CallerReplay:
     def _done_text(self, p: _Pause, t: int) -> None:
         if self.pause is not p:
             return
-        p.evidence, _ = ses.pause_evidence(p.evidence, p.result, p.speech_end_s, p.stalled)
+        p.evidence, _ = pauses.pause_evidence(p.evidence, p.result, p.speech_end_s, p.stalled)
         wait_ms, verdict = p.evidence.verdict(self.bounds)
         p.log.update(judged=p.evidence.text, doubtful=p.evidence.doubtful, wait_ms=wait_ms, verdict=verdict)
         self._maybe_end(t)
 
     def _done_watch(self, p: _Pause, t: int) -> None:
         if not p.transcript_cancelled and self.turn_id == p.turn_id and self.seg.in_speech:
-            self.heard = ses.heard_after(self.heard, p.result, len(p.audio), p.audio_end, p.voice_end)
+            self.heard = pauses.heard_after(self.heard, p.result, len(p.audio), p.audio_end, p.voice_end)
 
     def _cancel_pause(self, now: int) -> None:
         p, self.pause = self.pause, None
@@ -314,7 +313,7 @@ class CallerReplay:
             return
         self.next_interim = self.seg.speech_ms + self._every()
         audio = self.seg.current_audio()
-        opts = ses.recognition_options(self.asr, len(audio), 0, final=False, words=True)
+        opts = pauses.recognition_options(self.asr, len(audio), 0, final=False, words=True)
         result = self.store.transcript(self.c.name, audio, self.seg.offset, opts)
         self.interims += 1
         self.interim = {"turn_id": self.turn_id, "audio": audio, "audio_end": self.seg.offset,
@@ -330,7 +329,7 @@ class CallerReplay:
         self._words(it, t)
 
     def _words(self, it: dict, t: int) -> None:
-        self.heard = ses.heard_after(self.heard, it["result"], len(it["audio"]), it["audio_end"], it["voice_end"])
+        self.heard = pauses.heard_after(self.heard, it["result"], len(it["audio"]), it["audio_end"], it["voice_end"])
         p = self.pause
         if p is not None and p.stalled and self.heard.words != p.words:
             self._cancel_pause(t)
@@ -343,11 +342,11 @@ class CallerReplay:
         audio = it["audio"]
         tail = audio[max(0, self.heard.voice_end - (it["audio_end"] - len(audio))):]
         it["heard"] = self.heard
-        if len(tail) < ses.ALONE_MIN_SAMPLES:
+        if len(tail) < pauses.ALONE_MIN_SAMPLES:
             it["alone"] = None
             self._done_alone(it, t, waited=False)
             return
-        opts = ses.recognition_options(self.asr, len(tail), 0, final=False)
+        opts = pauses.recognition_options(self.asr, len(tail), 0, final=False)
         it["alone"] = self.store.transcript(self.c.name, tail, it["audio_end"], opts)
         self.interim = it
         self._at(t + self.decode, "alone", it)
