@@ -59,7 +59,8 @@ def test_release_gives_the_freed_heap_back():
         planted = heap.rss_bytes()
         assert planted - before > 100 * MB  # the whole 128 MB was touched, and freeing half gave none back
         done = heap.release()
-        assert done is not None and done.rss_before == planted
+        # rss_before is read inside release(): a page or two may come or go between (other threads)
+        assert done is not None and abs(done.rss_before - planted) < MB
         assert done.returned > 48 * MB and heap.rss_bytes() < planted - 48 * MB
     finally:
         free_all(held)

@@ -102,11 +102,12 @@ def test_a_short_stop_request_stops_the_reply(daemon, word):
     assert len([e for e in of_kind(events, "agent_text") if e.turn_id == 1]) < PIECES  # cut short
     # Cut once the word's decode landed: the pause that ends the word, then a decode (two where one of the
     # word's first 300 ms was still running). ~700 ms where a decode of a short word takes ~100 ms or less
-    # (a GPU; an idle CPU); seconds on a CPU shared with other work: the bound counts this machine's decode.
+    # (a GPU; an idle CPU); seconds on a CPU shared with other work: the bound counts this machine's decode, with
+    # one decode more for the scheduling such a CPU adds (seen: 1528 ms against a bound of 1552 with two).
     word_end = _starts(events)[1] + length
     took = cut.caller_offset_ms - word_end
     print(f"{word!r}: the reply stopped {took} ms after the word's end")
-    assert overtalk.GAP_MS <= took + 40 <= 700 + 40 + 2 * _decode_ms(daemon, word)
+    assert overtalk.GAP_MS <= took + 40 <= 700 + 40 + 3 * _decode_ms(daemon, word)
     # The stop request is a turn: the agent hears it (and answers it).
     assert len(LOG["asked"]) == 2 and word in LOG["asked"][1].lower()
 
