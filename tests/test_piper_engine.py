@@ -76,7 +76,7 @@ def test_a_reply_streams_chunk_by_chunk_and_joins_as_the_whole(engine):
     streamed = np.concatenate([c.samples for c in chunks])
     assert streamed.dtype == np.float32 and streamed.shape == expected.shape
     assert np.allclose(streamed, expected, atol=1e-5)
-    # The first audio is the first clause's first window: under two first chunks (2 x 24 frames, 0.56 s).
+    # The first audio is the first clause's first window: under two first chunks.
     assert len(chunks[0].samples) <= 2 * graph.FIRST_FRAMES * 256 / voice.config.sample_rate * SAMPLE_RATE + 16
 
 
@@ -87,7 +87,7 @@ def test_the_first_window_comes_from_the_flow_on_its_frames_alone_and_equals_the
     prior = voice.graph.prior(voice._feed(ids, None, None, None, None))
     frames = prior[0].shape[2]
     end = graph.FIRST_FRAMES + graph.CONTEXT_FRAMES
-    assert frames > 3 * (end + graph.FLOW_CONTEXT)  # the head is a small part of the piece
+    assert frames > 2 * (end + graph.FLOW_CONTEXT)  # the head is a small part of the piece
     whole, head = voice.graph.latents(prior), voice.graph.latents(prior, end)
     assert head.shape[2] == end and np.abs(head - whole[:, :, :end]).max() < 1e-5
     first = voice.graph.decode(head, 0, graph.FIRST_FRAMES)
@@ -96,10 +96,11 @@ def test_the_first_window_comes_from_the_flow_on_its_frames_alone_and_equals_the
 
 def test_chunks_start_short_and_grow_without_a_short_tail():
     assert graph.chunks(10) == [(0, 10)]
-    assert graph.chunks(24 + 96 + 30) == [(0, 24), (24, 120), (120, 150)]
-    assert graph.chunks(24 + 10) == [(0, 34)]
+    assert graph.chunks(16 + 32 + 30) == [(0, 16), (16, 48), (48, 78)]
+    assert graph.chunks(16 + 32 + 64 + 10) == [(0, 16), (16, 48), (48, 122)]
+    assert graph.chunks(16 + 10) == [(0, 26)]
     spans = graph.chunks(2000)
-    assert spans[0] == (0, 24) and max(e - s for s, e in spans) <= graph.MAX_FRAMES + graph.FIRST_FRAMES
+    assert spans[0] == (0, graph.FIRST_FRAMES) and max(e - s for s, e in spans) <= graph.MAX_FRAMES + graph.FIRST_FRAMES
     assert all(a[1] == b[0] for a, b in zip(spans, spans[1:])) and spans[-1][1] == 2000
 
 

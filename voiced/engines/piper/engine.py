@@ -4,7 +4,7 @@ A request's text is cut into pieces (PiperVoice.units: the first sentence clause
 sentences); each piece's prior is made in one run of the voice's encoder, and its latents and audio window
 by window (PiperVoice.stream, graph.py), resampled from the voice's rate (22,050 Hz) to the engine contract's
 16 kHz by one streaming resampler per request, so the chunks join as the whole would. Each chunk is one
-AudioChunk: the first leaves once the first clause's prior and its first 0.28 s are made.
+AudioChunk: the first leaves once the first clause's prior and its first 0.19 s are made.
 
 The graph runs on one synthesis thread of the engine's own, one piece at a time, with the voice's
 `threads` onnxruntime threads: the engine thread that steps this engine (shared with recognition on a

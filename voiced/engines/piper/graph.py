@@ -31,9 +31,13 @@ log = logging.getLogger(__name__)
 
 DECODER_PREFIX, FLOW_PREFIX = "/dec/", "/flow/"
 CONTEXT_FRAMES = 16
-FLOW_CONTEXT = 32  # frames the flow's convolutions reach: its latents on a window are exact this far in
-FIRST_FRAMES = 24  # 24 x 256 samples at 22,050 Hz: 0.28 s of speech in the first chunk
-GROWTH, MAX_FRAMES = 4, 384
+# The flow's 16 convolutions of width 5 reach 32 frames; 16 more keep a head's latents within 3e-6 of the whole
+# piece's (32 alone: 3e-5), for 2 ms of the first chunk.
+FLOW_CONTEXT = 48
+FIRST_FRAMES = 16  # 16 x 256 samples at 22,050 Hz: 0.19 s of speech in the first chunk
+# Each chunk twice the last: after so short a first chunk the next is ready about when the last has played,
+# even on two busy cores (worst 18 ms late; growing x4, 72 ms), at 12 % more decoding (docs/BENCHMARKS.md).
+GROWTH, MAX_FRAMES = 2, 384
 
 
 @dataclass
