@@ -3,7 +3,7 @@ import pytest
 
 from tests.speech import RATE, layout
 from voiced.audio.ingest import FRAME_SAMPLES, float_to_int16
-from voiced.core.segmenter import Paused, Resumed, Segmenter, SegmenterConfig, SpeechEnded, SpeechStarted, Utterance
+from voiced.core.segmenter import Segmenter, SegmenterConfig, SpeechEnded, SpeechStarted, Utterance
 
 PHRASES = ["The quick brown fox jumps over the lazy dog.", "Please call me back tomorrow morning.",
            "Seven apples and three oranges."]
@@ -54,39 +54,6 @@ def test_long_speech_is_split_at_max_utterance():
     assert all(len(u.audio) <= 3000 * RATE // 1000 for u in utts)
     kinds = [type(e).__name__ for e in events if not isinstance(e, Utterance)]
     assert kinds == ["SpeechStarted", "SpeechEnded"] * (len(kinds) // 2)  # always paired
-
-
-def test_a_turn_found_over_after_speech_came_back_is_cut_where_it_ended():
-    """Smart turn detection can learn late (a slow decode) that a turn ended in a pause the caller has
-    since spoken after: the utterance so far is cut there and the speech after it is a turn of its own,
-    neither losing a sample of its audio."""
-    lay = layout(PHRASES[:2], gap_s=0.9, tail_s=0.3)
-    pcm = float_to_int16(lay.audio)
-    pcm = np.pad(pcm, (0, -len(pcm) % FRAME_SAMPLES))
-    seg = Segmenter(SegmenterConfig(hangover_ms=4000, pause_ms=100))
-    events, frames = [], pcm.reshape(-1, FRAME_SAMPLES)
-    for i, frame in enumerate(frames):
-        events += seg.push(frame)
-        if any(isinstance(e, Resumed) for e in events):
-            break
-    [paused], [resumed] = [e for e in events if isinstance(e, Paused)], [e for e in events if isinstance(e, Resumed)]
-    (_, first_end), (second_start, _) = lay.spans
-    assert abs(ms(resumed.offset) - ms(second_start)) <= 100
-    end = first_end + 300 * RATE // 1000  # the rule's wait had passed 300 ms into the 900 ms silence
-    cut = seg.split_at(end, resumed.offset)
-    assert [type(e) for e in cut] == [SpeechEnded, Utterance, SpeechStarted]
-    ended, first, started = cut
-    assert 0 <= ended.offset - end < FRAME_SAMPLES and first.end == ended.offset
-    assert np.array_equal(first.audio, pcm[first.audio_start:first.end])  # the first turn's own audio, whole
-    assert first.start <= lay.spans[0][0] and started.offset == resumed.offset
-    later = [e for frame in frames[i + 1:] for e in seg.push(frame)] + seg.flush()
-    [second] = [e for e in later if isinstance(e, Utterance)]
-    assert second.start == resumed.offset
-    # The second turn keeps the pre-roll before its speech (no clipped first word), none of the first's.
-    assert second.audio_start == resumed.offset - 300 * RATE // 1000 >= first.end
-    assert np.array_equal(second.audio, pcm[second.audio_start:second.end])
-    with pytest.raises(ValueError, match="outside the speech in progress"):
-        seg.split_at(0, 1)
 
 
 def test_push_to_talk_yields_exactly_the_marked_spans():

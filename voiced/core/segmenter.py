@@ -191,35 +191,6 @@ class Segmenter:
         """End the speech in progress here (the end-of-turn detector decided), as talk_end does."""
         return self.talk_end()
 
-    def split_at(self, end: int, resume: int) -> list:
-        """The end-of-turn detector decided late that the turn ended at `end`, a sample inside the
-        current speech's audio, and the speech that came back at `resume` (>= end) is a new turn: the
-        utterance so far ends at `end` (SpeechEnded, Utterance) and the frames from `resume`, with up to
-        `pre_roll_ms` of the silence before it, become the new speech's (SpeechStarted at `resume`)."""
-        first = self.audio_start
-        if not self.in_speech or not first < end <= resume <= self.offset:
-            raise ValueError(f"split_at({end}, {resume}): outside the speech in progress "
-                             f"({first}..{self.offset}, in speech: {self.in_speech})")
-        cut = -(-(end - first) // FRAME_SAMPLES)  # frames before the end (a frame cut in two stays with it)
-        pre_roll = frames_for(self.config.pre_roll_ms) if self.config.pre_roll_ms else 0
-        keep = max(cut, (resume - first) // FRAME_SAMPLES - pre_roll)  # the new speech's first frame
-        frames, count, silence = self._frames, self._count, self._silence_run
-        self._frames, self._count = frames[:cut], cut
-        out = self._finish(first + cut * FRAME_SAMPLES)
-        self.in_speech = True
-        self.speech_start = resume
-        self._frames = frames[keep:] if self.config.keep_audio else []
-        self._count = count - keep
-        self._silence_run = silence
-        self._burst_start = resume
-        out.append(SpeechStarted(resume))
-        return out
-
-    @property
-    def audio_start(self) -> int:
-        """The stream sample where the current utterance's audio begins (its pre-roll included)."""
-        return self.offset - self._count * FRAME_SAMPLES
-
     # ------------------------------------------------------------------ frames
 
     def push(self, frame: np.ndarray) -> list:
