@@ -5,8 +5,8 @@ the replay runs these, not copies, so its figures are the session's."""
 
 from __future__ import annotations
 
-import asyncio
 from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 
@@ -16,19 +16,24 @@ from voiced.core.segmenter import SegmenterConfig
 from voiced.engines.base import ASROptions, Transcript
 
 
-@dataclass
+@dataclass(eq=False)
 class Pause:
-    """A short pause inside a turn (smart turn detection): what is being worked out about it."""
+    """A short pause inside a turn (smart turn detection): what is being worked out about it. (Compared and
+    hashed by identity: a driver keys its own records of a pause by it.)"""
 
     turn_id: int
     audio: np.ndarray  # the turn so far
     audio_end: int  # the stream sample where `audio` ends
     voice_end: int  # the stream sample where the voice stopped (the silence is counted from there)
-    transcript: asyncio.Future  # its final transcript if the turn ends here
     words: tuple[str, ...] = ()  # (stalled) the words that stopped changing
     stalled: bool = False  # found by the words (the VAD still hears sound), not by a silence
-    detect: asyncio.Task | None = None
+    result: Transcript | None = None  # (stalled) the decode that found it: its transcript is known already
+    gap: bool = False  # speech came back within turns.SHORT_MS: a gap between words, its transcript is not wanted
     evidence: turns.Evidence = turns.Evidence()
+    # The driver's (voiced.core.turn_tracker): its handles on the work (the session: an asyncio future of the
+    # final transcript if the turn ends here, the task gathering the evidence) and how long that work took.
+    transcript: Any = None
+    detect: Any = None
     opened: float = 0.0  # monotonic time the pause was noticed
     decode_s: float | None = None  # how long its transcript took (0: it was there already)
     model_s: float | None = None  # how long the audio model took

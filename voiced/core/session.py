@@ -10,15 +10,14 @@ A session is a few asyncio tasks joined by queues:
        └──────────── events ──▶ outbox ◀── emitter (final transcripts, in turn order)
 
 End of turn: with `segmentation.turn_detection = "smart"` (and the end-of-turn model loaded), the
-segmenter reports each short pause inside speech; the session then starts the turn's final
-transcript on the audio so far and asks the audio model, feeds both to voice.core.turns, and ends
-the turn (`Segmenter.end_turn`) as soon as the evidence and the silence so far say the caller is done.
-Speech coming back cancels all of it, and nothing of it has reached the caller: the transcript is
-sent, and the conversation answers, only once the turn is confirmed. For agents that declare it safe,
-the conversation prepares the reply during the pause (voiced.core.conversation). While the VAD hears
-sound the session also decodes the turn every `turns.WORDS_EVERY_MS`; when the words stop changing
-(hold music after the voice, which the VAD calls speech) that is a pause too, dated where the words
-ended (`turns.Heard`), and new words cancel it as speech coming back cancels a pause.
+segmenter reports each short pause inside speech; the turn tracker (voiced.core.turn_tracker, which
+holds the pause state machine) asks for the turn's final transcript on the audio so far and the audio
+model's answer, the session runs both, and ends the turn (`Segmenter.end_turn`) as soon as the tracker
+says the caller is done. Speech coming back cancels all of it, and nothing of it has reached the
+caller: the transcript is sent, and the conversation answers, only once the turn is confirmed. For
+agents that declare it safe, the conversation prepares the reply during the pause
+(voiced.core.conversation). The tracker also finds a pause where the words stop changing while the VAD
+hears sound (hold music after the voice), from the interim decodes the session runs for it.
 
 Limits every door gets (config `[server]`): a caller that sends nothing for `idle_timeout_s`, or
 whose call lasts `max_session_s`, is ended with TIMEOUT; responses waiting for a caller that does
@@ -63,18 +62,11 @@ from voiced.core.events import (
     UserText,
 )
 from voiced.core.outbound import cost, over_capacity, too_long
-from voiced.core.pauses import (
-    ALONE_MIN_SAMPLES,
-    Pause,
-    heard_after,
-    model_clip,
-    pause_evidence,
-    recognition_options,
-    smart_segmentation,
-)
+from voiced.core.pauses import Pause, model_clip, recognition_options, smart_segmentation
 from voiced.core.segmenter import Segmenter, Utterance
 from voiced.core.spec import SessionSpec
 from voiced.core.speech import in_caller_time
+from voiced.core.turn_tracker import Actions, Decode, TurnTracker
 from voiced.engines.base import ASRRequest, CapacityError, EngineError, Transcript, hallucination_reason
 
 log = logging.getLogger(__name__)
@@ -104,7 +96,6 @@ class Session:
         self.services = services
         self.spec = spec
         self.conversational = conversational
-        self.turn_id = 0
         self.decoder = FrameDecoder(spec.input)
         seg = spec.segmentation
         self.turn_model = None  # the end-of-turn model, when this session's turns are decided by it
@@ -119,16 +110,11 @@ class Session:
             seg = smart_segmentation(seg, self.bounds)
         # Speech events only: the segmenter need not keep the audio.
         self.segmenter = Segmenter(replace(seg, keep_audio=spec.recognize))
-        self._pause: Pause | None = None
-        self._interim_text: str | None = None  # the latest interim decode's text of this turn
-        self._heard = turns.Heard((), 0, 0)  # smart: the turn's words, and since when unchanged
-        self._alone: tuple[str, ...] = ()  # smart: the words of the last decode of the sound after them alone
-        # smart: sound came back after a pause; decode the turn until it ends (`_words`)
-        self._checking = False
+        self.tracker = TurnTracker(self.segmenter, self.bounds, services.config.asr.interim_interval_ms,
+                                   spec.keep_hallucinations)
         # smart: the transcripts of this turn's earlier pauses that go on after speech came back (their words
         # count among the turn's decodes, `_watch_words`); the turn's end cancels them (`_drop_watched`)
         self._watched: list[asyncio.Future] = []
-        self._sound_since = 0  # smart: the stream sample where the current sound began (speech or not)
         self._voiced_ms = 0  # the current turn's longest burst of talk (segmenter.voiced_ms)
         self._over_reply = False  # a reply was being spoken during the current turn
         # Unbounded as a queue, bounded in bytes: `send` never blocks a producer (an engine's
@@ -148,8 +134,12 @@ class Session:
         self._turns: asyncio.Queue[Turn | None] = asyncio.Queue()
         self._tasks: set[asyncio.Task] = set()
         self._interim: asyncio.Task | None = None
-        self._next_interim = 0
         self.conversation = Conversation(self) if conversational else None
+
+    @property
+    def turn_id(self) -> int:
+        """The current turn's id (the tracker counts them)."""
+        return self.tracker.turn_id
 
     # ------------------------------------------------------------------ plumbing
 
@@ -344,7 +334,7 @@ class Session:
                         await self._segment_events(events)
                     if self.segmenter.in_speech:
                         self._speaking()
-                        if self._pause is not None:
+                        if self.tracker.pause is not None:
                             await self._maybe_end_turn()
             else:
                 await self._control(item)
@@ -394,35 +384,21 @@ class Session:
         if self.conversation is not None:
             self._over_reply = self._over_reply or self.conversation.speaking()
             self.conversation.caller_speaking(self.segmenter.voiced_ms)
-        if ((self.spec.interim_results or self._checking) and self.spec.recognize
-                and (self._pause is None or self._pause.stalled)):
-            self._maybe_interim()
+        decode = self.tracker.interim_due(self.spec.interim_results and self.spec.recognize)
+        if decode is not None:
+            self._start_interim(decode)
 
     async def _segment_events(self, events: list) -> None:
         for ev in events:
             if isinstance(ev, segmenter.SpeechStarted):
-                self.turn_id += 1
-                self._next_interim = self._interim_every()
-                self._interim_text = None
-                self._heard = turns.Heard((), 0, 0)
-                self._alone = ()
-                self._checking = False
-                self._sound_since = ev.offset
+                self.tracker.started(ev.offset)
                 self._voiced_ms = 0
                 self._over_reply = False
                 await self.send(SpeechStarted(self.spec.session_id, self.turn_id, ms(ev.offset)))
             elif isinstance(ev, segmenter.Paused):
-                if self._pause is not None and self._pause.stalled:
-                    # A silence after a pause the words found: the caller may have talked since (Whisper
-                    # drops words said after a long pause, and then they look stopped); the silence's own
-                    # transcript of all the audio decides, not words that may lack the last ones.
-                    await self._cancel_pause()
-                if self._pause is None:
-                    self._start_pause()
+                await self._act(self.tracker.paused())
             elif isinstance(ev, segmenter.Resumed):
-                self._sound_since = ev.offset
-                if self._pause is not None and not self._pause.stalled:
-                    await self._cancel_pause()
+                await self._act(self.tracker.resumed(ev.offset))
             elif isinstance(ev, segmenter.SpeechEnded):
                 await self.send(SpeechEnded(self.spec.session_id, self.turn_id, ms(ev.offset)))
             elif isinstance(ev, Utterance):
@@ -431,7 +407,7 @@ class Session:
                 turn = Turn(self.turn_id, ev, time.monotonic())
                 turn.over_reply = self._over_reply
                 turn.backchannel = self._over_reply and self._voiced_ms < self.spec.barge_in_min_speech_ms
-                pause, self._pause = self._pause, None
+                pause = self.tracker.ended()
                 if pause is not None:
                     # The turn ended in this pause (no voiced frame since): the transcript started at
                     # the pause is this turn's, unless it failed.
@@ -486,108 +462,74 @@ class Session:
             if self.conversation is not None and result.text.strip() and not result.is_hallucination:
                 await self.conversation.on_transcript(turn, result)
 
-    def _interim_every(self) -> int:
-        every = self.services.config.asr.interim_interval_ms
-        return min(every, turns.WORDS_EVERY_MS) if self._checking else every
-
-    def _maybe_interim(self) -> None:
-        if self.segmenter.speech_ms < self._next_interim or (self._interim and not self._interim.done()):
-            return
-        self._next_interim = self.segmenter.speech_ms + self._interim_every()
-        turn_id, start, audio = self.turn_id, self.segmenter.speech_start, self.segmenter.current_audio()
-        audio_end, voice_end = self.segmenter.offset, self.segmenter.voiced_end
-        smart = self.turn_model is not None
+    def _start_interim(self, decode: Decode) -> None:
+        """An interim decode of the turn (`TurnTracker.interim_due`): the caller's interim transcript, and,
+        under smart turn detection, the words the tracker watches (`_words`)."""
+        turn_id, start, smart = decode.turn_id, self.segmenter.speech_start, self.turn_model is not None
 
         async def interim():
             try:
-                # Smart: with word times (where the words end dates a pause the words find).
-                result = await self._recognize(audio, priority=0, final=False, words=smart)
-            except EngineError:
-                return  # an interim result is best effort; the final one reports errors
-            if self.turn_id != turn_id or not self.segmenter.in_speech:
-                return
-            if smart:
-                await self._words(result, audio, audio_end, voice_end)
-            if not result.is_hallucination:
-                self._interim_text = result.text
-                if self.spec.interim_results:
-                    await self.send(TranscriptOut(self.spec.session_id, turn_id, replace(result, words=[]),
-                                                  is_final=False, start_ms=ms(start),
-                                                  end_ms=ms(self.segmenter.offset)))
+                try:
+                    # Smart: with word times (where the words end dates a pause the words find).
+                    result = await self._recognize(decode.audio, priority=0, final=False, words=smart)
+                except EngineError:
+                    return  # an interim result is best effort; the final one reports errors
+                if not self.tracker.current(decode):
+                    return
+                if smart:
+                    await self._words(decode, result)
+                if not result.is_hallucination:
+                    self.tracker.interim_text = result.text
+                    if self.spec.interim_results:
+                        await self.send(TranscriptOut(self.spec.session_id, turn_id, replace(result, words=[]),
+                                                      is_final=False, start_ms=ms(start),
+                                                      end_ms=ms(self.segmenter.offset)))
+            finally:
+                self.tracker.interim_done(decode)  # (the next may start)
 
         self._interim = self.spawn(interim(), f"interim-{turn_id}")
 
-    # ------------------------------------------------------------------ the words (smart)
-
-    def _heard_words(self, result: Transcript, audio: np.ndarray, audio_end: int, voice_end: int) -> None:
-        """One more decode of the current turn: note its words, and where they end."""
-        self._heard = heard_after(self._heard, result, len(audio), audio_end, voice_end)
-
-    def _watch_words(self, task: asyncio.Task, turn_id: int, audio: np.ndarray, audio_end: int,
-                     voice_end: int) -> None:
-        """A pause's transcript counts among the turn's decodes too, even if speech came back (or
-        sound the VAD calls speech: hold music right after the voice)."""
-        def done(t: asyncio.Task) -> None:
-            if (not t.cancelled() and t.exception() is None and self.turn_id == turn_id
-                    and self.segmenter.in_speech):
-                self._heard_words(t.result(), audio, audio_end, voice_end)
-
-        task.add_done_callback(done)
-
-    async def _words(self, result: Transcript, audio: np.ndarray, audio_end: int, voice_end: int) -> None:
-        """An interim decode of the turn (smart): new words cancel a pause the words found; words that
-        stopped changing while the VAD still hears sound open one."""
-        self._heard_words(result, audio, audio_end, voice_end)
-        heard, pause = self._heard, self._pause
-        if pause is not None and pause.stalled and heard.words != pause.words:
-            await self._cancel_pause()  # the caller is talking again
-            return
-        if pause is not None or not heard.stalled() or self.segmenter.silence_ms >= turns.PAUSE_MS:
-            return  # (a silence is a pause of the segmenter's already)
-        if (audio_end - self._sound_since) * 1000 < turns.STALL_MS * segmenter.RATE:
-            return  # the sound that followed is too short yet to have shown a word if it was speech
-        # Whisper drops words said after a gap inside one clip: the sound after the words, decoded alone,
-        # says whether the caller is talking there (`turns.talking`)
-        tail = audio[max(0, heard.voice_end - (audio_end - len(audio))):]
-        turn_id, alone = self.turn_id, None
-        if len(tail) >= ALONE_MIN_SAMPLES:
-            try:
-                alone = await self._recognize(tail, priority=0, final=False)
-            except EngineError:
-                pass  # no answer: as before, the words decide
-        if alone is not None:
-            said = turns.talking(alone.text, alone.is_hallucination, self._alone)
-            self._alone = turns.words_of("" if alone.is_hallucination else alone.text)
-            if said:
-                return  # the caller is talking; the next decodes of the turn go on watching
-        if (self._pause is not None or self.turn_id != turn_id or not self.segmenter.in_speech
-                or self._heard.words != heard.words):
-            return  # (what changed while the sound was decoded decides)
-        done = asyncio.get_running_loop().create_future()
-        done.set_result(result)
-        self._open_pause(Pause(self.turn_id, audio, audio_end, heard.voice_end, done, words=heard.words,
-                               stalled=True, decode_s=0.0))
+    async def _words(self, decode: Decode, result: Transcript) -> None:
+        """An interim decode's words to the tracker; the sound after words that stopped changing is decoded
+        alone first (no answer: as before, the words decide)."""
+        acts = self.tracker.words(decode, result)
+        if acts.decode is not None:
+            alone = None
+            with contextlib.suppress(EngineError):
+                alone = await self._recognize(acts.decode.audio, priority=0, final=False)
+            acts = self.tracker.alone(decode, alone)
+        await self._act(acts)
 
     # ------------------------------------------------------------------ end of turn (smart)
 
-    def _start_pause(self) -> None:
-        """A short pause in speech: start the turn's transcript and the detector on the audio so far."""
-        self._cancel_interim()  # the transcript below supersedes it
-        audio = self.segmenter.current_audio()
-        turn_id, audio_end, voice_end = self.turn_id, self.segmenter.offset, self.segmenter.voiced_end
-        transcript = self.spawn(self._recognize(audio, priority=1, words=True), f"asr-{turn_id}-pause")
-        self._watch_words(transcript, turn_id, audio, audio_end, voice_end)
-        self._open_pause(Pause(turn_id, audio, audio_end, voice_end, transcript,
-                               evidence=turns.Evidence(text=self._interim_text)))
+    async def _act(self, acts: Actions) -> None:
+        """Do what the tracker said: drop a pause speech ended, work out a new one."""
+        if acts.drop is not None:
+            await self._drop_pause(acts.drop)
+        if acts.open is not None:
+            self._open_pause(acts.open)
 
     def _open_pause(self, pause: Pause) -> None:
+        """A pause: its transcript (the turn's, if it ends here) and the detector on it."""
         pause.opened = time.monotonic()
-        self._pause = pause
+        if pause.result is None:  # a silence's: the transcript of the audio so far
+            self._cancel_interim()  # (the tracker dropped it: the pause's transcript supersedes it)
+            pause.transcript = self.spawn(self._recognize(pause.audio, priority=1, words=True),
+                                          f"asr-{pause.turn_id}-pause")
+            self._watch_words(pause)
+        else:  # the words found it: the decode that did is its transcript
+            pause.transcript = asyncio.get_running_loop().create_future()
+            pause.transcript.set_result(pause.result)
+            pause.decode_s = 0.0
         pause.detect = self.spawn(self._detect(pause), f"turn-{pause.turn_id}")
 
-    def _model_clip(self, pause: Pause) -> np.ndarray:
-        """What the audio model hears (`model_clip`)."""
-        return model_clip(pause.audio, pause.audio_end, pause.voice_end)
+    def _watch_words(self, pause: Pause) -> None:
+        """A pause's transcript counts among the turn's decodes too (`TurnTracker.pause_words`)."""
+        def done(t: asyncio.Task) -> None:
+            if not t.cancelled() and t.exception() is None:
+                self.tracker.pause_words(pause, t.result())
+
+        pause.transcript.add_done_callback(done)
 
     async def _detect(self, pause: Pause) -> None:
         """Gather the evidence on this pause as it arrives (the audio model's answer, then the fresh
@@ -595,7 +537,7 @@ class Session:
         p = None
         if self.bounds.audio_decides:  # (else its answer could not change the wait: not asked)
             loop = asyncio.get_running_loop()
-            clip = self._model_clip(pause)
+            clip = model_clip(pause.audio, pause.audio_end, pause.voice_end)  # what the model hears
             t0 = time.monotonic()
             try:
                 # onnxruntime releases the GIL: the model runs beside the loop, not in it.
@@ -604,9 +546,9 @@ class Session:
                 log.exception("session %s: the end-of-turn model failed", self.spec.session_id)
                 p = 0.0  # "incomplete": finished words then wait `audio_ms`, not the upper bound
             pause.model_s = time.monotonic() - t0
-            pause.evidence = replace(pause.evidence, p_complete=p)
+            self.tracker.model_answer(pause, p)
             await self._maybe_end_turn()
-            if self._pause is not pause:
+            if self.tracker.pause is not pause:
                 return
         try:
             result = await asyncio.shield(pause.transcript)
@@ -614,9 +556,7 @@ class Session:
             return  # no words: the silence bound ends the turn; the final transcript reports the error
         if pause.decode_s is None:
             pause.decode_s = time.monotonic() - pause.opened
-        pause.evidence, text = pause_evidence(pause.evidence, result, pause.speech_end_s, pause.stalled,
-                                              self.spec.keep_hallucinations)
-        wait_ms, verdict = pause.evidence.verdict(self.bounds)
+        text, wait_ms, verdict = self.tracker.transcript(pause, result)
         if log.isEnabledFor(logging.DEBUG):  # the arguments cost more than the line, at every pause
             log.debug("session %s turn %d pause%s: p=%s text=%r (last word p=%s, sentence end after it p=%s, "
                       "end-of-text p=%s) wait %d ms (%s)", self.spec.session_id, pause.turn_id,
@@ -632,20 +572,14 @@ class Session:
         await self._maybe_end_turn()
 
     async def _maybe_end_turn(self) -> None:
-        pause = self._pause
-        if pause is None or not self.segmenter.in_speech or pause.turn_id != self.turn_id:
-            return
-        silence_ms = (self.segmenter.offset - pause.voice_end) * 1000 // segmenter.RATE
-        if pause.stalled and not pause.evidence.fresh:
-            return  # sound goes on: only the words can end it (their verdict is a few ms away)
-        if pause.evidence.ends(silence_ms, self.bounds):
-            self._turn_timing(pause, silence_ms)
+        if self.tracker.over():
+            self._turn_timing(self.tracker.pause)
             await self._segment_events(self.segmenter.end_turn())
 
-    def _turn_timing(self, pause: Pause, silence_ms: int) -> None:
+    def _turn_timing(self, pause: Pause) -> None:
         """Where an ended turn's time went: the decode (ASR speed: ~20 ms on a GPU, hundreds on a CPU),
         the audio model, and the rule's own wait after both (the silence bound)."""
-        now = time.monotonic()
+        now, silence_ms = time.monotonic(), self.tracker.silence_ms(pause)
         decode = pause.decode_s if pause.decode_s is not None else now - pause.opened
         ready = max(decode, pause.model_s or 0.0)
         metrics = self.services.metrics
@@ -657,26 +591,18 @@ class Session:
                   (pause.audio_end - pause.voice_end) * 1000 // segmenter.RATE, decode * 1000,
                   (pause.model_s or 0.0) * 1000, max(0.0, now - pause.opened - ready) * 1000)
 
-    async def _cancel_pause(self) -> None:
+    async def _drop_pause(self, pause: Pause) -> None:
         """Speech came back: nothing worked out in the pause may reach the caller."""
-        pause, self._pause = self._pause, None
-        if pause is None:
-            return
         if pause.detect is not None:
             pause.detect.cancel()
         if self.conversation is not None:
             await self.conversation.cancel_speculation()
-        if pause.stalled:
-            return
-        if (self.segmenter.offset - pause.voice_end) * 1000 < turns.SHORT_MS * segmenter.RATE:
+        if pause.gap:
             pause.transcript.cancel()  # a gap between words, not a pause
-            return
-        # A pause, then sound: was that the caller, or something the VAD calls speech (hold music)? Its
-        # transcript goes on (`_watch_words`), and the turn is decoded until the words say (`_words`),
-        # first as soon as a decode can show whether they stopped.
-        self._watched.append(pause.transcript)
-        self._checking = True
-        self._next_interim = self.segmenter.speech_ms + turns.STALL_MS
+        elif not pause.stalled:
+            # Was the sound after it the caller, or something the VAD calls speech (hold music)? Its
+            # transcript goes on: its words count among the turn's decodes (`_watch_words`).
+            self._watched.append(pause.transcript)
 
     def _drop_watched(self) -> None:
         """The turn ended: the transcripts of its earlier pauses that went on for their words can change
