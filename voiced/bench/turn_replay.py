@@ -9,14 +9,13 @@ a fixed `--decode-ms` after the pause began (e.g. 30 ms, a GPU's), so that a cha
 For each caller, frame by frame (20 ms), it runs what the session runs (voiced.core.session):
 - the session's own segmenter (voiced.core.segmenter, configured by `pauses.smart_segmentation`),
   whose Paused / Resumed / SpeechStarted events are the decision points the daemon sees;
-- at each short pause, the transcript of the turn so far through the real Whisper engine with the
-  session's own options (`pauses.recognition_options`: word timings, the token cap), and Smart Turn's
-  probability on the session's clip (`pauses.model_clip`); the evidence is built by
-  `pauses.pause_evidence` and judged by `turns.Evidence.wait_ms` (the rule itself, not a copy);
-- after a pause that sound followed, the decodes of the turn every `turns.WORDS_EVERY_MS` and the
-  words-stall pause (`turns.Heard`, `pauses.heard_after`), as the session's `_words` opens one (the
-  sound after the words decoded alone first, `turns.talking`);
-- a turn ends where the rule says, or at the segmenter's bound; a turn ended inside a sentence
+- the session's own turn tracker (voiced.core.turn_tracker: the pause state machine, the words-stall
+  pause, the end-of-turn decision), driven as the session drives it; only the evidence differs:
+- at each pause the tracker opens, the transcript of the turn so far through the real Whisper engine
+  with the session's own options (`pauses.recognition_options`: word timings, the token cap), and
+  Smart Turn's probability on the session's clip (`pauses.model_clip`); the interim decodes the
+  tracker asks for after a pause that sound followed, and the sound after stopped words decoded alone;
+- a turn ends where the tracker says, or at the segmenter's bound; a turn ended inside a sentence
   makes the rest a new turn (its own pauses, its own decodes), as in the daemon.
 
 Times: the transcript of a pause is ready `decode_ms` after the pause was noticed, Smart Turn's
@@ -42,7 +41,7 @@ import json
 import logging
 import os
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -51,6 +50,7 @@ from voiced.bench.turn_set import RATE, TurnCaller
 from voiced.bench.turn_verdicts import Outcome, judge, summarize, table, turn_targets
 from voiced.core import pauses, turns
 from voiced.core import segmenter as seg_mod
+from voiced.core.turn_tracker import Actions, Decode, TurnTracker
 from voiced.engines.base import ASROptions, ASRRequest, Transcript, Word
 
 log = logging.getLogger("voiced.bench.turns")
@@ -129,60 +129,42 @@ class EvidenceStore:
 # ----------------------------------------------------------------------------------- the session, replayed
 
 
-@dataclass
-class _Pause:
-    turn_id: int
-    audio: np.ndarray
-    audio_end: int
-    voice_end: int
-    opened: int  # stream sample (time) it was noticed
-    stalled: bool = False
-    words: tuple[str, ...] = ()
-    result: Transcript | None = None
-    p: float | None = None
-    evidence: turns.Evidence = turns.Evidence()
-    transcript_cancelled: bool = False
-    log: dict = field(default_factory=dict)
+@dataclass(eq=False)
+class _Work:
+    """A pause as the replay works it out: its evidence from the store, and its line in the decisions."""
 
-    @property
-    def speech_end_s(self) -> float:
-        return (self.voice_end - (self.audio_end - len(self.audio))) / RATE
+    pause: pauses.Pause
+    result: Transcript
+    p: float | None
+    log: dict
 
 
 class CallerReplay:
-    """One caller through one smart detector: the session's pause handling (voiced.core.session) with
-    the evidence from `store` and fixed latencies."""
+    """One caller through one smart detector: the session's turn tracker (voiced.core.turn_tracker) driven
+    as the session drives it (voiced.core.session), with the evidence from `store` and fixed latencies."""
 
     def __init__(self, caller: TurnCaller, pcm: np.ndarray, eagerness: str, store: EvidenceStore,
-                 asr: ASROptions, decode_ms: float, model_ms: float):
+                 asr: ASROptions, decode_ms: float, model_ms: float, interim_every_ms: int = 1000):
         self.c, self.pcm, self.store, self.asr = caller, pcm, store, asr
         self.bounds = turns.bounds(eagerness)
         cfg = seg_mod.SegmenterConfig(turn_detection="smart", eagerness=eagerness)
         self.seg = seg_mod.Segmenter(pauses.smart_segmentation(cfg, self.bounds))
+        # the bench's callers ask for no interim results: the tracker's own decodes are the only ones
+        self.tracker = TurnTracker(self.seg, self.bounds, interim_every_ms)
         self.decode = int(decode_ms * RATE / 1000)
         self.model = int(model_ms * RATE / 1000)
-        self.turn_id = 0
-        self.pause: _Pause | None = None
-        self.heard = turns.Heard((), 0, 0)
-        self.checking = False
-        self.sound_since = 0
-        self.next_interim = 0
-        self.interim: dict | None = None  # the decode in flight
+        self.work: dict[pauses.Pause, _Work] = {}
         self.pending: list[tuple[int, int, str, object]] = []  # (time, order, kind, what)
         self._order = 0
         self.ends: list[float] = []
         self.decisions: list[dict] = []
         self.interims = 0
         self.alone: list[dict] = []  # the sound after stalled words, decoded alone
-        self.alone_words: tuple[str, ...] = ()
 
     # -- plumbing
     def _at(self, t: int, kind: str, what) -> None:
         self._order += 1
         self.pending.append((t, self._order, kind, what))
-
-    def _every(self) -> int:
-        return min(1000, turns.WORDS_EVERY_MS) if self.checking else 1000  # config.asr.interim_interval_ms
 
     def run(self) -> list[float]:
         n_frames = len(self.pcm) // FRAME
@@ -193,9 +175,10 @@ class CallerReplay:
             if events:
                 self._events(events, now)
             if self.seg.in_speech:
-                if self.checking and (self.pause is None or self.pause.stalled):
-                    self._maybe_interim(now)
-                if self.pause is not None:
+                decode = self.tracker.interim_due(asked=False)
+                if decode is not None:
+                    self._interim(decode, now)
+                if self.tracker.pause is not None:
                     self._maybe_end(now)
         self._events(self.seg.flush(), n_frames * FRAME)
         return self.ends
@@ -213,162 +196,93 @@ class CallerReplay:
     def _events(self, events: list, now: int) -> None:
         for ev in events:
             if isinstance(ev, seg_mod.SpeechStarted):
-                self.turn_id += 1
-                self.heard = turns.Heard((), 0, 0)
-                self.alone_words = ()
-                self.checking = False
-                self.next_interim = self._every()
-                self.sound_since = ev.offset
+                self.tracker.started(ev.offset)
             elif isinstance(ev, seg_mod.Paused):
-                if self.pause is not None and self.pause.stalled:
-                    self._cancel_pause(now)
-                if self.pause is None:
-                    self._start_pause(now)
+                self._act(self.tracker.paused(), now)
             elif isinstance(ev, seg_mod.Resumed):
-                self.sound_since = ev.offset
-                if self.pause is not None and not self.pause.stalled:
-                    self._cancel_pause(now)
+                self._act(self.tracker.resumed(ev.offset), now)
             elif isinstance(ev, seg_mod.SpeechEnded):
                 self.ends.append(now / RATE)
             elif isinstance(ev, seg_mod.Utterance):
-                self.interim = None
-                if self.pause is not None:
-                    self.pause.log.setdefault("ended_s", round(now / RATE, 3))
-                self.pause = None
+                pause = self.tracker.ended()
+                if pause is not None:
+                    self.work[pause].log.setdefault("ended_s", round(now / RATE, 3))
 
-    # -- pauses (Session._start_pause, _open_pause, _detect, _cancel_pause)
-    def _start_pause(self, now: int) -> None:
-        self.interim = None
-        audio = self.seg.current_audio()
-        p = _Pause(self.turn_id, audio, self.seg.offset, self.seg.voiced_end, now)
-        opts = pauses.recognition_options(self.asr, len(audio), 1, words=True)
-        p.result = self.store.transcript(self.c.name, audio, p.audio_end, opts)
-        self._at(now + self.decode, "watch", p)
-        self._open(p, now, transcript_at=now + self.decode)
+    # -- pauses (as Session._act, _open_pause, _detect, _drop_pause)
+    def _act(self, acts: Actions, now: int) -> None:
+        if acts.drop is not None:
+            self.work[acts.drop].log.setdefault("cancelled_s", round(now / RATE, 3))
+        if acts.open is not None:
+            self._open(acts.open, now)
 
-    def _open(self, p: _Pause, now: int, transcript_at: int) -> None:
-        self.pause = p
+    def _open(self, pause: pauses.Pause, now: int) -> None:
+        if pause.result is None:  # a silence's: its transcript is ready `decode_ms` after the pause was noticed
+            opts = pauses.recognition_options(self.asr, len(pause.audio), 1, words=True)
+            result = self.store.transcript(self.c.name, pause.audio, pause.audio_end, opts)
+            transcript_at = now + self.decode
+        else:  # the words found it: the decode that did is its transcript
+            result, transcript_at = pause.result, now
+        w = self.work[pause] = _Work(pause, result, None, {})
+        if pause.result is None:
+            self._at(transcript_at, "watch", w)
         if self.bounds.audio_decides:  # as the session: the model is asked only where it can change the wait
-            clip = pauses.model_clip(p.audio, p.audio_end, p.voice_end)
-            p.p = self.store.p_complete(self.c.name, clip, f"{p.audio_end - len(p.audio)}:{p.voice_end}")
-            self._at(now + self.model, "model", p)
+            clip = pauses.model_clip(pause.audio, pause.audio_end, pause.voice_end)
+            w.p = self.store.p_complete(self.c.name, clip, f"{pause.audio_end - len(pause.audio)}:{pause.voice_end}")
+            self._at(now + self.model, "model", w)
             transcript_at = max(now + self.model, transcript_at)
-        self._at(transcript_at, "text", p)
-        p.log = {"opened_s": round(now / RATE, 3), "voice_end_s": round(p.voice_end / RATE, 3),
-                 "stalled": p.stalled, "text": p.result.text, "p_complete": p.p, "end_prob": p.result.end_prob,
-                 "stop_prob": p.result.stop_prob,
-                 "last_word": p.result.words[-1].word if p.result.words else None,
-                 "last_word_p": p.result.words[-1].probability if p.result.words else None}
-        self.decisions.append(p.log)
+        self._at(transcript_at, "text", w)
+        w.log = {"opened_s": round(now / RATE, 3), "voice_end_s": round(pause.voice_end / RATE, 3),
+                 "stalled": pause.stalled, "text": result.text, "p_complete": w.p, "end_prob": result.end_prob,
+                 "stop_prob": result.stop_prob,
+                 "last_word": result.words[-1].word if result.words else None,
+                 "last_word_p": result.words[-1].probability if result.words else None}
+        self.decisions.append(w.log)
 
-    def _done_model(self, p: _Pause, t: int) -> None:
-        if self.pause is p:
-            p.evidence = replace(p.evidence, p_complete=p.p)
+    def _done_model(self, w: _Work, t: int) -> None:
+        if self.tracker.pause is w.pause:
+            self.tracker.model_answer(w.pause, w.p)
             self._maybe_end(t)
 
-    def _done_text(self, p: _Pause, t: int) -> None:
-        if self.pause is not p:
+    def _done_text(self, w: _Work, t: int) -> None:
+        if self.tracker.pause is not w.pause:
             return
-        p.evidence, _ = pauses.pause_evidence(p.evidence, p.result, p.speech_end_s, p.stalled)
-        wait_ms, verdict = p.evidence.verdict(self.bounds)
-        p.log.update(judged=p.evidence.text, doubtful=p.evidence.doubtful, wait_ms=wait_ms, verdict=verdict)
+        _, wait_ms, verdict = self.tracker.transcript(w.pause, w.result)
+        ev = w.pause.evidence
+        w.log.update(judged=ev.text, doubtful=ev.doubtful, wait_ms=wait_ms, verdict=verdict)
         self._maybe_end(t)
 
-    def _done_watch(self, p: _Pause, t: int) -> None:
-        if not p.transcript_cancelled and self.turn_id == p.turn_id and self.seg.in_speech:
-            self.heard = pauses.heard_after(self.heard, p.result, len(p.audio), p.audio_end, p.voice_end)
-
-    def _cancel_pause(self, now: int) -> None:
-        p, self.pause = self.pause, None
-        if p is None:
-            return
-        p.log.setdefault("cancelled_s", round(now / RATE, 3))
-        if p.stalled:
-            return
-        if (self.seg.offset - p.voice_end) * 1000 < turns.SHORT_MS * RATE:
-            p.transcript_cancelled = True
-            return
-        self.checking = True
-        self.next_interim = self.seg.speech_ms + turns.STALL_MS
+    def _done_watch(self, w: _Work, t: int) -> None:
+        self.tracker.pause_words(w.pause, w.result)
 
     def _maybe_end(self, t: int) -> None:
-        p = self.pause
-        if p is None or not self.seg.in_speech or p.turn_id != self.turn_id:
-            return
-        silence_ms = (self.seg.offset - p.voice_end) * 1000 // RATE
-        if p.stalled and not p.evidence.fresh:
-            return
-        if p.evidence.ends(silence_ms, self.bounds):
-            p.log["ended_s"] = round(t / RATE, 3)
-            self.pause = None
-            for ev in self.seg.end_turn():
-                if isinstance(ev, seg_mod.SpeechEnded):
-                    self.ends.append(t / RATE)
-                elif isinstance(ev, seg_mod.Utterance):
-                    self.interim = None
+        if self.tracker.over():
+            self._events(self.seg.end_turn(), t)
 
-    # -- the words while sound goes on (Session._maybe_interim, _words)
-    def _maybe_interim(self, now: int) -> None:
-        if self.seg.speech_ms < self.next_interim or self.interim is not None:
-            return
-        self.next_interim = self.seg.speech_ms + self._every()
-        audio = self.seg.current_audio()
-        opts = pauses.recognition_options(self.asr, len(audio), 0, final=False, words=True)
-        result = self.store.transcript(self.c.name, audio, self.seg.offset, opts)
+    # -- the words while sound goes on (as Session._start_interim, _words)
+    def _interim(self, decode: Decode, now: int) -> None:
+        opts = pauses.recognition_options(self.asr, len(decode.audio), 0, final=False, words=True)
+        result = self.store.transcript(self.c.name, decode.audio, decode.audio_end, opts)
         self.interims += 1
-        self.interim = {"turn_id": self.turn_id, "audio": audio, "audio_end": self.seg.offset,
-                        "voice_end": self.seg.voiced_end, "result": result}
-        self._at(now + self.decode, "interim", self.interim)
+        self._at(now + self.decode, "interim", (decode, result))
 
-    def _done_interim(self, it: dict, t: int) -> None:
-        if self.interim is not it:
-            return  # cancelled
-        self.interim = None
-        if self.turn_id != it["turn_id"] or not self.seg.in_speech:
+    def _done_interim(self, what: tuple[Decode, Transcript], t: int) -> None:
+        decode, result = what
+        acts = self.tracker.words(decode, result)
+        if acts.decode is not None:  # the sound after the words, decoded alone (no other interim meanwhile)
+            opts = pauses.recognition_options(self.asr, len(acts.decode.audio), 0, final=False)
+            alone = self.store.transcript(self.c.name, acts.decode.audio, acts.decode.audio_end, opts)
+            self._at(t + self.decode, "alone", (decode, alone))
             return
-        self._words(it, t)
+        self.tracker.interim_done(decode)
+        self._act(acts, t)
 
-    def _words(self, it: dict, t: int) -> None:
-        self.heard = pauses.heard_after(self.heard, it["result"], len(it["audio"]), it["audio_end"], it["voice_end"])
-        p = self.pause
-        if p is not None and p.stalled and self.heard.words != p.words:
-            self._cancel_pause(t)
-            return
-        if p is not None or not self.heard.stalled() or self.seg.silence_ms >= turns.PAUSE_MS:
-            return
-        if (it["audio_end"] - self.sound_since) * 1000 < turns.STALL_MS * RATE:
-            return
-        # the sound after the words, decoded alone (the interim task awaits it: no other interim meanwhile)
-        audio = it["audio"]
-        tail = audio[max(0, self.heard.voice_end - (it["audio_end"] - len(audio))):]
-        it["heard"] = self.heard
-        if len(tail) < pauses.ALONE_MIN_SAMPLES:
-            it["alone"] = None
-            self._done_alone(it, t, waited=False)
-            return
-        opts = pauses.recognition_options(self.asr, len(tail), 0, final=False)
-        it["alone"] = self.store.transcript(self.c.name, tail, it["audio_end"], opts)
-        self.interim = it
-        self._at(t + self.decode, "alone", it)
-
-    def _done_alone(self, it: dict, t: int, waited: bool = True) -> None:
-        if waited and self.interim is not it:
-            return  # cancelled (a silence's pause supersedes it)
-        self.interim = None
-        alone = it["alone"]
-        if alone is not None:
+    def _done_alone(self, what: tuple[Decode, Transcript], t: int) -> None:
+        decode, alone = what
+        if self.tracker.interim is decode:
             self.alone.append({"at_s": round(t / RATE, 3), "text": alone.text, "hallucination": alone.is_hallucination})
-            said = turns.talking(alone.text, alone.is_hallucination, self.alone_words)
-            self.alone_words = turns.words_of("" if alone.is_hallucination else alone.text)
-            if said:
-                return
-        if self.pause is not None or self.turn_id != it["turn_id"] or not self.seg.in_speech \
-                or self.heard.words != it["heard"].words:
-            return
-        heard = it["heard"]  # (the session's `_words` keeps what it saw before the decode)
-        p = _Pause(self.turn_id, it["audio"], it["audio_end"], heard.voice_end, t, stalled=True,
-                   words=heard.words, result=it["result"])
-        self._open(p, t, transcript_at=t)
+        acts = self.tracker.alone(decode, alone)
+        self.tracker.interim_done(decode)
+        self._act(acts, t)
 
 
 def replay_silence(pcm: np.ndarray, hangover_ms: int) -> list[float]:
@@ -434,13 +348,13 @@ def replay_detector(detector: str, directory: Path, callers: list[TurnCaller], s
                     decode_ms: float, model_ms: float) -> dict:
     t0 = time.monotonic()
     verdicts = []
-    asr = session_asr_options()
+    asr = {c.language: session_asr_options(c.language) for c in callers}  # as each caller's session is told
     for c in callers:
         pcm = load_caller(directory, c)
         if detector.startswith("silence"):
             ends, detail = replay_silence(pcm, int(detector.partition(":")[2] or 500)), {}
         else:
-            r = CallerReplay(c, pcm, detector.split(":", 1)[1], store, asr, decode_ms, model_ms)
+            r = CallerReplay(c, pcm, detector.split(":", 1)[1], store, asr[c.language], decode_ms, model_ms)
             ends = r.run()
             detail = {"decisions": r.decisions, "interim_decodes": r.interims, "sound_alone": r.alone,
                       "ended_by": ended_by(r.decisions, ends, c.speech_end_s)}
