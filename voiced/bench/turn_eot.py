@@ -282,7 +282,7 @@ def read_eot_bench(src, dest, languages: list[str] | None = None, limit: int | N
             duration = round(len(x) / 16000, 3)
             caller = TurnCaller(name, "paused" if holds else "finished", text, [text], "", 0, "human", "silence",
                                 0.0, spans[-1][0], holds, duration, f"{name}.wav", "eot-bench", language,
-                                silences=spans)
+                                silences=spans, language=language)
             write_wav(dest / caller.audio, x, 16000)
             callers.append(caller)
             if limit is not None and len(callers) >= limit:

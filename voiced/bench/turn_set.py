@@ -12,7 +12,8 @@ A pause is rendered one of two ways, alternately: `break`, espeak-ng's SSML brea
 (the voice carries on as mid-sentence), or `split`, the two halves read separately and joined by
 silence (the first half ends with the falling voice of a finished sentence, as a hesitant caller's
 often does; the hard case for an audio-only model). Voices and speaking rates vary over espeak-ng's
-English voices. After the speech comes what a phone line carries: silence, a noisy line (pink
+English voices; `language` "de" or "es" makes German or Spanish callers instead, in espeak-ng's voices of
+the language, from that language's templates (voiced.bench.turn_languages). After the speech comes what a phone line carries: silence, a noisy line (pink
 noise throughout, 12-20 dB below the speech), keypad tones (sox, two sines per key) or hold music
 (sox's plucked notes); the real end of speech stays where the voice stopped. Every `phone_every`-th
 caller (a third by default) then goes through a telephone line as the daemon hears one: line noise
@@ -38,6 +39,8 @@ from pathlib import Path
 import numpy as np
 
 from voiced.bench.speech_set import RATE, VOICES, add_noise
+from voiced.bench.turn_languages import LANGUAGES as OTHER_LANGUAGES
+from voiced.bench.turn_languages import Language
 
 # Words after which an English sentence does not end (what a pause may follow).
 ARTICLES = {"the", "a", "an", "my", "our", "your"}
@@ -87,6 +90,8 @@ TEMPLATES = [
     "{subj} {aux} | meet {person} at | {place} {when}.",
 ]
 RATES = [140, 155, 170, 185]
+ENGLISH = Language("en", tuple(TEMPLATES), WORDS, tuple(DIGITS), frozenset(NOT_FINAL), tuple(VOICES))
+LANGUAGES = {"en": ENGLISH, **OTHER_LANGUAGES}  # other languages: voiced.bench.turn_languages
 FAMILIES = ("espeak-ng", "piper")  # formant synthesis; Piper's neural voice (prosody learned from a person)
 PIPER_VOICE = "piper-joe-pypi"
 PIPER_PITCH = (0.9, 1.1)  # speakers' pitch, as a factor of the voice's
@@ -117,6 +122,7 @@ class TurnCaller:
     # every silence of 100 ms or more from the start of speech, the one after it last (eot-bench's spans:
     # voiced.bench.turn_eot), found in the clean speech before any line or tail
     silences: list[tuple[float, float]] = field(default_factory=list)
+    language: str = "en"  # what the caller speaks (LANGUAGES); Whisper is told it
 
     @property
     def last_part_s(self) -> float:
@@ -124,20 +130,21 @@ class TurnCaller:
         return self.pauses[-1][1] if self.pauses else self.speech_start_s
 
 
-def _digits(rng: np.random.Generator) -> str:
+def _digits(rng: np.random.Generator, digits=DIGITS) -> str:
     """A number read out in two groups, with a mark between them (a place that cannot end)."""
-    a = " ".join(DIGITS[int(d)] for d in rng.integers(0, 10, int(rng.integers(3, 5))))
-    b = " ".join(DIGITS[int(d)] for d in rng.integers(0, 10, int(rng.integers(3, 5))))
+    a = " ".join(digits[int(d)] for d in rng.integers(0, 10, int(rng.integers(3, 5))))
+    b = " ".join(digits[int(d)] for d in rng.integers(0, 10, int(rng.integers(3, 5))))
     return f"{a} | {b}"
 
 
-def sentence(rng: np.random.Generator) -> str:
-    """A sentence from a random template with its slots filled; its `|` marks kept."""
-    template = TEMPLATES[int(rng.integers(len(TEMPLATES)))]
+def sentence(rng: np.random.Generator, lang: Language = ENGLISH) -> str:
+    """A sentence of `lang` from a random template with its slots filled; its `|` marks kept."""
+    template = lang.templates[int(rng.integers(len(lang.templates)))]
 
     def fill(m: re.Match) -> str:
         slot = m.group(1)
-        return _digits(rng) if slot == "digits" else WORDS[slot][int(rng.integers(len(WORDS[slot])))]
+        words = lang.words
+        return _digits(rng, lang.digits) if slot == "digits" else words[slot][int(rng.integers(len(words[slot])))]
 
     return re.sub(r"\{(\w+)\}", fill, template)
 
@@ -152,10 +159,10 @@ def plain(marked: str) -> str:
     return re.sub(r"\s+", " ", marked.replace("|", " ")).strip()
 
 
-def check_pause(first: str) -> None:
+def check_pause(first: str, not_final=NOT_FINAL) -> None:
     """A pause may only follow a word a sentence cannot end on."""
     last = re.sub(r"[^\w']", "", first.split()[-1]).lower()
-    if last not in NOT_FINAL:
+    if last not in not_final:
         raise ValueError(f"a pause after {last!r} ({first!r}): a sentence can end there")
 
 
@@ -174,21 +181,29 @@ class Plan:
     line: str = "clean"
     family: str = "espeak-ng"
     pitch: float = 1.0  # piper: the speaker's pitch (and tempo) as a factor of the voice's
+    language: str = "en"
 
 
 def plan(n: int, seed: int = 0, *, min_pause_s: float = 0.3, max_pause_s: float = 2.0,
-         tails: list[str] | None = None, phone_every: int = PHONE_EVERY, family: str = "espeak-ng") -> list[Plan]:
+         tails: list[str] | None = None, phone_every: int = PHONE_EVERY, family: str = "espeak-ng",
+         language: str = "en") -> list[Plan]:
     """`n` callers, alternately finished and paused, each with its sentence, voice, rate and tail
     (drawn from `tails`, default TAILS); every `phone_every`-th one on a phone line (0: none); spoken by
-    `family` (FAMILIES)."""
+    `family` (FAMILIES) in `language` (LANGUAGES)."""
     if family not in FAMILIES:
         raise ValueError(f"voice family {family!r}: use {' or '.join(FAMILIES)}")
+    if language not in LANGUAGES:
+        raise ValueError(f"language {language!r}: the turn set speaks {', '.join(LANGUAGES)}")
+    if family == "piper" and language != "en":
+        raise ValueError(f"the piper family's voice ({PIPER_VOICE}) speaks English: use --family espeak-ng for "
+                         f"{language!r}")
+    lang = LANGUAGES[language]
     rng = np.random.default_rng(seed)
     tails = tails or TAILS
     out = []
     for i in range(n):
-        marked = sentence(rng)
-        voice, rate = VOICES[int(rng.integers(len(VOICES)))], RATES[int(rng.integers(len(RATES)))]
+        marked = sentence(rng, lang)
+        voice, rate = lang.voices[int(rng.integers(len(lang.voices)))], RATES[int(rng.integers(len(RATES)))]
         tail = tails[int(rng.integers(len(tails)))]
         lead = float(rng.uniform(0.3, 0.7))
         line = "phone" if phone_every and i % phone_every == phone_every - 1 else "clean"
@@ -197,14 +212,14 @@ def plan(n: int, seed: int = 0, *, min_pause_s: float = 0.3, max_pause_s: float 
             voice, pitch = PIPER_VOICE, round(float(rng.uniform(*PIPER_PITCH)), 3)
         if i % 2 == 0:
             out.append(Plan(f"turn-{i + 1:03d}", "finished", marked, [plain(marked)], voice, rate, "whole", tail,
-                            0.0, lead, line, family, pitch))
+                            0.0, lead, line, family, pitch, language))
             continue
         k = int(rng.integers(marked.count("|")))
         parts = split_at(marked, k)
-        check_pause(parts[0])
+        check_pause(parts[0], lang.not_final)
         style = "comma" if family == "piper" else "break" if (i // 2) % 2 == 0 else "split"
         out.append(Plan(f"turn-{i + 1:03d}", "paused", marked, parts, voice, rate, style, tail,
-                        round(float(rng.uniform(min_pause_s, max_pause_s)), 2), lead, line, family, pitch))
+                        round(float(rng.uniform(min_pause_s, max_pause_s)), 2), lead, line, family, pitch, language))
     return out
 
 
@@ -350,7 +365,8 @@ def render(p: Plan, tail_s: float, rng: np.random.Generator) -> tuple[np.ndarray
                         round(len(audio) / RATE, 3), f"{p.name}.wav", p.line, p.family,
                         silences=[(round((lead + a) / RATE, 4), round((lead + b) / RATE, 4))
                                   for a, b in silent_runs(speech, SILENCE_S)] + [(round(end / RATE, 4),
-                                                                                  round(len(audio) / RATE, 3))])
+                                                                                  round(len(audio) / RATE, 3))],
+                        language=p.language)
     return audio, caller
 
 
@@ -371,7 +387,7 @@ def through_phone(audio: np.ndarray, snr_db: float, rng: np.random.Generator) ->
 
 def make_set(directory: Path, n: int = 24, *, seed: int = 0, tail_s: float = 4.5, min_pause_s: float = 0.3,
              max_pause_s: float = 2.0, tails: list[str] | None = None,
-             phone_every: int = PHONE_EVERY, family: str = "espeak-ng") -> list[TurnCaller]:
+             phone_every: int = PHONE_EVERY, family: str = "espeak-ng", language: str = "en") -> list[TurnCaller]:
     """Write `n` callers' WAVs and `manifest.jsonl` into `directory` (created); returns them."""
     from voiced_client.wavio import write_wav
 
@@ -389,7 +405,7 @@ def make_set(directory: Path, n: int = 24, *, seed: int = 0, tail_s: float = 4.5
     rng = np.random.default_rng(seed + 1)
     callers = []
     for p in plan(n, seed, min_pause_s=min_pause_s, max_pause_s=max_pause_s, tails=tails, phone_every=phone_every,
-                  family=family):
+                  family=family, language=language):
         audio, caller = render(p, tail_s, rng)
         write_wav(directory / caller.audio, audio, RATE)
         callers.append(caller)
