@@ -491,7 +491,7 @@ class Session:
 
     async def _words(self, decode: Decode, result: Transcript) -> None:
         """An interim decode's words to the tracker; the sound after words that stopped changing is decoded
-        alone first (no answer: as before, the words decide)."""
+        alone first (no answer: the words alone decide)."""
         acts = self.tracker.words(decode, result)
         if acts.decode is not None:
             alone = None
