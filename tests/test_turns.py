@@ -181,6 +181,27 @@ def test_a_doubted_last_word_is_one_whisper_gives_under_last_p_and_did_not_hear_
     assert Evidence(0.95, "They can repair them.", fresh=True, end_p=0.98, doubtful=True).wait_ms(b) == b.doubt_ms
 
 
+def test_the_english_word_rule_reads_english_only():
+    """A German sentence ends on "will" (wants) or "was" (what), where an English one cannot: a German
+    caller's finished sentence ends after the short pause, as the other signals say, not at the bound."""
+    from voiced.core.pauses import pause_evidence
+    from voiced.engines.base import Transcript, Word
+
+    def pause(text: str, language: str) -> tuple[int, str]:
+        words = [Word(w, 0.3 + 0.3 * i, 0.55 + 0.3 * i, 0.95) for i, w in enumerate(text.split())]
+        result = Transcript(text, language, [1], -0.1, 0.0, 1.0, words=words, end_prob=0.98, stop_prob=0.98)
+        evidence, _ = pause_evidence(Evidence(), result, speech_end_s=words[-1].end_s, stalled=False)
+        return evidence.verdict(MEDIUM)
+
+    assert pause("Ich weiß nicht, ob er kommen will.", "de") == (MEDIUM.complete_ms, "complete")
+    assert pause("Er fragt mich immer, was?", "de") == (MEDIUM.complete_ms, "complete")
+    assert pause("I know that he really will.", "en") == (MEDIUM.max_ms, "unfinished")  # English: it goes on
+    # Whisper's own doubts are the language's too: an unsure last word waits as long in German.
+    doubted = Transcript("Ich brauche ein Taxi zum Bahnhof.", "de", [1], -0.1, 0.0, 1.0, end_prob=0.98,
+                         stop_prob=0.98, words=[Word("Ich", 0.3, 0.5, 0.9), Word("Bahnhof.", 1.5, 1.9, 0.3)])
+    assert pause_evidence(Evidence(), doubted, 1.9, False)[0].verdict(MEDIUM) == (MEDIUM.doubt_ms, "doubted word")
+
+
 def test_a_doubtful_last_word_where_the_voice_had_stopped_is_judged_without_it():
     from voiced.engines.base import Word
 

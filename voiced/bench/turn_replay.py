@@ -105,8 +105,9 @@ class EvidenceStore:
                    "words": [[w.word, round(float(w.start_s), 3), round(float(w.end_s), 3),
                               round(float(w.probability), 4)] for w in r.words]}
             self.data["transcripts"][key] = hit
-        return Transcript(text=hit["text"], language="en", tokens=[], avg_logprob=0.0, no_speech_prob=0.0,
-                          compression_ratio=0.0, is_hallucination=hit["hallucination"],
+        # the caller's language, which the session's options name (Whisper is told it, as the daemon tells it)
+        return Transcript(text=hit["text"], language=opts.language or "en", tokens=[], avg_logprob=0.0,
+                          no_speech_prob=0.0, compression_ratio=0.0, is_hallucination=hit["hallucination"],
                           words=[Word(w, s, e, p) for w, s, e, p in hit["words"]], end_prob=hit["end_prob"],
                           stop_prob=hit["stop_prob"])
 

@@ -105,8 +105,9 @@ def pause_evidence(evidence: turns.Evidence, result: Transcript, speech_end_s: f
                    keep_hallucinations: bool = False) -> tuple[turns.Evidence, str]:
     """The evidence once a pause's transcript is in (and the text as Whisper wrote it)."""
     text = "" if result.is_hallucination and not keep_hallucinations else result.text
-    judged = turns.judged_text(text, result.words, speech_end_s)
-    return replace(evidence, text=judged, fresh=True, sounding=stalled,
+    english = result.language == "en"
+    judged = turns.judged_text(text, result.words, speech_end_s, english)
+    return replace(evidence, text=judged, fresh=True, sounding=stalled, english=english,
                    doubtful=bool(text.strip()) and turns.doubted(result.words, speech_end_s),
                    # Whisper's end-of-text follows its whole text, not the words judged without their last one
                    end_p=result.end_prob if judged == text else None,

@@ -234,10 +234,13 @@ def doubted(words: list, speech_end_s: float) -> bool:
     return HEARD_S is None or words[-1].start_s > speech_end_s - HEARD_S
 
 
-def judged_text(text: str, words: list, speech_end_s: float) -> str:
+def judged_text(text: str, words: list, speech_end_s: float, english: bool = True) -> str:
     """The text the rule judges: `text`, or, when its last word (voiced.engines.base.Word) is doubtful
     (under DOUBTFUL_P) and starts where the voice had already stopped (`speech_end_s`, in the same
-    clip's seconds), and the words before it are unfinished, those words. A doubt only keeps a turn open."""
+    clip's seconds), and the words before it are unfinished (English only: the word lists are English),
+    those words. A doubt only keeps a turn open."""
+    if not english:
+        return text
     if words and words[-1].probability < DOUBTFUL_P and words[-1].start_s >= speech_end_s - ALIGN_SLACK_S:
         before = " ".join(w.word for w in words[:-1])
         if unfinished(before):
@@ -261,6 +264,9 @@ class Evidence:
     end_p: float | None = None  # Whisper's probability of end-of-text after `text` (None: not known)
     sounding: bool = False  # a pause the words found: the line still sounds (the VAD calls it speech)
     stop_p: float | None = None  # Whisper's probability of a sentence end right after the last word (None: not known)
+    # The text is English, where the word rule (`unfinished`) reads it. Its lists are English words: a German
+    # sentence ends on "will" or "was", which in English cannot end one; elsewhere the other signals decide.
+    english: bool = True
 
     def wait_ms(self, b: Bounds) -> int:
         """The silence after which this turn ends (`verdict`)."""
@@ -274,7 +280,7 @@ class Evidence:
             return b.max_ms, "no text"
         if not self.fresh:
             return b.max_ms, "stale text"  # a stale text may lack the last words: it only keeps a turn open
-        if unfinished(self.text):
+        if self.english and unfinished(self.text):
             # a number read out may be the end of the sentence: long enough for a pause between digits
             return (b.doubt_ms, "number") if reading_number(self.text) else (b.max_ms, "unfinished")
         if not self.text.strip():
