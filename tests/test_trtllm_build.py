@@ -250,3 +250,27 @@ def test_cli_dry_run_and_list(tmp_path, capsys, monkeypatch):
     args = build_parser().parse_args(["engines", "list"])
     assert args.func(args) == 0
     assert "no engines under" in capsys.readouterr().out
+
+
+def test_engines_are_built_where_the_daemon_looks_for_them(tmp_path, capsys, monkeypatch):
+    """`voiced engines` reads `[engines] dir` as `voiced serve` does: from the config file, then its
+    environment overlay (VOICED_ENGINES_DIR); --engines-dir overrides both."""
+    from voiced.cli import CliError
+
+    monkeypatch.delenv("VOICED_ENGINES_DIR", raising=False)
+    monkeypatch.delenv("VOICED_CONFIG", raising=False)
+    config = tmp_path / "voiced.toml"
+    config.write_text(f'[engines]\ndir = "{tmp_path / "from-file"}"\n')
+
+    def dry_run(*extra: str) -> str:
+        args = build_parser().parse_args(["engines", *extra, "build", "whisper", "--model", "small", "--dry-run",
+                                          "--examples-dir", str(tmp_path)])
+        assert args.func(args) == 0
+        return capsys.readouterr().out
+
+    assert str(tmp_path / "from-file" / "whisper-small") in dry_run("--config", str(config))
+    monkeypatch.setenv("VOICED_ENGINES_DIR", str(tmp_path / "from-env"))
+    assert str(tmp_path / "from-env" / "whisper-small") in dry_run("--config", str(config))
+    assert str(tmp_path / "given" / "whisper-small") in dry_run("--engines-dir", str(tmp_path / "given"))
+    with pytest.raises(CliError, match="does not exist"):
+        dry_run("--config", str(tmp_path / "missing.toml"))

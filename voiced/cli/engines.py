@@ -11,7 +11,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("engines", help="build and list TensorRT-LLM engines",
                        description="Build TensorRT-LLM engines (see docs/TRTLLM.md) and list the built ones.")
     p.add_argument("--engines-dir", default=None,
-                   help="home of built engines (default: $VOICED_ENGINES_DIR, else ./engines)")
+                   help="home of built engines (default: the config's [engines] dir, ./engines; the daemon "
+                        "looks there)")
+    p.add_argument("--config", help="TOML config file (default: $VOICED_CONFIG)")
     esub = p.add_subparsers(dest="engines_command", metavar="ACTION")
     esub.required = True
 
@@ -57,8 +59,22 @@ def register(sub: argparse._SubParsersAction) -> None:
     ls.set_defaults(func=_list)
 
 
+def _root(args: argparse.Namespace) -> str:
+    """--engines-dir, else `[engines] dir` as `voiced serve` reads it (file, then VOICED_ENGINES_DIR)."""
+    from voiced.config import ConfigError, load_config
+
+    if args.engines_dir:
+        return args.engines_dir
+    try:
+        return load_config(args.config).engines.dir
+    except ConfigError as e:
+        raise CliError(str(e)) from None
+
+
 def _build(args: argparse.Namespace) -> int:
     from voiced.engines.trtllm import build as b
+
+    root = _root(args)
 
     extra = {}
     for name in ("max_beam_width", "max_prompt_tokens", "max_new_tokens", "max_input_len", "max_seq_len"):
@@ -68,14 +84,14 @@ def _build(args: argparse.Namespace) -> int:
         opts = b.default_options(args.kind, args.model, dtype=args.dtype, weight_only=args.weight_only,
                                  max_batch_size=args.max_batch_size, **extra)
         if args.dry_run:
-            out = b.engines_root(args.engines_dir) / (args.name or opts.name)
+            out = b.engines_root(root) / (args.name or opts.name)
             ckpt = _dry_run_checkpoint(opts, args.checkpoint)
             script = _dry_run_script(opts, args.examples_dir)
             print(f"# engine folder: {out}")
             for step in b.plan_steps(opts, ckpt, out, script):
                 print(step.shell())
             return 0
-        result = b.build(opts, root=args.engines_dir, name=args.name, checkpoint=args.checkpoint, examples_dir=args.examples_dir,
+        result = b.build(opts, root=root, name=args.name, checkpoint=args.checkpoint, examples_dir=args.examples_dir,
                          force=args.force, keep_checkpoint=args.keep_checkpoint)
     except b.BuildError as e:
         raise CliError(str(e)) from None
@@ -111,8 +127,8 @@ def _dry_run_script(opts, examples_dir):
 def _list(args: argparse.Namespace) -> int:
     from voiced.engines.trtllm import build as b
 
-    rows = b.list_engines(args.engines_dir)
-    root = b.engines_root(args.engines_dir)
+    rows = b.list_engines(_root(args))
+    root = b.engines_root(_root(args))
     if not rows:
         print(f"no engines under {root}; build one with `voiced engines build whisper --model large-v3`")
         return 0

@@ -241,13 +241,8 @@ def manifest_for(opts: BuildOptions, checkpoint_sha256: str, trtllm_version: str
 
 
 def engines_root(explicit: str | os.PathLike | None = None) -> Path:
-    """The home of built engines: --engines-dir, else $VOICED_ENGINES_DIR, else ./engines."""
-    if explicit:
-        return Path(explicit).expanduser()
-    env = os.environ.get("VOICED_ENGINES_DIR")
-    if env:
-        return Path(env).expanduser()
-    return Path.cwd() / "engines"
+    """The home of built engines: `explicit` (the caller's `[engines] dir`), else ./engines."""
+    return Path(explicit).expanduser() if explicit else Path.cwd() / "engines"
 
 
 def find_convert_script(kind: str, examples_dir: str | os.PathLike | None = None) -> Path:
