@@ -60,7 +60,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _root(args: argparse.Namespace) -> str:
-    """--engines-dir, else `[engines] dir` as `voiced serve` reads it (file, then VOICED_ENGINES_DIR)."""
+    """--engines-dir, else `[engines] dir` as `voiced serve` reads it (the file, then its environment overlay)."""
     from voiced.config import ConfigError, load_config
 
     if args.engines_dir:
