@@ -127,8 +127,9 @@ def _dry_run_script(opts, examples_dir):
 def _list(args: argparse.Namespace) -> int:
     from voiced.engines.trtllm import build as b
 
-    rows = b.list_engines(_root(args))
-    root = b.engines_root(_root(args))
+    configured = _root(args)
+    rows = b.list_engines(configured)
+    root = b.engines_root(configured)
     if not rows:
         print(f"no engines under {root}; build one with `voiced engines build whisper --model large-v3`")
         return 0
