@@ -81,7 +81,7 @@ def start_daemon(checkpoint: Path, config: Config | None = None, tts_engine=None
     from voiced.engines.whisper.engine import WhisperEngine
 
     config = config or daemon_config()
-    engine = WhisperEngine.load(str(checkpoint), device="cpu", max_batch=max_batch)
+    engine = WhisperEngine.load(str(checkpoint), device="cpu", max_batch=max_batch, window=config.asr.window)
     # The engine thread keeps a step log, so tests judge scheduling from the order it did the work in.
     thread = EngineThread("engines", step_log=100_000)
     services = Services(config=config, metrics=Metrics(), asr=EngineWorker(engine, "asr", thread=thread),

@@ -63,7 +63,7 @@ def pair(ckpt_dir, **kw):
     key = tuple(sorted(kw.items()))
     if key not in _cache:
         path = make_openai_checkpoint(ckpt_dir, name="m-" + "-".join(f"{k}{v}" for k, v in key) + ".pt", **kw)
-        _cache[key] = (WhisperEngine.load(path, max_batch=8), openai_reference_model(path), path)
+        _cache[key] = (WhisperEngine.load(path, max_batch=8, window="full"), openai_reference_model(path), path)
     return _cache[key][:2]
 
 
@@ -182,7 +182,7 @@ def test_logits_match_transformers(tmp_path, audio, n_mels, multilingual, seed):
     transformers = pytest.importorskip("transformers")
     hf_dir = make_hf_checkpoint(tmp_path, n_mels=n_mels, multilingual=multilingual, seed=seed)
     hf = transformers.WhisperForConditionalGeneration.from_pretrained(hf_dir, attn_implementation="sdpa").eval()
-    engine = WhisperEngine.load(hf_dir)  # our loader on the Hugging Face layout
+    engine = WhisperEngine.load(hf_dir, window="full")  # our loader on the Hugging Face layout
     mel = window_features(audio["en"], n_mels)[None]
     tok = engine.tok
     tokens = torch.tensor([tok.sot_sequence("en", "transcribe") + [tok.no_timestamps] + tok.encode(" Hello world, this is")])

@@ -64,7 +64,7 @@ def test_encoder_pass_leaves_the_cross_keys_values_write_cross_makes(tmp_path):
         enc = eng.admission.fast_encoder = FastEncoder(eng.model.encoder, dims.n_mels, cross=eng.model.decoder,
                                                        cross_rows=4)
         enc.cross_out.normal_(generator=torch.Generator().manual_seed(1))
-        part = [_Active(i, None, None, rows, 0.0, i) for i, rows in enumerate([[2, 3, 4], [5], [6, 7]])]
+        part = [_Active(i, None, None, rows, 0.0, i, N_SAMPLES) for i, rows in enumerate([[2, 3, 4], [5], [6, 7]])]
         eng.admission._copy_cross(part)
         kv = enc.cross_out
         for i, r in enumerate(part):

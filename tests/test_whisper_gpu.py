@@ -349,7 +349,7 @@ def test_cross_kv_of_the_encoder_graph_are_the_per_layer_projections_bit_for_bit
         # An admission of three requests with 3, 1 and 2 beams in rows 5.. of the cache (bucket 4: padded).
         graphs.fast_encoder.run(torch.cat([x[:3], x.new_zeros(1, x.shape[1])]), 4, graphs.dtype)
         kv = graphs.fast_encoder.cross_out[:, :, :3].clone()
-        part = [_Active(i, None, None, rows, 0.0, i) for i, rows in enumerate([[5, 6, 7], [8], [9, 10]])]
+        part = [_Active(i, None, None, rows, 0.0, i, N_SAMPLES) for i, rows in enumerate([[5, 6, 7], [8], [9, 10]])]
         graphs.cache.cross_k.zero_()
         graphs.cache.cross_v.zero_()
         graphs.admission._copy_cross(part)

@@ -148,7 +148,7 @@ def models(tmp_path_factory, multilingual: bool, seed: int, boost: float):
     if key not in _models:
         path = make_openai_checkpoint(tmp_path_factory.mktemp("ckpt"), multilingual=multilingual, seed=seed,
                                       eot_boost=boost, n_text_layer=4)
-        _models[key] = (WhisperEngine.load(path, max_batch=4), openai_reference_model(path))
+        _models[key] = (WhisperEngine.load(path, max_batch=4, window="full"), openai_reference_model(path))
     return _models[key]
 
 

@@ -41,7 +41,7 @@ def pair(tiny_en):
     from voiced.engines.whisper.engine import WhisperEngine
     from voiced.engines.whisper.timing import official_alignment_heads
 
-    engine = WhisperEngine.load(tiny_en)
+    engine = WhisperEngine.load(tiny_en, window="full")
     assert engine.alignment_heads == official_alignment_heads("tiny.en", engine.dims)  # from its config.json
     ref = wm.Whisper(wm.ModelDimensions(**engine.dims.as_dict()))
     ref.load_state_dict({k: v.float().contiguous() for k, v in engine.model.state_dict().items()})

@@ -19,6 +19,9 @@ from typing import Any
 from voiced.memory_plan import MemoryPlan, MemoryPlanError
 
 BACKENDS = ("auto", "torch", "trtllm")
+# Whisper's encoder window: "auto" sizes it to the clip on a CPU and keeps 30 s on a GPU; "full" is always 30 s
+# (results as openai-whisper's; voiced.engines.whisper.audio.window_samples says why "auto" is the default).
+ASR_WINDOWS = ("auto", "full")
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -88,6 +91,7 @@ class ASRConfig:
     backend: str = "auto"  # auto | torch | trtllm
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: str = ""  # empty: float16 on GPU, float32 on CPU; "int8": int8 GEMMs on the CPU (approximate, faster)
+    window: str = "auto"  # the encoder's: auto: sized to the clip on a CPU, 30 s on a GPU; full: always 30 s
     # decoder rows shared by all callers; 0: on a GPU the most, up to 64, that whisper_kv_fraction holds, 8 on a CPU
     max_batch: int = 0
     language: str = ""  # default for sessions; empty: detect
@@ -247,6 +251,8 @@ class Config:
         if self.tts.threads < 1:
             raise ConfigError(f"tts.threads is {self.tts.threads}; set the onnxruntime threads of a Piper voice, "
                               "at least 1")
+        if self.asr.window not in ASR_WINDOWS:
+            raise ConfigError(f"asr.window is {self.asr.window!r}; use {' or '.join(ASR_WINDOWS)}")
         if self.asr.backend not in BACKENDS or self.tts.backend not in BACKENDS:
             raise ConfigError(f"backend must be one of {', '.join(BACKENDS)}")
         for key in ("server.idle_timeout_s", "server.max_session_s", "agent.reply_timeout_s",

@@ -64,8 +64,10 @@ class EvidenceStore:
     """Transcripts and Smart Turn probabilities, computed once (engines loaded on first need) and kept
     in a JSON file."""
 
-    def __init__(self, path: Path | None, asr_model: str, device: str = "cpu", smart_turn_model: str | None = None):
+    def __init__(self, path: Path | None, asr_model: str, device: str = "cpu", smart_turn_model: str | None = None,
+                 window: str = "full"):
         self.path, self.asr_model, self.device, self.smart_turn_model = path, asr_model, device, smart_turn_model
+        self.window = window  # Whisper's encoder window: full (30 s, as a GPU decodes) or auto (a CPU's)
         self.data: dict = {"asr_model": asr_model, "transcripts": {}, "p_complete": {}}
         if path is not None and path.is_file():
             self.data = json.loads(path.read_text())
@@ -77,7 +79,7 @@ class EvidenceStore:
         if self._asr is None:
             from voiced.engines.whisper.engine import WhisperEngine
 
-            self._asr = WhisperEngine.load(self.asr_model, device=self.device, max_batch=4)
+            self._asr = WhisperEngine.load(self.asr_model, device=self.device, max_batch=4, window=self.window)
         return self._asr
 
     def turn_model(self):
@@ -373,12 +375,12 @@ def replay_detector(detector: str, directory: Path, callers: list[TurnCaller], s
 def run_offline(args, directory: Path, callers: list[TurnCaller], detectors: list[str], machine: str) -> dict:
     """`voiced bench turns --offline`'s work for the daemon's detectors (turn_bench.main parses the
     arguments, adds the smart-turn reference and emits the result)."""
-    name = Path(args.asr_model).name
+    name = Path(args.asr_model).name + ("" if args.asr_window == "full" else "-cpu-window")
     evidence = args.evidence or (Path(directory) / f"replay-evidence-{name}.json")
-    store = EvidenceStore(evidence, args.asr_model, args.device or "cpu", args.smart_turn_model)
+    store = EvidenceStore(evidence, args.asr_model, args.device or "cpu", args.smart_turn_model, args.asr_window)
     result = {"bench": "turns", "offline": True, "date": time.strftime("%Y-%m-%d"), "machine": machine,
               "set": str(directory), "callers": len(callers), "paused": sum(c.kind == "paused" for c in callers),
-              "asr_model": args.asr_model, "decode_ms": args.decode_ms, "model_ms": args.model_ms,
+              "asr_model": args.asr_model, "asr_window": args.asr_window, "decode_ms": args.decode_ms, "model_ms": args.model_ms,
               "evidence": str(evidence), "detectors": []}
     try:
         for d in detectors:

@@ -4,7 +4,7 @@ weights in the same run when they are installed. `voiced eval make-set DIR` make
 espeak-ng (see voiced/bench/speech_set.py); the rest is voiced/bench/asr_eval.py.
 
     voiced eval make-set set/ --n 50 [--noise] [--phone]
-    voiced eval set/ --model tiny.en-pypi [--dtype float32,int8] [--compare auto] [--repeats 3]
+    voiced eval set/ --model tiny.en-pypi [--dtype float32,int8] [--window auto,full] [--compare auto] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -36,6 +36,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     e.add_argument("--dtype", default="float32",
                    help="ours, comma-separated to run several: float32 (default), int8 (CPU), float16, bfloat16")
     e.add_argument("--device", default="cpu", help="ours: cpu or cuda[:N] (the references run on the CPU)")
+    e.add_argument("--window", default="auto",
+                   help="ours, comma-separated to run both: auto (default: the encoder's window sized to the clip on "
+                        "a cpu) or full (Whisper's 30 s)")
     e.add_argument("--compare", default="auto",
                    help="auto (default: faster-whisper at each of our dtypes and openai-whisper, when installed), "
                         "none, or a list such as faster-whisper,faster-whisper:int8,openai-whisper")
@@ -123,7 +126,9 @@ def evaluate(args: argparse.Namespace) -> int:
     dtypes = [d.strip() for d in args.dtype.split(",") if d.strip()]
     try:
         utts = ev.load_set(args.target[0], args.limit)
-        systems: list[ev.System] = [ev.Voiced(args.model, d, args.device, settings) for d in dtypes]
+        windows = [w.strip() for w in args.window.split(",") if w.strip()]
+        systems: list[ev.System] = [ev.Voiced(args.model, d, args.device, settings, window=w)
+                                    for d in dtypes for w in windows]
         model_path = resolve(args.model)
         for name, kind in _compare_list(args, dtypes):
             if name == "openai-whisper":

@@ -57,7 +57,7 @@ def load_asr(config: Config, options: EngineOptions | None = None):
     mem = gpu_memory(o.device)
     limit = (mem.free, o.memory_fraction) if mem else None
     return WhisperEngine.load(c.model, device=o.device, dtype=c.dtype or None, max_batch=o.max_batch,
-                              cuda_graphs=o.graphs, memory_limit=limit)
+                              cuda_graphs=o.graphs, memory_limit=limit, window=c.window)
 
 
 def load_turn_model(config: Config):

@@ -1,10 +1,12 @@
-"""An admission's device work (`Admission`): the admitted requests' audio to the device in one copy, the
-encoder over it in buckets (`fast_encoder.encoder_pieces`), every decoder layer's cross keys/values into their
-cache rows, language detection where asked, and the prefill of their initial tokens, whose last logits are
-their first sampling step. The engine chooses who is admitted and gives them rows (engine.py)."""
+"""Who is admitted (`choose_admissions`), and an admission's device work (`Admission`): the admitted
+requests' audio to the device in one copy, the encoder over it in buckets (`fast_encoder.encoder_pieces`),
+every decoder layer's cross keys/values into their cache rows, language detection where asked, and the
+prefill of their initial tokens, whose last logits are their first sampling step. The engine gives the
+chosen their rows (engine.py)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -19,6 +21,30 @@ from .prefill_graphs import Prefills
 from .tokenizer import WhisperTokenizer
 
 # (`chosen` below: the engine's admitted requests, each with its rows, its audio and its RequestDecoder.)
+
+
+def choose_admissions(queue: Iterable[Any], window: int | None, free: int, most: int) -> list[Any]:
+    """The queued requests to admit into `free` rows: highest priority first, at most `most`; a request
+    marked solo goes in alone. Every row in use holds audio of one window (`window`, None when no row is;
+    the cache reads that many audio positions: `KVCache.window`): only requests of that window join them,
+    and a first in line of another waits until the rows are empty, the others behind it too."""
+    chosen: list[Any] = []
+    busy = window is not None
+    for req in sorted(queue, key=lambda r: (-r.request.options.priority, r.order)):
+        if len(chosen) >= most or (chosen and chosen[0].solo):
+            break
+        if window is None:
+            window = req.window
+        elif req.window != window:
+            if busy and not chosen:
+                break  # nobody passes the first in line
+            continue
+        if req.solo and chosen:
+            continue  # it goes in alone, at a later step
+        if req.dec.plan.beam_size <= free:
+            chosen.append(req)
+            free -= req.dec.plan.beam_size
+    return chosen
 
 
 class Admission:
@@ -95,10 +121,11 @@ class Admission:
 
 
     def _audio(self, chosen: list[Any]) -> torch.Tensor:
-        """The requests' audio as padded 30 s windows [n, N_SAMPLES] on the model's device. Only the
+        """The requests' audio as padded windows [n, window] on the model's device (their window: 30 s, or
+        sized to the clip on a CPU, the same for every request admitted together). Only the
         longest request's span crosses to the device, laid out on the host through numpy (no torch call per
-        request) in the kept staging block (pinned on CUDA) and sent in one copy; the padding to 30 s is
-        made on the device. `submit` refused anything longer than a window."""
+        request) in the kept staging block (pinned on CUDA) and sent in one copy; the padding to the window
+        is made on the device. `submit` refused anything longer than a window."""
         lens = [r.request.audio.shape[0] for r in chosen]
         n, width = len(chosen), max(lens)
         if self.is_cuda:
@@ -117,7 +144,7 @@ class Admission:
         if self.is_cuda:
             host = host.to(self.model.device, non_blocking=True)
             self._audio_sent.record(torch.cuda.current_stream(self.model.device))
-        return torch.nn.functional.pad(host, (0, N_SAMPLES - width))
+        return torch.nn.functional.pad(host, (0, chosen[0].window - width))
 
     def _detect_languages(self, detect: list[Any]) -> None:
         """Language detection (language.py) for the requests that did not give theirs."""

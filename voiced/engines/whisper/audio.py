@@ -1,4 +1,5 @@
-"""Whisper's input features: 16 kHz audio -> log-mel spectrogram of one 30 s window.
+"""Whisper's input features: 16 kHz audio -> log-mel spectrogram of one 30 s window (or a shorter one,
+clip_window.py).
 
 The filterbank is computed here (Slaney-style mel scale and area normalisation, the definition
 librosa uses by default and the one Whisper was trained with), so nothing is downloaded and any

@@ -55,9 +55,10 @@ from voiced.memory_plan import (
     tensor_bytes,
 )
 
-from .admission import Admission
+from .admission import Admission, choose_admissions
 from .align_graphs import AlignmentPasses
-from .audio import N_SAMPLES
+from .audio import HOP_LENGTH, N_SAMPLES
+from .clip_window import repeating, window_samples, window_tokens
 from .checkpoint import CheckpointError, build_model, read_checkpoint
 from .chunks import Chunk, HistoryCopies
 from .cpu import column_major_embedding_, quantize_int8_
@@ -87,6 +88,8 @@ class _Active:
     rows: list[int]
     seconds: float
     order: int
+    window: int  # the samples of the window its encoder hears (N_SAMPLES, or sized to its clip on a CPU)
+    bound: int | None = None  # its clip window's token bound (clip_window.window_tokens), where below its own
     solo: bool = False  # admitted alone: its group's admission failed and the culprit is being found
 
 
@@ -99,7 +102,8 @@ class WhisperEngine:
     def __init__(self, model: Whisper, tokenizer: WhisperTokenizer, *, model_name: str = "whisper",
                  max_batch: int = 8, max_encoder_batch: int | None = None, cuda_graphs: bool = True,
                  max_queue: int | None = None, decode_chunk: int | None = None, fast_decoder: bool = True,
-                 alignment_heads: list[tuple[int, int]] | None = None, decode_ahead: bool | None = None):
+                 alignment_heads: list[tuple[int, int]] | None = None, decode_ahead: bool | None = None,
+                 window: str = "auto"):
         """The settings as `WhisperRuntime.resolve` takes them; `load` documents them."""
         if tokenizer.n_vocab != model.dims.n_vocab:
             raise CheckpointError(f"tokenizer has {tokenizer.n_vocab} tokens but the model {model.dims.n_vocab}")
@@ -113,7 +117,7 @@ class WhisperEngine:
         rt = self.runtime = WhisperRuntime.resolve(
             self.dims, self.dtype, model.device, max_batch=max_batch, max_encoder_batch=max_encoder_batch,
             max_queue=max_queue, decode_chunk=decode_chunk, cuda_graphs=cuda_graphs, fast_decoder=fast_decoder,
-            decode_ahead=decode_ahead)
+            decode_ahead=decode_ahead, window=window)
         self.max_batch, self.max_encoder_batch, self.max_queue = max_batch, rt.max_encoder_batch, max_queue
         self.decode_chunk = rt.decode_chunk  # (a benchmark may lower it after warm-up: such chunks run step by step)
         # (decoder layer, head) pairs whose cross-attention gives word timings (timing.py).
@@ -174,10 +178,11 @@ class WhisperEngine:
             # The weights (moved, fused), caches and buffers above were queued on the creating thread's
             # stream; kernels on the engine's own stream must not overtake those fills and copies.
             self._stream.wait_stream(torch.cuda.current_stream(model.device))
-        log.info("whisper engine %s on %s (%s%s): %d slots, %.1f MiB of KV cache, cuda graphs %s (%s), decoder step %s",
-                 model_name, self.device, str(self.dtype).replace("torch.", ""), ", int8 GEMMs" if self.int8 else "",
+        log.info("whisper engine %s on %s (%s%s): %d slots, %.1f MiB of KV cache, cuda graphs %s (%s), decoder step %s, "
+                 "%s", model_name, self.device, str(self.dtype).replace("torch.", ""), ", int8 GEMMs" if self.int8 else "",
                  max_batch, max_batch * KVCache.bytes_per_slot(self.dims, self.dtype) / 2**20, rt.cuda_graphs,
-                 f"{self.decode_chunk} steps per graph" if rt.chunk_graphs else "a graph per step", self.decoder_path)
+                 f"{self.decode_chunk} steps per graph" if rt.chunk_graphs else "a graph per step", self.decoder_path,
+                 "encoder window sized to the clip" if rt.clip_window else "encoder window 30 s")
 
     def _fast_decoder(self) -> FastDecoder | None:
         """The decoder step: fused self-attention QKV and one function per layer (`FastDecoder`); on a GPU
@@ -200,7 +205,8 @@ class WhisperEngine:
              max_batch: int | None = None, kv_cache_bytes: int | None = None, cuda_graphs: bool = True,
              max_encoder_batch: int | None = None, max_queue: int | None = None,
              decode_chunk: int | None = None, cache_root: Path | None = None, fast_decoder: bool = True,
-             memory_limit: tuple[int, float] | None = None, decode_ahead: bool | None = None) -> WhisperEngine:
+             memory_limit: tuple[int, float] | None = None, decode_ahead: bool | None = None,
+             window: str = "auto") -> WhisperEngine:
         """Load an official name (from the model cache), an OpenAI `.pt`, a Hugging Face or a
         CTranslate2 (faster-whisper) directory.
 
@@ -216,7 +222,8 @@ class WhisperEngine:
         whisper_kv_fraction): the computed need (memory.memory_need) is checked against that share before the
         weights go to the GPU; a need above it is refused (EngineError naming the setting).
         cuda_graphs=False / fast_decoder=False: the eager path / the modules' reference step, for comparisons.
-        decode_ahead: None on a GPU only (options.WhisperRuntime).
+        decode_ahead: None on a GPU only (options.WhisperRuntime). window: "auto" (the encoder hears a window
+        sized to the clip on a CPU, 30 s on a GPU) or "full" (always 30 s: results as openai-whisper's).
         """
         path = resolve(name_or_path, cache_root)
         ckpt = read_checkpoint(path)
@@ -232,7 +239,8 @@ class WhisperEngine:
                               KVCache.bytes_per_slot(dims, dtype), owner="ASR", row="decoder row")
         weight_bytes, workspace = tensor_bytes(model, dtype), stream_workspace_bytes(device) if cuda else 0
         settings = dict(max_encoder_batch=max_encoder_batch, max_queue=max_queue, decode_chunk=decode_chunk,
-                        cuda_graphs=cuda_graphs, fast_decoder=fast_decoder, decode_ahead=decode_ahead)
+                        cuda_graphs=cuda_graphs, fast_decoder=fast_decoder, decode_ahead=decode_ahead,
+                        window=window)
 
         def need_at(rows: int) -> EngineNeed:
             rt = WhisperRuntime.resolve(dims, dtype, device, max_batch=rows, **settings)
@@ -277,13 +285,18 @@ class WhisperEngine:
             raise EngineError(f"audio is {audio.shape[0] / SAMPLE_RATE:.1f} s; Whisper takes at most 30 s per "
                               "request (split longer speech)")
         plan = DecodePlan.from_options(request.options, self.tok, self.dims.n_text_ctx)
+        window, bound = N_SAMPLES, None
+        if self.runtime.clip_window:
+            window, bound = window_samples(audio.shape[0]), window_tokens(audio.shape[0])
+            bound = bound if bound < plan.sample_len else None
+            plan.sample_len = min(plan.sample_len, bound or plan.sample_len)
         if plan.beam_size > self.max_batch:
             raise EngineError(f"beam_size {plan.beam_size} exceeds this engine's {self.max_batch} decoder rows")
         if self.max_queue is not None and len(self._queue) >= self.max_queue:
             raise CapacityError(f"the speech recognition queue is full ({self.max_queue} waiting); retry later")
         dec = RequestDecoder(self.tok, plan, self.dims.n_text_ctx, self.dims.n_audio_ctx)
         self._queue[request_id] = _Active(request_id, ASRRequest(audio, request.options), dec, [],
-                                          audio.shape[0] / SAMPLE_RATE, next(self._order))
+                                          audio.shape[0] / SAMPLE_RATE, next(self._order), window, bound)
 
     def cancel(self, request_id: int) -> None:
         """Forget a request now; its rows are free for the next step. Unknown ids are ignored."""
@@ -612,27 +625,15 @@ class WhisperEngine:
     def _admit(self) -> tuple[list[_Active], torch.Tensor, torch.Tensor] | None:
         """Move queued requests into free rows; returns them, their first-step logits and their no-speech
         probabilities (row order)."""
-        chosen = self._choose_admissions()
+        window = next(iter(self._active.values())).window if self._active else None
+        chosen = choose_admissions(self._queue.values(), window, self.max_batch - self._n, self.max_encoder_batch)
         if not chosen:
             return None
         self._admitting = chosen
+        if not self._active and self.runtime.clip_window:
+            self.cache.window(chosen[0].window // (2 * HOP_LENGTH))
         self._give_rows(chosen)
         return chosen, *self.admission.run(chosen, self._warming)
-
-    def _choose_admissions(self) -> list[_Active]:
-        """Queued requests for the free rows, highest priority first, at most max_encoder_batch; a
-        request marked solo goes in alone."""
-        free = self.max_batch - self._n
-        chosen: list[_Active] = []
-        for req in sorted(self._queue.values(), key=lambda r: (-r.request.options.priority, r.order)):
-            if len(chosen) >= self.max_encoder_batch or (chosen and chosen[0].solo):
-                break
-            if req.solo and chosen:
-                continue  # it goes in alone, at a later step
-            if req.dec.plan.beam_size <= free:
-                chosen.append(req)
-                free -= req.dec.plan.beam_size
-        return chosen
 
     def _give_rows(self, chosen: list[_Active]) -> None:
         """Move `chosen` from the queue into rows _n.. (one per beam)."""
@@ -657,6 +658,9 @@ class WhisperEngine:
                 log.error("whisper: request %s failed", req.rid, exc_info=e)
                 outputs.append(fault_output(req.rid, "speech recognition", e))
                 continue
+            if req.window < N_SAMPLES and repeating(result.compression_ratio, len(result.tokens), req.bound):
+                self._decode_again_in_full(req)
+                continue
             if req.request.options.word_timestamps and result.tokens and not self._warming:
                 timed.append((req, result))
             else:
@@ -666,6 +670,15 @@ class WhisperEngine:
         finally:
             self._release(finished)
         return outputs
+
+    def _decode_again_in_full(self, req: _Active) -> None:
+        """Queue `req`, which looped in its clip's window (clip_window.py), again, first in its line, to be
+        decoded afresh in the 30 s window."""
+        log.info("whisper: request %s repeated itself in a %.0f s window: decoding it again in 30 s", req.rid,
+                 req.window / SAMPLE_RATE)
+        plan = DecodePlan.from_options(req.request.options, self.tok, self.dims.n_text_ctx)
+        dec = RequestDecoder(self.tok, plan, self.dims.n_text_ctx, self.dims.n_audio_ctx)
+        self._queue[req.rid] = _Active(req.rid, req.request, dec, [], req.seconds, req.order, N_SAMPLES)
 
     def _release(self, leaving: list[_Active]) -> None:
         """Free the rows of `leaving` and pack the live rows back to 0..n-1."""

@@ -148,12 +148,15 @@ class AudioEncoder(nn.Module):
         self.ln_post = LayerNorm(n_state)
 
     def forward(self, mel: Tensor) -> Tensor:
-        """mel [B, n_mels, 2 * n_ctx] -> audio features [B, n_ctx, n_state]."""
+        """mel [B, n_mels, 2 * A] -> audio features [B, A, n_state]: A = n_ctx (a 30 s window), or fewer (a
+        window sized to the clip, clip_window.py: the first A positions' embeddings)."""
         x = F.gelu(self.conv1(mel))
         x = F.gelu(self.conv2(x)).transpose(1, 2)
-        if x.shape[1:] != self.positional_embedding.shape:
-            raise ValueError(f"expected {2 * self.positional_embedding.shape[0]} mel frames, got {mel.shape[-1]}")
-        x = (x + self.positional_embedding).to(x.dtype)
+        a = x.shape[1]
+        if a > self.positional_embedding.shape[0] or mel.shape[-1] != 2 * a:
+            raise ValueError(f"expected an even number of mel frames up to {2 * self.positional_embedding.shape[0]}, "
+                             f"got {mel.shape[-1]}")
+        x = (x + self.positional_embedding[:a]).to(x.dtype)
         for block in self.blocks:
             x = block(x)
         return self.ln_post(x)
@@ -173,6 +176,15 @@ class KVCache:
         L, D = dims.n_text_layer, dims.n_text_state
         z = lambda t: torch.zeros(L, slots, t, D, dtype=dtype, device=device)
         return cls(z(dims.n_text_ctx), z(dims.n_text_ctx), z(dims.n_audio_ctx), z(dims.n_audio_ctx))
+
+    def window(self, positions: int) -> None:
+        """Read and write only the first `positions` audio positions of every slot from now on (a window
+        sized to the clip: every slot in use holds audio encoded in that window). The cross tensors become
+        views of the allocated ones, whose full length stays the limit."""
+        full_k, full_v = self.__dict__.setdefault("_full_cross", (self.cross_k, self.cross_v))
+        if positions > full_k.shape[2]:
+            raise ValueError(f"{positions} audio positions; the cache holds {full_k.shape[2]}")
+        self.cross_k, self.cross_v = full_k[:, :, :positions], full_v[:, :, :positions]
 
     @staticmethod
     def bytes_per_slot(dims: ModelDims, dtype: torch.dtype) -> int:
