@@ -19,7 +19,7 @@ from tests.gpu_phrases import BATCH, REFERENCE, WHISPER
 from voiced.engines.base import ASROptions, ASRRequest
 from voiced.engines.rows import _PinnedRing, to_device
 from voiced.engines.whisper.align_graphs import ALIGN_GRAPH_ROWS, ALIGN_GRAPH_TOKENS
-from voiced.engines.whisper.audio import pad_or_trim
+from voiced.engines.whisper.audio import N_SAMPLES, pad_or_trim
 from voiced.engines.whisper.engine import WhisperEngine, _Active
 from voiced.engines.whisper.fast_encoder import FastEncoder
 from voiced.engines.whisper.model import decode_attention_kernels
