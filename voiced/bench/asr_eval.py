@@ -160,7 +160,7 @@ class Voiced(System):
 
         self.engine = WhisperEngine.load(model, device=device, dtype=dtype, max_batch=max(1, s.beam_size), **engine_kw)
         self.options = ASROptions(language=s.language, beam_size=s.beam_size)
-        self.name = f"voiced {dtype}" + ("" if engine_kw.get("window", "auto") == "auto" else f" {engine_kw['window']} window")
+        self.name = f"voiced {dtype}" + ("" if engine_kw.get("window", "full") == "full" else f" {engine_kw['window']} window")
 
     def transcribe(self, audio: np.ndarray) -> str:
         from voiced.engines.base import ASRRequest

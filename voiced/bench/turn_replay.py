@@ -67,7 +67,7 @@ class EvidenceStore:
     def __init__(self, path: Path | None, asr_model: str, device: str = "cpu", smart_turn_model: str | None = None,
                  window: str = "full"):
         self.path, self.asr_model, self.device, self.smart_turn_model = path, asr_model, device, smart_turn_model
-        self.window = window  # Whisper's encoder window: full (30 s, as a GPU decodes) or auto (a CPU's)
+        self.window = window  # Whisper's encoder window: full (30 s) or clip (asr.window = clip, on a CPU)
         self.data: dict = {"asr_model": asr_model, "transcripts": {}, "p_complete": {}}
         if path is not None and path.is_file():
             self.data = json.loads(path.read_text())

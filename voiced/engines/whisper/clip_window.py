@@ -1,4 +1,4 @@
-"""The encoder's window sized to the clip, as the CPU runs it (`WhisperRuntime.clip_window`).
+"""The encoder's window sized to the clip (`asr.window = "clip"`, a CPU mode: `WhisperRuntime.clip_window`).
 
 Whisper hears every clip in a 30 s window, the speech and then silence. On a CPU the encoder is most of a
 decode (base on two cores, 3 s of speech: 0.73 of 1.0 s), and its work grows with the window, not the speech.
@@ -13,6 +13,10 @@ trained on 30 s windows only, and shorter windows change what it says (docs/BENC
 - under ~10 s it starts to repeat itself or not stop (base on 3.5 s clips in a 6 s window: WER 210 %);
   at any length a decode now and then does not stop (tiny.en in 10 s: 2 of 48 natural-voice turns): one
   whose text repeats itself or that runs past what speech could say (`repeating`) is decoded again in 30 s.
+
+It is not the default: the same WER is not the same words, and three of them changed turns a caller would notice
+(an acknowledgement written "m-m-m" stopped a reply; a paused caller's last words dropped by two interim decodes
+ended the turn without them: docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations

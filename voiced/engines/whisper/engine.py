@@ -103,7 +103,7 @@ class WhisperEngine:
                  max_batch: int = 8, max_encoder_batch: int | None = None, cuda_graphs: bool = True,
                  max_queue: int | None = None, decode_chunk: int | None = None, fast_decoder: bool = True,
                  alignment_heads: list[tuple[int, int]] | None = None, decode_ahead: bool | None = None,
-                 window: str = "auto"):
+                 window: str = "full"):
         """The settings as `WhisperRuntime.resolve` takes them; `load` documents them."""
         if tokenizer.n_vocab != model.dims.n_vocab:
             raise CheckpointError(f"tokenizer has {tokenizer.n_vocab} tokens but the model {model.dims.n_vocab}")
@@ -206,7 +206,7 @@ class WhisperEngine:
              max_encoder_batch: int | None = None, max_queue: int | None = None,
              decode_chunk: int | None = None, cache_root: Path | None = None, fast_decoder: bool = True,
              memory_limit: tuple[int, float] | None = None, decode_ahead: bool | None = None,
-             window: str = "auto") -> WhisperEngine:
+             window: str = "full") -> WhisperEngine:
         """Load an official name (from the model cache), an OpenAI `.pt`, a Hugging Face or a
         CTranslate2 (faster-whisper) directory.
 
@@ -222,8 +222,8 @@ class WhisperEngine:
         whisper_kv_fraction): the computed need (memory.memory_need) is checked against that share before the
         weights go to the GPU; a need above it is refused (EngineError naming the setting).
         cuda_graphs=False / fast_decoder=False: the eager path / the modules' reference step, for comparisons.
-        decode_ahead: None on a GPU only (options.WhisperRuntime). window: "auto" (the encoder hears a window
-        sized to the clip on a CPU, 30 s on a GPU) or "full" (always 30 s: results as openai-whisper's).
+        decode_ahead: None on a GPU only (options.WhisperRuntime). window: "full" (Whisper's 30 s: results as
+        openai-whisper's) or "clip" (CPU only: a window sized to the clip, clip_window.py; faster, approximate).
         """
         path = resolve(name_or_path, cache_root)
         ckpt = read_checkpoint(path)

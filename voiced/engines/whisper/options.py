@@ -60,23 +60,24 @@ class WhisperRuntime:
     # Eager encoder layers with each residual add and the layer norm after it one kernel (where the decode
     # kernels run): encoder throughput 171 against 167 utt/s.
     encoder_add_norm: bool
-    # The encoder hears each admission's audio in a window sized to its clip (clip_window.py), not 30 s: on the
-    # CPU, where the 30 s window's encoder is most of a decode (base, 3 s of speech on two cores: 1.02 s a
-    # decode against 0.72 s in a 20 s window, the same WER). A GPU keeps the 30 s window its encoder graphs
-    # and bucketed batches are built for (a decode there is ~15 ms), and so does `window="full"` on a CPU,
-    # whose results then match openai-whisper's.
+    # The encoder hears each admission's audio in a window sized to its clip (clip_window.py), not 30 s
+    # (`window="clip"`, a CPU mode): where the 30 s window's encoder is most of a decode (base, 3 s of speech on
+    # two cores: 1.02 s a decode against 0.72 s in a 20 s window, the same WER). Results then differ from
+    # openai-whisper's; a GPU runs the 30 s window its encoder graphs and bucketed batches are built for.
     clip_window: bool
 
     @classmethod
     def resolve(cls, dims: ModelDims, dtype: torch.dtype, device: torch.device | str, *, max_batch: int = 8,
                 max_encoder_batch: int | None = None, max_queue: int | None = None, decode_chunk: int | None = None,
                 cuda_graphs: bool = True, fast_decoder: bool = True,
-                decode_ahead: bool | None = None, window: str = "auto") -> WhisperRuntime:
+                decode_ahead: bool | None = None, window: str = "full") -> WhisperRuntime:
         """decode_ahead None: on a GPU only (True runs it on the CPU too, as tests of its logic do). window:
         WINDOWS."""
         cuda = torch.device(device).type == "cuda"
         if window not in WINDOWS:
             raise EngineError(f"window {window!r}: use {' or '.join(WINDOWS)}")
+        if window == "clip" and cuda:
+            raise EngineError("window clip is a CPU mode (a GPU's encoder graphs run the 30 s window); use full")
         decode_chunk = max(1, decode_chunk if decode_chunk is not None else GPU_CHUNK if cuda else 1)
         graphs = cuda_graphs and cuda
         gemv = fast_decoder and gemv_supported(dims.n_text_head, dims.n_text_state, dtype, device)
@@ -92,7 +93,7 @@ class WhisperRuntime:
             fast_decoder=fast_decoder, gemv=gemv, compile_decoder=fast_decoder and cuda and not gemv,
             compile_tail=fast_decoder and cuda, compile_encoder=compile_encoder,
             encoder_add_norm=cuda and not compile_encoder and decode_linear.supported(dtype, device),
-            clip_window=window == "auto" and not cuda)
+            clip_window=window == "clip")
 
 
 def weights_dtype(dtype: torch.dtype | str | None, device: str) -> torch.dtype:
