@@ -28,6 +28,11 @@ def test_segments_are_placed_on_the_clip_clock():
         (0, 0.5, 1.7, "Hello there."), (1, 1.7, 3.0, "How are you?"), (2, 3661.25, 3663.0, "Fine, thanks.")]
 
 
+def test_a_timestamp_past_the_utterance_keeps_its_segment_inside_it():
+    late = [Recognized(2.0, 8.0, _t(" a b", [Segment(0.5, 1.0, " a", [1]), Segment(16.66, 16.66, " b", [2])]))]
+    assert [(s.start, s.end) for s in timed_segments(late)] == [(2.5, 3.0), (8.0, 8.0)]
+
+
 def test_srt_and_vtt():
     srt, ctype = render(RESULTS, "srt", task="transcribe", duration=3664.0, language=None)
     assert ctype.startswith("application/x-subrip")

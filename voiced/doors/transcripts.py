@@ -55,8 +55,11 @@ def timed_segments(results: list[Recognized]) -> list[TimedSegment]:
             # No timestamp tokens came back: the utterance is the segment.
             pieces = [(0.0, r.end - r.start, t.text, t.tokens)]
         for start, end, text, tokens in pieces:
+            # Whisper may write a timestamp past the utterance's audio (its window runs on in silence): a
+            # segment keeps to the utterance, and never ends before it starts.
+            end = round(min(r.start + end, r.end), 3)
             out.append(TimedSegment(
-                id=len(out), start=round(r.start + start, 3), end=round(min(r.start + end, r.end), 3),
+                id=len(out), start=min(round(r.start + start, 3), end), end=end,
                 text=text.strip(), tokens=list(tokens), avg_logprob=t.avg_logprob,
                 compression_ratio=t.compression_ratio, no_speech_prob=t.no_speech_prob, seek=seek))
     return out

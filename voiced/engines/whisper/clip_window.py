@@ -14,9 +14,8 @@ trained on 30 s windows only, and shorter windows change what it says (docs/BENC
   at any length a decode now and then does not stop (tiny.en in 10 s: 2 of 48 natural-voice turns): one
   whose text repeats itself or that runs past what speech could say (`repeating`) is decoded again in 30 s.
 
-It is not the default: the same WER is not the same words, and three of them changed turns a caller would notice
-(an acknowledgement written "m-m-m" stopped a reply; a paused caller's last words dropped by two interim decodes
-ended the turn without them: docs/BENCHMARKS.md).
+It is not the default: the same WER is not the same words. In the whole suite, under load, a paused caller's last
+words were dropped by two interim decodes in a row and the turn ended without them (docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations
