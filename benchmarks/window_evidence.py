@@ -45,12 +45,12 @@ def points(directory: Path) -> list[tuple[str, str, np.ndarray]]:
 
 
 def measure(model: str, sets: list[Path], windows: list[int]) -> list[dict]:
+    from voiced.bench.turn_replay import session_asr_options
     from voiced.core.turns import STOP_P
     from voiced.engines.base import ASRRequest
     from voiced.engines.whisper import engine as engine_module
     from voiced.engines.whisper.audio import N_SAMPLES
     from voiced.engines.whisper.engine import WhisperEngine
-    from voiced.bench.turn_replay import session_asr_options
 
     opts = dataclasses.replace(session_asr_options(), word_timestamps=True)
     engine = WhisperEngine.load(model, device="cpu", max_batch=2, window="clip")

@@ -43,6 +43,13 @@ def window_tokens(n_samples: int) -> int:
     return TOKENS_MIN + TOKENS_PER_S * -(-n_samples // SAMPLE_RATE)
 
 
+def clip_plan(n_samples: int, sample_len: int) -> tuple[int, int | None, int]:
+    """A request's (window, token bound, tokens it may take) for `n_samples` of audio and its own limit of
+    `sample_len` tokens; the bound is None where its own limit is the lower."""
+    bound = window_tokens(n_samples)
+    return window_samples(n_samples), (bound if bound < sample_len else None), min(bound, sample_len)
+
+
 def repeating(compression_ratio: float, tokens: int, bound: int | None) -> bool:
     """Whether a decode in a clip's window looped: its text repeats itself, or it took `bound` tokens, the
     window's (`window_tokens`; None where the request's own limit is lower)."""

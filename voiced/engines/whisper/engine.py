@@ -58,9 +58,9 @@ from voiced.memory_plan import (
 from .admission import Admission, choose_admissions
 from .align_graphs import AlignmentPasses
 from .audio import HOP_LENGTH, N_SAMPLES
-from .clip_window import repeating, window_samples, window_tokens
 from .checkpoint import CheckpointError, build_model, read_checkpoint
 from .chunks import Chunk, HistoryCopies
+from .clip_window import clip_plan, repeating
 from .cpu import column_major_embedding_, quantize_int8_
 from .cuda_graphs import CudaGraphs
 from .decoder_steps import DecoderSteps
@@ -287,9 +287,7 @@ class WhisperEngine:
         plan = DecodePlan.from_options(request.options, self.tok, self.dims.n_text_ctx)
         window, bound = N_SAMPLES, None
         if self.runtime.clip_window:
-            window, bound = window_samples(audio.shape[0]), window_tokens(audio.shape[0])
-            bound = bound if bound < plan.sample_len else None
-            plan.sample_len = min(plan.sample_len, bound or plan.sample_len)
+            window, bound, plan.sample_len = clip_plan(audio.shape[0], plan.sample_len)
         if plan.beam_size > self.max_batch:
             raise EngineError(f"beam_size {plan.beam_size} exceeds this engine's {self.max_batch} decoder rows")
         if self.max_queue is not None and len(self._queue) >= self.max_queue:
