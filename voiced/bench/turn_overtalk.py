@@ -76,7 +76,7 @@ def run(args, machine: str) -> dict:
     from voiced.config import Config
     from voiced.engines.whisper.engine import WhisperEngine
 
-    engine = WhisperEngine.load(args.asr_model, device=args.device or "cpu", max_batch=4, window="full")  # as a GPU
+    engine = WhisperEngine.load(args.asr_model, device=args.device or "cpu", max_batch=4)
     min_ms = Config().barge_in.min_speech_ms
     cache: dict[bytes, str] = {}
     spent = [0.0, 0]

@@ -375,7 +375,7 @@ def replay_detector(detector: str, directory: Path, callers: list[TurnCaller], s
 def run_offline(args, directory: Path, callers: list[TurnCaller], detectors: list[str], machine: str) -> dict:
     """`voiced bench turns --offline`'s work for the daemon's detectors (turn_bench.main parses the
     arguments, adds the smart-turn reference and emits the result)."""
-    name = Path(args.asr_model).name + ("" if args.asr_window == "full" else "-cpu-window")
+    name = Path(args.asr_model).name + ("" if args.asr_window == "full" else "-clip-window")
     evidence = args.evidence or (Path(directory) / f"replay-evidence-{name}.json")
     store = EvidenceStore(evidence, args.asr_model, args.device or "cpu", args.smart_turn_model, args.asr_window)
     result = {"bench": "turns", "offline": True, "date": time.strftime("%Y-%m-%d"), "machine": machine,
