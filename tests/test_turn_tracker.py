@@ -26,18 +26,23 @@ def _espeak():
 
 class Caller:
     """A caller saying `parts` (text, then the seconds before the next part), then `tail` (float32 audio)
-    after the last; every decode ends its text with Whisper's `end_p` and `stop_p`."""
+    after the last; every decode ends its text with Whisper's `end_p` and `stop_p`. With `whisper_gaps`,
+    decodes do what tiny.en does with a gap inside a clip (`decode`)."""
 
     def __init__(self, parts: list[tuple[str, float]], tail: np.ndarray | None = None, end_p: float = 0.9,
-                 stop_p: float = 0.99, latency_ms: int = 30, eagerness: str = "medium"):
+                 stop_p: float = 0.99, latency_ms: int = 30, eagerness: str = "medium", whisper_gaps: bool = False):
         chunks, self.words, pos = [np.zeros(int(0.4 * RATE), np.float32)], [], int(0.4 * RATE)
+        self.part_ends: list[int] = []
         for text, gap_s in parts:
             voice = phrase(text)
             said = text.split()
-            for i, w in enumerate(said):  # each word's span, evenly through its phrase
-                self.words.append((w, pos + i * len(voice) // len(said), pos + (i + 1) * len(voice) // len(said)))
+            for i, w in enumerate(said):  # each word's span, evenly through its phrase; and its part
+                self.words.append((w, pos + i * len(voice) // len(said), pos + (i + 1) * len(voice) // len(said),
+                                   len(self.part_ends)))
             chunks += [voice, np.zeros(int(gap_s * RATE), np.float32)]
+            self.part_ends.append(pos + len(voice))
             pos += len(voice) + int(gap_s * RATE)
+        self.whisper_gaps = whisper_gaps
         self.voice_end_s = self.words[-1][2] / RATE
         if tail is not None:
             chunks.append(tail)
@@ -53,12 +58,21 @@ class Caller:
         self.dropped = 0  # pauses that speech ended
 
     def decode(self, audio: np.ndarray, audio_end: int) -> Transcript:
-        """The words spoken in `audio` (ending at stream sample `audio_end`), times from its start."""
+        """The words spoken in `audio` (ending at stream sample `audio_end`), times from its start. With
+        `whisper_gaps`, as tiny.en decodes a paused caller: the words of a part said after a gap inside the
+        clip are missing until the caller has finished that part, and a clip that opens on a second of
+        silence is flagged a hallucination (its no-speech probability crosses 0.6)."""
         start = audio_end - len(audio)
-        words = [Word(w, (s - start) / RATE, (e - start) / RATE, 0.95)
-                 for w, s, e in self.words if start <= s and e <= audio_end]
-        return Transcript(" ".join(w.word for w in words), "en", [], 0.0, 0.0, 0.0, words=words,
-                          end_prob=self.end_p, stop_prob=self.stop_p)
+        said = [(w, s, e, part) for w, s, e, part in self.words if start <= s and e <= audio_end]
+        flagged = False
+        if self.whisper_gaps and said:
+            last = said[-1][3]
+            if last != said[0][3] and self.part_ends[last] > audio_end:
+                said = [x for x in said if x[3] != last]
+            flagged = said[0][1] - start >= RATE
+        words = [Word(w, (s - start) / RATE, (e - start) / RATE, 0.95) for w, s, e, _ in said]
+        return Transcript(" ".join(w.word for w in words), "en", [], 0.0, 0.0, 0.0, is_hallucination=flagged,
+                          words=words, end_prob=self.end_p, stop_prob=self.stop_p)
 
     def later(self, now: int, fn) -> None:
         self.pending.append((now + self.latency, len(self.pending), fn))
@@ -175,3 +189,17 @@ def test_words_that_stop_changing_while_the_line_still_sounds_end_the_turn():
     assert caller.dropped >= 1  # (after the turn, the music alone is speech to the VAD: a turn of its own)
     assert caller.voice_end_s + 0.15 < caller.ends[0] < caller.voice_end_s + MEDIUM.max_ms / 1000 - 1.5, \
         (caller.ends, caller.voice_end_s)
+
+
+def test_a_caller_whose_newest_words_whisper_drops_is_not_cut_off_while_talking():
+    # A paused caller: the pause's transcript ("... open after", whose stop Whisper doubts) does not end the
+    # turn, and every decode of the turn drops what is said after the gap while it is being said, so the words
+    # look stopped. The sound after them, decoded alone, shows the caller talking: decoded without most of the
+    # 1.2 s of silence before it (else Whisper flags it as no speech, and the turn ended 2.2 s after "after",
+    # in the middle of the second half).
+    for latency_ms in (300, 1500):  # an idle CPU's decode, a busy one's
+        caller = Caller([("Is there a pharmacy near my hotel that is open after", 1.2),
+                         ("half past six in the evening please", 3.0)],
+                        stop_p=0.85, latency_ms=latency_ms, whisper_gaps=True).run()
+        assert caller.dropped >= 1
+        assert len(caller.ends) == 1 and caller.ends[0] > caller.voice_end_s, (latency_ms, caller.ends)

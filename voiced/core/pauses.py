@@ -52,6 +52,7 @@ class Pause:
 DECODE_TOKENS_PER_S = 16
 DECODE_TOKENS_MIN = 32
 ALONE_MIN_SAMPLES = segmenter.RATE // 10  # the sound after stopped words is decoded alone from 100 ms of it
+ALONE_LEAD_SAMPLES = 3 * segmenter.RATE // 10  # ... and at most 300 ms of the silence before it
 
 
 def decode_token_cap(samples: int, configured: int | None) -> int | None:
