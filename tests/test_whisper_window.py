@@ -4,11 +4,13 @@ the cache's rows, and a decode that loops in its window is done again in 30 s.""
 
 from __future__ import annotations
 
+import functools
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from whisper_fixtures import make_openai_checkpoint
@@ -18,6 +20,8 @@ from voiced.engines.base import ASROptions, ASRRequest, EngineError, finish
 from voiced.engines.whisper import engine as engine_module
 from voiced.engines.whisper.clip_window import repeating, window_samples, window_tokens
 from voiced.engines.whisper.engine import WhisperEngine
+from voiced.engines.whisper.model import ModelDims
+from voiced.engines.whisper.options import WhisperRuntime
 
 RATE = 16000
 
@@ -93,9 +97,21 @@ def test_a_decode_that_loops_in_its_window_is_decoded_again_in_30_s(checkpoint, 
     assert engine.cache.cross_k.shape[2] == 1500
 
 
-def test_the_window_is_a_setting_with_a_clear_error():
+def test_the_window_is_a_setting_with_a_clear_error_and_the_daemon_sizes_it_on_a_cpu_only(monkeypatch):
+    from voiced.engines.whisper import options
+
+    # (resolving for a GPU asks its kernels whether they run there: not here)
+    monkeypatch.setattr(options, "gemv_supported", lambda *a: False)
+    monkeypatch.setattr(options.decode_linear, "supported", lambda *a: False)
     c = Config()
-    assert c.asr.window == "full"
+    assert c.asr.window == "auto"
+    dims = ModelDims(n_mels=80, n_audio_ctx=1500, n_audio_state=64, n_audio_head=2, n_audio_layer=1, n_vocab=51864,
+                     n_text_ctx=448, n_text_state=64, n_text_head=2, n_text_layer=1)
+    resolve = functools.partial(WhisperRuntime.resolve, dims, torch.float16)
+    assert resolve("cpu", window="auto").clip_window and not resolve("cuda", window="auto").clip_window
+    assert not resolve("cpu", window="full").clip_window
+    with pytest.raises(EngineError, match="window clip is a CPU mode"):
+        resolve("cuda", window="clip")
     c.asr.window = "wide"
-    with pytest.raises(ConfigError, match="asr.window is 'wide'; use full or clip"):
+    with pytest.raises(ConfigError, match="asr.window is 'wide'; use auto or full or clip"):
         c.validate()

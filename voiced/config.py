@@ -20,8 +20,8 @@ from voiced.memory_plan import MemoryPlan, MemoryPlanError
 
 BACKENDS = ("auto", "torch", "trtllm")
 # Whisper's encoder window: "full" is Whisper's 30 s (results as openai-whisper's); "clip" sizes it to the clip, a
-# CPU mode ~30 % faster (voiced/engines/whisper/clip_window.py says why it is not the default).
-ASR_WINDOWS = ("full", "clip")
+# CPU mode ~30 % faster (voiced/engines/whisper/clip_window.py); "auto" is clip on a CPU, full on a GPU.
+ASR_WINDOWS = ("auto", "full", "clip")
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -91,7 +91,7 @@ class ASRConfig:
     backend: str = "auto"  # auto | torch | trtllm
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: str = ""  # empty: float16 on GPU, float32 on CPU; "int8": int8 GEMMs on the CPU (approximate, faster)
-    window: str = "full"  # the encoder's: full: 30 s; clip: sized to the clip (a CPU, ~30 % faster, approximate)
+    window: str = "auto"  # the encoder's: auto: clip on a CPU, full on a GPU; full: 30 s; clip: sized to the clip
     # decoder rows shared by all callers; 0: on a GPU the most, up to 64, that whisper_kv_fraction holds, 8 on a CPU
     max_batch: int = 0
     language: str = ""  # default for sessions; empty: detect

@@ -1,9 +1,10 @@
-"""The encoder's window sized to the clip (`asr.window = "clip"`, a CPU mode: `WhisperRuntime.clip_window`).
+"""The encoder's window sized to the clip (`asr.window = "clip"`, and "auto" on a CPU, the daemon's default:
+`WhisperRuntime.clip_window`).
 
 Whisper hears every clip in a 30 s window, the speech and then silence. On a CPU the encoder is most of a
 decode (base on two cores, 3 s of speech: 0.73 of 1.0 s), and its work grows with the window, not the speech.
 A clip of up to 18 s is heard in a 20 s window instead, its first positions' embeddings: a turn's decode
-takes 0.72 s instead of 1.02 with base, 0.35 instead of 0.50 with tiny.en, with the same words. Whisper was
+takes 0.72 s instead of 1.02 with base, 0.35 instead of 0.50 with tiny.en, with the same word error rate. Whisper was
 trained on 30 s windows only, and shorter windows change what it says (docs/BENCHMARKS.md, Whisper on a CPU):
 
 - the end-of-turn rule (voiced.core.turns) reads Whisper's stop and end-of-text probabilities, which a 10 s
@@ -14,8 +15,10 @@ trained on 30 s windows only, and shorter windows change what it says (docs/BENC
   at any length a decode now and then does not stop (tiny.en in 10 s: 2 of 48 natural-voice turns): one
   whose text repeats itself or that runs past what speech could say (`repeating`) is decoded again in 30 s.
 
-It is not the default: the same WER is not the same words. In the whole suite, under load, a paused caller's last
-words were dropped by two interim decodes in a row and the turn ended without them (docs/BENCHMARKS.md).
+It is the daemon's window on a CPU (`asr.window = "auto"`): there a pause's decode that outlasts the gap between two
+sentences merges them into one turn, and the 20 s window split 4 of 12 two-sentence callers that 30 s merged
+(base, docs/BENCHMARKS.md). `voiced transcribe` and `voiced eval` keep 30 s unless told (`--window clip`): the same
+word error rate is not the same words, and their results match openai-whisper's.
 """
 
 from __future__ import annotations

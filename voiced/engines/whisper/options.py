@@ -61,9 +61,11 @@ class WhisperRuntime:
     # kernels run): encoder throughput 171 against 167 utt/s.
     encoder_add_norm: bool
     # The encoder hears each admission's audio in a window sized to its clip (clip_window.py), not 30 s
-    # (`window="clip"`, a CPU mode): where the 30 s window's encoder is most of a decode (base, 3 s of speech on
-    # two cores: 1.02 s a decode against 0.72 s in a 20 s window, the same WER). Results then differ from
-    # openai-whisper's; a GPU runs the 30 s window its encoder graphs and bucketed batches are built for.
+    # (`window="clip"`, and "auto" on a CPU): there the 30 s window's encoder is most of a decode (base, 3 s of
+    # speech on two cores: 1.02 s a decode against 0.72 s in a 20 s window, the same WER), and a pause's decode
+    # slower than the gap between two sentences merges them into one turn. Results then differ from
+    # openai-whisper's (`window="full"` keeps them); a GPU runs the 30 s window its encoder graphs and bucketed
+    # batches are built for (a decode there is ~15 ms).
     clip_window: bool
 
     @classmethod
@@ -93,7 +95,7 @@ class WhisperRuntime:
             fast_decoder=fast_decoder, gemv=gemv, compile_decoder=fast_decoder and cuda and not gemv,
             compile_tail=fast_decoder and cuda, compile_encoder=compile_encoder,
             encoder_add_norm=cuda and not compile_encoder and decode_linear.supported(dtype, device),
-            clip_window=window == "clip")
+            clip_window=window == "clip" or (window == "auto" and not cuda))
 
 
 def weights_dtype(dtype: torch.dtype | str | None, device: str) -> torch.dtype:
