@@ -34,6 +34,7 @@ from tests.whisper_fixtures import make_openai_checkpoint
 from voiced import heap
 from voiced.audio.ingest import Format
 from voiced.cli import main as voiced_main
+from voiced.config import Config
 
 PHRASES = ["The quick brown fox jumps over the lazy dog.", "Please call me back tomorrow morning.",
            "Seven apples and three oranges."]
@@ -50,7 +51,7 @@ def daemon(tmp_path_factory):
 def transcribe_cli(checkpoint, audio16k_int16: np.ndarray, tmp_path, capsys) -> list[int]:
     wav = write_wav(tmp_path / "utt.wav", audio16k_int16)
     code = voiced_main(["transcribe", str(wav), "--model", str(checkpoint), "--language", "en",
-                        "--max-new-tokens", str(MAX_NEW_TOKENS), "--json"])
+                        "--max-new-tokens", str(MAX_NEW_TOKENS), "--window", Config().asr.window, "--json"])
     assert code == 0
     return json.loads(capsys.readouterr().out.strip().splitlines()[-1])["tokens"]
 
@@ -307,7 +308,8 @@ def test_interim_results_come_before_the_final_of_their_turn(daemon):
 def word_times_cli(checkpoint, audio16k_int16: np.ndarray, tmp_path, capsys) -> list[tuple[str, float, float]]:
     wav = write_wav(tmp_path / "utt.wav", audio16k_int16)
     code = voiced_main(["transcribe", str(wav), "--model", str(checkpoint), "--language", "en",
-                        "--max-new-tokens", str(MAX_NEW_TOKENS), "--word-timestamps", "--json"])
+                        "--max-new-tokens", str(MAX_NEW_TOKENS), "--word-timestamps", "--window", Config().asr.window,
+                        "--json"])
     assert code == 0
     words = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["words"]
     return [(w["word"], w["start"], w["end"]) for w in words]
