@@ -69,7 +69,8 @@ def daemon(tmp_path_factory):
 
 
 def test_documented_grpcurl_examples_work_as_written(daemon, tmp_path):
-    wav = write_wav(tmp_path / "hello.wav", layout(["Hello, this is a test."], lead_s=0.2, tail_s=0.3).audio)
+    # the documented Recognize command reads hello.wav from the folder it runs in
+    write_wav(tmp_path / "hello.wav", layout(["Hello, this is a test."], lead_s=0.2, tail_s=0.3).audio)
     commands = documented_grpcurl_commands()
     assert len(commands) >= 5
     with grpc.insecure_channel(daemon.address) as channel:

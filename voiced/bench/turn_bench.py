@@ -410,8 +410,9 @@ def add_eot_bench(result: dict, args, directory: Path, callers: list[TurnCaller]
 
     scores = None
     if "smart-turn" in detectors:
-        from voiced.engines import smart_turn
         from voiced_client.wavio import read_wav
+
+        from voiced.engines import smart_turn
 
         path = smart_turn.resolve(args.smart_turn_model) if args.smart_turn_model else smart_turn.find()
         if path is not None:
