@@ -53,7 +53,7 @@ def measure(model: str, sets: list[Path], windows: list[int]) -> list[dict]:
     from voiced.engines.whisper.engine import WhisperEngine
 
     opts = dataclasses.replace(session_asr_options(), word_timestamps=True)
-    engine = WhisperEngine.load(model, device="cpu", max_batch=2, window="clip")
+    engine = WhisperEngine.load(model, device="cpu", max_batch=2, window="auto")
     rows = []
     for directory in sets:
         pts = points(directory)

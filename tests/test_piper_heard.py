@@ -6,6 +6,7 @@ real tiny.en (from PyPI) writing down what it said, through every door that spea
 - a Converse with the echo agent, 16 kHz and on an 8 kHz mu-law phone line: the reply the caller
   records is written down as the caller's own words;
 - Wyoming `synthesize` and OpenAI's /v1/audio/speech: the audio they return is written down as the text.
+A single sentence may lose one word to tiny.en (`assert_heard`), never more.
 The caller's voice is espeak-ng's (tests/speech.py), so recognition of the caller and of the reply are
 two different voices.
 """
@@ -67,8 +68,12 @@ CALLER = "I would like to book a table for two people."
 
 @pytest.fixture(scope="module")
 def daemon():
+    import onnxruntime
+
     from voiced.engines.piper.engine import PiperEngine
 
+    # Piper's voice draws noise in its graph, so each reply is new audio: seeded, a run and its failure repeat.
+    onnxruntime.set_seed(0)
     config = daemon_config()
     config.tts.enabled = True
     config.doors.wyoming = "tcp://127.0.0.1:0"
@@ -92,6 +97,18 @@ def recognize(daemon, pcm16k: bytes) -> str:
             audio=pcm16k, format=pb.AudioFormat(encoding=pb.LINEAR16, sample_rate_hz=16000),
             recognition=pb.RecognitionConfig(language="en")))
     return " ".join(r.text.strip() for r in resp.results if r.text.strip())
+
+
+def assert_heard(daemon, pcm16k: bytes, text: str) -> None:
+    """The audio is written down as `text`, but for at most one word: tiny.en mishears a word of a clear
+    synthetic sentence now and then (a phone line's "two" as "cute", "five" at 1.5x speed as "four"), a person
+    would not, and a reply that lost its words misses by several."""
+    import jiwer
+
+    heard = " ".join(words(recognize(daemon, pcm16k))) or "-"
+    said = " ".join(words(text))
+    out = jiwer.process_words(said, heard)
+    assert out.substitutions + out.deletions + out.insertions <= 1, (said, heard)
 
 
 def synthesize(daemon, text: str) -> bytes:
@@ -125,7 +142,7 @@ def test_the_echo_agents_spoken_reply_is_the_callers_words(daemon, fmt):
     heard, reply = _converse(daemon, fmt)
     assert words(heard) == words(CALLER), heard
     pcm = heard_audio(reply, fmt).astype("<i2").tobytes()  # 16 kHz, as the caller's own decoder would give it
-    assert words(recognize(daemon, pcm)) == words(CALLER)
+    assert_heard(daemon, pcm, CALLER)
 
 
 def test_wyoming_synthesize_is_heard(daemon):
@@ -150,7 +167,7 @@ def test_wyoming_synthesize_is_heard(daemon):
 
     start, audio = asyncio.run(speak())
     assert (start.rate, start.width, start.channels) == (16000, 2, 1)
-    assert words(recognize(daemon, audio)) == words(SENTENCES[2])
+    assert_heard(daemon, audio, SENTENCES[2])
 
 
 def openai_speech(daemon, **fields) -> np.ndarray:
@@ -167,13 +184,13 @@ def openai_speech(daemon, **fields) -> np.ndarray:
 
 
 def test_openai_speech_is_heard(daemon):
-    assert words(recognize(daemon, wire_audio(openai_speech(daemon, input=SENTENCES[1]), WIDE))) == words(SENTENCES[1])
+    assert_heard(daemon, wire_audio(openai_speech(daemon, input=SENTENCES[1]), WIDE), SENTENCES[1])
 
 
 def test_openai_speech_at_a_faster_speed_is_shorter_and_still_heard(daemon):
     plain, fast = (openai_speech(daemon, input=SENTENCES[3], speed=speed) for speed in (1.0, 1.5))
     assert len(fast) < 0.8 * len(plain)
-    assert words(recognize(daemon, wire_audio(fast, WIDE))) == words(SENTENCES[3])
+    assert_heard(daemon, wire_audio(fast, WIDE), SENTENCES[3])
     with pytest.raises(urllib.error.HTTPError) as refused:
         openai_speech(daemon, input=SENTENCES[3], speed=5)
     assert refused.value.code == 400 and "speed must be a number from 0.25 to 4.0" in refused.value.read().decode()

@@ -151,10 +151,10 @@ def test_the_pypi_models_read_as_published(tiny_en, base):
 
 
 # ------------------------------------------------------------------------------- voiced transcribe
-@pytest.mark.parametrize("window", ["full", "clip"])
+@pytest.mark.parametrize("window", ["full", "auto"])
 def test_transcribe_gives_openai_whispers_tokens_and_the_words_spoken_english(tiny_en, tmp_path, capsys, window):
-    """In the 30 s window, openai-whisper's very tokens; in a window sized to the clip (`--window clip`), the
-    words spoken all the same."""
+    """In the 30 s window, openai-whisper's very tokens; in a window sized to the clip (`--window auto` on a
+    CPU), the words spoken all the same."""
     clips = {}
     for i, text in enumerate(ENGLISH):
         clean = speech(text, tmp_path)

@@ -1,4 +1,4 @@
-"""The encoder's window sized to the clip (voiced/engines/whisper/clip_window.py, `window="clip"` on a CPU): each
+"""The encoder's window sized to the clip (voiced/engines/whisper/clip_window.py, `window="auto"` on a CPU): each
 request of up to 18 s is heard in a 20 s window, a longer one in 30 s, requests of different windows never share
 the cache's rows, and a decode that loops in its window is done again in 30 s."""
 
@@ -56,7 +56,7 @@ def _run(engine: WhisperEngine, requests: dict[int, np.ndarray], opts: ASROption
 
 
 def test_a_cpu_engine_hears_each_clip_in_its_window_and_full_keeps_30_s(checkpoint):
-    auto, full = WhisperEngine.load(checkpoint, max_batch=4, window="clip"), WhisperEngine.load(checkpoint, max_batch=4)
+    auto, full = WhisperEngine.load(checkpoint, max_batch=4, window="auto"), WhisperEngine.load(checkpoint, max_batch=4)
     assert auto.runtime.clip_window and not full.runtime.clip_window
     opts = ASROptions(language="en", max_new_tokens=8)
     auto.transcribe(ASRRequest(_audio(3, 0), opts))
@@ -72,7 +72,7 @@ def test_a_cpu_engine_hears_each_clip_in_its_window_and_full_keeps_30_s(checkpoi
 def test_clips_of_different_windows_queued_together_each_decode_as_alone(checkpoint):
     """A 25 s clip between short ones: each gets the tokens it gets alone (its own window, its rows never
     reading another window's audio positions), and none is left behind."""
-    engine = WhisperEngine.load(checkpoint, max_batch=4, window="clip")
+    engine = WhisperEngine.load(checkpoint, max_batch=4, window="auto")
     opts = ASROptions(language="en", max_new_tokens=12)
     clips = {1: _audio(3, 2), 2: _audio(25, 3), 3: _audio(2, 4), 4: _audio(12, 5), 5: _audio(4, 6)}
     alone = {rid: _run(engine, {rid: a}, opts)[rid] for rid, a in clips.items()}
@@ -83,7 +83,7 @@ def test_a_decode_that_loops_in_its_window_is_decoded_again_in_30_s(checkpoint, 
     opts = ASROptions(language="en", max_new_tokens=12)
     audio = _audio(3, 7)
     expected = WhisperEngine.load(checkpoint, max_batch=2, window="full").transcribe(ASRRequest(audio, opts))
-    engine = WhisperEngine.load(checkpoint, max_batch=2, window="clip")
+    engine = WhisperEngine.load(checkpoint, max_batch=2, window="auto")
     calls = []
 
     def loops_once(ratio: float, tokens: int, bound: int | None) -> bool:
@@ -110,8 +110,6 @@ def test_the_window_is_a_setting_with_a_clear_error_and_the_daemon_sizes_it_on_a
     resolve = functools.partial(WhisperRuntime.resolve, dims, torch.float16)
     assert resolve("cpu", window="auto").clip_window and not resolve("cuda", window="auto").clip_window
     assert not resolve("cpu", window="full").clip_window
-    with pytest.raises(EngineError, match="window clip is a CPU mode"):
-        resolve("cuda", window="clip")
     c.asr.window = "wide"
-    with pytest.raises(ConfigError, match="asr.window is 'wide'; use auto or full or clip"):
+    with pytest.raises(ConfigError, match="asr.window is 'wide'; use auto or full"):
         c.validate()

@@ -19,9 +19,9 @@ from typing import Any
 from voiced.memory_plan import MemoryPlan, MemoryPlanError
 
 BACKENDS = ("auto", "torch", "trtllm")
-# Whisper's encoder window: "full" is Whisper's 30 s (results as openai-whisper's); "clip" sizes it to the clip, a
-# CPU mode ~30 % faster (voiced/engines/whisper/clip_window.py); "auto" is clip on a CPU, full on a GPU.
-ASR_WINDOWS = ("auto", "full", "clip")
+# Whisper's encoder window: "full" is Whisper's 30 s (results as openai-whisper's); "auto" sizes it to the clip
+# on a CPU, ~30 % faster (voiced/engines/whisper/clip_window.py), and keeps 30 s on a GPU.
+ASR_WINDOWS = ("auto", "full")
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -91,7 +91,7 @@ class ASRConfig:
     backend: str = "auto"  # auto | torch | trtllm
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: str = ""  # empty: float16 on GPU, float32 on CPU; "int8": int8 GEMMs on the CPU (approximate, faster)
-    window: str = "auto"  # the encoder's: auto: clip on a CPU, full on a GPU; full: 30 s; clip: sized to the clip
+    window: str = "auto"  # the encoder's: auto: sized to the clip on a CPU, 30 s on a GPU; full: 30 s
     # decoder rows shared by all callers; 0: on a GPU the most, up to 64, that whisper_kv_fraction holds, 8 on a CPU
     max_batch: int = 0
     language: str = ""  # default for sessions; empty: detect

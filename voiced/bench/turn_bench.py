@@ -247,9 +247,9 @@ def main(argv: list[str] | None = None) -> dict:
                          "(default 30: a GPU's)")
     ap.add_argument("--model-ms", type=float, default=60.0,
                     help="--offline: Smart Turn's answer comes this long after it (default 60: its CPU time)")
-    ap.add_argument("--asr-window", choices=["full", "clip"], default="full",
-                    help="--offline: Whisper's encoder window for the evidence: full (default: 30 s) or clip (sized "
-                         "to the clip, asr.window = clip on a CPU)")
+    ap.add_argument("--asr-window", choices=["full", "auto"], default="full",
+                    help="--offline: Whisper's encoder window for the evidence: full (default: 30 s) or auto (the "
+                         "daemon's: on a CPU sized to the clip)")
     ap.add_argument("--evidence", type=Path, default=None,
                     help="--offline: the evidence cache (default: replay-evidence-MODEL.json in the set's folder)")
     ap.add_argument("--eot-bench", type=Path, default=None, metavar="DIR",

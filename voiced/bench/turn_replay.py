@@ -67,7 +67,7 @@ class EvidenceStore:
     def __init__(self, path: Path | None, asr_model: str, device: str = "cpu", smart_turn_model: str | None = None,
                  window: str = "full"):
         self.path, self.asr_model, self.device, self.smart_turn_model = path, asr_model, device, smart_turn_model
-        self.window = window  # Whisper's encoder window: full (30 s) or clip (asr.window = clip, on a CPU)
+        self.window = window  # Whisper's encoder window: full (30 s) or auto (asr.window: sized to the clip on a CPU)
         self.data: dict = {"asr_model": asr_model, "transcripts": {}, "p_complete": {}}
         if path is not None and path.is_file():
             self.data = json.loads(path.read_text())
@@ -375,7 +375,7 @@ def replay_detector(detector: str, directory: Path, callers: list[TurnCaller], s
 def run_offline(args, directory: Path, callers: list[TurnCaller], detectors: list[str], machine: str) -> dict:
     """`voiced bench turns --offline`'s work for the daemon's detectors (turn_bench.main parses the
     arguments, adds the smart-turn reference and emits the result)."""
-    name = Path(args.asr_model).name + ("" if args.asr_window == "full" else "-clip-window")
+    name = Path(args.asr_model).name + ("" if args.asr_window == "full" else "-auto-window")
     evidence = args.evidence or (Path(directory) / f"replay-evidence-{name}.json")
     store = EvidenceStore(evidence, args.asr_model, args.device or "cpu", args.smart_turn_model, args.asr_window)
     result = {"bench": "turns", "offline": True, "date": time.strftime("%Y-%m-%d"), "machine": machine,

@@ -4,7 +4,7 @@ weights in the same run when they are installed. `voiced eval make-set DIR` make
 espeak-ng (see voiced/bench/speech_set.py); the rest is voiced/bench/asr_eval.py.
 
     voiced eval make-set set/ --n 50 [--noise] [--phone]
-    voiced eval set/ --model tiny.en-pypi [--dtype float32,int8] [--window full,clip] [--compare auto] [--repeats 3]
+    voiced eval set/ --model tiny.en-pypi [--dtype float32,int8] [--window full,auto] [--compare auto] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="ours, comma-separated to run several: float32 (default), int8 (CPU), float16, bfloat16")
     e.add_argument("--device", default="cpu", help="ours: cpu or cuda[:N] (the references run on the CPU)")
     e.add_argument("--window", default="full",
-                   help="ours, comma-separated to run both: full (default: Whisper's 30 s) or clip (the encoder's "
-                        "window sized to the clip, a cpu mode)")
+                   help="ours, comma-separated to run both: full (default: Whisper's 30 s) or auto (the daemon's: "
+                        "on a cpu the encoder's window sized to the clip)")
     e.add_argument("--compare", default="auto",
                    help="auto (default: faster-whisper at each of our dtypes and openai-whisper, when installed), "
                         "none, or a list such as faster-whisper,faster-whisper:int8,openai-whisper")

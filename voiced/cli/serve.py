@@ -20,9 +20,9 @@ def register(sub) -> None:
     p.add_argument("--listen", help="address to listen on (default 127.0.0.1:50051)")
     p.add_argument("--asr-model", help="Whisper model: auto (the default: fits the machine), a name (see "
                    "`voiced models list`) or a path")
-    p.add_argument("--asr-window", choices=["auto", "full", "clip"], help="Whisper's encoder window: auto (the "
-                   "default: clip on a CPU, full on a GPU), full (30 s, as openai-whisper) or clip (a CPU: sized to "
-                   "the clip, ~30 %% faster, approximate)")
+    p.add_argument("--asr-window", choices=["auto", "full"], help="Whisper's encoder window: auto (the default: "
+                   "on a CPU sized to the clip, ~30 %% faster, approximate; 30 s on a GPU) or full (30 s everywhere, "
+                   "as openai-whisper)")
     p.add_argument("--tts-model", help="speech model: auto (the default: Spark-TTS on a GPU, a Piper voice on a "
                    "CPU), spark-tts-0.5b or a Spark-TTS folder, or a Piper voice (piper:en_US-joe-medium, "
                    "piper-joe-pypi, or a .onnx file)")

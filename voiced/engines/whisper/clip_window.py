@@ -1,4 +1,4 @@
-"""The encoder's window sized to the clip (`asr.window = "clip"`, and "auto" on a CPU, the daemon's default:
+"""The encoder's window sized to the clip (`asr.window = "auto"` on a CPU, the daemon's default:
 `WhisperRuntime.clip_window`).
 
 Whisper hears every clip in a 30 s window, the speech and then silence. On a CPU the encoder is most of a
@@ -16,8 +16,8 @@ trained on 30 s windows only, and shorter windows change what it says (docs/BENC
   whose text repeats itself or that runs past what speech could say (`repeating`) is decoded again in 30 s.
 
 It is the daemon's window on a CPU (`asr.window = "auto"`): there a pause's decode that outlasts the gap between two
-sentences merges them into one turn, and the 20 s window split 4 of 12 two-sentence callers that 30 s merged
-(base, docs/BENCHMARKS.md). `voiced transcribe` and `voiced eval` keep 30 s unless told (`--window clip`): the same
+sentences merges them into one turn, and the 20 s window splits 2 of 12 two-sentence callers that 30 s merges
+(base, docs/BENCHMARKS.md). `voiced transcribe` and `voiced eval` keep 30 s unless told (`--window auto`): the same
 word error rate is not the same words, and their results match openai-whisper's.
 """
 

@@ -223,8 +223,8 @@ class WhisperEngine:
         weights go to the GPU; a need above it is refused (EngineError naming the setting).
         cuda_graphs=False / fast_decoder=False: the eager path / the modules' reference step, for comparisons.
         decode_ahead: None on a GPU only (options.WhisperRuntime). window: "full" (Whisper's 30 s: results as
-        openai-whisper's), "clip" (CPU only: a window sized to the clip, clip_window.py; faster, approximate) or
-        "auto" (clip on a CPU, full on a GPU: the daemon's default, asr.window).
+        openai-whisper's) or "auto" (on a CPU a window sized to the clip, clip_window.py, faster and approximate; 30 s
+        on a GPU: the daemon's default, asr.window).
         """
         path = resolve(name_or_path, cache_root)
         ckpt = read_checkpoint(path)

@@ -61,7 +61,7 @@ class WhisperRuntime:
     # kernels run): encoder throughput 171 against 167 utt/s.
     encoder_add_norm: bool
     # The encoder hears each admission's audio in a window sized to its clip (clip_window.py), not 30 s
-    # (`window="clip"`, and "auto" on a CPU): there the 30 s window's encoder is most of a decode (base, 3 s of
+    # (`window="auto"` on a CPU): there the 30 s window's encoder is most of a decode (base, 3 s of
     # speech on two cores: 1.02 s a decode against 0.72 s in a 20 s window, the same WER), and a pause's decode
     # slower than the gap between two sentences merges them into one turn. Results then differ from
     # openai-whisper's (`window="full"` keeps them); a GPU runs the 30 s window its encoder graphs and bucketed
@@ -78,8 +78,6 @@ class WhisperRuntime:
         cuda = torch.device(device).type == "cuda"
         if window not in WINDOWS:
             raise EngineError(f"window {window!r}: use {' or '.join(WINDOWS)}")
-        if window == "clip" and cuda:
-            raise EngineError("window clip is a CPU mode (a GPU's encoder graphs run the 30 s window); use full")
         decode_chunk = max(1, decode_chunk if decode_chunk is not None else GPU_CHUNK if cuda else 1)
         graphs = cuda_graphs and cuda
         gemv = fast_decoder and gemv_supported(dims.n_text_head, dims.n_text_state, dtype, device)
@@ -95,7 +93,7 @@ class WhisperRuntime:
             fast_decoder=fast_decoder, gemv=gemv, compile_decoder=fast_decoder and cuda and not gemv,
             compile_tail=fast_decoder and cuda, compile_encoder=compile_encoder,
             encoder_add_norm=cuda and not compile_encoder and decode_linear.supported(dtype, device),
-            clip_window=window == "clip" or (window == "auto" and not cuda))
+            clip_window=window == "auto" and not cuda)
 
 
 def weights_dtype(dtype: torch.dtype | str | None, device: str) -> torch.dtype:
