@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import re
-
 import pytest
 
-from voiced.core.overtalk import WORDS_WAIT_MS, Action, Kind, classify, covered, decide, prompt
+from voiced.core.overtalk import WORDS_WAIT_MS, Action, Kind, classify, covered, decide
 
 MIN = 500  # barge_in.min_speech_ms's default
 
@@ -71,16 +69,6 @@ def test_a_language_the_lists_do_not_cover_leaves_every_word_to_the_length():
     assert classify("", "fr") is Kind.NONE
     # an English acknowledgement is not one in German: "okay" is, "yeah" is not a German word
     assert classify("Yeah.", "de") is Kind.OTHER
-
-
-@pytest.mark.parametrize("language", ["en", "de", "es", "en-US"])
-def test_whisper_is_prompted_with_stop_requests_and_acknowledgements_of_the_callers_language(language):
-    said = re.split(r"(?<=\.) ", prompt(language))
-    assert len(said) >= 8 and {classify(s, language) for s in said} == {Kind.STOP, Kind.ACK}, said
-
-
-def test_a_language_the_lists_do_not_cover_gets_no_prompt():
-    assert prompt("fr") is None and prompt(None) is None
 
 
 def test_the_bench_replays_the_session_s_schedule():

@@ -95,18 +95,8 @@ def _starts(events) -> list[int]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("word", ["stop", "no"])
-def test_a_short_stop_request_stops_the_reply(daemon, word, monkeypatch):
-    asr, prompts = daemon.services.asr, []
-
-    async def run(request, *args, **kwargs):
-        prompts.append(request.options.initial_prompt)
-        return await asr_run(request, *args, **kwargs)
-
-    asr_run = asr.run
-    monkeypatch.setattr(asr, "run", run)
+def test_a_short_stop_request_stops_the_reply(daemon, word):
     events, [length] = _over_the_reply(daemon, word)
-    # The word was decoded with English's prompt: the language the caller's question was heard in.
-    assert overtalk.prompt("en") in prompts and prompts[0] is None
     assert length < daemon.services.config.barge_in.min_speech_ms  # too short for the length alone
     [cut] = [e.reply for e in of_kind(events, "reply") if e.reply.type == pb.ReplyEvent.REPLY_INTERRUPTED]
     assert len([e for e in of_kind(events, "agent_text") if e.turn_id == 1]) < PIECES  # cut short

@@ -5,10 +5,9 @@ family (`--family`: espeak-ng voices, or Piper's neural voice at two pitches), c
 line, and replayed against the session's over-talk schedule (voiced.core.conversation, voiced.core.overtalk):
 a decode of the burst at `overtalk.FIRST_MS` of talk and every `EVERY_MS` after, at the barge-in minimum,
 and once the voice has paused `GAP_MS`, one at a time, each landing `--decode-ms` after it starts (30 ms: a
-GPU's decode of a short clip); its words are the real ASR's (`--asr-model`), prompted as the session prompts
-it (`overtalk.prompt`). The voice's span is the trimmed clip's (the session's VAD adds a frame or two).
-Reported per family and line: stop requests that stopped the reply and how long after the word's end;
-acknowledgements that stopped it (none should).
+GPU's decode of a short clip); its words are the real ASR's (`--asr-model`). The voice's span is the trimmed
+clip's (the session's VAD adds a frame or two). Reported per family and line: stop requests that stopped the
+reply and how long after the word's end; acknowledgements that stopped it (none should).
 """
 
 from __future__ import annotations
@@ -86,7 +85,7 @@ def run(args, machine: str) -> dict:
         key = clip.tobytes()
         if key not in cache:
             t0 = time.perf_counter()
-            r = engine.transcribe(ASRRequest(clip, ASROptions(language="en", initial_prompt=overtalk.prompt("en"))))
+            r = engine.transcribe(ASRRequest(clip, ASROptions(language="en")))
             spent[0] += time.perf_counter() - t0
             spent[1] += 1
             cache[key] = "" if r.is_hallucination else r.text

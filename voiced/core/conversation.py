@@ -127,7 +127,6 @@ class Conversation:
         self._interrupted: dict[int, int] = {}  # reply id -> caller audio time (ms) of the cut
         self._speculation: Reply | None = None  # a reply prepared during a pause (module docstring)
         self._burst: Burst | None = None  # caller speech over the reply in the current turn
-        self._heard_language: str | None = None  # the language of the caller's latest transcript
 
     @property
     def session(self):
@@ -136,7 +135,6 @@ class Conversation:
     # ------------------------------------------------------------------ inputs
 
     async def on_transcript(self, turn, transcript) -> None:
-        self._heard_language = transcript.language or self._heard_language
         if self.agent is None:
             return  # client-driven: the caller decides what to say
         if turn.over_reply and self._backchannel(turn, transcript):
@@ -254,8 +252,7 @@ class Conversation:
     async def _decode(self, burst: Burst, audio, voiced_ms: int) -> None:
         try:
             # The latency-bound priority of a turn's transcript: the reply waits on these words.
-            result = await self.session._recognize(audio, priority=1, final=False, prompt=overtalk.prompt(
-                self.spec.asr.language or self._heard_language))
+            result = await self.session._recognize(audio, priority=1, final=False)
         except EngineError:
             burst.failed = True  # no words: the length decides, as without a decoder
         else:

@@ -9,11 +9,6 @@ a language the lists do not cover), stop the reply once the burst lasts `barge_i
 Languages the word lists cover: English (en), German (de), Spanish (es). Every other language, and a
 session whose language is not known, falls back to the length alone (`classify` says OTHER for any words).
 
-Whisper hears such a word alone, with nothing before it, and on a phone line often writes another ("Wade."
-for "wait", "Amen." for "mm hmm"). Its prompt (the text before the audio) is the language's PROMPT, a line of
-these words as Whisper writes them, in the language the caller was last heard in: told what a caller says over
-a reply, it writes it.
-
 Words in, a decision out: no I/O. The session decodes the burst through its ASR scheduler and asks here
 (voiced.core.session); the conversation stops the reply (voiced.core.conversation).
 """
@@ -60,10 +55,6 @@ class Lexicon:
     ack: frozenset[tuple[str, ...]]
     # neither: words that go with either ("please", "um") and change nothing
     neutral: frozenset[tuple[str, ...]]
-    # Whisper's prompt for a burst's decode: common stop requests and acknowledgements as Whisper writes them.
-    # It halves the words judged wrong (`voiced bench turns --overtalk`, clean and phone line; tiny.en:
-    # espeak-ng 8 -> 4 of 84, Piper 4 -> 2 of 56; base 12 -> 6 and 8 -> 3).
-    prompt: str
 
     def longest(self) -> int:
         return max(len(p) for p in self.stop | self.ack | self.neutral)
@@ -85,22 +76,19 @@ LEXICONS: dict[str, Lexicon] = {
                      # Whisper (tiny.en) writes a spoken "uh-huh" as "Uh-uh" and "mm-hmm" as "Mm-mm"; a caller's
                      # "uh-uh" (no) is then taken for an acknowledgement too: the rarer of the two over a reply
                      "uh uh", "mm mm"),
-        neutral=_phrases("please", "um", "uh", "umm", "uhm", "er", "erm", "so", "well", "oh well"),
-        prompt="Okay. Mm-hmm. Stop. Wait. No. Sorry. Hold on. Yeah. Right. I see. Got it. Uh-huh."),
+        neutral=_phrases("please", "um", "uh", "umm", "uhm", "er", "erm", "so", "well", "oh well")),
     "de": Lexicon(
         stop=_phrases("stopp", "stop", "halt", "nein", "warte", "warten sie", "moment", "einen moment",
                       "augenblick", "moment mal", "entschuldigung", "abbrechen", "aufhören", "hören sie auf"),
         ack=_phrases("ja", "mhm", "mm", "hmm", "okay", "ok", "genau", "stimmt", "richtig", "aha", "verstehe",
                      "ich verstehe", "alles klar", "klar", "gut", "ach so", "super", "danke", "jawohl"),
-        neutral=_phrases("bitte", "äh", "ähm", "also", "na"),
-        prompt="Okay. Mhm. Stopp. Warte. Nein. Entschuldigung. Moment. Ja. Genau. Stimmt. Alles klar. Aha."),
+        neutral=_phrases("bitte", "äh", "ähm", "also", "na")),
     "es": Lexicon(
         stop=_phrases("para", "pare", "espera", "espere", "no", "alto", "un momento", "perdón", "perdona",
                       "cancela", "cancelar", "basta", "un segundo"),
         ack=_phrases("sí", "si", "vale", "ajá", "aja", "claro", "ya", "okay", "ok", "de acuerdo", "entiendo",
                      "bueno", "mhm", "mm", "exacto", "bien", "perfecto", "gracias", "muy bien"),
-        neutral=_phrases("por favor", "eh", "este", "pues"),
-        prompt="Vale. Mhm. Para. Espera. No. Perdón. Un momento. Sí. Claro. Exacto. Entiendo. Ajá."),
+        neutral=_phrases("por favor", "eh", "este", "pues")),
 }
 
 _WORD = re.compile(r"\w+(?:'\w+)*")
@@ -122,12 +110,6 @@ def _language(language: str | None) -> str | None:
 def covered(language: str | None) -> bool:
     """Whether the word lists know this language (else the length alone decides)."""
     return _language(language) in LEXICONS
-
-
-def prompt(language: str | None) -> str | None:
-    """Whisper's prompt for a burst's decode in this language; None where the lists do not cover it."""
-    lex = LEXICONS.get(_language(language) or "")
-    return lex.prompt if lex is not None else None
 
 
 def classify(text: str | None, language: str | None = "en") -> Kind:

@@ -426,11 +426,8 @@ class Session:
     # ------------------------------------------------------------------ recognition
 
     async def _recognize(self, audio: np.ndarray, priority: int, final: bool = True,
-                         words: bool = False, prompt: str | None = None) -> Transcript:
-        """`prompt`: Whisper's prompt for this decode instead of the session's (over-talk's, overtalk.prompt)."""
+                         words: bool = False) -> Transcript:
         opts = recognition_options(self.spec.asr, len(audio), priority, final, words)
-        if prompt is not None:
-            opts = replace(opts, initial_prompt=prompt)
         return await self.services.asr.run(ASRRequest(int16_to_float(audio), opts))
 
     async def _emit_transcripts(self) -> None:
