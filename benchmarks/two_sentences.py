@@ -29,6 +29,7 @@ from voiced.bench.soak import DaemonProcess
 from voiced.bench.speech_set import speak
 from voiced.bench.turn_bench import segmentation, stream_caller
 from voiced.bench.turn_set import RATE, through_phone
+from voiced.config import ASR_WINDOWS
 
 # (first sentence, the gap after it in seconds, second sentence)
 CALLERS = [
@@ -85,7 +86,7 @@ def run_window(model: str, window: str, workdir: Path, start_timeout: float) -> 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(prog="python -m benchmarks.two_sentences", description=__doc__.split("\n\n")[0])
     p.add_argument("--asr-model", default="base-pypi", help="Whisper model (default base-pypi, the CPU's default)")
-    p.add_argument("--windows", nargs="+", default=["auto", "full"], choices=["auto", "full"],
+    p.add_argument("--windows", nargs="+", default=["auto", "full"], choices=ASR_WINDOWS,
                    help="asr.window values to compare, each with its own daemon (default: auto full)")
     p.add_argument("--start-timeout", type=float, default=600.0, help="seconds for a daemon to report SERVING")
     p.add_argument("--out", help="write the result as JSON here")

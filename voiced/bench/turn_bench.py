@@ -62,6 +62,7 @@ from voiced.bench.soak import DaemonProcess
 from voiced.bench.steps import pct
 from voiced.bench.turn_set import LANGUAGES, RATE, TurnCaller, make_set, read_set
 from voiced.bench.turn_verdicts import FRAME_S, Outcome, judge, summarize, table, turn_targets  # noqa: F401 (the bench's API)
+from voiced.config import ASR_WINDOWS
 
 log = logging.getLogger("voiced.bench.turns")
 EAGERNESS = ("low", "medium", "high")
@@ -247,7 +248,7 @@ def main(argv: list[str] | None = None) -> dict:
                          "(default 30: a GPU's)")
     ap.add_argument("--model-ms", type=float, default=60.0,
                     help="--offline: Smart Turn's answer comes this long after it (default 60: its CPU time)")
-    ap.add_argument("--asr-window", choices=["full", "auto"], default="full",
+    ap.add_argument("--asr-window", choices=ASR_WINDOWS, default="full",
                     help="--offline: Whisper's encoder window for the evidence: full (default: 30 s) or auto (the "
                          "daemon's: on a CPU sized to the clip)")
     ap.add_argument("--evidence", type=Path, default=None,

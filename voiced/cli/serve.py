@@ -8,6 +8,7 @@ import os
 import sys
 
 from voiced.cli import CliError
+from voiced.config import ASR_WINDOWS
 
 log = logging.getLogger("voiced.serve")
 
@@ -20,7 +21,7 @@ def register(sub) -> None:
     p.add_argument("--listen", help="address to listen on (default 127.0.0.1:50051)")
     p.add_argument("--asr-model", help="Whisper model: auto (the default: fits the machine), a name (see "
                    "`voiced models list`) or a path")
-    p.add_argument("--asr-window", choices=["auto", "full"], help="Whisper's encoder window: auto (the default: "
+    p.add_argument("--asr-window", choices=ASR_WINDOWS, help="Whisper's encoder window: auto (the default: "
                    "on a CPU sized to the clip, ~30 %% faster, approximate; 30 s on a GPU) or full (30 s everywhere, "
                    "as openai-whisper)")
     p.add_argument("--tts-model", help="speech model: auto (the default: Spark-TTS on a GPU, a Piper voice on a "

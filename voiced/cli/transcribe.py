@@ -15,6 +15,7 @@ import json
 import sys
 
 from voiced.cli import CliError
+from voiced.config import ASR_WINDOWS
 
 WINDOW = 30 * 16000
 
@@ -39,7 +40,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    "cuda[:N]")
     p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16", "int8"],
                    help="default: float16 on cuda, float32 on cpu; int8: int8 GEMMs on the cpu (approximate, faster)")
-    p.add_argument("--window", choices=["full", "auto"], default="full",
+    p.add_argument("--window", choices=ASR_WINDOWS, default="full",
                    help="the encoder's window: full (the default: 30 s, openai-whisper's tokens) or auto (the "
                         "daemon's: on a cpu sized to each clip, ~30 %% faster, approximate; 30 s on a gpu)")
     p.add_argument("--json", action="store_true", help="one JSON object per file")
