@@ -86,8 +86,8 @@ def run_window(model: str, window: str, workdir: Path, start_timeout: float) -> 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(prog="python -m benchmarks.two_sentences", description=__doc__.split("\n\n")[0])
     p.add_argument("--asr-model", default="base-pypi", help="Whisper model (default base-pypi, the CPU's default)")
-    p.add_argument("--windows", nargs="+", default=["auto", "full"], choices=ASR_WINDOWS,
-                   help="asr.window values to compare, each with its own daemon (default: auto full)")
+    p.add_argument("--windows", nargs="+", default=list(ASR_WINDOWS), choices=ASR_WINDOWS,
+                   help=f"asr.window values to compare, each with its own daemon (default: {' '.join(ASR_WINDOWS)})")
     p.add_argument("--start-timeout", type=float, default=600.0, help="seconds for a daemon to report SERVING")
     p.add_argument("--out", help="write the result as JSON here")
     args = p.parse_args(argv)
